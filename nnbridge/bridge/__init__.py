@@ -1,0 +1,1 @@
+"""Graph layer: module -> hierarchy of fx graphs, NodePaths, patches, PatchableGraph, op points."""

@@ -1,0 +1,265 @@
+"""Clean the per-invocation graphs that ``torch.export.unflatten`` produces.
+
+With ``preserve_module_call_signature`` every submodule graph takes its module's original
+``(args, kwargs)`` and returns its original output, but unflatten wraps that in pytree plumbing:
+``tree_flatten_spec``/``tree_unflatten`` calls, ``getitem`` chains and ``_spec_N`` attributes. This
+pass rewrites the plumbing into direct references wherever the containers are plain tuples, lists
+and dicts (custom pytree types such as transformers' ``DynamicCache`` keep theirs), removes
+``_assert_tensor_metadata`` checks and dead code, and names every node per graph:
+
+- placeholders after the ``forward()`` arguments (``hidden_states``, ``attention_mask``);
+- ``get_attr`` nodes after their attribute (``weight``, ``bias``);
+- ops after the ATen op, numbered within the graph (``softmax``, ``add``, ``add_1``);
+- submodule calls after the child (``h_0``; ``linear_0``/``linear_1`` when called twice).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import re
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+from torch.fx import _pytree as fx_pytree
+from torch.utils import _pytree as pytree
+
+from ..compat import rename_nodes
+from .graph_module import NAME_KEY
+
+_SIMPLE = (tuple, list, dict)
+
+
+def _simple_spec(spec: pytree.TreeSpec, *, subclasses: bool = False) -> bool:
+    """Whether every container in ``spec`` is a tuple, list or dict (or a leaf).
+
+    With ``subclasses`` (reading values out with ``[key]``), subclasses such as namedtuples and
+    ``ModelOutput`` count too; building containers of fx nodes needs the exact types.
+    """
+    if spec.is_leaf():
+        return True
+    if spec.type is None:
+        return False
+    if not (issubclass(spec.type, _SIMPLE) if subclasses else spec.type in _SIMPLE):
+        return False
+    return all(_simple_spec(child, subclasses=subclasses) for child in spec.children())
+
+
+def _leaf_paths(spec: pytree.TreeSpec, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...] | None]:
+    """Key path of each leaf of ``spec``; None for leaves inside a container that is not a tuple,
+    list or dict (or a subclass): those cannot be read with ``[key]``. Walks the spec only (never
+    unflattens: custom pytree types such as ``DynamicCache`` keep state in their spec context)."""
+    if spec.is_leaf():
+        return [prefix]
+    if spec.type is None or not issubclass(spec.type, _SIMPLE):
+        return [None] * spec.num_leaves
+    if issubclass(spec.type, dict):
+        keys: list[Any] = list(spec.context)
+    else:
+        keys = list(range(spec.num_children))
+    paths: list[tuple[Any, ...] | None] = []
+    for key, child in zip(keys, spec.children()):
+        paths.extend(_leaf_paths(child, (*prefix, key)))
+    return paths
+
+
+def _spec_of(node: Node, attrs: dict[str, Any]) -> pytree.TreeSpec | None:
+    spec_node = node.args[1] if len(node.args) > 1 else None
+    if isinstance(spec_node, Node) and spec_node.op == "get_attr":
+        return attrs.get(str(spec_node.target))
+    return None
+
+
+def _getitem_chain(graph: Graph, base: Node, path: tuple[Any, ...], cache: dict) -> Node:
+    node = base
+    for depth in range(len(path)):
+        key = (base, path[: depth + 1])
+        if key not in cache:
+            with graph.inserting_after(node):
+                cache[key] = graph.call_function(operator.getitem, (node, path[depth]))
+        node = cache[key]
+    return node
+
+
+def _replace_leaf_getitems(graph: Graph, flatten: Node, leaf_value: Callable[[int], Node | None]) -> None:
+    """Replace each ``getitem(flatten, i)`` user by ``leaf_value(i)`` where that is not None."""
+    for user in list(flatten.users):
+        if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
+            replacement = leaf_value(user.args[1])
+            if replacement is not None:
+                user.replace_all_uses_with(replacement)
+
+
+def _clean_prologue(graph: Graph, attrs: dict[str, Any]) -> None:
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is fx_pytree.tree_flatten_spec):
+            continue
+        structure = node.args[0]
+        if not (isinstance(structure, tuple) and len(structure) == 2
+                and all(isinstance(a, Node) and a.op == "placeholder" for a in structure[0])):
+            continue
+        spec = _spec_of(node, attrs)
+        paths = _leaf_paths(spec) if spec is not None else None
+        if paths is None:
+            continue
+        positional, keywords = structure
+        cache: dict = {}
+
+        def leaf(i: int, paths=paths, positional=positional, keywords=keywords) -> Node | None:
+            if paths[i] is None:
+                return None
+            where, key, *rest = paths[i]
+            arg = positional[key] if where == 0 else keywords[key]
+            return _getitem_chain(graph, arg, tuple(rest), cache) if rest else arg
+
+        _replace_leaf_getitems(graph, node, leaf)
+
+
+def _clean_calls(graph: Graph, attrs: dict[str, Any]) -> None:
+    for call in [n for n in graph.nodes if n.op == "call_module"]:
+        # inputs: tree_unflatten(leaves, spec) -> getitem 0/1 -> getitem j/key -> call_module
+        unflatten = _find_input_unflatten(call)
+        if unflatten is not None:
+            spec = _spec_of(unflatten, attrs)
+            if spec is not None and _simple_spec(spec):
+                args, kwargs = pytree.tree_unflatten(list(unflatten.args[0]), spec)
+                call.args, call.kwargs = tuple(args), dict(kwargs)
+        # output: tree_flatten_spec(call, spec) -> getitem i
+        for user in list(call.users):
+            if user.op == "call_function" and user.target is fx_pytree.tree_flatten_spec:
+                spec = _spec_of(user, attrs)
+                paths = _leaf_paths(spec) if spec is not None else None
+                if paths is None:
+                    continue
+                cache: dict = {}
+                _replace_leaf_getitems(
+                    graph, user, lambda i, paths=paths, call=call, cache=cache:
+                    None if paths[i] is None else _getitem_chain(graph, call, paths[i], cache))
+
+
+def _find_input_unflatten(call: Node) -> Node | None:
+    for arg in list(call.args) + list(call.kwargs.values()):
+        node = arg
+        for _ in range(2):
+            if isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem:
+                node = node.args[0]
+        if isinstance(node, Node) and node.op == "call_function" and node.target is pytree.tree_unflatten:
+            return node
+    return None
+
+
+def _clean_epilogue(graph: Graph, attrs: dict[str, Any]) -> None:
+    output = next(n for n in graph.nodes if n.op == "output")
+    value = output.args[0]
+    if isinstance(value, Node) and value.op == "call_function" and value.target is pytree.tree_unflatten:
+        spec = _spec_of(value, attrs)
+        if spec is not None and _simple_spec(spec):
+            output.args = (pytree.tree_unflatten(list(value.args[0]), spec),)
+
+
+def _remove_checks(graph: Graph) -> None:
+    for node in list(graph.nodes):
+        if node.op == "call_function" and op_base_name(node) == "_assert_tensor_metadata":
+            graph.erase_node(node)
+
+
+def _dead_code(graph: Graph) -> None:
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(graph.nodes)):
+            if node.op in ("placeholder", "output") or node.users:
+                continue
+            if node.op == "get_attr" or node.target in (operator.getitem, fx_pytree.tree_flatten_spec,
+                                                        pytree.tree_unflatten) or not node.is_impure():
+                graph.erase_node(node)
+                changed = True
+
+
+def op_base_name(node: Node) -> str:
+    """ATen op name of a ``call_function`` node (``aten.add.Tensor`` -> ``add``)."""
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    name = getattr(target, "__name__", None) or str(target)
+    return re.sub(r"\W", "_", name)
+
+
+def _placeholder_names(graph: Graph, forward: Callable[..., Any]) -> dict[Node, str]:
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    if params and not inspect.ismethod(forward):
+        params = params[1:]  # the class's forward: drop ``self`` (whatever it is called)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    varargs = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), "args")
+    names: dict[Node, str] = {}
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        match = re.fullmatch(r"_positional_arg_(\d+)", str(node.target))
+        if match:
+            i = int(match.group(1))
+            names[node] = positional[i].name if i < len(positional) else f"{varargs}_{i - len(positional)}"
+        else:
+            names[node] = str(node.target)
+    return names
+
+
+def name_nodes(graph: Graph, forward: Callable[..., Any], call_names: dict[Node, str]) -> None:
+    """Give every node its per-graph NodePath name (``node.meta[NAME_KEY]``) and a legal fx name.
+
+    Args:
+        graph: the graph to rename in place.
+        forward: the original ``forward`` (for placeholder names).
+        call_names: NodePath names already chosen for ``call_module`` nodes.
+    """
+    names: dict[Node, str] = {}
+    used: set[str] = set()
+    counts: Counter[str] = Counter()
+
+    def unique(base: str) -> str:
+        candidate = base if counts[base] == 0 else f"{base}_{counts[base]}"
+        while candidate in used:
+            counts[base] += 1
+            candidate = f"{base}_{counts[base]}"
+        counts[base] += 1
+        used.add(candidate)
+        return candidate
+
+    placeholder_names = _placeholder_names(graph, forward)
+    for node, name in placeholder_names.items():
+        names[node] = unique(name)
+        node.target = names[node]
+    for node in graph.nodes:
+        if node.op == "call_module":
+            names[node] = unique(call_names[node])
+        elif node.op == "get_attr":
+            names[node] = unique(str(node.target).replace(".", "_"))
+    for node in graph.nodes:
+        if node in names:
+            continue
+        names[node] = "output" if node.op == "output" else unique(op_base_name(node))
+    for node, name in names.items():
+        node.meta[NAME_KEY] = name
+    rename_nodes(graph, names)
+
+
+def clean_graph(graph: Graph, attrs: dict[str, Any]) -> None:
+    """Remove unflatten's pytree plumbing in place (see the module docstring).
+
+    Args:
+        graph: an unflattened per-invocation graph.
+        attrs: ``{get_attr target: value}`` of the graph's owner (for the ``_spec_N`` tree specs).
+    """
+    _clean_prologue(graph, attrs)
+    _clean_calls(graph, attrs)
+    _clean_epilogue(graph, attrs)
+    _remove_checks(graph)
+    _dead_code(graph)
+    graph.lint()

@@ -1,0 +1,67 @@
+"""Pick the extraction that fits a call; extract anew (and cache) for a new call structure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from .call_structure import structure_key, tensor_leaves
+from .extraction import Extraction, extract
+from .options import ExtractionOptions
+
+
+class GraphDispatcher(torch.nn.Module):
+    """Runs ``module``'s graphs: the extraction whose call structure and sizes fit the call.
+
+    A call whose structure no extraction covers (other kwargs, other non-tensor values, train vs
+    eval, a size outside a dynamic range) is extracted again from that call and cached, like
+    Dynamo's guards; it is never run on a graph specialised to something else.
+
+    Args:
+        module: the original module (not registered as a child; parameters are shared).
+        options: extraction options for every extraction.
+        path: NodePath of the module in its hierarchy (for messages).
+        on_extraction: callbacks run on each extraction after the first (re-applying patches).
+    """
+
+    def __init__(self, module: torch.nn.Module, options: ExtractionOptions, *, path: str = "",
+                 on_extraction: list[Callable[[Extraction], None]] | None = None):
+        super().__init__()
+        self.__dict__["module"] = module
+        self.__dict__["options"] = options
+        self.__dict__["path"] = path
+        self.__dict__["on_extraction"] = on_extraction if on_extraction is not None else []
+        self.__dict__["extractions"] = {}  # structure key -> [Extraction]
+
+    def all_extractions(self) -> list[Extraction]:
+        """Every extraction made so far, first one first."""
+        return [e for group in self.extractions.values() for e in group]
+
+    def add_extraction(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       key: Hashable | None = None) -> Extraction:
+        """Extract for this call and cache the result under its structure key."""
+        key = structure_key(self.module, args, kwargs) if key is None else key
+        first = not self.extractions
+        extraction = extract(self.module, args, kwargs, self.options, path=self.path,
+                             on_extraction=self.on_extraction)
+        self.extractions.setdefault(key, []).append(extraction)
+        if not first:
+            for callback in self.on_extraction:
+                callback(extraction)
+        return extraction
+
+    def lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
+        """The extraction serving this call, extracting one if none fits."""
+        key = structure_key(self.module, args, kwargs)
+        candidates = self.extractions.get(key)
+        if candidates:
+            tensors = tensor_leaves(args, kwargs)
+            for extraction in candidates:
+                if extraction.guard.matches(tensors):
+                    return extraction
+        return self.add_extraction(args, kwargs, key)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.lookup(args, kwargs).root(*args, **kwargs)

@@ -1,0 +1,486 @@
+"""Turn a module into a hierarchy of patchable graphs: one graph per submodule invocation.
+
+Route (measured on torch 2.13, see DESIGN.md): ``torch.export.export(strict=False)`` of the module
+with every submodule's call signature preserved, under ``torch.no_grad()``, then
+``torch.export.unflatten`` with de-duplication off and codegen on. Each per-invocation graph is
+cleaned (:mod:`.cleanup`) and becomes a :class:`CompiledGraphModule` whose parameters and buffers
+are the original module's own tensors.
+
+A submodule that cannot be exported is stubbed during export (its recorded output, still
+depending on its inputs) and becomes an :class:`OpaqueGraphModule` whose children are extracted
+separately; the rest stays a graph. Example::
+
+    root, guard = extract(model, (input_ids,), {}, ExtractionOptions())
+    root.transformer.h[0].attn      # CompiledGraphModule
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+from torch.utils import _pytree as pytree
+
+from ..compat import cleared_module_state, invocation_graphs, register_cache_pytrees, unflatten
+from ..errors import ExtractionError, NNBridgeWarning
+from .call_structure import ShapeGuard, tensor_leaves
+from .cleanup import clean_graph, name_nodes
+from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
+from .options import ExtractionOptions
+
+#: Names a child may not take in a graph module or in ``pg.graph``; such children get a trailing
+#: ``_`` in NodePaths and as attributes (graphpatch mangled them too).
+RESERVED_NAMES = frozenset(
+    {"graph", "code", "_code", "_shape", "forward", "training", "output", "op_points"}
+    | {name for name in dir(CompiledGraphModule) if not name.startswith("__")}
+)
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def safe_name(name: str) -> str:
+    """``name`` with a trailing ``_`` when it is reserved (``graph`` -> ``graph_``)."""
+    return f"{name}_" if name in RESERVED_NAMES else name
+
+
+class _Wrapper(torch.nn.Module):
+    """Export root whose child ``model`` is the user's module, so the module's own call signature
+    is preserved like every other submodule's."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.model = module
+
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.model(*args, **kwargs)
+
+
+def describe_failure(error: BaseException) -> str:
+    """One-line reason for a failed export (``GuardOnDataDependentSymNode: ...``)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def direct_callees(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
+    """Children a module's forward can call, looking through ModuleList/ModuleDict containers."""
+    for name, child in module.named_children():
+        if isinstance(child, _CONTAINERS):
+            yield from direct_callees(child, f"{prefix}{name}.")
+        else:
+            yield prefix + name, child
+
+
+def _safe_copy(value: Any) -> Any:
+    try:
+        return copy.deepcopy(value)
+    except Exception:
+        return value
+
+
+def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
+    """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules."""
+    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = defaultdict(list)
+    handles = []
+    for fqn in fqns:
+        def hook(mod: torch.nn.Module, a: tuple, k: dict, out: Any, fqn: str = fqn) -> None:
+            calls[fqn].append((_safe_copy(a), _safe_copy(k), _safe_copy(out)))
+        handles.append(module.get_submodule(fqn).register_forward_hook(hook, with_kwargs=True))
+    # inputs may be mutated by the run (caches); record from copies
+    try:
+        with torch.no_grad():
+            module(*_safe_copy(args), **_safe_copy(kwargs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def _stub_output(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    """The recorded output as zeros that still depend on every floating input (else export drops
+    whatever computed the inputs)."""
+    floats = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    dep = sum((0 * t.sum() for t in floats), torch.tensor(0.0))
+
+    def stub(t: torch.Tensor) -> torch.Tensor:
+        zeros = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+        return zeros + dep.to(t.dtype) if t.is_floating_point() else zeros
+    return pytree.tree_map_only(torch.Tensor, stub, output)
+
+
+@dataclass
+class Extraction:
+    """One extraction of a module for one call structure.
+
+    Attributes:
+        root: the extracted root (:class:`CompiledGraphModule` or :class:`OpaqueGraphModule`).
+        guard: the tensor sizes it accepts.
+        opaque: ``{module path: reason}`` for every module that fell back to opaque.
+    """
+
+    root: torch.nn.Module
+    guard: ShapeGuard
+    opaque: dict[str, str] = field(default_factory=dict)
+
+
+class _Context:
+    def __init__(self, module: torch.nn.Module, options: ExtractionOptions, path: str,
+                 on_extraction: list[Callable[[Extraction], None]]):
+        self.module = module
+        self.options = options
+        self.path = path
+        self.on_extraction = on_extraction
+        self.opaque: dict[str, str] = {}
+        self.invocations: Counter[str] = Counter()
+
+    def full(self, fqn: str) -> str:
+        return ".".join(p for p in (self.path, fqn) if p)
+
+    def fail(self, fqn: str, reason: str, error: BaseException | None) -> None:
+        """Record an opaque fallback, honouring the warn/error options."""
+        where = self.full(fqn) or "<root>"
+        if self.options.error_on_compilation_failure and error is not None:
+            raise ExtractionError(
+                f"Could not extract a graph for module '{where}' ({type(self.module.get_submodule(fqn)).__name__}):"
+                f" {reason}. Fix the module's code for torch.export, add its class to "
+                "ExtractionOptions.classes_to_skip_compiling, or set error_on_compilation_failure=False "
+                "to fall back to an opaque module."
+            ) from error
+        if self.options.warn_on_compilation_failure and error is not None:
+            warnings.warn(f"Module '{where}' is opaque (only its inputs, output, parameters and buffers are"
+                          f" patchable): {reason}", NNBridgeWarning, stacklevel=4)
+        self.opaque[where] = reason
+
+
+def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            options: ExtractionOptions | None = None, *, path: str = "",
+            on_extraction: list[Callable[[Extraction], None]] | None = None) -> Extraction:
+    """Extract ``module`` for the call ``module(*args, **kwargs)``.
+
+    The module is left exactly as it was: its hooks and instance ``forward`` overrides are cleared
+    for the duration and restored, also when extraction raises.
+
+    Args:
+        module: the module; not modified, its parameters are shared with the result.
+        args, kwargs: example inputs; graphs are specialised to their structure.
+        options: :class:`ExtractionOptions` (defaults if None).
+        path: NodePath prefix for messages (when extracting a child of an opaque module).
+        on_extraction: callbacks run on every later extraction made by dispatchers in this tree.
+
+    Returns:
+        An :class:`Extraction`.
+
+    Raises:
+        ExtractionError: a module could not be exported and ``error_on_compilation_failure`` is set.
+    """
+    options = options or ExtractionOptions()
+    ctx = _Context(module, options, path, on_extraction if on_extraction is not None else [])
+    with cleared_module_state(module):
+        register_cache_pytrees(module)
+        root, guard = _extract_root(ctx, args, kwargs)
+    return Extraction(root, guard, ctx.opaque)
+
+
+def _skip(ctx: _Context, module: torch.nn.Module) -> bool:
+    return ctx.options.skip_compilation or type(module) in ctx.options.classes_to_skip_compiling
+
+
+def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.nn.Module, ShapeGuard]:
+    module = ctx.module
+    static = ShapeGuard.static(tensor_leaves(args, kwargs))
+    if type(module) in ctx.options.custom_extraction_functions:
+        return _custom(ctx, "", module), static
+    if _skip(ctx, module):
+        ctx.opaque[ctx.full("") or "<root>"] = "skipped"
+        return _opaque(ctx, "", module, args, kwargs, "skipped"), static
+    stubs: dict[str, str] = {
+        fqn: "custom" if type(sub) in ctx.options.custom_extraction_functions else "skipped"
+        for fqn, sub in module.named_modules()
+        if fqn and (type(sub) in ctx.options.custom_extraction_functions
+                    or type(sub) in ctx.options.classes_to_skip_compiling)}
+    errors: dict[str, BaseException] = {}
+    dynamic = ctx.options.dynamic_shapes
+    while True:
+        calls = record_calls(module, set(stubs), args, kwargs) if stubs else {}
+        try:
+            exported, dynamic = _export(module, args, kwargs, stubs, calls, dynamic)
+            break
+        except _ModuleFailure as failure:
+            fqn, error = failure.fqn, failure.error
+            if fqn == "" or fqn in stubs:
+                ctx.fail("", describe_failure(error), error)
+                return _opaque(ctx, "", module, args, kwargs, describe_failure(error)), static
+            stubs[fqn] = describe_failure(error)
+            errors[fqn] = error
+    for fqn, reason in stubs.items():
+        if reason not in ("custom", "skipped"):
+            ctx.fail(fqn, reason, errors[fqn])
+        elif reason == "skipped":
+            ctx.opaque[ctx.full(fqn)] = reason
+    guard = ShapeGuard.from_export(exported) if dynamic else static
+    unflattened = unflatten(exported)
+    builder = _Builder(ctx, unflattened, stubs, calls)
+    root = builder.build("", module, invocation_graphs(unflattened.get_submodule("model"))[0])
+    return root, guard
+
+
+class _ModuleFailure(Exception):
+    def __init__(self, fqn: str, error: BaseException):
+        super().__init__(fqn)
+        self.fqn, self.error = fqn, error
+
+
+def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
+            calls: dict[str, list], dynamic: bool) -> tuple[torch.export.ExportedProgram, bool]:
+    """Export once (dynamic, then static on failure); raise _ModuleFailure naming the innermost
+    module that was running when export failed."""
+    wrapper = _Wrapper(module)
+    fqns = tuple(f"model.{n}" if n else "model" for n, m in module.named_modules()
+                 if not isinstance(m, _CONTAINERS))
+    active: list[str] = []
+    handles = []
+
+    def enter(fqn: str) -> Callable[..., None]:
+        return lambda mod, inputs: active.append(fqn)
+
+    def leave(mod: torch.nn.Module, inputs: Any, output: Any) -> None:
+        active.pop()
+
+    for fqn, sub in module.named_modules():
+        handles.append(sub.register_forward_pre_hook(enter(fqn)))
+        handles.append(sub.register_forward_hook(leave))
+    stub_counters: Counter[str] = Counter()
+    for fqn in stubs:
+        recorded = calls.get(fqn, [])
+
+        def stub(*a: Any, _fqn: str = fqn, _recorded: list = recorded, **k: Any) -> Any:
+            i = stub_counters[_fqn]
+            stub_counters[_fqn] += 1
+            return _stub_output(a, k, _recorded[min(i, len(_recorded) - 1)][2])
+        module.get_submodule(fqn).__dict__["forward"] = stub
+    try:
+        attempts = [True, False] if dynamic else [False]
+        last: BaseException | None = None
+        for use_dynamic in attempts:
+            active.clear()
+            stub_counters.clear()
+            shapes = pytree.tree_map(
+                lambda t: {i: torch.export.Dim.AUTO for i in range(t.dim())} if isinstance(t, torch.Tensor) else None,
+                (args, kwargs)) if use_dynamic else None
+            try:
+                with torch.no_grad():
+                    exported = torch.export.export(wrapper, (args, kwargs), strict=False, dynamic_shapes=shapes,
+                                                   preserve_module_call_signature=fqns)
+                return exported, use_dynamic
+            except Exception as error:  # noqa: BLE001 - any export failure means fallback
+                last = error
+                failing = active[-1] if active else ""
+        raise _ModuleFailure(failing, last)  # type: ignore[arg-type]
+    finally:
+        for handle in handles:
+            handle.remove()
+        for fqn in stubs:
+            module.get_submodule(fqn).__dict__.pop("forward", None)
+
+
+def _resolve_attr(owner: torch.nn.Module, target: str) -> Any:
+    value: Any = owner
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _persistent(owner: torch.nn.Module, target: str) -> bool:
+    *prefix, name = target.split(".")
+    holder = owner.get_submodule(".".join(prefix)) if prefix else owner
+    return name not in getattr(holder, "_non_persistent_buffers_set", set())
+
+
+def _attach(parent: torch.nn.Module, target: str, child: torch.nn.Module, template: torch.nn.Module) -> None:
+    """Set ``parent.<target> = child``, creating containers of the same types as in ``template``."""
+    *prefix, name = target.split(".")
+    holder, original = parent, template
+    for part in prefix:
+        original = original._modules.get(part) if original is not None else None
+        existing = holder._modules.get(part)
+        if existing is None:
+            existing = type(original)() if isinstance(original, _CONTAINERS) else torch.nn.Module()
+            holder.add_module(part, existing)
+        holder = existing
+    holder.add_module(name, child)
+
+
+class _Builder:
+    """Builds the mirror hierarchy from an unflattened export."""
+
+    def __init__(self, ctx: _Context, unflattened: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list]):
+        self.ctx, self.unflattened, self.stubs, self.calls = ctx, unflattened, stubs, calls
+
+    def child(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
+        if fqn in self.stubs:
+            if self.stubs[fqn] == "custom":
+                return _custom(self.ctx, fqn, module)
+            recorded = self.calls.get(fqn, [])
+            args, kwargs, _ = recorded[min(invocation, len(recorded) - 1)]
+            return _opaque(self.ctx, fqn, module, args, kwargs, self.stubs[fqn])
+        graphs = invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))
+        return self.build(fqn, module, graphs[invocation])
+
+    def build(self, fqn: str, module: torch.nn.Module, holder: torch.nn.Module) -> CompiledGraphModule:
+        graph: Graph = holder.graph
+        attrs = {str(n.target): _resolve_attr(holder, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
+        clean_graph(graph, attrs)
+        calls = [n for n in graph.nodes if n.op == "call_module"]
+        per_target = Counter(str(n.target) for n in calls)
+        local: Counter[str] = Counter()
+        children: list[tuple[str, torch.nn.Module]] = []
+        call_names: dict[Node, str] = {}
+        multi: set[str] = set()
+        for node in calls:
+            target = str(node.target)
+            child_fqn = f"{fqn}.{target}" if fqn else target
+            invocation = self.ctx.invocations[child_fqn]
+            self.ctx.invocations[child_fqn] += 1
+            child = self.child(child_fqn, module.get_submodule(target), invocation)
+            first, *rest = target.split(".")
+            safe_target = ".".join([safe_name(first), *rest])
+            base = safe_target.replace(".", "_")
+            if per_target[target] > 1:
+                k = local[target]
+                local[target] += 1
+                node.target = f"{safe_target}.{k}"
+                multi.add(safe_target)
+                call_names[node] = f"{base}_{k}"
+            else:
+                node.target = safe_target
+                call_names[node] = base
+            children.append((str(node.target), child))
+        name_nodes(graph, type(module).forward, call_names)
+        root: dict[str, Any] = {}
+        for node in graph.nodes:
+            if node.op == "get_attr":
+                target = str(node.target)
+                try:
+                    root[target] = _resolve_attr(module, target)
+                except AttributeError:
+                    root[target] = attrs[target]
+        cgm = CompiledGraphModule({**root, **dict(children)}, graph, type(module))
+        _retype_containers(cgm, [target for target, _ in children], _renamed_template(module), multi)
+        for target, tensor in root.items():
+            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
+                if not _persistent(module, target):
+                    *prefix, name = target.split(".")
+                    cgm.get_submodule(".".join(prefix)).register_buffer(name, tensor, persistent=False)
+        if self.ctx.options.allow_unused_submodules:
+            called = {t.split(".")[0] for t, _ in children}
+            for name, sub in module.named_children():
+                if safe_name(name) not in called and not isinstance(sub, _CONTAINERS):
+                    cgm.add_module(safe_name(name), OpaqueGraphModule(sub, "not invoked during extraction", {}, {}))
+        if self.ctx.options.postprocessing_function is not None:
+            self.ctx.options.postprocessing_function(cgm, module)
+            cgm.recompile()
+        return cgm
+
+
+def _retype_containers(cgm: torch.nn.Module, targets: list[str], template: torch.nn.Module,
+                       multi: set[str]) -> None:
+    """fx creates plain ``nn.Module``s on the way to dotted targets; give them the original container
+    types (``ModuleList``/``ModuleDict``), or MultiplyInvokedModule for per-invocation lists."""
+    for target in targets:
+        parts = target.split(".")
+        for i in range(1, len(parts)):
+            path = ".".join(parts[:i])
+            original: torch.nn.Module | None = template
+            for part in parts[:i]:
+                original = original._modules.get(part) if original is not None else None
+            kind = MultiplyInvokedModule if path in multi else (
+                type(original) if isinstance(original, _CONTAINERS) else None)
+            current = cgm.get_submodule(path)
+            if kind is None or type(current) is kind:
+                continue
+            retyped = kind()
+            retyped._modules.update(current._modules)
+            *prefix, name = path.split(".")
+            (cgm.get_submodule(".".join(prefix)) if prefix else cgm)._modules[name] = retyped
+
+
+def _renamed_template(module: torch.nn.Module) -> torch.nn.Module:
+    """A view of ``module``'s children keyed by their safe names (for container types)."""
+    view = torch.nn.Module()
+    for name, child in module.named_children():
+        view._modules[safe_name(name)] = child
+    return view
+
+
+def _custom(ctx: _Context, fqn: str, module: torch.nn.Module) -> CompiledGraphModule:
+    """A graph from a user's custom extraction function (graphpatch's custom_extraction_functions)."""
+    graph = ctx.options.custom_extraction_functions[type(module)](module)
+    output = next(n for n in graph.nodes if n.op == "output")
+    value = output.args[0]
+    if not (isinstance(value, tuple) and len(value) == 1):
+        raise ExtractionError(
+            f"The custom extraction function for {type(module).__name__} (module '{ctx.full(fqn) or '<root>'}')"
+            f" returned a graph whose output is {type(value).__name__}, not a 1-tuple; wrap the output as"
+            " graph.output((value,)) as graphpatch documents.")
+    output.args = (value[0],)
+    expected = [p for p in list(inspect.signature(type(module).forward).parameters)[1:]]
+    got = [str(n.target) for n in graph.nodes if n.op == "placeholder"]
+    if got != expected[: len(got)]:
+        raise ExtractionError(
+            f"The custom extraction function for {type(module).__name__} (module '{ctx.full(fqn) or '<root>'}')"
+            f" has placeholders {got}; they must be named exactly as forward()'s arguments {expected}.")
+    for node in graph.nodes:
+        node.meta[NAME_KEY] = "output" if node.op == "output" else (
+            str(node.target) if node.op == "placeholder" else node.name)
+    root = {str(n.target): _resolve_attr(module, str(n.target)) for n in graph.nodes if n.op in ("get_attr", "call_module")}
+    cgm = CompiledGraphModule(root, graph, type(module))
+    if ctx.options.postprocessing_function is not None:
+        ctx.options.postprocessing_function(cgm, module)
+        cgm.recompile()
+    return cgm
+
+
+def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            reason: str) -> OpaqueGraphModule:
+    """Opaque fallback: run the original code, extract each called child from its first call."""
+    from .dispatcher import GraphDispatcher
+
+    callees = list(direct_callees(module))
+    captured: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    handles = []
+    for name, child in callees:
+        def grab(m: torch.nn.Module, a: tuple, k: dict, name: str = name) -> None:
+            captured.setdefault(name, (_safe_copy(a), _safe_copy(k)))
+        handles.append(child.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            module(*_safe_copy(args), **_safe_copy(kwargs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    shown = torch.nn.Module()
+    swapped = torch.nn.Module()
+    template = _renamed_template(module)
+    for name, child in callees:
+        child_path = ctx.full(f"{fqn}.{name}" if fqn else name)
+        first, *rest = name.split(".")
+        safe = ".".join([safe_name(first), *rest])
+        if name not in captured:
+            if ctx.options.allow_unused_submodules:
+                _attach(shown, safe, OpaqueGraphModule(child, "not invoked during extraction", {}, {}), template)
+            _attach(swapped, name, child, module)
+            continue
+        a, k = captured[name]
+        dispatcher = GraphDispatcher(child, ctx.options, path=child_path, on_extraction=ctx.on_extraction)
+        first_extraction = dispatcher.add_extraction(a, k)
+        ctx.opaque.update(first_extraction.opaque)
+        _attach(shown, safe, first_extraction.root, template)
+        _attach(swapped, name, dispatcher, module)
+    opaque = OpaqueGraphModule(module, reason, dict(shown._modules), dict(swapped._modules))
+    return opaque

@@ -1,0 +1,204 @@
+"""The module kinds of an extracted hierarchy, as graphpatch named them.
+
+- :class:`CompiledGraphModule`: a ``torch.fx.GraphModule`` holding one invocation's graph of a
+  submodule; its parameters and buffers are the original module's own tensors.
+- :class:`OpaqueGraphModule`: fallback that runs the original module's code; its inputs, output,
+  parameters and buffers are patchable and its children are still extracted.
+- :class:`MultiplyInvokedModule`: a ``ModuleList`` with one graph per invocation of a submodule
+  that is called more than once (``linear_0``, ``linear_1`` in NodePaths).
+
+Every kind keeps one :class:`~nnbridge.bridge.op_point.OpPoint` per node, keyed by node name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from ..compat import forward_from_source
+from .op_point import OpPoint
+
+#: ``node.meta`` key holding a node's NodePath name within its graph.
+NAME_KEY = "nnbridge_name"
+#: ``node.meta`` key holding the summary (``torch.Size``, container) observed on the example inputs.
+EXAMPLE_KEY = "nnbridge_example"
+
+
+class GraphModuleBase:
+    """Op-point bookkeeping shared by :class:`CompiledGraphModule` and :class:`OpaqueGraphModule`."""
+
+    def _set_points(self, names: list[str]) -> None:
+        old = self.__dict__.get("_op_points", {})
+        self.__dict__["_op_points"] = {n: old.get(n) or OpPoint(self, n) for n in names}  # type: ignore[arg-type]
+        self.__dict__["_nnbridge_ops"] = types.SimpleNamespace(**self._op_points)
+
+    @property
+    def op_points(self) -> dict[str, OpPoint]:
+        """``{node name: OpPoint}`` in graph order."""
+        return self.__dict__["_op_points"]
+
+    def refresh_routing(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class CompiledGraphModule(GraphModuleBase, GraphModule):
+    """One invocation of a submodule as a ``torch.fx`` graph (graphpatch's CompiledGraphModule).
+
+    Args:
+        root: ``{qualified name: object}`` for every ``get_attr``/``call_module`` target: the original
+            module's parameters and buffers (shared, never copied) and the child graph modules.
+        graph: the cleaned graph; each node carries its NodePath name in ``node.meta[NAME_KEY]``.
+        original_type: the class of the module this graph was extracted from.
+    """
+
+    def __init__(self, root: dict[str, Any], graph: Graph, original_type: type[torch.nn.Module]):
+        super().__init__(root, graph, class_name="CompiledGraphModule")
+        self.__dict__["original_type"] = original_type
+        self.__dict__["_forward_cache"] = {}
+        self._reset_routing()
+
+    # -- node names -----------------------------------------------------------------------------
+    def named_nodes(self) -> Iterator[tuple[str, Node]]:
+        """``(NodePath name, node)`` for every node in graph order."""
+        for node in self.graph.nodes:
+            yield node.meta.get(NAME_KEY, node.name), node
+
+    def node(self, name: str) -> Node:
+        """The node named ``name`` (its NodePath name). Raises ``KeyError``."""
+        for node_name, node in self.named_nodes():
+            if node_name == name:
+                return node
+        raise KeyError(name)
+
+    # -- routing --------------------------------------------------------------------------------
+    def recompile(self) -> Any:
+        """Regenerate the plain code from ``self.graph`` and re-apply routing (after graph edits)."""
+        code = super().recompile()
+        if "_forward_cache" in self.__dict__:
+            self._reset_routing()
+        return code
+
+    def _reset_routing(self) -> None:
+        names = [name for name, node in self.named_nodes() if node.op != "call_module"]
+        self._set_points(names)
+        self._forward_cache.clear()
+        self._forward_cache[frozenset()] = type(self).forward
+        self.__dict__["_routed"] = frozenset()
+        self.refresh_routing()
+
+    def refresh_routing(self) -> None:
+        """Switch to generated code that routes exactly the listened nodes through their op points."""
+        routed = frozenset(name for name, point in self.op_points.items() if point.listened)
+        if routed == self._routed:
+            return
+        forward = self._forward_cache.get(routed)
+        if forward is None:
+            forward = self._forward_cache[routed] = self._compile_routed(routed)
+        type(self).forward = forward
+        self.__dict__["_routed"] = routed
+
+    def _compile_routed(self, routed: frozenset[str]) -> Any:
+        graph = Graph()
+        val_map: dict[Node, Node] = {}
+        output_value = graph.graph_copy(self.graph, val_map)
+        output_node = graph.output(output_value)
+        copies = {node.meta.get(NAME_KEY, node.name): val_map[node] for node in self.graph.nodes
+                  if node.op != "output"}
+        last_placeholder = None
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                last_placeholder = node
+        for name in sorted(routed):
+            target = f"_nnbridge_ops.{name}"
+            if name == "output":
+                with graph.inserting_before(output_node):
+                    routed_value = graph.call_module(target, (output_node.args[0],))
+                output_node.args = (routed_value,)
+                continue
+            node = copies[name]
+            anchor = last_placeholder if node.op == "placeholder" else node
+            with graph.inserting_after(anchor):
+                routed_node = graph.call_module(target, (node,))
+            node.replace_all_uses_with(routed_node, delete_user_cb=lambda user: user is not routed_node)
+        code = graph.python_code(root_module="self")
+        return forward_from_source(code.src, code.globals)
+
+
+class MultiplyInvokedModule(torch.nn.ModuleList):
+    """One graph per invocation of a module called several times (graphpatch's MultiplyInvokedModule).
+
+    The parent graph calls invocation ``k`` as ``self.<name>[k]``; NodePaths name it ``<name>_k``.
+    """
+
+
+class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
+    """Runs the original module's code; inputs, output, parameters and buffers stay patchable.
+
+    Node names: the ``forward()`` argument names, the module's own parameter and buffer names, and
+    ``output``. Children are still extracted: while this module runs, the original module's children
+    are swapped for their graph dispatchers (and put back afterwards, also on error).
+
+    Args:
+        module: the original module (not copied; its parameters are registered here too).
+        reason: why it is opaque (``"GuardOnDataDependentSymNode: ..."``, ``"skipped"``).
+        children: ``{child name: extracted child}`` shown in the hierarchy (primary extractions).
+        callees: ``{child name: module called in its place}`` while the original code runs.
+    """
+
+    def __init__(self, module: torch.nn.Module, reason: str, children: dict[str, torch.nn.Module],
+                 callees: dict[str, torch.nn.Module]):
+        super().__init__()
+        self.__dict__["original"] = module
+        self.__dict__["original_type"] = type(module)
+        self.reason = reason
+        for name, tensor in module.named_parameters(recurse=False):
+            self.register_parameter(name, tensor)
+        for name, tensor in module.named_buffers(recurse=False):
+            self.register_buffer(name, tensor)
+        for name, child in children.items():
+            self.add_module(name, child)
+        self.__dict__["_callees"] = dict(callees)
+        signature = inspect.signature(type(module).forward)
+        params = list(signature.parameters.values())[1:]
+        self.__dict__["_signature"] = signature.replace(parameters=params)
+        self.__dict__["_tensor_names"] = [n for n, _ in module.named_parameters(recurse=False)] + [
+            n for n, _ in module.named_buffers(recurse=False)]
+        self._set_points([p.name for p in params] + self._tensor_names + ["output"])
+        self.__dict__["_routed"] = frozenset()
+
+    def refresh_routing(self) -> None:
+        self.__dict__["_routed"] = frozenset(n for n, p in self.op_points.items() if p.listened)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        module, routed, points = self.original, self._routed, self.op_points
+        if routed:
+            bound = self._signature.bind(*args, **kwargs)
+            for name in list(bound.arguments):
+                if name in routed:
+                    bound.arguments[name] = points[name](bound.arguments[name])
+            args, kwargs = bound.args, bound.kwargs
+        saved_modules = {name: module._modules[name] for name in self._callees}
+        saved_tensors: dict[str, tuple[dict[str, Any], Any]] = {}
+        try:
+            module._modules.update(self._callees)
+            for name in self._tensor_names:
+                if name in routed:
+                    store = module._parameters if name in module._parameters else module._buffers
+                    saved_tensors[name] = (store, store[name])
+                    store[name] = points[name](store[name])
+            output = type(module).forward(module, *args, **kwargs)
+        finally:
+            module._modules.update(saved_modules)
+            for name, (store, tensor) in saved_tensors.items():
+                store[name] = tensor
+        if "output" in routed:
+            output = points["output"](output)
+        return output
+
+    def extra_repr(self) -> str:
+        return f"reason={self.reason!r}"

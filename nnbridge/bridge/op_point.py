@@ -1,0 +1,77 @@
+"""Op points: one identity ``nn.Module`` per graph node, the single hook point for every front-end.
+
+A :class:`CompiledGraphModule`'s generated code routes a node's value through the node's op point
+only while something listens to it (a patch listener, a torch hook on the op point). While nothing
+listens the graph runs its plain generated code: an unpatched forward does no per-node work.
+
+Example::
+
+    point = pg.op_point("transformer.h_0.attn.softmax")
+    handle = point.register_forward_hook(lambda mod, args, out: out * 0)
+    point.refresh()        # re-route after registering torch hooks directly
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..compat.hooks import has_module_hooks
+
+if TYPE_CHECKING:
+    from .graph_module import GraphModuleBase
+
+Listener = Callable[[Any], Any]
+
+
+class OpPoint(torch.nn.Module):
+    """Identity module standing for the value of one graph node.
+
+    Calling it passes the value through its listeners in order (each returns the new value), inside
+    ``Module.__call__``, so torch forward/pre-forward hooks registered on it see and may replace the
+    value with torch's own hook semantics.
+
+    Attributes:
+        node_name: the node's name within its graph (``softmax``, ``add_1``, ``weight``).
+    """
+
+    def __init__(self, owner: GraphModuleBase, node_name: str) -> None:
+        super().__init__()
+        self.node_name = node_name
+        self.__dict__["_owner"] = weakref.ref(owner)
+        self.__dict__["_listeners"] = []
+
+    def forward(self, value: Any) -> Any:
+        for listener in self._listeners:
+            value = listener(value)
+        return value
+
+    @property
+    def listened(self) -> bool:
+        """Whether a listener or a torch hook needs the node's value routed through this point."""
+        return bool(self._listeners) or has_module_hooks(self)
+
+    def add_listener(self, listener: Listener) -> None:
+        """Append ``listener`` (value -> value) and route the node through this point."""
+        self._listeners.append(listener)
+        self.refresh()
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Remove one occurrence of ``listener``; stop routing when nothing listens any more."""
+        for i, existing in enumerate(self._listeners):
+            if existing is listener:
+                del self._listeners[i]
+                break
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute the owning graph's routing (call after adding or removing torch hooks)."""
+        owner = self._owner()
+        if owner is not None:
+            owner.refresh_routing()
+
+    def extra_repr(self) -> str:
+        return self.node_name

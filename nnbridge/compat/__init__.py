@@ -1,0 +1,12 @@
+"""Version- and library-specific shims: the only place private torch/nnsight attributes are used."""
+
+from .export import (
+    forward_from_source as forward_from_source,
+    invocation_graphs as invocation_graphs,
+    is_graph_module as is_graph_module,
+    register_cache_pytrees as register_cache_pytrees,
+    rename_nodes as rename_nodes,
+    unflatten as unflatten,
+)
+from .hooks import cleared_module_state as cleared_module_state
+from .hooks import has_module_hooks as has_module_hooks

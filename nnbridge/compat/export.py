@@ -1,0 +1,98 @@
+"""Shims over private ``torch.export`` / ``torch.fx`` internals used by extraction.
+
+Every private torch attribute nnbridge touches lives in this package, one small named shim each,
+so a torch upgrade breaks in one place. Verified on torch 2.13.0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+# torch.export.unflatten the *module* is shadowed by the function of the same name.
+_unflatten_module = sys.modules["torch.export.unflatten"]
+
+
+@contextlib.contextmanager
+def no_module_deduplication() -> Iterator[None]:
+    """Keep one graph per module invocation in ``torch.export.unflatten``.
+
+    torch >= 2.5 merges repeated calls whose graphs are identical into one submodule
+    (``_deduplicate_modules``); nnbridge patches invocations independently, as graphpatch's
+    MultiplyInvokedModule did, so de-duplication is switched off for the duration.
+    """
+    original = _unflatten_module._deduplicate_modules
+    _unflatten_module._deduplicate_modules = lambda partitions: {}
+    try:
+        yield
+    finally:
+        _unflatten_module._deduplicate_modules = original
+
+
+def unflatten(exported: torch.export.ExportedProgram) -> torch.nn.Module:
+    """``torch.export.unflatten`` with one graph per invocation and codegen instead of fx.Interpreter."""
+    with no_module_deduplication(), _unflatten_module._disable_interpreter():
+        return torch.export.unflatten(exported)
+
+
+def invocation_graphs(unflattened: torch.nn.Module) -> list[torch.nn.Module]:
+    """The per-invocation graph modules behind one unflattened submodule.
+
+    A module called once is an ``InterpreterModule``; one called several times is an
+    ``InterpreterModuleDispatcher`` whose ``_call_modules`` are in call order (torch 2.5+).
+    """
+    if isinstance(unflattened, _unflatten_module.InterpreterModuleDispatcher):
+        return list(unflattened._call_modules)
+    return [unflattened]
+
+
+def is_graph_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an unflattened graph holder (``InterpreterModule`` or its dispatcher)."""
+    return isinstance(
+        module, (_unflatten_module.InterpreterModule, _unflatten_module.InterpreterModuleDispatcher)
+    )
+
+
+def register_cache_pytrees(model: torch.nn.Module) -> None:
+    """Let torch.export flatten transformers' ``Cache`` objects (``use_cache=True``).
+
+    transformers 5.x ships the registration in ``transformers.exporters.exporter_dynamo``; models
+    that are not transformers models, or older transformers, need nothing.
+    """
+    try:
+        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+    except ImportError:
+        return
+    try:
+        register_cache_pytrees_for_model(model)
+    except Exception:  # a non-transformers module: nothing to register
+        return
+
+
+def forward_from_source(source: str, globals_: dict[str, Any]) -> Callable[..., Any]:
+    """Compile fx-generated ``forward`` source into a function, keeping it linecache-visible.
+
+    ``torch.fx.graph_module._forward_from_src`` registers the source with linecache so tracebacks
+    through generated code show the generated line (torch 2.0 - 2.13).
+    """
+    from torch.fx.graph_module import _forward_from_src
+
+    return _forward_from_src(source, globals_, None)
+
+
+def rename_nodes(graph: torch.fx.Graph, names: dict[torch.fx.Node, str]) -> None:
+    """Give ``graph``'s nodes fresh names from a new namespace, in graph order.
+
+    Export numbers node names globally (layer 1's softmax is ``softmax_1``); nnbridge numbers them
+    per graph. ``torch.fx.Graph._graph_namespace`` (torch 2.0 - 2.13) must be reset or the old global
+    names would block the local ones. Names that are Python keywords or builtins (``input``,
+    ``pow``) get a numeric suffix from fx; the display names live in ``node.meta``.
+    """
+    namespace = torch.fx.graph._Namespace()
+    graph._graph_namespace = namespace
+    for node in graph.nodes:
+        node.name = namespace.create_name(names.get(node, node.name), node)

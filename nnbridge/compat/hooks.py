@@ -1,0 +1,76 @@
+"""Clear, then restore, what makes a module's call differ from its class ``forward``.
+
+Extraction must trace the model's own code: torch module hooks (per module and global) would be
+baked into the graphs, and instance-level ``forward`` overrides (nnsight 0.8's ``Controller`` in
+``module.__dict__["forward"]``, hand-written wrappers) would be traced instead of the class code.
+The context manager below removes both for its duration and puts the very same objects back, so
+``RemovableHandle``s the user holds stay valid and hook order is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import torch
+from torch.nn.modules import module as _module_impl
+
+# Per-module hook dicts of torch 2.13 ``nn.Module`` (all OrderedDicts keyed by handle id).
+_MODULE_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+# Global module hooks (``torch.nn.modules.module.register_module_forward_hook`` and friends).
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_hooks",
+    "_global_forward_hooks_with_kwargs",
+    "_global_forward_hooks_always_called",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+@contextlib.contextmanager
+def cleared_module_state(model: torch.nn.Module) -> Iterator[None]:
+    """Run the body with no torch hooks and no instance ``forward`` override on ``model``'s tree.
+
+    Everything is restored on exit, also when the body raises.
+    """
+    saved_hooks: list[tuple[torch.nn.Module, str, OrderedDict]] = []
+    saved_forwards: list[tuple[torch.nn.Module, object]] = []
+    saved_globals: list[tuple[str, OrderedDict]] = []
+    try:
+        for module in model.modules():
+            for name in _MODULE_HOOK_DICTS:
+                hooks = module.__dict__.get(name)
+                if hooks:
+                    saved_hooks.append((module, name, hooks))
+                    module.__dict__[name] = OrderedDict()
+            if "forward" in module.__dict__:
+                saved_forwards.append((module, module.__dict__.pop("forward")))
+        for name in _GLOBAL_HOOK_DICTS:
+            hooks = getattr(_module_impl, name, None)
+            if hooks:
+                saved_globals.append((name, OrderedDict(hooks)))
+                hooks.clear()
+        yield
+    finally:
+        for module, name, hooks in saved_hooks:
+            module.__dict__[name] = hooks
+        for module, forward in saved_forwards:
+            module.__dict__["forward"] = forward
+        for name, hooks in saved_globals:
+            getattr(_module_impl, name).update(hooks)
+
+
+def has_module_hooks(module: torch.nn.Module) -> bool:
+    """Whether any torch forward, pre-forward or backward hook is registered on ``module``."""
+    d = module.__dict__
+    return any(d.get(name) for name in _MODULE_HOOK_DICTS)
