@@ -1,1 +1,57 @@
-"""nnbridge: every intermediate operation of a PyTorch model as a named, patchable point."""
+"""nnbridge: every intermediate operation of a PyTorch model as a named, patchable point.
+
+The graph layer (:mod:`nnbridge.bridge`) turns any ``nn.Module`` into a hierarchy of ``torch.fx``
+graphs, one per submodule invocation, on torch 2.13, and exposes graphpatch's API on it::
+
+    import torch, nnbridge
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
+                                       attn_implementation="eager")).eval()
+    ids = torch.randint(0, 100, (1, 8))
+    pg = nnbridge.PatchableGraph(model, ids)
+    probe = nnbridge.ProbePatch()
+    with pg.patch({"transformer.h_0.attn.softmax": probe}):
+        pg(ids)
+    probe.activation.shape          # (batch, heads, seq, seq) = (1, 4, 8, 8)
+"""
+
+from .bridge import AddPatch as AddPatch
+from .bridge import CompiledGraphModule as CompiledGraphModule
+from .bridge import CustomPatch as CustomPatch
+from .bridge import ExtractionOptions as ExtractionOptions
+from .bridge import MultiplyInvokedModule as MultiplyInvokedModule
+from .bridge import NodePath as NodePath
+from .bridge import OpaqueGraphModule as OpaqueGraphModule
+from .bridge import OpPoint as OpPoint
+from .bridge import Patch as Patch
+from .bridge import PatchableGraph as PatchableGraph
+from .bridge import ProbePatch as ProbePatch
+from .bridge import RecordPatch as RecordPatch
+from .bridge import ReplacePatch as ReplacePatch
+from .bridge import ZeroPatch as ZeroPatch
+from .errors import ExtractionError as ExtractionError
+from .errors import NNBridgeError as NNBridgeError
+from .errors import NNBridgeWarning as NNBridgeWarning
+from .errors import NodePathError as NodePathError
+
+__all__ = [
+    "AddPatch",
+    "CompiledGraphModule",
+    "CustomPatch",
+    "ExtractionError",
+    "ExtractionOptions",
+    "MultiplyInvokedModule",
+    "NNBridgeError",
+    "NNBridgeWarning",
+    "NodePath",
+    "NodePathError",
+    "OpPoint",
+    "OpaqueGraphModule",
+    "Patch",
+    "PatchableGraph",
+    "ProbePatch",
+    "RecordPatch",
+    "ReplacePatch",
+    "ZeroPatch",
+]

@@ -31,6 +31,8 @@ from ..compat import rename_nodes
 from .graph_module import NAME_KEY
 
 _SIMPLE = (tuple, list, dict)
+#: ``node.meta`` key on a submodule call: how many leading arguments unflatten added (``args_0``).
+EXTRA_ARGS_KEY = "nnbridge_extra_args"
 
 
 def _simple_spec(spec: pytree.TreeSpec, *, subclasses: bool = False) -> bool:
@@ -93,6 +95,61 @@ def _replace_leaf_getitems(graph: Graph, flatten: Node, leaf_value: Callable[[in
                 user.replace_all_uses_with(replacement)
 
 
+def _prologue(graph: Graph) -> Node | None:
+    """The ``tree_flatten_spec(((positional...), {keywords...}), spec)`` of a preserved signature."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is fx_pytree.tree_flatten_spec:
+            structure = node.args[0]
+            if (isinstance(structure, tuple) and len(structure) == 2 and isinstance(structure[0], tuple)
+                    and all(isinstance(a, Node) and a.op == "placeholder" for a in structure[0])):
+                return node
+    return None
+
+
+def localize_symbols(graph: Graph) -> bool:
+    """Drop the extra inputs unflatten threads into a preserved-signature graph for dynamic sizes.
+
+    With dynamic shapes, ``torch.export.unflatten`` passes a root input (``args_0``) as an extra
+    leading argument to every preserved-signature submodule so that ``sym_size(args_0, d)`` can
+    read a symbolic size. This rewrites each such ``sym_size`` to read the same symbol off one of
+    the module's own inputs and removes the extra placeholders, so the graph takes exactly the
+    module's arguments.
+
+    Returns:
+        True when the graph takes only its module's arguments afterwards (nothing to do counts);
+        False when an extra input could not be replaced (the graph is left unchanged).
+    """
+    prologue = _prologue(graph)
+    if prologue is None:
+        return True
+    positional, keywords = prologue.args[0]
+    declared = set(positional) | set(keywords.values())
+    extras = [n for n in graph.nodes if n.op == "placeholder" and n not in declared]
+    if not extras:
+        return True
+    sources: dict[Any, tuple[Node, int]] = {}
+    for leaf in sorted((u for u in prologue.users if u.target is operator.getitem), key=lambda u: u.args[1]):
+        value = leaf.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt):
+                    sources.setdefault(size.node.expr, (leaf, dim))
+    plan: list[tuple[Node, Node, int]] = []
+    for extra in extras:
+        for user in extra.users:
+            value = user.meta.get("val")
+            if not (user.op == "call_function" and op_base_name(user) == "sym_size"
+                    and isinstance(value, torch.SymInt) and value.node.expr in sources):
+                return False
+            plan.append((user, *sources[value.node.expr]))
+    for user, leaf, dim in plan:
+        user.args = (leaf, dim)
+        leaf.append(user)
+    for extra in extras:
+        graph.erase_node(extra)
+    return True
+
+
 def _clean_prologue(graph: Graph, attrs: dict[str, Any]) -> None:
     for node in list(graph.nodes):
         if not (node.op == "call_function" and node.target is fx_pytree.tree_flatten_spec):
@@ -126,7 +183,11 @@ def _clean_calls(graph: Graph, attrs: dict[str, Any]) -> None:
             spec = _spec_of(unflatten, attrs)
             if spec is not None and _simple_spec(spec):
                 args, kwargs = pytree.tree_unflatten(list(unflatten.args[0]), spec)
-                call.args, call.kwargs = tuple(args), dict(kwargs)
+                extra = 0
+                while extra < len(call.args) and _find_input_unflatten_of(call.args[extra]) is None:
+                    extra += 1
+                call.args, call.kwargs = tuple(call.args[:extra]) + tuple(args), dict(kwargs)
+                call.meta[EXTRA_ARGS_KEY] = extra
         # output: tree_flatten_spec(call, spec) -> getitem i
         for user in list(call.users):
             if user.op == "call_function" and user.target is fx_pytree.tree_flatten_spec:
@@ -140,14 +201,21 @@ def _clean_calls(graph: Graph, attrs: dict[str, Any]) -> None:
                     None if paths[i] is None else _getitem_chain(graph, call, paths[i], cache))
 
 
+def _find_input_unflatten_of(arg: Any) -> Node | None:
+    node = arg
+    for _ in range(2):
+        if isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem:
+            node = node.args[0]
+    if isinstance(node, Node) and node.op == "call_function" and node.target is pytree.tree_unflatten:
+        return node
+    return None
+
+
 def _find_input_unflatten(call: Node) -> Node | None:
     for arg in list(call.args) + list(call.kwargs.values()):
-        node = arg
-        for _ in range(2):
-            if isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem:
-                node = node.args[0]
-        if isinstance(node, Node) and node.op == "call_function" and node.target is pytree.tree_unflatten:
-            return node
+        found = _find_input_unflatten_of(arg)
+        if found is not None:
+            return found
     return None
 
 
@@ -250,16 +318,21 @@ def name_nodes(graph: Graph, forward: Callable[..., Any], call_names: dict[Node,
     rename_nodes(graph, names)
 
 
-def clean_graph(graph: Graph, attrs: dict[str, Any]) -> None:
+def clean_graph(graph: Graph, attrs: dict[str, Any]) -> bool:
     """Remove unflatten's pytree plumbing in place (see the module docstring).
 
     Args:
         graph: an unflattened per-invocation graph.
         attrs: ``{get_attr target: value}`` of the graph's owner (for the ``_spec_N`` tree specs).
+
+    Returns:
+        Whether the graph takes exactly its module's arguments (see :func:`localize_symbols`).
     """
+    localized = localize_symbols(graph)
     _clean_prologue(graph, attrs)
     _clean_calls(graph, attrs)
     _clean_epilogue(graph, attrs)
     _remove_checks(graph)
     _dead_code(graph)
     graph.lint()
+    return localized

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from ..compat import cleared_module_state, invocation_graphs, register_cache_pytrees, unflatten
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
-from .cleanup import clean_graph, name_nodes
+from .cleanup import EXTRA_ARGS_KEY, clean_graph, name_nodes
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
 from .options import ExtractionOptions
 
@@ -100,6 +100,46 @@ def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
         for handle in handles:
             handle.remove()
     return calls
+
+
+def _plain_value(value: Any) -> bool:
+    """Whether a call argument is built only of tuples, lists, dicts, None and leaves."""
+    _, spec = pytree.tree_flatten(value)
+    stack = [spec]
+    while stack:
+        node = stack.pop()
+        if node.is_leaf():
+            continue
+        if node.type is not type(None) and not issubclass(node.type, (tuple, list, dict)):
+            return False
+        stack.extend(node.children())
+    return True
+
+
+def modules_with_state_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[str]:
+    """Submodules called with a stateful pytree argument (transformers' ``DynamicCache``).
+
+    ``torch.export.unflatten`` cannot preserve the call signature of such a module: the cache is
+    mutated between calls and its new state is not threaded through the graphs. These modules get
+    flat graph signatures (their graph inputs are the tensors they use). One eager run, no grad.
+    """
+    found: set[str] = set()
+    handles = []
+    for fqn, sub in module.named_modules():
+        if not fqn:
+            continue
+
+        def check(mod: torch.nn.Module, a: tuple, k: dict, fqn: str = fqn) -> None:
+            if not _plain_value((a, k)):
+                found.add(fqn)
+        handles.append(sub.register_forward_pre_hook(check, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            module(*_safe_copy(args), **_safe_copy(kwargs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
 
 
 def _stub_output(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
@@ -206,10 +246,11 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                     or type(sub) in ctx.options.classes_to_skip_compiling)}
     errors: dict[str, BaseException] = {}
     dynamic = ctx.options.dynamic_shapes
+    flat = modules_with_state_inputs(module, args, kwargs)
     while True:
         calls = record_calls(module, set(stubs), args, kwargs) if stubs else {}
         try:
-            exported, dynamic = _export(module, args, kwargs, stubs, calls, dynamic)
+            exported, dynamic = _export(module, args, kwargs, stubs, calls, dynamic, flat)
             break
         except _ModuleFailure as failure:
             fqn, error = failure.fqn, failure.error
@@ -237,12 +278,12 @@ class _ModuleFailure(Exception):
 
 
 def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
-            calls: dict[str, list], dynamic: bool) -> tuple[torch.export.ExportedProgram, bool]:
+            calls: dict[str, list], dynamic: bool, flat: set[str]) -> tuple[torch.export.ExportedProgram, bool]:
     """Export once (dynamic, then static on failure); raise _ModuleFailure naming the innermost
-    module that was running when export failed."""
+    module that was running when export failed. Modules in ``flat`` keep flat signatures."""
     wrapper = _Wrapper(module)
     fqns = tuple(f"model.{n}" if n else "model" for n, m in module.named_modules()
-                 if not isinstance(m, _CONTAINERS))
+                 if not isinstance(m, _CONTAINERS) and n not in flat)
     active: list[str] = []
     handles = []
 
@@ -335,7 +376,7 @@ class _Builder:
     def build(self, fqn: str, module: torch.nn.Module, holder: torch.nn.Module) -> CompiledGraphModule:
         graph: Graph = holder.graph
         attrs = {str(n.target): _resolve_attr(holder, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
-        clean_graph(graph, attrs)
+        exact_signature = clean_graph(graph, attrs)
         calls = [n for n in graph.nodes if n.op == "call_module"]
         per_target = Counter(str(n.target) for n in calls)
         local: Counter[str] = Counter()
@@ -348,6 +389,8 @@ class _Builder:
             invocation = self.ctx.invocations[child_fqn]
             self.ctx.invocations[child_fqn] += 1
             child = self.child(child_fqn, module.get_submodule(target), invocation)
+            if getattr(child, "exact_signature", True):
+                node.args = node.args[node.meta.get(EXTRA_ARGS_KEY, 0):]
             first, *rest = target.split(".")
             safe_target = ".".join([safe_name(first), *rest])
             base = safe_target.replace(".", "_")
@@ -371,6 +414,7 @@ class _Builder:
                 except AttributeError:
                     root[target] = attrs[target]
         cgm = CompiledGraphModule({**root, **dict(children)}, graph, type(module))
+        cgm.__dict__["exact_signature"] = exact_signature
         _retype_containers(cgm, [target for target, _ in children], _renamed_template(module), multi)
         for target, tensor in root.items():
             if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
@@ -466,6 +510,7 @@ def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, .
             handle.remove()
     shown = torch.nn.Module()
     swapped = torch.nn.Module()
+    dispatchers: dict[str, GraphDispatcher] = {}
     template = _renamed_template(module)
     for name, child in callees:
         child_path = ctx.full(f"{fqn}.{name}" if fqn else name)
@@ -482,5 +527,7 @@ def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, .
         ctx.opaque.update(first_extraction.opaque)
         _attach(shown, safe, first_extraction.root, template)
         _attach(swapped, name, dispatcher, module)
+        dispatchers[safe.replace(".", "_")] = dispatcher
     opaque = OpaqueGraphModule(module, reason, dict(shown._modules), dict(swapped._modules))
+    opaque.__dict__["child_dispatchers"] = dispatchers
     return opaque

@@ -54,18 +54,24 @@ class OpPoint(torch.nn.Module):
         """Whether a listener or a torch hook needs the node's value routed through this point."""
         return bool(self._listeners) or has_module_hooks(self)
 
-    def add_listener(self, listener: Listener) -> None:
-        """Append ``listener`` (value -> value) and route the node through this point."""
-        self._listeners.append(listener)
-        self.refresh()
+    def add_listener(self, listener: Listener, *, refresh: bool = True) -> None:
+        """Append ``listener`` (value -> value) and route the node through this point.
 
-    def remove_listener(self, listener: Listener) -> None:
+        With ``refresh=False`` the owner's routing is not updated (bulk changes: call
+        ``refresh()`` once afterwards).
+        """
+        self._listeners.append(listener)
+        if refresh:
+            self.refresh()
+
+    def remove_listener(self, listener: Listener, *, refresh: bool = True) -> None:
         """Remove one occurrence of ``listener``; stop routing when nothing listens any more."""
         for i, existing in enumerate(self._listeners):
             if existing is listener:
                 del self._listeners[i]
                 break
-        self.refresh()
+        if refresh:
+            self.refresh()
 
     def refresh(self) -> None:
         """Recompute the owning graph's routing (call after adding or removing torch hooks)."""

@@ -7,6 +7,7 @@ so a torch upgrade breaks in one place. Verified on torch 2.13.0.
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,8 +35,13 @@ def no_module_deduplication() -> Iterator[None]:
 
 
 def unflatten(exported: torch.export.ExportedProgram) -> torch.nn.Module:
-    """``torch.export.unflatten`` with one graph per invocation and codegen instead of fx.Interpreter."""
-    with no_module_deduplication(), _unflatten_module._disable_interpreter():
+    """``torch.export.unflatten`` with one graph per invocation and codegen instead of fx.Interpreter.
+
+    torch 2.13.0's unflatten prints a leftover debug line ("Checking mutability ...") for every
+    functionalized buffer mutation; its stdout is swallowed here.
+    """
+    with no_module_deduplication(), _unflatten_module._disable_interpreter(), \
+            contextlib.redirect_stdout(io.StringIO()):
         return torch.export.unflatten(exported)
 
 

@@ -1,0 +1,150 @@
+"""Walk an extracted hierarchy by NodePath: children of a graph, resolution, example values.
+
+A *graph* entry is a submodule graph (:class:`CompiledGraphModule` or :class:`OpaqueGraphModule`);
+a *node* entry is a node with an op point (op, placeholder, parameter, output). Opaque modules list
+their ``forward()`` arguments, then parameters and buffers, then children, then ``output``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def _opaque_children(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
+    for name, child in module.named_children():
+        if isinstance(child, _CONTAINERS):
+            yield from _opaque_children(child, f"{prefix}{name}_")
+        else:
+            yield prefix + name, child
+
+
+def children(module: GraphModuleBase) -> list[tuple[str, GraphModuleBase | None]]:
+    """``(name, child graph or None for a node)`` in display order."""
+    if isinstance(module, CompiledGraphModule):
+        return [(name, module.get_submodule(str(node.target)) if node.op == "call_module" else None)
+                for name, node in module.named_nodes()]
+    assert isinstance(module, OpaqueGraphModule)
+    names = list(module.op_points)
+    kids: list[tuple[str, GraphModuleBase | None]] = [(n, None) for n in names[:-1]]
+    kids += [(n, c) for n, c in _opaque_children(module) if isinstance(c, GraphModuleBase)]
+    kids.append((names[-1], None))
+    return kids
+
+
+def child(module: GraphModuleBase, segment: str) -> tuple[str, GraphModuleBase | None] | None:
+    """The child named ``segment`` (None when there is none)."""
+    for name, sub in children(module):
+        if name == segment:
+            return name, sub
+    return None
+
+
+def walk(module: GraphModuleBase, prefix: str = "") -> Iterator[tuple[str, GraphModuleBase, str, GraphModuleBase | None]]:
+    """Every entry below ``module``: ``(path, owner, name, child graph or None)``, depth first."""
+    for name, sub in children(module):
+        path = f"{prefix}{name}"
+        yield path, module, name, sub
+        if sub is not None:
+            yield from walk(sub, path + ".")
+
+
+def split_segments(module: GraphModuleBase, segments: tuple[str, ...]) -> list[str] | None:
+    """Map nnsight spelling onto NodePath segments (``h``, ``0`` -> ``h_0``); None if impossible."""
+    out: list[str] = []
+    current: GraphModuleBase | None = module
+    i = 0
+    while i < len(segments):
+        if current is None:
+            return None
+        found = child(current, segments[i])
+        if found is None and i + 1 < len(segments):
+            joined = f"{segments[i]}_{segments[i + 1]}"
+            found = child(current, joined)
+            if found is not None:
+                i += 1
+        if found is None:
+            return None
+        out.append(found[0])
+        current = found[1]
+        i += 1
+    return out
+
+
+def resolve_all(module: GraphModuleBase, segments: list[str]) -> list[tuple[GraphModuleBase, str]]:
+    """``(owner, node name)`` for a node path in this tree and in every other extraction of the
+    children of opaque modules on the way (their dispatchers may hold several)."""
+    head, rest = segments[0], segments[1:]
+    found = child(module, head)
+    if found is None:
+        return []
+    name, sub = found
+    if not rest:
+        return [(module, name)] if sub is None else []
+    if sub is None:
+        return []
+    alternatives: list[GraphModuleBase] = [sub]
+    if isinstance(module, OpaqueGraphModule):
+        dispatcher = module.__dict__.get("child_dispatchers", {}).get(name)
+        if dispatcher is not None:
+            alternatives = [e.root for e in dispatcher.all_extractions()]
+    return [hit for alt in alternatives for hit in resolve_all(alt, rest)]
+
+
+def summarize(value: Any) -> Any:
+    """What inspection keeps of an example value: ``torch.Size`` for tensors, containers of
+    summaries for tuples/lists/dicts, the type name otherwise."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if isinstance(value, (tuple, list)):
+        return type(value)(summarize(v) for v in value) if type(value) in (tuple, list) else [summarize(v) for v in value]
+    if isinstance(value, dict):
+        return {k: summarize(v) for k, v in value.items()} if type(value) is dict else _Named(type(value).__name__, {k: summarize(v) for k, v in value.items()})
+    return type(value).__name__
+
+
+class _Named(dict):
+    """A dict summary that remembers the container's class name (``CausalLMOutputWithPast``)."""
+
+    def __init__(self, type_name: str, items: dict[str, Any]):
+        super().__init__(items)
+        self.type_name = type_name
+
+
+def record_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Run ``root`` once on the example inputs with every node listened, storing summaries in each
+    graph module's ``examples`` dict (``{node name: summary}``)."""
+    listeners = []
+    for _, owner, name, sub in walk(root):
+        if sub is not None:
+            continue
+        store = owner.__dict__.setdefault("examples", {})
+
+        def record(value: Any, store: dict = store, name: str = name) -> Any:
+            store.setdefault(name, summarize(value))
+            return value
+        point = owner.op_points[name]
+        point.add_listener(record, refresh=False)
+        listeners.append((point, record))
+    refresh_all(point for point, _ in listeners)
+    try:
+        with torch.no_grad():
+            root(*args, **kwargs)
+    finally:
+        for point, record in listeners:
+            point.remove_listener(record, refresh=False)
+        refresh_all(point for point, _ in listeners)
+
+
+def refresh_all(points: Any) -> None:
+    """Refresh the routing of every distinct owner of ``points`` once."""
+    owners = {id(p._owner()): p._owner() for p in points}
+    for owner in owners.values():
+        if owner is not None:
+            owner.refresh_routing()

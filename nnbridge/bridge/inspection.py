@@ -1,0 +1,162 @@
+"""``pg.graph``: browse an extracted hierarchy in a REPL (graphpatch's NodePath inspection).
+
+Attribute access walks NodePaths (``pg.graph.linear_0.output``), ``dir()`` lists the next
+segments (tab completion), the repr draws the tree with the shapes observed on the example
+inputs, ``_shape`` gives a ``torch.Size`` and ``_code`` the code behind a node. A view can be used
+as a NodePath key in ``pg.patch``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import hierarchy
+from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
+
+
+def _describe(summary: Any) -> str:
+    if isinstance(summary, torch.Size):
+        return f"Tensor({', '.join(str(s) for s in summary)})"
+    if isinstance(summary, hierarchy._Named):
+        return f"{summary.type_name}({len(summary)})"
+    if isinstance(summary, (tuple, list, dict)):
+        return f"{type(summary).__name__}({len(summary)})"
+    return str(summary)
+
+
+def _dig_children(summary: Any) -> list[tuple[str, Any]]:
+    if isinstance(summary, torch.Size):
+        return []
+    if isinstance(summary, (tuple, list)):
+        return [(f"sub_{i}", v) for i, v in enumerate(summary)]
+    if isinstance(summary, dict):
+        return [(str(k), v) for k, v in summary.items()]
+    return []
+
+
+_NO_SOURCE = "<no source recorded for this node>"
+
+
+def _frames(stack_trace: str | None) -> list[str]:
+    """Split a node's ``stack_trace`` into frames (``File ..., line N, in f`` plus source lines)."""
+    frames: list[list[str]] = []
+    for line in (stack_trace or "").rstrip().splitlines():
+        if line.lstrip().startswith("File ") or not frames:
+            frames.append([])
+        frames[-1].append(line.rstrip())
+    return ["\n".join(frame) for frame in frames]
+
+
+def _last_frame(stack_trace: str | None) -> str:
+    """The innermost frame of a stack trace: the source line(s) that produced a node."""
+    frames = _frames(stack_trace)
+    return frames[-1] if frames else _NO_SOURCE
+
+
+def _first_trace(module: GraphModuleBase) -> str | None:
+    if not isinstance(module, CompiledGraphModule):
+        return None
+    for node in module.graph.nodes:
+        if node.meta.get("stack_trace"):
+            return node.meta["stack_trace"]
+        if node.op == "call_module":
+            found = _first_trace(module.get_submodule(str(node.target)))
+            if found:
+                return found
+    return None
+
+
+def _calling_context(owner: CompiledGraphModule, child_graph: GraphModuleBase) -> str:
+    """The line of the parent's forward that called a submodule: the frame of a child op's stack
+    trace at the depth of the parent's own ops."""
+    child_frames = _frames(_first_trace(child_graph))
+    parent_depth = next((len(_frames(n.meta["stack_trace"])) for n in owner.graph.nodes
+                         if n.op == "call_function" and n.meta.get("stack_trace")), None)
+    if parent_depth is not None and 0 < parent_depth <= len(child_frames):
+        return child_frames[parent_depth - 1]
+    return child_frames[-2] if len(child_frames) >= 2 else _NO_SOURCE
+
+
+class NodeView:
+    """One entry of the hierarchy: a graph, a node, or a dug-into part of a node's value.
+
+    Attributes are the next NodePath segments; ``_shape``, ``_code`` and ``_path`` describe it.
+    """
+
+    def __init__(self, path: str, owner: GraphModuleBase | None, name: str, graph: GraphModuleBase | None,
+                 summary: Any = None, dig: tuple[str, ...] = ()):
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_graph", graph)
+        object.__setattr__(self, "_summary", summary)
+        object.__setattr__(self, "_dig", dig)
+
+    # -- navigation -----------------------------------------------------------------------------
+    def _children(self) -> list[tuple[str, NodeView]]:
+        prefix = f"{self._path}." if self._path else ""
+        if self._graph is not None:
+            examples = self._graph.__dict__.get("examples", {})
+            return [(name, NodeView(prefix + name, self._graph, name, sub, examples.get(name)))
+                    for name, sub in hierarchy.children(self._graph)]
+        sep = "." if self._dig else "|"
+        return [(key, NodeView(f"{self._path}{sep}{key}", self._owner, self._name, None, value, (*self._dig, key)))
+                for key, value in _dig_children(self._summary)]
+
+    def __getattr__(self, item: str) -> NodeView:
+        for name, view in self._children():
+            if name == item:
+                return view
+        names = [name for name, _ in self._children()]
+        raise AttributeError(f"{self._path or '<root>'} has no child {item!r}; children: {names}")
+
+    def __dir__(self) -> list[str]:
+        return [name for name, _ in self._children()] + ["_code", "_shape", "_path"]
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError("pg.graph is read-only; patch nodes with pg.patch({...})")
+
+    # -- description ----------------------------------------------------------------------------
+    @property
+    def _shape(self) -> torch.Size | None:
+        """The ``torch.Size`` observed on the example inputs (None for non-tensors and graphs)."""
+        return self._summary if isinstance(self._summary, torch.Size) else None
+
+    @property
+    def _code(self) -> str:
+        """Generated code (graphs), original source line(s) (nodes), or both (submodule calls)."""
+        if self._graph is not None:
+            code = self._graph.code if isinstance(self._graph, CompiledGraphModule) else (
+                f"<opaque: runs {type(self._graph.original).__qualname__}.forward; reason: {self._graph.reason}>")
+            code = code.strip("\n")
+            if isinstance(self._owner, CompiledGraphModule):
+                return f"Calling context:\n{_calling_context(self._owner, self._graph)}\nCompiled code:\n{code}"
+            return code
+        if isinstance(self._owner, CompiledGraphModule):
+            return _last_frame(self._owner.node(self._name).meta.get("stack_trace"))
+        if isinstance(self._owner, OpaqueGraphModule):
+            return f"<{self._name} of opaque module {type(self._owner.original).__qualname__}>"
+        return ""
+
+    def _label(self) -> str:
+        name = self._path.rpartition(".")[2].rpartition("|")[2] if self._path else "<root>"
+        if self._graph is not None:
+            return f"{name}: {type(self._graph).__name__}"
+        return f"{name}: {_describe(self._summary)}"
+
+    def _lines(self, indent: str) -> list[str]:
+        lines = []
+        kids = self._children()
+        for i, (_, view) in enumerate(kids):
+            last = i == len(kids) - 1
+            lines.append(f"{indent}{'└─' if last else '├─'}{view._label()}")
+            lines.extend(view._lines(indent + ("  " if last else "│ ")))
+        return lines
+
+    def __repr__(self) -> str:
+        return "\n".join([self._label(), *self._lines("")])
+
+    def __str__(self) -> str:
+        return self._path

@@ -1,0 +1,52 @@
+"""NodePaths: graphpatch's dotted path to a node, with ``|`` to dig into a container value.
+
+``transformer.h_0.attn.softmax`` names the ``softmax`` node in the graph of ``transformer.h[0].attn``;
+``linear_1.output`` the output of the second invocation of ``linear``; ``output|sub_0.sub_1`` the
+second element of the first element of a tuple output; ``output|logits`` a dict (or ModelOutput)
+key. nnsight's spelling ``transformer.h.0.attn.softmax`` is accepted too. This is the one parser.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import NodePathError
+
+_SUB = re.compile(r"sub_(\d+)")
+
+
+@dataclass(frozen=True)
+class NodePath:
+    """A parsed NodePath.
+
+    Attributes:
+        nodes: the dotted node segments (``("linear_0", "output")``).
+        dig: the segments after ``|`` (``("sub_0", "sub_1")``), empty when there is none.
+    """
+
+    nodes: tuple[str, ...]
+    dig: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> NodePath:
+        """Parse ``"a.b.c|d.e"``. Raises :class:`NodePathError` for an empty segment or extra ``|``."""
+        if not isinstance(text, str):
+            raise NodePathError(f"A NodePath must be a string or a pg.graph node, got {type(text).__name__}: {text!r}.")
+        node_part, bar, dig_part = text.partition("|")
+        nodes = tuple(node_part.split(".")) if node_part else ()
+        dig = tuple(dig_part.split(".")) if bar else ()
+        if not nodes or any(not s for s in nodes + dig) or "|" in dig_part:
+            raise NodePathError(
+                f"Malformed NodePath {text!r}: use dot-separated node names, optionally followed by one"
+                " '|' and a dot-separated dig path, e.g. 'linear_0.output' or 'output|sub_0'.")
+        return cls(nodes, dig)
+
+    def __str__(self) -> str:
+        return ".".join(self.nodes) + ("|" + ".".join(self.dig) if self.dig else "")
+
+
+def dig_key(segment: str) -> int | str:
+    """The container key a dig segment stands for: ``sub_3`` -> ``3``; other names are dict keys."""
+    match = _SUB.fullmatch(segment)
+    return int(match.group(1)) if match else segment

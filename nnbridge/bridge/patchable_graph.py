@@ -1,0 +1,234 @@
+"""``PatchableGraph``: a module's hierarchy of graphs, callable like the module, patchable by NodePath.
+
+Example (graphpatch's TupleOutputModule, seed 000)::
+
+    pg = PatchableGraph(TupleOutputModule(), torch.ones(3, 2))
+    pg.graph                                  # the tree of NodePaths with shapes
+    with pg.patch({"linear_0.output": [AddPatch(value=torch.ones(1))],
+                   "linear_1.output": ZeroPatch()}):
+        first, second = pg(torch.ones(3, 2))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..errors import NodePathError
+from . import hierarchy
+from .dispatcher import GraphDispatcher
+from .extraction import Extraction
+from .graph_module import GraphModuleBase
+from .inspection import NodeView, _dig_children
+from .node_path import NodePath, dig_key
+from .op_point import OpPoint
+from .options import ExtractionOptions
+from .patches import Patch
+
+
+class _DigListener:
+    """Apply ``patch`` to one element of a container value and rebuild the container around it."""
+
+    def __init__(self, dig: tuple[str, ...], patch: Patch):
+        self.keys = tuple(dig_key(segment) for segment in dig)
+        self.patch = patch
+
+    def __call__(self, value: Any) -> Any:
+        return self._apply(value, 0)
+
+    def _apply(self, value: Any, depth: int) -> Any:
+        if depth == len(self.keys):
+            return self.patch(value)
+        key = self.keys[depth]
+        new = self._apply(value[key], depth + 1)
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return value[:key] + (new,) + value[key + 1:]  # type: ignore[operator]
+        if isinstance(value, tuple):
+            return value._replace(**{value._fields[key]: new})
+        copied = value.copy() if isinstance(value, list) else type(value)(value) if type(value) is dict else _shallow(value)
+        copied[key] = new
+        return copied
+
+
+def _shallow(value: Any) -> Any:
+    import copy
+
+    return copy.copy(value)
+
+
+class PatchableGraph(torch.nn.Module):
+    """A module compiled into a hierarchy of patchable graphs (graphpatch's PatchableGraph).
+
+    Calling it behaves like the module: outputs are ``torch.equal`` to the module's, gradients
+    flow to the module's own parameters (shared, never copied), ``train()``/``eval()`` on the
+    original module are honoured (a new call structure is extracted when they change).
+
+    Args:
+        module: the model; it is not modified.
+        *example_args: example positional inputs. For graphpatch compatibility an
+            :class:`ExtractionOptions` may come first: ``PatchableGraph(m, ExtractionOptions(), x)``.
+        options: :class:`ExtractionOptions` (keyword form).
+        **example_kwargs: example keyword inputs.
+
+    Raises:
+        ExtractionError: extraction failed and ``error_on_compilation_failure`` is set.
+    """
+
+    def __init__(self, module: torch.nn.Module, *example_args: Any, options: ExtractionOptions | None = None,
+                 **example_kwargs: Any):
+        super().__init__()
+        if example_args and isinstance(example_args[0], ExtractionOptions):
+            if options is not None:
+                raise TypeError("PatchableGraph got ExtractionOptions twice (positionally and as options=); pass one.")
+            options, example_args = example_args[0], example_args[1:]
+        options = options or ExtractionOptions()
+        self.__dict__["_active"] = []  # [(NodePath, listener)] of open patch contexts
+        self._dispatcher = GraphDispatcher(module, options, on_extraction=[self._apply_active])
+        first = self._dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
+        hierarchy.record_examples(first.root, tuple(example_args), dict(example_kwargs))
+        self._graph_module = first.root
+
+    # -- calling --------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._dispatcher(*args, **kwargs)
+
+    @property
+    def extractions(self) -> list[Extraction]:
+        """Every extraction made so far (one per call structure); the first is the one inspected."""
+        return self._dispatcher.all_extractions()
+
+    # -- inspection -----------------------------------------------------------------------------
+    @property
+    def graph(self) -> NodeView:
+        """The NodePath tree of the first extraction (tab-completes; repr shows shapes)."""
+        return NodeView("", None, "", self._graph_module)
+
+    def node_paths(self) -> list[str]:
+        """Every valid leaf NodePath (dig paths included), in tree order."""
+        paths = []
+        for path, owner, name, sub in hierarchy.walk(self._graph_module):
+            if sub is not None:
+                continue
+            summary = owner.__dict__.get("examples", {}).get(name)
+            paths.extend(_leaf_paths(path, summary, first=True))
+        return paths
+
+    def op_point(self, path: str | NodeView) -> OpPoint:
+        """The :class:`OpPoint` of a node of the first extraction (for torch hooks)."""
+        node_path = self._validate(str(path))
+        owner, name = self._resolve(self._graph_module, node_path)[0]
+        return owner.op_points[name]
+
+    # -- patching -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def patch(self, patch_map: dict[str | NodeView, Patch | list[Patch]]) -> Iterator[PatchableGraph]:
+        """Apply patches for the duration of the context (graphpatch's ``PatchableGraph.patch``).
+
+        Args:
+            patch_map: ``{NodePath or pg.graph node: patch or [patches]}``; on one node patches
+                apply in list order, after those of enclosing contexts.
+
+        Raises:
+            NodePathError: (a ``KeyError``) ``patch_map`` is not a dict, or paths are unknown, not
+                leaves (a graph, or a container value without a ``|`` dig), or dig into nothing;
+                every bad path is listed with the closest valid ones. Raised before anything is
+                patched; the model does not run.
+            TypeError: a value is not a Patch or a list of Patches.
+        """
+        if not isinstance(patch_map, dict):
+            raise NodePathError(
+                f"pg.patch() takes a dict {{NodePath: patch or [patches]}}, got {type(patch_map).__name__}:"
+                f" {patch_map!r}. Example: pg.patch({{'linear_0.output': ZeroPatch()}}).")
+        errors, plan = [], []
+        for key, value in patch_map.items():
+            patches = value if isinstance(value, (list, tuple)) else [value]
+            bad = [p for p in patches if not isinstance(p, Patch)]
+            if bad:
+                raise TypeError(f"The patches for {str(key)!r} must be Patch objects (ZeroPatch(), AddPatch(value=...),"
+                                f" ...) or a list of them; got {bad[0]!r}.")
+            try:
+                node_path = self._validate(str(key) if isinstance(key, NodeView) else key)
+            except NodePathError as error:
+                errors.append(str(error))
+                continue
+            plan.extend((node_path, patch) for patch in patches)
+        if errors:
+            raise NodePathError("Invalid NodePaths (nothing was patched):\n- " + "\n- ".join(errors))
+        added: list[tuple[NodePath, Any]] = []
+        try:
+            for node_path, patch in plan:
+                listener = _DigListener(node_path.dig, patch) if node_path.dig else patch
+                self._listen(node_path, listener, add=True)
+                added.append((node_path, listener))
+                self._active.append((node_path, listener))
+            yield self
+        finally:
+            for node_path, listener in reversed(added):
+                self._listen(node_path, listener, add=False)
+                self._active.remove((node_path, listener))
+
+    def _listen(self, node_path: NodePath, listener: Any, *, add: bool) -> None:
+        points = [owner.op_points[name] for extraction in self.extractions
+                  for owner, name in self._resolve(extraction.root, node_path)]
+        for point in points:
+            (point.add_listener if add else point.remove_listener)(listener, refresh=False)
+        hierarchy.refresh_all(points)
+
+    def _apply_active(self, extraction: Extraction) -> None:
+        points = []
+        for node_path, listener in self._active:
+            for owner, name in self._resolve(extraction.root, node_path):
+                owner.op_points[name].add_listener(listener, refresh=False)
+                points.append(owner.op_points[name])
+        hierarchy.refresh_all(points)
+
+    # -- NodePath validation --------------------------------------------------------------------
+    def _resolve(self, root: GraphModuleBase, node_path: NodePath) -> list[tuple[GraphModuleBase, str]]:
+        segments = hierarchy.split_segments(root, node_path.nodes)
+        return hierarchy.resolve_all(root, segments) if segments else []
+
+    def _validate(self, text: str) -> NodePath:
+        node_path = NodePath.parse(text)
+        root = self._graph_module
+        segments = hierarchy.split_segments(root, node_path.nodes)
+        if segments is None:
+            raise NodePathError(f"{text!r} is not a node. {self._closest(text)}")
+        canonical = NodePath(tuple(segments), node_path.dig)
+        hits = hierarchy.resolve_all(root, segments)
+        if not hits:
+            raise NodePathError(
+                f"{text!r} is a graph, not a node: patch one of its nodes, e.g. '{'.'.join(segments)}.output'.")
+        owner, name = hits[0]
+        summary = owner.__dict__.get("examples", {}).get(name)
+        for depth, segment in enumerate(node_path.dig):
+            keys = [k for k, _ in _dig_children(summary)]
+            if segment not in keys:
+                where = str(NodePath(canonical.nodes, node_path.dig[:depth]))
+                raise NodePathError(f"{text!r}: cannot dig {segment!r} into {where!r}; valid: {keys or 'none (a leaf)'}.")
+            summary = dict(_dig_children(summary))[segment]
+        if _dig_children(summary):
+            keys = [k for k, _ in _dig_children(summary)]
+            raise NodePathError(
+                f"{text!r} is not a leaf: its value is a container; dig into it with '|', e.g. "
+                f"'{canonical}{'.' if node_path.dig else '|'}{keys[0]}' (choices: {keys}).")
+        return canonical
+
+    def _closest(self, text: str) -> str:
+        candidates = self.node_paths()
+        close = difflib.get_close_matches(text, candidates, n=5, cutoff=0.5)
+        if not close:
+            prefix = text.rpartition(".")[0]
+            close = [p for p in candidates if p.startswith(prefix)][:5] if prefix else candidates[:5]
+        return f"Closest valid NodePaths: {close}." if close else "This graph has no patchable nodes."
+
+
+def _leaf_paths(path: str, summary: Any, first: bool) -> list[str]:
+    kids = _dig_children(summary)
+    if not kids:
+        return [path]
+    sep = "|" if first else "."
+    return [p for key, value in kids for p in _leaf_paths(f"{path}{sep}{key}", value, first=False)]

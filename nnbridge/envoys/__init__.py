@@ -1,0 +1,1 @@
+"""Proxy layer: the nnsight-compatible Envoy tree whose children include op envoys (not built yet)."""

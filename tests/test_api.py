@@ -1,0 +1,19 @@
+import nnbridge
+
+
+def test_public_api_is_pinned():
+    assert sorted(nnbridge.__all__) == [
+        "AddPatch", "CompiledGraphModule", "CustomPatch", "ExtractionError", "ExtractionOptions",
+        "MultiplyInvokedModule", "NNBridgeError", "NNBridgeWarning", "NodePath", "NodePathError",
+        "OpPoint", "OpaqueGraphModule", "Patch", "PatchableGraph", "ProbePatch", "RecordPatch",
+        "ReplacePatch", "ZeroPatch",
+    ]
+    for name in nnbridge.__all__:
+        assert getattr(nnbridge, name) is not None
+
+
+def test_error_hierarchy():
+    assert issubclass(nnbridge.NodePathError, KeyError)
+    assert issubclass(nnbridge.NodePathError, nnbridge.NNBridgeError)
+    assert issubclass(nnbridge.ExtractionError, nnbridge.NNBridgeError)
+    assert issubclass(nnbridge.NNBridgeWarning, UserWarning)

@@ -1,0 +1,96 @@
+"""Seed 000/001's TupleOutputModule: the tree, the code, independent invocation patches."""
+
+import torch
+
+from fixtures.tuple_output_module import TupleOutputModule
+from nnbridge import AddPatch, CompiledGraphModule, MultiplyInvokedModule, PatchableGraph, ZeroPatch
+
+EXPECTED_TREE = """\
+<root>: CompiledGraphModule
+├─x: Tensor(3, 2)
+├─linear_0: CompiledGraphModule
+│ ├─input: Tensor(3, 2)
+│ ├─weight: Tensor(3, 2)
+│ ├─bias: Tensor(3)
+│ ├─linear: Tensor(3, 3)
+│ └─output: Tensor(3, 3)
+├─add: Tensor(3, 2)
+├─linear_1: CompiledGraphModule
+│ ├─input: Tensor(3, 2)
+│ ├─weight: Tensor(3, 2)
+│ ├─bias: Tensor(3)
+│ ├─linear: Tensor(3, 3)
+│ └─output: Tensor(3, 3)
+└─output: tuple(2)
+  ├─sub_0: Tensor(3, 3)
+  └─sub_1: Tensor(3, 3)"""
+
+
+def make():
+    model = TupleOutputModule().eval()
+    return model, PatchableGraph(model, torch.ones(3, 2))
+
+
+def test_tree_matches_graphpatch_docs():
+    _, pg = make()
+    assert repr(pg.graph) == EXPECTED_TREE
+    assert repr(pg.graph.linear_0) == "\n".join(
+        ["linear_0: CompiledGraphModule"] + [line[2:] for line in EXPECTED_TREE.splitlines()[3:8]])
+
+
+def test_hierarchy_kinds():
+    model, pg = make()
+    root = pg._graph_module
+    assert isinstance(root, CompiledGraphModule)
+    assert isinstance(root.linear, MultiplyInvokedModule) and isinstance(root.linear, torch.nn.ModuleList)
+    assert len(root.linear) == 2 and all(isinstance(g, CompiledGraphModule) for g in root.linear)
+    for graph_module in (root, *root.linear):
+        graph_module.graph.lint()
+    assert root.linear[0].weight is model.linear.weight and root.linear[1].bias is model.linear.bias
+
+
+def test_code_like_graphpatch():
+    _, pg = make()
+    assert pg.graph._code.strip() == (
+        "def forward(self, x):\n"
+        '    linear_0 = getattr(self.linear, "0")(x)\n'
+        "    add = torch.ops.aten.add.Tensor(x, 1);  x = None\n"
+        '    linear_1 = getattr(self.linear, "1")(add);  add = None\n'
+        "    return (linear_0, linear_1)")
+    add_code = pg.graph.add._code
+    assert add_code.splitlines()[0].strip().startswith('File "') and "tuple_output_module.py" in add_code
+    assert add_code.splitlines()[1].strip() == "return (self.linear(x), self.linear(x + 1))"
+    linear_code = pg.graph.linear_0._code
+    assert linear_code.startswith("Calling context:\n")
+    assert "return (self.linear(x), self.linear(x + 1))" in linear_code.split("Compiled code:")[0]
+    assert "torch.ops.aten.linear.default(input_1, weight, bias)" in linear_code.split("Compiled code:")[1]
+    assert "F.linear(input, self.weight, self.bias)" in pg.graph.linear_0.linear._code
+
+
+def test_shapes():
+    _, pg = make()
+    assert pg.graph.linear_0.input._shape == torch.Size([3, 2])
+    assert pg.graph.output.sub_1._shape == torch.Size([3, 3])
+    assert pg.graph.linear_0._shape is None
+    assert {"input", "weight", "bias", "linear", "output", "_code", "_shape"} <= set(dir(pg.graph.linear_0))
+
+
+def test_invocations_patch_independently():
+    model, pg = make()
+    x = torch.randn(3, 2)
+    first, second = model(x)
+    with pg.patch({"linear_0.output": [AddPatch(value=torch.ones((1,)))], "linear_1.output": [ZeroPatch()]}):
+        patched_first, patched_second = pg(x)
+    assert torch.equal(patched_first, first + 1)
+    assert torch.equal(patched_second, torch.zeros(3, 3))
+    again_first, again_second = pg(x)
+    assert torch.equal(again_first, first) and torch.equal(again_second, second)
+
+
+def test_node_view_is_a_node_path():
+    model, pg = make()
+    x = torch.randn(3, 2)
+    with pg.patch({pg.graph.linear_1.output: ZeroPatch(), pg.graph.output.sub_0: ZeroPatch()}):
+        first, second = pg(x)
+    assert torch.equal(first, torch.zeros(3, 3)) and torch.equal(second, torch.zeros(3, 3))
+    assert str(pg.graph.output.sub_0) == "output|sub_0"
