@@ -16,6 +16,7 @@ separately; the rest stays a graph. Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import warnings
@@ -59,6 +60,42 @@ class _Wrapper(torch.nn.Module):
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return self.model(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def reserved_names_renamed(module: torch.nn.Module) -> Iterator[dict[int, dict[str, str]]]:
+    """Rename children whose names are reserved (``graph`` -> ``graph_``) for the body's duration.
+
+    ``torch.export.unflatten`` cannot hold a submodule called ``graph`` and a GraphModule cannot
+    hold one called ``_code``. The child moves to the safe key in ``_modules`` while an instance
+    attribute keeps ``self.graph`` working in the module's own code. Yields
+    ``{id(parent): {safe name: original name}}``; restores everything on exit, also on error.
+
+    Raises:
+        ExtractionError: the safe name is already taken by another child.
+    """
+    renamed: list[tuple[torch.nn.Module, str, str]] = []
+    try:
+        for parent in list(module.modules()):
+            for name in [n for n in parent._modules if n in RESERVED_NAMES]:
+                safe = safe_name(name)
+                if safe in parent._modules:
+                    raise ExtractionError(
+                        f"{type(parent).__name__} has children named both {name!r} and {safe!r}; nnbridge renames"
+                        f" {name!r} (reserved) to {safe!r} in NodePaths. Rename one of them.")
+                child = parent._modules.pop(name)
+                parent._modules[safe] = child
+                parent.__dict__[name] = child
+                renamed.append((parent, name, safe))
+        mapping: dict[int, dict[str, str]] = {}
+        for parent, name, safe in renamed:
+            mapping.setdefault(id(parent), {})[safe] = name
+        yield mapping
+    finally:
+        for parent, name, safe in reversed(renamed):
+            child = parent._modules.pop(safe)
+            parent.__dict__.pop(name, None)
+            parent._modules[name] = child
 
 
 def describe_failure(error: BaseException) -> str:
@@ -178,6 +215,7 @@ class _Context:
         self.on_extraction = on_extraction
         self.opaque: dict[str, str] = {}
         self.invocations: Counter[str] = Counter()
+        self.renamed: dict[int, dict[str, str]] = {}
 
     def full(self, fqn: str) -> str:
         return ".".join(p for p in (self.path, fqn) if p)
@@ -204,7 +242,7 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """Extract ``module`` for the call ``module(*args, **kwargs)``.
 
     The module is left exactly as it was: its hooks and instance ``forward`` overrides are cleared
-    for the duration and restored, also when extraction raises.
+    for the duration and restored, also when extraction raises; the CPU random state is unchanged.
 
     Args:
         module: the module; not modified, its parameters are shared with the result.
@@ -221,7 +259,9 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """
     options = options or ExtractionOptions()
     ctx = _Context(module, options, path, on_extraction if on_extraction is not None else [])
-    with cleared_module_state(module):
+    # extraction's eager runs must not consume random numbers (dropout in train mode)
+    with torch.random.fork_rng(devices=[]), cleared_module_state(module), reserved_names_renamed(module) as renamed:
+        ctx.renamed = renamed
         register_cache_pytrees(module)
         root, guard = _extract_root(ctx, args, kwargs)
     return Extraction(root, guard, ctx.opaque)
@@ -516,17 +556,18 @@ def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, .
         child_path = ctx.full(f"{fqn}.{name}" if fqn else name)
         first, *rest = name.split(".")
         safe = ".".join([safe_name(first), *rest])
+        original_name = ".".join([ctx.renamed.get(id(module), {}).get(first, first), *rest])
         if name not in captured:
             if ctx.options.allow_unused_submodules:
                 _attach(shown, safe, OpaqueGraphModule(child, "not invoked during extraction", {}, {}), template)
-            _attach(swapped, name, child, module)
+            _attach(swapped, original_name, child, module)
             continue
         a, k = captured[name]
         dispatcher = GraphDispatcher(child, ctx.options, path=child_path, on_extraction=ctx.on_extraction)
         first_extraction = dispatcher.add_extraction(a, k)
         ctx.opaque.update(first_extraction.opaque)
         _attach(shown, safe, first_extraction.root, template)
-        _attach(swapped, name, dispatcher, module)
+        _attach(swapped, original_name, dispatcher, module)
         dispatchers[safe.replace(".", "_")] = dispatcher
     opaque = OpaqueGraphModule(module, reason, dict(shown._modules), dict(swapped._modules))
     opaque.__dict__["child_dispatchers"] = dispatchers

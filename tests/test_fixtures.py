@@ -1,0 +1,134 @@
+"""Every fixture: outputs and gradients equal the untouched module's; graphs lint; weights shared."""
+
+import pytest
+import torch
+
+from nnbridge import CompiledGraphModule, OpaqueGraphModule, PatchableGraph, ProbePatch
+from utils import FIXTURES, assert_same, graph_modules, leaves, load_fixture
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_outputs_equal(name):
+    model, args, kwargs = load_fixture(name)
+    pg = PatchableGraph(model, *args, **kwargs)
+    for graph_module in graph_modules(pg):
+        graph_module.graph.lint()
+    assert_same(pg(*args, **kwargs), model(*args, **kwargs))
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_gradients_equal(name):
+    """Gradients of parameters and of the inputs through the graphs equal eager autograd's."""
+    model, args, kwargs = load_fixture(name)
+    pg = PatchableGraph(model, *args, **kwargs)
+    params = list(model.parameters())
+
+    def grads(fn):
+        model.zero_grad()
+        inputs = [a.detach().clone().requires_grad_() for a in args]
+        total = sum(t.float().sum() for t in leaves(fn(*inputs, **kwargs)) if isinstance(t, torch.Tensor))
+        total.backward()
+        return [t.grad.clone() if t.grad is not None else None for t in params + inputs]
+
+    got, want = grads(pg), grads(model)
+    assert any(g is not None for g in want)
+    for a, b in zip(got, want):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_parameters_and_buffers_are_shared(name):
+    model, args, kwargs = load_fixture(name)
+    pg = PatchableGraph(model, *args, **kwargs)
+    originals = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    for tensor in list(pg.parameters()) + list(pg.buffers()):
+        assert tensor.data_ptr() in originals
+
+
+def test_weight_edits_are_seen():
+    model, args, kwargs = load_fixture("minimal_module.MinimalModule")
+    pg = PatchableGraph(model, *args, **kwargs)
+    with torch.no_grad():
+        model.linear.weight.mul_(3)
+    assert torch.equal(pg(*args), model(*args))
+
+
+def test_nested_module_list_keeps_its_place():
+    model, args, kwargs = load_fixture("nested_module.NestedModule")
+    pg = PatchableGraph(model, *args, **kwargs)
+    layers = pg._graph_module.layers
+    assert type(layers) is torch.nn.ModuleList and len(layers) == 3
+    assert all(isinstance(layer, CompiledGraphModule) for layer in layers)
+    assert [c for c in dir(pg.graph) if c.startswith("layers")] == ["layers_0", "layers_1", "layers_2"]
+    # keyword arguments passed out of order keep their names as placeholders
+    assert {"x", "scale", "bias"} <= set(dir(pg.graph.layers_1))
+    probe = ProbePatch()
+    with pg.patch({"layers_1.x": probe}):
+        pg(*args)
+    assert torch.equal(probe.activation, model.layers[0](args[0], args[1], 1.5))
+
+
+def test_buffers_keep_persistence():
+    model, args, kwargs = load_fixture("buffer_module.BufferModule")
+    pg = PatchableGraph(model, *args, **kwargs)
+    assert set(pg._graph_module.state_dict()) == {"offset"}
+    assert {"offset", "scratch"} <= set(dir(pg.graph))
+
+
+def test_float_attribute_is_a_constant():
+    model, args, kwargs = load_fixture("attribute_module.AttributeModule")
+    pg = PatchableGraph(model, *args, **kwargs)
+    assert "div" in dir(pg.graph)
+    assert_same(pg(*args), model(*args))
+
+
+def test_varargs_placeholders():
+    model, args, kwargs = load_fixture("varargs_module.VarargsModule")
+    pg = PatchableGraph(model, *args, **kwargs)
+    assert {"args_0", "args_1", "gain"} <= set(dir(pg.graph.inner))
+    assert_same(pg(*args), model(*args))
+
+
+def test_layer_norm_graph():
+    model, args, kwargs = load_fixture("layer_norm_module.LayerNormModule")
+    pg = PatchableGraph(model, *args, **kwargs)
+    assert "layer_norm" in dir(pg.graph.ln)
+    assert pg.graph.ln.layer_norm._shape == torch.Size([2, 3, 5])
+
+
+def test_data_dependent_branch_is_opaque_rest_is_graph():
+    model, args, kwargs = load_fixture("data_dependent_module.DataDependentModule")
+    pg = PatchableGraph(model, *args, **kwargs)
+    root = pg._graph_module
+    assert isinstance(root, CompiledGraphModule)
+    assert isinstance(root.pre, CompiledGraphModule) and isinstance(root.post, CompiledGraphModule)
+    assert isinstance(root.branchy, OpaqueGraphModule)
+    assert isinstance(root.branchy.inner, CompiledGraphModule)
+    assert "GuardOnDataDependentSymNode" in root.branchy.reason or "data" in root.branchy.reason.lower()
+    assert pg.extractions[0].opaque == {"branchy": root.branchy.reason}
+    for x in (torch.randn(2, 3), -torch.ones(2, 3) * 5, torch.ones(2, 3) * 5):
+        assert_same(pg(x), model(x))
+
+
+def test_protected_names_are_mangled():
+    model, args, kwargs = load_fixture("protected_names_module.ProtectedNamesModule")
+    pg = PatchableGraph(model, *args, **kwargs)
+    assert {"_code_", "graph_"} <= set(dir(pg.graph))
+    assert isinstance(pg.graph._code, str)
+    assert pg.graph.graph_.linear._shape == torch.Size([3, 2])
+    assert_same(pg(*args), model(*args))
+
+
+def test_train_mode_is_honoured():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).eval()
+    x = torch.randn(8, 4)
+    pg = PatchableGraph(model, x)
+    assert_same(pg(x), model(x))
+    model.train()
+    torch.manual_seed(1)
+    want = model(x)
+    torch.manual_seed(1)
+    got = pg(x)
+    assert torch.equal(got, want) and not torch.equal(got, model.eval()(x))
+    assert len(pg.extractions) == 2
