@@ -29,7 +29,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.utils import _pytree as pytree
 
-from ..compat import cleared_module_state, invocation_graphs, register_cache_pytrees, unflatten
+from ..compat import cleared_module_state, export, invocation_graphs, register_cache_pytrees, unflatten
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
 from .cleanup import EXTRA_ARGS_KEY, clean_graph, name_nodes
@@ -355,9 +355,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
                 lambda t: {i: torch.export.Dim.AUTO for i in range(t.dim())} if isinstance(t, torch.Tensor) else None,
                 (args, kwargs)) if use_dynamic else None
             try:
-                with torch.no_grad():
-                    exported = torch.export.export(wrapper, (args, kwargs), strict=False, dynamic_shapes=shapes,
-                                                   preserve_module_call_signature=fqns)
+                exported = export(wrapper, (args, kwargs), dynamic_shapes=shapes, preserve_module_call_signature=fqns)
                 return exported, use_dynamic
             except Exception as error:  # noqa: BLE001 - any export failure means fallback
                 last = error

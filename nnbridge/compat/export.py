@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +35,29 @@ def no_module_deduplication() -> Iterator[None]:
         _unflatten_module._deduplicate_modules = original
 
 
+@contextlib.contextmanager
+def quiet_torch_export() -> Iterator[None]:
+    """Silence two warnings torch 2.13's own export/unflatten code emits on every call.
+
+    ``isinstance(treespec, LeafSpec)`` (FutureWarning from torch's pytree internals) and
+    "Attempted to insert a get_attr Node with no underlying reference" (unflatten inserts its
+    ``_spec_N`` attributes after creating the nodes) say nothing the user can act on.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node", category=UserWarning)
+        yield
+
+
+def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: Any,
+           preserve_module_call_signature: tuple[str, ...]) -> torch.export.ExportedProgram:
+    """``torch.export.export(strict=False)`` under ``torch.no_grad()`` (so ``@torch.no_grad``
+    rotary-embedding code is inlined instead of becoming an opaque higher-order op)."""
+    with quiet_torch_export(), torch.no_grad():
+        return torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes,
+                                   preserve_module_call_signature=preserve_module_call_signature)
+
+
 def unflatten(exported: torch.export.ExportedProgram) -> torch.nn.Module:
     """``torch.export.unflatten`` with one graph per invocation and codegen instead of fx.Interpreter.
 
@@ -41,7 +65,7 @@ def unflatten(exported: torch.export.ExportedProgram) -> torch.nn.Module:
     functionalized buffer mutation; its stdout is swallowed here.
     """
     with no_module_deduplication(), _unflatten_module._disable_interpreter(), \
-            contextlib.redirect_stdout(io.StringIO()):
+            contextlib.redirect_stdout(io.StringIO()), quiet_torch_export():
         return torch.export.unflatten(exported)
 
 

@@ -1,0 +1,132 @@
+"""graphpatch's patch classes on op nodes, placeholders, parameters, buffers and outputs."""
+
+import pytest
+import torch
+
+from fixtures.buffer_module import BufferModule
+from fixtures.container_module import ContainerModule
+from fixtures.minimal_module import MinimalModule
+from nnbridge import (AddPatch, CustomPatch, PatchableGraph, ProbePatch, RecordPatch, ReplacePatch,
+                      ZeroPatch)
+
+
+@pytest.fixture
+def minimal():
+    model = MinimalModule().eval()
+    x = torch.randn(4, 3)
+    return model, PatchableGraph(model, x), x
+
+
+def test_zero_patch_whole_and_slice(minimal):
+    model, pg, x = minimal
+    with pg.patch({"linear.output": ZeroPatch()}):
+        assert torch.equal(pg(x), torch.zeros(4, 2))
+    want = model(x).clone()
+    want[:, 1] = 0
+    with pg.patch({"linear.output": ZeroPatch(slice=(slice(None), 1))}):
+        assert torch.equal(pg(x), want)
+
+
+def test_add_and_replace_patches(minimal):
+    model, pg, x = minimal
+    with pg.patch({"linear.linear": AddPatch(value=2.0)}):
+        assert torch.equal(pg(x), model(x) + 2.0)
+    want = model(x).clone()
+    want[0] += torch.tensor([1.0, -1.0])
+    with pg.patch({"linear.output": AddPatch(value=torch.tensor([1.0, -1.0]), slice=0)}):
+        assert torch.equal(pg(x), want)
+    replacement = torch.full((4, 2), 7.0)
+    with pg.patch({"linear.output": ReplacePatch(value=replacement)}):
+        assert torch.equal(pg(x), replacement)
+    want = model(x).clone()
+    want[1:3] = 5.0
+    with pg.patch({"linear.output": ReplacePatch(value=5.0, slice=slice(1, 3))}):
+        assert torch.equal(pg(x), want)
+
+
+def test_probe_record_custom(minimal):
+    model, pg, x = minimal
+    probe, record = ProbePatch(), RecordPatch()
+    with pg.patch({"linear.input": probe, "linear.output": [record, CustomPatch(custom_op=torch.relu)]}):
+        out1 = pg(x)
+        out2 = pg(2 * x)
+    assert torch.equal(probe.activation, 2 * x)
+    assert len(record.activations) == 2 and torch.equal(record.activations[0], model(x))
+    assert torch.equal(out1, torch.relu(model(x))) and torch.equal(out2, torch.relu(model(2 * x)))
+
+
+def test_patches_apply_in_list_order_and_nested_contexts_append(minimal):
+    model, pg, x = minimal
+    with pg.patch({"linear.output": [AddPatch(value=1.0), CustomPatch(custom_op=lambda v: v * 3)]}):
+        assert torch.equal(pg(x), (model(x) + 1.0) * 3)
+        with pg.patch({"linear.output": AddPatch(value=10.0)}):
+            assert torch.equal(pg(x), (model(x) + 1.0) * 3 + 10.0)
+        assert torch.equal(pg(x), (model(x) + 1.0) * 3)
+    assert torch.equal(pg(x), model(x))
+
+
+def test_exit_restores_after_exception(minimal):
+    model, pg, x = minimal
+    with pytest.raises(RuntimeError, match="boom"):
+        with pg.patch({"linear.output": ZeroPatch()}):
+            raise RuntimeError("boom")
+    assert torch.equal(pg(x), model(x))
+    assert all(not p.listened for m in pg.modules() if hasattr(m, "op_points") for p in m.op_points.values())
+
+
+def test_parameter_and_placeholder_patches(minimal):
+    model, pg, x = minimal
+    with pg.patch({"linear.weight": ZeroPatch()}):
+        assert torch.equal(pg(x), model.linear.bias.expand(4, 2))
+    with pg.patch({"x": ZeroPatch()}):
+        assert torch.equal(pg(x), model(torch.zeros(4, 3)))
+    assert not torch.equal(model.linear.weight, torch.zeros_like(model.linear.weight))
+
+
+def test_buffer_patch():
+    model = BufferModule().eval()
+    x = torch.randn(2, 4)
+    pg = PatchableGraph(model, x)
+    with pg.patch({"offset": AddPatch(value=1.0)}):
+        assert torch.equal(pg(x), x + (model.offset + 1.0) * model.scratch)
+    assert torch.equal(model.offset, torch.arange(4, dtype=torch.float32))
+
+
+def test_dig_patches_into_nested_containers():
+    model = ContainerModule().eval()
+    x = torch.randn(3, 2)
+    pg = PatchableGraph(model, x)
+    assert "output|a.sub_1.sub_1.sub_0" in pg.node_paths()
+    with pg.patch({"output|a.sub_1.sub_1.sub_0": ZeroPatch(), "output|b.sub_1.c": AddPatch(value=1.0)}):
+        out = pg(x)
+    want = model(x)
+    assert torch.equal(out["a"][1][1][0], torch.zeros(3, 2))
+    assert torch.equal(out["a"][1][1][1], want["a"][1][1][1]) and torch.equal(out["a"][0], want["a"][0])
+    assert torch.equal(out["b"][1]["c"], want["b"][1]["c"] + 1.0)
+
+
+def test_add_patch_value_can_be_optimised(minimal):
+    model, pg, x = minimal
+    target = torch.randn(4, 2)
+    delta = torch.zeros(2, requires_grad=True)
+    optimizer = torch.optim.SGD([delta], lr=0.5)
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        with pg.patch({"linear.output": AddPatch(value=delta)}):
+            loss = (pg(x) - target).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert delta.grad is not None and losses[-1] < losses[0]
+    best = (target - model(x)).mean(0).detach()
+    assert torch.allclose(delta.detach(), best, atol=1e-2)
+
+
+def test_unpatched_graph_routes_nothing(minimal):
+    _, pg, x = minimal
+    root = pg._graph_module
+    assert "_nnbridge_ops" not in root.linear.code
+    with pg.patch({"linear.linear": ZeroPatch()}):
+        assert root.linear._routed == frozenset({"linear"})
+    assert root.linear._routed == frozenset()
