@@ -229,8 +229,17 @@ def _clean_epilogue(graph: Graph, attrs: dict[str, Any]) -> None:
 
 
 def _remove_checks(graph: Graph) -> None:
+    """Drop export's ``_assert_tensor_metadata`` checks and the ``aten.alias`` nodes that
+    :func:`nnbridge.compat.export` adds around conversions while tracing: at run time the graph
+    then has eager's exact structure (the same autograd accumulation order, bit-equal gradients)."""
     for node in list(graph.nodes):
-        if node.op == "call_function" and op_base_name(node) == "_assert_tensor_metadata":
+        if node.op != "call_function":
+            continue
+        name = op_base_name(node)
+        if name == "_assert_tensor_metadata":
+            graph.erase_node(node)
+        elif name == "alias" and isinstance(node.args[0], Node):
+            node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
 
 

@@ -49,11 +49,34 @@ def quiet_torch_export() -> Iterator[None]:
         yield
 
 
+class _DistinctConversions(torch.overrides.TorchFunctionMode):
+    """Make tensor conversions return a new tensor object while torch.export traces.
+
+    ``x.to(x.dtype)``, ``x.float()`` on a float tensor, ``x.contiguous()`` on a contiguous one...
+    return ``x`` itself. Export's proxy tracking then relabels ``x`` with the conversion's node,
+    so a value created inside a submodule (``input_layernorm``'s ``to``) leaks into the caller
+    (``residual``), and unflatten (torch 2.13) treats it as a functionalized mutation and writes it
+    back with ``aten.copy_``: numerically a no-op, but an in-place write that breaks autograd.
+    Converting an ``aten.alias`` of ``x`` instead gives the result a node of its own.
+    """
+
+    _CONVERSIONS = frozenset({torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half,
+                              torch.Tensor.bfloat16, torch.Tensor.type_as, torch.Tensor.contiguous,
+                              torch.Tensor.cpu, torch.Tensor.type, torch.Tensor.int, torch.Tensor.long,
+                              torch.Tensor.bool})
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func in self._CONVERSIONS and args and isinstance(args[0], torch.Tensor):
+            args = (torch.ops.aten.alias.default(args[0]), *args[1:])
+        return func(*args, **(kwargs or {}))
+
+
 def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: Any,
            preserve_module_call_signature: tuple[str, ...]) -> torch.export.ExportedProgram:
     """``torch.export.export(strict=False)`` under ``torch.no_grad()`` (so ``@torch.no_grad``
-    rotary-embedding code is inlined instead of becoming an opaque higher-order op)."""
-    with quiet_torch_export(), torch.no_grad():
+    rotary-embedding code is inlined instead of becoming an opaque higher-order op), with
+    conversions kept from aliasing (see :class:`_DistinctConversions`)."""
+    with quiet_torch_export(), torch.no_grad(), _DistinctConversions():
         return torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes,
                                    preserve_module_call_signature=preserve_module_call_signature)
 

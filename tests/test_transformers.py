@@ -1,0 +1,118 @@
+"""Tiny random GPT-2 and Llama (sdpa and eager): exact outputs, op-level patches, gradients."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from nnbridge import CompiledGraphModule, PatchableGraph, ProbePatch, ZeroPatch
+from utils import assert_same, graph_modules
+
+
+def gpt2(attn="eager"):
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, attn_implementation=attn,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config).eval()
+
+
+def llama(attn="eager"):
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100, attn_implementation=attn,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+MODELS = {"gpt2-eager": lambda: gpt2("eager"), "gpt2-sdpa": lambda: gpt2("sdpa"),
+          "llama-eager": lambda: llama("eager"), "llama-sdpa": lambda: llama("sdpa")}
+
+
+def padded_batch(seq):
+    ids = torch.randint(1, 100, (2, seq))
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[0, : seq // 2] = 0
+    return ids, mask
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def bridged(request):
+    model = MODELS[request.param]()
+    ids, mask = padded_batch(7)
+    pg = PatchableGraph(model, ids, attention_mask=mask)
+    return request.param, model, pg
+
+
+def test_outputs_equal_at_two_lengths_and_padded(bridged):
+    _, model, pg = bridged
+    for seq in (7, 12):
+        ids, mask = padded_batch(seq)
+        assert_same(pg(ids, attention_mask=mask), model(ids, attention_mask=mask))
+    assert len(pg.extractions) == 1, "one extraction serves other sequence lengths"
+    for graph_module in graph_modules(pg):
+        graph_module.graph.lint()
+
+
+def test_other_batch_size_reuses_extraction(bridged):
+    _, model, pg = bridged
+    ids, mask = padded_batch(9)
+    ids, mask = torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]])
+    assert_same(pg(ids, attention_mask=mask), model(ids, attention_mask=mask))
+    assert len(pg.extractions) == 1
+
+
+def test_gradients_equal(bridged):
+    _, model, pg = bridged
+    ids, mask = padded_batch(6)
+
+    def grads(fn):
+        model.zero_grad()
+        fn(ids, attention_mask=mask).logits.pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, got = grads(model), grads(pg)
+    assert want.keys() == got.keys() and len(want) > 10
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_weights_are_the_models_own(bridged):
+    _, model, pg = bridged
+    originals = {p.data_ptr() for p in model.parameters()}
+    assert all(p.data_ptr() in originals for p in pg.parameters())
+    total = sum(p.numel() for p in pg.parameters())
+    assert total <= sum(p.numel() for p in model.parameters())
+
+
+def test_gpt2_softmax_probe_equals_output_attentions_and_zeroing_changes_logits():
+    model = gpt2("eager")
+    ids, mask = padded_batch(8)
+    pg = PatchableGraph(model, ids, attention_mask=mask)
+    assert isinstance(pg._graph_module.transformer.h[0].attn, CompiledGraphModule)
+    probe = ProbePatch()
+    with pg.patch({"transformer.h_0.attn.softmax": probe}):
+        patched = pg(ids, attention_mask=mask)
+    reference = model(ids, attention_mask=mask, output_attentions=True)
+    assert torch.equal(patched.logits, reference.logits)
+    assert torch.equal(probe.activation, reference.attentions[0])
+    assert probe.activation.shape == (2, 4, 8, 8)
+    with pg.patch({"transformer.h_0.attn.softmax": ZeroPatch()}):
+        zeroed = pg(ids, attention_mask=mask).logits
+    assert not torch.allclose(zeroed, reference.logits)
+    assert torch.equal(pg(ids, attention_mask=mask).logits, reference.logits)
+
+
+def test_llama_ops_reachable():
+    model = llama("eager")
+    ids, mask = padded_batch(6)
+    pg = PatchableGraph(model, ids, attention_mask=mask)
+    paths = set(pg.node_paths())
+    for path in ["model.layers_0.input_layernorm.rsqrt", "model.layers_0.self_attn.softmax",
+                 "model.layers_1.add", "model.layers_1.mlp.down_proj.linear", "output|logits"]:
+        assert path in paths, path
+    probe = ProbePatch()
+    with pg.patch({"model.layers.1.self_attn.softmax": probe}):
+        pg(ids, attention_mask=mask)
+    reference = model(ids, attention_mask=mask, output_attentions=True)
+    assert torch.equal(probe.activation, reference.attentions[1])
+    with pg.patch({"output|logits": ZeroPatch()}):
+        assert torch.equal(pg(ids, attention_mask=mask).logits, torch.zeros_like(reference.logits))
