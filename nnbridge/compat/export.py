@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -43,10 +44,18 @@ def quiet_torch_export() -> Iterator[None]:
     "Attempted to insert a get_attr Node with no underlying reference" (unflatten inserts its
     ``_spec_N`` attributes after creating the nodes) say nothing the user can act on.
     """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-        warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node", category=UserWarning)
-        yield
+    # torch._export.non_strict_utils logs "0/1 specialized; Dim.AUTO was specified..." for every
+    # size-1 dimension: expected, since nnbridge marks every dimension Dim.AUTO on purpose.
+    logger = logging.getLogger("torch._export.non_strict_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+            warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node", category=UserWarning)
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 class _DistinctConversions(torch.overrides.TorchFunctionMode):
