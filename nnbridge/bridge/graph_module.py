@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..compat import forward_from_source
+from ..compat import NoSubmoduleRecompile, forward_from_source
 from .op_point import OpPoint
 
 #: ``node.meta`` key holding a node's NodePath name within its graph.
@@ -30,23 +30,42 @@ EXAMPLE_KEY = "nnbridge_example"
 
 
 class GraphModuleBase:
-    """Op-point bookkeeping shared by :class:`CompiledGraphModule` and :class:`OpaqueGraphModule`."""
+    """Op-point bookkeeping shared by :class:`CompiledGraphModule` and :class:`OpaqueGraphModule`.
+
+    Op points are created on first use (most nodes of a large model are never listened to).
+    """
 
     def _set_points(self, names: list[str]) -> None:
         old = self.__dict__.get("_op_points", {})
-        self.__dict__["_op_points"] = {n: old.get(n) or OpPoint(self, n) for n in names}  # type: ignore[arg-type]
+        self.__dict__["_point_names"] = list(names)
+        self.__dict__["_op_points"] = {n: old[n] for n in names if n in old}
         self.__dict__["_nnbridge_ops"] = types.SimpleNamespace(**self._op_points)
+
+    def op_point(self, name: str) -> OpPoint:
+        """The op point of node ``name``, created on first use. Raises ``KeyError``."""
+        point = self._op_points.get(name)
+        if point is None:
+            if name not in self._point_names:
+                raise KeyError(name)
+            point = self._op_points[name] = OpPoint(self, name)  # type: ignore[arg-type]
+            setattr(self._nnbridge_ops, name, point)
+        return point
+
+    @property
+    def point_names(self) -> list[str]:
+        """Names of the nodes that have (or can have) an op point, in graph order."""
+        return self.__dict__["_point_names"]
 
     @property
     def op_points(self) -> dict[str, OpPoint]:
-        """``{node name: OpPoint}`` in graph order."""
-        return self.__dict__["_op_points"]
+        """``{node name: OpPoint}`` for every node, in graph order (creates them all)."""
+        return {name: self.op_point(name) for name in self.point_names}
 
     def refresh_routing(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
 
-class CompiledGraphModule(GraphModuleBase, GraphModule):
+class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
     """One invocation of a submodule as a ``torch.fx`` graph (graphpatch's CompiledGraphModule).
 
     Args:
@@ -93,7 +112,7 @@ class CompiledGraphModule(GraphModuleBase, GraphModule):
 
     def refresh_routing(self) -> None:
         """Switch to generated code that routes exactly the listened nodes through their op points."""
-        routed = frozenset(name for name, point in self.op_points.items() if point.listened)
+        routed = frozenset(name for name, point in self._op_points.items() if point.listened)
         if routed == self._routed:
             return
         forward = self._forward_cache.get(routed)
@@ -172,10 +191,10 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         self.__dict__["_routed"] = frozenset()
 
     def refresh_routing(self) -> None:
-        self.__dict__["_routed"] = frozenset(n for n, p in self.op_points.items() if p.listened)
+        self.__dict__["_routed"] = frozenset(n for n, p in self._op_points.items() if p.listened)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        module, routed, points = self.original, self._routed, self.op_points
+        module, routed, points = self.original, self._routed, self._op_points
         if routed:
             bound = self._signature.bind(*args, **kwargs)
             for name in list(bound.arguments):

@@ -31,7 +31,7 @@ def children(module: GraphModuleBase) -> list[tuple[str, GraphModuleBase | None]
         return [(name, module.get_submodule(str(node.target)) if node.op == "call_module" else None)
                 for name, node in module.named_nodes()]
     assert isinstance(module, OpaqueGraphModule)
-    names = list(module.op_points)
+    names = list(module.point_names)
     kids: list[tuple[str, GraphModuleBase | None]] = [(n, None) for n in names[:-1]]
     kids += [(n, c) for n, c in _opaque_children(module) if isinstance(c, GraphModuleBase)]
     kids.append((names[-1], None))
@@ -129,7 +129,7 @@ def record_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[s
         def record(value: Any, store: dict = store, name: str = name) -> Any:
             store.setdefault(name, summarize(value))
             return value
-        point = owner.op_points[name]
+        point = owner.op_point(name)
         point.add_listener(record, refresh=False)
         listeners.append((point, record))
     refresh_all(point for point, _ in listeners)

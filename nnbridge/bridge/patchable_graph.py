@@ -121,7 +121,7 @@ class PatchableGraph(torch.nn.Module):
         """The :class:`OpPoint` of a node of the first extraction (for torch hooks)."""
         node_path = self._validate(str(path))
         owner, name = self._resolve(self._graph_module, node_path)[0]
-        return owner.op_points[name]
+        return owner.op_point(name)
 
     # -- patching -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -172,7 +172,7 @@ class PatchableGraph(torch.nn.Module):
                 self._active.remove((node_path, listener))
 
     def _listen(self, node_path: NodePath, listener: Any, *, add: bool) -> None:
-        points = [owner.op_points[name] for extraction in self.extractions
+        points = [owner.op_point(name) for extraction in self.extractions
                   for owner, name in self._resolve(extraction.root, node_path)]
         for point in points:
             (point.add_listener if add else point.remove_listener)(listener, refresh=False)
@@ -182,8 +182,8 @@ class PatchableGraph(torch.nn.Module):
         points = []
         for node_path, listener in self._active:
             for owner, name in self._resolve(extraction.root, node_path):
-                owner.op_points[name].add_listener(listener, refresh=False)
-                points.append(owner.op_points[name])
+                owner.op_point(name).add_listener(listener, refresh=False)
+                points.append(owner.op_point(name))
         hierarchy.refresh_all(points)
 
     # -- NodePath validation --------------------------------------------------------------------

@@ -9,5 +9,6 @@ from .export import (
     rename_nodes as rename_nodes,
     unflatten as unflatten,
 )
+from .fx import NoSubmoduleRecompile as NoSubmoduleRecompile
 from .hooks import cleared_module_state as cleared_module_state
 from .hooks import has_module_hooks as has_module_hooks

@@ -1,0 +1,99 @@
+"""Graph-layer benchmark: extraction time and forward cost vs eager and vs nnsight, one run.
+
+Models: random GPT-2 (768 wide, 12 heads) with 2 and 12 layers, eager attention, batch 1, 64 tokens.
+Forward times are medians of interleaved repetitions under ``torch.no_grad()`` on this machine's CPU.
+Rows:
+  eager               the untouched model
+  pg unpatched        PatchableGraph, nothing patched (target <= 1.02x eager)
+  pg 1 probe          ProbePatch on transformer.h_0.attn.softmax
+  pg 10 probes        ProbePatches on 10 op nodes across layers
+  nnsight save        nnsight.NNsight trace saving transformer.h[0].attn output (module level)
+Usage: python benchmarks/bench_graph.py [--repeats N] [--layers 2 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import nnbridge
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def bench(layers: int, repeats: int) -> None:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=layers, n_embd=768, n_head=12, attn_implementation="eager")
+    model = GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 64))
+
+    start = time.perf_counter()
+    pg = nnbridge.PatchableGraph(model, ids)
+    extraction_s = time.perf_counter() - start
+    nodes = len(pg.node_paths())
+
+    probe_paths = [p for p in pg.node_paths() if p.endswith((".softmax", ".add", ".mul"))][:10]
+    import nnsight
+
+    nn_model = nnsight.NNsight(model)
+
+    def eager():
+        with torch.no_grad():
+            model(ids)
+
+    def unpatched():
+        with torch.no_grad():
+            pg(ids)
+
+    one = {"transformer.h_0.attn.softmax": nnbridge.ProbePatch()}
+    ten = {p: nnbridge.ProbePatch() for p in probe_paths}
+
+    def patched(patch_map):
+        def run():
+            with torch.no_grad(), pg.patch(patch_map):
+                pg(ids)
+        return run
+
+    def nnsight_save():
+        with torch.no_grad(), nn_model.trace(ids):
+            nn_model.transformer.h[0].attn.output.save()
+
+    rows = {"eager": eager, "pg unpatched": unpatched, "pg 1 probe": patched(one),
+            "pg 10 probes": patched(ten), "nnsight save": nnsight_save}
+    for fn in rows.values():  # warm up
+        fn()
+        fn()
+    results: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(repeats):  # interleave to share drift between rows
+        for name, fn in rows.items():
+            results[name].append(median_ms(fn, 1))
+    med = {name: statistics.median(v) for name, v in results.items()}
+    print(f"\nGPT-2 {layers} layers x 768, 64 tokens: extraction {extraction_s:.2f} s, {nodes} leaf NodePaths")
+    print(f"{'row':<16}{'ms':>9}{'x eager':>10}{'x nnsight':>11}")
+    for name, ms in med.items():
+        print(f"{name:<16}{ms:>9.2f}{ms / med['eager']:>10.3f}{ms / med['nnsight save']:>11.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 12])
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for layers in args.layers:
+        bench(layers, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
