@@ -7,6 +7,7 @@ their ``forward()`` arguments, then parameters and buffers, then children, then 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,3 +149,132 @@ def refresh_all(points: Any) -> None:
     for owner in owners.values():
         if owner is not None:
             owner.refresh_routing()
+
+
+def _size(value: torch.Tensor) -> torch.Size:
+    """The example's concrete sizes of a (fake) tensor whose dimensions may be symbolic."""
+    return torch.Size(int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in value.shape)
+
+
+def _from_val(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _size(value)
+    if isinstance(value, (torch.SymInt, int)):
+        return "int"
+    if isinstance(value, (torch.SymFloat, float)):
+        return "float"
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(_size(v) for v in value) if type(value) in (tuple, list) else [_size(v) for v in value]
+    return None
+
+
+def _from_spec(spec: Any, leaves: Iterator[Any]) -> Any:
+    """Summary of ``tree_unflatten(leaves, spec)`` built from the spec alone (never unflattens:
+    custom pytree types keep state in their spec)."""
+    if spec.is_leaf():
+        return next(leaves)
+    children = [_from_spec(child, leaves) for child in spec.children()]
+    kind = spec.type
+    if kind in (tuple, list):
+        return kind(children)
+    if kind is dict:
+        return dict(zip(spec.context, children))
+    if kind is not None and issubclass(kind, dict):
+        return _Named(kind.__name__, dict(zip(spec.context, children)))
+    if kind is not None and issubclass(kind, (tuple, list)):
+        return list(children)
+    return getattr(kind, "__name__", "object")
+
+
+_UNKNOWN = object()  # a value export kept no metadata for
+
+
+def _missing(summary: Any) -> bool:
+    if summary is _UNKNOWN:
+        return True
+    if isinstance(summary, torch.Size):
+        return False
+    if isinstance(summary, (tuple, list)):
+        return any(_missing(s) for s in summary)
+    if isinstance(summary, dict):
+        return any(_missing(s) for s in summary.values())
+    return False
+
+
+def static_examples(module: GraphModuleBase, inputs: dict[str, Any], attrs: dict[str, Any] | None = None) -> Any:
+    """Fill ``module.examples`` from export's metadata (fake tensors, sizes of the example call).
+
+    Args:
+        module: an extracted graph.
+        inputs: ``{placeholder name: summary}`` of the call.
+
+    Returns:
+        The summary of the module's output, or None when some value is unknown (opaque modules,
+        values export kept no metadata for): callers then fall back to :func:`record_examples`.
+    """
+    from torch.fx import Node
+    from torch.fx import _pytree as fx_pytree
+    from torch.utils import _pytree as pytree
+
+    if not isinstance(module, CompiledGraphModule):
+        return None
+    examples: dict[str, Any] = {}
+    values: dict[Node, Any] = {}
+    complete = True
+
+    def of(arg: Any) -> Any:
+        return pytree.tree_map(lambda leaf: values.get(leaf, _UNKNOWN) if isinstance(leaf, Node) else summarize(leaf), arg)
+
+    for name, node in module.named_nodes():
+        summary = _from_val(node.meta.get("val"))
+        if node.op == "placeholder":
+            summary = inputs.get(name, summary)
+        elif node.op == "get_attr":
+            attr = module
+            for part in str(node.target).split("."):
+                attr = getattr(attr, part)
+            summary = summarize(attr)
+        elif node.op == "call_module":
+            child_module = module.get_submodule(str(node.target))
+            child_inputs = _bind_inputs(child_module, of(node.args), of(node.kwargs))
+            summary = static_examples(child_module, child_inputs) if child_inputs is not None else None
+            complete = complete and summary is not None
+            summary = _UNKNOWN if summary is None else summary
+        elif node.op == "output":
+            summary = of(node.args[0])
+        elif summary is None and node.target is fx_pytree.tree_flatten_spec:
+            summary = "list"  # custom-pytree plumbing; its leaves carry metadata of their own
+        elif summary is None and node.target is pytree.tree_unflatten:
+            spec = getattr(module, str(node.args[1].target))
+            summary = _from_spec(spec, iter(of(list(node.args[0]))))
+        elif summary is None and node.target is operator.getitem:
+            container = values.get(node.args[0], _UNKNOWN)
+            try:
+                summary = container[node.args[1]]
+            except (KeyError, IndexError, TypeError):
+                summary = _UNKNOWN
+        elif summary is None:
+            summary = _UNKNOWN
+        values[node] = summary
+        if node.op != "call_module":
+            examples[name] = summary
+            complete = complete and not _missing(summary)
+    module.__dict__["examples"] = examples
+    return values[next(n for n in module.graph.nodes if n.op == "output")] if complete else None
+
+
+def _bind_inputs(module: GraphModuleBase, args: Any, kwargs: Any) -> dict[str, Any] | None:
+    if not isinstance(module, CompiledGraphModule):
+        return None
+    placeholders = [name for name, node in module.named_nodes() if node.op == "placeholder"]
+    bound = dict(zip(placeholders, args))
+    bound.update(kwargs)
+    return bound
+
+
+def describe_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Store example summaries on every graph of ``root``: statically from export's metadata when
+    it describes every value, else by one recording run of the example inputs."""
+    inputs = _bind_inputs(root, [summarize(a) for a in args], {k: summarize(v) for k, v in kwargs.items()})
+    if inputs is None or static_examples(root, inputs) is None:
+        record_examples(root, args, kwargs)

@@ -89,7 +89,7 @@ class PatchableGraph(torch.nn.Module):
         self.__dict__["_active"] = []  # [(NodePath, listener)] of open patch contexts
         self._dispatcher = GraphDispatcher(module, options, on_extraction=[self._apply_active])
         first = self._dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
-        hierarchy.record_examples(first.root, tuple(example_args), dict(example_kwargs))
+        hierarchy.describe_examples(first.root, tuple(example_args), dict(example_kwargs))
         self._graph_module = first.root
 
     # -- calling --------------------------------------------------------------------------------
