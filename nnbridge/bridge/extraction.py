@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 from torch.utils import _pytree as pytree
+from tqdm.auto import tqdm
 
 from ..compat import cleared_module_state, export, invocation_graphs, register_cache_pytrees, unflatten
 from ..errors import ExtractionError, NNBridgeWarning
@@ -286,7 +287,12 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                     or type(sub) in ctx.options.classes_to_skip_compiling)}
     errors: dict[str, BaseException] = {}
     dynamic = ctx.options.dynamic_shapes
+    bar = tqdm(total=3, desc=f"extracting {type(module).__name__}", unit="stage", disable=not ctx.options.progress,
+               leave=False)
+    bar.set_postfix_str("checking inputs")
     flat = modules_with_state_inputs(module, args, kwargs)
+    bar.update()
+    bar.set_postfix_str("torch.export")
     while True:
         calls = record_calls(module, set(stubs), args, kwargs) if stubs else {}
         try:
@@ -295,6 +301,7 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         except _ModuleFailure as failure:
             fqn, error = failure.fqn, failure.error
             if fqn == "" or fqn in stubs:
+                bar.close()
                 ctx.fail("", describe_failure(error), error)
                 return _opaque(ctx, "", module, args, kwargs, describe_failure(error)), static
             stubs[fqn] = describe_failure(error)
@@ -305,9 +312,13 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         elif reason == "skipped":
             ctx.opaque[ctx.full(fqn)] = reason
     guard = ShapeGuard.from_export(exported) if dynamic else static
+    bar.update()
+    bar.set_postfix_str("unflatten and build graphs")
     unflattened = unflatten(exported)
     builder = _Builder(ctx, unflattened, stubs, calls)
     root = builder.build("", module, invocation_graphs(unflattened.get_submodule("model"))[0])
+    bar.update()
+    bar.close()
     return root, guard
 
 

@@ -241,7 +241,7 @@ def static_examples(module: GraphModuleBase, inputs: dict[str, Any], attrs: dict
             complete = complete and summary is not None
             summary = _UNKNOWN if summary is None else summary
         elif node.op == "output":
-            summary = of(node.args[0])
+            summary = _plain(of(node.args[0]))
         elif summary is None and node.target is fx_pytree.tree_flatten_spec:
             summary = "list"  # custom-pytree plumbing; its leaves carry metadata of their own
         elif summary is None and node.target is pytree.tree_unflatten:
@@ -261,6 +261,17 @@ def static_examples(module: GraphModuleBase, inputs: dict[str, Any], attrs: dict
             complete = complete and not _missing(summary)
     module.__dict__["examples"] = examples
     return values[next(n for n in module.graph.nodes if n.op == "output")] if complete else None
+
+
+def _plain(summary: Any) -> Any:
+    """fx's ``immutable_list``/``immutable_dict`` (graph argument containers) as list/dict."""
+    if isinstance(summary, list) and type(summary) is not list:
+        return [_plain(s) for s in summary]
+    if isinstance(summary, dict) and type(summary) not in (dict, _Named):
+        return {k: _plain(v) for k, v in summary.items()}
+    if type(summary) is tuple:
+        return tuple(_plain(s) for s in summary)
+    return summary
 
 
 def _bind_inputs(module: GraphModuleBase, args: Any, kwargs: Any) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ as a NodePath key in ``pg.patch``.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import torch
@@ -110,7 +111,9 @@ class NodeView:
             if name == item:
                 return view
         names = [name for name, _ in self._children()]
-        raise AttributeError(f"{self._path or '<root>'} has no child {item!r}; children: {names}")
+        close = difflib.get_close_matches(item, names, n=5, cutoff=0.4) or names[:5]
+        raise AttributeError(f"{self._path or '<root>'} has no child {item!r}; closest: {close}"
+                             f" ({len(names)} children; dir() lists them)")
 
     def __dir__(self) -> list[str]:
         return [name for name, _ in self._children()] + ["_code", "_shape", "_path"]
@@ -146,13 +149,15 @@ class NodeView:
             return f"{name}: {type(self._graph).__name__}"
         return f"{name}: {_describe(self._summary)}"
 
-    def _lines(self, indent: str) -> list[str]:
+    def _lines(self, indent: str, depth: int | None = None) -> list[str]:
+        if depth is not None and depth <= 0:
+            return []
         lines = []
         kids = self._children()
         for i, (_, view) in enumerate(kids):
             last = i == len(kids) - 1
             lines.append(f"{indent}{'└─' if last else '├─'}{view._label()}")
-            lines.extend(view._lines(indent + ("  " if last else "│ ")))
+            lines.extend(view._lines(indent + ("  " if last else "│ "), None if depth is None else depth - 1))
         return lines
 
     def __repr__(self) -> str:
@@ -160,3 +165,8 @@ class NodeView:
 
     def __str__(self) -> str:
         return self._path
+
+
+def format_tree(view: NodeView, depth: int | None = None) -> str:
+    """The tree under ``view`` (as its repr), limited to ``depth`` levels when given."""
+    return "\n".join([view._label(), *view._lines("", depth)])

@@ -35,6 +35,7 @@ class ExtractionOptions:
         dynamic_shapes: Export every tensor dimension as ``torch.export.Dim.AUTO`` so one
             extraction serves other sequence lengths (and batch sizes when the example batch is
             >= 2); dimensions the model fixes stay static. Default: ``True``.
+        progress: Show a tqdm progress bar over the extraction stages. Default: ``False``.
     """
 
     classes_to_skip_compiling: set[type[torch.nn.Module]] = field(default_factory=set)
@@ -47,3 +48,4 @@ class ExtractionOptions:
     skip_compilation: bool = False
     allow_unused_submodules: bool = False
     dynamic_shapes: bool = True
+    progress: bool = False

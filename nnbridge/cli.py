@@ -1,0 +1,88 @@
+"""The ``nnbridge`` command (also ``python -m nnbridge``).
+
+    nnbridge demo [--out ioi_patching.png]     IOI activation patching at op level on SmolLM2
+    nnbridge tree MODEL [--path PREFIX] [--depth N]   the NodePath tree with shapes
+
+Bad arguments print one line and exit with status 2; failures exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import NNBridgeError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        self.exit(2, f"nnbridge: error: {message} (see 'nnbridge --help')\n")
+
+
+def _load(model: str) -> tuple[Any, Any]:
+    from . import models
+
+    if model == "smollm2":
+        return models.load_smollm2()
+    if model == "minilm":
+        return models.load_minilm()
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise NNBridgeError(f"unknown model {model!r}: use 'smollm2', 'minilm' or a local transformers directory"
+                            " containing config.json")
+    from transformers import AutoModel, AutoTokenizer
+
+    return AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _tree(args: argparse.Namespace) -> None:
+    from .bridge import ExtractionOptions, PatchableGraph
+    from .bridge.inspection import format_tree
+
+    model, tokenizer = _load(args.model)
+    inputs = tokenizer("The quick brown fox jumps over the lazy dog", return_tensors="pt")
+    pg = PatchableGraph(model, **inputs, options=ExtractionOptions(progress=sys.stderr.isatty()))
+    view = pg.graph
+    if args.path:
+        for segment in args.path.split("."):
+            try:
+                view = getattr(view, segment)
+            except AttributeError as error:
+                raise NNBridgeError(str(error)) from None
+    print(format_tree(view, args.depth))
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from .demo import format_table, run_ioi, save_heatmap
+    from .models import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    result = run_ioi(model, tokenizer, progress=True)
+    print(format_table(result))
+    print(f"heatmap: {save_heatmap(result, Path(args.out))}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="nnbridge", description="Every intermediate op of a PyTorch model as a patchable point.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    demo = commands.add_parser("demo", help="IOI activation patching at op level on SmolLM2-135M")
+    demo.add_argument("--out", default="ioi_patching.png", help="heatmap PNG path (default: ioi_patching.png)")
+    tree = commands.add_parser("tree", help="print the NodePath tree with shapes")
+    tree.add_argument("model", help="'smollm2', 'minilm' or a local transformers directory")
+    tree.add_argument("--path", default="", help="NodePath prefix to start from, e.g. model.layers_0")
+    tree.add_argument("--depth", type=int, default=None, help="levels to print (default: all)")
+    args = parser.parse_args(argv)
+    if args.command == "tree" and args.depth is not None and args.depth < 1:
+        parser.error("--depth must be a positive integer")
+    try:
+        {"demo": _demo, "tree": _tree}[args.command](args)
+    except (NNBridgeError, KeyError, OSError, ValueError) as error:
+        print(f"nnbridge: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

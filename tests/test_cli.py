@@ -1,0 +1,43 @@
+"""The ``nnbridge`` command: tree on a local model directory, one-line errors, exit codes."""
+
+import subprocess
+import sys
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from nnbridge.cli import main
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "nnbridge", *args], capture_output=True, text=True)
+
+
+def test_tree_of_a_local_model(tmp_path, capsys):
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50257)).save_pretrained(tmp_path)
+    from pathlib import Path
+    tokenizer_dir = Path(__file__).parents[2] / "shared" / "data" / "gpt2_tokenizer"
+    for name in ("vocab.json", "merges.txt", "tokenizer.json"):
+        (tmp_path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    assert main(["tree", str(tmp_path), "--path", "h_0.attn", "--depth", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "attn: CompiledGraphModule"
+    assert "├─scaled_dot_product_attention: Tensor(1, 2, 9, 16)" in out
+    assert out[-1] == "└─output: list(3)"
+    assert not any(line.startswith("│ ") for line in out), "depth 1 prints one level"
+
+
+def test_bad_arguments_one_line_and_exit_2():
+    for args in ([], ["tree"], ["frobnicate"], ["tree", "smollm2", "--depth", "0"], ["tree", "x", "--depth", "a"]):
+        result = run(*args)
+        assert result.returncode == 2, args
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("nnbridge: error:"), result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_unknown_model_one_line_and_exit_1(tmp_path):
+    result = run("tree", str(tmp_path / "missing"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("nnbridge: error: unknown model")
+    assert "Traceback" not in result.stderr
