@@ -101,7 +101,7 @@ def save_heatmap(result: IOIResult, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     names = list(result.recovered)
-    data = torch.tensor([result.recovered[n] for n in names])
+    data = torch.tensor([result.recovered[n] for n in names]).numpy()
     fig, ax = plt.subplots(figsize=(12, 2.8))
     image = ax.imshow(data, cmap="RdBu", vmin=-1, vmax=1, aspect="auto")
     ax.set_yticks(range(len(names)), names)

@@ -155,6 +155,7 @@ def rename_nodes(graph: torch.fx.Graph, names: dict[torch.fx.Node, str]) -> None
     ``pow``) get a numeric suffix from fx; the display names live in ``node.meta``.
     """
     namespace = torch.fx.graph._Namespace()
+    namespace.create_name("self", object())  # generated code's method argument (BERT has `attention.self`)
     graph._graph_namespace = namespace
     for node in graph.nodes:
         node.name = namespace.create_name(names.get(node, node.name), node)

