@@ -14,6 +14,12 @@ graphs, one per submodule invocation, on torch 2.13, and exposes graphpatch's AP
     with pg.patch({"transformer.h_0.attn.softmax": probe}):
         pg(ids)
     probe.activation.shape          # (batch, heads, seq, seq) = (1, 4, 8, 8)
+
+Or bridge the model in place, so plain torch hooks reach every op::
+
+    nnbridge.bridge(model, ids)
+    model.get_submodule("transformer.h.0.attn.softmax").register_forward_hook(
+        lambda module, args, output: output * 0)
 """
 
 from .bridge import AddPatch as AddPatch
@@ -35,6 +41,12 @@ from .errors import NNBridgeError as NNBridgeError
 from .errors import NNBridgeWarning as NNBridgeWarning
 from .errors import NodePathError as NodePathError
 
+# ``nnbridge.bridge`` is the function (the public API the issues ask for); the ``nnbridge/bridge``
+# subpackage stays importable as ``nnbridge.bridge.<module>`` / ``from nnbridge.bridge import X``
+# through ``sys.modules``.
+from .bridge.in_place import bridge as bridge  # noqa: E402  (rebinds the subpackage attribute)
+from .bridge.in_place import unbridge as unbridge  # noqa: E402
+
 __all__ = [
     "AddPatch",
     "CompiledGraphModule",
@@ -54,4 +66,6 @@ __all__ = [
     "RecordPatch",
     "ReplacePatch",
     "ZeroPatch",
+    "bridge",
+    "unbridge",
 ]

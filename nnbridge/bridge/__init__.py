@@ -13,6 +13,9 @@ puts NodePaths, patches and inspection on top, as graphpatch did::
 """
 
 from .dispatcher import GraphDispatcher as GraphDispatcher
+from .in_place import bridge as bridge
+from .in_place import bridge_of as bridge_of
+from .in_place import unbridge as unbridge
 from .extraction import Extraction as Extraction
 from .extraction import extract as extract
 from .graph_module import CompiledGraphModule as CompiledGraphModule

@@ -25,11 +25,14 @@ def _leaf_key(leaf: Any) -> Hashable:
     return (type(leaf), leaf)
 
 
-def structure_key(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    """Hashable description of a call's structure (everything except tensor values and sizes)."""
+def structure_key(modules: list[torch.nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """Hashable description of a call's structure (everything except tensor values and sizes).
+
+    Args:
+        modules: the module and its submodules, whose train/eval flags are part of the structure.
+    """
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves),
-            tuple(m.training for m in module.modules()))
+    return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves), tuple(m.training for m in modules))
 
 
 def tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

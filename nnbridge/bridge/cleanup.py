@@ -106,27 +106,24 @@ def _prologue(graph: Graph) -> Node | None:
     return None
 
 
-def localize_symbols(graph: Graph) -> bool:
-    """Drop the extra inputs unflatten threads into a preserved-signature graph for dynamic sizes.
+def localize_symbols(graph: Graph) -> list[Node]:
+    """Rewrite reads of symbolic sizes off the extra inputs unflatten threads into a graph.
 
-    With dynamic shapes, ``torch.export.unflatten`` passes a root input (``args_0``) as an extra
-    leading argument to every preserved-signature submodule so that ``sym_size(args_0, d)`` can
-    read a symbolic size. This rewrites each such ``sym_size`` to read the same symbol off one of
-    the module's own inputs and removes the extra placeholders, so the graph takes exactly the
-    module's arguments.
+    With dynamic shapes, ``torch.export.unflatten`` passes root inputs (``args_0``) as extra
+    leading arguments to every preserved-signature submodule so that ``sym_size(args_0, d)`` can
+    read a symbolic size, and forwards them on to the submodule's own children. Each such
+    ``sym_size`` is rewritten to read the same symbol off one of the module's own inputs.
 
     Returns:
-        True when the graph takes only its module's arguments afterwards (nothing to do counts);
-        False when an extra input could not be replaced (the graph is left unchanged).
+        The extra placeholders. Once the children no longer take them (see ``drop_unused_extras``)
+        and nothing else reads them, the graph takes exactly its module's arguments.
     """
     prologue = _prologue(graph)
     if prologue is None:
-        return True
+        return []
     positional, keywords = prologue.args[0]
     declared = set(positional) | set(keywords.values())
     extras = [n for n in graph.nodes if n.op == "placeholder" and n not in declared]
-    if not extras:
-        return True
     sources: dict[Any, tuple[Node, int]] = {}
     for leaf in sorted((u for u in prologue.users if u.target is operator.getitem), key=lambda u: u.args[1]):
         value = leaf.meta.get("val")
@@ -134,20 +131,26 @@ def localize_symbols(graph: Graph) -> bool:
             for dim, size in enumerate(value.shape):
                 if isinstance(size, torch.SymInt):
                     sources.setdefault(size.node.expr, (leaf, dim))
-    plan: list[tuple[Node, Node, int]] = []
     for extra in extras:
-        for user in extra.users:
+        for user in list(extra.users):
             value = user.meta.get("val")
-            if not (user.op == "call_function" and op_base_name(user) == "sym_size"
+            if (user.op == "call_function" and op_base_name(user) == "sym_size"
                     and isinstance(value, torch.SymInt) and value.node.expr in sources):
-                return False
-            plan.append((user, *sources[value.node.expr]))
-    for user, leaf, dim in plan:
-        user.args = (leaf, dim)
-        leaf.append(user)
+                leaf, dim = sources[value.node.expr]
+                user.args = (leaf, dim)
+                leaf.append(user)
+    return extras
+
+
+def drop_unused_extras(graph: Graph, extras: list[Node]) -> bool:
+    """Remove extra placeholders nothing reads any more; True when none is left."""
+    left = False
     for extra in extras:
-        graph.erase_node(extra)
-    return True
+        if extra.users:
+            left = True
+        else:
+            graph.erase_node(extra)
+    return not left
 
 
 def _clean_prologue(graph: Graph, attrs: dict[str, Any]) -> None:
@@ -327,7 +330,7 @@ def name_nodes(graph: Graph, forward: Callable[..., Any], call_names: dict[Node,
     rename_nodes(graph, names)
 
 
-def clean_graph(graph: Graph, attrs: dict[str, Any]) -> bool:
+def clean_graph(graph: Graph, attrs: dict[str, Any]) -> list[Node]:
     """Remove unflatten's pytree plumbing in place (see the module docstring).
 
     Args:
@@ -335,13 +338,13 @@ def clean_graph(graph: Graph, attrs: dict[str, Any]) -> bool:
         attrs: ``{get_attr target: value}`` of the graph's owner (for the ``_spec_N`` tree specs).
 
     Returns:
-        Whether the graph takes exactly its module's arguments (see :func:`localize_symbols`).
+        The extra placeholders unflatten added (see :func:`localize_symbols`).
     """
-    localized = localize_symbols(graph)
+    extras = localize_symbols(graph)
     _clean_prologue(graph, attrs)
     _clean_calls(graph, attrs)
     _clean_epilogue(graph, attrs)
     _remove_checks(graph)
     _dead_code(graph)
     graph.lint()
-    return localized
+    return extras

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .call_structure import structure_key, tensor_leaves
-from .extraction import Extraction, extract
+from .extraction import Extraction, extract, real_modules
 from .options import ExtractionOptions
 
 
@@ -23,17 +23,20 @@ class GraphDispatcher(torch.nn.Module):
         module: the original module (not registered as a child; parameters are shared).
         options: extraction options for every extraction.
         path: NodePath of the module in its hierarchy (for messages).
-        on_extraction: callbacks run on each extraction after the first (re-applying patches).
+        on_extraction: ``callback(dispatcher, extraction)`` run on each extraction after the first
+            (re-applying patches, linking a bridge); the list is shared with the dispatchers of
+            opaque modules' children in the same tree.
     """
 
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, *, path: str = "",
-                 on_extraction: list[Callable[[Extraction], None]] | None = None):
+                 on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None):
         super().__init__()
         self.__dict__["module"] = module
         self.__dict__["options"] = options
         self.__dict__["path"] = path
         self.__dict__["on_extraction"] = on_extraction if on_extraction is not None else []
         self.__dict__["extractions"] = {}  # structure key -> [Extraction]
+        self.__dict__["flag_modules"] = real_modules(module)
 
     def all_extractions(self) -> list[Extraction]:
         """Every extraction made so far, first one first."""
@@ -42,19 +45,19 @@ class GraphDispatcher(torch.nn.Module):
     def add_extraction(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                        key: Hashable | None = None) -> Extraction:
         """Extract for this call and cache the result under its structure key."""
-        key = structure_key(self.module, args, kwargs) if key is None else key
+        key = structure_key(self.flag_modules, args, kwargs) if key is None else key
         first = not self.extractions
         extraction = extract(self.module, args, kwargs, self.options, path=self.path,
                              on_extraction=self.on_extraction)
         self.extractions.setdefault(key, []).append(extraction)
         if not first:
-            for callback in self.on_extraction:
-                callback(extraction)
+            for callback in list(self.on_extraction):
+                callback(self, extraction)
         return extraction
 
     def lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
         """The extraction serving this call, extracting one if none fits."""
-        key = structure_key(self.module, args, kwargs)
+        key = structure_key(self.flag_modules, args, kwargs)
         candidates = self.extractions.get(key)
         if candidates:
             tensors = tensor_leaves(args, kwargs)

@@ -33,8 +33,9 @@ from tqdm.auto import tqdm
 from ..compat import cleared_module_state, export, invocation_graphs, register_cache_pytrees, unflatten
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
-from .cleanup import EXTRA_ARGS_KEY, clean_graph, name_nodes
+from .cleanup import EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, name_nodes
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
+from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
 
 #: Names a child may not take in a graph module or in ``pg.graph``; such children get a trailing
@@ -44,6 +45,19 @@ RESERVED_NAMES = frozenset(
     | {name for name in dir(CompiledGraphModule) if not name.startswith("__")}
 )
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def real_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and its submodules, without the op points a bridge registered on them."""
+    return [m for _, m in named_real_modules(module)]
+
+
+def named_real_modules(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
+    """``named_modules()`` without op points and their per-invocation containers."""
+    yield prefix, module
+    for name, child in module.named_children():
+        if not isinstance(child, (OpPoint, OpPointContainer)):
+            yield from named_real_modules(child, f"{prefix}.{name}" if prefix else name)
 
 
 def safe_name(name: str) -> str:
@@ -77,7 +91,7 @@ def reserved_names_renamed(module: torch.nn.Module) -> Iterator[dict[int, dict[s
     """
     renamed: list[tuple[torch.nn.Module, str, str]] = []
     try:
-        for parent in list(module.modules()):
+        for parent in real_modules(module):
             for name in [n for n in parent._modules if n in RESERVED_NAMES]:
                 safe = safe_name(name)
                 if safe in parent._modules:
@@ -108,6 +122,8 @@ def describe_failure(error: BaseException) -> str:
 def direct_callees(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
     """Children a module's forward can call, looking through ModuleList/ModuleDict containers."""
     for name, child in module.named_children():
+        if isinstance(child, (OpPoint, OpPointContainer)):
+            continue
         if isinstance(child, _CONTAINERS):
             yield from direct_callees(child, f"{prefix}{name}.")
         else:
@@ -163,7 +179,7 @@ def modules_with_state_inputs(module: torch.nn.Module, args: tuple[Any, ...], kw
     """
     found: set[str] = set()
     handles = []
-    for fqn, sub in module.named_modules():
+    for fqn, sub in named_real_modules(module):
         if not fqn:
             continue
 
@@ -209,7 +225,7 @@ class Extraction:
 
 class _Context:
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, path: str,
-                 on_extraction: list[Callable[[Extraction], None]]):
+                 on_extraction: list[Callable[[Any, Extraction], None]]):
         self.module = module
         self.options = options
         self.path = path
@@ -239,7 +255,7 @@ class _Context:
 
 def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             options: ExtractionOptions | None = None, *, path: str = "",
-            on_extraction: list[Callable[[Extraction], None]] | None = None) -> Extraction:
+            on_extraction: list[Callable[[Any, Extraction], None]] | None = None) -> Extraction:
     """Extract ``module`` for the call ``module(*args, **kwargs)``.
 
     The module is left exactly as it was: its hooks and instance ``forward`` overrides are cleared
@@ -282,7 +298,7 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         return _opaque(ctx, "", module, args, kwargs, "skipped"), static
     stubs: dict[str, str] = {
         fqn: "custom" if type(sub) in ctx.options.custom_extraction_functions else "skipped"
-        for fqn, sub in module.named_modules()
+        for fqn, sub in named_real_modules(module)
         if fqn and (type(sub) in ctx.options.custom_extraction_functions
                     or type(sub) in ctx.options.classes_to_skip_compiling)}
     errors: dict[str, BaseException] = {}
@@ -333,7 +349,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """Export once (dynamic, then static on failure); raise _ModuleFailure naming the innermost
     module that was running when export failed. Modules in ``flat`` keep flat signatures."""
     wrapper = _Wrapper(module)
-    fqns = tuple(f"model.{n}" if n else "model" for n, m in module.named_modules()
+    fqns = tuple(f"model.{n}" if n else "model" for n, m in named_real_modules(module)
                  if not isinstance(m, _CONTAINERS) and n not in flat)
     active: list[str] = []
     handles = []
@@ -344,7 +360,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     def leave(mod: torch.nn.Module, inputs: Any, output: Any) -> None:
         active.pop()
 
-    for fqn, sub in module.named_modules():
+    for fqn, sub in named_real_modules(module):
         handles.append(sub.register_forward_pre_hook(enter(fqn)))
         handles.append(sub.register_forward_hook(leave))
     stub_counters: Counter[str] = Counter()
@@ -427,7 +443,7 @@ class _Builder:
     def build(self, fqn: str, module: torch.nn.Module, holder: torch.nn.Module) -> CompiledGraphModule:
         graph: Graph = holder.graph
         attrs = {str(n.target): _resolve_attr(holder, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
-        exact_signature = clean_graph(graph, attrs)
+        extras = clean_graph(graph, attrs)
         calls = [n for n in graph.nodes if n.op == "call_module"]
         per_target = Counter(str(n.target) for n in calls)
         local: Counter[str] = Counter()
@@ -455,6 +471,8 @@ class _Builder:
                 node.target = safe_target
                 call_names[node] = base
             children.append((str(node.target), child))
+            node.meta[MODULE_PATH_KEY] = _original_path(self.ctx, module, target)
+        exact_signature = drop_unused_extras(graph, extras)
         name_nodes(graph, type(module).forward, call_names)
         root: dict[str, Any] = {}
         for node in graph.nodes:
@@ -481,6 +499,19 @@ class _Builder:
             self.ctx.options.postprocessing_function(cgm, module)
             cgm.recompile()
         return cgm
+
+
+#: ``node.meta`` key on a submodule call: the callee's path relative to the caller, as the user
+#: spells it (``h.0``, ``graph``), whatever the graph attribute is called (``h.0``, ``graph_``).
+MODULE_PATH_KEY = "nnbridge_module_path"
+
+
+def _original_path(ctx: _Context, module: torch.nn.Module, target: str) -> str:
+    holder, parts = module, []
+    for part in target.split("."):
+        parts.append(ctx.renamed.get(id(holder), {}).get(part, part))
+        holder = holder._modules[part]
+    return ".".join(parts)
 
 
 def _retype_containers(cgm: torch.nn.Module, targets: list[str], template: torch.nn.Module,

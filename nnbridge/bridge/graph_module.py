@@ -94,6 +94,13 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
                 return node
         raise KeyError(name)
 
+    def child_graph(self, node: Node) -> GraphModuleBase:
+        """The graph a ``call_module`` node runs (also after a bridge rewired the call site)."""
+        linked = self.__dict__.get("graph_children")
+        if linked is not None:
+            return linked[node.meta.get(NAME_KEY, node.name)]
+        return self.get_submodule(str(node.target))  # type: ignore[return-value]
+
     # -- routing --------------------------------------------------------------------------------
     def recompile(self) -> Any:
         """Regenerate the plain code from ``self.graph`` and re-apply routing (after graph edits)."""

@@ -29,7 +29,7 @@ def _opaque_children(module: torch.nn.Module, prefix: str = "") -> Iterator[tupl
 def children(module: GraphModuleBase) -> list[tuple[str, GraphModuleBase | None]]:
     """``(name, child graph or None for a node)`` in display order."""
     if isinstance(module, CompiledGraphModule):
-        return [(name, module.get_submodule(str(node.target)) if node.op == "call_module" else None)
+        return [(name, module.child_graph(node) if node.op == "call_module" else None)
                 for name, node in module.named_nodes()]
     assert isinstance(module, OpaqueGraphModule)
     names = list(module.point_names)
@@ -145,10 +145,9 @@ def record_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[s
 
 def refresh_all(points: Any) -> None:
     """Refresh the routing of every distinct owner of ``points`` once."""
-    owners = {id(p._owner()): p._owner() for p in points}
+    owners = {id(owner): owner for p in points for owner in p.owners()}
     for owner in owners.values():
-        if owner is not None:
-            owner.refresh_routing()
+        owner.refresh_routing()
 
 
 def _size(value: torch.Tensor) -> torch.Size:
@@ -235,7 +234,7 @@ def static_examples(module: GraphModuleBase, inputs: dict[str, Any], attrs: dict
                 attr = getattr(attr, part)
             summary = summarize(attr)
         elif node.op == "call_module":
-            child_module = module.get_submodule(str(node.target))
+            child_module = module.child_graph(node)
             child_inputs = _bind_inputs(child_module, of(node.args), of(node.kwargs))
             summary = static_examples(child_module, child_inputs) if child_inputs is not None else None
             complete = complete and summary is not None

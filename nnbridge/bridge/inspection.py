@@ -63,7 +63,7 @@ def _first_trace(module: GraphModuleBase) -> str | None:
         if node.meta.get("stack_trace"):
             return node.meta["stack_trace"]
         if node.op == "call_module":
-            found = _first_trace(module.get_submodule(str(node.target)))
+            found = _first_trace(module.child_graph(node))
             if found:
                 return found
     return None

@@ -7,8 +7,8 @@ listens the graph runs its plain generated code: an unpatched forward does no pe
 Example::
 
     point = pg.op_point("transformer.h_0.attn.softmax")
-    handle = point.register_forward_hook(lambda mod, args, out: out * 0)
-    point.refresh()        # re-route after registering torch hooks directly
+    handle = point.register_forward_hook(lambda mod, args, out: out * 0)   # routed from now on
+    handle.remove()                                                        # and no longer
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..compat.hooks import has_module_hooks
 
@@ -41,8 +42,17 @@ class OpPoint(torch.nn.Module):
     def __init__(self, owner: GraphModuleBase, node_name: str) -> None:
         super().__init__()
         self.node_name = node_name
-        self.__dict__["_owner"] = weakref.ref(owner)
+        self.__dict__["_owners"] = [weakref.ref(owner)]
         self.__dict__["_listeners"] = []
+
+    def add_owner(self, owner: GraphModuleBase) -> None:
+        """Share this point with another graph (the same node of another call structure)."""
+        self._owners.append(weakref.ref(owner))
+        owner.refresh_routing()
+
+    def owners(self) -> list[GraphModuleBase]:
+        """The graphs that route this node through this point while it is listened."""
+        return [owner for owner in (ref() for ref in self._owners) if owner is not None]
 
     def forward(self, value: Any) -> Any:
         for listener in self._listeners:
@@ -74,10 +84,41 @@ class OpPoint(torch.nn.Module):
             self.refresh()
 
     def refresh(self) -> None:
-        """Recompute the owning graph's routing (call after adding or removing torch hooks)."""
-        owner = self._owner()
-        if owner is not None:
+        """Recompute the owning graphs' routing (torch hooks registered through the methods below
+        do this themselves)."""
+        for owner in self.owners():
             owner.refresh_routing()
+
+    # torch hook registration re-routes the node, and so does removing the handle -----------------
+    def _refreshing(self, handle: RemovableHandle) -> RemovableHandle:
+        remove = handle.remove
+
+        def remove_and_refresh() -> None:
+            remove()
+            self.refresh()
+        handle.remove = remove_and_refresh  # type: ignore[method-assign]
+        self.refresh()
+        return handle
+
+    def register_forward_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:  # type: ignore[override]
+        """As ``torch.nn.Module.register_forward_hook``; returning a value replaces the op's output."""
+        return self._refreshing(super().register_forward_hook(hook, **kwargs))
+
+    def register_forward_pre_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:  # type: ignore[override]
+        """As ``torch.nn.Module.register_forward_pre_hook``; the op's value is the single input."""
+        return self._refreshing(super().register_forward_pre_hook(hook, **kwargs))
+
+    def register_full_backward_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:  # type: ignore[override]
+        """As ``torch.nn.Module.register_full_backward_hook``."""
+        return self._refreshing(super().register_full_backward_hook(hook, **kwargs))
+
+    def register_full_backward_pre_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:  # type: ignore[override]
+        """As ``torch.nn.Module.register_full_backward_pre_hook``."""
+        return self._refreshing(super().register_full_backward_pre_hook(hook, **kwargs))
 
     def extra_repr(self) -> str:
         return self.node_name
+
+
+class OpPointContainer(torch.nn.Module):
+    """Holds the op points of a later invocation (``invocation_1``...) of a bridged module."""

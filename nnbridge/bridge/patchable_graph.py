@@ -23,6 +23,7 @@ from . import hierarchy
 from .dispatcher import GraphDispatcher
 from .extraction import Extraction
 from .graph_module import GraphModuleBase
+from .in_place import bridge_of
 from .inspection import NodeView, _dig_children
 from .node_path import NodePath, dig_key
 from .op_point import OpPoint
@@ -67,6 +68,10 @@ class PatchableGraph(torch.nn.Module):
     flow to the module's own parameters (shared, never copied), ``train()``/``eval()`` on the
     original module are honoured (a new call structure is extracted when they change).
 
+    On a model bridged with :func:`nnbridge.bridge`, the PatchableGraph shares the bridge's graphs
+    and op points and calling it calls the model, so patches, torch hooks on op points and the
+    model's own hooks act in one forward (order: see :mod:`nnbridge.bridge.in_place`).
+
     Args:
         module: the model; it is not modified.
         *example_args: example positional inputs. For graphpatch compatibility an
@@ -85,16 +90,29 @@ class PatchableGraph(torch.nn.Module):
             if options is not None:
                 raise TypeError("PatchableGraph got ExtractionOptions twice (positionally and as options=); pass one.")
             options, example_args = example_args[0], example_args[1:]
-        options = options or ExtractionOptions()
         self.__dict__["_active"] = []  # [(NodePath, listener)] of open patch contexts
-        self._dispatcher = GraphDispatcher(module, options, on_extraction=[self._apply_active])
-        first = self._dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
+        bridged = bridge_of(module)
+        if bridged is not None:
+            # share the bridge's graphs and op points: patches, torch hooks on op points and nnsight
+            # then act on the same nodes, and calling pg runs the model (its hooks fire)
+            if options is not None:
+                raise TypeError("PatchableGraph over a bridged model uses the bridge's extraction options;"
+                                " pass options to nnbridge.bridge() instead.")
+            self._dispatcher = bridged.dispatcher
+            self._dispatcher.on_extraction.append(self._apply_active)
+            self.__dict__["_call"] = module
+            first = self._dispatcher.lookup(tuple(example_args), dict(example_kwargs))
+        else:
+            self._dispatcher = GraphDispatcher(module, options or ExtractionOptions(),
+                                               on_extraction=[self._apply_active])
+            self.__dict__["_call"] = self._dispatcher
+            first = self._dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
         hierarchy.describe_examples(first.root, tuple(example_args), dict(example_kwargs))
         self._graph_module = first.root
 
     # -- calling --------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._dispatcher(*args, **kwargs)
+        return self._call(*args, **kwargs)
 
     @property
     def extractions(self) -> list[Extraction]:
@@ -178,7 +196,7 @@ class PatchableGraph(torch.nn.Module):
             (point.add_listener if add else point.remove_listener)(listener, refresh=False)
         hierarchy.refresh_all(points)
 
-    def _apply_active(self, extraction: Extraction) -> None:
+    def _apply_active(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
         points = []
         for node_path, listener in self._active:
             for owner, name in self._resolve(extraction.root, node_path):

@@ -1,0 +1,227 @@
+"""Bridge a model in place: its modules run their graphs, every graph node is a real submodule.
+
+After ``nnbridge.bridge(model, *example_args, **example_kwargs)`` the model is the same object (same
+class, ``config``, ``generate()``, ``state_dict()`` keys, parameters) and gives the same outputs, but:
+
+- each module's body runs its extracted graph (``torch.fx`` generated code);
+- each graph node has an :class:`~nnbridge.bridge.op_point.OpPoint`, registered as a child of its
+  module: ``model.get_submodule("transformer.h.0.attn.softmax")``. Torch hooks on it see and may
+  replace the op's value; a node is routed through its op point only while something listens;
+- the user's own torch hooks, and nnsight's or accelerate's wrappers, keep running around each
+  module's body, because only the body is swapped (see :mod:`nnbridge.compat.forwards`).
+
+Example::
+
+    nnbridge.bridge(model, input_ids)
+    handle = model.get_submodule("transformer.h.0.attn.softmax").register_forward_hook(
+        lambda module, args, output: output * 0)
+    model(input_ids)            # layer 0 attends to nothing
+    handle.remove()
+    nnbridge.unbridge(model)    # exactly as before
+
+Op point names: the node's name, with a trailing ``_`` when the module already has an attribute of
+that name (``weight`` -> ``weight_``) or the name is ``input``, ``inputs`` or ``output`` (nnsight
+envoy properties). A module called several times per forward exposes invocation ``k >= 1``'s
+points under ``invocation_<k>`` (``model.linear.invocation_1.linear``).
+
+Order on one op value: torch forward pre-hooks, graph patches (``PatchableGraph.patch``), then
+torch forward hooks; nnsight's ``.input``/``.output`` of an op envoy sit just inside the hooks.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter
+from typing import Any
+
+import torch
+
+from ..compat import SwappedBody, restore_body, swap_body
+from ..errors import NNBridgeError
+from .dispatcher import GraphDispatcher
+from .extraction import MODULE_PATH_KEY, Extraction
+from .graph_module import NAME_KEY, CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
+from .op_point import OpPoint, OpPointContainer
+from .options import ExtractionOptions
+
+_BRIDGES: weakref.WeakKeyDictionary[torch.nn.Module, Bridge] = weakref.WeakKeyDictionary()
+_LOCAL = threading.local()
+_ENVOY_NAMES = frozenset({"input", "inputs", "output"})
+
+
+def _pending() -> dict[int, GraphModuleBase]:
+    pending = getattr(_LOCAL, "pending", None)
+    if pending is None:
+        pending = _LOCAL.pending = {}
+    return pending
+
+
+class _CallSite:
+    """What a parent graph calls instead of a child graph: the user's module itself (so its hooks
+    and wrappers run), told which graph its body should run for this call."""
+
+    __slots__ = ("module", "graph")
+
+    def __init__(self, module: torch.nn.Module, graph: GraphModuleBase):
+        self.module, self.graph = module, graph
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        pending, key = _pending(), id(self.module)
+        pending[key] = self.graph
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            pending.pop(key, None)
+
+
+class Bridge:
+    """The in-place state of one bridged model (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, options: ExtractionOptions):
+        self.model = model
+        self.dispatcher = GraphDispatcher(model, options, on_extraction=[self._on_extraction])
+        self.dispatchers: dict[int, GraphDispatcher] = {id(model): self.dispatcher}
+        self.swapped: dict[int, SwappedBody] = {}
+        self.points: dict[tuple[int, int, str], OpPoint] = {}
+        self.registered: list[tuple[torch.nn.Module, str]] = []
+        self.depth = 0
+
+    # -- running --------------------------------------------------------------------------------
+    def body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """Every bridged module's body: the graph its caller chose, else its own dispatcher's graph
+        for this call structure, else (called on its own, outside a bridged forward) its code."""
+        graph = _pending().pop(id(module), None)
+        if graph is not None:
+            return graph.forward(*args, **kwargs)
+        dispatcher = self.dispatchers.get(id(module))
+        if dispatcher is not None and (module is self.model or self.depth > 0):
+            extraction = dispatcher.lookup(args, kwargs)
+            self.depth += 1
+            try:
+                return extraction.root.forward(*args, **kwargs)
+            finally:
+                self.depth -= 1
+        return type(module).forward(module, *args, **kwargs)
+
+    # -- linking extractions to the user's modules ----------------------------------------------
+    def _on_extraction(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
+        self.link(extraction, dispatcher.module)
+
+    def link(self, extraction: Extraction, module: torch.nn.Module) -> None:
+        """Rewire an extraction so its graphs call the user's modules and share op points."""
+        self._link(extraction.root, module, Counter())
+
+    def _link(self, graph: GraphModuleBase, module: torch.nn.Module, invocations: Counter[int]) -> None:
+        invocation = invocations[id(module)]
+        invocations[id(module)] += 1
+        if id(module) not in self.swapped:
+            self.swapped[id(module)] = swap_body(module, self.body)
+        self._share_points(graph, module, invocation)
+        if isinstance(graph, CompiledGraphModule):
+            if "graph_children" in graph.__dict__:
+                return  # already linked (an extraction shared by several callers)
+            children: dict[str, GraphModuleBase] = {}
+            for i, node in enumerate([n for n in graph.graph.nodes if n.op == "call_module"]):
+                child_graph = graph.get_submodule(str(node.target))
+                child_module = module.get_submodule(node.meta[MODULE_PATH_KEY])
+                children[node.meta[NAME_KEY]] = child_graph
+                self._link(child_graph, child_module, invocations)
+                site = f"_nnbridge_call_{i}"
+                graph.__dict__[site] = _CallSite(child_module, child_graph)
+                node.target = site
+            graph.__dict__["graph_children"] = children
+            graph.recompile()
+        elif isinstance(graph, OpaqueGraphModule):
+            graph.__dict__["_callees"] = {}  # the original code calls the (bridged) user modules
+            for dispatcher in graph.__dict__.get("child_dispatchers", {}).values():
+                self.dispatchers[id(dispatcher.module)] = dispatcher
+                for extraction in dispatcher.all_extractions():
+                    self._link(extraction.root, dispatcher.module, Counter())
+
+    def _share_points(self, graph: GraphModuleBase, module: torch.nn.Module, invocation: int) -> None:
+        for name in graph.point_names:
+            key = (id(module), invocation, name)
+            point = self.points.get(key)
+            if point is None:
+                self.points[key] = graph.op_point(name)
+                self._register(module, invocation, name, self.points[key])
+            elif graph.__dict__["_op_points"].get(name) is not point:
+                graph.__dict__["_op_points"][name] = point
+                setattr(graph.__dict__["_nnbridge_ops"], name, point)
+                point.add_owner(graph)
+
+    def _register(self, module: torch.nn.Module, invocation: int, name: str, point: OpPoint) -> None:
+        holder = module
+        if invocation:
+            container_name = f"invocation_{invocation}"
+            holder = module._modules.get(container_name)
+            if holder is None:
+                holder = OpPointContainer()
+                module.add_module(container_name, holder)
+                self.registered.append((module, container_name))
+        attribute = name
+        while attribute in _ENVOY_NAMES or hasattr(holder, attribute):
+            attribute += "_"
+        holder.add_module(attribute, point)
+        self.registered.append((holder, attribute))
+
+    # -- undoing --------------------------------------------------------------------------------
+    def undo(self) -> None:
+        """Put every module back exactly as it was."""
+        for holder, attribute in reversed(self.registered):
+            holder._modules.pop(attribute, None)
+        for swapped in reversed(list(self.swapped.values())):
+            restore_body(swapped)
+        self.registered.clear()
+        self.swapped.clear()
+
+
+def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOptions | None = None,
+           **example_kwargs: Any) -> torch.nn.Module:
+    """Bridge ``model`` in place (see the module docstring) and return it.
+
+    Args:
+        model: the model; it stays the same object.
+        *example_args, **example_kwargs: an example call; other call structures are extracted
+            when they first happen.
+        options: :class:`ExtractionOptions`.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        NNBridgeError: ``model`` is already bridged (call :func:`unbridge` first).
+        ExtractionError: extraction failed and ``options.error_on_compilation_failure`` is set.
+            The model is left exactly as it was.
+    """
+    if model in _BRIDGES:
+        raise NNBridgeError(f"{type(model).__name__} is already bridged; call nnbridge.unbridge(model) first"
+                            " to bridge it again with other options.")
+    state = Bridge(model, options or ExtractionOptions())
+    try:
+        first = state.dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
+        state.link(first, model)
+    except BaseException:
+        state.undo()
+        raise
+    _BRIDGES[model] = state
+    return model
+
+
+def unbridge(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`bridge`: forwards, ``_modules`` and ``named_modules()`` exactly as before.
+
+    Raises:
+        NNBridgeError: ``model`` is not bridged.
+    """
+    state = _BRIDGES.pop(model, None)
+    if state is None:
+        raise NNBridgeError(f"{type(model).__name__} is not bridged; nothing to undo.")
+    state.undo()
+    return model
+
+
+def bridge_of(model: torch.nn.Module) -> Bridge | None:
+    """The :class:`Bridge` of a bridged model, or None."""
+    return _BRIDGES.get(model)

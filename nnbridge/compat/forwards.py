@@ -1,0 +1,84 @@
+"""Where a module's body lives, and how to swap it without breaking the wrapper around it.
+
+A module's call runs ``module.__dict__["forward"]`` when there is one, else the class's forward.
+Three wrappers can already hold that slot; a bridge swaps the *body* they call, not the wrapper:
+
+- nnsight 0.8.x: ``__dict__["forward"]`` is a ``Controller`` that runs
+  ``__dict__["__nnsight__"].body(module, *args, **kwargs)``;
+- accelerate: ``__dict__["forward"]`` is ``new_forward`` calling ``module._old_forward`` between
+  its hook's ``pre_forward``/``post_forward`` (``_hf_hook``);
+- anything else (a plain instance ``forward``, or none): the slot itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+NNSIGHT_STATE = "__nnsight__"  # nnsight 0.8.x: nnsight.intervention.source.STATE
+_MISSING = object()
+
+
+@dataclass
+class SwappedBody:
+    """What :func:`swap_body` replaced, for :func:`restore_body`."""
+
+    module: torch.nn.Module
+    kind: str  # "nnsight" | "accelerate" | "slot"
+    previous: Any
+
+
+def is_nnsight_wrapped(module: torch.nn.Module) -> bool:
+    """Whether nnsight 0.8 installed its controller on ``module``."""
+    return NNSIGHT_STATE in module.__dict__
+
+
+def swap_body(module: torch.nn.Module, body: Callable[..., Any]) -> SwappedBody:
+    """Make ``module``'s call run ``body(module, *args, **kwargs)`` inside whatever wraps it."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    if state is not None:
+        swapped = SwappedBody(module, "nnsight", state.body)
+        state.body = body
+        return swapped
+    bound = _Bound(module, body)
+    if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__:
+        swapped = SwappedBody(module, "accelerate", module.__dict__["_old_forward"])
+        module.__dict__["_old_forward"] = bound
+        return swapped
+    swapped = SwappedBody(module, "slot", module.__dict__.get("forward", _MISSING))
+    module.__dict__["forward"] = bound
+    return swapped
+
+
+def restore_body(swapped: SwappedBody) -> None:
+    """Undo :func:`swap_body`."""
+    module = swapped.module
+    if swapped.kind == "nnsight":
+        module.__dict__[NNSIGHT_STATE].body = swapped.previous
+    elif swapped.kind == "accelerate":
+        module.__dict__["_old_forward"] = swapped.previous
+    elif swapped.previous is _MISSING:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = swapped.previous
+
+
+def original_body(module: torch.nn.Module) -> Callable[..., Any]:
+    """The body the module ran before any bridge: ``fn(module, *args, **kwargs)``."""
+    return type(module).forward
+
+
+class _Bound:
+    """``body`` bound to a module by weak reference (the module owns this object)."""
+
+    def __init__(self, module: torch.nn.Module, body: Callable[..., Any]):
+        import weakref
+
+        self.module_ref = weakref.ref(module)
+        self.body = body
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.body(self.module_ref(), *args, **kwargs)
