@@ -266,3 +266,63 @@ def test_torch_compile(bridged):
     expected = call(model, ids, mask).logits
     eager_hooked_handle.remove()
     assert torch.equal(hooked, expected) and not torch.equal(hooked, reference.logits)
+
+
+def test_accelerate_cpu_and_disk_offload(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    gpt2().save_pretrained(tmp_path / "model")
+    device_map = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.drop": "cpu",
+                  "transformer.h.0": "cpu", "transformer.h.1": "disk", "transformer.ln_f": "cpu", "lm_head": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                 offload_folder=tmp_path / "offload").eval()
+    assert model.transformer.h[1].attn.c_attn.weight.device.type == "meta"
+    ids, mask = padded_batch(6)
+    reference = call(model, ids, mask)
+    nnbridge.bridge(model, ids, attention_mask=mask, use_cache=False)
+    assert model.transformer.h[1].attn.c_attn.weight.device.type == "meta", "weights offloaded again"
+    assert_same(call(model, ids, mask), reference)
+    probe = []
+    handle = model.get_submodule("transformer.h.1.attn.c_attn.addmm").register_forward_hook(
+        lambda m, a, o: probe.append(o))
+    call(model, ids, mask)
+    handle.remove()
+    assert probe and probe[0].device.type == "cpu"
+    nnbridge.unbridge(model)
+    assert "_hf_hook" in model.transformer.h[1].__dict__
+    assert_same(call(model, ids, mask), reference)
+
+
+def test_global_module_hooks_are_cleared_for_extraction_and_restored():
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model = gpt2()
+    ids, mask = padded_batch(6)
+    calls = []
+    handle = register_module_forward_hook(lambda m, a, o: calls.append(type(m).__name__))
+    try:
+        nnbridge.bridge(model, ids, attention_mask=mask, use_cache=False)
+        assert calls == []
+        call(model, ids, mask)
+        assert "GPT2Attention" in calls and "GPT2LMHeadModel" in calls
+    finally:
+        handle.remove()
+        nnbridge.unbridge(model)
+
+
+def test_nnsight_source_rewritten_forward_is_restored():
+    import nnsight
+
+    model = gpt2()
+    ids, mask = padded_batch(6)
+    reference = call(model, ids, mask)
+    wrapped = nnsight.NNsight(model)
+    _ = wrapped.transformer.h[0].attn.source  # rewrites the attention forward (nnsight 0.8)
+    state = model.transformer.h[0].attn.__dict__["__nnsight__"]
+    body_before = state.body
+    nnbridge.bridge(model, ids, attention_mask=mask, use_cache=False)
+    assert state.body is not body_before
+    assert_same(call(model, ids, mask), reference)
+    nnbridge.unbridge(model)
+    assert state.body is body_before
+    assert_same(call(model, ids, mask), reference)

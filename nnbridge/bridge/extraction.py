@@ -30,7 +30,8 @@ from torch.fx import Graph, Node
 from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
-from ..compat import cleared_module_state, export, invocation_graphs, register_cache_pytrees, unflatten
+from ..compat import (cleared_module_state, export, invocation_graphs, offloaded_weights_loaded,
+                      register_cache_pytrees, unflatten)
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
 from .cleanup import EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, name_nodes
@@ -277,7 +278,8 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     options = options or ExtractionOptions()
     ctx = _Context(module, options, path, on_extraction if on_extraction is not None else [])
     # extraction's eager runs must not consume random numbers (dropout in train mode)
-    with torch.random.fork_rng(devices=[]), cleared_module_state(module), reserved_names_renamed(module) as renamed:
+    with torch.random.fork_rng(devices=[]), cleared_module_state(module), offloaded_weights_loaded(module), \
+            reserved_names_renamed(module) as renamed:
         ctx.renamed = renamed
         register_cache_pytrees(module)
         root, guard = _extract_root(ctx, args, kwargs)

@@ -31,7 +31,6 @@ torch forward hooks; nnsight's ``.input``/``.output`` of an op envoy sit just in
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import Counter
 from typing import Any
 
@@ -45,7 +44,9 @@ from .graph_module import NAME_KEY, CompiledGraphModule, GraphModuleBase, Opaque
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
 
-_BRIDGES: weakref.WeakKeyDictionary[torch.nn.Module, Bridge] = weakref.WeakKeyDictionary()
+#: key in a bridged model's ``__dict__`` holding its :class:`Bridge` (removed by :func:`unbridge`);
+#: kept on the model, not in a global registry, so a bridged model is freed like any other.
+BRIDGE_KEY = "_nnbridge_bridge"
 _LOCAL = threading.local()
 _ENVOY_NAMES = frozenset({"input", "inputs", "output"})
 
@@ -131,6 +132,7 @@ class Bridge:
                 graph.__dict__[site] = _CallSite(child_module, child_graph)
                 node.target = site
             graph.__dict__["graph_children"] = children
+            self._read_tensors_live(graph, module)
             graph.recompile()
         elif isinstance(graph, OpaqueGraphModule):
             graph.__dict__["_callees"] = {}  # the original code calls the (bridged) user modules
@@ -138,6 +140,30 @@ class Bridge:
                 self.dispatchers[id(dispatcher.module)] = dispatcher
                 for extraction in dispatcher.all_extractions():
                     self._link(extraction.root, dispatcher.module, Counter())
+
+    @staticmethod
+    def _read_tensors_live(graph: CompiledGraphModule, module: torch.nn.Module) -> None:
+        """Read parameters and buffers off the module at call time (``self._nnbridge_module.weight``)
+        instead of holding them: a replaced parameter, or a weight accelerate loads for the call,
+        is what the graph uses; the graph keeps no tensor alive."""
+        graph.__dict__["_nnbridge_module"] = module  # a cycle through the model, freed with it
+        for node in graph.graph.nodes:
+            if node.op != "get_attr" or str(node.target).startswith("_nnbridge_module."):
+                continue
+            target = str(node.target)
+            try:
+                value = module.get_parameter(target)
+            except AttributeError:
+                try:
+                    value = module.get_buffer(target)
+                except AttributeError:
+                    continue
+            if isinstance(value, torch.Tensor):
+                *prefix, name = target.split(".")
+                holder = graph.get_submodule(".".join(prefix)) if prefix else graph
+                holder._parameters.pop(name, None)
+                holder._buffers.pop(name, None)
+                node.target = f"_nnbridge_module.{target}"
 
     def _share_points(self, graph: GraphModuleBase, module: torch.nn.Module, invocation: int) -> None:
         for name in graph.point_names:
@@ -195,7 +221,7 @@ def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOption
         ExtractionError: extraction failed and ``options.error_on_compilation_failure`` is set.
             The model is left exactly as it was.
     """
-    if model in _BRIDGES:
+    if BRIDGE_KEY in model.__dict__:
         raise NNBridgeError(f"{type(model).__name__} is already bridged; call nnbridge.unbridge(model) first"
                             " to bridge it again with other options.")
     state = Bridge(model, options or ExtractionOptions())
@@ -205,7 +231,7 @@ def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOption
     except BaseException:
         state.undo()
         raise
-    _BRIDGES[model] = state
+    model.__dict__[BRIDGE_KEY] = state
     return model
 
 
@@ -215,7 +241,7 @@ def unbridge(model: torch.nn.Module) -> torch.nn.Module:
     Raises:
         NNBridgeError: ``model`` is not bridged.
     """
-    state = _BRIDGES.pop(model, None)
+    state = model.__dict__.pop(BRIDGE_KEY, None)
     if state is None:
         raise NNBridgeError(f"{type(model).__name__} is not bridged; nothing to undo.")
     state.undo()
@@ -224,4 +250,4 @@ def unbridge(model: torch.nn.Module) -> torch.nn.Module:
 
 def bridge_of(model: torch.nn.Module) -> Bridge | None:
     """The :class:`Bridge` of a bridged model, or None."""
-    return _BRIDGES.get(model)
+    return model.__dict__.get(BRIDGE_KEY)
