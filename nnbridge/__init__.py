@@ -46,9 +46,15 @@ from .errors import NodePathError as NodePathError
 # through ``sys.modules``.
 from .bridge.in_place import bridge as bridge  # noqa: E402  (rebinds the subpackage attribute)
 from .bridge.in_place import unbridge as unbridge  # noqa: E402
+from .envoys import LanguageModel as LanguageModel  # noqa: E402
+from .envoys import NNsight as NNsight  # noqa: E402
+from .envoys import TransformersModel as TransformersModel  # noqa: E402
 
 __all__ = [
     "AddPatch",
+    "LanguageModel",
+    "NNsight",
+    "TransformersModel",
     "CompiledGraphModule",
     "CustomPatch",
     "ExtractionError",

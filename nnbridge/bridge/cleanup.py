@@ -95,7 +95,7 @@ def _replace_leaf_getitems(graph: Graph, flatten: Node, leaf_value: Callable[[in
                 user.replace_all_uses_with(replacement)
 
 
-def _prologue(graph: Graph) -> Node | None:
+def input_prologue(graph: Graph) -> Node | None:
     """The ``tree_flatten_spec(((positional...), {keywords...}), spec)`` of a preserved signature."""
     for node in graph.nodes:
         if node.op == "call_function" and node.target is fx_pytree.tree_flatten_spec:
@@ -118,7 +118,7 @@ def localize_symbols(graph: Graph) -> list[Node]:
         The extra placeholders. Once the children no longer take them (see ``drop_unused_extras``)
         and nothing else reads them, the graph takes exactly its module's arguments.
     """
-    prologue = _prologue(graph)
+    prologue = input_prologue(graph)
     if prologue is None:
         return []
     positional, keywords = prologue.args[0]
@@ -229,6 +229,17 @@ def _clean_epilogue(graph: Graph, attrs: dict[str, Any]) -> None:
         spec = _spec_of(value, attrs)
         if spec is not None and _simple_spec(spec):
             output.args = (pytree.tree_unflatten(list(value.args[0]), spec),)
+
+
+def _placeholders_first(graph: Graph) -> None:
+    """Move every placeholder before the first other node (in their order): reads of container
+    arguments (``getitem`` chains) are inserted right after their placeholder."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    others = [n for n in graph.nodes if n.op != "placeholder"]
+    if not others:
+        return
+    for placeholder in placeholders:
+        others[0].prepend(placeholder)
 
 
 def _remove_checks(graph: Graph) -> None:
@@ -345,6 +356,7 @@ def clean_graph(graph: Graph, attrs: dict[str, Any]) -> list[Node]:
     _clean_calls(graph, attrs)
     _clean_epilogue(graph, attrs)
     _remove_checks(graph)
+    _placeholders_first(graph)
     _dead_code(graph)
     graph.lint()
     return extras

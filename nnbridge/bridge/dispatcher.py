@@ -23,9 +23,9 @@ class GraphDispatcher(torch.nn.Module):
         module: the original module (not registered as a child; parameters are shared).
         options: extraction options for every extraction.
         path: NodePath of the module in its hierarchy (for messages).
-        on_extraction: ``callback(dispatcher, extraction)`` run on each extraction after the first
-            (re-applying patches, linking a bridge); the list is shared with the dispatchers of
-            opaque modules' children in the same tree.
+        on_extraction: ``callback(dispatcher, extraction)`` run on each new extraction (applying
+            open patches, linking a bridge); the list is shared with the dispatchers of opaque
+            modules' children in the same tree.
     """
 
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, *, path: str = "",
@@ -46,13 +46,11 @@ class GraphDispatcher(torch.nn.Module):
                        key: Hashable | None = None) -> Extraction:
         """Extract for this call and cache the result under its structure key."""
         key = structure_key(self.flag_modules, args, kwargs) if key is None else key
-        first = not self.extractions
         extraction = extract(self.module, args, kwargs, self.options, path=self.path,
                              on_extraction=self.on_extraction)
         self.extractions.setdefault(key, []).append(extraction)
-        if not first:
-            for callback in list(self.on_extraction):
-                callback(self, extraction)
+        for callback in list(self.on_extraction):
+            callback(self, extraction)
         return extraction
 
     def lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:

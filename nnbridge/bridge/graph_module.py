@@ -21,6 +21,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..compat import NoSubmoduleRecompile, forward_from_source
+from ..compat.nnsight import wanted
 from .op_point import OpPoint
 
 #: ``node.meta`` key holding a node's NodePath name within its graph.
@@ -101,6 +102,16 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
             return linked[node.meta.get(NAME_KEY, node.name)]
         return self.get_submodule(str(node.target))  # type: ignore[return-value]
 
+    def _plumbing(self, node: Node) -> bool:
+        """A ``get_attr`` of something that is not a tensor (export's pytree specs): not a value
+        anyone patches, so it gets no op point."""
+        if node.op != "get_attr":
+            return False
+        value: Any = self
+        for part in str(node.target).split("."):
+            value = getattr(value, part, None)
+        return not isinstance(value, torch.Tensor)
+
     # -- routing --------------------------------------------------------------------------------
     def recompile(self) -> Any:
         """Regenerate the plain code from ``self.graph`` and re-apply routing (after graph edits)."""
@@ -110,8 +121,9 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         return code
 
     def _reset_routing(self) -> None:
-        names = [name for name, node in self.named_nodes() if node.op != "call_module"]
+        names = [name for name, node in self.named_nodes() if node.op != "call_module" and not self._plumbing(node)]
         self._set_points(names)
+        self.__dict__.pop("_trace_forward", None)
         self._forward_cache.clear()
         self._forward_cache[frozenset()] = type(self).forward
         self.__dict__["_routed"] = frozenset()
@@ -128,7 +140,16 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         type(self).forward = forward
         self.__dict__["_routed"] = routed
 
-    def _compile_routed(self, routed: frozenset[str]) -> Any:
+    def trace_forward(self) -> Any:
+        """The generated code used while an nnsight trace runs: every node asks
+        :func:`route_if_wanted` whether something listens (a patch, a hook, or a trace waiting at or
+        caching the op's location) and only then passes through its op point. Compiled on first use."""
+        forward = self.__dict__.get("_trace_forward")
+        if forward is None:
+            forward = self.__dict__["_trace_forward"] = self._compile_routed(frozenset(self.point_names), guarded=True)
+        return forward
+
+    def _compile_routed(self, routed: frozenset[str], guarded: bool = False) -> Any:
         graph = Graph()
         val_map: dict[Node, Node] = {}
         output_value = graph.graph_copy(self.graph, val_map)
@@ -139,20 +160,34 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         for node in graph.nodes:
             if node.op == "placeholder":
                 last_placeholder = node
+        def route(value: Any) -> Node:
+            if not guarded:
+                return graph.call_module(target, (value,))
+            point = graph.get_attr(target)
+            with graph.inserting_after(point):  # fx inserts each new node right after the anchor
+                return graph.call_function(route_if_wanted, (point, value))
+
         for name in sorted(routed):
             target = f"_nnbridge_ops.{name}"
             if name == "output":
                 with graph.inserting_before(output_node):
-                    routed_value = graph.call_module(target, (output_node.args[0],))
+                    routed_value = route(output_node.args[0])
                 output_node.args = (routed_value,)
                 continue
             node = copies[name]
             anchor = last_placeholder if node.op == "placeholder" else node
             with graph.inserting_after(anchor):
-                routed_node = graph.call_module(target, (node,))
+                routed_node = route(node)
             node.replace_all_uses_with(routed_node, delete_user_cb=lambda user: user is not routed_node)
         code = graph.python_code(root_module="self")
         return forward_from_source(code.src, code.globals)
+
+
+def route_if_wanted(point: OpPoint, value: Any) -> Any:
+    """``point(value)`` when a patch, a torch hook or the running nnsight trace wants the value."""
+    if point.listened or wanted(point):
+        return point(value)
+    return value
 
 
 class MultiplyInvokedModule(torch.nn.ModuleList):
@@ -200,13 +235,34 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
     def refresh_routing(self) -> None:
         self.__dict__["_routed"] = frozenset(n for n, p in self._op_points.items() if p.listened)
 
+    def trace_forward(self) -> Any:
+        """The forward used while an nnsight trace runs: every input, tensor and the output may be
+        routed (see :func:`route_if_wanted`)."""
+        return type(self)._traced
+
+    def _traced(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(args, kwargs, frozenset(self.point_names), guarded=True)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        module, routed, points = self.original, self._routed, self._op_points
+        return self._run(args, kwargs, self._routed, guarded=False)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], routed: frozenset[str], guarded: bool) -> Any:
+        module = self.original
+        if guarded:
+            points = {name: self.op_point(name) for name in routed}
+
+            def call(name: str, value: Any) -> Any:
+                return route_if_wanted(points[name], value)
+        else:
+            points = self._op_points
+
+            def call(name: str, value: Any) -> Any:
+                return points[name](value)
         if routed:
             bound = self._signature.bind(*args, **kwargs)
             for name in list(bound.arguments):
                 if name in routed:
-                    bound.arguments[name] = points[name](bound.arguments[name])
+                    bound.arguments[name] = call(name, bound.arguments[name])
             args, kwargs = bound.args, bound.kwargs
         saved_modules = {name: module._modules[name] for name in self._callees}
         saved_tensors: dict[str, tuple[dict[str, Any], Any]] = {}
@@ -216,14 +272,14 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
                 if name in routed:
                     store = module._parameters if name in module._parameters else module._buffers
                     saved_tensors[name] = (store, store[name])
-                    store[name] = points[name](store[name])
+                    store[name] = call(name, store[name])
             output = type(module).forward(module, *args, **kwargs)
         finally:
             module._modules.update(saved_modules)
             for name, (store, tensor) in saved_tensors.items():
                 store[name] = tensor
         if "output" in routed:
-            output = points["output"](output)
+            output = call("output", output)
         return output
 
     def extra_repr(self) -> str:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..compat import SwappedBody, restore_body, swap_body
+from ..compat.nnsight import tracing
 from ..errors import NNBridgeError
 from .dispatcher import GraphDispatcher
 from .extraction import MODULE_PATH_KEY, Extraction
@@ -93,17 +94,18 @@ class Bridge:
         """Every bridged module's body: the graph its caller chose, else its own dispatcher's graph
         for this call structure, else (called on its own, outside a bridged forward) its code."""
         graph = _pending().pop(id(module), None)
-        if graph is not None:
+        if graph is None:
+            dispatcher = self.dispatchers.get(id(module))
+            if dispatcher is None or not (module is self.model or self.depth > 0):
+                return type(module).forward(module, *args, **kwargs)
+            graph = dispatcher.lookup(args, kwargs).root
+        self.depth += 1
+        try:
+            if tracing(module):  # an nnsight trace is running: route the nodes it waits for
+                return graph.trace_forward()(graph, *args, **kwargs)
             return graph.forward(*args, **kwargs)
-        dispatcher = self.dispatchers.get(id(module))
-        if dispatcher is not None and (module is self.model or self.depth > 0):
-            extraction = dispatcher.lookup(args, kwargs)
-            self.depth += 1
-            try:
-                return extraction.root.forward(*args, **kwargs)
-            finally:
-                self.depth -= 1
-        return type(module).forward(module, *args, **kwargs)
+        finally:
+            self.depth -= 1
 
     # -- linking extractions to the user's modules ----------------------------------------------
     def _on_extraction(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
@@ -210,7 +212,8 @@ def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOption
     Args:
         model: the model; it stays the same object.
         *example_args, **example_kwargs: an example call; other call structures are extracted
-            when they first happen.
+            when they first happen. Without one, the first call is extracted (op points appear
+            then).
         options: :class:`ExtractionOptions`.
 
     Returns:
@@ -226,8 +229,10 @@ def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOption
                             " to bridge it again with other options.")
     state = Bridge(model, options or ExtractionOptions())
     try:
-        first = state.dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
-        state.link(first, model)
+        if example_args or example_kwargs:
+            state.dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
+        else:  # deferred: the first call extracts (and links) its own call structure
+            state.swapped[id(model)] = swap_body(model, state.body)
     except BaseException:
         state.undo()
         raise

@@ -1,6 +1,7 @@
 """Version- and library-specific shims: the only place private torch/nnsight attributes are used."""
 
 from .export import (
+    copy_spec as copy_spec,
     export as export,
     forward_from_source as forward_from_source,
     invocation_graphs as invocation_graphs,

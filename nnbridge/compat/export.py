@@ -159,3 +159,11 @@ def rename_nodes(graph: torch.fx.Graph, names: dict[torch.fx.Node, str]) -> None
     graph._graph_namespace = namespace
     for node in graph.nodes:
         node.name = namespace.create_name(names.get(node, node.name), node)
+
+
+def copy_spec(spec: Any) -> Any:
+    """A deep copy of a pytree ``TreeSpec`` (torch 2.13's copy path warns about ``LeafSpec``)."""
+    import copy
+
+    with quiet_torch_export():
+        return copy.deepcopy(spec)

@@ -1,1 +1,7 @@
-"""Proxy layer: the nnsight-compatible Envoy tree whose children include op envoys (not built yet)."""
+"""Proxy layer: nnsight's model classes over bridged models, with op envoys for every graph node."""
+
+from .envoy import BridgeEnvoy as BridgeEnvoy
+from .envoy import node_path as node_path
+from .models import LanguageModel as LanguageModel
+from .models import NNsight as NNsight
+from .models import TransformersModel as TransformersModel

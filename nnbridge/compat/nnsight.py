@@ -1,0 +1,50 @@
+"""nnsight 0.8.x internals: whether a trace wants a value, and mirroring new submodules as envoys.
+
+- ``module.__dict__["__nnsight__"]`` is the module's ``State``; ``State.active()`` returns
+  ``(interleaver, path, (input, skip, output locations))`` while a trace with workers runs.
+- ``Interleaver.parked`` (set of locations a worker waits at) and ``Interleaver.observers``
+  (locations ``tracer.cache()`` records) decide whether a location is served; nnsight's own fast
+  path in ``Interleaver.handle`` asks the same question.
+- ``Envoy._wrap_envoy(name, module)`` mirrors a submodule added after the tree was built;
+  ``Interleaver.envoys`` maps ``id(module)`` to its envoy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .forwards import NNSIGHT_STATE
+
+
+def tracing(module: torch.nn.Module) -> bool:
+    """Whether an nnsight trace with workers is running over ``module`` right now."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    return state is not None and state.active()[0] is not None
+
+
+def wanted(point: torch.nn.Module) -> bool:
+    """Whether the running trace waits at, skips, or caches one of ``point``'s locations."""
+    state = point.__dict__.get(NNSIGHT_STATE)
+    if state is None:
+        return False
+    interleaver, _, locations = state.active()
+    if interleaver is None:
+        return False
+    parked, observers = interleaver.parked, interleaver.observers
+    return any(location in parked or location in observers for location in locations)
+
+
+def mirror_envoys(interleaver: Any, registered: list[tuple[torch.nn.Module, str]]) -> None:
+    """Give every newly registered submodule ``holder.<name>`` an envoy under ``holder``'s envoy."""
+    for holder, name in registered:
+        envoy = interleaver.envoys.get(id(holder))
+        if envoy is None or name in envoy._child_map:
+            continue
+        envoy._wrap_envoy(name, holder._modules[name])
+
+
+def interleaver_of(envoy: Any) -> Any:
+    """The interleaver of an envoy tree."""
+    return envoy.interleaver

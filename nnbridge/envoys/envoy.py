@@ -1,0 +1,85 @@
+"""``BridgeEnvoy``: nnsight's Envoy, aware that a bridged module's graph nodes are children.
+
+Every op point of a bridged module is an ordinary submodule, so nnsight mirrors it as an envoy
+and everything an envoy supports in a trace works on ops (``.output``, ``.input``, ``.skip``,
+``.save()``, assignment, invokes, ``tracer.iter``, ``.grad``, ``tracer.cache()``). This class adds
+what nnsight cannot know: the op's NodePath, and errors that name the closest valid ops.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import nnsight
+import torch
+
+from ..bridge.in_place import bridge_of
+from ..bridge.op_point import OpPoint, OpPointContainer
+
+
+def node_path(path: str, root: torch.nn.Module) -> str:
+    """graphpatch NodePath of an envoy path (``model.transformer.h.0.attn.softmax`` ->
+    ``transformer.h_0.attn.softmax``; ``linear.invocation_1.linear`` -> ``linear_1.linear``)."""
+    segments = path.split(".")[1:]
+    out: list[str] = []
+    module: torch.nn.Module | None = root
+    for segment in segments:
+        module = module._modules.get(segment) if module is not None else None
+        if isinstance(module, OpPoint):
+            out.append(module.node_name)
+        elif segment.isdigit() and out:
+            out[-1] = f"{out[-1]}_{segment}"
+        elif isinstance(module, OpPointContainer) and out:
+            out[-1] = f"{out[-1]}_{segment.rpartition('_')[2]}"
+        else:
+            out.append(segment)
+    return ".".join(out)
+
+
+class BridgeEnvoy(nnsight.Envoy):
+    """An nnsight Envoy whose children include the module's op envoys (see the module docstring)."""
+
+    @property
+    def node_path(self) -> str:
+        """The NodePath of this envoy's module or op (``transformer.h_0.attn.softmax``)."""
+        return node_path(self.path, self.root._module)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") or name.startswith("_"):
+                raise
+            raise AttributeError(self._missing(name)) from None
+
+    def _missing(self, name: str) -> str:
+        module = self.__dict__.get("_module")
+        ops = [n for n, child in (module._modules.items() if module is not None else [])
+               if isinstance(child, (OpPoint, OpPointContainer))]
+        where = f"{self.path} ({type(module).__name__})"
+        bridge = bridge_of(self.root._module)
+        if bridge is not None:
+            reason = _opaque_reason(bridge, self.path)
+            if reason is not None:
+                return (f"{where} has no op {name!r}: the module is opaque (its graph could not be extracted:"
+                        f" {reason}); only its inputs, output, parameters and buffers are ops.")
+        if not ops:
+            return (f"{where} has no attribute or op {name!r}. Its ops are not known yet: they appear when the"
+                    " model is extracted, at the first trace or with model.extract(*inputs).")
+        close = difflib.get_close_matches(name, ops, n=5, cutoff=0.5) or ops[:5]
+        return f"{where} has no attribute or op {name!r}; closest ops: {close}."
+
+    def __dir__(self) -> list[str]:
+        module = self.__dict__.get("_module")
+        children = list(module._modules) if module is not None else []
+        return sorted(set(super().__dir__()) | set(children))
+
+
+def _opaque_reason(bridge: Any, path: str) -> str | None:
+    fqn = path.partition(".")[2]
+    for extraction in bridge.dispatcher.all_extractions():
+        for opaque_path, reason in extraction.opaque.items():
+            if opaque_path == (fqn or "<root>"):
+                return reason
+    return None

@@ -1,0 +1,106 @@
+"""Drop-in replacements for nnsight's model classes: ``from nnbridge import NNsight``.
+
+``nnbridge.NNsight(module)`` is ``nnsight.NNsight(module)`` whose module is bridged in place
+(:func:`nnbridge.bridge`, deferred): the first trace of a call structure extracts its graphs,
+from that trace's own inputs, and mirrors the new op points as envoys before the trace body
+runs, so ``model.transformer.h[0].attn.softmax.output`` works in that same trace. Later traces
+with the same call structure reuse the extraction. ``model.extract(*inputs)`` does it up front.
+
+Generation: the first ``generate`` trace of a call structure runs generation once beforehand
+(no grad, random state restored) so the prefill and decode steps are extracted before the trace
+body asks for their ops; a module's op envoys serve every step (``tracer.iter``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import nnsight
+import torch
+from nnsight.modeling.language import LanguageModel as _NNsightLanguageModel
+from nnsight.modeling.transformers import TransformersModel as _NNsightTransformersModel
+
+from ..bridge.call_structure import structure_key
+from ..bridge.in_place import bridge, bridge_of
+from ..compat.nnsight import mirror_envoys
+from .envoy import BridgeEnvoy
+
+
+class _Bridged:
+    """Mixin over an nnsight model class (``NNsight``, ``TransformersModel``...)."""
+
+    def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(model, nnsight.Envoy):  # nnbridge.NNsight(nnsight.NNsight(m))
+            model = model._module
+        kwargs.setdefault("envoys", BridgeEnvoy)
+        super().__init__(model, *args, **kwargs)
+        self.__dict__["_nnbridge_warmed"] = set()
+
+    # -- extraction -----------------------------------------------------------------------------
+    def _nnbridge_model(self) -> torch.nn.Module:
+        module = self._module
+        if bridge_of(module) is None and isinstance(module, torch.nn.Module) and list(module.parameters()):
+            bridge(module)
+        return module
+
+    def extract(self, *args: Any, **kwargs: Any) -> Any:
+        """Extract the model for this call (inputs as the model's forward takes them) so its op
+        envoys exist before any trace. Returns ``self``."""
+        module = self._nnbridge_model()
+        state = bridge_of(module)
+        state.dispatcher.lookup(tuple(args), dict(kwargs))
+        mirror_envoys(self.interleaver, state.registered)
+        return self
+
+    def interleave(self, fn: Any, *args: Any, batcher: Any = None, **kwargs: Any) -> Any:
+        # Assemble the call as nnsight will, extract its structure before the workers start
+        # (they may ask for op envoys at once), then let nnsight run it unchanged.
+        if batcher is None:
+            batcher = self._batcher_class(self, kwargs)
+        batcher.add(*args, **kwargs)
+        call_args, call_kwargs = batcher.assemble(fn)
+        device = self.device
+        if device is not None:
+            call_args, call_kwargs = nnsight.util.apply(
+                (call_args, call_kwargs), lambda tensor: tensor.to(device), torch.Tensor)
+        self._nnbridge_prepare(fn, call_args, call_kwargs)
+        return super().interleave(fn, batcher=batcher)
+
+    def _nnbridge_prepare(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        module = self._nnbridge_model()
+        state = bridge_of(module)
+        if state is None:
+            return
+        target = getattr(self._module, fn) if isinstance(fn, str) else fn
+        # what nnsight runs for a trace: the module, its forward, or the envoy's own ``_call``
+        # (TransformersModel tokenizes there, then calls the module with the same kwargs)
+        forward_like = (target is self or target is module
+                        or getattr(target, "__func__", None) in (type(module).__call__, type(module).forward)
+                        or (getattr(target, "__self__", None) is self and getattr(target, "__name__", "") == "_call"))
+        if forward_like:
+            state.dispatcher.lookup(tuple(args), dict(kwargs))
+        else:
+            key: Hashable = (getattr(target, "__name__", repr(target)),
+                             structure_key(state.dispatcher.flag_modules, tuple(args),
+                                           {k: v for k, v in kwargs.items() if k != "streamer"}))
+            if key not in self._nnbridge_warmed:
+                runner = getattr(module, getattr(target, "__name__", ""), None)
+                if callable(runner):
+                    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                        runner(*args, **{k: v for k, v in kwargs.items() if k != "streamer"})
+                self._nnbridge_warmed.add(key)
+        mirror_envoys(self.interleaver, state.registered)
+
+
+class NNsight(_Bridged, nnsight.NNsight):
+    """``nnsight.NNsight`` whose trace contexts reach every op (see the module docstring)."""
+
+
+class TransformersModel(_Bridged, _NNsightTransformersModel):
+    """``nnsight.TransformersModel`` whose trace contexts reach every op."""
+
+
+class LanguageModel(_Bridged, _NNsightLanguageModel):
+    """``nnsight.LanguageModel`` whose trace contexts reach every op (nnsight deprecates the class
+    in favour of ``TransformersModel(..., task="text-generation")``; both are provided)."""
