@@ -298,3 +298,36 @@ def test_opaque_module_ops_explain_why():
     with model.trace(x):
         inner = model.branchy.inner.linear.output.save()
     assert inner.shape == (2, 3)
+
+
+def test_mixed_patching_with_nnsight(gpt2_model):
+    """Torch hooks on a module and on an op point, a PatchableGraph patch and an nnsight
+    intervention in one forward. Order on the op's value: torch pre-hooks, graph patches,
+    nnsight (``.output``), torch forward hooks; the module hook sees the result of all of them."""
+    model, _ = gpt2_model
+    ids = model.tokenizer(PROMPTS[0], return_tensors="pt")
+    model.extract(**ids, use_cache=False)
+    module = model._module
+    pg = nnbridge.PatchableGraph(module, **ids, use_cache=False)
+    point = module.get_submodule("transformer.h.0.attn.softmax")
+    log = {}
+    h1 = point.register_forward_pre_hook(lambda m, args: (log.setdefault("pre", args[0].clone()), (args[0] + 1,))[1])
+    h2 = point.register_forward_hook(lambda m, args, out: (log.setdefault("hook", out.clone()), out * 2)[1])
+    h3 = module.transformer.h[0].attn.register_forward_hook(lambda m, args, out: log.setdefault("attn", out[0].clone()))
+    try:
+        with pg.patch({"transformer.h_0.attn.softmax": nnbridge.AddPatch(value=10.0)}):
+            with model.trace(PROMPTS[0], **NO_CACHE):
+                value = model.transformer.h[0].attn.transpose_1.output.save()
+                seen = model.transformer.h[0].attn.softmax.output.save()
+                model.transformer.h[0].attn.softmax.output = seen * 3
+                logits = model.lm_head.output.save()
+    finally:
+        for h in (h1, h2, h3):
+            h.remove()
+    assert torch.equal(seen, log["pre"] + 1 + 10.0), "nnsight sees the pre-hooked, patched value"
+    assert torch.equal(log["hook"], seen * 3), "forward hooks see nnsight's edit"
+    final = seen * 3 * 2
+    context = torch.matmul(final, value).transpose(1, 2).reshape(1, 8, 64)
+    attn = module.transformer.h[0].attn
+    assert torch.equal(log["attn"], attn.resid_dropout(attn.c_proj(context)))
+    assert logits.shape == (1, 8, 50257)

@@ -21,7 +21,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..compat import NoSubmoduleRecompile, forward_from_source
-from ..compat.nnsight import wanted
+from ..compat.nnsight import route_if_wanted
 from .op_point import OpPoint
 
 #: ``node.meta`` key holding a node's NodePath name within its graph.
@@ -181,13 +181,6 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
             node.replace_all_uses_with(routed_node, delete_user_cb=lambda user: user is not routed_node)
         code = graph.python_code(root_module="self")
         return forward_from_source(code.src, code.globals)
-
-
-def route_if_wanted(point: OpPoint, value: Any) -> Any:
-    """``point(value)`` when a patch, a torch hook or the running nnsight trace wants the value."""
-    if point.listened or wanted(point):
-        return point(value)
-    return value
 
 
 class MultiplyInvokedModule(torch.nn.ModuleList):

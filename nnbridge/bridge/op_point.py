@@ -44,6 +44,7 @@ class OpPoint(torch.nn.Module):
         self.node_name = node_name
         self.__dict__["_owners"] = [weakref.ref(owner)]
         self.__dict__["_listeners"] = []
+        self.__dict__["_hooked"] = False  # torch hooks registered through the methods below
 
     def add_owner(self, owner: GraphModuleBase) -> None:
         """Share this point with another graph (the same node of another call structure)."""
@@ -62,7 +63,7 @@ class OpPoint(torch.nn.Module):
     @property
     def listened(self) -> bool:
         """Whether a listener or a torch hook needs the node's value routed through this point."""
-        return bool(self._listeners) or has_module_hooks(self)
+        return bool(self._listeners) or self._hooked
 
     def add_listener(self, listener: Listener, *, refresh: bool = True) -> None:
         """Append ``listener`` (value -> value) and route the node through this point.
@@ -95,8 +96,10 @@ class OpPoint(torch.nn.Module):
 
         def remove_and_refresh() -> None:
             remove()
+            self.__dict__["_hooked"] = has_module_hooks(self)
             self.refresh()
         handle.remove = remove_and_refresh  # type: ignore[method-assign]
+        self.__dict__["_hooked"] = True
         self.refresh()
         return handle
 

@@ -36,6 +36,26 @@ def wanted(point: torch.nn.Module) -> bool:
     return any(location in parked or location in observers for location in locations)
 
 
+def route_if_wanted(point: torch.nn.Module, value: Any) -> Any:
+    """``point(value)`` when a patch or torch hook listens (``point.__dict__["_listeners"]``,
+    ``["_hooked"]``) or the running nnsight trace parks at, skips or caches one of the op's
+    locations; else ``value``. Called once per graph node while a trace runs: kept to a few dict
+    and set look-ups (``State.routes``, ``Interleaver.interleaving/parked/observers``)."""
+    d = point.__dict__
+    if d["_listeners"] or d["_hooked"]:
+        return point(value)
+    state = d.get(NNSIGHT_STATE)
+    if state is not None:
+        for ref, _, locations in state.routes:
+            interleaver = ref()
+            if interleaver is not None and interleaver.interleaving:
+                parked, observers = interleaver.parked, interleaver.observers
+                for location in locations:
+                    if location in parked or location in observers:
+                        return point(value)
+    return value
+
+
 def mirror_envoys(interleaver: Any, registered: list[tuple[torch.nn.Module, str]]) -> None:
     """Give every newly registered submodule ``holder.<name>`` an envoy under ``holder``'s envoy."""
     for holder, name in registered:
