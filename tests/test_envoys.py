@@ -331,3 +331,19 @@ def test_mixed_patching_with_nnsight(gpt2_model):
     attn = module.transformer.h[0].attn
     assert torch.equal(log["attn"], attn.resid_dropout(attn.c_proj(context)))
     assert logits.shape == (1, 8, 50257)
+
+
+def test_nnbridge_after_nnsight_was_used_on_the_same_model():
+    module = make("gpt2")
+    ids = torch.randint(0, 50257, (1, 5))
+    plain = nnsight.NNsight(module)
+    with plain.trace(ids, use_cache=False):
+        before = plain.lm_head.output.save()
+    model = nnbridge.NNsight(module)
+    with model.trace(ids, use_cache=False):
+        sm = model.transformer.h[0].attn.softmax.output.save()
+        after = model.lm_head.output.save()
+    with plain.trace(ids, use_cache=False):  # the first wrapper still works on the bridged module
+        again = plain.lm_head.output.save()
+    reference = make("gpt2")(ids, use_cache=False, output_attentions=True)
+    assert torch.equal(before, after) and torch.equal(after, again) and torch.equal(sm, reference.attentions[0])

@@ -138,22 +138,30 @@ def _safe_copy(value: Any) -> Any:
         return value
 
 
-def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
-    """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules."""
-    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = defaultdict(list)
+def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 hooks: list[tuple[torch.nn.Module, str, Callable[..., None]]]) -> None:
+    """One eager run of ``module`` on copies of the inputs (a cache would be mutated), no grad,
+    with temporary hooks: ``(submodule, "pre" | "post", fn)``, both with kwargs."""
     handles = []
-    for fqn in fqns:
-        def hook(mod: torch.nn.Module, a: tuple, k: dict, out: Any, fqn: str = fqn) -> None:
-            calls[fqn].append((_safe_copy(a), _safe_copy(k), _safe_copy(out)))
-        handles.append(module.get_submodule(fqn).register_forward_hook(hook, with_kwargs=True))
-    # inputs may be mutated by the run (caches); record from copies
     try:
+        for sub, kind, fn in hooks:
+            register = sub.register_forward_pre_hook if kind == "pre" else sub.register_forward_hook
+            handles.append(register(fn, with_kwargs=True))
         with torch.no_grad():
             module(*_safe_copy(args), **_safe_copy(kwargs))
     finally:
         for handle in handles:
             handle.remove()
+
+
+def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
+    """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules."""
+    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = defaultdict(list)
+
+    def recorder(fqn: str) -> Callable[..., None]:
+        return lambda mod, a, k, out: calls[fqn].append((_safe_copy(a), _safe_copy(k), _safe_copy(out)))
+    observed_run(module, args, kwargs, [(module.get_submodule(fqn), "post", recorder(fqn)) for fqn in fqns])
     return calls
 
 
@@ -179,21 +187,10 @@ def modules_with_state_inputs(module: torch.nn.Module, args: tuple[Any, ...], kw
     flat graph signatures (their graph inputs are the tensors they use). One eager run, no grad.
     """
     found: set[str] = set()
-    handles = []
-    for fqn, sub in named_real_modules(module):
-        if not fqn:
-            continue
 
-        def check(mod: torch.nn.Module, a: tuple, k: dict, fqn: str = fqn) -> None:
-            if not _plain_value((a, k)):
-                found.add(fqn)
-        handles.append(sub.register_forward_pre_hook(check, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            module(*_safe_copy(args), **_safe_copy(kwargs))
-    finally:
-        for handle in handles:
-            handle.remove()
+    def checker(fqn: str) -> Callable[..., None]:
+        return lambda mod, a, k: found.add(fqn) if not _plain_value((a, k)) else None
+    observed_run(module, args, kwargs, [(sub, "pre", checker(fqn)) for fqn, sub in named_real_modules(module) if fqn])
     return found
 
 
@@ -612,17 +609,10 @@ def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, .
 
     callees = list(direct_callees(module))
     captured: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-    handles = []
-    for name, child in callees:
-        def grab(m: torch.nn.Module, a: tuple, k: dict, name: str = name) -> None:
-            captured.setdefault(name, (_safe_copy(a), _safe_copy(k)))
-        handles.append(child.register_forward_pre_hook(grab, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            module(*_safe_copy(args), **_safe_copy(kwargs))
-    finally:
-        for handle in handles:
-            handle.remove()
+
+    def grabber(name: str) -> Callable[..., None]:
+        return lambda m, a, k: captured.setdefault(name, (_safe_copy(a), _safe_copy(k))) and None
+    observed_run(module, args, kwargs, [(child, "pre", grabber(name)) for name, child in callees])
     shown = torch.nn.Module()
     swapped = torch.nn.Module()
     dispatchers: dict[str, GraphDispatcher] = {}

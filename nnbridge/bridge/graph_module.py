@@ -12,6 +12,7 @@ Every kind keeps one :class:`~nnbridge.bridge.op_point.OpPoint` per node, keyed 
 
 from __future__ import annotations
 
+import abc
 import inspect
 import types
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ NAME_KEY = "nnbridge_name"
 EXAMPLE_KEY = "nnbridge_example"
 
 
-class GraphModuleBase:
+class GraphModuleBase(abc.ABC):
     """Op-point bookkeeping shared by :class:`CompiledGraphModule` and :class:`OpaqueGraphModule`.
 
     Op points are created on first use (most nodes of a large model are never listened to).
@@ -62,8 +63,9 @@ class GraphModuleBase:
         """``{node name: OpPoint}`` for every node, in graph order (creates them all)."""
         return {name: self.op_point(name) for name in self.point_names}
 
-    def refresh_routing(self) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abc.abstractmethod
+    def refresh_routing(self) -> None:
+        """Route exactly the listened nodes through their op points."""
 
 
 class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):

@@ -9,6 +9,7 @@ Patches on one node apply in list order; nested ``pg.patch`` contexts append. Ex
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,11 +28,12 @@ def _patched(original: torch.Tensor, index: Slice, new: Callable[[torch.Tensor],
 
 
 @dataclass(kw_only=True)
-class Patch:
+class Patch(abc.ABC):
     """Base class: ``patch(value) -> new value``."""
 
-    def __call__(self, original: Any) -> Any:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def __call__(self, original: Any) -> Any:
+        """The value the rest of the graph sees instead of ``original``."""
 
 
 @dataclass(kw_only=True)
