@@ -23,11 +23,6 @@ def _offload_hooks(hook: Any) -> list[Any]:
     return [hook] if getattr(hook, "offload", False) else []
 
 
-def has_offloaded_weights(model: torch.nn.Module) -> bool:
-    """Whether accelerate offloads any of ``model``'s weights."""
-    return any(_offload_hooks(m.__dict__.get("_hf_hook")) for m in model.modules())
-
-
 @contextlib.contextmanager
 def offloaded_weights_loaded(model: torch.nn.Module) -> Iterator[None]:
     """Load accelerate-offloaded weights onto their execution devices for the body's duration."""

@@ -31,11 +31,6 @@ class SwappedBody:
     previous: Any
 
 
-def is_nnsight_wrapped(module: torch.nn.Module) -> bool:
-    """Whether nnsight 0.8 installed its controller on ``module``."""
-    return NNSIGHT_STATE in module.__dict__
-
-
 def swap_body(module: torch.nn.Module, body: Callable[..., Any]) -> SwappedBody:
     """Make ``module``'s call run ``body(module, *args, **kwargs)`` inside whatever wraps it."""
     state = module.__dict__.get(NNSIGHT_STATE)
@@ -64,11 +59,6 @@ def restore_body(swapped: SwappedBody) -> None:
         module.__dict__.pop("forward", None)
     else:
         module.__dict__["forward"] = swapped.previous
-
-
-def original_body(module: torch.nn.Module) -> Callable[..., Any]:
-    """The body the module ran before any bridge: ``fn(module, *args, **kwargs)``."""
-    return type(module).forward
 
 
 class _Bound:

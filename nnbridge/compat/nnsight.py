@@ -24,18 +24,6 @@ def tracing(module: torch.nn.Module) -> bool:
     return state is not None and state.active()[0] is not None
 
 
-def wanted(point: torch.nn.Module) -> bool:
-    """Whether the running trace waits at, skips, or caches one of ``point``'s locations."""
-    state = point.__dict__.get(NNSIGHT_STATE)
-    if state is None:
-        return False
-    interleaver, _, locations = state.active()
-    if interleaver is None:
-        return False
-    parked, observers = interleaver.parked, interleaver.observers
-    return any(location in parked or location in observers for location in locations)
-
-
 def route_if_wanted(point: torch.nn.Module, value: Any) -> Any:
     """``point(value)`` when a patch or torch hook listens (``point.__dict__["_listeners"]``,
     ``["_hooked"]``) or the running nnsight trace parks at, skips or caches one of the op's
@@ -63,8 +51,3 @@ def mirror_envoys(interleaver: Any, registered: list[tuple[torch.nn.Module, str]
         if envoy is None or name in envoy._child_map:
             continue
         envoy._wrap_envoy(name, holder._modules[name])
-
-
-def interleaver_of(envoy: Any) -> Any:
-    """The interleaver of an envoy tree."""
-    return envoy.interleaver
