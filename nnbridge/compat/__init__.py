@@ -5,7 +5,6 @@ from .export import (
     export as export,
     forward_from_source as forward_from_source,
     invocation_graphs as invocation_graphs,
-    is_graph_module as is_graph_module,
     register_cache_pytrees as register_cache_pytrees,
     rename_nodes as rename_nodes,
     unflatten as unflatten,

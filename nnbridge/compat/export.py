@@ -112,13 +112,6 @@ def invocation_graphs(unflattened: torch.nn.Module) -> list[torch.nn.Module]:
     return [unflattened]
 
 
-def is_graph_module(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is an unflattened graph holder (``InterpreterModule`` or its dispatcher)."""
-    return isinstance(
-        module, (_unflatten_module.InterpreterModule, _unflatten_module.InterpreterModuleDispatcher)
-    )
-
-
 def register_cache_pytrees(model: torch.nn.Module) -> None:
     """Let torch.export flatten transformers' ``Cache`` objects (``use_cache=True``).
 
