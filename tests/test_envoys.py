@@ -284,7 +284,7 @@ def test_names_paths_and_errors(gpt2_model):
     with pytest.raises(AttributeError, match="sofmax"):
         with model.trace(PROMPTS[0], **NO_CACHE):
             model.transformer.h[0].attn.sofmax.output.save()
-    assert "softmax" in repr(model.transformer.h[0].attn)
+    assert "OpPoint(softmax: Tensor(2, 4, 8, 8))" in repr(model.transformer.h[0].attn)
 
 
 def test_opaque_module_ops_explain_why():
@@ -347,3 +347,20 @@ def test_nnbridge_after_nnsight_was_used_on_the_same_model():
         again = plain.lm_head.output.save()
     reference = make("gpt2")(ids, use_cache=False, output_attentions=True)
     assert torch.equal(before, after) and torch.equal(after, again) and torch.equal(sm, reference.attentions[0])
+
+
+def test_op_input_and_skip(gpt2_model):
+    model, _ = gpt2_model
+    with model.trace(PROMPTS[0], **NO_CACHE):
+        scores = model.transformer.h[0].attn.add.output.save()
+        probs_in = model.transformer.h[0].attn.softmax.input.save()
+        probs = model.transformer.h[0].attn.softmax.output.save()
+    assert torch.equal(probs_in, probs), "an op point's input is the op's value before any edit"
+    assert torch.equal(probs, torch.softmax(scores, dim=-1))
+    uniform = torch.full_like(probs, 1 / 8)
+    with model.trace(PROMPTS[0], **NO_CACHE):
+        model.transformer.h[0].attn.softmax.skip(uniform)
+        skipped = model.transformer.h[0].attn.matmul_1.output.save()
+    with model.trace(PROMPTS[0], **NO_CACHE):
+        value = model.transformer.h[0].attn.transpose_1.output.save()
+    assert torch.equal(skipped, torch.matmul(uniform, value))

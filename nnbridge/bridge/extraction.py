@@ -214,11 +214,13 @@ class Extraction:
         root: the extracted root (:class:`CompiledGraphModule` or :class:`OpaqueGraphModule`).
         guard: the tensor sizes it accepts.
         opaque: ``{module path: reason}`` for every module that fell back to opaque.
+        example: summaries (``torch.Size`` for tensors) of the call it was extracted from.
     """
 
     root: torch.nn.Module
     guard: ShapeGuard
     opaque: dict[str, str] = field(default_factory=dict)
+    example: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
 
 class _Context:
@@ -280,7 +282,10 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         ctx.renamed = renamed
         register_cache_pytrees(module)
         root, guard = _extract_root(ctx, args, kwargs)
-    return Extraction(root, guard, ctx.opaque)
+    from .hierarchy import summarize
+
+    return Extraction(root, guard, ctx.opaque, (tuple(summarize(a) for a in args),
+                                                {k: summarize(v) for k, v in kwargs.items()}))
 
 
 def _skip(ctx: _Context, module: torch.nn.Module) -> bool:

@@ -39,6 +39,7 @@ import torch
 from ..compat import SwappedBody, restore_body, swap_body
 from ..compat.nnsight import tracing
 from ..errors import NNBridgeError
+from . import hierarchy
 from .dispatcher import GraphDispatcher
 from .extraction import MODULE_PATH_KEY, Extraction
 from .graph_module import NAME_KEY, CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
@@ -113,6 +114,11 @@ class Bridge:
 
     def link(self, extraction: Extraction, module: torch.nn.Module) -> None:
         """Rewire an extraction so its graphs call the user's modules and share op points."""
+        if extraction.example is not None:  # shapes for printing op points (no run needed)
+            args, kwargs = extraction.example
+            inputs = hierarchy._bind_inputs(extraction.root, list(args), kwargs)
+            if inputs is not None:
+                hierarchy.static_examples(extraction.root, inputs)
         self._link(extraction.root, module, Counter())
 
     def _link(self, graph: GraphModuleBase, module: torch.nn.Module, invocations: Counter[int]) -> None:

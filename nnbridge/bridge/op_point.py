@@ -120,6 +120,12 @@ class OpPoint(torch.nn.Module):
         return self._refreshing(super().register_full_backward_pre_hook(hook, **kwargs))
 
     def extra_repr(self) -> str:
+        from .inspection import _describe
+
+        for owner in self.owners():
+            example = owner.__dict__.get("examples", {}).get(self.node_name)
+            if example is not None:
+                return f"{self.node_name}: {_describe(example)}"
         return self.node_name
 
 
