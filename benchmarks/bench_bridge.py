@@ -13,13 +13,13 @@ Usage: python benchmarks/bench_bridge.py [--repeats N]
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import nnbridge
+from timing import interleaved_medians, print_table
 
 
 def timed(fn) -> float:
@@ -66,21 +66,13 @@ def main() -> None:
                     h.remove()
         return run
 
-    rows = {"eager": lambda: timed(eager), "nnsight": lambda: timed(nnsight_save),
+    rows = {"eager": eager, "nnsight": nnsight_save,
             "bridged, 0": bridged(0), "bridged, 1": bridged(1), "bridged, 100": bridged(100)}
     with torch.no_grad():
-        for fn in rows.values():
-            fn()
-        results = {name: [] for name in rows}
-        for _ in range(args.repeats):
-            for name, fn in rows.items():
-                results[name].append(fn())
-    med = {name: statistics.median(v) for name, v in results.items()}
+        medians = interleaved_medians(rows, args.repeats)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"GPT-2 12 x 768, 64 tokens: bridge() {bridge_s:.2f} s, {len(points)} op points")
-    print(f"{'row':<14}{'ms':>9}{'x eager':>10}{'x nnsight':>11}")
-    for name, ms in med.items():
-        print(f"{name:<14}{ms:>9.2f}{ms / med['eager']:>10.3f}{ms / med['nnsight']:>11.3f}")
+    print_table(medians, "eager", "nnsight", "x nnsight")
 
 
 if __name__ == "__main__":

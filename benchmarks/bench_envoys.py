@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import time
 
 import nnsight
@@ -26,6 +25,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import nnbridge
+from timing import interleaved_medians, print_table
 
 
 def main() -> None:
@@ -69,22 +69,11 @@ def main() -> None:
 
     rows = {"eager": eager, "nnsight module x1": ns_module, "nnsight .source x1": ns_source_1,
             "nnbridge op x1": nb_op_1, "nnsight .source x10": ns_source_10, "nnbridge op x10": nb_op_10}
-    times: dict[str, list[float]] = {name: [] for name in rows}
     with torch.no_grad():
-        for fn in rows.values():
-            fn()
-            fn()
-        for _ in range(args.repeats):
-            for name, fn in rows.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - start) * 1e3)
-    med = {name: statistics.median(v) for name, v in times.items()}
+        med = interleaved_medians(rows, args.repeats)
     print(f"torch {torch.__version__}, nnsight {nnsight.__version__}, {torch.get_num_threads()} threads")
     print(f"GPT-2 12 x 768, 64 tokens; nnbridge extraction {extract_s:.2f} s")
-    print(f"{'row':<22}{'ms':>9}{'x eager':>10}{'x nnsight module':>18}")
-    for name, ms in med.items():
-        print(f"{name:<22}{ms:>9.2f}{ms / med['eager']:>10.3f}{ms / med['nnsight module x1']:>18.3f}")
+    print_table(med, "eager", "nnsight module x1", "x nnsight module")
     print(f"nnbridge op x1 / nnsight .source x1 = {med['nnbridge op x1'] / med['nnsight .source x1']:.3f}; "
           f"x10: {med['nnbridge op x10'] / med['nnsight .source x10']:.3f}")
 

@@ -14,22 +14,13 @@ Usage: python benchmarks/bench_graph.py [--repeats N] [--layers 2 12]
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import nnbridge
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+from timing import interleaved_medians, print_table
 
 
 def bench(layers: int, repeats: int) -> None:
@@ -71,18 +62,9 @@ def bench(layers: int, repeats: int) -> None:
 
     rows = {"eager": eager, "pg unpatched": unpatched, "pg 1 probe": patched(one),
             "pg 10 probes": patched(ten), "nnsight save": nnsight_save}
-    for fn in rows.values():  # warm up
-        fn()
-        fn()
-    results: dict[str, list[float]] = {name: [] for name in rows}
-    for _ in range(repeats):  # interleave to share drift between rows
-        for name, fn in rows.items():
-            results[name].append(median_ms(fn, 1))
-    med = {name: statistics.median(v) for name, v in results.items()}
+    med = interleaved_medians(rows, repeats)
     print(f"\nGPT-2 {layers} layers x 768, 64 tokens: extraction {extraction_s:.2f} s, {nodes} leaf NodePaths")
-    print(f"{'row':<16}{'ms':>9}{'x eager':>10}{'x nnsight':>11}")
-    for name, ms in med.items():
-        print(f"{name:<16}{ms:>9.2f}{ms / med['eager']:>10.3f}{ms / med['nnsight save']:>11.3f}")
+    print_table(med, "eager", "nnsight save", "x nnsight")
 
 
 def main() -> None:

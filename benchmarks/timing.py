@@ -1,0 +1,32 @@
+"""Shared timing for the benchmarks: medians of interleaved repetitions, and the table."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def interleaved_medians(rows: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Median wall time in ms of each row; rows run in turn so machine drift hits them all alike.
+
+    A row returning a float reports its own time in ms (to exclude set-up it does around the call).
+    """
+    for fn in rows.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(repeats):
+        for name, fn in rows.items():
+            start = time.perf_counter()
+            own = fn()
+            times[name].append(own if isinstance(own, float) else (time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def print_table(medians: dict[str, float], baseline: str, second: str, second_label: str) -> None:
+    """One row per entry: ms, ratio to ``baseline`` (eager), ratio to ``second`` (an nnsight row)."""
+    width = max(len(name) for name in medians) + 2
+    print(f"{'row':<{width}}{'ms':>9}{'x eager':>10}{second_label:>{len(second_label) + 2}}")
+    for name, ms in medians.items():
+        print(f"{name:<{width}}{ms:>9.2f}{ms / medians[baseline]:>10.3f}{ms / medians[second]:>{len(second_label) + 2}.3f}")
