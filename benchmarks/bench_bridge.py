@@ -13,13 +13,15 @@ Usage: python benchmarks/bench_bridge.py [--repeats N]
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
+import nnsight
+
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import nnbridge
-from timing import interleaved_medians, print_table
+from timing import interleaved_medians, print_table, random_gpt2
 
 
 def timed(fn) -> float:
@@ -32,13 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, attn_implementation="eager")).eval()
-    ids = torch.randint(0, model.config.vocab_size, (1, 64))
-    import copy
-
-    import nnsight
-
+    model, ids = random_gpt2(12)
     plain = copy.deepcopy(model)
     wrapped = nnsight.NNsight(copy.deepcopy(model))
 

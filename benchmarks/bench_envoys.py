@@ -22,19 +22,16 @@ import time
 
 import nnsight
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import nnbridge
-from timing import interleaved_medians, print_table
+from timing import interleaved_medians, print_table, random_gpt2
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    base = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, attn_implementation="eager")).eval()
-    ids = torch.randint(0, base.config.vocab_size, (1, 64))
+    base, ids = random_gpt2(12)
     plain = copy.deepcopy(base)
     ns = nnsight.NNsight(copy.deepcopy(base))
     nb = nnbridge.NNsight(copy.deepcopy(base))

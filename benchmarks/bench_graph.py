@@ -16,18 +16,16 @@ from __future__ import annotations
 import argparse
 import time
 
+import nnsight
+
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import nnbridge
-from timing import interleaved_medians, print_table
+from timing import interleaved_medians, print_table, random_gpt2
 
 
 def bench(layers: int, repeats: int) -> None:
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=layers, n_embd=768, n_head=12, attn_implementation="eager")
-    model = GPT2LMHeadModel(config).eval()
-    ids = torch.randint(0, config.vocab_size, (1, 64))
+    model, ids = random_gpt2(layers)
 
     start = time.perf_counter()
     pg = nnbridge.PatchableGraph(model, ids)
@@ -35,8 +33,6 @@ def bench(layers: int, repeats: int) -> None:
     nodes = len(pg.node_paths())
 
     probe_paths = [p for p in pg.node_paths() if p.endswith((".softmax", ".add", ".mul"))][:10]
-    import nnsight
-
     nn_model = nnsight.NNsight(model)
 
     def eager():

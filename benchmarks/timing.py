@@ -1,10 +1,20 @@
-"""Shared timing for the benchmarks: medians of interleaved repetitions, and the table."""
+"""Shared by the benchmarks: the model, medians of interleaved repetitions, and the table."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def random_gpt2(layers: int, tokens: int = 64) -> tuple[GPT2LMHeadModel, torch.Tensor]:
+    """A seeded random GPT-2 (768 wide, 12 heads, eager attention, eval) and ``(1, tokens)`` ids."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=768, n_head=12, attn_implementation="eager")).eval()
+    return model, torch.randint(0, model.config.vocab_size, (1, tokens))
 
 
 def interleaved_medians(rows: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, float]:

@@ -36,18 +36,23 @@ EXTRA_ARGS_KEY = "nnbridge_extra_args"
 
 
 def _simple_spec(spec: pytree.TreeSpec, *, subclasses: bool = False) -> bool:
-    """Whether every container in ``spec`` is a tuple, list or dict (or a leaf).
+    """Whether every container in ``spec`` is a tuple, list, dict or None (or a leaf).
 
     With ``subclasses`` (reading values out with ``[key]``), subclasses such as namedtuples and
     ``ModelOutput`` count too; building containers of fx nodes needs the exact types.
     """
-    if spec.is_leaf():
+    if spec.is_leaf() or spec.type is type(None):
         return True
     if spec.type is None:
         return False
     if not (issubclass(spec.type, _SIMPLE) if subclasses else spec.type in _SIMPLE):
         return False
     return all(_simple_spec(child, subclasses=subclasses) for child in spec.children())
+
+
+def plain_value(value: Any) -> bool:
+    """Whether a call argument is built only of tuples, lists, dicts (or subclasses), None and leaves."""
+    return _simple_spec(pytree.tree_flatten(value)[1], subclasses=True)
 
 
 def _leaf_paths(spec: pytree.TreeSpec, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...] | None]:

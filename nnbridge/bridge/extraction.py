@@ -34,7 +34,7 @@ from ..compat import (cleared_module_state, copy_spec, export, invocation_graphs
                       register_cache_pytrees, unflatten)
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
-from .cleanup import EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes
+from .cleanup import EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
@@ -165,20 +165,6 @@ def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
     return calls
 
 
-def _plain_value(value: Any) -> bool:
-    """Whether a call argument is built only of tuples, lists, dicts, None and leaves."""
-    _, spec = pytree.tree_flatten(value)
-    stack = [spec]
-    while stack:
-        node = stack.pop()
-        if node.is_leaf():
-            continue
-        if node.type is not type(None) and not issubclass(node.type, (tuple, list, dict)):
-            return False
-        stack.extend(node.children())
-    return True
-
-
 def modules_with_state_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[str]:
     """Submodules called with a stateful pytree argument (transformers' ``DynamicCache``).
 
@@ -189,7 +175,7 @@ def modules_with_state_inputs(module: torch.nn.Module, args: tuple[Any, ...], kw
     found: set[str] = set()
 
     def checker(fqn: str) -> Callable[..., None]:
-        return lambda mod, a, k: found.add(fqn) if not _plain_value((a, k)) else None
+        return lambda mod, a, k: found.add(fqn) if not plain_value((a, k)) else None
     observed_run(module, args, kwargs, [(sub, "pre", checker(fqn)) for fqn, sub in named_real_modules(module) if fqn])
     return found
 
@@ -417,7 +403,7 @@ def _dynamic_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``Dim.AUTO`` for every dimension of every tensor; a custom pytree argument (a transformers
     ``Cache``) gets the flat list of its leaves' specs, the form export expects for such nodes."""
     def spec(value: Any) -> Any:
-        if _plain_value(value):
+        if plain_value(value):
             return pytree.tree_map(_dim_spec, value)
         return [_dim_spec(leaf) for leaf in pytree.tree_leaves(value)]
     return tuple(spec(a) for a in args), {k: spec(v) for k, v in kwargs.items()}

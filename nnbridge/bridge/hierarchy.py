@@ -235,7 +235,7 @@ def static_examples(module: GraphModuleBase, inputs: dict[str, Any], attrs: dict
             summary = summarize(attr)
         elif node.op == "call_module":
             child_module = module.child_graph(node)
-            child_inputs = _bind_inputs(child_module, of(node.args), of(node.kwargs))
+            child_inputs = bind_inputs(child_module, of(node.args), of(node.kwargs))
             summary = static_examples(child_module, child_inputs) if child_inputs is not None else None
             complete = complete and summary is not None
             summary = _UNKNOWN if summary is None else summary
@@ -273,7 +273,8 @@ def _plain(summary: Any) -> Any:
     return summary
 
 
-def _bind_inputs(module: GraphModuleBase, args: Any, kwargs: Any) -> dict[str, Any] | None:
+def bind_inputs(module: GraphModuleBase, args: Any, kwargs: Any) -> dict[str, Any] | None:
+    """``{placeholder name: value}`` for a call of a compiled graph (None for other kinds)."""
     if not isinstance(module, CompiledGraphModule):
         return None
     placeholders = [name for name, node in module.named_nodes() if node.op == "placeholder"]
@@ -285,6 +286,6 @@ def _bind_inputs(module: GraphModuleBase, args: Any, kwargs: Any) -> dict[str, A
 def describe_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Store example summaries on every graph of ``root``: statically from export's metadata when
     it describes every value, else by one recording run of the example inputs."""
-    inputs = _bind_inputs(root, [summarize(a) for a in args], {k: summarize(v) for k, v in kwargs.items()})
+    inputs = bind_inputs(root, [summarize(a) for a in args], {k: summarize(v) for k, v in kwargs.items()})
     if inputs is None or static_examples(root, inputs) is None:
         record_examples(root, args, kwargs)

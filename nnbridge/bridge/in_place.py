@@ -116,7 +116,7 @@ class Bridge:
         """Rewire an extraction so its graphs call the user's modules and share op points."""
         if extraction.example is not None:  # shapes for printing op points (no run needed)
             args, kwargs = extraction.example
-            inputs = hierarchy._bind_inputs(extraction.root, list(args), kwargs)
+            inputs = hierarchy.bind_inputs(extraction.root, list(args), kwargs)
             if inputs is not None:
                 hierarchy.static_examples(extraction.root, inputs)
         self._link(extraction.root, module, Counter())

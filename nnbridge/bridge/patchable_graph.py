@@ -12,6 +12,7 @@ Example (graphpatch's TupleOutputModule, seed 000)::
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 from collections.abc import Iterator
 from typing import Any
@@ -50,15 +51,9 @@ class _DigListener:
             return value[:key] + (new,) + value[key + 1:]  # type: ignore[operator]
         if isinstance(value, tuple):
             return value._replace(**{value._fields[key]: new})
-        copied = value.copy() if isinstance(value, list) else type(value)(value) if type(value) is dict else _shallow(value)
+        copied = copy.copy(value)  # list, dict or ModelOutput: a new container, same elements
         copied[key] = new
         return copied
-
-
-def _shallow(value: Any) -> Any:
-    import copy
-
-    return copy.copy(value)
 
 
 class PatchableGraph(torch.nn.Module):
