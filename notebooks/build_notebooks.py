@@ -67,12 +67,15 @@ MIGRATING = [
     new_markdown_cell(
         "# Migrating an nnsight script\n\n"
         "Change the import, nothing else: the same cell gives the same numbers. Here with a tiny random\n"
-        "GPT-2 and the real GPT-2 tokenizer (`../shared/data/gpt2_tokenizer`)."),
+        "GPT-2 and the real GPT-2 tokenizer (`shared/data/gpt2_tokenizer` beside the checkout, or\n"
+        "`$NNBRIDGE_SHARED`)."),
     new_code_cell(
+        "import os\n"
         "import torch\n"
         "from pathlib import Path\n"
         "from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel\n\n"
-        "tokenizer = AutoTokenizer.from_pretrained(Path('..').resolve().parent / 'shared' / 'data' / 'gpt2_tokenizer')\n"
+        "shared = Path(os.environ.get('NNBRIDGE_SHARED') or Path('..').resolve().parent / 'shared')\n"
+        "tokenizer = AutoTokenizer.from_pretrained(shared / 'data' / 'gpt2_tokenizer')\n"
         "tokenizer.pad_token = '<|endoftext|>'\n\n"
         "def fresh_model():\n"
         "    torch.manual_seed(0)\n"

@@ -7,6 +7,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from nnbridge.cli import main
+from utils import gpt2_tokenizer_dir
 
 
 def run(*args):
@@ -16,8 +17,7 @@ def run(*args):
 def test_tree_of_a_local_model(tmp_path, capsys):
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50257)).save_pretrained(tmp_path)
-    from pathlib import Path
-    tokenizer_dir = Path(__file__).parents[2] / "shared" / "data" / "gpt2_tokenizer"
+    tokenizer_dir = gpt2_tokenizer_dir()
     for name in ("vocab.json", "merges.txt", "tokenizer.json"):
         (tmp_path / name).write_bytes((tokenizer_dir / name).read_bytes())
     assert main(["tree", str(tmp_path), "--path", "h_0.attn", "--depth", "1"]) == 0

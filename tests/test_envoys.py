@@ -9,9 +9,8 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 import nnbridge
 from nnbridge import ProbePatch, ZeroPatch
-from utils import assert_same
+from utils import assert_same, gpt2_tokenizer_dir
 
-TOKENIZER_DIR = __import__("pathlib").Path(__file__).parents[2] / "shared" / "data" / "gpt2_tokenizer"
 PROMPTS = ["When Mary and John went to the store", "The capital of France is"]
 # Modules that receive a transformers Cache keep flat graph signatures (torch.export.unflatten
 # cannot thread a cache mutated between calls), so module-level values of decoder layers and
@@ -20,7 +19,7 @@ NO_CACHE = {"use_cache": False}
 
 
 def tokenizer():
-    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    tok = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir())
     tok.pad_token = "<|endoftext|>"
     return tok
 

@@ -6,12 +6,15 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from utils import shared_dir
+
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs(path):
+def test_notebook_runs(path, monkeypatch):
     notebook = nbformat.read(path, as_version=4)
+    monkeypatch.setenv("NNBRIDGE_SHARED", str(shared_dir()))  # the kernel inherits it
     NotebookClient(notebook, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]

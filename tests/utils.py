@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from nnbridge import CompiledGraphModule
+
+REPO = Path(__file__).resolve().parents[1]
 
 FIXTURES = [
     "tuple_output_module.TupleOutputModule",
@@ -25,6 +30,24 @@ FIXTURES = [
     "data_dependent_module.DataDependentModule",
     "protected_names_module.ProtectedNamesModule",
 ]
+
+
+def shared_dir() -> Path:
+    """The project's ``shared/`` folder: ``$NNBRIDGE_SHARED``, else beside the checkout, else beside
+    the checkout this one was cloned from (a clone made elsewhere, e.g. in a temp dir)."""
+    candidates = [os.environ.get("NNBRIDGE_SHARED"), REPO.parent / "shared"]
+    origin = subprocess.run(["git", "-C", str(REPO), "config", "remote.origin.url"], capture_output=True, text=True)
+    if origin.returncode == 0 and origin.stdout.strip():
+        candidates.append(Path(origin.stdout.strip()).parent / "shared")
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "data" / "gpt2_tokenizer").is_dir():
+            return Path(candidate)
+    raise FileNotFoundError("shared/data/gpt2_tokenizer not found beside the checkout; set NNBRIDGE_SHARED")
+
+
+def gpt2_tokenizer_dir() -> Path:
+    """The real GPT-2 BPE tokenizer files (``shared/data/gpt2_tokenizer``)."""
+    return shared_dir() / "data" / "gpt2_tokenizer"
 
 
 def load_fixture(name: str) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
