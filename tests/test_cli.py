@@ -24,7 +24,7 @@ def test_tree_of_a_local_model(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "attn: CompiledGraphModule"
     assert "├─scaled_dot_product_attention: Tensor(1, 2, 9, 16)" in out
-    assert out[-1] == "└─output: list(3)"
+    assert out[-1] == "└─output: tuple(2)", "the module's own output (attn_output, attn_weights), cache threaded outside"
     assert not any(line.startswith("│ ") for line in out), "depth 1 prints one level"
 
 

@@ -183,14 +183,50 @@ def _clean_prologue(graph: Graph, attrs: dict[str, Any]) -> None:
         _replace_leaf_getitems(graph, node, leaf)
 
 
+def spec_node(graph: Graph, attrs: dict[str, Any], spec: pytree.TreeSpec, before: Node) -> Node:
+    """A new ``get_attr`` node (inserted before ``before``) reading ``spec`` from a fresh
+    ``_spec_N`` attribute of the graph's owner; ``attrs`` gets the new entry."""
+    i = len(attrs)
+    while f"_spec_{i}" in attrs:
+        i += 1
+    name = f"_spec_{i}"
+    attrs[name] = spec
+    if graph.owning_module is not None:
+        setattr(graph.owning_module, name, spec)
+    with graph.inserting_before(before):
+        return graph.create_node("get_attr", name)  # not get_attr(): it warns for non-tensor values
+
+
+def _call_arguments(graph: Graph, attrs: dict[str, Any], call: Node, leaves: list[Any],
+                    spec: pytree.TreeSpec) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of a call from the leaves of its input spec: plain arguments become
+    containers of the leaves, an argument of a custom pytree type (a ``Cache``) one
+    ``tree_unflatten`` node of its own leaves."""
+    if _simple_spec(spec):
+        return pytree.tree_unflatten(leaves, spec)
+    positional, keywords = spec.children()
+    start = 0
+
+    def argument(sub: pytree.TreeSpec) -> Any:
+        nonlocal start
+        part, start = leaves[start:start + sub.num_leaves], start + sub.num_leaves
+        if _simple_spec(sub):
+            return pytree.tree_unflatten(part, sub)
+        with graph.inserting_before(call):
+            return graph.call_function(pytree.tree_unflatten, (list(part), spec_node(graph, attrs, sub, call)))
+    args = tuple(argument(sub) for sub in positional.children())
+    kwargs = {key: argument(sub) for key, sub in zip(keywords.context, keywords.children())}
+    return args, kwargs
+
+
 def _clean_calls(graph: Graph, attrs: dict[str, Any]) -> None:
     for call in [n for n in graph.nodes if n.op == "call_module"]:
         # inputs: tree_unflatten(leaves, spec) -> getitem 0/1 -> getitem j/key -> call_module
         unflatten = _find_input_unflatten(call)
         if unflatten is not None:
             spec = _spec_of(unflatten, attrs)
-            if spec is not None and _simple_spec(spec):
-                args, kwargs = pytree.tree_unflatten(list(unflatten.args[0]), spec)
+            if spec is not None:
+                args, kwargs = _call_arguments(graph, attrs, call, list(unflatten.args[0]), spec)
                 extra = 0
                 while extra < len(call.args) and _find_input_unflatten_of(call.args[extra]) is None:
                     extra += 1

@@ -38,6 +38,7 @@ from .cleanup import EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prol
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
+from .state import Key, read_states_back, state_keys, states_returned, write_states_back
 
 #: Names a child may not take in a graph module or in ``pg.graph``; such children get a trailing
 #: ``_`` in NodePaths and as attributes (graphpatch mangled them too).
@@ -165,21 +166,6 @@ def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
     return calls
 
 
-def modules_with_state_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[str]:
-    """Submodules called with a stateful pytree argument (transformers' ``DynamicCache``).
-
-    ``torch.export.unflatten`` cannot preserve the call signature of such a module: the cache is
-    mutated between calls and its new state is not threaded through the graphs. These modules get
-    flat graph signatures (their graph inputs are the tensors they use). One eager run, no grad.
-    """
-    found: set[str] = set()
-
-    def checker(fqn: str) -> Callable[..., None]:
-        return lambda mod, a, k: found.add(fqn) if not plain_value((a, k)) else None
-    observed_run(module, args, kwargs, [(sub, "pre", checker(fqn)) for fqn, sub in named_real_modules(module) if fqn])
-    return found
-
-
 def _stub_output(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
     """The recorded output as zeros that still depend on every floating input (else export drops
     whatever computed the inputs)."""
@@ -296,16 +282,13 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     # the call's structure before anything runs it: export may record a cache argument's spec
     # after the traced code mutated it (torch 2.13, static shapes)
     input_spec = copy_spec(pytree.tree_flatten((args, kwargs))[1])
-    bar = tqdm(total=3, desc=f"extracting {type(module).__name__}", unit="stage", disable=not ctx.options.progress,
+    bar = tqdm(total=2, desc=f"extracting {type(module).__name__}", unit="stage", disable=not ctx.options.progress,
                leave=False)
-    bar.set_postfix_str("checking inputs")
-    flat = modules_with_state_inputs(module, args, kwargs)
-    bar.update()
     bar.set_postfix_str("torch.export")
     while True:
         calls = record_calls(module, set(stubs), args, kwargs) if stubs else {}
         try:
-            exported, dynamic = _export(module, args, kwargs, stubs, calls, dynamic, flat)
+            exported, dynamic, states = _export(module, args, kwargs, stubs, calls, dynamic)
             break
         except _ModuleFailure as failure:
             fqn, error = failure.fqn, failure.error
@@ -324,7 +307,7 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     bar.update()
     bar.set_postfix_str("unflatten and build graphs")
     unflattened = unflatten(exported)
-    builder = _Builder(ctx, unflattened, stubs, calls, input_spec)
+    builder = _Builder(ctx, unflattened, stubs, calls, input_spec, states)
     root = builder.build("", module, invocation_graphs(unflattened.get_submodule("model"))[0])
     bar.update()
     bar.close()
@@ -338,12 +321,21 @@ class _ModuleFailure(Exception):
 
 
 def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
-            calls: dict[str, list], dynamic: bool, flat: set[str]) -> tuple[torch.export.ExportedProgram, bool]:
+            calls: dict[str, list], dynamic: bool
+            ) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
     """Export once (dynamic, then static on failure); raise _ModuleFailure naming the innermost
-    module that was running when export failed. Modules in ``flat`` keep flat signatures."""
+    module that was running when export failed.
+
+    Every module keeps its call signature and threads the state of stateful arguments (see
+    :mod:`.state`), except a stubbed module called with one: it keeps a flat signature (its
+    recorded output cannot carry the state it would have written). Returns the program, whether
+    it is dynamic, and the state keys of every call (``{path: [keys per invocation]}``).
+    """
     wrapper = _Wrapper(module)
-    fqns = tuple(f"model.{n}" if n else "model" for n, m in named_real_modules(module)
-                 if not isinstance(m, _CONTAINERS) and n not in flat)
+    flat = {fqn for fqn in stubs if any(state_keys(a, k) for a, k, _ in calls.get(fqn, []))}
+    preserved = {n: m for n, m in named_real_modules(module) if not isinstance(m, _CONTAINERS) and n not in flat}
+    fqns = tuple(f"model.{n}" if n else "model" for n in preserved)
+    threaded = {n: m for n, m in preserved.items() if n not in stubs}
     active: list[str] = []
     handles = []
 
@@ -377,9 +369,10 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             try:
                 # non-strict export runs the module's Python code, which mutates a cache passed in
                 # (with fake tensors): every attempt traces a fresh copy of the inputs
-                exported = export(wrapper, _safe_copy((args, kwargs)), dynamic_shapes=shapes,
-                                  preserve_module_call_signature=fqns)
-                return exported, use_dynamic
+                with states_returned(threaded) as states:
+                    exported = export(wrapper, _safe_copy((args, kwargs)), dynamic_shapes=shapes,
+                                      preserve_module_call_signature=fqns)
+                return exported, use_dynamic, states
             except Exception as error:  # noqa: BLE001 - any export failure means fallback
                 last = error
                 failing = active[-1] if active else ""
@@ -440,9 +433,15 @@ class _Builder:
     """Builds the mirror hierarchy from an unflattened export."""
 
     def __init__(self, ctx: _Context, unflattened: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list],
-                 input_spec: pytree.TreeSpec | None = None):
+                 input_spec: pytree.TreeSpec | None = None, states: dict[str, list[list[Key]]] | None = None):
         self.ctx, self.unflattened, self.stubs, self.calls = ctx, unflattened, stubs, calls
         self.input_spec = input_spec
+        self.states = states or {}
+
+    def state_keys(self, fqn: str, invocation: int) -> list[Key]:
+        """The state keys export recorded for this invocation ([] when it had no stateful argument)."""
+        recorded = self.states.get(fqn, [])
+        return recorded[invocation] if invocation < len(recorded) else []
 
     def child(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
         if fqn in self.stubs:
@@ -452,11 +451,15 @@ class _Builder:
             args, kwargs, _ = recorded[min(invocation, len(recorded) - 1)]
             return _opaque(self.ctx, fqn, module, args, kwargs, self.stubs[fqn])
         graphs = invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))
-        return self.build(fqn, module, graphs[invocation])
+        return self.build(fqn, module, graphs[invocation], invocation)
 
-    def build(self, fqn: str, module: torch.nn.Module, holder: torch.nn.Module) -> CompiledGraphModule:
+    def build(self, fqn: str, module: torch.nn.Module, holder: torch.nn.Module,
+              invocation: int = 0) -> CompiledGraphModule:
         graph: Graph = holder.graph
         attrs = {str(n.target): _resolve_attr(holder, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
+        keys = self.state_keys(fqn, invocation)
+        if keys:
+            write_states_back(graph, attrs, keys)
         if fqn == "" and self.input_spec is not None:
             prologue = input_prologue(graph)
             if prologue is not None:
@@ -476,8 +479,11 @@ class _Builder:
             invocation = self.ctx.invocations[child_fqn]
             self.ctx.invocations[child_fqn] += 1
             child = self.child(child_fqn, module.get_submodule(target), invocation)
+            extra = node.meta.get(EXTRA_ARGS_KEY, 0)
             if getattr(child, "exact_signature", True):
-                node.args = node.args[node.meta.get(EXTRA_ARGS_KEY, 0):]
+                node.args, extra = node.args[extra:], 0
+            if child_fqn not in self.stubs and self.state_keys(child_fqn, invocation):
+                read_states_back(graph, node, self.state_keys(child_fqn, invocation), extra)
             first, *rest = target.split(".")
             safe_target = ".".join([safe_name(first), *rest])
             base = safe_target.replace(".", "_")

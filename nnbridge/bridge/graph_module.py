@@ -20,11 +20,15 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx import _pytree as fx_pytree
+from torch.utils import _pytree as pytree
 
 from ..compat import NoSubmoduleRecompile, forward_from_source
 from ..compat.nnsight import route_if_wanted
 from .op_point import OpPoint
 
+#: Calls that only convert between a custom pytree object and its leaves.
+_PLUMBING_CALLS = (fx_pytree.tree_flatten_spec, pytree.tree_unflatten)
 #: ``node.meta`` key holding a node's NodePath name within its graph.
 NAME_KEY = "nnbridge_name"
 #: ``node.meta`` key holding the summary (``torch.Size``, container) observed on the example inputs.
@@ -105,8 +109,11 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         return self.get_submodule(str(node.target))  # type: ignore[return-value]
 
     def _plumbing(self, node: Node) -> bool:
-        """A ``get_attr`` of something that is not a tensor (export's pytree specs): not a value
-        anyone patches, so it gets no op point."""
+        """A ``get_attr`` of something that is not a tensor (export's pytree specs), or a call that
+        packs/unpacks a custom pytree (a ``Cache``) or writes a state back: not a value anyone
+        patches, so it gets no op point."""
+        if node.op == "call_function":
+            return node.target in _PLUMBING_CALLS or getattr(node.target, "nnbridge_plumbing", False)
         if node.op != "get_attr":
             return False
         value: Any = self

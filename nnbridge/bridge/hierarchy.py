@@ -29,8 +29,9 @@ def _opaque_children(module: torch.nn.Module, prefix: str = "") -> Iterator[tupl
 def children(module: GraphModuleBase) -> list[tuple[str, GraphModuleBase | None]]:
     """``(name, child graph or None for a node)`` in display order."""
     if isinstance(module, CompiledGraphModule):
+        points = set(module.point_names)
         return [(name, module.child_graph(node) if node.op == "call_module" else None)
-                for name, node in module.named_nodes()]
+                for name, node in module.named_nodes() if node.op == "call_module" or name in points]
     assert isinstance(module, OpaqueGraphModule)
     names = list(module.point_names)
     kids: list[tuple[str, GraphModuleBase | None]] = [(n, None) for n in names[:-1]]

@@ -13,6 +13,7 @@ from .fx import NoSubmoduleRecompile as NoSubmoduleRecompile
 from .hooks import cleared_module_state as cleared_module_state
 from .hooks import has_module_hooks as has_module_hooks
 from .forwards import SwappedBody as SwappedBody
+from .forwards import call_overridden as call_overridden
 from .forwards import restore_body as restore_body
 from .forwards import swap_body as swap_body
 from .accelerate import offloaded_weights_loaded as offloaded_weights_loaded

@@ -72,3 +72,20 @@ class _Bound:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.body(self.module_ref(), *args, **kwargs)
+
+
+def call_overridden(module: torch.nn.Module, around: Callable[..., Any] | None) -> None:
+    """Make ``module(*args, **kwargs)`` run ``around(run, *args, **kwargs)``, where ``run`` is the
+    normal call (hooks and forward); ``around=None`` removes the override.
+
+    Uses the instance attribute ``_call_impl`` that ``nn.Module.__call__`` looks up (torch 2.0 -
+    2.13), so the override sits outside every hook, including ones registered later.
+    """
+    if around is None:
+        module.__dict__.pop("_call_impl", None)
+        return
+    import functools
+    import types
+
+    run = types.MethodType(type(module)._call_impl, module)
+    module.__dict__["_call_impl"] = functools.partial(around, run)

@@ -1,0 +1,221 @@
+"""Stateful call arguments: objects a module mutates in place, such as transformers' ``Cache``.
+
+A decoder layer called with ``past_key_values=cache`` appends to ``cache`` and returns only its
+hidden states. ``torch.export`` with a preserved call signature hands the module a *rebuilt* copy
+of each pytree argument, so the update would never reach the caller, and
+``torch.export.unflatten`` cannot thread it either. While exporting, each such call is therefore
+rewritten (see :func:`states_returned`) so that the module returns ``(output, [new states])``
+and its caller copies the new states into its own objects. The extracted graphs keep eager's
+contract: a state module's graph takes the cache object, writes its new state into that same
+object (an :func:`assign_state` node) and returns only the module's output; a parent graph reads
+the state back from the object it passed in. Hooks and nnsight envoys thus see the module's real
+signature (``hidden_states, attention_mask=..., past_key_values=cache, ...``) and real output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import operator
+
+import torch
+from torch.fx import Graph, Node
+from torch.utils import _pytree as pytree
+
+from ..compat import call_overridden
+from ..errors import ExtractionError
+from .cleanup import input_prologue, plain_value, spec_node
+
+#: A top-level argument of a call: its position, or its keyword.
+Key = int | str
+
+
+def state_keys(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Key]:
+    """Positions and keywords of the call's arguments that are not plain pytrees of leaves (tuples,
+    lists, dicts, None, tensors, scalars): the objects a module may mutate, in call order."""
+    return [i for i, a in enumerate(args) if not plain_value(a)] + [k for k, v in kwargs.items() if not plain_value(v)]
+
+
+def argument(args: tuple[Any, ...], kwargs: dict[str, Any], key: Key) -> Any:
+    """The argument at ``key`` (a position or a keyword)."""
+    return args[key] if isinstance(key, int) else kwargs[key]
+
+
+def _fresh(value: Any) -> Any:
+    """A new object with the same state (a pytree round trip; tensors are shared)."""
+    leaves, spec = pytree.tree_flatten(value)
+    return pytree.tree_unflatten(leaves, spec)
+
+
+@torch.fx.node.has_side_effect
+def assign_state(target: Any, source: Any) -> None:
+    """Give ``target`` the state of ``source`` (same type), keeping ``target``'s identity and, where
+    the structure matches, the identity of the objects it holds (a cache's layer objects).
+
+    Raises:
+        TypeError: ``target`` and ``source`` are of different types.
+    """
+    if type(target) is not type(source):
+        raise TypeError(f"cannot copy the state of a {type(source).__name__} into a {type(target).__name__}")
+    if isinstance(target, list):
+        if len(target) == len(source):
+            for i, (old, new) in enumerate(zip(target, source)):
+                if _assignable(old, new):
+                    assign_state(old, new)
+                else:
+                    target[i] = new
+        else:
+            target[:] = source
+        return
+    if isinstance(target, dict):
+        for key in [k for k in target if k not in source]:
+            del target[key]
+        for key, new in source.items():
+            if key in target and _assignable(target[key], new):
+                assign_state(target[key], new)
+            else:
+                target[key] = new
+        return
+    state, new_state = vars(target), vars(source)
+    for name in [n for n in state if n not in new_state]:
+        del state[name]
+    for name, new in new_state.items():
+        if name in state and _assignable(state[name], new):
+            assign_state(state[name], new)
+        else:
+            state[name] = new
+
+
+#: Plumbing, not an op: op points skip nodes calling it.
+assign_state.nnbridge_plumbing = True  # type: ignore[attr-defined]
+
+
+def _assignable(old: Any, new: Any) -> bool:
+    if old is new or type(old) is not type(new) or isinstance(old, torch.Tensor):
+        return False
+    return isinstance(old, (list, dict)) or (hasattr(old, "__dict__") and not isinstance(old, type))
+
+
+def write_states_back(graph: Graph, attrs: dict[str, Any], keys: list[Key]) -> None:
+    """Rewrite a state module's raw unflattened graph, whose output is ``(output, [new states])``,
+    to assign each new state to its argument (an :func:`assign_state` node) and return ``output``.
+
+    Args:
+        graph: the module's per-invocation graph, before :func:`~.cleanup.clean_graph`.
+        attrs: ``{get_attr target: value}`` of the graph's owner (its ``_spec_N`` tree specs).
+        keys: the invocation's state keys, as :func:`states_returned` recorded them.
+
+    Raises:
+        ExtractionError: the graph does not have the shape export gives a threaded module.
+    """
+    output = next(n for n in graph.nodes if n.op == "output")
+    value, prologue = output.args[0], input_prologue(graph)
+    spec = None
+    if isinstance(value, Node) and value.target is pytree.tree_unflatten and isinstance(value.args[1], Node):
+        spec = attrs.get(str(value.args[1].target))
+    if spec is None or prologue is None or spec.num_children != 2:
+        raise ExtractionError("internal: a module called with a stateful argument (a transformers Cache) has no"
+                              " (output, [states]) graph output; please report this with the model's class.")
+    positional, keywords = prologue.args[0]
+    out_spec, states_spec = spec.children()
+    leaves = list(value.args[0])
+    with graph.inserting_before(output):
+        result = graph.call_function(pytree.tree_unflatten, (leaves[:out_spec.num_leaves],
+                                                             spec_node(graph, attrs, out_spec, output)))
+        start = out_spec.num_leaves
+        for key, state_spec in zip(keys, states_spec.children()):
+            part, start = leaves[start:start + state_spec.num_leaves], start + state_spec.num_leaves
+            new = graph.call_function(pytree.tree_unflatten, (part, spec_node(graph, attrs, state_spec, output)))
+            graph.call_function(assign_state, (positional[key] if isinstance(key, int) else keywords[key], new))
+    output.args = (result,)
+    graph.erase_node(value)
+
+
+def read_states_back(graph: Graph, call: Node, keys: list[Key], extra: int) -> None:
+    """Rewrite a cleaned parent graph's call of a state module: the callee now returns only its
+    output and writes its new states into the objects it was passed, so every read of the old
+    ``(output, [states])`` result reads ``output`` and those objects instead.
+
+    Args:
+        graph: the caller's cleaned graph.
+        call: the ``call_module`` node.
+        keys: the invocation's state keys.
+        extra: how many leading arguments of ``call`` are not the module's own (``args_0``).
+    """
+    states = [call.args[extra + key] if isinstance(key, int) else call.kwargs[key] for key in keys]
+    for user in list(call.users):
+        if user.op == "call_function" and user.target is operator.getitem and user.args == (call, 0):
+            user.replace_all_uses_with(call)
+            graph.erase_node(user)
+        else:
+            result = (call, list(states))
+            user.args = tuple(result if a is call else a for a in user.args)
+            user.kwargs = {k: result if v is call else v for k, v in user.kwargs.items()}
+
+
+@contextlib.contextmanager
+def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, list[list[Key]]]]:
+    """While exporting, make each call of ``modules`` with stateful arguments return its new states.
+
+    Inside (after export's signature-preserving pre-hook rebuilt the arguments) the module's
+    forward runs on fresh copies of its stateful arguments and returns ``(output, [copies])``, so
+    the preserved signature records the arguments as they were before the call and an output that
+    carries the new state. Outside (around the whole call, hooks included), the copies' state is
+    assigned to the caller's objects and only ``output`` is returned, as the eager call would.
+    Calls without stateful arguments are untouched.
+
+    Args:
+        modules: ``{path: module}``; each module's forward is the class's or an instance override.
+
+    Yields:
+        ``{path: [state keys of each invocation, in call order]}`` (``[]`` for a call without
+        stateful arguments), filled while the body runs.
+    """
+    calls: dict[str, list[list[Key]]] = {}
+    installed: list[tuple[torch.nn.Module, Any]] = []
+
+    def wrap(path: str, module: torch.nn.Module) -> None:
+        inner = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            keys = state_keys(args, kwargs)
+            if not keys:
+                return inner(*args, **kwargs)
+            args, kwargs = list(args), dict(kwargs)
+            copies = []
+            for key in keys:
+                copy = _fresh(argument(args, kwargs, key))  # type: ignore[arg-type]
+                if isinstance(key, int):
+                    args[key] = copy
+                else:
+                    kwargs[key] = copy
+                copies.append(copy)
+            return inner(*args, **kwargs), copies
+
+        def call(run: Any, *args: Any, **kwargs: Any) -> Any:
+            keys = state_keys(args, kwargs)
+            calls.setdefault(path, []).append(keys)
+            if not keys:
+                return run(*args, **kwargs)
+            output, copies = run(*args, **kwargs)
+            for key, copy in zip(keys, copies):
+                assign_state(argument(args, kwargs, key), copy)
+            return output
+
+        installed.append((module, module.__dict__.get("forward")))
+        module.__dict__["forward"] = forward
+        call_overridden(module, call)
+
+    try:
+        for path, module in modules.items():
+            wrap(path, module)
+        yield calls
+    finally:
+        for module, previous in installed:
+            call_overridden(module, None)
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = previous
