@@ -12,10 +12,6 @@ from nnbridge import ProbePatch, ZeroPatch
 from utils import assert_same, gpt2_tokenizer_dir
 
 PROMPTS = ["When Mary and John went to the store", "The capital of France is"]
-# Modules that receive a transformers Cache keep flat graph signatures (torch.export.unflatten
-# cannot thread a cache mutated between calls), so module-level values of decoder layers and
-# attention differ in form with use_cache=True; the trace bodies pass use_cache=False (README).
-NO_CACHE = {"use_cache": False}
 
 
 def tokenizer():
@@ -47,30 +43,39 @@ def head(model):
 
 
 # -- trace bodies, each run under nnsight and under nnbridge -------------------------------------
+def attention(model, i):
+    return layer(model, i).attn if hasattr(model, "transformer") else layer(model, i).self_attn
+
+
 def reads(model):
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    # transformers' default use_cache=True: decoder layers and attention receive the DynamicCache
+    with model.trace(PROMPTS[0]):
+        args, kwargs = layer(model, 0).inputs
+        inputs0 = nnsight.save((args, kwargs))
+        attn0 = attention(model, 0).output.save()
         out0 = layer(model, 0).output.save()
         inp1 = layer(model, 1).input.save()
         logits = head(model).output.save()
-    return out0, inp1, logits
+        output = model.output.save()
+    return inputs0, attn0, out0, inp1, logits, output
 
 
 def writes(model):
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    with model.trace(PROMPTS[0]):
         layer(model, 0).output[:] = 0
         logits = head(model).output.save()
     return logits
 
 
 def skips(model):
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    with model.trace(PROMPTS[0]):
         layer(model, 1).skip(layer(model, 0).output)
         logits = head(model).output.save()
     return logits
 
 
 def invokes(model):
-    with model.trace(**NO_CACHE) as tracer:
+    with model.trace() as tracer:
         barrier = tracer.barrier(2)
         with tracer.invoke(PROMPTS[0]):
             embeddings = layer(model, 0).input
@@ -93,7 +98,7 @@ def generation(model):
 
 
 def gradients(model):
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    with model.trace(PROMPTS[0]):
         hidden = layer(model, 0).output
         loss = head(model).output.sum()
         with loss.backward():
@@ -104,7 +109,7 @@ def gradients(model):
 def edits(model):
     with model.edit() as (tracer, edited):
         layer(edited, 0).output[:] = 0
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    with model.trace(PROMPTS[0]):
         logits = head(model).output.save()
     model.clear_edits()
     return logits
@@ -112,16 +117,16 @@ def edits(model):
 
 def sessions(model):
     with model.session():
-        with model.trace(PROMPTS[0], **NO_CACHE):
+        with model.trace(PROMPTS[0]):
             hidden = layer(model, 0).output
-        with model.trace(PROMPTS[1], **NO_CACHE):
+        with model.trace(PROMPTS[1]):
             layer(model, 0).output[:, -1] = hidden[:, -1]
             logits = nnsight.save(head(model).output)
     return logits
 
 
 def caches(model):
-    with model.trace(PROMPTS[0], **NO_CACHE) as tracer:
+    with model.trace(PROMPTS[0]) as tracer:
         cache = tracer.cache(modules=[layer(model, 0), head(model)])
     return cache[layer(model, 0).path].output, cache[head(model).path].output
 
@@ -160,13 +165,13 @@ def gpt2_model():
 
 def test_softmax_op_equals_output_attentions_and_zeroing_changes_logits(gpt2_model):
     model, _ = gpt2_model
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    with model.trace(PROMPTS[0]):
         attn = model.transformer.h[0].attn.softmax.output.save()
         logits = model.lm_head.output.save()
     ids = model.tokenizer(PROMPTS[0], return_tensors="pt")
     reference = make("gpt2")(**ids, output_attentions=True)
     assert torch.equal(attn, reference.attentions[0]) and torch.equal(logits, reference.logits)
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    with model.trace(PROMPTS[0]):
         model.transformer.h[0].attn.softmax.output[:] = 0
         zeroed = model.lm_head.output.save()
     assert not torch.allclose(zeroed, logits)
@@ -175,14 +180,14 @@ def test_softmax_op_equals_output_attentions_and_zeroing_changes_logits(gpt2_mod
 def test_op_values_match_the_graph_layer(gpt2_model):
     model, _ = gpt2_model
     ids = model.tokenizer(PROMPTS[0], return_tensors="pt")
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    with model.trace(PROMPTS[0]):
         traced = model.transformer.h[1].attn.softmax.output.save()
     pg = nnbridge.PatchableGraph(make("gpt2"), **ids)
     probe = ProbePatch()
     with pg.patch({"transformer.h_1.attn.softmax": probe}):
         pg(**ids)
     assert torch.equal(traced, probe.activation)
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    with model.trace(PROMPTS[0]):
         model.transformer.h[1].attn.softmax.output = torch.zeros_like(model.transformer.h[1].attn.softmax.output)
         zeroed = model.lm_head.output.save()
     with pg.patch({"transformer.h_1.attn.softmax": ZeroPatch()}):
@@ -193,7 +198,7 @@ def test_per_invoke_edit_touches_only_its_rows(gpt2_model):
     model, _ = gpt2_model
 
     def run(edit_second):
-        with model.trace(**NO_CACHE) as tracer:
+        with model.trace() as tracer:
             with tracer.invoke(PROMPTS[1]):
                 first = model.lm_head.output.save()
             with tracer.invoke(PROMPTS[1]):
@@ -210,7 +215,7 @@ def test_per_invoke_edit_touches_only_its_rows(gpt2_model):
 
 def test_op_grad_equals_autograd(gpt2_model):
     model, _ = gpt2_model
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    with model.trace(PROMPTS[0]):
         attn = model.transformer.h[0].attn.softmax.output
         loss = model.lm_head.output.pow(2).mean()
         with loss.backward():
@@ -237,7 +242,7 @@ def test_ops_source_cannot_reach(gpt2_model):
                                                              task="text-generation").transformer.h[0].attn.source)
                     if not n.startswith("_")]
     assert not any("softmax" in n or n.startswith("matmul") for n in source_names)
-    with model.trace(PROMPTS[0], **NO_CACHE):  # in execution order, as nnsight requires
+    with model.trace(PROMPTS[0]):  # in execution order, as nnsight requires
         block_in = model.transformer.h[0].input.save()
         ln = model.transformer.h[0].ln_1.layer_norm.output.save()        # inside F.layer_norm
         value = model.transformer.h[0].attn.transpose_1.output.save()
@@ -253,7 +258,7 @@ def test_ops_source_cannot_reach(gpt2_model):
 
 def test_op_paths_in_tracer_cache(gpt2_model):
     model, _ = gpt2_model
-    with model.trace(PROMPTS[0], **NO_CACHE) as tracer:
+    with model.trace(PROMPTS[0]) as tracer:
         cache = tracer.cache(modules=[model.transformer.h[0].attn.softmax, model.transformer.h[1].add])
         direct = model.transformer.h[0].attn.softmax.output.save()
     assert torch.equal(cache["model.transformer.h.0.attn.softmax"].output, direct)
@@ -281,7 +286,7 @@ def test_names_paths_and_errors(gpt2_model):
     with pytest.raises(AttributeError, match="has no attribute or op 'sofmax'; closest ops: \\['softmax'"):
         model.transformer.h[0].attn.sofmax
     with pytest.raises(AttributeError, match="sofmax"):
-        with model.trace(PROMPTS[0], **NO_CACHE):
+        with model.trace(PROMPTS[0]):
             model.transformer.h[0].attn.sofmax.output.save()
     assert "OpPoint(softmax: Tensor(2, 4, 8, 8))" in repr(model.transformer.h[0].attn)
 
@@ -315,7 +320,7 @@ def test_mixed_patching_with_nnsight(gpt2_model):
     h3 = module.transformer.h[0].attn.register_forward_hook(lambda m, args, out: log.setdefault("attn", out[0].clone()))
     try:
         with pg.patch({"transformer.h_0.attn.softmax": nnbridge.AddPatch(value=10.0)}):
-            with model.trace(PROMPTS[0], **NO_CACHE):
+            with model.trace(PROMPTS[0], use_cache=False):  # the structure pg was extracted for
                 value = model.transformer.h[0].attn.transpose_1.output.save()
                 seen = model.transformer.h[0].attn.softmax.output.save()
                 model.transformer.h[0].attn.softmax.output = seen * 3
@@ -350,16 +355,16 @@ def test_nnbridge_after_nnsight_was_used_on_the_same_model():
 
 def test_op_input_and_skip(gpt2_model):
     model, _ = gpt2_model
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    with model.trace(PROMPTS[0]):
         scores = model.transformer.h[0].attn.add.output.save()
         probs_in = model.transformer.h[0].attn.softmax.input.save()
         probs = model.transformer.h[0].attn.softmax.output.save()
     assert torch.equal(probs_in, probs), "an op point's input is the op's value before any edit"
     assert torch.equal(probs, torch.softmax(scores, dim=-1))
     uniform = torch.full_like(probs, 1 / 8)
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    with model.trace(PROMPTS[0]):
         model.transformer.h[0].attn.softmax.skip(uniform)
         skipped = model.transformer.h[0].attn.matmul_1.output.save()
-    with model.trace(PROMPTS[0], **NO_CACHE):
+    with model.trace(PROMPTS[0]):
         value = model.transformer.h[0].attn.transpose_1.output.save()
     assert torch.equal(skipped, torch.matmul(uniform, value))

@@ -298,7 +298,8 @@ def _remove_checks(graph: Graph) -> None:
             graph.erase_node(node)
 
 
-def _dead_code(graph: Graph) -> None:
+def remove_dead_code(graph: Graph) -> None:
+    """Erase nodes nothing uses, pytree plumbing included (side-effecting calls stay)."""
     changed = True
     while changed:
         changed = False
@@ -398,6 +399,6 @@ def clean_graph(graph: Graph, attrs: dict[str, Any]) -> list[Node]:
     _clean_epilogue(graph, attrs)
     _remove_checks(graph)
     _placeholders_first(graph)
-    _dead_code(graph)
+    remove_dead_code(graph)
     graph.lint()
     return extras

@@ -34,11 +34,12 @@ from ..compat import (cleared_module_state, copy_spec, export, invocation_graphs
                       register_cache_pytrees, unflatten)
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
-from .cleanup import EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value
+from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value,
+                      remove_dead_code)
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
-from .state import Key, read_states_back, state_keys, states_returned, write_states_back
+from .state import Key, forward_state_objects, read_states_back, state_keys, states_returned, write_states_back
 
 #: Names a child may not take in a graph module or in ``pg.graph``; such children get a trailing
 #: ``_`` in NodePaths and as attributes (graphpatch mangled them too).
@@ -473,6 +474,7 @@ class _Builder:
         children: list[tuple[str, torch.nn.Module]] = []
         call_names: dict[Node, str] = {}
         multi: set[str] = set()
+        threaded: list[tuple[Node, list[Key], int]] = []
         for node in calls:
             target = str(node.target)
             child_fqn = f"{fqn}.{target}" if fqn else target
@@ -484,6 +486,7 @@ class _Builder:
                 node.args, extra = node.args[extra:], 0
             if child_fqn not in self.stubs and self.state_keys(child_fqn, invocation):
                 read_states_back(graph, node, self.state_keys(child_fqn, invocation), extra)
+                threaded.append((node, self.state_keys(child_fqn, invocation), extra))
             first, *rest = target.split(".")
             safe_target = ".".join([safe_name(first), *rest])
             base = safe_target.replace(".", "_")
@@ -498,6 +501,8 @@ class _Builder:
                 call_names[node] = base
             children.append((str(node.target), child))
             node.meta[MODULE_PATH_KEY] = _original_path(self.ctx, module, target)
+        forward_state_objects(graph, attrs, threaded)
+        remove_dead_code(graph)
         exact_signature = drop_unused_extras(graph, extras)
         name_nodes(graph, type(module).forward, call_names)
         root: dict[str, Any] = {}
