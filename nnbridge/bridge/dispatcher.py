@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..compat import register_cache_pytrees
 from .call_structure import structure_key, tensor_leaves
 from .extraction import Extraction, extract, real_modules
 from .options import ExtractionOptions
@@ -37,6 +38,8 @@ class GraphDispatcher(torch.nn.Module):
         self.__dict__["on_extraction"] = on_extraction if on_extraction is not None else []
         self.__dict__["extractions"] = {}  # structure key -> [Extraction]
         self.__dict__["flag_modules"] = real_modules(module)
+        # structure keys flatten caches: register them before the first key is computed
+        register_cache_pytrees(module)
 
     def all_extractions(self) -> list[Extraction]:
         """Every extraction made so far, first one first."""

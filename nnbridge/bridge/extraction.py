@@ -39,7 +39,7 @@ from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_pro
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
-from .state import Key, forward_state_objects, read_states_back, state_keys, states_returned, write_states_back
+from .state import Key, argument_objects, forward_state_objects, read_states_back, state_keys, states_returned, write_states_back
 
 #: Names a child may not take in a graph module or in ``pg.graph``; such children get a trailing
 #: ``_`` in NodePaths and as attributes (graphpatch mangled them too).
@@ -133,11 +133,18 @@ def direct_callees(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[
             yield prefix + name, child
 
 
-def _safe_copy(value: Any) -> Any:
+def copy_inputs(value: Any) -> Any:
+    """A copy of example inputs that extraction may run or trace without touching the caller's
+    objects (a cache is mutated by the run). ``deepcopy`` when it works; else (tensors with autograd
+    history cannot be deep-copied) a pytree copy with detached clones, which also rebuilds
+    registered objects such as transformers' caches."""
     try:
         return copy.deepcopy(value)
     except Exception:
-        return value
+        def clone(t: torch.Tensor) -> torch.Tensor:
+            copied = t.detach().clone()
+            return copied.requires_grad_() if t.requires_grad and copied.is_floating_point() else copied
+        return pytree.tree_map_only(torch.Tensor, clone, value)
 
 
 def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -150,7 +157,7 @@ def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             register = sub.register_forward_pre_hook if kind == "pre" else sub.register_forward_hook
             handles.append(register(fn, with_kwargs=True))
         with torch.no_grad():
-            module(*_safe_copy(args), **_safe_copy(kwargs))
+            module(*copy_inputs(args), **copy_inputs(kwargs))
     finally:
         for handle in handles:
             handle.remove()
@@ -158,12 +165,18 @@ def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
 
 def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
-    """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules."""
+    """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules;
+    the inputs are copied before the call (a cache argument is updated by it)."""
     calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = defaultdict(list)
+    pending: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
 
-    def recorder(fqn: str) -> Callable[..., None]:
-        return lambda mod, a, k, out: calls[fqn].append((_safe_copy(a), _safe_copy(k), _safe_copy(out)))
-    observed_run(module, args, kwargs, [(module.get_submodule(fqn), "post", recorder(fqn)) for fqn in fqns])
+    def before(fqn: str) -> Callable[..., None]:
+        return lambda mod, a, k: pending[fqn].append((copy_inputs(a), copy_inputs(k)))
+
+    def after(fqn: str) -> Callable[..., None]:
+        return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy_inputs(out)))
+    observed_run(module, args, kwargs, [(module.get_submodule(fqn), kind, hook(fqn))
+                                        for fqn in fqns for kind, hook in (("pre", before), ("post", after))])
     return calls
 
 
@@ -286,19 +299,27 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     bar = tqdm(total=2, desc=f"extracting {type(module).__name__}", unit="stage", disable=not ctx.options.progress,
                leave=False)
     bar.set_postfix_str("torch.export")
+    calls = record_calls(module, set(stubs), args, kwargs) if stubs else {}
+    # a skipped module called with a cache is traced through (its new cache state must reach its
+    # caller's graph) and only shown as opaque; the others are stubbed while exporting
+    traced = {fqn for fqn in stubs if stubs[fqn] == "skipped" and any(state_keys(a, k) for a, k, _ in calls[fqn])}
     while True:
-        calls = record_calls(module, set(stubs), args, kwargs) if stubs else {}
         try:
-            exported, dynamic, states = _export(module, args, kwargs, stubs, calls, dynamic)
+            exported, dynamic, states = _export(module, args, kwargs,
+                                                {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic)
             break
         except _ModuleFailure as failure:
             fqn, error = failure.fqn, failure.error
+            while fqn and any(failure.states.get(fqn, [])):
+                # a stub cannot write the cache state the module would have: its caller is opaque
+                fqn = _caller(module, fqn)
             if fqn == "" or fqn in stubs:
                 bar.close()
                 ctx.fail("", describe_failure(error), error)
                 return _opaque(ctx, "", module, args, kwargs, describe_failure(error)), static
             stubs[fqn] = describe_failure(error)
             errors[fqn] = error
+            calls = record_calls(module, set(stubs), args, kwargs)
     for fqn, reason in stubs.items():
         if reason not in ("custom", "skipped"):
             ctx.fail(fqn, reason, errors[fqn])
@@ -316,9 +337,17 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 
 class _ModuleFailure(Exception):
-    def __init__(self, fqn: str, error: BaseException):
+    def __init__(self, fqn: str, error: BaseException, states: dict[str, list[list[Key]]]):
         super().__init__(fqn)
-        self.fqn, self.error = fqn, error
+        self.fqn, self.error, self.states = fqn, error, states
+
+
+def _caller(module: torch.nn.Module, fqn: str) -> str:
+    """Path of the module that calls ``fqn`` (its parent, looking through ModuleList/ModuleDict)."""
+    parent = fqn.rpartition(".")[0]
+    while parent and isinstance(module.get_submodule(parent), _CONTAINERS):
+        parent = parent.rpartition(".")[0]
+    return parent
 
 
 def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
@@ -361,6 +390,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     try:
         attempts = [True, False] if dynamic else [False]
         last: BaseException | None = None
+        states: dict[str, list[list[Key]]] = {}
         for use_dynamic in attempts:
             active.clear()
             stub_counters.clear()
@@ -371,13 +401,13 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
                 # non-strict export runs the module's Python code, which mutates a cache passed in
                 # (with fake tensors): every attempt traces a fresh copy of the inputs
                 with states_returned(threaded) as states:
-                    exported = export(wrapper, _safe_copy((args, kwargs)), dynamic_shapes=shapes,
+                    exported = export(wrapper, copy_inputs((args, kwargs)), dynamic_shapes=shapes,
                                       preserve_module_call_signature=fqns)
                 return exported, use_dynamic, states
             except Exception as error:  # noqa: BLE001 - any export failure means fallback
                 last = error
                 failing = active[-1] if active else ""
-        raise _ModuleFailure(failing, last)  # type: ignore[arg-type]
+        raise _ModuleFailure(failing, last, states)  # type: ignore[arg-type]
     finally:
         for handle in handles:
             handle.remove()
@@ -461,6 +491,7 @@ class _Builder:
         keys = self.state_keys(fqn, invocation)
         if keys:
             write_states_back(graph, attrs, keys)
+        arguments = argument_objects(graph, attrs)
         if fqn == "" and self.input_spec is not None:
             prologue = input_prologue(graph)
             if prologue is not None:
@@ -484,7 +515,7 @@ class _Builder:
             extra = node.meta.get(EXTRA_ARGS_KEY, 0)
             if getattr(child, "exact_signature", True):
                 node.args, extra = node.args[extra:], 0
-            if child_fqn not in self.stubs and self.state_keys(child_fqn, invocation):
+            if self.state_keys(child_fqn, invocation):  # recorded for modules export traced through
                 read_states_back(graph, node, self.state_keys(child_fqn, invocation), extra)
                 threaded.append((node, self.state_keys(child_fqn, invocation), extra))
             first, *rest = target.split(".")
@@ -501,7 +532,7 @@ class _Builder:
                 call_names[node] = base
             children.append((str(node.target), child))
             node.meta[MODULE_PATH_KEY] = _original_path(self.ctx, module, target)
-        forward_state_objects(graph, attrs, threaded)
+        forward_state_objects(graph, attrs, threaded, arguments)
         remove_dead_code(graph)
         exact_signature = drop_unused_extras(graph, extras)
         name_nodes(graph, type(module).forward, call_names)
@@ -613,7 +644,7 @@ def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, .
     captured: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
     def grabber(name: str) -> Callable[..., None]:
-        return lambda m, a, k: captured.setdefault(name, (_safe_copy(a), _safe_copy(k))) and None
+        return lambda m, a, k: captured.setdefault(name, (copy_inputs(a), copy_inputs(k))) and None
     observed_run(module, args, kwargs, [(child, "pre", grabber(name)) for name, child in callees])
     shown = torch.nn.Module()
     swapped = torch.nn.Module()

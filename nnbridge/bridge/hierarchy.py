@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .extraction import copy_inputs
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -136,8 +137,8 @@ def record_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[s
         listeners.append((point, record))
     refresh_all(point for point, _ in listeners)
     try:
-        with torch.no_grad():
-            root(*args, **kwargs)
+        with torch.no_grad():  # on copies: a cache argument would be updated in place
+            root(*copy_inputs(args), **copy_inputs(kwargs))
     finally:
         for point, record in listeners:
             point.remove_listener(record, refresh=False)

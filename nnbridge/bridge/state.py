@@ -188,7 +188,18 @@ def _objects(structure: Any, spec: pytree.TreeSpec, start: int = 0, path: tuple[
         start += child.num_leaves
 
 
-def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tuple[Node, list[Key], int]]) -> None:
+def argument_objects(graph: Graph, attrs: dict[str, Any]) -> list[tuple[pytree.TreeSpec, Node]]:
+    """``(spec, placeholder)`` of each argument of a raw unflattened graph that is a custom pytree
+    object (a ``Cache``), read off the input prologue before cleaning removes it."""
+    prologue = input_prologue(graph)
+    spec = attrs.get(str(prologue.args[1].target)) if prologue is not None else None
+    if spec is None:
+        return []
+    return [(sub, node) for _, sub, node, path in _objects(prologue.args[0], spec) if not path]
+
+
+def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tuple[Node, list[Key], int]],
+                          arguments: list[tuple[pytree.TreeSpec, Node]]) -> None:
     """Pass state objects by reference, as the eager code does.
 
     Where a graph rebuilds an object (``tree_unflatten``) from exactly the leaves it just read off
@@ -201,6 +212,7 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
         graph: a cleaned graph (after :func:`read_states_back`).
         attrs: ``{get_attr target: value}`` of the graph's owner (``_spec_N`` attributes are added).
         threaded: ``(call, state keys, extra arguments)`` of each call that writes states back.
+        arguments: the graph's object arguments (:func:`argument_objects`).
     """
     order = {node: i for i, node in enumerate(graph.nodes)}
     # flatten node -> {first leaf index: (spec, object node)}
@@ -223,17 +235,33 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
                     return True
         return False
 
+    def empty_source(spec: pytree.TreeSpec, user: Node) -> tuple[Node, tuple[pytree.TreeSpec, Node, tuple]] | None:
+        """An object without leaves (an empty cache) is matched by its spec when it is the only
+        earlier object with that spec."""
+        found = {(obj, path): (flatten, (sub, obj, path)) for flatten, entries in sources.items()
+                 if order[flatten] < order[user] for sub, obj, path in entries.values() if sub == spec}
+        for sub, placeholder in arguments:
+            if sub == spec:
+                found.setdefault((placeholder, ()), (placeholder, (sub, placeholder, ())))
+        return next(iter(found.values())) if len(found) == 1 else None
+
     def source_of(leaves: list[Any], spec: pytree.TreeSpec, user: Node) -> Node | None:
-        first = leaves[0] if leaves else None
-        if not (isinstance(first, Node) and first.target is operator.getitem and first.args[0] in sources):
-            return None
-        flatten, index = first.args
-        found = sources[flatten].get(index)
-        if found is None or found[0] != spec or spec.num_leaves != len(leaves):
-            return None
-        for i, leaf in enumerate(leaves):
-            if not (isinstance(leaf, Node) and leaf.target is operator.getitem and leaf.args == (flatten, index + i)):
+        if not leaves:
+            match = empty_source(spec, user)
+            if match is None:
                 return None
+            flatten, found = match
+        else:
+            first = leaves[0]
+            if not (isinstance(first, Node) and first.target is operator.getitem and first.args[0] in sources):
+                return None
+            flatten, index = first.args
+            found = sources[flatten].get(index)
+            if found is None or found[0] != spec or spec.num_leaves != len(leaves):
+                return None
+            for i, leaf in enumerate(leaves):
+                if not (isinstance(leaf, Node) and leaf.target is operator.getitem and leaf.args == (flatten, index + i)):
+                    return None
         _, obj, path = found
         while obj in replaced:  # the object node was itself forwarded to an earlier object
             obj = replaced[obj]
