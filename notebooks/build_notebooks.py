@@ -29,7 +29,7 @@ REACH_ANY_OP = [
         "prompt = 'When Mary and John went to the store, John gave a drink to'"),
     new_markdown_cell("The first trace extracts the graphs (about 12 s on 2 cores); later traces reuse them."),
     new_code_cell(
-        "with model.trace(prompt, use_cache=False):   # requests in the order the model computes them\n"
+        "with model.trace(prompt):   # requests in the order the model computes them\n"
         "    residual = nnsight.save(list())\n"
         "    for i in range(30):\n"
         "        if i == 23:\n"
@@ -56,7 +56,7 @@ REACH_ANY_OP = [
     new_markdown_cell("Edits work on ops too: zero layer 23's attention pattern and the answer changes."),
     new_code_cell(
         "mary, john = tokenizer(' Mary').input_ids[-1], tokenizer(' John').input_ids[-1]\n"
-        "with torch.no_grad(), model.trace(prompt, use_cache=False):\n"
+        "with torch.no_grad(), model.trace(prompt):\n"
         "    model.model.layers[23].self_attn.softmax.output[:] = 0\n"
         "    edited = model.lm_head.output.save()\n"
         "print('logit diff Mary - John: clean %.2f, layer-23 attention zeroed %.2f' % (\n"
@@ -84,7 +84,7 @@ MIGRATING = [
     new_code_cell(
         "from nnsight import TransformersModel\n\n"
         "model = TransformersModel(fresh_model(), tokenizer=tokenizer, task='text-generation')\n"
-        "with model.trace('The Eiffel Tower is in the city of', use_cache=False):\n"
+        "with model.trace('The Eiffel Tower is in the city of'):\n"
         "    hidden = model.transformer.h[0].output.save()\n"
         "    model.transformer.h[1].mlp.output[:] = 0\n"
         "    logits = model.lm_head.output.save()\n"
@@ -93,7 +93,7 @@ MIGRATING = [
     new_code_cell(
         "from nnbridge import TransformersModel\n\n"
         "model = TransformersModel(fresh_model(), tokenizer=tokenizer, task='text-generation')\n"
-        "with model.trace('The Eiffel Tower is in the city of', use_cache=False):\n"
+        "with model.trace('The Eiffel Tower is in the city of'):\n"
         "    hidden = model.transformer.h[0].output.save()\n"
         "    model.transformer.h[1].mlp.output[:] = 0\n"
         "    logits = model.lm_head.output.save()\n"
@@ -104,7 +104,7 @@ MIGRATING = [
         "matmul and the residual `+` sit next to the modules (tab completion lists them):"),
     new_code_cell(
         "print([name for name in dir(model.transformer.h[0].attn) if name in ('softmax', 'matmul', 'matmul_1')])\n"
-        "with model.trace('The Eiffel Tower is in the city of', use_cache=False):\n"
+        "with model.trace('The Eiffel Tower is in the city of'):\n"
         "    probs = model.transformer.h[0].attn.softmax.output.save()\n"
         "    context = model.transformer.h[0].attn.matmul_1.output.save()\n"
         "    residual = model.transformer.h[0].add.output.save()\n"

@@ -211,3 +211,14 @@ def test_unexportable_module_with_a_cache_makes_its_callers_opaque():
     with pg.patch({"blocks_0.inner.proj.linear": probe}):
         pg(x, DynamicCache())
     assert probe.activation.shape == (1, 1, 8)
+
+
+def test_write_states_back_refuses_a_graph_without_threaded_output():
+    from nnbridge import ExtractionError
+    from nnbridge.bridge.state_graphs import write_states_back
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.relu, (x,)))
+    with pytest.raises(ExtractionError, match=r"no \(output, \[states\]\) graph output"):
+        write_states_back(graph, {}, ["past_key_values"])

@@ -85,10 +85,12 @@ def test_smollm2_softmax_read_in_a_trace_equals_output_attentions():
     hf_model, tokenizer = load_smollm2()
     model = nnbridge.TransformersModel(hf_model, tokenizer=tokenizer, task="text-generation")
     prompt = "The capital of France is"
-    with torch.no_grad(), model.trace(prompt, use_cache=False):
+    with torch.no_grad(), model.trace(prompt):  # transformers' default use_cache=True
         attn = model.model.layers[7].self_attn.softmax.output.save()
+        layer = model.model.layers[7].output.save()
         logits = model.lm_head.output.save()
     with torch.no_grad():
         reference = load_smollm2()[0](**tokenizer(prompt, return_tensors="pt"), output_attentions=True,
-                                      use_cache=False)
+                                      output_hidden_states=True)
     assert torch.equal(attn, reference.attentions[7]) and torch.equal(logits, reference.logits)
+    assert torch.equal(layer, reference.hidden_states[8]), "a decoder layer's own output, cache threaded outside"

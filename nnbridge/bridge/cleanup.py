@@ -4,7 +4,8 @@ With ``preserve_module_call_signature`` every submodule graph takes its module's
 ``(args, kwargs)`` and returns its original output, but unflatten wraps that in pytree plumbing:
 ``tree_flatten_spec``/``tree_unflatten`` calls, ``getitem`` chains and ``_spec_N`` attributes. This
 pass rewrites the plumbing into direct references wherever the containers are plain tuples, lists
-and dicts (custom pytree types such as transformers' ``DynamicCache`` keep theirs), removes
+and dicts (an argument of a custom pytree type such as transformers' ``DynamicCache`` gets one
+``tree_unflatten`` of its own leaves, which :mod:`.state` then replaces by the object itself), removes
 ``_assert_tensor_metadata`` checks and dead code, and names every node per graph:
 
 - placeholders after the ``forward()`` arguments (``hidden_states``, ``attention_mask``);

@@ -39,7 +39,8 @@ from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_pro
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
-from .state import Key, argument_objects, forward_state_objects, read_states_back, state_keys, states_returned, write_states_back
+from .state import Key, state_keys, states_returned
+from .state_graphs import argument_objects, forward_state_objects, read_states_back, write_states_back
 
 #: Names a child may not take in a graph module or in ``pg.graph``; such children get a trailing
 #: ``_`` in NodePaths and as attributes (graphpatch mangled them too).
@@ -357,9 +358,11 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     module that was running when export failed.
 
     Every module keeps its call signature and threads the state of stateful arguments (see
-    :mod:`.state`), except a stubbed module called with one: it keeps a flat signature (its
-    recorded output cannot carry the state it would have written). Returns the program, whether
-    it is dynamic, and the state keys of every call (``{path: [keys per invocation]}``).
+    :mod:`.state`). ``stubs`` are replaced by their recorded output; one called with a stateful
+    argument (only a custom-extraction module can be: a failing one makes its caller opaque)
+    keeps a flat signature, since its recorded output cannot carry the state it would have
+    written. Returns the program, whether it is dynamic, and the state keys of every threaded
+    call (``{path: [keys per invocation]}``).
     """
     wrapper = _Wrapper(module)
     flat = {fqn for fqn in stubs if any(state_keys(a, k) for a, k, _ in calls.get(fqn, []))}
