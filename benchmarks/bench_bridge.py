@@ -7,6 +7,8 @@ Random GPT-2, 12 layers x 768 (12 heads), eager attention, batch 1, 64 tokens, `
   bridged, 0       bridged, nothing listening (target: within noise of eager)
   bridged, 1       one op point with an identity forward hook
   bridged, 100     100 op points with identity forward hooks (a hooked op costs one module call)
+  eager, cache     the unbridged model with transformers' default use_cache=True (a DynamicCache)
+  bridged, cache   a model bridged for use_cache=True: the cache object flows through the graphs
 Usage: python benchmarks/bench_bridge.py [--repeats N]
 """
 
@@ -62,13 +64,21 @@ def main() -> None:
                     h.remove()
         return run
 
+    cached = copy.deepcopy(plain)
+    start = time.perf_counter()
+    nnbridge.bridge(cached, ids)
+    bridge_cache_s = time.perf_counter() - start
+
     rows = {"eager": eager, "nnsight": nnsight_save,
-            "bridged, 0": bridged(0), "bridged, 1": bridged(1), "bridged, 100": bridged(100)}
+            "bridged, 0": bridged(0), "bridged, 1": bridged(1), "bridged, 100": bridged(100),
+            "eager, cache": lambda: plain(ids), "bridged, cache": lambda: cached(ids)}
     with torch.no_grad():
         medians = interleaved_medians(rows, args.repeats)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"GPT-2 12 x 768, 64 tokens: bridge() {bridge_s:.2f} s, {len(points)} op points")
+    print(f"GPT-2 12 x 768, 64 tokens: bridge() {bridge_s:.2f} s, {len(points)} op points;"
+          f" bridge() with use_cache=True {bridge_cache_s:.2f} s")
     print_table(medians, "eager", "nnsight", "x nnsight")
+    print(f"bridged, cache / eager, cache: {medians['bridged, cache'] / medians['eager, cache']:.3f}")
 
 
 if __name__ == "__main__":
