@@ -368,3 +368,24 @@ def test_op_input_and_skip(gpt2_model):
     with model.trace(PROMPTS[0]):
         value = model.transformer.h[0].attn.transpose_1.output.save()
     assert torch.equal(skipped, torch.matmul(uniform, value))
+
+
+def test_only_graphs_with_a_wanted_op_inside_pay_for_the_trace_checks(gpt2_model):
+    """While a trace runs, a graph asks nnsight per node only when some location below it is wanted
+    (parked at or cached); the others run their plain code."""
+    from nnbridge.bridge import bridge_of
+
+    model, _ = gpt2_model
+    with model.trace(PROMPTS[0]):
+        probs = model.transformer.h[0].attn.softmax.output.save()
+    root = bridge_of(model._module).dispatcher.all_extractions()[-1].root
+    checked = {name for name, graph in root.named_modules() if "_trace_forward" in graph.__dict__}
+    assert {"", "transformer", "transformer.h.0", "transformer.h.0.attn"} <= checked
+    assert not any(name.startswith("transformer.h.1") for name in checked)
+    assert probs.shape == (1, 4, 8, 8)
+    with model.trace(PROMPTS[0]) as tracer:  # a cached op is wanted too (nnsight's observers)
+        cache = tracer.cache(modules=[model.transformer.h[1].attn.softmax])
+    assert "_trace_forward" in root.get_submodule("transformer.h.1.attn").__dict__
+    with model.trace(PROMPTS[0]):
+        direct = model.transformer.h[1].attn.softmax.output.save()
+    assert torch.equal(cache["model.transformer.h.1.attn.softmax"].output, direct)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..compat import SwappedBody, restore_body, swap_body
-from ..compat.nnsight import tracing
+from ..compat.nnsight import wanted_inside
 from ..errors import NNBridgeError
 from . import hierarchy
 from .dispatcher import GraphDispatcher
@@ -102,7 +102,9 @@ class Bridge:
             graph = dispatcher.lookup(args, kwargs).root
         self.depth += 1
         try:
-            if tracing(module):  # an nnsight trace is running: route the nodes it waits for
+            # an nnsight trace waiting for something inside this module: each node asks whether
+            # it is wanted; otherwise the plain code (which routes patched and hooked nodes)
+            if wanted_inside(module):
                 return graph.trace_forward()(graph, *args, **kwargs)
             return graph.forward(*args, **kwargs)
         finally:

@@ -18,10 +18,23 @@ import torch
 from .forwards import NNSIGHT_STATE
 
 
-def tracing(module: torch.nn.Module) -> bool:
-    """Whether an nnsight trace with workers is running over ``module`` right now."""
+def wanted_inside(module: torch.nn.Module) -> bool:
+    """Whether the running nnsight trace parks at, or caches, any location below ``module`` (its
+    op points' and children's ``input``/``output``/``skip``), by path prefix.
+
+    ``Interleaver.parked`` is complete at a module's entry: nnsight re-indexes it after serving
+    anyone, and a worker can only move on (and park deeper in this module) when it is served a
+    location below this module, so a module nothing below is wanted from runs its plain code.
+    """
     state = module.__dict__.get(NNSIGHT_STATE)
-    return state is not None and state.active()[0] is not None
+    if state is None:
+        return False
+    interleaver, path, _ = state.active()
+    if interleaver is None:
+        return False
+    prefix = f"{path}."
+    return (any(location.startswith(prefix) for location in interleaver.parked)
+            or any(location.startswith(prefix) for location in interleaver.observers))
 
 
 def route_if_wanted(point: torch.nn.Module, value: Any) -> Any:
