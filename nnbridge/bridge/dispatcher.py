@@ -10,6 +10,7 @@ import torch
 from ..compat import register_cache_pytrees
 from .call_structure import structure_key, tensor_leaves
 from .extraction import Extraction, extract, real_modules
+from .failures import annotated
 from .options import ExtractionOptions
 
 
@@ -68,4 +69,6 @@ class GraphDispatcher(torch.nn.Module):
         return self.add_extraction(args, kwargs, key)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.lookup(args, kwargs).root(*args, **kwargs)
+        root = self.lookup(args, kwargs).root
+        with annotated():
+            return root(*args, **kwargs)

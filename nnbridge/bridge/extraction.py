@@ -269,7 +269,12 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         ctx.renamed = renamed
         register_cache_pytrees(module)
         root, guard = _extract_root(ctx, args, kwargs)
-    from .hierarchy import summarize
+    from .hierarchy import summarize, walk
+
+    root.__dict__["node_path"] = path  # for failure notes (see .failures)
+    for sub_path, _, _, sub in walk(root):  # type: ignore[arg-type]
+        if sub is not None:
+            sub.__dict__["node_path"] = f"{path}.{sub_path}" if path else sub_path
 
     return Extraction(root, guard, ctx.opaque, (tuple(summarize(a) for a in args),
                                                 {k: summarize(v) for k, v in kwargs.items()}))

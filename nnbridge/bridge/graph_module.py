@@ -23,14 +23,17 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from ..compat import NoSubmoduleRecompile, forward_from_source
+from ..compat import NoSubmoduleRecompile, forward_from_source, keep_tracebacks
 from ..compat.nnsight import route_if_wanted
+from .failures import register
 from .op_point import OpPoint
 
 #: Calls that only convert between a custom pytree object and its leaves.
 _PLUMBING_CALLS = (fx_pytree.tree_flatten_spec, pytree.tree_unflatten)
 #: ``node.meta`` key holding a node's NodePath name within its graph.
 NAME_KEY = "nnbridge_name"
+#: ``node.meta`` key marking a node that passes an op's value through its op point.
+ROUTE_KEY = "nnbridge_route"
 #: ``node.meta`` key holding the summary (``torch.Size``, container) observed on the example inputs.
 EXAMPLE_KEY = "nnbridge_example"
 
@@ -125,6 +128,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
     def recompile(self) -> Any:
         """Regenerate the plain code from ``self.graph`` and re-apply routing (after graph edits)."""
         code = super().recompile()
+        keep_tracebacks(self)
         if "_forward_cache" in self.__dict__:
             self._reset_routing()
         return code
@@ -135,6 +139,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         self.__dict__.pop("_trace_forward", None)
         self._forward_cache.clear()
         self._forward_cache[frozenset()] = type(self).forward
+        register(type(self).forward, self.graph, self, NAME_KEY, ROUTE_KEY)
         self.__dict__["_routed"] = frozenset()
         self.refresh_routing()
 
@@ -181,15 +186,20 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
             if name == "output":
                 with graph.inserting_before(output_node):
                     routed_value = route(output_node.args[0])
+                routed_value.meta.update({NAME_KEY: name, ROUTE_KEY: True})
                 output_node.args = (routed_value,)
                 continue
             node = copies[name]
             anchor = last_placeholder if node.op == "placeholder" else node
             with graph.inserting_after(anchor):
                 routed_node = route(node)
+            # a failure in a patch or hook names the op and its source line (see .failures)
+            routed_node.meta.update({NAME_KEY: name, ROUTE_KEY: True, "stack_trace": node.meta.get("stack_trace")})
             node.replace_all_uses_with(routed_node, delete_user_cb=lambda user: user is not routed_node)
         code = graph.python_code(root_module="self")
-        return forward_from_source(code.src, code.globals)
+        forward = forward_from_source(code.src, code.globals)
+        register(forward, graph, code, NAME_KEY, ROUTE_KEY)
+        return forward
 
 
 class MultiplyInvokedModule(torch.nn.ModuleList):

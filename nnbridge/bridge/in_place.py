@@ -38,6 +38,7 @@ import torch
 
 from ..compat import SwappedBody, restore_body, swap_body
 from ..compat.nnsight import wanted_inside
+from .failures import annotated
 from ..errors import NNBridgeError
 from . import hierarchy
 from .dispatcher import GraphDispatcher
@@ -104,9 +105,10 @@ class Bridge:
         try:
             # an nnsight trace waiting for something inside this module: each node asks whether
             # it is wanted; otherwise the plain code (which routes patched and hooked nodes)
-            if wanted_inside(module):
-                return graph.trace_forward()(graph, *args, **kwargs)
-            return graph.forward(*args, **kwargs)
+            with annotated():
+                if wanted_inside(module):
+                    return graph.trace_forward()(graph, *args, **kwargs)
+                return graph.forward(*args, **kwargs)
         finally:
             self.depth -= 1
 

@@ -10,6 +10,8 @@ from .export import (
     unflatten as unflatten,
 )
 from .fx import NoSubmoduleRecompile as NoSubmoduleRecompile
+from .fx import generated_line_map as generated_line_map
+from .fx import keep_tracebacks as keep_tracebacks
 from .hooks import cleared_module_state as cleared_module_state
 from .hooks import has_module_hooks as has_module_hooks
 from .forwards import SwappedBody as SwappedBody

@@ -1,0 +1,93 @@
+"""Say where in a graph a failure happened: the NodePath of the op and the model source line.
+
+A failure inside generated graph code shows fx's generated line (``add_3 = torch.ops.aten.add...``).
+Each compiled forward is registered here with its line map and its nodes' NodePath names and
+export's ``stack_trace``; :func:`annotated` adds a note (``BaseException.add_note``, the
+exception's type and message are unchanged) naming the innermost graph node in the traceback::
+
+    RuntimeError: The size of tensor a (12) must match the size of tensor b (6) ...
+    nnbridge: raised at NodePath 'model.layers_0.self_attn.add' (aten add), from
+      File ".../modeling_llama.py", line 195, in eager_attention_forward
+        attn_weights = attn_weights + attention_mask
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import CodeType
+from typing import Any
+
+from torch.fx import Graph
+
+from ..compat import generated_line_map
+
+_NOTED = "_nnbridge_noted"
+
+
+class _Generated:
+    def __init__(self, graph: Graph, code: Any, name_key: str, route_key: str):
+        self.lines, self.prologue = generated_line_map(code)
+        self.nodes = [(node.meta.get(name_key, node.name), "route" if node.meta.get(route_key) else node.op,
+                       str(node.target), node.meta.get("stack_trace")) for node in graph.nodes]
+
+
+#: code object of a generated forward -> what it was generated from
+_REGISTRY: dict[CodeType, _Generated] = {}
+
+
+def register(function: Any, graph: Graph, code: Any, name_key: str, route_key: str) -> None:
+    """Remember ``function`` (a generated forward compiled from ``graph`` with fx's
+    ``code``/``GraphModule``) so failures in it can be located. ``name_key``/``route_key`` are the
+    ``node.meta`` keys of NodePath names and of op-point routing nodes. fx shares one code object
+    between graphs with identical code; their node names are then identical too."""
+    _REGISTRY.setdefault(function.__code__, _Generated(graph, code, name_key, route_key))
+
+
+def _innermost(error: BaseException) -> tuple[_Generated, int, Any] | None:
+    """The innermost generated-forward frame of the traceback: its entry, node index and ``self``."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        entry = _REGISTRY.get(tb.tb_frame.f_code)
+        if entry is not None:
+            index = entry.lines.get(tb.tb_lineno - entry.prologue)
+            if index is not None and index < len(entry.nodes):
+                found = (entry, index, tb.tb_frame.f_locals.get("self"))
+        tb = tb.tb_next
+    return found
+
+
+def describe(error: BaseException) -> str | None:
+    """The note for ``error``: the NodePath of the innermost graph node it passed through and the
+    model source line export recorded for it; None when no graph code is in the traceback."""
+    found = _innermost(error)
+    if found is None:
+        return None
+    entry, index, owner = found
+    name, op, target, stack = entry.nodes[index]
+    prefix = getattr(owner, "__dict__", {}).get("node_path", "")
+    path = f"{prefix}.{name}" if prefix else name
+    what = {"route": "in a patch or hook on this op", "call_module": f"in its submodule {target}"}.get(op, f"{op} {target}")
+    note = f"nnbridge: raised at NodePath '{path}' ({what})"
+    if stack:
+        lines = [line for line in str(stack).rstrip().splitlines() if line.strip()]
+        note += ", from\n" + "\n".join(lines[-2:])
+    return note
+
+
+@contextlib.contextmanager
+def annotated() -> Iterator[None]:
+    """Add :func:`describe`'s note to an exception leaving the body (once per exception)."""
+    try:
+        yield
+    except BaseException as error:
+        if not getattr(error, _NOTED, False):
+            note = describe(error)
+            if note is not None:
+                error.add_note(note)
+            try:
+                setattr(error, _NOTED, True)
+            except AttributeError:
+                pass
+        raise
