@@ -10,7 +10,7 @@ import torch
 from ..compat import register_cache_pytrees
 from .call_structure import structure_key, tensor_leaves
 from .extraction import Extraction, extract, real_modules
-from .failures import annotated
+from .failures import add_note
 from .options import ExtractionOptions
 
 
@@ -70,5 +70,8 @@ class GraphDispatcher(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         root = self.lookup(args, kwargs).root
-        with annotated():
+        try:
             return root(*args, **kwargs)
+        except BaseException as error:
+            add_note(error)
+            raise

@@ -2,7 +2,7 @@
 
 A failure inside generated graph code shows fx's generated line (``add_3 = torch.ops.aten.add...``).
 Each compiled forward is registered here with its line map and its nodes' NodePath names and
-export's ``stack_trace``; :func:`annotated` adds a note (``BaseException.add_note``, the
+export's ``stack_trace``; :func:`add_note` adds a note (``BaseException.add_note``, the
 exception's type and message are unchanged) naming the innermost graph node in the traceback::
 
     RuntimeError: The size of tensor a (12) must match the size of tensor b (6) ...
@@ -13,8 +13,6 @@ exception's type and message are unchanged) naming the innermost graph node in t
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from types import CodeType
 from typing import Any
 
@@ -76,18 +74,15 @@ def describe(error: BaseException) -> str | None:
     return note
 
 
-@contextlib.contextmanager
-def annotated() -> Iterator[None]:
-    """Add :func:`describe`'s note to an exception leaving the body (once per exception)."""
+def add_note(error: BaseException) -> None:
+    """Add :func:`describe`'s note to ``error`` (once per exception, however many graph entry
+    points it leaves). Called from ``except`` blocks, which cost nothing on the normal path."""
+    if getattr(error, _NOTED, False):
+        return
+    note = describe(error)
+    if note is not None:
+        error.add_note(note)
     try:
-        yield
-    except BaseException as error:
-        if not getattr(error, _NOTED, False):
-            note = describe(error)
-            if note is not None:
-                error.add_note(note)
-            try:
-                setattr(error, _NOTED, True)
-            except AttributeError:
-                pass
-        raise
+        setattr(error, _NOTED, True)
+    except AttributeError:
+        pass

@@ -38,7 +38,7 @@ import torch
 
 from ..compat import SwappedBody, restore_body, swap_body
 from ..compat.nnsight import wanted_inside
-from .failures import annotated
+from .failures import add_note
 from ..errors import NNBridgeError
 from . import hierarchy
 from .dispatcher import GraphDispatcher
@@ -105,10 +105,12 @@ class Bridge:
         try:
             # an nnsight trace waiting for something inside this module: each node asks whether
             # it is wanted; otherwise the plain code (which routes patched and hooked nodes)
-            with annotated():
-                if wanted_inside(module):
-                    return graph.trace_forward()(graph, *args, **kwargs)
-                return graph.forward(*args, **kwargs)
+            if wanted_inside(module):
+                return graph.trace_forward()(graph, *args, **kwargs)
+            return graph.forward(*args, **kwargs)
+        except BaseException as error:
+            add_note(error)
+            raise
         finally:
             self.depth -= 1
 
