@@ -1,19 +1,18 @@
 """Say where in a graph a failure happened: the NodePath of the op and the model source line.
 
 A failure inside generated graph code shows fx's generated line (``add_3 = torch.ops.aten.add...``).
-Each compiled forward is registered here with its line map and its nodes' NodePath names and
-export's ``stack_trace``; :func:`add_note` adds a note (``BaseException.add_note``, the
+Each compiled forward is registered on its graph module with its line map, its nodes' NodePath
+names and export's ``stack_trace``; :func:`add_note` adds a note (``BaseException.add_note``; the
 exception's type and message are unchanged) naming the innermost graph node in the traceback::
 
     RuntimeError: The size of tensor a (12) must match the size of tensor b (6) ...
-    nnbridge: raised at NodePath 'model.layers_0.self_attn.add' (aten add), from
+    nnbridge: raised at NodePath 'model.layers_0.self_attn.add' (call_function aten.add.Tensor), from
       File ".../modeling_llama.py", line 195, in eager_attention_forward
         attn_weights = attn_weights + attention_mask
 """
 
 from __future__ import annotations
 
-from types import CodeType
 from typing import Any
 
 from torch.fx import Graph
@@ -30,16 +29,16 @@ class _Generated:
                        str(node.target), node.meta.get("stack_trace")) for node in graph.nodes]
 
 
-#: code object of a generated forward -> what it was generated from
-_REGISTRY: dict[CodeType, _Generated] = {}
+#: ``owner.__dict__`` key: ``{code object of a generated forward: _Generated}`` (lives with its graph)
+_GENERATED = "_nnbridge_generated"
 
 
-def register(function: Any, graph: Graph, code: Any, name_key: str, route_key: str) -> None:
-    """Remember ``function`` (a generated forward compiled from ``graph`` with fx's
-    ``code``/``GraphModule``) so failures in it can be located. ``name_key``/``route_key`` are the
-    ``node.meta`` keys of NodePath names and of op-point routing nodes. fx shares one code object
-    between graphs with identical code; their node names are then identical too."""
-    _REGISTRY.setdefault(function.__code__, _Generated(graph, code, name_key, route_key))
+def register(owner: Any, function: Any, graph: Graph, code: Any, name_key: str, route_key: str) -> None:
+    """Remember on ``owner`` (a graph module) that ``function``, one of its generated forwards, was
+    compiled from ``graph`` with fx's ``code``/``GraphModule``, so failures in it can be located.
+    ``name_key``/``route_key`` are the ``node.meta`` keys of NodePath names and of op-point
+    routing nodes."""
+    owner.__dict__.setdefault(_GENERATED, {})[function.__code__] = _Generated(graph, code, name_key, route_key)
 
 
 def _innermost(error: BaseException) -> tuple[_Generated, int, Any] | None:
@@ -47,11 +46,13 @@ def _innermost(error: BaseException) -> tuple[_Generated, int, Any] | None:
     found = None
     tb = error.__traceback__
     while tb is not None:
-        entry = _REGISTRY.get(tb.tb_frame.f_code)
+        frame = tb.tb_frame
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        entry = getattr(owner, "__dict__", {}).get(_GENERATED, {}).get(frame.f_code)
         if entry is not None:
             index = entry.lines.get(tb.tb_lineno - entry.prologue)
             if index is not None and index < len(entry.nodes):
-                found = (entry, index, tb.tb_frame.f_locals.get("self"))
+                found = (entry, index, owner)
         tb = tb.tb_next
     return found
 

@@ -139,7 +139,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         self.__dict__.pop("_trace_forward", None)
         self._forward_cache.clear()
         self._forward_cache[frozenset()] = type(self).forward
-        register(type(self).forward, self.graph, self, NAME_KEY, ROUTE_KEY)
+        register(self, type(self).forward, self.graph, self, NAME_KEY, ROUTE_KEY)
         self.__dict__["_routed"] = frozenset()
         self.refresh_routing()
 
@@ -198,7 +198,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
             node.replace_all_uses_with(routed_node, delete_user_cb=lambda user: user is not routed_node)
         code = graph.python_code(root_module="self")
         forward = forward_from_source(code.src, code.globals)
-        register(forward, graph, code, NAME_KEY, ROUTE_KEY)
+        register(self, forward, graph, code, NAME_KEY, ROUTE_KEY)
         return forward
 
 

@@ -65,16 +65,8 @@ def assign_state(target: Any, source: Any) -> None:
         else:
             target[:] = source
         return
-    if isinstance(target, dict):
-        for key in [k for k in target if k not in source]:
-            del target[key]
-        for key, new in source.items():
-            if key in target and _assignable(target[key], new):
-                assign_state(target[key], new)
-            else:
-                target[key] = new
-        return
-    state, new_state = vars(target), vars(source)
+    # a dict's items, or an object's attributes
+    state, new_state = (target, source) if isinstance(target, dict) else (vars(target), vars(source))
     for name in [n for n in state if n not in new_state]:
         del state[name]
     for name, new in new_state.items():

@@ -12,6 +12,8 @@ Three wrappers can already hold that slot; a bridge swaps the *body* they call, 
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -84,8 +86,5 @@ def call_overridden(module: torch.nn.Module, around: Callable[..., Any] | None) 
     if around is None:
         module.__dict__.pop("_call_impl", None)
         return
-    import functools
-    import types
-
     run = types.MethodType(type(module)._call_impl, module)
     module.__dict__["_call_impl"] = functools.partial(around, run)
