@@ -46,6 +46,8 @@ from .errors import NodePathError as NodePathError
 # through ``sys.modules``.
 from .bridge.in_place import bridge as bridge  # noqa: E402  (rebinds the subpackage attribute)
 from .bridge.in_place import unbridge as unbridge  # noqa: E402
+from .bridge.explain import Explanation as Explanation  # noqa: E402
+from .bridge.explain import explain as explain  # noqa: E402
 from .envoys import LanguageModel as LanguageModel  # noqa: E402
 from .envoys import NNsight as NNsight  # noqa: E402
 from .envoys import TransformersModel as TransformersModel  # noqa: E402
@@ -59,6 +61,7 @@ __all__ = [
     "CustomPatch",
     "ExtractionError",
     "ExtractionOptions",
+    "Explanation",
     "MultiplyInvokedModule",
     "NNBridgeError",
     "NNBridgeWarning",
@@ -73,5 +76,6 @@ __all__ = [
     "ReplacePatch",
     "ZeroPatch",
     "bridge",
+    "explain",
     "unbridge",
 ]

@@ -27,3 +27,21 @@ class NodePathError(NNBridgeError, KeyError):
 
 class NNBridgeWarning(UserWarning):
     """Category of every warning nnbridge issues."""
+
+
+def warn(message: str, category: type[Warning] = NNBridgeWarning) -> None:
+    """Issue a warning attributed to the first frame outside nnbridge, torch and nnsight (the
+    user's line), whatever the depth of the call."""
+    import os
+    import sys
+    import warnings
+
+    skipped = tuple(os.path.dirname(module.__file__) + os.sep for name, module in list(sys.modules.items())
+                    if name in ("nnbridge", "torch", "nnsight", "transformers") and getattr(module, "__file__", None))
+    frame = sys._getframe(1)
+    skipped += ("<eval_with_key>",)  # torch.fx generated code
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(skipped):
+        frame = frame.f_back
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"), registry=frame.f_globals.setdefault(
+                               "__warningregistry__", {}))

@@ -6,7 +6,7 @@ def test_public_api_is_pinned():
         "AddPatch", "CompiledGraphModule", "LanguageModel", "NNsight", "TransformersModel", "CustomPatch", "ExtractionError", "ExtractionOptions",
         "MultiplyInvokedModule", "NNBridgeError", "NNBridgeWarning", "NodePath", "NodePathError",
         "OpPoint", "OpaqueGraphModule", "Patch", "PatchableGraph", "ProbePatch", "RecordPatch",
-        "ReplacePatch", "ZeroPatch", "bridge", "unbridge",
+        "ReplacePatch", "ZeroPatch", "bridge", "unbridge", "explain", "Explanation",
     ])
     for name in nnbridge.__all__:
         assert getattr(nnbridge, name) is not None

@@ -1,9 +1,12 @@
 """Call structures: which extraction serves which call (like Dynamo's guards).
 
 A graph is specialised to the structure of the call it was exported from: which positional and
-keyword arguments were passed, their non-tensor values, tensor dtypes, devices and ranks, and the
-train/eval flags. :func:`structure_key` captures that as a hashable key; :class:`ShapeGuard` records
-which tensor dimensions export kept dynamic (``Dim.AUTO``) and their allowed ranges.
+keyword arguments were passed, their non-tensor values, tensor dtypes, devices and ranks, the
+train/eval flags, grad mode and autocast state. :func:`structure_key` captures that as a hashable
+key; :class:`ShapeGuard` records which tensor dimensions export kept dynamic (``Dim.AUTO``), their
+allowed ranges, and the shape guards export recorded (``x.size()[1] % 2 == 0``). The module state a
+graph bakes in (attribute values, children, parameter dtypes) is guarded by
+:class:`~nnbridge.bridge.guards.StateGuard`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+from ..compat import compile_guards, export_guards
+
+#: Device types whose autocast state is part of a call's structure.
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def _leaf_key(leaf: Any) -> Hashable:
@@ -32,7 +40,29 @@ def structure_key(modules: list[torch.nn.Module], args: tuple[Any, ...], kwargs:
         modules: the module and its submodules, whose train/eval flags are part of the structure.
     """
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves), tuple(m.training for m in modules))
+    return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves), tuple(m.training for m in modules),
+            torch.is_grad_enabled(), autocast_state())
+
+
+def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    """``(device type, enabled, dtype)`` of autocast for each device type: graphs bake in the casts
+    autocast inserted while exporting."""
+    return tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                 for device in _AUTOCAST_DEVICES)
+
+
+def describe_key_change(old: Hashable, new: Hashable) -> str:
+    """Which part of a call's structure differs between two :func:`structure_key` values."""
+    names = ("argument structure", "non-tensor values, tensor dtypes/devices/ranks", "train/eval flags",
+             "grad mode", "autocast state")
+    for name, a, b in zip(names, old, new):  # type: ignore[call-overload]
+        if a != b:
+            if name == "grad mode":
+                return f"grad mode changed ({'enabled' if a else 'disabled'} -> {'enabled' if b else 'disabled'})"
+            if name == "train/eval flags":
+                return "train/eval mode of a module changed"
+            return f"{name} changed"
+    return "call structure changed"
 
 
 def tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -49,8 +79,10 @@ class ShapeGuard:
             sharing a symbol must be equal at call time.
     """
 
-    def __init__(self, dims: list[list[int | tuple[str, int, int | None]]]):
+    def __init__(self, dims: list[list[int | tuple[str, int, int | None]]], code: list[str] | None = None):
         self.dims = dims
+        self.code = list(code or [])
+        self._check = compile_guards(self.code) if self.code else None
 
     @classmethod
     def static(cls, tensors: list[torch.Tensor]) -> ShapeGuard:
@@ -84,11 +116,19 @@ class ShapeGuard:
                     high = None  # unbounded (torch's int_oo)
                 tensor_dims.append((str(expr), int(bounds.lower), high))
             dims.append(tensor_dims)
-        return cls(dims)
+        return cls(dims, export_guards(exported))
 
-    def matches(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether ``tensors`` (pytree order) have sizes this extraction accepts."""
+    def matches(self, tensors: list[torch.Tensor], call: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> bool:
+        """Whether ``tensors`` (pytree order) have sizes this extraction accepts.
+
+        Args:
+            tensors: the call's tensors in pytree order.
+            call: ``(args, kwargs)`` of the call, to evaluate export's own shape guards (required when
+                :attr:`code` is not empty; without it such a guard does not match).
+        """
         if len(tensors) != len(self.dims):
+            return False
+        if self._check is not None and (call is None or not self._check_call(call)):
             return False
         symbols: dict[str, int] = {}
         for tensor, dims in zip(tensors, self.dims):
@@ -106,3 +146,27 @@ class ShapeGuard:
                 if symbols.setdefault(symbol, size) != size:
                     return False
         return True
+
+    def _check_call(self, call: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
+        try:  # the exported root is nnbridge's wrapper: forward(args, kwargs)
+            return self._check({"args": call[0], "kwargs": call[1]})  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - a guard that cannot be evaluated does not hold
+            return False
+
+    def failed(self, tensors: list[torch.Tensor], call: tuple[tuple[Any, ...], dict[str, Any]]) -> str:
+        """Why :meth:`matches` is False for this call (for re-extraction messages)."""
+        if len(tensors) != len(self.dims):
+            return f"{len(tensors)} tensors instead of {len(self.dims)}"
+        for i, (tensor, dims) in enumerate(zip(tensors, self.dims)):
+            if len(tensor.shape) != len(dims):
+                return f"tensor {i} has rank {len(tensor.shape)}, not {len(dims)}"
+            for d, (size, rule) in enumerate(zip(tensor.shape, dims)):
+                if isinstance(rule, int) and size != rule:
+                    return f"tensor {i} has size {size} in dimension {d}; the graph is specialised to {rule}"
+                if not isinstance(rule, int) and (size < rule[1] or (rule[2] is not None and size > rule[2])):
+                    return f"tensor {i} has size {size} in dimension {d}, outside [{rule[1]}, {rule[2]}]"
+        if self._check is not None:
+            failing = [code for code in self.code if not ShapeGuard([], [code])._check_call(call)]
+            if failing:
+                return f"export's shape guard {failing[0]!r} does not hold"
+        return "dynamic dimensions that were equal differ"

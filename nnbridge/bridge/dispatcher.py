@@ -1,25 +1,44 @@
-"""Pick the extraction that fits a call; extract anew (and cache) for a new call structure."""
+"""Pick the extraction that fits a call; extract anew (and cache) when a guard fails.
+
+Like Dynamo's guarded cache: an extraction serves a call only when every assumption it baked in
+still holds (its *guards*):
+
+- the call's structure (:func:`~.call_structure.structure_key`: arguments, non-tensor values,
+  tensor dtypes/devices/ranks, train/eval flags, grad mode, autocast state);
+- its sizes (:class:`~.call_structure.ShapeGuard`: dynamic ranges and export's own shape guards);
+- the module state (:class:`~.guards.StateGuard`: attribute values of every module and of its
+  config, child identity, parameter and buffer identity, dtype, device and shape).
+
+A failed guard extracts again from the call. At most ``ExtractionOptions.recompile_limit``
+extractions are kept per module (least recently used evicted); when a module keeps being extracted
+again, one warning names the module and the guard that failed. :attr:`GraphDispatcher.history`
+records every extraction with its reason (see :func:`nnbridge.explain`).
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
 from ..compat import register_cache_pytrees
-from .call_structure import structure_key, tensor_leaves
+from ..errors import warn
+from .call_structure import describe_key_change, structure_key, tensor_leaves
 from .extraction import Extraction, extract, real_modules
 from .failures import add_note
+from .guards import StateGuard
+from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
 
 
-class GraphDispatcher(torch.nn.Module):
-    """Runs ``module``'s graphs: the extraction whose call structure and sizes fit the call.
+def _nnbridge_child(module: torch.nn.Module) -> bool:
+    return isinstance(module, (OpPoint, OpPointContainer))
 
-    A call whose structure no extraction covers (other kwargs, other non-tensor values, train vs
-    eval, a size outside a dynamic range) is extracted again from that call and cached, like
-    Dynamo's guards; it is never run on a graph specialised to something else.
+
+class GraphDispatcher(torch.nn.Module):
+    """Runs ``module``'s graphs: the extraction whose guards hold for the call (see module docstring).
 
     Args:
         module: the original module (not registered as a child; parameters are shared).
@@ -38,35 +57,58 @@ class GraphDispatcher(torch.nn.Module):
         self.__dict__["path"] = path
         self.__dict__["on_extraction"] = on_extraction if on_extraction is not None else []
         self.__dict__["extractions"] = {}  # structure key -> [Extraction]
+        self.__dict__["_recency"] = OrderedDict()  # id(extraction) -> (key, extraction), oldest first
+        self.__dict__["history"] = []  # every Extraction made, in order (reasons for explain)
+        self.__dict__["_warned"] = False
         self.__dict__["flag_modules"] = real_modules(module)
         # structure keys flatten caches: register them before the first key is computed
         register_cache_pytrees(module)
 
     def all_extractions(self) -> list[Extraction]:
-        """Every extraction made so far, first one first."""
+        """Every extraction kept (not evicted), first one first."""
         return [e for group in self.extractions.values() for e in group]
 
     def add_extraction(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                       key: Hashable | None = None) -> Extraction:
-        """Extract for this call and cache the result under its structure key."""
+                       key: Hashable | None = None, reason: str = "first call") -> Extraction:
+        """Extract for this call and cache the result under its structure key.
+
+        Args:
+            args, kwargs: the call.
+            key: its structure key (computed when None).
+            reason: why (recorded in :attr:`history`; a failed guard's description).
+        """
         key = structure_key(self.flag_modules, args, kwargs) if key is None else key
         extraction = extract(self.module, args, kwargs, self.options, path=self.path,
                              on_extraction=self.on_extraction)
+        extraction.reason = reason
+        extraction.state = StateGuard(self.module, opaque=self._opaque_ids(extraction), skip=_nnbridge_child,
+                                      path=self.path)
         self.extractions.setdefault(key, []).append(extraction)
+        self._recency[id(extraction)] = (key, extraction)
+        self.history.append(extraction)
+        self.__dict__["flag_modules"] = real_modules(self.module)  # children may have been replaced
+        self._evict()
         for callback in list(self.on_extraction):
             callback(self, extraction)
         return extraction
 
     def lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
-        """The extraction serving this call, extracting one if none fits."""
+        """The extraction serving this call, extracting one if no cached one's guards hold."""
         key = structure_key(self.flag_modules, args, kwargs)
         candidates = self.extractions.get(key)
         if candidates:
             tensors = tensor_leaves(args, kwargs)
+            call = (args, kwargs)
             for extraction in candidates:
-                if extraction.guard.matches(tensors):
+                if extraction.guard.matches(tensors, call) and extraction.state.holds():
+                    if len(self._recency) > 1:
+                        self._recency.move_to_end(id(extraction))
                     return extraction
-        return self.add_extraction(args, kwargs, key)
+        if not self.history:
+            return self.add_extraction(args, kwargs, key)
+        reason = self._why(key, args, kwargs)
+        self._warn_if_thrashing(reason)
+        return self.add_extraction(args, kwargs, key, reason=reason)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         root = self.lookup(args, kwargs).root
@@ -75,3 +117,51 @@ class GraphDispatcher(torch.nn.Module):
         except BaseException as error:
             add_note(error)
             raise
+
+    # -- guards ---------------------------------------------------------------------------------
+    def _opaque_ids(self, extraction: Extraction) -> set[int]:
+        """``id``s of the modules of ``extraction`` that run eagerly."""
+        ids: set[int] = set()
+        for path in extraction.opaque:
+            if path in ("<root>", self.path):
+                ids.add(id(self.module))
+                continue
+            relative = path[len(self.path) + 1:] if self.path and path.startswith(self.path + ".") else path
+            try:
+                ids.add(id(self.module.get_submodule(relative)))
+            except AttributeError:
+                continue  # a renamed (reserved-name) child: guarded like a graph, which is stricter
+        return ids
+
+    def _why(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """Which guard of the most recently used extraction fails for this call."""
+        candidates = self.extractions.get(key)
+        if not candidates:
+            if not self._recency:
+                return "new call structure"
+            last_key = next(reversed(self._recency.values()))[0]
+            return describe_key_change(last_key, key)
+        extraction = candidates[-1]
+        tensors = tensor_leaves(args, kwargs)
+        if not extraction.guard.matches(tensors, (args, kwargs)):
+            return extraction.guard.failed(tensors, (args, kwargs))
+        return extraction.state.what_changed() or "module state changed"
+
+    def _evict(self) -> None:
+        limit = max(1, self.options.recompile_limit)
+        while len(self._recency) > limit:
+            _, (key, oldest) = self._recency.popitem(last=False)
+            group = self.extractions.get(key, [])
+            group[:] = [e for e in group if e is not oldest]
+            if not group:
+                self.extractions.pop(key, None)
+
+    def _warn_if_thrashing(self, reason: str) -> None:
+        if self._warned or len(self.history) < max(1, self.options.recompile_limit):
+            return
+        self.__dict__["_warned"] = True
+        where = self.path or type(self.module).__name__
+        warn(f"Module '{where}' ({type(self.module).__name__}) has been extracted {len(self.history) + 1} times"
+             f" (ExtractionOptions.recompile_limit={self.options.recompile_limit}; the least recently used"
+             f" extractions are evicted). Last guard that failed: {reason}. Calls that keep changing it extract"
+             " again each time; keep it fixed, or see nnbridge.explain(model) for every re-extraction.")

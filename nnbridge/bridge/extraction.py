@@ -202,12 +202,17 @@ class Extraction:
         guard: the tensor sizes it accepts.
         opaque: ``{module path: reason}`` for every module that fell back to opaque.
         example: summaries (``torch.Size`` for tensors) of the call it was extracted from.
+        state: the module state it bakes in (:class:`~nnbridge.bridge.guards.StateGuard`), set by
+            the dispatcher that made it.
+        reason: why it was made: ``"first call"``, or the guard that failed for the call.
     """
 
     root: torch.nn.Module
     guard: ShapeGuard
     opaque: dict[str, str] = field(default_factory=dict)
     example: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    state: Any = None
+    reason: str = "first call"
 
 
 class _Context:

@@ -36,6 +36,10 @@ class ExtractionOptions:
             extraction serves other sequence lengths (and batch sizes when the example batch is
             >= 2); dimensions the model fixes stay static. Default: ``True``.
         progress: Show a tqdm progress bar over the extraction stages. Default: ``False``.
+        recompile_limit: Most extractions kept per module, one per set of guards (call structure,
+            sizes, module state); the least recently used is evicted beyond it, and a warning
+            (once) names the module and the failed guard when a module reaches it, as Dynamo's
+            ``recompile_limit``. Default: ``8``.
     """
 
     classes_to_skip_compiling: set[type[torch.nn.Module]] = field(default_factory=set)
@@ -49,3 +53,4 @@ class ExtractionOptions:
     allow_unused_submodules: bool = False
     dynamic_shapes: bool = True
     progress: bool = False
+    recompile_limit: int = 8

@@ -1,7 +1,9 @@
 """Version- and library-specific shims: the only place private torch/nnsight attributes are used."""
 
 from .export import (
+    compile_guards as compile_guards,
     copy_spec as copy_spec,
+    export_guards as export_guards,
     export as export,
     forward_from_source as forward_from_source,
     invocation_graphs as invocation_graphs,

@@ -160,3 +160,29 @@ def copy_spec(spec: Any) -> Any:
 
     with quiet_torch_export():
         return copy.deepcopy(spec)
+
+
+def export_guards(exported: torch.export.ExportedProgram) -> list[str]:
+    """The shape guards export recorded while tracing (``x.size()[1] % 2 == 0``), as Python
+    expressions over ``L``: ``{forward argument name: value}`` of the exported root's call.
+
+    ``ExportedProgram._guards_code`` (torch 2.9 - 2.13) is what ``ExportedProgram.module()`` compiles
+    into its ``_guards_fn``; range constraints are not in it (see ``ShapeGuard``).
+    """
+    return list(getattr(exported, "_guards_code", None) or [])
+
+
+def compile_guards(codes: list[str]) -> Callable[[dict[str, Any]], bool]:
+    """``check(L) -> bool``: whether every guard expression of :func:`export_guards` holds.
+
+    The expressions use SymPy's printed helpers (``FloorDiv``, ``Mod``...); they are evaluated in
+    ``torch.fx.experimental.symbolic_shapes.SYMPY_INTERP``, the namespace torch's own
+    ``_guards_fn`` uses (torch 2.9 - 2.13).
+    """
+    import math
+
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    source = " and ".join(f"({code})" for code in codes) or "True"
+    namespace = {**SYMPY_INTERP, "math": math, "inf": float("inf"), "torch": torch}
+    return eval(f"lambda L: bool({source})", namespace)  # noqa: S307 - torch's own guard code

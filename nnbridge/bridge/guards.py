@@ -1,0 +1,177 @@
+"""Guards on module state: what an extraction bakes in besides the call's structure.
+
+A graph is a snapshot of one eager run. Besides the call (see :mod:`.call_structure`) it bakes in
+the state of the module tree it ran on, like Dynamo's guards on ``self``:
+
+- every module's plain attribute values (numbers, bools, strings, enums, dtypes, devices, None):
+  ``self.temperature``, ``self.training``, ``self.scale``; and those of its ``config`` object
+  (``config.output_hidden_states``, ``config.use_cache``), nested configs included;
+- the identity of every child module (a replaced or wrapped submodule, e.g. a LoRA wrapper);
+- the identity, dtype, device and shape of every parameter, buffer and plain tensor attribute
+  (``.double()``, ``.to(...)``, a re-assigned weight or mask).
+
+:class:`StateGuard` snapshots all of it right after an extraction and :meth:`StateGuard.holds`
+compares it on every call: plain values and children with dict item-view comparisons (C speed),
+tensors in one loop. A module that runs eagerly (opaque) reads its own state live, so only its
+children's identity is guarded, and nothing below it (its children have dispatchers of their own).
+
+Example::
+
+    guard = StateGuard(model, opaque=set())
+    model.config.use_cache = False
+    guard.holds()            # False
+    guard.what_changed()     # "config of '<root>' (GPT2Config): use_cache changed True -> False"
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+#: ``module.__dict__`` keys that are torch's or another library's bookkeeping, never read by a forward.
+_IGNORED = frozenset({"_is_full_backward_hook", "_compiled_call_impl"})
+_PLAIN_TYPES = (int, float, bool, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
+_CONTAINER_TYPES = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, _PLAIN_TYPES):
+        return True
+    if isinstance(value, (tuple, frozenset)):
+        return all(_plain(v) for v in value)
+    return False
+
+
+def _config_like(value: Any) -> bool:
+    """A transformers ``PretrainedConfig`` (or a look-alike): an object with ``to_dict`` and state."""
+    return hasattr(value, "to_dict") and hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module))
+
+
+class StateGuard:
+    """The module state an extraction depends on (see the module docstring).
+
+    Args:
+        root: the extracted module.
+        opaque: ``id``s of modules that run eagerly; their attributes and subtrees are not guarded,
+            only their children's identity.
+        skip: ``fn(child) -> bool`` for children that are nnbridge's own (op points): not guarded.
+        path: the root's path, for messages.
+    """
+
+    def __init__(self, root: torch.nn.Module, *, opaque: set[int], skip: Any = None, path: str = ""):
+        self._plain: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+        self._children: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+        self._tensors: list[tuple[str, dict[str, Any], str, torch.Tensor, torch.dtype, torch.device, torch.Size]] = []
+        seen_configs: set[int] = set()
+        for where, module in self._walk(root, path, opaque, skip):
+            children = {name: child for name, child in module._modules.items()
+                        if child is not None and not (skip is not None and skip(child))}
+            self._children.append((where, module._modules, children))
+            if id(module) in opaque:
+                continue
+            state = module.__dict__
+            self._plain.append((where, state, {k: v for k, v in state.items() if k not in _IGNORED and _plain(v)}))
+            for store_name in ("_parameters", "_buffers"):
+                store = state.get(store_name) or {}
+                for name, tensor in store.items():
+                    if tensor is not None:
+                        self._add_tensor(where, store, name, tensor)
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    self._add_tensor(where, state, name, value)
+                elif _config_like(value) and id(value) not in seen_configs:
+                    self._add_config(f"{name} of {where}", value, seen_configs)
+
+    @staticmethod
+    def _walk(module: torch.nn.Module, where: str, opaque: set[int], skip: Any
+              ) -> Iterator[tuple[str, torch.nn.Module]]:
+        seen: set[int] = set()
+        stack = [(where or "<root>", module)]
+        while stack:
+            path, current = stack.pop()
+            if id(current) in seen:
+                continue
+            seen.add(id(current))
+            yield path, current
+            if id(current) in opaque:
+                continue
+            for name, child in current._modules.items():
+                if child is not None and not (skip is not None and skip(child)):
+                    stack.append((f"{path}.{name}" if path != "<root>" else name, child))
+
+    def _add_tensor(self, where: str, store: dict[str, Any], name: str, tensor: torch.Tensor) -> None:
+        self._tensors.append((f"{where}.{name}" if where != "<root>" else name, store, name, tensor,
+                              tensor.dtype, tensor.device, tensor.shape))
+
+    def _add_config(self, where: str, config: Any, seen: set[int]) -> None:
+        seen.add(id(config))
+        state = vars(config)
+        self._plain.append((f"{where} ({type(config).__name__})", state,
+                            {k: v for k, v in state.items() if _plain(v)}))
+        for name, value in state.items():
+            if _config_like(value) and id(value) not in seen:
+                self._add_config(f"{name} of {where}", value, seen)
+
+    def holds(self) -> bool:
+        """Whether the module state still equals the snapshot (cost: a few µs per 100 modules)."""
+        try:
+            for _, live, snapshot in self._plain:
+                if not snapshot.items() <= live.items():
+                    return False
+            for _, live, snapshot in self._children:
+                if not snapshot.items() <= live.items():
+                    return False
+        except Exception:  # noqa: BLE001 - a value whose == raises has changed
+            return False
+        for _, store, name, tensor, dtype, device, shape in self._tensors:
+            current = store.get(name)
+            if current is not tensor or current.dtype != dtype or current.device != device or current.shape != shape:
+                return False
+        return True
+
+    def what_changed(self) -> str | None:
+        """The first difference from the snapshot, in words; None when :meth:`holds`."""
+        missing = object()
+        for where, live, snapshot in self._plain:
+            for key, value in snapshot.items():
+                now = live.get(key, missing)
+                if now is missing:
+                    return f"attribute {key!r} of {where} was deleted"
+                if not _same(now, value):
+                    return f"attribute {key!r} of {where} changed {value!r} -> {now!r}"
+        for where, live, snapshot in self._children:
+            for key, child in snapshot.items():
+                now = live.get(key, missing)
+                if now is not child:
+                    what = "removed" if now is missing else f"replaced by a {type(now).__name__}"
+                    return f"child {key!r} of {where} ({type(child).__name__}) was {what}"
+        for path, store, name, tensor, dtype, device, shape in self._tensors:
+            current = store.get(name)
+            if current is None:
+                return f"tensor {path} was removed"
+            if current is not tensor:
+                return f"tensor {path} was re-assigned"
+            if current.dtype != dtype or current.device != device:
+                return f"tensor {path} moved from {dtype}/{device} to {current.dtype}/{current.device}"
+            if current.shape != shape:
+                return f"tensor {path} changed shape {tuple(shape)} -> {tuple(current.shape)}"
+        return None
+
+    def describe(self) -> list[str]:
+        """What is guarded, one line per kind (for :func:`nnbridge.explain`)."""
+        plain = sum(len(snapshot) for _, _, snapshot in self._plain)
+        children = sum(len(snapshot) for _, _, snapshot in self._children)
+        return [f"{plain} plain attribute values (modules and configs)", f"identity of {children} child modules",
+                f"identity, dtype, device and shape of {len(self._tensors)} tensors"]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001
+        return False
