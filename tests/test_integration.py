@@ -15,7 +15,8 @@ pytestmark = pytest.mark.integration
 def smollm2():
     model, tokenizer = load_smollm2()
     inputs = tokenizer("The capital of France is", return_tensors="pt")
-    return model, tokenizer, inputs, PatchableGraph(model, **inputs)
+    with torch.no_grad():  # grad mode is part of what an extraction is keyed on: extract as the tests run
+        return model, tokenizer, inputs, PatchableGraph(model, **inputs)
 
 
 def test_smollm2_logits_equal_and_paris(smollm2):

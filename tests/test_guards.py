@@ -1,0 +1,241 @@
+"""Guards (issue 9): every assumption an extraction bakes in is checked on each call; a failed guard
+extracts again, so edits after bridging, dtype changes, autocast and shape-dependent branches give
+eager's numbers through bridge, PatchableGraph and nnbridge.NNsight."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nnbridge
+from fixtures.data_dependent_module import DataDependentModule
+from nnbridge import ExtractionOptions, NNBridgeError, NNBridgeWarning, PatchableGraph
+from nnbridge.bridge import bridge_of
+from test_transformers import gpt2
+from utils import assert_same
+
+
+class Stack(nn.Module):
+    """A ModuleList loop, a Python float attribute and a plain tensor attribute read in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        self.temperature = 1.0
+        self.shift = torch.zeros(4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x / self.temperature + self.shift
+
+
+class Lora(nn.Module):
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+        self.down = nn.Linear(4, 2, bias=False)
+        self.up = nn.Linear(2, 4, bias=False)
+        nn.init.ones_(self.up.weight)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+class Parity(nn.Module):
+    def forward(self, x):
+        if x.shape[1] % 2 == 0:
+            return x * 2
+        return x * 3
+
+
+def _stack():
+    torch.manual_seed(0)
+    return Stack().eval()
+
+
+def _front_ends(make, example):
+    """``(name, run, target, reference)`` per front-end: ``run(x)`` calls it on ``target``, a fresh
+    ``make()``; ``reference`` is another ``make()`` that stays plain eager."""
+    model = make()
+    pg = PatchableGraph(model, example)
+    bridged = nnbridge.bridge(make(), example)
+    traced = nnbridge.NNsight(make())
+
+    def through_nnsight(x):
+        with traced.trace(x):
+            out = traced.output.save()
+        return out
+    return [("pg", pg, model, make()), ("bridge", bridged, bridged, make()),
+            ("nnsight", through_nnsight, traced._module, make())]
+
+
+EDITS = {
+    "attribute": lambda m: setattr(m, "temperature", 2.0),
+    "tensor_attribute": lambda m: setattr(m, "shift", torch.ones(4)),
+    "replaced_child": lambda m: m.layers.__setitem__(2, _seeded(nn.Linear, 4, 4)),
+    "wrapped_child": lambda m: m.layers.__setitem__(1, _seeded(Lora, m.layers[1])),
+    "parameter_reassigned": lambda m: setattr(m.layers[0], "weight", nn.Parameter(torch.full((4, 4), 0.5))),
+}
+
+
+def _seeded(cls, *args):
+    torch.manual_seed(7)
+    return cls(*args)
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_edits_after_extraction_are_honoured(edit):
+    x = torch.randn(3, 4)
+    for name, run, target, reference in _front_ends(_stack, x):
+        before = run(x)
+        assert torch.equal(before, reference(x)), name
+        EDITS[edit](target)
+        EDITS[edit](reference)
+        assert not torch.equal(reference(x), before), "the edit changes eager's output"
+        assert torch.equal(run(x), reference(x)), f"{name}: {edit} ignored"
+
+
+def test_config_flags_after_bridging():
+    model, reference = gpt2(), gpt2()
+    ids = torch.randint(0, 100, (2, 6))
+    nnbridge.bridge(model, ids)
+    for flag, value, field in [("output_hidden_states", True, "hidden_states"), ("use_cache", False, "past_key_values")]:
+        setattr(model.config, flag, value)
+        setattr(reference.config, flag, value)
+        got, want = model(ids), reference(ids)
+        assert_same(got, want)
+        assert (getattr(got, field) is None) == (field == "past_key_values"), f"{flag} ignored"
+    reasons = [e.reason for e in bridge_of(model).dispatcher.history]
+    assert "attribute 'use_cache' of config of <root> (GPT2Config) changed True -> False" in reasons
+    nnbridge.unbridge(model)
+
+
+@pytest.mark.parametrize("convert", ["double", "half", "bfloat16", "to_float64"])
+def test_dtype_changes_after_extraction(convert):
+    x = torch.randn(3, 4)
+    for name, run, target, reference in _front_ends(_stack, x):
+        for m in (target, reference):
+            if convert == "to_float64":
+                m.to(torch.float64)
+            else:
+                getattr(m, convert)()
+        dtype = next(reference.parameters()).dtype
+        assert torch.equal(run(x.to(dtype)), reference(x.to(dtype))), f"{name}: {convert}"
+
+
+def test_float_input_on_a_double_model_fails_like_eager():
+    model = nnbridge.bridge(_stack(), torch.randn(3, 4))
+    reference = _stack().double()
+    model.double()
+    with pytest.raises(RuntimeError) as eager:
+        reference(torch.randn(3, 4))
+    with pytest.raises(RuntimeError) as bridged:
+        model(torch.randn(3, 4))
+    assert str(bridged.value) == str(eager.value)
+
+
+def test_autocast_state_is_guarded():
+    torch.manual_seed(0)
+    model = Stack().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pg = PatchableGraph(model, x)
+        assert torch.equal(pg(x), reference(x))
+    assert torch.equal(pg(x), reference(x)), "called without autocast"
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.equal(pg(x), reference(x))
+    assert [e.reason for e in pg._dispatcher.history][1:] == ["autocast state changed", "autocast state changed"]
+
+
+def test_grad_mode_is_part_of_the_call_structure():
+    torch.manual_seed(0)
+    model = Stack().eval()
+    x = torch.randn(3, 4)
+    pg = PatchableGraph(model, x)
+    with torch.no_grad():
+        pg(x)
+    assert len(pg.extractions) == 2
+    assert pg._dispatcher.history[-1].reason == "grad mode changed (enabled -> disabled)"
+
+
+def test_shape_guards_recorded_by_export_are_checked():
+    model = Parity()
+    pg = PatchableGraph(model, torch.randn(2, 8))
+    assert pg.extractions[0].guard.code == ["(L['args'][0].size()[1] % 2) == 0"]
+    for length in (7, 8, 9, 10):
+        x = torch.randn(2, length)
+        assert torch.equal(pg(x), model(x)), length
+    assert len(pg.extractions) == 2, "one graph per parity"
+    assert "does not hold" in pg._dispatcher.history[1].reason
+    bridged = nnbridge.bridge(Parity(), torch.randn(2, 8))
+    x = torch.randn(2, 7)
+    assert torch.equal(bridged(x), x * 3)
+
+
+def test_recompile_limit_evicts_and_warns_once_at_the_users_line():
+    torch.manual_seed(0)
+    model = Stack().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    pg = PatchableGraph(model, x, options=ExtractionOptions(recompile_limit=2))
+    with pytest.warns(NNBridgeWarning, match=r"Module 'Stack' \(Stack\) has been extracted 3 times.*"
+                                            r"attribute 'temperature' of <root> changed") as caught:
+        for temperature in (2.0, 3.0, 4.0, 5.0):
+            model.temperature = reference.temperature = temperature
+            assert torch.equal(pg(x), reference(x))
+    assert len(caught) == 1, "warned once"
+    assert caught[0].filename == __file__, "the warning points at the user's line"
+    assert len(pg.extractions) == 2, "least recently used extractions are evicted"
+    assert len(pg._dispatcher.history) == 5
+
+
+def test_explain_tree_opaque_reasons_guards_and_history():
+    model = DataDependentModule().eval()
+    x = torch.randn(4, 3)
+    nnbridge.bridge(model, x)
+    with torch.no_grad():
+        model(x)
+    explanation = nnbridge.explain(model)
+    assert [h for h in explanation.history if h[0] == ""] == [("", "first call"),
+                                                              ("", "grad mode changed (enabled -> disabled)")]
+    assert ("branchy.inner", "first call") in explanation.history, "the opaque module's children have their own"
+    assert set(explanation.opaque) == {"branchy"}
+    assert "GuardOnDataDependentSymNode" in explanation.opaque["branchy"]
+    text = str(explanation)
+    assert "branchy (Branchy): opaque (runs eagerly): GuardOnDataDependentSymNode" in text
+    assert "module state: identity, dtype, device and shape of" in text
+    nnbridge.unbridge(model)
+
+
+def test_explain_plain_module_and_pg_and_errors():
+    torch.manual_seed(0)
+    model = Stack().eval()
+    x = torch.randn(3, 4)
+    explanation = nnbridge.explain(model, x)
+    assert [m.kind for m in explanation.modules] == ["graph"] * 4 and explanation.history == [("", "first call")]
+    assert "forward" not in model.__dict__ and len(list(model.named_modules())) == 5, "a plain module is not modified"
+    assert all(type(m) is torch.nn.Linear for m in model.layers)
+    pg = PatchableGraph(model, x)
+    assert nnbridge.explain(pg).modules[0].module_type == "Stack"
+    with pytest.raises(NNBridgeError, match="has not been extracted yet"):
+        nnbridge.explain(model)
+    with pytest.raises(NNBridgeError, match="takes a module"):
+        nnbridge.explain(3)
+
+
+def test_unchanged_state_reuses_the_extraction():
+    torch.manual_seed(0)
+    model = Stack().eval()
+    x = torch.randn(3, 4)
+    pg = PatchableGraph(model, x)
+    model.temperature = 1.0  # same value, new object
+    model.layers[0].weight.data.mul_(1.0)  # in-place value edits are read live, not guarded
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            pg(x)
+    assert len(pg.extractions) == 1
