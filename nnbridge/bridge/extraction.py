@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..compat import (cleared_module_state, copy_spec, export, invocation_graphs, offloaded_weights_loaded,
                       register_cache_pytrees, unflatten)
+from ..compat.output_capturing import active_collector
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
 from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value,
@@ -347,6 +348,29 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     return root, guard
 
 
+class _CapturingOutputs(Exception):
+    """A module's body collects its submodules' outputs with transformers' hooks
+    (``output_attentions=True``, ``output_hidden_states=True``): the collected values cross the
+    preserved call signatures of the modules in between, which one graph cannot express."""
+
+    def __init__(self, fqn: str):
+        super().__init__(
+            "transformers collects outputs of its submodules with hooks here (output_attentions or"
+            " output_hidden_states); the module runs its own code and its children are graphs")
+        self.fqn = fqn
+
+
+def _capturing_cause(error: BaseException | None) -> _CapturingOutputs | None:
+    """The :class:`_CapturingOutputs` behind ``error`` (export may wrap it), or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, _CapturingOutputs):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 class _ModuleFailure(Exception):
     def __init__(self, fqn: str, error: BaseException, states: dict[str, list[list[Key]]]):
         super().__init__(fqn)
@@ -382,11 +406,21 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     active: list[str] = []
     handles = []
 
+    collectors: list[Any] = []  # transformers' output collector when each active module was entered
+
     def enter(fqn: str) -> Callable[..., None]:
-        return lambda mod, inputs: active.append(fqn)
+        def hook(mod: torch.nn.Module, inputs: Any) -> None:
+            collector = active_collector()
+            if collector is not None and collectors and collectors[-1] is not collector:
+                # the caller's body started collecting outputs with hooks (output_attentions...)
+                raise _CapturingOutputs(active[-1])
+            active.append(fqn)
+            collectors.append(collector)
+        return hook
 
     def leave(mod: torch.nn.Module, inputs: Any, output: Any) -> None:
         active.pop()
+        collectors.pop()
 
     for fqn, sub in named_real_modules(module):
         handles.append(sub.register_forward_pre_hook(enter(fqn)))
@@ -406,6 +440,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         states: dict[str, list[list[Key]]] = {}
         for use_dynamic in attempts:
             active.clear()
+            collectors.clear()
             stub_counters.clear()
             # size-1 dimensions are specialised by export anyway (0/1 specialisation); leaving them
             # out of the spec saves ~20 % of export time on GPT-2 (2.4 -> 2.0 s, 12 layers)
@@ -419,6 +454,9 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
                 return exported, use_dynamic, states
             except Exception as error:  # noqa: BLE001 - any export failure means fallback
                 last = error
+                capturing = _capturing_cause(error)
+                if capturing is not None:  # trying static shapes would not help
+                    raise _ModuleFailure(capturing.fqn, capturing, states) from error
                 failing = active[-1] if active else ""
         raise _ModuleFailure(failing, last, states)  # type: ignore[arg-type]
     finally:

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import torch
 from torch.nn.modules import module as _module_impl
 
+from .output_capturing import is_output_capturing_hook
+
 # Per-module hook dicts of torch 2.13 ``nn.Module`` (all OrderedDicts keyed by handle id).
 _MODULE_HOOK_DICTS = (
     "_forward_hooks",
@@ -41,7 +43,9 @@ _GLOBAL_HOOK_DICTS = (
 def cleared_module_state(model: torch.nn.Module) -> Iterator[None]:
     """Run the body with no torch hooks and no instance ``forward`` override on ``model``'s tree.
 
-    Everything is restored on exit, also when the body raises.
+    Everything is restored on exit, also when the body raises. transformers' output-capturing
+    hooks are the model's own behaviour (see :mod:`.output_capturing`): they stay in place, and
+    those the model installs while the body runs are kept afterwards.
     """
     saved_hooks: list[tuple[torch.nn.Module, str, OrderedDict]] = []
     saved_forwards: list[tuple[torch.nn.Module, object]] = []
@@ -52,7 +56,7 @@ def cleared_module_state(model: torch.nn.Module) -> Iterator[None]:
                 hooks = module.__dict__.get(name)
                 if hooks:
                     saved_hooks.append((module, name, hooks))
-                    module.__dict__[name] = OrderedDict()
+                    module.__dict__[name] = _model_hooks(module, hooks)
             if "forward" in module.__dict__:
                 saved_forwards.append((module, module.__dict__.pop("forward")))
         for name in _GLOBAL_HOOK_DICTS:
@@ -63,11 +67,23 @@ def cleared_module_state(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         for module, name, hooks in saved_hooks:
+            added = _model_hooks(module, module.__dict__[name])
             module.__dict__[name] = hooks
+            for key, hook in added.items():
+                hooks.setdefault(key, hook)
         for module, forward in saved_forwards:
             module.__dict__["forward"] = forward
         for name, hooks in saved_globals:
             getattr(_module_impl, name).update(hooks)
+
+
+def _model_hooks(module: torch.nn.Module, hooks: OrderedDict) -> OrderedDict:
+    """The entries of a hook dict that belong to transformers' output capturing (kept during
+    extraction); for the companion dicts (``_forward_hooks_with_kwargs``...), the entries of
+    those hooks' ids."""
+    forward_hooks = module.__dict__.get("_forward_hooks") or {}
+    return OrderedDict((key, value) for key, value in hooks.items()
+                       if is_output_capturing_hook(forward_hooks.get(key, value)))
 
 
 def has_module_hooks(module: torch.nn.Module) -> bool:
