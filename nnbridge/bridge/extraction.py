@@ -1,14 +1,16 @@
 """Turn a module into a hierarchy of patchable graphs: one graph per submodule invocation.
 
 Route (measured on torch 2.13, see DESIGN.md): ``torch.export.export(strict=False)`` of the module
-with every submodule's call signature preserved, under ``torch.no_grad()``, then
+with every submodule's call signature preserved, under the caller's grad mode, then
 ``torch.export.unflatten`` with de-duplication off and codegen on. Each per-invocation graph is
 cleaned (:mod:`.cleanup`) and becomes a :class:`CompiledGraphModule` whose parameters and buffers
 are the original module's own tensors.
 
 A submodule that cannot be exported is stubbed during export (its recorded output, still
 depending on its inputs) and becomes an :class:`OpaqueGraphModule` whose children are extracted
-separately; the rest stays a graph. Example::
+separately; the rest stays a graph. So does a module whose graph would silently differ from its
+code (grad-mode changes, custom autograd Functions, Python side effects: :mod:`.capture_checks`).
+Example::
 
     root, guard = extract(model, (input_ids,), {}, ExtractionOptions())
     root.transformer.h[0].attn      # CompiledGraphModule
@@ -34,6 +36,7 @@ from ..compat import (cleared_module_state, copy_spec, export, invocation_graphs
                       register_cache_pytrees, unflatten)
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
+from .capture_checks import CaptureWatch, preserved_state
 from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value,
                       remove_dead_code)
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
@@ -220,6 +223,7 @@ class _Context:
         self.opaque: dict[str, str] = {}
         self.invocations: Counter[str] = Counter()
         self.renamed: dict[int, dict[str, str]] = {}
+        self.grad_enabled = torch.is_grad_enabled()  # graphs follow the grad mode of the extracted call
 
     def full(self, fqn: str) -> str:
         return ".".join(p for p in (self.path, fqn) if p)
@@ -246,7 +250,9 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """Extract ``module`` for the call ``module(*args, **kwargs)``.
 
     The module is left exactly as it was: its hooks and instance ``forward`` overrides are cleared
-    for the duration and restored, also when extraction raises; the CPU random state is unchanged.
+    for the duration and restored, also when extraction raises; parameters, buffers, module
+    attributes and the CPU random state are unchanged. Graphs are traced under the current grad
+    mode (``torch.is_grad_enabled()``), so they are faithful to calls made in that mode.
 
     Args:
         module: the module; not modified, its parameters are shared with the result.
@@ -259,13 +265,16 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         An :class:`Extraction`.
 
     Raises:
-        ExtractionError: a module could not be exported and ``error_on_compilation_failure`` is set.
+        ExtractionError: a module could not be exported, or its graph would differ from its code,
+            and ``error_on_compilation_failure`` is set; or extraction's eager run changed a
+            parameter in place (see :func:`.capture_checks.preserved_state`).
     """
     options = options or ExtractionOptions()
     ctx = _Context(module, options, path, on_extraction if on_extraction is not None else [])
-    # extraction's eager runs must not consume random numbers (dropout in train mode)
-    with torch.random.fork_rng(devices=[]), cleared_module_state(module), offloaded_weights_loaded(module), \
-            reserved_names_renamed(module) as renamed:
+    # extraction's eager runs must not consume random numbers (dropout in train mode) nor change
+    # buffers (batch norm in train mode) or module attributes
+    with preserved_state(list(named_real_modules(module))), cleared_module_state(module), \
+            offloaded_weights_loaded(module), reserved_names_renamed(module) as renamed:
         ctx.renamed = renamed
         register_cache_pytrees(module)
         root, guard = _extract_root(ctx, args, kwargs)
@@ -312,7 +321,8 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     while True:
         try:
             exported, dynamic, states = _export(module, args, kwargs,
-                                                {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic)
+                                                {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic,
+                                                ctx.grad_enabled)
             break
         except _ModuleFailure as failure:
             fqn, error = failure.fqn, failure.error
@@ -357,7 +367,7 @@ def _caller(module: torch.nn.Module, fqn: str) -> str:
 
 
 def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
-            calls: dict[str, list], dynamic: bool
+            calls: dict[str, list], dynamic: bool, grad_enabled: bool = False
             ) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
     """Export once (dynamic, then static on failure); raise _ModuleFailure naming the innermost
     module that was running when export failed.
@@ -405,16 +415,21 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             # size-1 dimensions are specialised by export anyway (0/1 specialisation); leaving them
             # out of the spec saves ~20 % of export time on GPT-2 (2.4 -> 2.0 s, 12 layers)
             shapes = _dynamic_shapes(args, kwargs) if use_dynamic else None
+            watch = CaptureWatch(list(named_real_modules(module)), active)
             try:
                 # non-strict export runs the module's Python code, which mutates a cache passed in
                 # (with fake tensors): every attempt traces a fresh copy of the inputs
-                with states_returned(threaded) as states:
+                with states_returned(threaded) as states, watch.watching():
                     exported = export(wrapper, copy_inputs((args, kwargs)), dynamic_shapes=shapes,
-                                      preserve_module_call_signature=fqns)
-                return exported, use_dynamic, states
+                                      preserve_module_call_signature=fqns, grad_enabled=grad_enabled)
             except Exception as error:  # noqa: BLE001 - any export failure means fallback
                 last = error
                 failing = active[-1] if active else ""
+                continue
+            fault = watch.fault(exported)  # traced, but a graph would differ from the eager code
+            if fault is not None:
+                raise _ModuleFailure(fault[0], fault[1], states)
+            return exported, use_dynamic, states
         raise _ModuleFailure(failing, last, states)  # type: ignore[arg-type]
     finally:
         for handle in handles:
