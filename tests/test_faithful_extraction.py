@@ -110,8 +110,8 @@ def test_grad_mode_change_honours_error_and_warn_options():
 def _tiny_llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return LlamaForCausalLM(config).eval()
 
 

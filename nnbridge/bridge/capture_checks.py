@@ -97,7 +97,9 @@ class ModuleState:
                 lost.append(name)
         for name, (buffer, version, copy) in self.buffers.items():
             module._buffers[name] = buffer
-            if buffer is not None and copy is not None and tensor_version(buffer) != version:
+            # batch norm's kernel updates running statistics without bumping the version
+            if buffer is not None and copy is not None and (tensor_version(buffer) != version
+                                                              or not torch.equal(buffer, copy)):
                 with torch.no_grad():
                     buffer.copy_(copy)
         for name in [n for n in module._buffers if n not in self.buffers]:

@@ -185,10 +185,11 @@ def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
 
 
 def _stub_output(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-    """The recorded output as zeros that still depend on every floating input (else export drops
-    whatever computed the inputs)."""
-    floats = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    dep = sum((0 * t.sum() for t in floats), torch.tensor(0.0))
+    """The recorded output as zeros that still depend on every tensor input (else export drops
+    whatever computed the inputs, e.g. the integer ``position_ids`` a stubbed rotary embedding
+    receives)."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    dep = sum((0 * t.sum().float() for t in tensors), torch.tensor(0.0))
 
     def stub(t: torch.Tensor) -> torch.Tensor:
         zeros = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
