@@ -344,3 +344,22 @@ def test_side_effect_honours_error_option():
     with pytest.raises(ExtractionError, match=r"'inner'.*calls"):
         PatchableGraph(Outer(Counter()).eval(), torch.randn(2, 3),
                        options=ExtractionOptions(error_on_compilation_failure=True))
+
+
+class TwoNoGrad(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = NoGradInside()
+        self.second = NoGradInside()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def test_every_module_changing_grad_mode_is_found():
+    model = TwoNoGrad().eval()
+    x = torch.randn(2, 3)
+    _compare_backward(model, x)
+    nnbridge.bridge(model, x)
+    assert set(_opaque(model)) == {"first", "second"}
+    nnbridge.unbridge(model)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..compat.capture import autograd_function_calls, mode_regions, tensor_version
+from ..compat.capture import autograd_function_calls, grad_mode_frozen, mode_regions, tensor_version
 from ..errors import ExtractionError, NNBridgeError
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
@@ -42,7 +42,16 @@ _CONTAINERS = (list, dict, set)
 
 
 class UnfaithfulCaptureError(NNBridgeError):
-    """A module's forward does something a graph would not repeat (the reason names it)."""
+    """A module's forward does something a graph would not repeat (the reason names it).
+
+    Attributes:
+        grad_mode: the forward changes grad mode or autocast (export must ignore those changes to
+            trace through it).
+    """
+
+    def __init__(self, message: str, grad_mode: bool = False):
+        super().__init__(message)
+        self.grad_mode = grad_mode
 
 
 def _copy_container(value: Any) -> Any:
@@ -164,15 +173,17 @@ class CaptureWatch:
     copies), so a comparison after export would see nothing (and the copies must be undone).
     """
 
-    def __init__(self, modules: list[tuple[str, torch.nn.Module]], active: list[str]):
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]], active: list[str], known: set[str]):
         self.modules = modules
         self.active = active
+        self.known = known  # already opaque: faults in them and below them are not reported again
         self.functions: dict[str, str] = {}
         self.changes: dict[str, list[str]] = {}
 
     @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        """Watch the body (one export); module state is restored afterwards, also on error."""
+    def watching(self, frozen: set[str]) -> Iterator[None]:
+        """Watch the body (one export); module state is restored afterwards, also on error.
+        Grad-mode changes made while a ``frozen`` module runs are ignored."""
         outer = snapshot(self.modules, clone=False)
         inner: list[dict[str, ModuleState]] = []
 
@@ -191,7 +202,11 @@ class CaptureWatch:
         root = self.modules[0][1]
         handles = [root.register_forward_pre_hook(before), root.register_forward_hook(after)]
         try:
-            with autograd_function_calls(on_apply):
+            # (the shim only while needed: export records grad-mode changes through the original)
+            # only while needed: export records no grad-mode change while the shim is in place, and
+            # every module changing grad mode was found by the first export (without it)
+            with autograd_function_calls(on_apply), (grad_mode_frozen(lambda: any(p in frozen for p in self.active))
+                                                      if frozen else contextlib.nullcontext()):
                 yield
         finally:
             for handle in handles:
@@ -199,18 +214,26 @@ class CaptureWatch:
             for state in outer.values():
                 state.restore()
 
-    def fault(self, exported: torch.export.ExportedProgram | None) -> tuple[str, UnfaithfulCaptureError] | None:
-        """The first module (path) whose graph would differ from its eager code, with the reason."""
-        if exported is not None:
-            for path, kind in mode_regions(exported):
-                fqn = path.partition(".")[2] if path.startswith("model.") else ""
-                what = "grad mode (torch.no_grad/enable_grad)" if kind == "grad" else "autocast"
-                return fqn, UnfaithfulCaptureError(
-                    f"changes {what} inside forward, which a graph cannot keep")
+    def faults(self, exported: torch.export.ExportedProgram | None) -> list[tuple[str, UnfaithfulCaptureError]]:
+        """Modules (paths) whose graph would differ from their eager code, with the reasons: every
+        module changing grad mode or autocast, else the first other fault found; [] if none."""
+        def new(fqn: str) -> bool:
+            return not any(fqn == k or fqn.startswith(f"{k}.") or not k for k in self.known)
+        found: dict[str, UnfaithfulCaptureError] = {}
+        for path, kind in mode_regions(exported) if exported is not None else []:
+            fqn = path.partition(".")[2] if path.startswith("model.") else ""
+            what = "grad mode (torch.no_grad/enable_grad)" if kind == "grad" else "autocast"
+            if new(fqn) and fqn not in found:
+                found[fqn] = UnfaithfulCaptureError(f"changes {what} inside forward, which a graph cannot keep",
+                                                    grad_mode=True)
+        if found:
+            return list(found.items())
         for fqn, name in self.functions.items():
-            return fqn, UnfaithfulCaptureError(
-                f"calls the custom autograd Function {name}.apply, whose backward a graph would lose")
+            if new(fqn):
+                return [(fqn, UnfaithfulCaptureError(
+                    f"calls the custom autograd Function {name}.apply, whose backward a graph would lose"))]
         for fqn, changed in self.changes.items():
-            return fqn, UnfaithfulCaptureError(
-                f"{', '.join(changed)} in forward, a Python side effect a graph does not repeat")
-        return None
+            if new(fqn):
+                return [(fqn, UnfaithfulCaptureError(
+                    f"{', '.join(changed)} in forward, a Python side effect a graph does not repeat"))]
+        return []

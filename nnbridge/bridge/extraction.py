@@ -36,7 +36,7 @@ from ..compat import (cleared_module_state, copy_spec, export, invocation_graphs
                       register_cache_pytrees, unflatten)
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
-from .capture_checks import CaptureWatch, preserved_state
+from .capture_checks import CaptureWatch, UnfaithfulCaptureError, preserved_state
 from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value,
                       remove_dead_code)
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
@@ -319,14 +319,27 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     # a skipped module called with a cache is traced through (its new cache state must reach its
     # caller's graph) and only shown as opaque; the others are stubbed while exporting
     traced = {fqn for fqn in stubs if stubs[fqn] == "skipped" and any(state_keys(a, k) for a, k, _ in calls[fqn])}
+    frozen: set[str] = set()  # traced modules whose own grad-mode changes are ignored while exporting
     while True:
         try:
             exported, dynamic, states = _export(module, args, kwargs,
                                                 {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic,
-                                                ctx.grad_enabled)
+                                                ctx.grad_enabled, traced, frozen)
             break
         except _ModuleFailure as failure:
             fqn, error = failure.fqn, failure.error
+            faults = [(fqn, error), *failure.more]
+            if all(isinstance(e, UnfaithfulCaptureError) and f and f not in stubs for f, e in faults):
+                # their code traces (shapes stay symbolic, cache state is threaded): keep tracing
+                # through them, with grad-mode changes inside them ignored, and show them opaque
+                for fqn, error in faults:
+                    stubs[fqn] = describe_failure(error)
+                    errors[fqn] = error
+                    traced.add(fqn)
+                    if error.grad_mode:  # type: ignore[attr-defined]
+                        frozen.add(fqn)
+                calls = record_calls(module, set(stubs), args, kwargs)
+                continue
             while fqn and any(failure.states.get(fqn, [])):
                 # a stub cannot write the cache state the module would have: its caller is opaque
                 fqn = _caller(module, fqn)
@@ -354,9 +367,11 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 
 class _ModuleFailure(Exception):
-    def __init__(self, fqn: str, error: BaseException, states: dict[str, list[list[Key]]]):
+    def __init__(self, fqn: str, error: BaseException, states: dict[str, list[list[Key]]],
+                 more: list[tuple[str, BaseException]] | None = None):
         super().__init__(fqn)
         self.fqn, self.error, self.states = fqn, error, states
+        self.more = more or []  # further modules at fault found by the same export
 
 
 def _caller(module: torch.nn.Module, fqn: str) -> str:
@@ -368,7 +383,8 @@ def _caller(module: torch.nn.Module, fqn: str) -> str:
 
 
 def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
-            calls: dict[str, list], dynamic: bool, grad_enabled: bool = False
+            calls: dict[str, list], dynamic: bool, grad_enabled: bool = False,
+            traced: set[str] = frozenset(), frozen: set[str] = frozenset()  # type: ignore[assignment]
             ) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
     """Export once (dynamic, then static on failure); raise _ModuleFailure naming the innermost
     module that was running when export failed.
@@ -377,7 +393,8 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     :mod:`.state`). ``stubs`` are replaced by their recorded output; one called with a stateful
     argument (only a custom-extraction module can be: a failing one makes its caller opaque)
     keeps a flat signature, since its recorded output cannot carry the state it would have
-    written. Returns the program, whether it is dynamic, and the state keys of every threaded
+    written. ``traced`` modules will be opaque although export traces them; inside ``frozen`` ones,
+    grad-mode changes are ignored (see :mod:`.capture_checks`). Returns the program, whether it is dynamic, and the state keys of every threaded
     call (``{path: [keys per invocation]}``).
     """
     wrapper = _Wrapper(module)
@@ -416,20 +433,20 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             # size-1 dimensions are specialised by export anyway (0/1 specialisation); leaving them
             # out of the spec saves ~20 % of export time on GPT-2 (2.4 -> 2.0 s, 12 layers)
             shapes = _dynamic_shapes(args, kwargs) if use_dynamic else None
-            watch = CaptureWatch(list(named_real_modules(module)), active)
+            watch = CaptureWatch(list(named_real_modules(module)), active, set(stubs) | traced)
             try:
                 # non-strict export runs the module's Python code, which mutates a cache passed in
                 # (with fake tensors): every attempt traces a fresh copy of the inputs
-                with states_returned(threaded) as states, watch.watching():
+                with states_returned(threaded) as states, watch.watching(frozen):
                     exported = export(wrapper, copy_inputs((args, kwargs)), dynamic_shapes=shapes,
                                       preserve_module_call_signature=fqns, grad_enabled=grad_enabled)
             except Exception as error:  # noqa: BLE001 - any export failure means fallback
                 last = error
                 failing = active[-1] if active else ""
                 continue
-            fault = watch.fault(exported)  # traced, but a graph would differ from the eager code
-            if fault is not None:
-                raise _ModuleFailure(fault[0], fault[1], states)
+            faults = watch.faults(exported)  # traced, but a graph would differ from the eager code
+            if faults:
+                raise _ModuleFailure(faults[0][0], faults[0][1], states, faults[1:])
             return exported, use_dynamic, states
         raise _ModuleFailure(failing, last, states)  # type: ignore[arg-type]
     finally:

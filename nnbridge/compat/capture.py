@@ -3,6 +3,7 @@
 - :func:`tensor_version`: a tensor's in-place version counter (private ``Tensor._version``).
 - :func:`autograd_function_calls`: report every custom ``torch.autograd.Function.apply`` while
   tracing; export inlines the Function's forward and drops its backward.
+- :func:`grad_mode_frozen`: ignore grad-mode changes while a given module is traced.
 - :func:`mode_regions`: the grad-mode / autocast regions export recorded as higher-order ops
   (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) or as ``_set_grad_enabled`` calls.
 """
@@ -39,6 +40,28 @@ def autograd_function_calls(on_apply: Callable[[type], None]) -> Iterator[None]:
         yield
     finally:
         function.apply = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def grad_mode_frozen(when: Callable[[], bool]) -> Iterator[None]:
+    """Ignore grad-mode changes (``torch.no_grad()``, ``torch.enable_grad()``, their decorators)
+    while ``when()`` is true, for the body's duration.
+
+    They all end in ``torch._C._set_grad_enabled`` (torch 2.0 - 2.13), which is replaced for the
+    body's duration and restored on exit. While it is replaced, torch.export no longer records
+    grad-mode changes in the graph, so find them all (:func:`mode_regions`) before using this.
+    """
+    original = torch._C._set_grad_enabled
+
+    def set_grad_enabled(mode: bool) -> None:
+        if not when():
+            original(mode)
+
+    torch._C._set_grad_enabled = set_grad_enabled
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled = original
 
 
 def _mode_targets() -> dict[object, str]:
