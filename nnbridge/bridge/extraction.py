@@ -1,14 +1,16 @@
 """Turn a module into a hierarchy of patchable graphs: one graph per submodule invocation.
 
 Route (measured on torch 2.13, see DESIGN.md): ``torch.export.export(strict=False)`` of the module
-with every submodule's call signature preserved, under ``torch.no_grad()``, then
+with every submodule's call signature preserved, under the caller's grad mode, then
 ``torch.export.unflatten`` with de-duplication off and codegen on. Each per-invocation graph is
 cleaned (:mod:`.cleanup`) and becomes a :class:`CompiledGraphModule` whose parameters and buffers
 are the original module's own tensors.
 
 A submodule that cannot be exported is stubbed during export (its recorded output, still
 depending on its inputs) and becomes an :class:`OpaqueGraphModule` whose children are extracted
-separately; the rest stays a graph. Example::
+separately; the rest stays a graph. So does a module whose graph would silently differ from its
+code (grad-mode changes, custom autograd Functions, Python side effects: :mod:`.capture_checks`).
+Example::
 
     root, guard = extract(model, (input_ids,), {}, ExtractionOptions())
     root.transformer.h[0].attn      # CompiledGraphModule
@@ -35,6 +37,7 @@ from ..compat import (cleared_module_state, copy_spec, export, invocation_graphs
 from ..compat.output_capturing import active_collector
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
+from .capture_checks import CaptureWatch, UnfaithfulCaptureError, preserved_state
 from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value,
                       remove_dead_code)
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
@@ -183,10 +186,11 @@ def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
 
 
 def _stub_output(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-    """The recorded output as zeros that still depend on every floating input (else export drops
-    whatever computed the inputs)."""
-    floats = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    dep = sum((0 * t.sum() for t in floats), torch.tensor(0.0))
+    """The recorded output as zeros that still depend on every tensor input (else export drops
+    whatever computed the inputs, e.g. the integer ``position_ids`` a stubbed rotary embedding
+    receives)."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    dep = sum((0 * t.sum().float() for t in tensors), torch.tensor(0.0))
 
     def stub(t: torch.Tensor) -> torch.Tensor:
         zeros = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
@@ -226,6 +230,7 @@ class _Context:
         self.opaque: dict[str, str] = {}
         self.invocations: Counter[str] = Counter()
         self.renamed: dict[int, dict[str, str]] = {}
+        self.grad_enabled = torch.is_grad_enabled()  # graphs follow the grad mode of the extracted call
 
     def full(self, fqn: str) -> str:
         return ".".join(p for p in (self.path, fqn) if p)
@@ -252,7 +257,9 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """Extract ``module`` for the call ``module(*args, **kwargs)``.
 
     The module is left exactly as it was: its hooks and instance ``forward`` overrides are cleared
-    for the duration and restored, also when extraction raises; the CPU random state is unchanged.
+    for the duration and restored, also when extraction raises; parameters, buffers, module
+    attributes and the CPU random state are unchanged. Graphs are traced under the current grad
+    mode (``torch.is_grad_enabled()``), so they are faithful to calls made in that mode.
 
     Args:
         module: the module; not modified, its parameters are shared with the result.
@@ -265,13 +272,16 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         An :class:`Extraction`.
 
     Raises:
-        ExtractionError: a module could not be exported and ``error_on_compilation_failure`` is set.
+        ExtractionError: a module could not be exported, or its graph would differ from its code,
+            and ``error_on_compilation_failure`` is set; or extraction's eager run changed a
+            parameter in place (see :func:`.capture_checks.preserved_state`).
     """
     options = options or ExtractionOptions()
     ctx = _Context(module, options, path, on_extraction if on_extraction is not None else [])
-    # extraction's eager runs must not consume random numbers (dropout in train mode)
-    with torch.random.fork_rng(devices=[]), cleared_module_state(module), offloaded_weights_loaded(module), \
-            reserved_names_renamed(module) as renamed:
+    # extraction's eager runs must not consume random numbers (dropout in train mode) nor change
+    # buffers (batch norm in train mode) or module attributes
+    with preserved_state(list(named_real_modules(module))), cleared_module_state(module), \
+            offloaded_weights_loaded(module), reserved_names_renamed(module) as renamed:
         ctx.renamed = renamed
         register_cache_pytrees(module)
         root, guard = _extract_root(ctx, args, kwargs)
@@ -315,13 +325,27 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     # a skipped module called with a cache is traced through (its new cache state must reach its
     # caller's graph) and only shown as opaque; the others are stubbed while exporting
     traced = {fqn for fqn in stubs if stubs[fqn] == "skipped" and any(state_keys(a, k) for a, k, _ in calls[fqn])}
+    frozen: set[str] = set()  # traced modules whose own grad-mode changes are ignored while exporting
     while True:
         try:
             exported, dynamic, states = _export(module, args, kwargs,
-                                                {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic)
+                                                {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic,
+                                                ctx.grad_enabled, traced, frozen)
             break
         except _ModuleFailure as failure:
             fqn, error = failure.fqn, failure.error
+            faults = [(fqn, error), *failure.more]
+            if all(isinstance(e, UnfaithfulCaptureError) and f and f not in stubs for f, e in faults):
+                # their code traces (shapes stay symbolic, cache state is threaded): keep tracing
+                # through them, with grad-mode changes inside them ignored, and show them opaque
+                for fqn, error in faults:
+                    stubs[fqn] = describe_failure(error)
+                    errors[fqn] = error
+                    traced.add(fqn)
+                    if error.grad_mode:  # type: ignore[attr-defined]
+                        frozen.add(fqn)
+                calls = record_calls(module, set(stubs), args, kwargs)
+                continue
             while fqn and any(failure.states.get(fqn, [])):
                 # a stub cannot write the cache state the module would have: its caller is opaque
                 fqn = _caller(module, fqn)
@@ -372,9 +396,11 @@ def _capturing_cause(error: BaseException | None) -> _CapturingOutputs | None:
 
 
 class _ModuleFailure(Exception):
-    def __init__(self, fqn: str, error: BaseException, states: dict[str, list[list[Key]]]):
+    def __init__(self, fqn: str, error: BaseException, states: dict[str, list[list[Key]]],
+                 more: list[tuple[str, BaseException]] | None = None):
         super().__init__(fqn)
         self.fqn, self.error, self.states = fqn, error, states
+        self.more = more or []  # further modules at fault found by the same export
 
 
 def _caller(module: torch.nn.Module, fqn: str) -> str:
@@ -386,7 +412,8 @@ def _caller(module: torch.nn.Module, fqn: str) -> str:
 
 
 def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
-            calls: dict[str, list], dynamic: bool
+            calls: dict[str, list], dynamic: bool, grad_enabled: bool = False,
+            traced: set[str] = frozenset(), frozen: set[str] = frozenset()  # type: ignore[assignment]
             ) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
     """Export once (dynamic, then static on failure); raise _ModuleFailure naming the innermost
     module that was running when export failed.
@@ -395,7 +422,8 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     :mod:`.state`). ``stubs`` are replaced by their recorded output; one called with a stateful
     argument (only a custom-extraction module can be: a failing one makes its caller opaque)
     keeps a flat signature, since its recorded output cannot carry the state it would have
-    written. Returns the program, whether it is dynamic, and the state keys of every threaded
+    written. ``traced`` modules will be opaque although export traces them; inside ``frozen`` ones,
+    grad-mode changes are ignored (see :mod:`.capture_checks`). Returns the program, whether it is dynamic, and the state keys of every threaded
     call (``{path: [keys per invocation]}``).
     """
     wrapper = _Wrapper(module)
@@ -445,19 +473,24 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             # size-1 dimensions are specialised by export anyway (0/1 specialisation); leaving them
             # out of the spec saves ~20 % of export time on GPT-2 (2.4 -> 2.0 s, 12 layers)
             shapes = _dynamic_shapes(args, kwargs) if use_dynamic else None
+            watch = CaptureWatch(list(named_real_modules(module)), active, set(stubs) | traced)
             try:
                 # non-strict export runs the module's Python code, which mutates a cache passed in
                 # (with fake tensors): every attempt traces a fresh copy of the inputs
-                with states_returned(threaded) as states:
+                with states_returned(threaded) as states, watch.watching(frozen):
                     exported = export(wrapper, copy_inputs((args, kwargs)), dynamic_shapes=shapes,
-                                      preserve_module_call_signature=fqns)
-                return exported, use_dynamic, states
+                                      preserve_module_call_signature=fqns, grad_enabled=grad_enabled)
             except Exception as error:  # noqa: BLE001 - any export failure means fallback
                 last = error
                 capturing = _capturing_cause(error)
                 if capturing is not None:  # trying static shapes would not help
                     raise _ModuleFailure(capturing.fqn, capturing, states) from error
                 failing = active[-1] if active else ""
+                continue
+            faults = watch.faults(exported)  # traced, but a graph would differ from the eager code
+            if faults:
+                raise _ModuleFailure(faults[0][0], faults[0][1], states, faults[1:])
+            return exported, use_dynamic, states
         raise _ModuleFailure(failing, last, states)  # type: ignore[arg-type]
     finally:
         for handle in handles:

@@ -22,7 +22,8 @@ import torch
 from ..errors import NodePathError
 from . import hierarchy
 from .dispatcher import GraphDispatcher
-from .extraction import Extraction
+from .capture_checks import preserved_state
+from .extraction import Extraction, named_real_modules
 from .graph_module import GraphModuleBase
 from .in_place import bridge_of
 from .inspection import NodeView, _dig_children
@@ -102,7 +103,8 @@ class PatchableGraph(torch.nn.Module):
                                                on_extraction=[self._apply_active])
             self.__dict__["_call"] = self._dispatcher
             first = self._dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
-        hierarchy.describe_examples(first.root, tuple(example_args), dict(example_kwargs))
+        with preserved_state(list(named_real_modules(module))):  # a recording run must not change the model
+            hierarchy.describe_examples(first.root, tuple(example_args), dict(example_kwargs))
         self._graph_module = first.root
 
     # -- calling --------------------------------------------------------------------------------

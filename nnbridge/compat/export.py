@@ -53,6 +53,9 @@ def quiet_torch_export() -> Iterator[None]:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node", category=UserWarning)
+            # a tensor cached on a module in forward: nnbridge makes that module opaque instead
+            warnings.filterwarnings("ignore", message=r"The tensor attributes? .* assigned during export",
+                                    category=UserWarning)
             yield
     finally:
         logger.setLevel(level)
@@ -81,11 +84,13 @@ class _DistinctConversions(torch.overrides.TorchFunctionMode):
 
 
 def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: Any,
-           preserve_module_call_signature: tuple[str, ...]) -> torch.export.ExportedProgram:
-    """``torch.export.export(strict=False)`` under ``torch.no_grad()`` (so ``@torch.no_grad``
-    rotary-embedding code is inlined instead of becoming an opaque higher-order op), with
+           preserve_module_call_signature: tuple[str, ...], grad_enabled: bool = False
+           ) -> torch.export.ExportedProgram:
+    """``torch.export.export(strict=False)`` under the grad mode of the call being extracted (a
+    ``torch.is_grad_enabled()`` branch takes the same side as eager; under ``torch.no_grad()``,
+    ``@torch.no_grad`` rotary-embedding code is inlined instead of becoming a higher-order op), with
     conversions kept from aliasing (see :class:`_DistinctConversions`)."""
-    with quiet_torch_export(), torch.no_grad(), _DistinctConversions():
+    with quiet_torch_export(), torch.set_grad_enabled(grad_enabled), _DistinctConversions():
         return torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes,
                                    preserve_module_call_signature=preserve_module_call_signature)
 

@@ -1,0 +1,239 @@
+"""Detect what an exported graph would silently drop, and keep extraction from changing the model.
+
+A graph replays the tensor operations of one traced call. It does not replay:
+
+- grad-mode or autocast changes inside a forward (``with torch.no_grad():``, ``@torch.no_grad``);
+  export records them as higher-order ops that unflatten cannot keep (see
+  :func:`nnbridge.compat.capture.mode_regions`);
+- custom ``torch.autograd.Function``s: export inlines their forward and loses their backward;
+- Python side effects on module state: an attribute set in forward (``self.calls += 1``, a tensor
+  cached on ``self``), a list/dict/set attribute mutated (``self.seen.append(x)``), a buffer
+  re-assigned (``self.ema = 0.9 * self.ema + ...``; in-place buffer updates are replayed).
+
+:class:`CaptureWatch` notices these while exporting and names the module at fault; extraction
+then makes that module opaque (its original code runs eagerly), like a module export cannot trace.
+
+What cannot be detected: writes to globals, closures or objects not reachable from a module's own
+``__dict__`` (a list held by a helper object, ``self.config.x = ...``), changes inside nested
+containers (a list inside a dict attribute), mutating an element of a list in place, printing and
+other I/O, and in-place writes to tensors that are not parameters or buffers (a plain tensor
+attribute written with ``add_``). Such modules are extracted as graphs and the effect does not
+happen when the graph runs.
+
+:func:`preserved_state` keeps extraction's own eager runs (observed runs of opaque modules,
+example recording) from changing parameters, buffers, module attributes or the CPU RNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..compat.capture import autograd_function_calls, grad_mode_frozen, mode_regions, tensor_version
+from ..errors import ExtractionError, NNBridgeError
+
+#: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
+#: while extracting; ``_parameters``, ``_buffers`` and ``training`` are compared separately.
+_INTERNAL = frozenset(torch.nn.Module().__dict__) | {"forward", "__nnsight__", "node_path"}
+_CONTAINERS = (list, dict, set)
+
+
+class UnfaithfulCaptureError(NNBridgeError):
+    """A module's forward does something a graph would not repeat (the reason names it).
+
+    Attributes:
+        grad_mode: the forward changes grad mode or autocast (export must ignore those changes to
+            trace through it).
+    """
+
+    def __init__(self, message: str, grad_mode: bool = False):
+        super().__init__(message)
+        self.grad_mode = grad_mode
+
+
+def _copy_container(value: Any) -> Any:
+    return type(value)(value) if type(value) in _CONTAINERS else None
+
+
+class ModuleState:
+    """A shallow snapshot of one module's state: parameters and buffers (object, version and, when
+    ``clone``, a copy of the buffer's values), ``training``, and its other ``__dict__`` entries
+    (object, plus a shallow copy of list/dict/set values)."""
+
+    def __init__(self, module: torch.nn.Module, clone: bool):
+        self.module = module
+        self.training = module.training
+        self.parameters = {n: (p, None if p is None else tensor_version(p)) for n, p in module._parameters.items()}
+        self.buffers = {n: (b, None if b is None else tensor_version(b), b.detach().clone() if clone and b is not None
+                            else None) for n, b in module._buffers.items()}
+        self.attributes = {k: (v, _copy_container(v)) for k, v in module.__dict__.items()
+                           if k not in _INTERNAL and not isinstance(v, torch.nn.Module)}
+
+    def changes(self) -> list[str]:
+        """What changed since the snapshot, one phrase per attribute (``"sets attribute 'calls'"``)."""
+        module, found = self.module, []
+        for name, (buffer, _, _) in self.buffers.items():
+            if module._buffers.get(name, buffer) is not buffer:
+                found.append(f"re-assigns buffer '{name}'")
+        for name, (param, _) in self.parameters.items():
+            if module._parameters.get(name, param) is not param:
+                found.append(f"re-assigns parameter '{name}'")
+        current = {k: v for k, v in module.__dict__.items()
+                   if k not in _INTERNAL and not isinstance(v, torch.nn.Module)}
+        for name in current.keys() - self.attributes.keys():
+            found.append(f"sets attribute '{name}'")
+        for name, (value, copied) in self.attributes.items():
+            if name not in current:
+                found.append(f"deletes attribute '{name}'")
+            elif current[name] is not value:
+                found.append(f"sets attribute '{name}'")
+            elif copied is not None and not _same_container(value, copied):
+                found.append(f"mutates attribute '{name}' ({type(value).__name__})")
+        return found
+
+    def restore(self) -> list[str]:
+        """Put everything back; returns the parameters whose values changed in place (a snapshot
+        keeps no copy of parameters, so those cannot be restored)."""
+        module = self.module
+        module.training = self.training
+        lost = []
+        for name, (param, version) in self.parameters.items():
+            module._parameters[name] = param
+            if param is not None and tensor_version(param) != version:
+                lost.append(name)
+        for name, (buffer, version, copy) in self.buffers.items():
+            module._buffers[name] = buffer
+            # batch norm's kernel updates running statistics without bumping the version
+            if buffer is not None and copy is not None and (tensor_version(buffer) != version
+                                                              or not torch.equal(buffer, copy)):
+                with torch.no_grad():
+                    buffer.copy_(copy)
+        for name in [n for n in module._buffers if n not in self.buffers]:
+            del module._buffers[name]
+        for name in [n for n in module._parameters if n not in self.parameters]:
+            del module._parameters[name]
+        for name in [k for k, v in module.__dict__.items() if k not in _INTERNAL and k not in self.attributes
+                     and not isinstance(v, torch.nn.Module)]:
+            del module.__dict__[name]
+        for name, (value, copied) in self.attributes.items():
+            module.__dict__[name] = value
+            if copied is not None and not _same_container(value, copied):
+                value.clear()
+                value.update(copied) if not isinstance(value, list) else value.extend(copied)
+        return lost
+
+
+def _same_container(value: Any, copied: Any) -> bool:
+    if len(value) != len(copied):
+        return False
+    if isinstance(value, dict):
+        return value.keys() == copied.keys() and all(value[k] is copied[k] for k in value)
+    if isinstance(value, set):
+        return value == copied
+    return all(a is b for a, b in zip(value, copied))
+
+
+def snapshot(modules: list[tuple[str, torch.nn.Module]], clone: bool) -> dict[str, ModuleState]:
+    """``{path: ModuleState}`` for ``(path, module)`` pairs."""
+    return {path: ModuleState(module, clone) for path, module in modules}
+
+
+@contextlib.contextmanager
+def preserved_state(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[None]:
+    """Run the body (extraction's eager runs) and put every parameter, buffer, module attribute,
+    ``training`` flag and the CPU RNG back as they were, also when the body raises.
+
+    Raises:
+        ExtractionError: a parameter was changed in place by the body (its old values are lost).
+    """
+    states = snapshot(modules, clone=True)
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            lost = [f"{path}.{name}" if path else name for path, state in states.items() for name in state.restore()]
+    if lost:
+        raise ExtractionError(
+            f"Parameters {lost} were changed in place while nnbridge ran the model to extract it (a forward"
+            " that writes its own parameters). nnbridge cannot restore them; run extraction on a copy, or"
+            " add the module's class to ExtractionOptions.classes_to_skip_compiling.")
+
+
+class CaptureWatch:
+    """Watch one export of ``modules`` (``[(path, module)]``, paths relative to the exported
+    module, the exported module first) for what its graphs would drop; ``active`` is the live stack
+    of module paths being traced. Use :meth:`watching` around the export, then call :meth:`fault`.
+
+    Module state is compared from the exported module's forward pre-hook to its forward hook, inside
+    the trace: torch.export (2.13, non-strict) swaps parameters and buffers for fake tensors while
+    tracing and restores module attributes itself afterwards (replacing list/dict attributes by
+    copies), so a comparison after export would see nothing (and the copies must be undone).
+    """
+
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]], active: list[str], known: set[str]):
+        self.modules = modules
+        self.active = active
+        self.known = known  # already opaque: faults in them and below them are not reported again
+        self.functions: dict[str, str] = {}
+        self.changes: dict[str, list[str]] = {}
+
+    @contextlib.contextmanager
+    def watching(self, frozen: set[str]) -> Iterator[None]:
+        """Watch the body (one export); module state is restored afterwards, also on error.
+        Grad-mode changes made while a ``frozen`` module runs are ignored."""
+        outer = snapshot(self.modules, clone=False)
+        inner: list[dict[str, ModuleState]] = []
+
+        def on_apply(cls: type) -> None:
+            if self.active:
+                self.functions.setdefault(self.active[-1], cls.__qualname__)
+
+        def before(mod: torch.nn.Module, args: Any) -> None:
+            inner.append(snapshot(self.modules, clone=False))
+
+        def after(mod: torch.nn.Module, args: Any, output: Any) -> None:
+            for path, state in inner.pop().items():
+                changed = state.changes()
+                if changed:
+                    self.changes.setdefault(path, changed)
+        root = self.modules[0][1]
+        handles = [root.register_forward_pre_hook(before), root.register_forward_hook(after)]
+        try:
+            # (the shim only while needed: export records grad-mode changes through the original)
+            # only while needed: export records no grad-mode change while the shim is in place, and
+            # every module changing grad mode was found by the first export (without it)
+            with autograd_function_calls(on_apply), (grad_mode_frozen(lambda: any(p in frozen for p in self.active))
+                                                      if frozen else contextlib.nullcontext()):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for state in outer.values():
+                state.restore()
+
+    def faults(self, exported: torch.export.ExportedProgram | None) -> list[tuple[str, UnfaithfulCaptureError]]:
+        """Modules (paths) whose graph would differ from their eager code, with the reasons: every
+        module changing grad mode or autocast, else the first other fault found; [] if none."""
+        def new(fqn: str) -> bool:
+            return not any(fqn == k or fqn.startswith(f"{k}.") or not k for k in self.known)
+        found: dict[str, UnfaithfulCaptureError] = {}
+        for path, kind in mode_regions(exported) if exported is not None else []:
+            fqn = path.partition(".")[2] if path.startswith("model.") else ""
+            what = "grad mode (torch.no_grad/enable_grad)" if kind == "grad" else "autocast"
+            if new(fqn) and fqn not in found:
+                found[fqn] = UnfaithfulCaptureError(f"changes {what} inside forward, which a graph cannot keep",
+                                                    grad_mode=True)
+        if found:
+            return list(found.items())
+        for fqn, name in self.functions.items():
+            if new(fqn):
+                return [(fqn, UnfaithfulCaptureError(
+                    f"calls the custom autograd Function {name}.apply, whose backward a graph would lose"))]
+        for fqn, changed in self.changes.items():
+            if new(fqn):
+                return [(fqn, UnfaithfulCaptureError(
+                    f"{', '.join(changed)} in forward, a Python side effect a graph does not repeat"))]
+        return []

@@ -1,0 +1,101 @@
+"""Shims that let extraction notice what torch.export cannot capture faithfully (torch 2.13.0).
+
+- :func:`tensor_version`: a tensor's in-place version counter (private ``Tensor._version``).
+- :func:`autograd_function_calls`: report every custom ``torch.autograd.Function.apply`` while
+  tracing; export inlines the Function's forward and drops its backward.
+- :func:`grad_mode_frozen`: ignore grad-mode changes while a given module is traced.
+- :func:`mode_regions`: the grad-mode / autocast regions export recorded as higher-order ops
+  (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) or as ``_set_grad_enabled`` calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """``tensor._version``: bumped by every in-place write (torch 1.x - 2.13)."""
+    return tensor._version
+
+
+@contextlib.contextmanager
+def autograd_function_calls(on_apply: Callable[[type], None]) -> Iterator[None]:
+    """Call ``on_apply(function_class)`` on every ``torch.autograd.Function.apply`` in the body.
+
+    ``apply`` is a classmethod defined on ``torch.autograd.Function`` (torch 2.0 - 2.13) that
+    subclasses inherit; it is replaced for the body's duration and restored on exit.
+    """
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]
+
+    def apply(cls: type, *args: object, **kwargs: object) -> object:
+        on_apply(cls)
+        return original.__func__(cls, *args, **kwargs)
+
+    function.apply = classmethod(apply)  # type: ignore[assignment, method-assign]
+    try:
+        yield
+    finally:
+        function.apply = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def grad_mode_frozen(when: Callable[[], bool]) -> Iterator[None]:
+    """Ignore grad-mode changes (``torch.no_grad()``, ``torch.enable_grad()``, their decorators)
+    while ``when()`` is true, for the body's duration.
+
+    They all end in ``torch._C._set_grad_enabled`` (torch 2.0 - 2.13), which is replaced for the
+    body's duration and restored on exit. While it is replaced, torch.export no longer records
+    grad-mode changes in the graph, so find them all (:func:`mode_regions`) before using this.
+    """
+    original = torch._C._set_grad_enabled
+
+    def set_grad_enabled(mode: bool) -> None:
+        if not when():
+            original(mode)
+
+    torch._C._set_grad_enabled = set_grad_enabled
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled = original
+
+
+def _mode_targets() -> dict[object, str]:
+    targets: dict[object, str] = {torch._C._set_grad_enabled: "grad"}
+    higher = torch.ops.higher_order
+    for name, kind in (("wrap_with_set_grad_enabled", "grad"), ("wrap_with_autocast", "autocast")):
+        if hasattr(higher, name):
+            targets[getattr(higher, name)] = kind
+    for name in ("_enter_autocast", "_exit_autocast"):
+        target = getattr(torch.amp.autocast_mode, name, None)
+        if target is not None:
+            targets[target] = "autocast"
+    return targets
+
+
+def mode_regions(exported: torch.export.ExportedProgram) -> list[tuple[str, str]]:
+    """``[(module path, "grad" | "autocast")]`` for every grad-mode or autocast change export kept.
+
+    The path is the innermost module of the node's ``nn_module_stack`` as the export root names it
+    (``model.model.rotary_emb``; invocation suffixes ``@1`` removed); ``""`` when export recorded
+    no module.
+    """
+    targets = _mode_targets()
+    found = []
+    for node in exported.graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        try:
+            kind = targets.get(node.target)
+        except TypeError:  # unhashable target
+            kind = None
+        if kind is None:
+            continue
+        stack = list(node.meta.get("nn_module_stack", {}).values())
+        path = str(stack[-1][0]).split("@")[0] if stack else ""
+        found.append((path, kind))
+    return found
