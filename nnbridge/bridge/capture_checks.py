@@ -32,12 +32,13 @@ from typing import Any
 
 import torch
 
+from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.capture import autograd_function_calls, grad_mode_frozen, mode_regions, tensor_version
 from ..errors import ExtractionError, NNBridgeError
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
 #: while extracting; ``_parameters``, ``_buffers`` and ``training`` are compared separately.
-_INTERNAL = frozenset(torch.nn.Module().__dict__) | {"forward", "__nnsight__", "node_path"}
+_INTERNAL = frozenset(torch.nn.Module().__dict__) | {"forward", "__nnsight__", "node_path"} | MODEL_STATE_ATTRIBUTES
 _CONTAINERS = (list, dict, set)
 
 

@@ -31,8 +31,10 @@ from typing import Any
 
 import torch
 
+from ..compat import MODEL_STATE_ATTRIBUTES
+
 #: ``module.__dict__`` keys that are torch's or another library's bookkeeping, never read by a forward.
-_IGNORED = frozenset({"_is_full_backward_hook", "_compiled_call_impl"})
+_IGNORED = frozenset({"_is_full_backward_hook", "_compiled_call_impl"}) | MODEL_STATE_ATTRIBUTES
 _PLAIN_TYPES = (int, float, bool, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
 _CONTAINER_TYPES = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 

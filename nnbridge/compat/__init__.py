@@ -21,3 +21,4 @@ from .forwards import call_overridden as call_overridden
 from .forwards import restore_body as restore_body
 from .forwards import swap_body as swap_body
 from .accelerate import offloaded_weights_loaded as offloaded_weights_loaded
+from .output_capturing import MODEL_STATE_ATTRIBUTES as MODEL_STATE_ATTRIBUTES

@@ -31,6 +31,11 @@ def _hook_code() -> Any:
 
 _HOOK_CODE = _hook_code()
 
+#: Attributes transformers sets on a model the first time it captures outputs (together with
+#: installing the hooks): model state that is neither a side effect of the forward nor an input
+#: a graph depends on.
+MODEL_STATE_ATTRIBUTES = frozenset({"_output_capturing_hooks_installed"})
+
 
 def is_output_capturing_hook(hook: Any) -> bool:
     """Whether ``hook`` is a forward hook transformers installed to capture outputs."""
