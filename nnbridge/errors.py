@@ -25,6 +25,12 @@ class NodePathError(NNBridgeError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class PatchError(NNBridgeError):
+    """A patch returned a value the graph cannot take in place of the node's (another shape, dtype
+    or device, or not a tensor), or a patch context was used on a model that is no longer bridged.
+    The message names the NodePath and the patch."""
+
+
 class NNBridgeWarning(UserWarning):
     """Category of every warning nnbridge issues."""
 

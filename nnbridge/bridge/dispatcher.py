@@ -29,6 +29,7 @@ from .call_structure import describe_key_change, structure_key, tensor_leaves
 from .extraction import Extraction, extract, real_modules
 from .failures import add_note
 from .guards import StateGuard
+from .locking import CALL_LOCK
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
 
@@ -111,6 +112,12 @@ class GraphDispatcher(torch.nn.Module):
         return self.add_extraction(args, kwargs, key, reason=reason)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # torch.compile traces through: Dynamo cannot enter a lock
+            return self._run(args, kwargs)
+        with CALL_LOCK:
+            return self._run(args, kwargs)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         root = self.lookup(args, kwargs).root
         try:
             return root(*args, **kwargs)

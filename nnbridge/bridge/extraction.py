@@ -41,6 +41,7 @@ from .capture_checks import CaptureWatch, UnfaithfulCaptureError, preserved_stat
 from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value,
                       remove_dead_code)
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
+from .locking import CALL_LOCK
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
 from .state import Key, state_keys, states_returned
@@ -276,6 +277,13 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             and ``error_on_compilation_failure`` is set; or extraction's eager run changed a
             parameter in place (see :func:`.capture_checks.preserved_state`).
     """
+    with CALL_LOCK:  # extraction changes shared state (hooks, torch entry points) for its duration
+        return _extract(module, args, kwargs, options, path, on_extraction)
+
+
+def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             options: ExtractionOptions | None, path: str,
+             on_extraction: list[Callable[[Any, Extraction], None]] | None) -> Extraction:
     options = options or ExtractionOptions()
     ctx = _Context(module, options, path, on_extraction if on_extraction is not None else [])
     # extraction's eager runs must not consume random numbers (dropout in train mode) nor change

@@ -277,19 +277,21 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
                     bound.arguments[name] = call(name, bound.arguments[name])
             args, kwargs = bound.args, bound.kwargs
         saved_modules = {name: module._modules[name] for name in self._callees}
-        saved_tensors: dict[str, tuple[dict[str, Any], Any]] = {}
+        saved_tensors: dict[str, tuple[dict[str, Any], Any, Any]] = {}
         try:
             module._modules.update(self._callees)
             for name in self._tensor_names:
                 if name in routed:
                     store = module._parameters if name in module._parameters else module._buffers
-                    saved_tensors[name] = (store, store[name])
-                    store[name] = call(name, store[name])
+                    value = call(name, store[name])
+                    saved_tensors[name] = (store, store[name], value)
+                    store[name] = value
             output = type(module).forward(module, *args, **kwargs)
         finally:
             module._modules.update(saved_modules)
-            for name, (store, tensor) in saved_tensors.items():
-                store[name] = tensor
+            for name, (store, tensor, value) in saved_tensors.items():
+                if store.get(name) is value:  # else the forward re-assigned it (an EMA buffer): keep that
+                    store[name] = tensor
         if "output" in routed:
             output = call("output", output)
         return output

@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import enum
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,9 +48,12 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def _config_like(value: Any) -> bool:
-    """A transformers ``PretrainedConfig`` (or a look-alike): an object with ``to_dict`` and state."""
-    return hasattr(value, "to_dict") and hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module))
+def _config_like(name: str, value: Any) -> bool:
+    """A transformers ``PretrainedConfig`` or a look-alike: an object with ``to_dict``, a
+    ``SimpleNamespace``, or any plain object held as ``config``."""
+    if isinstance(value, (type, torch.nn.Module, torch.Tensor)) or not hasattr(value, "__dict__") or callable(value):
+        return False
+    return hasattr(value, "to_dict") or isinstance(value, types.SimpleNamespace) or name == "config"
 
 
 class StateGuard:
@@ -67,24 +71,32 @@ class StateGuard:
         self._plain: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         self._children: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         self._tensors: list[tuple[str, dict[str, Any], str, torch.Tensor, torch.dtype, torch.device, torch.Size]] = []
+        # (where, live dict, its size): a parameter, buffer, child, attribute or config entry added
+        # later (``register_buffer``, ``m.use_gate = True`` where forward uses ``hasattr``) changes it
+        self._sizes: list[tuple[str, dict[str, Any], int]] = []
+        self._skip = skip
         seen_configs: set[int] = set()
         for where, module in self._walk(root, path, opaque, skip):
             children = {name: child for name, child in module._modules.items()
                         if child is not None and not (skip is not None and skip(child))}
             self._children.append((where, module._modules, children))
+            self._sizes.append((where, module._modules, len(children)))
             if id(module) in opaque:
                 continue
-            state = module.__dict__
+            state = module.__dict__  # (its size is not guarded: nnsight and others add entries)
             self._plain.append((where, state, {k: v for k, v in state.items() if k not in _IGNORED and _plain(v)}))
             for store_name in ("_parameters", "_buffers"):
-                store = state.get(store_name) or {}
+                store = state.get(store_name)
+                if store is None:
+                    continue
+                self._sizes.append((f"{store_name[1:-1]} of {where}", store, len(store)))
                 for name, tensor in store.items():
                     if tensor is not None:
                         self._add_tensor(where, store, name, tensor)
             for name, value in state.items():
                 if isinstance(value, torch.Tensor):
                     self._add_tensor(where, state, name, value)
-                elif _config_like(value) and id(value) not in seen_configs:
+                elif _config_like(name, value) and id(value) not in seen_configs:
                     self._add_config(f"{name} of {where}", value, seen_configs)
 
     @staticmethod
@@ -111,11 +123,17 @@ class StateGuard:
     def _add_config(self, where: str, config: Any, seen: set[int]) -> None:
         seen.add(id(config))
         state = vars(config)
+        self._sizes.append((f"{where} ({type(config).__name__})", state, len(state)))
         self._plain.append((f"{where} ({type(config).__name__})", state,
                             {k: v for k, v in state.items() if _plain(v)}))
         for name, value in state.items():
-            if _config_like(value) and id(value) not in seen:
+            if _config_like(name, value) and id(value) not in seen:
                 self._add_config(f"{name} of {where}", value, seen)
+
+    def _size(self, live: dict[str, Any]) -> int:
+        """Entries of ``live`` that are guarded (children: nnbridge's own op points excluded)."""
+        return sum(1 for v in live.values() if not (self._skip is not None and isinstance(v, torch.nn.Module)
+                                                    and self._skip(v)))
 
     def holds(self) -> bool:
         """Whether the module state still equals the snapshot (cost: a few µs per 100 modules)."""
@@ -128,6 +146,9 @@ class StateGuard:
                     return False
         except Exception:  # noqa: BLE001 - a value whose == raises has changed
             return False
+        for _, live, size in self._sizes:
+            if len(live) != size and self._size(live) != size:
+                return False
         for _, store, name, tensor, dtype, device, shape in self._tensors:
             current = store.get(name)
             if current is not tensor or current.dtype != dtype or current.device != device or current.shape != shape:
@@ -160,6 +181,9 @@ class StateGuard:
                 return f"tensor {path} moved from {dtype}/{device} to {current.dtype}/{current.device}"
             if current.shape != shape:
                 return f"tensor {path} changed shape {tuple(shape)} -> {tuple(current.shape)}"
+        for where, live, size in self._sizes:
+            if len(live) != size and self._size(live) != size:
+                return f"entries of {where} were added or removed ({size} -> {len(live)})"
         return None
 
     def describe(self) -> list[str]:

@@ -44,6 +44,7 @@ from . import hierarchy
 from .dispatcher import GraphDispatcher
 from .extraction import MODULE_PATH_KEY, Extraction
 from .graph_module import NAME_KEY, CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
+from .locking import CALL_LOCK
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
 
@@ -94,7 +95,14 @@ class Bridge:
     # -- running --------------------------------------------------------------------------------
     def body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """Every bridged module's body: the graph its caller chose, else its own dispatcher's graph
-        for this call structure, else (called on its own, outside a bridged forward) its code."""
+        for this call structure, else (called on its own, outside a bridged forward) its code.
+        Runs under :data:`.locking.CALL_LOCK` (one bridged call at a time per process)."""
+        if torch.compiler.is_compiling():  # torch.compile traces through: Dynamo cannot enter a lock
+            return self._body(module, *args, **kwargs)
+        with CALL_LOCK:
+            return self._body(module, *args, **kwargs)
+
+    def _body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         graph = _pending().pop(id(module), None)
         if graph is None:
             dispatcher = self.dispatchers.get(id(module))

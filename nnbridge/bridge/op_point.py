@@ -75,6 +75,10 @@ class OpPoint(torch.nn.Module):
         if refresh:
             self.refresh()
 
+    def has_listener(self, listener: Listener) -> bool:
+        """Whether ``listener`` (this very object) is attached."""
+        return any(existing is listener for existing in self._listeners)
+
     def remove_listener(self, listener: Listener, *, refresh: bool = True) -> None:
         """Remove one occurrence of ``listener``; stop routing when nothing listens any more."""
         for i, existing in enumerate(self._listeners):

@@ -18,9 +18,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-from ..errors import NodePathError
-from . import hierarchy
+from ..compat import has_user_hooks
+from ..errors import NNBridgeError, NodePathError, PatchError
+from . import hierarchy, patch_state
 from .dispatcher import GraphDispatcher
 from .capture_checks import preserved_state
 from .extraction import Extraction, named_real_modules
@@ -33,19 +35,28 @@ from .options import ExtractionOptions
 from .patches import Patch
 
 
-class _DigListener:
-    """Apply ``patch`` to one element of a container value and rebuild the container around it."""
+class _PatchListener:
+    """One ``(NodePath, patch)`` entry of an open patch context, as an op-point listener.
 
-    def __init__(self, dig: tuple[str, ...], patch: Patch):
-        self.keys = tuple(dig_key(segment) for segment in dig)
+    Applies ``patch`` only in the thread / task that opened the context (:mod:`.patch_state`), to
+    the dug element of a container value when the NodePath digs (rebuilding the container around
+    it), on a clone when the patch may write into its input (``Patch.requires_clone``), and checks
+    that a tensor is replaced by a tensor of the same shape, dtype and device.
+    """
+
+    def __init__(self, node_path: NodePath, patch: Patch):
+        self.node_path = node_path
+        self.keys = tuple(dig_key(segment) for segment in node_path.dig)
         self.patch = patch
 
     def __call__(self, value: Any) -> Any:
+        if not patch_state.is_open(self):
+            return value
         return self._apply(value, 0)
 
     def _apply(self, value: Any, depth: int) -> Any:
         if depth == len(self.keys):
-            return self.patch(value)
+            return self._patched(value)
         key = self.keys[depth]
         new = self._apply(value[key], depth + 1)
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
@@ -55,6 +66,25 @@ class _DigListener:
         copied = copy.copy(value)  # list, dict or ModelOutput: a new container, same elements
         copied[key] = new
         return copied
+
+    def _patched(self, value: Any) -> Any:
+        given = pytree.tree_map_only(torch.Tensor, torch.clone, value) if self.patch.requires_clone else value
+        result = self.patch(given)
+        if isinstance(value, torch.Tensor):
+            self._check(value, result)
+        return result
+
+    def _check(self, original: torch.Tensor, result: Any) -> None:
+        if not isinstance(result, torch.Tensor):
+            problem = f"returned {type(result).__name__} {result!r:.60}" if result is not None else "returned None"
+        elif (result.shape, result.dtype, result.device) != (original.shape, original.dtype, original.device):
+            problem = (f"returned a tensor of shape {tuple(result.shape)}, {result.dtype}, on {result.device}"
+                       f" for a node of shape {tuple(original.shape)}, {original.dtype}, on {original.device}")
+        else:
+            return
+        raise PatchError(
+            f"Patch {self.patch!r} on '{self.node_path}' {problem}. A patch must return a tensor of the node's shape,"
+            " dtype and device (the graph after it was traced for those); e.g. expand or .to() the value first.")
 
 
 class PatchableGraph(torch.nn.Module):
@@ -86,7 +116,7 @@ class PatchableGraph(torch.nn.Module):
             if options is not None:
                 raise TypeError("PatchableGraph got ExtractionOptions twice (positionally and as options=); pass one.")
             options, example_args = example_args[0], example_args[1:]
-        self.__dict__["_active"] = []  # [(NodePath, listener)] of open patch contexts
+        self.__dict__["_active"] = []  # [_PatchListener] of open patch contexts (every thread)
         bridged = bridge_of(module)
         if bridged is not None:
             # share the bridge's graphs and op points: patches, torch hooks on op points and nnsight
@@ -97,11 +127,13 @@ class PatchableGraph(torch.nn.Module):
             self._dispatcher = bridged.dispatcher
             self._dispatcher.on_extraction.append(self._apply_active)
             self.__dict__["_call"] = module
+            self.__dict__["_modules_of_plain"] = None
             first = self._dispatcher.lookup(tuple(example_args), dict(example_kwargs))
         else:
             self._dispatcher = GraphDispatcher(module, options or ExtractionOptions(),
                                                on_extraction=[self._apply_active])
             self.__dict__["_call"] = self._dispatcher
+            self.__dict__["_modules_of_plain"] = list(named_real_modules(module))
             first = self._dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
         with preserved_state(list(named_real_modules(module))):  # a recording run must not change the model
             hierarchy.describe_examples(first.root, tuple(example_args), dict(example_kwargs))
@@ -109,7 +141,20 @@ class PatchableGraph(torch.nn.Module):
 
     # -- calling --------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._modules_of_plain is not None:
+            self._refuse_user_hooks()
         return self._call(*args, **kwargs)
+
+    def _refuse_user_hooks(self) -> None:
+        """Over a plain (unbridged) model the graphs replace the model's modules, so torch hooks on
+        those modules would not run (as in graphpatch): refuse rather than silently skip them."""
+        hooked = [path or "<root>" for path, module in self._modules_of_plain if has_user_hooks(module)]
+        if hooked:
+            raise NNBridgeError(
+                f"PatchableGraph over an unbridged model: torch hooks are registered on {hooked[:5]}"
+                f"{' ...' if len(hooked) > 5 else ''}, and its graphs stand in for those modules, so the hooks would"
+                " not run. To combine torch hooks with patches, bridge the model first (nnbridge.bridge(model, *inputs);"
+                " then PatchableGraph(model, *inputs) shares its graphs and the hooks fire), or remove the hooks.")
 
     @property
     def extractions(self) -> list[Extraction]:
@@ -173,32 +218,49 @@ class PatchableGraph(torch.nn.Module):
             plan.extend((node_path, patch) for patch in patches)
         if errors:
             raise NodePathError("Invalid NodePaths (nothing was patched):\n- " + "\n- ".join(errors))
-        added: list[tuple[NodePath, Any]] = []
+        self._check_bridged()
+        listeners = [_PatchListener(node_path, patch) for node_path, patch in plan]
+        added: list[_PatchListener] = []
         try:
-            for node_path, patch in plan:
-                listener = _DigListener(node_path.dig, patch) if node_path.dig else patch
-                self._listen(node_path, listener, add=True)
-                added.append((node_path, listener))
-                self._active.append((node_path, listener))
-            yield self
+            for listener in listeners:
+                self._listen(listener.node_path, listener, add=True)
+                added.append(listener)
+                self._active.append(listener)
+            with patch_state.opened(listeners):
+                yield self
         finally:
-            for node_path, listener in reversed(added):
-                self._listen(node_path, listener, add=False)
-                self._active.remove((node_path, listener))
+            for listener in reversed(added):
+                self._listen(listener.node_path, listener, add=False)
+                self._active.remove(listener)
 
-    def _listen(self, node_path: NodePath, listener: Any, *, add: bool) -> None:
-        points = [owner.op_point(name) for extraction in self.extractions
-                  for owner, name in self._resolve(extraction.root, node_path)]
+    def _check_bridged(self) -> None:
+        """A PatchableGraph made over a bridged model patches the bridge's graphs: they no longer
+        run once the model is unbridged."""
+        if self._call is not self._dispatcher and bridge_of(self._call) is None:
+            raise PatchError(
+                f"pg.patch(): the {type(self._call).__name__} this PatchableGraph was made over has been unbridged"
+                " (nnbridge.unbridge), so its graphs no longer run and patches would do nothing. Bridge it again and"
+                " make a new PatchableGraph, or make one over the plain model: PatchableGraph(model, *inputs).")
+
+    def _listen(self, node_path: NodePath, listener: _PatchListener, *, add: bool) -> None:
+        # op points are shared by the call structures' graphs: each distinct point once
+        points = list({id(p): p for extraction in self.extractions
+                       for owner, name in self._resolve(extraction.root, node_path)
+                       for p in [owner.op_point(name)]}.values())
         for point in points:
             (point.add_listener if add else point.remove_listener)(listener, refresh=False)
         hierarchy.refresh_all(points)
 
     def _apply_active(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
+        """A new extraction while patch contexts are open: its op points not yet listened get the
+        open contexts' listeners (a point shared with an earlier structure has them already)."""
         points = []
-        for node_path, listener in self._active:
-            for owner, name in self._resolve(extraction.root, node_path):
-                owner.op_point(name).add_listener(listener, refresh=False)
-                points.append(owner.op_point(name))
+        for listener in self._active:
+            for owner, name in self._resolve(extraction.root, listener.node_path):
+                point = owner.op_point(name)
+                if not point.has_listener(listener):
+                    point.add_listener(listener, refresh=False)
+                    points.append(point)
         hierarchy.refresh_all(points)
 
     # -- NodePath validation --------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,7 +29,16 @@ def _patched(original: torch.Tensor, index: Slice, new: Callable[[torch.Tensor],
 
 @dataclass(kw_only=True)
 class Patch(abc.ABC):
-    """Base class: ``patch(value) -> new value``."""
+    """Base class: ``patch(value) -> new value``.
+
+    ``requires_clone`` (as graphpatch's ``Patch.requires_clone``): whether the patch may write into
+    the value it is given. When true (the default, for :class:`CustomPatch` and user subclasses)
+    the patch receives a clone of the node's tensors, so an in-place op (``t.add_(1)``) cannot
+    change the model's weights, a caller's input or another consumer of the node. nnbridge's own
+    patches are out of place and receive the node's value itself.
+    """
+
+    requires_clone: ClassVar[bool] = True
 
     @abc.abstractmethod
     def __call__(self, original: Any) -> Any:
@@ -42,6 +51,8 @@ class ZeroPatch(Patch):
 
     Example: ``ZeroPatch(slice=(slice(None), 0))`` zeroes column 0 of a ``(rows, cols)`` tensor.
     """
+
+    requires_clone: ClassVar[bool] = False
 
     slice: Slice | None = None
 
@@ -58,6 +69,8 @@ class AddPatch(Patch):
     ``value`` may require grad: the sum is differentiable, so the addend can be optimised.
     """
 
+    requires_clone: ClassVar[bool] = False
+
     value: torch.Tensor | float
     slice: Slice | None = None
 
@@ -70,6 +83,8 @@ class AddPatch(Patch):
 @dataclass(kw_only=True)
 class ReplacePatch(Patch):
     """Replace the value, or ``value[slice]``, by ``value`` (as graphpatch's ReplacePatch)."""
+
+    requires_clone: ClassVar[bool] = False
 
     value: Any
     slice: Slice | None = None
@@ -84,6 +99,8 @@ class ReplacePatch(Patch):
 class ProbePatch(Patch):
     """Keep a detached copy of the latest value in ``activation``; the value passes unchanged."""
 
+    requires_clone: ClassVar[bool] = False
+
     activation: torch.Tensor | None = None
 
     def __call__(self, original: Any) -> Any:
@@ -94,6 +111,8 @@ class ProbePatch(Patch):
 @dataclass(kw_only=True)
 class RecordPatch(Patch):
     """Append a detached copy of every value seen to ``activations``; the value passes unchanged."""
+
+    requires_clone: ClassVar[bool] = False
 
     activations: list[Any] = field(default_factory=list)
 

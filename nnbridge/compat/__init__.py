@@ -16,6 +16,7 @@ from .fx import generated_line_map as generated_line_map
 from .fx import keep_tracebacks as keep_tracebacks
 from .hooks import cleared_module_state as cleared_module_state
 from .hooks import has_module_hooks as has_module_hooks
+from .hooks import has_user_hooks as has_user_hooks
 from .forwards import SwappedBody as SwappedBody
 from .forwards import call_overridden as call_overridden
 from .forwards import restore_body as restore_body

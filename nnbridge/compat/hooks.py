@@ -90,3 +90,17 @@ def has_module_hooks(module: torch.nn.Module) -> bool:
     """Whether any torch forward, pre-forward or backward hook is registered on ``module``."""
     d = module.__dict__
     return any(d.get(name) for name in _MODULE_HOOK_DICTS)
+
+
+_USER_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def has_user_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has a torch forward, pre-forward or backward hook other than transformers'
+    output-capturing ones (which are the model's own computation, see :mod:`.output_capturing`)."""
+    d = module.__dict__
+    for name in _USER_HOOK_DICTS:
+        hooks = d.get(name)
+        if hooks and any(not is_output_capturing_hook(h) for h in hooks.values()):
+            return True
+    return False

@@ -1,0 +1,22 @@
+"""One lock for every bridged call and every extraction in the process.
+
+Extraction changes shared state for its duration: it clears the model's hooks and instance
+``forward`` overrides, registers its own hooks on the model's modules and, while tracing, replaces
+process-wide torch entry points (``torch.autograd.Function.apply``, grad-mode setting; see
+:mod:`nnbridge.compat.capture`). A forward running in another thread at that moment would see
+that state (measured on milestone 1: ``IndexError: pop from empty list`` in extraction, fake-mode
+errors, or wrong numbers). So bridged calls (``nnbridge.bridge``'d models, ``PatchableGraph``,
+the nnsight classes) and extractions hold :data:`CALL_LOCK`: calls from several threads run one at
+a time; a thread's nested calls re-enter it.
+
+Patch contexts are per thread / per asyncio task (see :mod:`.patch_state`), so serialising calls
+does not mix patches.
+"""
+
+from __future__ import annotations
+
+import threading
+
+#: Re-entrant: a bridged forward extracting its children, or calling other bridged models, holds it
+#: already.
+CALL_LOCK = threading.RLock()
