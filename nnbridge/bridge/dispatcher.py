@@ -112,7 +112,7 @@ class GraphDispatcher(torch.nn.Module):
         return self.add_extraction(args, kwargs, key, reason=reason)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # torch.compile traces through: Dynamo cannot enter a lock
+        if torch.compiler.is_dynamo_compiling():  # torch.compile traces through: Dynamo cannot enter a lock
             return self._run(args, kwargs)
         with CALL_LOCK:
             return self._run(args, kwargs)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..compat import SwappedBody, restore_body, swap_body
+from ..compat import SwappedBody, call_overridden, restore_body, swap_body
 from ..compat.nnsight import wanted_inside
 from .failures import add_note
 from ..errors import NNBridgeError
@@ -44,7 +44,7 @@ from . import hierarchy
 from .dispatcher import GraphDispatcher
 from .extraction import MODULE_PATH_KEY, Extraction
 from .graph_module import NAME_KEY, CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
-from .locking import CALL_LOCK
+from .locking import CALL_LOCK, locked_call
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
 
@@ -91,13 +91,14 @@ class Bridge:
         self.points: dict[tuple[int, int, str], OpPoint] = {}
         self.registered: list[tuple[torch.nn.Module, str]] = []
         self.depth = 0
+        self.locked: Any = None  # the model's locked ``_call_impl`` (see .locking)
 
     # -- running --------------------------------------------------------------------------------
     def body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """Every bridged module's body: the graph its caller chose, else its own dispatcher's graph
         for this call structure, else (called on its own, outside a bridged forward) its code.
         Runs under :data:`.locking.CALL_LOCK` (one bridged call at a time per process)."""
-        if torch.compiler.is_compiling():  # torch.compile traces through: Dynamo cannot enter a lock
+        if torch.compiler.is_dynamo_compiling():  # torch.compile traces through: Dynamo cannot enter a lock
             return self._body(module, *args, **kwargs)
         with CALL_LOCK:
             return self._body(module, *args, **kwargs)
@@ -223,6 +224,14 @@ class Bridge:
             restore_body(swapped)
         self.registered.clear()
         self.swapped.clear()
+        if self.model.__dict__.get("_call_impl") is self.locked:
+            call_overridden(self.model, None)
+
+    def lock_calls(self) -> None:
+        """Make every call of the model, hooks included, hold the process-wide call lock."""
+        if "_call_impl" not in self.model.__dict__:
+            call_overridden(self.model, locked_call)
+            self.locked = self.model.__dict__["_call_impl"]
 
 
 def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOptions | None = None,
@@ -249,6 +258,7 @@ def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOption
                             " to bridge it again with other options.")
     state = Bridge(model, options or ExtractionOptions())
     try:
+        state.lock_calls()
         if example_args or example_kwargs:
             state.dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
         else:  # deferred: the first call extracts (and links) its own call structure

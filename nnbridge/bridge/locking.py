@@ -16,7 +16,20 @@ does not mix patches.
 from __future__ import annotations
 
 import threading
+from typing import Any
+
+import torch
 
 #: Re-entrant: a bridged forward extracting its children, or calling other bridged models, holds it
 #: already.
 CALL_LOCK = threading.RLock()
+
+
+def locked_call(run: Any, *args: Any, **kwargs: Any) -> Any:
+    """A bridged model's ``__call__`` (installed with :func:`nnbridge.compat.call_overridden`, so it
+    sits outside every hook): the whole call, hooks included, holds :data:`CALL_LOCK`. While another
+    thread extracts, the model's hooks and forwards are not the user's, so waiting must start here."""
+    if torch.compiler.is_dynamo_compiling():  # torch.compile traces through: Dynamo cannot enter a lock
+        return run(*args, **kwargs)
+    with CALL_LOCK:
+        return run(*args, **kwargs)

@@ -135,7 +135,7 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
                 assign_state(argument(args, kwargs, key), copy)
             return output
 
-        installed.append((module, module.__dict__.get("forward")))
+        installed.append((module, module.__dict__.get("forward"), module.__dict__.get("_call_impl")))
         module.__dict__["forward"] = forward
         call_overridden(module, call)
 
@@ -144,8 +144,10 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
             wrap(path, module)
         yield calls
     finally:
-        for module, previous in installed:
+        for module, previous, call_impl in installed:
             call_overridden(module, None)
+            if call_impl is not None:  # a bridged model's locked call (see .locking)
+                module.__dict__["_call_impl"] = call_impl
             if previous is None:
                 module.__dict__.pop("forward", None)
             else:
