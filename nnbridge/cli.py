@@ -2,6 +2,7 @@
 
     nnbridge demo [--out ioi_patching.png]     IOI activation patching at op level on SmolLM2
     nnbridge tree MODEL [--path PREFIX] [--depth N]   the NodePath tree with shapes
+    nnbridge tree MODEL --explain                     graph or opaque per module, guards, extractions
 
 Bad arguments print one line and exit with status 2; failures exit with status 1.
 """
@@ -44,6 +45,11 @@ def _tree(args: argparse.Namespace) -> None:
     model, tokenizer = _load(args.model)
     inputs = tokenizer("The quick brown fox jumps over the lazy dog", return_tensors="pt")
     pg = PatchableGraph(model, **inputs, options=ExtractionOptions(progress=sys.stderr.isatty()))
+    if args.explain:
+        from .bridge.explain import explain
+
+        print(explain(pg))
+        return
     view = pg.graph
     if args.path:
         for segment in args.path.split("."):
@@ -73,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     tree.add_argument("model", help="'smollm2', 'minilm' or a local transformers directory")
     tree.add_argument("--path", default="", help="NodePath prefix to start from, e.g. model.layers_0")
     tree.add_argument("--depth", type=int, default=None, help="levels to print (default: all)")
+    tree.add_argument("--explain", action="store_true",
+                      help="print nnbridge.explain instead: per module graph or opaque (why), guards, extractions")
     args = parser.parse_args(argv)
     if args.command == "tree" and args.depth is not None and args.depth < 1:
         parser.error("--depth must be a positive integer")

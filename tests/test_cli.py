@@ -26,6 +26,9 @@ def test_tree_of_a_local_model(tmp_path, capsys):
     assert "├─scaled_dot_product_attention: Tensor(1, 2, 9, 16)" in out
     assert out[-1] == "└─output: tuple(2)", "the module's own output (attn_output, attn_weights), cache threaded outside"
     assert not any(line.startswith("│ ") for line in out), "depth 1 prints one level"
+    assert main(["tree", str(tmp_path), "--explain"]) == 0
+    explained = capsys.readouterr().out
+    assert "1. <root>: first call" in explained and "h_0.attn (GPT2Attention): graph" in explained
 
 
 def test_bad_arguments_one_line_and_exit_2():
