@@ -15,7 +15,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from ..compat.pytree import pytree
 
 from ..compat import compile_guards, export_guards
 

@@ -32,13 +32,16 @@ from typing import Any
 
 import torch
 
+from ..compat.module_dicts import buffers_of, parameters_of
 from ..compat import MODEL_STATE_ATTRIBUTES
+from ..compat.nnsight import NNSIGHT_MODULE_ATTRIBUTES
 from ..compat.capture import autograd_function_calls, grad_mode_frozen, mode_regions, tensor_version
 from ..errors import ExtractionError, NNBridgeError
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
 #: while extracting; ``_parameters``, ``_buffers`` and ``training`` are compared separately.
-_INTERNAL = frozenset(torch.nn.Module().__dict__) | {"forward", "__nnsight__", "node_path"} | MODEL_STATE_ATTRIBUTES
+_INTERNAL = (frozenset(torch.nn.Module().__dict__) | {"forward", "node_path"} | NNSIGHT_MODULE_ATTRIBUTES
+             | MODEL_STATE_ATTRIBUTES)
 _CONTAINERS = (list, dict, set)
 
 
@@ -67,9 +70,9 @@ class ModuleState:
     def __init__(self, module: torch.nn.Module, clone: bool):
         self.module = module
         self.training = module.training
-        self.parameters = {n: (p, None if p is None else tensor_version(p)) for n, p in module._parameters.items()}
+        self.parameters = {n: (p, None if p is None else tensor_version(p)) for n, p in parameters_of(module).items()}
         self.buffers = {n: (b, None if b is None else tensor_version(b), b.detach().clone() if clone and b is not None
-                            else None) for n, b in module._buffers.items()}
+                            else None) for n, b in buffers_of(module).items()}
         self.attributes = {k: (v, _copy_container(v)) for k, v in module.__dict__.items()
                            if k not in _INTERNAL and not isinstance(v, torch.nn.Module)}
 
@@ -77,10 +80,10 @@ class ModuleState:
         """What changed since the snapshot, one phrase per attribute (``"sets attribute 'calls'"``)."""
         module, found = self.module, []
         for name, (buffer, _, _) in self.buffers.items():
-            if module._buffers.get(name, buffer) is not buffer:
+            if buffers_of(module).get(name, buffer) is not buffer:
                 found.append(f"re-assigns buffer '{name}'")
         for name, (param, _) in self.parameters.items():
-            if module._parameters.get(name, param) is not param:
+            if parameters_of(module).get(name, param) is not param:
                 found.append(f"re-assigns parameter '{name}'")
         current = {k: v for k, v in module.__dict__.items()
                    if k not in _INTERNAL and not isinstance(v, torch.nn.Module)}
@@ -102,20 +105,20 @@ class ModuleState:
         module.training = self.training
         lost = []
         for name, (param, version) in self.parameters.items():
-            module._parameters[name] = param
+            parameters_of(module)[name] = param
             if param is not None and tensor_version(param) != version:
                 lost.append(name)
         for name, (buffer, version, copy) in self.buffers.items():
-            module._buffers[name] = buffer
+            buffers_of(module)[name] = buffer
             # batch norm's kernel updates running statistics without bumping the version
             if buffer is not None and copy is not None and (tensor_version(buffer) != version
                                                               or not torch.equal(buffer, copy)):
                 with torch.no_grad():
                     buffer.copy_(copy)
-        for name in [n for n in module._buffers if n not in self.buffers]:
-            del module._buffers[name]
-        for name in [n for n in module._parameters if n not in self.parameters]:
-            del module._parameters[name]
+        for name in [n for n in buffers_of(module) if n not in self.buffers]:
+            del buffers_of(module)[name]
+        for name in [n for n in parameters_of(module) if n not in self.parameters]:
+            del parameters_of(module)[name]
         for name in [k for k, v in module.__dict__.items() if k not in _INTERNAL and k not in self.attributes
                      and not isinstance(v, torch.nn.Module)]:
             del module.__dict__[name]

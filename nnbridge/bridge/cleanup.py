@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx import _pytree as fx_pytree
-from torch.utils import _pytree as pytree
+from ..compat.pytree import fx_pytree
+from ..compat.pytree import pytree
 
 from ..compat import rename_nodes
 from .graph_module import NAME_KEY

@@ -1,5 +1,5 @@
 """``nnbridge.explain``: which modules are graphs, which run eagerly and why, what each extraction
-guards on, and every re-extraction with the guard that caused it (as ``torch._dynamo.explain``).
+guards on, and every re-extraction with the guard that caused it (as Dynamo's ``explain``).
 
 Example::
 
@@ -136,7 +136,7 @@ def _report(path: str, module: Any) -> ModuleReport:
 
 
 def explain(target: Any, *args: Any, **kwargs: Any) -> Explanation:
-    """Explain how nnbridge runs ``target``, as ``torch._dynamo.explain`` does for Dynamo.
+    """Explain how nnbridge runs ``target``, as Dynamo's ``explain`` does for its traces.
 
     Args:
         target: a model bridged with :func:`nnbridge.bridge`, a :class:`PatchableGraph`, an

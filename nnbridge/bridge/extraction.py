@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, Node
-from torch.utils import _pytree as pytree
+from ..compat.module_dicts import modules_of
+from ..compat.pytree import pytree
 from tqdm.auto import tqdm
 
 from ..compat import (cleared_module_state, copy_spec, export, invocation_graphs, offloaded_weights_loaded,
@@ -101,14 +102,14 @@ def reserved_names_renamed(module: torch.nn.Module) -> Iterator[dict[int, dict[s
     renamed: list[tuple[torch.nn.Module, str, str]] = []
     try:
         for parent in real_modules(module):
-            for name in [n for n in parent._modules if n in RESERVED_NAMES]:
+            for name in [n for n in modules_of(parent) if n in RESERVED_NAMES]:
                 safe = safe_name(name)
-                if safe in parent._modules:
+                if safe in modules_of(parent):
                     raise ExtractionError(
                         f"{type(parent).__name__} has children named both {name!r} and {safe!r}; nnbridge renames"
                         f" {name!r} (reserved) to {safe!r} in NodePaths. Rename one of them.")
-                child = parent._modules.pop(name)
-                parent._modules[safe] = child
+                child = modules_of(parent).pop(name)
+                modules_of(parent)[safe] = child
                 parent.__dict__[name] = child
                 renamed.append((parent, name, safe))
         mapping: dict[int, dict[str, str]] = {}
@@ -117,9 +118,9 @@ def reserved_names_renamed(module: torch.nn.Module) -> Iterator[dict[int, dict[s
         yield mapping
     finally:
         for parent, name, safe in reversed(renamed):
-            child = parent._modules.pop(safe)
+            child = modules_of(parent).pop(safe)
             parent.__dict__.pop(name, None)
-            parent._modules[name] = child
+            modules_of(parent)[name] = child
 
 
 def describe_failure(error: BaseException) -> str:
@@ -543,8 +544,8 @@ def _attach(parent: torch.nn.Module, target: str, child: torch.nn.Module, templa
     *prefix, name = target.split(".")
     holder, original = parent, template
     for part in prefix:
-        original = original._modules.get(part) if original is not None else None
-        existing = holder._modules.get(part)
+        original = modules_of(original).get(part) if original is not None else None
+        existing = modules_of(holder).get(part)
         if existing is None:
             existing = type(original)() if isinstance(original, _CONTAINERS) else torch.nn.Module()
             holder.add_module(part, existing)
@@ -665,7 +666,7 @@ def _original_path(ctx: _Context, module: torch.nn.Module, target: str) -> str:
     holder, parts = module, []
     for part in target.split("."):
         parts.append(ctx.renamed.get(id(holder), {}).get(part, part))
-        holder = holder._modules[part]
+        holder = modules_of(holder)[part]
     return ".".join(parts)
 
 
@@ -679,23 +680,23 @@ def _retype_containers(cgm: torch.nn.Module, targets: list[str], template: torch
             path = ".".join(parts[:i])
             original: torch.nn.Module | None = template
             for part in parts[:i]:
-                original = original._modules.get(part) if original is not None else None
+                original = modules_of(original).get(part) if original is not None else None
             kind = MultiplyInvokedModule if path in multi else (
                 type(original) if isinstance(original, _CONTAINERS) else None)
             current = cgm.get_submodule(path)
             if kind is None or type(current) is kind:
                 continue
             retyped = kind()
-            retyped._modules.update(current._modules)
+            modules_of(retyped).update(modules_of(current))
             *prefix, name = path.split(".")
-            (cgm.get_submodule(".".join(prefix)) if prefix else cgm)._modules[name] = retyped
+            modules_of(cgm.get_submodule(".".join(prefix)) if prefix else cgm)[name] = retyped
 
 
 def _renamed_template(module: torch.nn.Module) -> torch.nn.Module:
     """A view of ``module``'s children keyed by their safe names (for container types)."""
     view = torch.nn.Module()
     for name, child in module.named_children():
-        view._modules[safe_name(name)] = child
+        modules_of(view)[safe_name(name)] = child
     return view
 
 
@@ -759,6 +760,6 @@ def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, .
         _attach(shown, safe, first_extraction.root, template)
         _attach(swapped, original_name, dispatcher, module)
         dispatchers[safe.replace(".", "_")] = dispatcher
-    opaque = OpaqueGraphModule(module, reason, dict(shown._modules), dict(swapped._modules))
+    opaque = OpaqueGraphModule(module, reason, dict(modules_of(shown)), dict(modules_of(swapped)))
     opaque.__dict__["child_dispatchers"] = dispatchers
     return opaque

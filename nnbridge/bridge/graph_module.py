@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
-from torch.fx import _pytree as fx_pytree
-from torch.utils import _pytree as pytree
+from ..compat.module_dicts import buffers_of, modules_of, parameters_of
+from ..compat.pytree import fx_pytree
+from ..compat.pytree import pytree
 
 from ..compat import NoSubmoduleRecompile, forward_from_source, keep_tracebacks
 from ..compat.nnsight import route_if_wanted
@@ -276,19 +277,19 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
                 if name in routed:
                     bound.arguments[name] = call(name, bound.arguments[name])
             args, kwargs = bound.args, bound.kwargs
-        saved_modules = {name: module._modules[name] for name in self._callees}
+        saved_modules = {name: modules_of(module)[name] for name in self._callees}
         saved_tensors: dict[str, tuple[dict[str, Any], Any, Any]] = {}
         try:
-            module._modules.update(self._callees)
+            modules_of(module).update(self._callees)
             for name in self._tensor_names:
                 if name in routed:
-                    store = module._parameters if name in module._parameters else module._buffers
+                    store = parameters_of(module) if name in parameters_of(module) else buffers_of(module)
                     value = call(name, store[name])
                     saved_tensors[name] = (store, store[name], value)
                     store[name] = value
             output = type(module).forward(module, *args, **kwargs)
         finally:
-            module._modules.update(saved_modules)
+            modules_of(module).update(saved_modules)
             for name, (store, tensor, value) in saved_tensors.items():
                 if store.get(name) is value:  # else the forward re-assigned it (an EMA buffer): keep that
                     store[name] = tensor

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..compat.module_dicts import modules_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 
 #: ``module.__dict__`` keys that are torch's or another library's bookkeeping, never read by a forward.
@@ -77,10 +78,10 @@ class StateGuard:
         self._skip = skip
         seen_configs: set[int] = set()
         for where, module in self._walk(root, path, opaque, skip):
-            children = {name: child for name, child in module._modules.items()
+            children = {name: child for name, child in modules_of(module).items()
                         if child is not None and not (skip is not None and skip(child))}
-            self._children.append((where, module._modules, children))
-            self._sizes.append((where, module._modules, len(children)))
+            self._children.append((where, modules_of(module), children))
+            self._sizes.append((where, modules_of(module), len(children)))
             if id(module) in opaque:
                 continue
             state = module.__dict__  # (its size is not guarded: nnsight and others add entries)
@@ -112,7 +113,7 @@ class StateGuard:
             yield path, current
             if id(current) in opaque:
                 continue
-            for name, child in current._modules.items():
+            for name, child in modules_of(current).items():
                 if child is not None and not (skip is not None and skip(child)):
                     stack.append((f"{path}.{name}" if path != "<root>" else name, child))
 

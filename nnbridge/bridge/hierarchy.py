@@ -214,8 +214,8 @@ def static_examples(module: GraphModuleBase, inputs: dict[str, Any], attrs: dict
         values export kept no metadata for): callers then fall back to :func:`record_examples`.
     """
     from torch.fx import Node
-    from torch.fx import _pytree as fx_pytree
-    from torch.utils import _pytree as pytree
+    from ..compat.pytree import fx_pytree
+    from ..compat.pytree import pytree
 
     if not isinstance(module, CompiledGraphModule):
         return None

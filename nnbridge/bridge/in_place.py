@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat import SwappedBody, call_overridden, restore_body, swap_body
 from ..compat.nnsight import wanted_inside
 from .failures import add_note
@@ -184,8 +185,8 @@ class Bridge:
             if isinstance(value, torch.Tensor):
                 *prefix, name = target.split(".")
                 holder = graph.get_submodule(".".join(prefix)) if prefix else graph
-                holder._parameters.pop(name, None)
-                holder._buffers.pop(name, None)
+                parameters_of(holder).pop(name, None)
+                buffers_of(holder).pop(name, None)
                 node.target = f"_nnbridge_module.{target}"
 
     def _share_points(self, graph: GraphModuleBase, module: torch.nn.Module, invocation: int) -> None:
@@ -204,7 +205,7 @@ class Bridge:
         holder = module
         if invocation:
             container_name = f"invocation_{invocation}"
-            holder = module._modules.get(container_name)
+            holder = modules_of(module).get(container_name)
             if holder is None:
                 holder = OpPointContainer()
                 module.add_module(container_name, holder)
@@ -219,7 +220,7 @@ class Bridge:
     def undo(self) -> None:
         """Put every module back exactly as it was."""
         for holder, attribute in reversed(self.registered):
-            holder._modules.pop(attribute, None)
+            modules_of(holder).pop(attribute, None)
         for swapped in reversed(list(self.swapped.values())):
             restore_body(swapped)
         self.registered.clear()

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+from ..compat.pytree import pytree
 
 from ..compat import has_user_hooks
 from ..errors import NNBridgeError, NodePathError, PatchError

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from ..compat.pytree import pytree
 
 from ..compat import call_overridden
 from .cleanup import plain_value

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch.fx import Graph, Node
-from torch.fx import _pytree as fx_pytree
-from torch.utils import _pytree as pytree
+from ..compat.pytree import fx_pytree
+from ..compat.pytree import pytree
 
 from ..errors import ExtractionError
 from .cleanup import input_prologue, spec_node

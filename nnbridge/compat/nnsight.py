@@ -64,3 +64,7 @@ def mirror_envoys(interleaver: Any, registered: list[tuple[torch.nn.Module, str]
         if envoy is None or name in envoy._child_map:
             continue
         envoy._wrap_envoy(name, holder._modules[name])
+
+
+#: Attributes nnsight 0.8 sets on the modules it wraps (its per-module state).
+NNSIGHT_MODULE_ATTRIBUTES = frozenset({NNSIGHT_STATE})

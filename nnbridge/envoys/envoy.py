@@ -14,6 +14,7 @@ from typing import Any
 import nnsight
 import torch
 
+from ..compat.module_dicts import modules_of
 from ..bridge.in_place import bridge_of
 from ..bridge.op_point import OpPoint, OpPointContainer
 
@@ -25,7 +26,7 @@ def node_path(path: str, root: torch.nn.Module) -> str:
     out: list[str] = []
     module: torch.nn.Module | None = root
     for segment in segments:
-        module = module._modules.get(segment) if module is not None else None
+        module = modules_of(module).get(segment) if module is not None else None
         if isinstance(module, OpPoint):
             out.append(module.node_name)
         elif segment.isdigit() and out:
@@ -55,7 +56,7 @@ class BridgeEnvoy(nnsight.Envoy):
 
     def _missing(self, name: str) -> str:
         module = self.__dict__.get("_module")
-        ops = [n for n, child in (module._modules.items() if module is not None else [])
+        ops = [n for n, child in (modules_of(module).items() if module is not None else [])
                if isinstance(child, (OpPoint, OpPointContainer))]
         where = f"{self.path} ({type(module).__name__})"
         bridge = bridge_of(self.root._module)
@@ -72,7 +73,7 @@ class BridgeEnvoy(nnsight.Envoy):
 
     def __dir__(self) -> list[str]:
         module = self.__dict__.get("_module")
-        children = list(module._modules) if module is not None else []
+        children = list(modules_of(module)) if module is not None else []
         return sorted(set(super().__dir__()) | set(children))
 
 

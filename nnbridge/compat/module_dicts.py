@@ -1,0 +1,27 @@
+"""The live registries of an ``nn.Module`` (private attributes, torch 1.x - 2.13).
+
+``parameters_of(m)``, ``buffers_of(m)`` and ``modules_of(m)`` return ``m._parameters``,
+``m._buffers`` and ``m._modules`` themselves (not copies): nnbridge reads them without
+``__getattr__``'s cost and edits them to swap children, rename reserved names and put state back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def parameters_of(module: torch.nn.Module) -> dict[str, Any]:
+    """``module._parameters``: name -> Parameter or None, the live dict."""
+    return module._parameters
+
+
+def buffers_of(module: torch.nn.Module) -> dict[str, Any]:
+    """``module._buffers``: name -> Tensor or None, the live dict."""
+    return module._buffers
+
+
+def modules_of(module: torch.nn.Module) -> dict[str, Any]:
+    """``module._modules``: name -> child module or None, the live dict."""
+    return module._modules
