@@ -36,13 +36,14 @@ from tqdm.auto import tqdm
 from ..compat import (cleared_module_state, copy_spec, export, invocation_graphs, offloaded_weights_loaded,
                       register_cache_pytrees, unflatten)
 from ..compat.output_capturing import active_collector
+from ..compat.fx import fx_patches_confined
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
 from .capture_checks import CaptureWatch, UnfaithfulCaptureError, preserved_state
 from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value,
                       remove_dead_code)
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
-from .locking import CALL_LOCK
+from .locking import CALL_LOCK, locked_calls
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
 from .state import Key, state_keys, states_returned
@@ -278,7 +279,10 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             and ``error_on_compilation_failure`` is set; or extraction's eager run changed a
             parameter in place (see :func:`.capture_checks.preserved_state`).
     """
-    with CALL_LOCK:  # extraction changes shared state (hooks, torch entry points) for its duration
+    # extraction changes shared state (hooks, forwards, parameters while tracing) for its duration:
+    # another thread entering any of the model's modules waits (see .locking)
+    # (module calls, and tracing's process-wide patches of nn.Module, see .locking)
+    with CALL_LOCK, fx_patches_confined(CALL_LOCK), locked_calls(module.modules()):
         return _extract(module, args, kwargs, options, path, on_extraction)
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..compat.module_dicts import buffers_of, modules_of, parameters_of
-from ..compat import SwappedBody, call_overridden, restore_body, swap_body
+from ..compat import SwappedBody, restore_body, swap_body
 from ..compat.nnsight import wanted_inside
 from .failures import add_note
 from ..errors import NNBridgeError
@@ -45,7 +45,7 @@ from . import hierarchy
 from .dispatcher import GraphDispatcher
 from .extraction import MODULE_PATH_KEY, Extraction
 from .graph_module import NAME_KEY, CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
-from .locking import CALL_LOCK, locked_call
+from .locking import CALL_LOCK, lock_calls, unlock_calls
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
 
@@ -92,7 +92,7 @@ class Bridge:
         self.points: dict[tuple[int, int, str], OpPoint] = {}
         self.registered: list[tuple[torch.nn.Module, str]] = []
         self.depth = 0
-        self.locked: Any = None  # the model's locked ``_call_impl`` (see .locking)
+        self.locked: list[tuple[torch.nn.Module, Any]] = []  # locked ``_call_impl``s (see .locking)
 
     # -- running --------------------------------------------------------------------------------
     def body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -225,14 +225,13 @@ class Bridge:
             restore_body(swapped)
         self.registered.clear()
         self.swapped.clear()
-        if self.model.__dict__.get("_call_impl") is self.locked:
-            call_overridden(self.model, None)
+        unlock_calls(self.locked)
+        self.locked = []
 
     def lock_calls(self) -> None:
-        """Make every call of the model, hooks included, hold the process-wide call lock."""
-        if "_call_impl" not in self.model.__dict__:
-            call_overridden(self.model, locked_call)
-            self.locked = self.model.__dict__["_call_impl"]
+        """Make every call of the model or of any of its modules, hooks included, hold the
+        process-wide call lock (see :mod:`.locking`)."""
+        self.locked = lock_calls(self.model.modules())
 
 
 def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOptions | None = None,

@@ -7,7 +7,13 @@ process-wide torch entry points (``torch.autograd.Function.apply``, grad-mode se
 that state (measured on milestone 1: ``IndexError: pop from empty list`` in extraction, fake-mode
 errors, or wrong numbers). So bridged calls (``nnbridge.bridge``'d models, ``PatchableGraph``,
 the nnsight classes) and extractions hold :data:`CALL_LOCK`: calls from several threads run one at
-a time; a thread's nested calls re-enter it.
+a time; a thread's nested calls re-enter it. Waiting must start before any hook runs, so every
+module of a bridged model, and for an extraction's duration every module of the extracted model,
+takes the lock in its ``__call__`` (:func:`locked_calls`): a thread entering the model, or any of
+its submodules directly, waits until the extraction has put everything back.
+
+Not covered: a call of a *plain* (never bridged) model that was already running when another
+thread started extracting that model (``PatchableGraph(model)`` while ``model`` runs elsewhere).
 
 Patch contexts are per thread / per asyncio task (see :mod:`.patch_state`), so serialising calls
 does not mix patches.
@@ -15,10 +21,14 @@ does not mix patches.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+
+from ..compat.forwards import call_overridden
 
 #: Re-entrant: a bridged forward extracting its children, or calling other bridged models, holds it
 #: already.
@@ -33,3 +43,34 @@ def locked_call(run: Any, *args: Any, **kwargs: Any) -> Any:
         return run(*args, **kwargs)
     with CALL_LOCK:
         return run(*args, **kwargs)
+
+
+def lock_calls(modules: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, Any]]:
+    """Install :func:`locked_call` on every module that has no ``__call__`` override of its own.
+
+    Returns:
+        ``[(module, installed override)]``, for :func:`unlock_calls`.
+    """
+    installed = []
+    for module in modules:
+        if "_call_impl" not in module.__dict__:
+            call_overridden(module, locked_call)
+            installed.append((module, module.__dict__["_call_impl"]))
+    return installed
+
+
+def unlock_calls(installed: list[tuple[torch.nn.Module, Any]]) -> None:
+    """Remove the overrides :func:`lock_calls` installed (those not replaced since)."""
+    for module, override in installed:
+        if module.__dict__.get("_call_impl") is override:
+            call_overridden(module, None)
+
+
+@contextlib.contextmanager
+def locked_calls(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """:func:`lock_calls` for the body's duration (an extraction's)."""
+    installed = lock_calls(modules)
+    try:
+        yield
+    finally:
+        unlock_calls(installed)

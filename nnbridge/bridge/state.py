@@ -23,6 +23,7 @@ from ..compat.pytree import pytree
 
 from ..compat import call_overridden
 from .cleanup import plain_value
+from .locking import CALL_LOCK
 
 #: A top-level argument of a call: its position, or its keyword.
 Key = int | str
@@ -126,6 +127,10 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
             return inner(*args, **kwargs), copies
 
         def call(run: Any, *args: Any, **kwargs: Any) -> Any:
+            with CALL_LOCK:  # replaces a locked call for the extraction's duration (see .locking)
+                return threaded_call(run, *args, **kwargs)
+
+        def threaded_call(run: Any, *args: Any, **kwargs: Any) -> Any:
             keys = state_keys(args, kwargs)
             calls.setdefault(path, []).append(keys)
             if not keys:

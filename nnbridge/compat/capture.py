@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -26,13 +27,16 @@ def autograd_function_calls(on_apply: Callable[[type], None]) -> Iterator[None]:
     """Call ``on_apply(function_class)`` on every ``torch.autograd.Function.apply`` in the body.
 
     ``apply`` is a classmethod defined on ``torch.autograd.Function`` (torch 2.0 - 2.13) that
-    subclasses inherit; it is replaced for the body's duration and restored on exit.
+    subclasses inherit; it is replaced for the body's duration and restored on exit. Only calls in
+    the thread that entered the body are reported.
     """
     function = torch.autograd.Function
     original = function.__dict__["apply"]
+    thread = threading.get_ident()
 
     def apply(cls: type, *args: object, **kwargs: object) -> object:
-        on_apply(cls)
+        if threading.get_ident() == thread:
+            on_apply(cls)
         return original.__func__(cls, *args, **kwargs)
 
     function.apply = classmethod(apply)  # type: ignore[assignment, method-assign]
@@ -50,11 +54,13 @@ def grad_mode_frozen(when: Callable[[], bool]) -> Iterator[None]:
     They all end in ``torch._C._set_grad_enabled`` (torch 2.0 - 2.13), which is replaced for the
     body's duration and restored on exit. While it is replaced, torch.export no longer records
     grad-mode changes in the graph, so find them all (:func:`mode_regions`) before using this.
+    Other threads' changes are never ignored.
     """
     original = torch._C._set_grad_enabled
+    thread = threading.get_ident()
 
     def set_grad_enabled(mode: bool) -> None:
-        if not when():
+        if threading.get_ident() != thread or not when():
             original(mode)
 
     torch._C._set_grad_enabled = set_grad_enabled

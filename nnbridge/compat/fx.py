@@ -1,8 +1,16 @@
-"""Shims over ``torch.fx.GraphModule`` behaviour."""
+"""Shims over ``torch.fx.GraphModule`` behaviour and fx tracing's process-wide patches."""
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
 from typing import Any
+
+import torch
+import torch.fx._symbolic_trace
 
 
 class NoSubmoduleRecompile:
@@ -37,3 +45,50 @@ def keep_tracebacks(graph_module: Any) -> None:
     import torch
 
     type(graph_module).__call__ = torch.nn.Module.__call__
+
+
+@contextlib.contextmanager
+def fx_patches_confined(wait: Any) -> Iterator[None]:
+    """Keep the process-wide patches torch.fx makes while tracing to the tracing thread.
+
+    While it traces, fx's ``Tracer.trace`` replaces ``nn.Module.__call__`` and
+    ``nn.Module.__getattr__`` on the class, and autowrapped functions in module globals
+    (``torch.fx._symbolic_trace._Patcher``, torch 2.0 - 2.13; torch.export's non-strict tracer goes
+    through it). Another thread calling any module meanwhile would be recorded into, or corrupt,
+    the trace. In the body, every such patch calls the replaced function in other threads instead;
+    a module call from another thread first enters ``wait`` (a context manager: the extraction
+    lock), so it runs after the trace has put everything back.
+    """
+    patcher = torch.fx._symbolic_trace._Patcher
+    patch, patch_method = patcher.__dict__["patch"], patcher.__dict__["patch_method"]
+
+    def confined(new_fn: Any, original: Any, waits: bool) -> Any:
+        owner = threading.get_ident()
+
+        @functools.wraps(new_fn)
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == owner:
+                return new_fn(*args, **kwargs)
+            if waits:
+                with wait:
+                    return original(*args, **kwargs)
+            return original(*args, **kwargs)
+        return dispatch
+
+    def confined_patch(self: Any, frame_dict: dict[str, Any], name: str, new_fn: Any,
+                       deduplicate: bool = True) -> None:
+        original = frame_dict.get(name, getattr(builtins, name, None))
+        if callable(original):
+            new_fn = confined(new_fn, original, waits=False)
+        return patch(self, frame_dict, name, new_fn, deduplicate)
+
+    def confined_patch_method(self: Any, cls: type, name: str, new_fn: Any, deduplicate: bool = True) -> None:
+        original = getattr(cls, name)
+        new_fn = confined(new_fn, original, waits=issubclass(cls, torch.nn.Module) and name == "__call__")
+        return patch_method(self, cls, name, new_fn, deduplicate)
+
+    patcher.patch, patcher.patch_method = confined_patch, confined_patch_method
+    try:
+        yield
+    finally:
+        patcher.patch, patcher.patch_method = patch, patch_method
