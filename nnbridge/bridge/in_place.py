@@ -30,8 +30,10 @@ torch forward hooks; nnsight's ``.input``/``.output`` of an op envoy sit just in
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from ..compat.nnsight import wanted_inside
 from .failures import add_note
 from ..errors import NNBridgeError
 from . import hierarchy
+from .copies import CarriedOptions, Copier, install_copier, remove_copier
 from .dispatcher import GraphDispatcher
 from .extraction import MODULE_PATH_KEY, Extraction
 from .graph_module import NAME_KEY, CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
@@ -86,6 +89,7 @@ class Bridge:
 
     def __init__(self, model: torch.nn.Module, options: ExtractionOptions):
         self.model = model
+        self.options = options
         self.dispatcher = GraphDispatcher(model, options, on_extraction=[self._on_extraction])
         self.dispatchers: dict[int, GraphDispatcher] = {id(model): self.dispatcher}
         self.swapped: dict[int, SwappedBody] = {}
@@ -141,7 +145,7 @@ class Bridge:
         invocation = invocations[id(module)]
         invocations[id(module)] += 1
         if id(module) not in self.swapped:
-            self.swapped[id(module)] = swap_body(module, self.body)
+            self.swap(module)
         self._share_points(graph, module, invocation)
         if isinstance(graph, CompiledGraphModule):
             if "graph_children" in graph.__dict__:
@@ -216,6 +220,11 @@ class Bridge:
         holder.add_module(attribute, point)
         self.registered.append((holder, attribute))
 
+    def swap(self, module: torch.nn.Module) -> None:
+        """Make ``module``'s body :meth:`body`, and its copies bridged copies (see .copies)."""
+        self.swapped[id(module)] = swap_body(module, self.body)
+        install_copier(module, Copier(module, self.detached, bridged_copy, self.options))
+
     # -- undoing --------------------------------------------------------------------------------
     def undo(self) -> None:
         """Put every module back exactly as it was."""
@@ -223,10 +232,35 @@ class Bridge:
             modules_of(holder).pop(attribute, None)
         for swapped in reversed(list(self.swapped.values())):
             restore_body(swapped)
+            remove_copier(swapped.module)
         self.registered.clear()
         self.swapped.clear()
         unlock_calls(self.locked)
         self.locked = []
+
+    @contextlib.contextmanager
+    def detached(self) -> Iterator[None]:
+        """Every module exactly as before bridging for the body's duration (under the call lock),
+        then bridged again as it was: the same graphs, op points and hooks on them."""
+        with CALL_LOCK:
+            removed = [(holder, attribute, modules_of(holder).pop(attribute))
+                       for holder, attribute in reversed(self.registered)]
+            swapped = list(self.swapped.values())
+            for body in reversed(swapped):
+                restore_body(body)
+                remove_copier(body.module)
+            unlock_calls(self.locked)
+            entry = self.model.__dict__.pop(BRIDGE_KEY, None)
+            try:
+                yield
+            finally:
+                if entry is not None:
+                    self.model.__dict__[BRIDGE_KEY] = entry
+                self.lock_calls()
+                for body in swapped:
+                    self.swap(body.module)
+                for holder, attribute, point in reversed(removed):
+                    modules_of(holder)[attribute] = point
 
     def lock_calls(self) -> None:
         """Make every call of the model or of any of its modules, hooks included, hold the
@@ -262,7 +296,7 @@ def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOption
         if example_args or example_kwargs:
             state.dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
         else:  # deferred: the first call extracts (and links) its own call structure
-            state.swapped[id(model)] = swap_body(model, state.body)
+            state.swap(model)
     except BaseException:
         state.undo()
         raise
@@ -281,6 +315,12 @@ def unbridge(model: torch.nn.Module) -> torch.nn.Module:
         raise NNBridgeError(f"{type(model).__name__} is not bridged; nothing to undo.")
     state.undo()
     return model
+
+
+def bridged_copy(plain: torch.nn.Module, carried: CarriedOptions) -> torch.nn.Module:
+    """Bridge a copy of a bridged module (``copy.deepcopy``, ``pickle.load``, ``torch.load``; see
+    :mod:`.copies`) with its original's options; its first call extracts its graphs."""
+    return bridge(plain, options=carried.options)
 
 
 def bridge_of(model: torch.nn.Module) -> Bridge | None:

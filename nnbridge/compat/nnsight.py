@@ -66,5 +66,12 @@ def mirror_envoys(interleaver: Any, registered: list[tuple[torch.nn.Module, str]
         envoy._wrap_envoy(name, holder._modules[name])
 
 
+def repoint_envoys(envoy: Any, module: torch.nn.Module) -> None:
+    """Re-point an envoy tree at ``module`` (nnsight 0.8's ``Envoy._update``): envoys of modules
+    ``module`` no longer has are dropped, new ones mirrored, and the interleaver's per-module
+    registry re-keyed."""
+    envoy._update(module)
+
+
 #: Attributes nnsight 0.8 sets on the modules it wraps (its per-module state).
 NNSIGHT_MODULE_ATTRIBUTES = frozenset({NNSIGHT_STATE})

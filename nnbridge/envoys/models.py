@@ -13,6 +13,7 @@ body asks for their ops; a module's op envoys serve every step (``tracer.iter``)
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable
 from typing import Any
 
@@ -23,7 +24,7 @@ from nnsight.modeling.transformers import TransformersModel as _NNsightTransform
 
 from ..bridge.call_structure import structure_key
 from ..bridge.in_place import bridge, bridge_of
-from ..compat.nnsight import mirror_envoys
+from ..compat.nnsight import mirror_envoys, repoint_envoys
 from .envoy import BridgeEnvoy
 
 
@@ -36,6 +37,17 @@ class _Bridged:
         kwargs.setdefault("envoys", BridgeEnvoy)
         super().__init__(model, *args, **kwargs)
         self.__dict__["_nnbridge_warmed"] = set()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy of the wrapper and of its model, as nnsight copies its wrappers (the envoy's
+        ``__getstate__``/``__setstate__``). The model's copy is bridged again and has no op points
+        until its first trace (see :mod:`nnbridge.bridge.copies`), so the copied envoy tree is
+        re-pointed at it: op envoys appear with the copy's own op points."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        repoint_envoys(copied, copied._module)
+        return copied
 
     # -- extraction -----------------------------------------------------------------------------
     def _nnbridge_model(self) -> torch.nn.Module:
