@@ -207,7 +207,7 @@ def test_explain_tree_opaque_reasons_guards_and_history():
     assert "GuardOnDataDependentSymNode" in explanation.opaque["branchy"]
     text = str(explanation)
     assert "branchy (Branchy): opaque (runs eagerly): GuardOnDataDependentSymNode" in text
-    assert "module state: identity, dtype, device and shape of" in text
+    assert "module state: identity, dtype, device, shape and requires_grad of" in text
     nnbridge.unbridge(model)
 
 
@@ -239,3 +239,47 @@ def test_unchanged_state_reuses_the_extraction():
         for _ in range(3):
             pg(x)
     assert len(pg.extractions) == 1
+
+
+class _BranchOnRequiresGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h * 3 if h.requires_grad else h
+
+
+def test_requires_grad_of_inputs_and_parameters_is_guarded():
+    """A branch on ``requires_grad`` is decided at export: inputs' ``requires_grad`` is part of the
+    call structure, parameters' is guarded (freezing after bridging re-extracts)."""
+    torch.manual_seed(0)
+    model = _BranchOnRequiresGrad()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    nnbridge.bridge(model, x)
+    assert torch.equal(model(x), reference(x))
+    model.fc.requires_grad_(False)
+    reference.fc.requires_grad_(False)
+    assert torch.equal(model(x), reference(x))  # before: the graph kept the trainable side (x3)
+    assert "changed requires_grad True -> False" in (bridge_of(model).dispatcher.history[-1].reason or "")
+    leaf = x.clone().requires_grad_()
+    assert torch.equal(model(leaf), reference(leaf))
+    nnbridge.unbridge(model)
+
+
+def test_child_re_extracted_while_transformers_collects_outputs():
+    """A child re-extracted inside a forward that collects hidden states with transformers' hooks
+    (an opaque GPT2Model) leaves nothing of extraction's runs in the collector (before: the
+    extraction's fake tensors were returned as hidden states)."""
+    model, reference = gpt2(), gpt2()
+    ids = torch.randint(0, 100, (2, 6))
+    nnbridge.bridge(model, ids, output_hidden_states=True)
+    assert_same(model(ids, output_hidden_states=True), reference(ids, output_hidden_states=True))
+    for m in (model, reference):
+        m.transformer.h[1].attn.scale_attn_weights = False  # a plain attribute the layer's graph bakes in
+    got, want = model(ids, output_hidden_states=True), reference(ids, output_hidden_states=True)
+    assert all(type(h) is torch.Tensor for h in got.hidden_states)
+    assert_same(got, want)
+    nnbridge.unbridge(model)

@@ -1,7 +1,8 @@
 """Call structures: which extraction serves which call (like Dynamo's guards).
 
 A graph is specialised to the structure of the call it was exported from: which positional and
-keyword arguments were passed, their non-tensor values, tensor dtypes, devices and ranks, the
+keyword arguments were passed, their non-tensor values, tensor dtypes, devices, ranks and
+``requires_grad``, the
 train/eval flags, grad mode and autocast state. :func:`structure_key` captures that as a hashable
 key; :class:`ShapeGuard` records which tensor dimensions export kept dynamic (``Dim.AUTO``), their
 allowed ranges, and the shape guards export recorded (``x.size()[1] % 2 == 0``). The module state a
@@ -25,7 +26,8 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 def _leaf_key(leaf: Any) -> Hashable:
     if isinstance(leaf, torch.Tensor):
-        return ("tensor", leaf.dtype, leaf.device, leaf.dim())
+        # requires_grad: export traces with it, so a branch on an input's requires_grad is baked in
+        return ("tensor", leaf.dtype, leaf.device, leaf.dim(), leaf.requires_grad)
     try:
         hash(leaf)
     except TypeError:
@@ -53,7 +55,7 @@ def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 
 def describe_key_change(old: Hashable, new: Hashable) -> str:
     """Which part of a call's structure differs between two :func:`structure_key` values."""
-    names = ("argument structure", "non-tensor values, tensor dtypes/devices/ranks", "train/eval flags",
+    names = ("argument structure", "non-tensor values, tensor dtypes/devices/ranks/requires_grad", "train/eval flags",
              "grad mode", "autocast state")
     for name, a, b in zip(names, old, new):  # type: ignore[call-overload]
         if a != b:

@@ -7,7 +7,8 @@ still holds (its *guards*):
   tensor dtypes/devices/ranks, train/eval flags, grad mode, autocast state);
 - its sizes (:class:`~.call_structure.ShapeGuard`: dynamic ranges and export's own shape guards);
 - the module state (:class:`~.guards.StateGuard`: attribute values of every module and of its
-  config, child identity, parameter and buffer identity, dtype, device and shape).
+  config, child identity, parameter and buffer identity, dtype, device, shape and
+  requires_grad).
 
 A failed guard extracts again from the call. At most ``ExtractionOptions.recompile_limit``
 extractions are kept per module (least recently used evicted); when a module keeps being extracted

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from ..compat import (cleared_module_state, copy_spec, export, invocation_graphs, offloaded_weights_loaded,
                       register_cache_pytrees, unflatten)
-from ..compat.output_capturing import active_collector
+from ..compat.output_capturing import active_collector, collector_suspended
 from ..compat.fx import fx_patches_confined
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
@@ -282,7 +282,8 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     # extraction changes shared state (hooks, forwards, parameters while tracing) for its duration:
     # another thread entering any of the model's modules waits (see .locking)
     # (module calls, and tracing's process-wide patches of nn.Module, see .locking)
-    with CALL_LOCK, fx_patches_confined(CALL_LOCK), locked_calls(module.modules()):
+    # and a caller's transformers output collector does not see extraction's runs
+    with CALL_LOCK, fx_patches_confined(CALL_LOCK), locked_calls(module.modules()), collector_suspended():
         return _extract(module, args, kwargs, options, path, on_extraction)
 
 

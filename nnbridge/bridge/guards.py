@@ -7,7 +7,7 @@ the state of the module tree it ran on, like Dynamo's guards on ``self``:
   ``self.temperature``, ``self.training``, ``self.scale``; and those of its ``config`` object
   (``config.output_hidden_states``, ``config.use_cache``), nested configs included;
 - the identity of every child module (a replaced or wrapped submodule, e.g. a LoRA wrapper);
-- the identity, dtype, device and shape of every parameter, buffer and plain tensor attribute
+- the identity, dtype, device, shape and requires_grad of every parameter, buffer and plain tensor attribute
   (``.double()``, ``.to(...)``, a re-assigned weight or mask).
 
 :class:`StateGuard` snapshots all of it right after an extraction and :meth:`StateGuard.holds`
@@ -71,7 +71,7 @@ class StateGuard:
     def __init__(self, root: torch.nn.Module, *, opaque: set[int], skip: Any = None, path: str = ""):
         self._plain: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         self._children: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
-        self._tensors: list[tuple[str, dict[str, Any], str, torch.Tensor, torch.dtype, torch.device, torch.Size]] = []
+        self._tensors: list[tuple[str, dict[str, Any], str, torch.Tensor, torch.dtype, torch.device, torch.Size, bool]] = []
         # (where, live dict, its size): a parameter, buffer, child, attribute or config entry added
         # later (``register_buffer``, ``m.use_gate = True`` where forward uses ``hasattr``) changes it
         self._sizes: list[tuple[str, dict[str, Any], int]] = []
@@ -119,7 +119,7 @@ class StateGuard:
 
     def _add_tensor(self, where: str, store: dict[str, Any], name: str, tensor: torch.Tensor) -> None:
         self._tensors.append((f"{where}.{name}" if where != "<root>" else name, store, name, tensor,
-                              tensor.dtype, tensor.device, tensor.shape))
+                              tensor.dtype, tensor.device, tensor.shape, tensor.requires_grad))
 
     def _add_config(self, where: str, config: Any, seen: set[int]) -> None:
         seen.add(id(config))
@@ -150,9 +150,10 @@ class StateGuard:
         for _, live, size in self._sizes:
             if len(live) != size and self._size(live) != size:
                 return False
-        for _, store, name, tensor, dtype, device, shape in self._tensors:
+        for _, store, name, tensor, dtype, device, shape, requires_grad in self._tensors:
             current = store.get(name)
-            if current is not tensor or current.dtype != dtype or current.device != device or current.shape != shape:
+            if (current is not tensor or current.dtype != dtype or current.device != device or current.shape != shape
+                    or current.requires_grad != requires_grad):
                 return False
         return True
 
@@ -172,7 +173,7 @@ class StateGuard:
                 if now is not child:
                     what = "removed" if now is missing else f"replaced by a {type(now).__name__}"
                     return f"child {key!r} of {where} ({type(child).__name__}) was {what}"
-        for path, store, name, tensor, dtype, device, shape in self._tensors:
+        for path, store, name, tensor, dtype, device, shape, requires_grad in self._tensors:
             current = store.get(name)
             if current is None:
                 return f"tensor {path} was removed"
@@ -182,6 +183,8 @@ class StateGuard:
                 return f"tensor {path} moved from {dtype}/{device} to {current.dtype}/{current.device}"
             if current.shape != shape:
                 return f"tensor {path} changed shape {tuple(shape)} -> {tuple(current.shape)}"
+            if current.requires_grad != requires_grad:
+                return f"tensor {path} changed requires_grad {requires_grad} -> {current.requires_grad}"
         for where, live, size in self._sizes:
             if len(live) != size and self._size(live) != size:
                 return f"entries of {where} were added or removed ({size} -> {len(live)})"
@@ -192,7 +195,7 @@ class StateGuard:
         plain = sum(len(snapshot) for _, _, snapshot in self._plain)
         children = sum(len(snapshot) for _, _, snapshot in self._children)
         return [f"{plain} plain attribute values (modules and configs)", f"identity of {children} child modules",
-                f"identity, dtype, device and shape of {len(self._tensors)} tensors"]
+                f"identity, dtype, device, shape and requires_grad of {len(self._tensors)} tensors"]
 
 
 def _same(a: Any, b: Any) -> bool:

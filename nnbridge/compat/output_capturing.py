@@ -11,6 +11,8 @@ boundaries that ``torch.export``'s preserved call signatures cannot express).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 try:  # transformers >= 5.0
@@ -52,3 +54,20 @@ def active_collector() -> Any:
     if not collector or not any(not str(key).startswith("_") for key in collector):
         return None
     return collector
+
+
+@contextlib.contextmanager
+def collector_suspended() -> Iterator[None]:
+    """No collector in the body (transformers' ``_active_collector``, a ``ContextVar`` wrapper,
+    set to None and reset on exit): an extraction made while a decorated forward is collecting
+    (a child extracted for a new call structure inside a model called with
+    ``output_hidden_states=True``) must not append its traced (fake) or recording runs' values to
+    the caller's collector."""
+    if _capturing is None:
+        yield
+        return
+    token = _capturing._active_collector.context_var.set(None)
+    try:
+        yield
+    finally:
+        _capturing._active_collector.context_var.reset(token)
