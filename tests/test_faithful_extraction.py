@@ -193,29 +193,33 @@ class Ema(torch.nn.Module):
         return y + self.ema
 
 
-def _three_calls(model: torch.nn.Module, x: torch.Tensor, front: str) -> None:
+def _three_calls(model: torch.nn.Module, x: torch.Tensor, front: str) -> tuple[torch.nn.Module, dict[str, str]]:
+    """Three calls through ``front`` equal three eager calls of a copy; returns the copy (in its
+    state after the calls) and the opaque modules' reasons. A bridged model stays bridged."""
     reference = copy.deepcopy(model)
     with torch.no_grad():
         expected = [reference(x) for _ in range(3)]
         if front == "bridge":
             nnbridge.bridge(model, x)
-            run = model
+            run, reasons = model, _opaque(model)
         else:
             run = PatchableGraph(model, x)
+            reasons = run.extractions[0].opaque
         got = [run(x) for _ in range(3)]
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
-    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
-        assert torch.equal(a, b), name
-    if front == "bridge":
-        nnbridge.unbridge(model)
+    return reference, reasons
 
 
 @pytest.mark.parametrize("front", ["bridge", "pg"])
 def test_buffer_reassigned_in_forward(front):
     model = Outer(Ema()).eval()
     x = torch.randn(2, 3)
-    _three_calls(model, x, front)
+    reference, _ = _three_calls(model, x, front)
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name
+    if front == "bridge":
+        nnbridge.unbridge(model)
     assert torch.equal(model.inner.ema, Outer(Ema()).eval().inner.ema) is False  # it did move
     nnbridge.bridge(model, x)
     assert "ema" in _opaque(model)["inner"]
@@ -316,19 +320,7 @@ class Cacher(torch.nn.Module):
 def test_python_side_effects_make_module_opaque(inner, attribute, front):
     model = Outer(inner()).eval()
     x = torch.randn(2, 3)
-    reference = copy.deepcopy(model)
-    with torch.no_grad():
-        expected = [reference(x) for _ in range(3)]
-        if front == "bridge":
-            nnbridge.bridge(model, x)
-            run = model
-            reasons = _opaque(model)
-        else:
-            run = PatchableGraph(model, x)
-            reasons = run.extractions[0].opaque
-        got = [run(x) for _ in range(3)]
-    for a, b in zip(got, expected):
-        assert torch.equal(a, b)
+    reference, reasons = _three_calls(model, x, front)
     assert set(reasons) == {"inner"}
     assert attribute in reasons["inner"]
     if attribute == "seen":
