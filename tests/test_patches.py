@@ -130,3 +130,53 @@ def test_unpatched_graph_routes_nothing(minimal):
     with pg.patch({"linear.linear": ZeroPatch()}):
         assert root.linear._routed == frozenset({"linear"})
     assert root.linear._routed == frozenset()
+
+
+def test_graphpatch_style_patch_subclass(minimal):
+    """As graphpatch documents: ``class P(Patch[torch.Tensor])``, a kw-only dataclass overriding
+    ``op``; it gets a clone (``requires_clone`` defaults to True), so writing into it is safe."""
+    from dataclasses import dataclass
+
+    from nnbridge import Patch
+
+    @dataclass(kw_only=True)
+    class ScaleInPlace(Patch[torch.Tensor]):
+        factor: float
+
+        def op(self, original_output: torch.Tensor) -> torch.Tensor:
+            return original_output.mul_(self.factor)
+
+    model, pg, x = minimal
+    weight = model.linear.weight.clone()
+    patch = ScaleInPlace(factor=3.0)
+    assert patch.requires_clone
+    with pytest.raises(TypeError):
+        ScaleInPlace(factor=1.0, requires_clone=False)  # hidden from the constructor, as in graphpatch
+    with torch.no_grad(), pg.patch({"linear.weight": patch}):
+        assert torch.equal(pg(x), torch.nn.functional.linear(x, weight * 3.0, model.linear.bias))
+    assert torch.equal(model.linear.weight, weight), "the patch wrote into a clone, not the weight"
+    assert Patch().op(x) is x  # the base op is the identity
+
+
+def test_custom_patch_exposes_requires_clone(minimal):
+    model, pg, x = minimal
+    seen = []
+    read_only = CustomPatch(custom_op=lambda t: seen.append(t) or t, requires_clone=False)
+    assert not read_only.requires_clone and CustomPatch(custom_op=lambda t: t).requires_clone
+    with torch.no_grad(), pg.patch({"linear.weight": read_only}):
+        pg(x)
+    assert seen[0] is model.linear.weight, "no clone for a read-only op"
+
+
+def test_builtin_patch_subclass_overrides_op(minimal):
+    """Built-in patches implement ``op`` too, so a subclass can extend it."""
+    from dataclasses import dataclass
+
+    @dataclass(kw_only=True)
+    class DoubleZero(ZeroPatch):
+        def op(self, original: torch.Tensor) -> torch.Tensor:
+            return super().op(original) + 2
+
+    model, pg, x = minimal
+    with pg.patch({"linear.output": DoubleZero()}):
+        assert torch.equal(pg(x), torch.full((4, 2), 2.0))
