@@ -289,6 +289,9 @@ def test_names_paths_and_errors(gpt2_model):
         with model.trace(PROMPTS[0]):
             model.transformer.h[0].attn.sofmax.output.save()
     assert "OpPoint(softmax: Tensor(2, 4, 8, 8))" in repr(model.transformer.h[0].attn)
+    # bad indexes keep nnsight's exception type (AttributeError) and say what is there
+    with pytest.raises(AttributeError, match="model.transformer.h \\(ModuleList\\) has no entry '999'; it holds 2"):
+        model.transformer.h[999]
 
 
 def test_opaque_module_ops_explain_why():
@@ -389,3 +392,14 @@ def test_only_graphs_with_a_wanted_op_inside_pay_for_the_trace_checks(gpt2_model
     with model.trace(PROMPTS[0]):
         direct = model.transformer.h[1].attn.softmax.output.save()
     assert torch.equal(cache["model.transformer.h.1.attn.softmax"].output, direct)
+
+
+def test_module_the_extracted_calls_never_ran_says_so():
+    from fixtures.unused_submodule import UnusedSubmoduleModule
+
+    model = nnbridge.NNsight(UnusedSubmoduleModule())
+    model.extract(torch.randn(2, 3))
+    assert model.used.linear is not None  # an op of a module that ran
+    with pytest.raises(AttributeError, match="model.unused \\(Linear\\) has no attribute or op 'linear', and no"
+                                             " ops: the extracted calls of the model did not run it"):
+        model.unused.linear

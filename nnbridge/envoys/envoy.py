@@ -65,7 +65,14 @@ class BridgeEnvoy(nnsight.Envoy):
             if reason is not None:
                 return (f"{where} has no op {name!r}: the module is opaque (its graph could not be extracted:"
                         f" {reason}); only its inputs, output, parameters and buffers are ops.")
+        if isinstance(module, _CONTAINERS):
+            entries = [n for n in modules_of(module) if n not in ops]
+            if name.isdigit() or isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                return f"{where} has no entry {name!r}; it holds {len(entries)}: {entries[:8]}."
         if not ops:
+            if bridge is not None and any(True for _ in bridge.dispatcher.all_extractions()):
+                return (f"{where} has no attribute or op {name!r}, and no ops: the extracted calls of the"
+                        " model did not run it.")
             return (f"{where} has no attribute or op {name!r}. Its ops are not known yet: they appear when the"
                     " model is extracted, at the first trace or with model.extract(*inputs).")
         close = difflib.get_close_matches(name, ops, n=5, cutoff=0.5) or ops[:5]
@@ -75,6 +82,10 @@ class BridgeEnvoy(nnsight.Envoy):
         module = self.__dict__.get("_module")
         children = list(modules_of(module)) if module is not None else []
         return sorted(set(super().__dir__()) | set(children))
+
+
+#: Module containers: their entries are modules, indexed by position or key.
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
 def _opaque_reason(bridge: Any, path: str) -> str | None:
