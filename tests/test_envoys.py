@@ -403,3 +403,25 @@ def test_module_the_extracted_calls_never_ran_says_so():
     with pytest.raises(AttributeError, match="model.unused \\(Linear\\) has no attribute or op 'linear', and no"
                                              " ops: the extracted calls of the model did not run it"):
         model.unused.linear
+
+
+def test_several_invokes_serve_0d_op_values_whole():
+    """nnsight narrows served values to an invoke's rows by their leading dim; 0-d op values have
+    none (before: ``IndexError: tuple index out of range`` from ``tracer.cache()`` or from reading
+    one). They are served whole; everything else is narrowed as nnsight does."""
+    outputs = {}
+    for library in (nnsight, nnbridge):
+        model = wrap(library, "gpt2")
+        with model.trace() as tracer:
+            with tracer.invoke("Hello world"):
+                cache = tracer.cache()
+                if library is nnbridge:
+                    first = model.transformer.new_ones.output.save()
+            with tracer.invoke(["The cat sat on", "a b"]):
+                if library is nnbridge:
+                    second = model.transformer.new_ones.output.save()
+                last = model.transformer.h[1].output[0].save()
+        outputs[library] = (cache.model.transformer.h[0].output[0], last)
+    assert first.dim() == 0 and torch.equal(first, second)
+    for a, b in zip(outputs[nnsight], outputs[nnbridge]):
+        assert torch.equal(a, b)

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import torch
@@ -71,6 +73,32 @@ def repoint_envoys(envoy: Any, module: torch.nn.Module) -> None:
     ``module`` no longer has are dropped, new ones mirrored, and the interleaver's per-module
     registry re-keyed."""
     envoy._update(module)
+
+
+@functools.cache
+def scalar_safe_batcher(batcher_class: type) -> type:
+    """``batcher_class`` (an nnsight 0.8 ``Batcher``) serving 0-d tensors whole to every invoke.
+
+    nnsight narrows a served tensor to an invoke's rows when its leading dim equals the combined
+    batch size (``Batcher._narrow_tensor`` / ``_widen_tensor``, nnsight 0.8.1) and serves any other
+    tensor whole; a 0-d tensor has no leading dim and raised ``IndexError``. Module outputs are
+    rarely 0-d, op values often are (a ``sym_size``, a ``new_ones`` scalar): they carry no batch
+    dimension, so they are served whole like nnsight's other non-batched values.
+    """
+
+    class ScalarSafeBatcher(batcher_class):  # type: ignore[misc, valid-type]
+        def _narrow_tensor(self, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+            if tensor.dim() == 0:
+                return tensor
+            return super()._narrow_tensor(tensor, group)
+
+        def _widen_tensor(self, full: torch.Tensor, group: Any, edited: torch.Tensor) -> torch.Tensor:
+            if full.dim() == 0:
+                return edited
+            return super()._widen_tensor(full, group, edited)
+
+    ScalarSafeBatcher.__name__ = ScalarSafeBatcher.__qualname__ = f"ScalarSafe{batcher_class.__name__}"
+    return ScalarSafeBatcher
 
 
 #: Attributes nnsight 0.8 sets on the modules it wraps (its per-module state).

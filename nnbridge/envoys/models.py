@@ -24,7 +24,7 @@ from nnsight.modeling.transformers import TransformersModel as _NNsightTransform
 
 from ..bridge.call_structure import structure_key
 from ..bridge.in_place import bridge, bridge_of
-from ..compat.nnsight import mirror_envoys, repoint_envoys
+from ..compat.nnsight import mirror_envoys, repoint_envoys, scalar_safe_batcher
 from .envoy import BridgeEnvoy
 
 
@@ -37,6 +37,8 @@ class _Bridged:
         kwargs.setdefault("envoys", BridgeEnvoy)
         super().__init__(model, *args, **kwargs)
         self.__dict__["_nnbridge_warmed"] = set()
+        # op values may be 0-d: served whole to every invoke (see compat.nnsight.scalar_safe_batcher)
+        self.__dict__["_batcher_class"] = scalar_safe_batcher(type(self)._batcher_class)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A copy of the wrapper and of its model, as nnsight copies its wrappers (the envoy's
