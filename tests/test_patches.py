@@ -180,3 +180,44 @@ def test_builtin_patch_subclass_overrides_op(minimal):
     model, pg, x = minimal
     with pg.patch({"linear.output": DoubleZero()}):
         assert torch.equal(pg(x), torch.full((4, 2), 2.0))
+
+
+def _fills_scale(forward):
+    """A forward decorator like transformers 5's (which fill ``use_cache`` into ``kwargs``)."""
+    import functools
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        kwargs.setdefault("scale", 1.0)  # so ``scale`` must be passed by keyword
+        return forward(self, *args, **kwargs)
+    return wrapper
+
+
+class _Decorated(torch.nn.Module):
+    @_fills_scale
+    def forward(self, x, scale=None):
+        return x * scale
+
+
+class _CallsDecorated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Decorated()
+
+    def forward(self, x):
+        return self.inner(x, scale=3.0)
+
+
+def test_patching_an_opaque_modules_arguments_keeps_how_they_were_passed():
+    """Patching an opaque module's inputs passes each argument as the caller did (before: keywords
+    were re-bound positionally and a decorated forward saw ``scale`` twice: TypeError)."""
+    from nnbridge import ExtractionOptions
+
+    model = _CallsDecorated()
+    x = torch.randn(2, 3)
+    pg = PatchableGraph(model, x, options=ExtractionOptions(classes_to_skip_compiling={_Decorated}))
+    assert pg.extractions[0].opaque.keys() == {"inner"}
+    with pg.patch({"inner.x": AddPatch(value=1.0), "inner.scale": ReplacePatch(value=2.0)}):
+        got = pg(x)
+    assert torch.equal(got, (x + 1) * 2.0)
+    assert torch.equal(pg(x), model(x))

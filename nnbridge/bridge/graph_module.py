@@ -272,11 +272,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
             def call(name: str, value: Any) -> Any:
                 return points[name](value)
         if routed:
-            bound = self._signature.bind(*args, **kwargs)
-            for name in list(bound.arguments):
-                if name in routed:
-                    bound.arguments[name] = call(name, bound.arguments[name])
-            args, kwargs = bound.args, bound.kwargs
+            args, kwargs = self._route_arguments(args, kwargs, routed, call)
         saved_modules = {name: modules_of(module)[name] for name in self._callees}
         saved_tensors: dict[str, tuple[dict[str, Any], Any, Any]] = {}
         try:
@@ -296,6 +292,32 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         if "output" in routed:
             output = call("output", output)
         return output
+
+    def _route_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any], routed: frozenset[str],
+                         call: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Route each argument through its op point, passing it as the caller did: positionally or
+        by keyword (re-binding keywords positionally makes transformers 5's forward decorators,
+        which fill ``use_cache`` and the like into ``kwargs``, see them twice)."""
+        args, kwargs = list(args), dict(kwargs)
+        bound = self._signature.bind(*args, **kwargs)  # raises TypeError as the forward would
+        position = 0
+        for parameter in self._signature.parameters.values():
+            name, kind = parameter.name, parameter.kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                if name in routed and name in bound.arguments:
+                    args[position:] = list(call(name, tuple(args[position:])))
+                position = len(args)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                if name in routed and name in bound.arguments:
+                    extra = {k: v for k, v in kwargs.items() if k not in self._signature.parameters}
+                    kwargs.update(call(name, extra))
+            elif kind is not inspect.Parameter.KEYWORD_ONLY and position < len(args):
+                if name in routed:
+                    args[position] = call(name, args[position])
+                position += 1
+            elif name in kwargs and name in routed:
+                kwargs[name] = call(name, kwargs[name])
+        return tuple(args), kwargs
 
     def extra_repr(self) -> str:
         return f"reason={self.reason!r}"
