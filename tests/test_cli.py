@@ -3,15 +3,12 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from nnbridge.cli import main
 from utils import gpt2_tokenizer_dir
-
-
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "nnbridge", *args], capture_output=True, text=True)
 
 
 def test_tree_of_a_local_model(tmp_path, capsys):
@@ -31,16 +28,24 @@ def test_tree_of_a_local_model(tmp_path, capsys):
     assert "1. <root>: first call" in explained and "h_0.attn (GPT2Attention): graph" in explained
 
 
-def test_bad_arguments_one_line_and_exit_2():
+def test_bad_arguments_one_line_and_exit_2(capsys):
     for args in ([], ["tree"], ["frobnicate"], ["tree", "smollm2", "--depth", "0"], ["tree", "x", "--depth", "a"]):
-        result = run(*args)
-        assert result.returncode == 2, args
-        assert result.stderr.count("\n") == 1 and result.stderr.startswith("nnbridge: error:"), result.stderr
-        assert "Traceback" not in result.stderr
+        with pytest.raises(SystemExit) as exited:
+            main(args)
+        assert exited.value.code == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("nnbridge: error:"), err
 
 
-def test_unknown_model_one_line_and_exit_1(tmp_path):
-    result = run("tree", str(tmp_path / "missing"))
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith("nnbridge: error: unknown model")
-    assert "Traceback" not in result.stderr
+def test_unknown_model_one_line_and_exit_1(tmp_path, capsys):
+    assert main(["tree", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("nnbridge: error: unknown model")
+    assert "Traceback" not in err
+
+
+def test_python_dash_m_entry_point():
+    """One real process: ``python -m nnbridge`` runs the same ``main`` and exits with its code."""
+    result = subprocess.run([sys.executable, "-m", "nnbridge", "frobnicate"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("nnbridge: error:"), result.stderr
