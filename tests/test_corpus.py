@@ -39,7 +39,6 @@ FRONT_ENDS = ("bridge", "pg", "nnsight")
 
 # "entry-front_end-mode" glob -> reason. Keep each reason "issue 9 item N: <symptom>".
 KNOWN: dict[str, str] = {
-    "int_outputs-*": "found by the corpus: a Python int returned by forward next to tensors comes back as None",
 }
 
 

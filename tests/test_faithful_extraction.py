@@ -16,6 +16,7 @@ import torch
 import nnbridge
 from nnbridge import ExtractionOptions, PatchableGraph
 from nnbridge.bridge.in_place import bridge_of
+from nnbridge.compat.pytree import pytree
 from nnbridge.errors import ExtractionError, NNBridgeWarning
 
 
@@ -354,4 +355,173 @@ def test_every_module_changing_grad_mode_is_found():
     _compare_backward(model, x)
     nnbridge.bridge(model, x)
     assert set(_opaque(model)) == {"first", "second"}
+    nnbridge.unbridge(model)
+
+
+# -- Python values returned next to tensors ---------------------------------------------------------
+# unflatten leaves None where a module call returned a constant; export specialises on it (a size
+# makes the extraction static), and a module that runs its own code must not freeze its caller's.
+class ReturnsInt(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.lin(x) * 2, 3
+
+
+class AttrChild(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.n = 5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.lin(x), self.n
+
+
+class SizeChild(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.lin(x), x.shape[0]
+
+
+class FlagChild(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, bool, float]:
+        return self.lin(x), True, 0.5
+
+
+class NoneChild(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None, tuple[int, None, torch.Tensor]]:
+        y = self.lin(x)
+        return y, None, (7, None, y + 1)
+
+
+class ArgmaxChild(torch.nn.Module):
+    """Not exportable (data-dependent ``int``): runs its own code, returning a new int each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.lin(x), int(x.argmax())
+
+
+class UsesValue(torch.nn.Module):
+    """Uses the child's Python value and returns it."""
+
+    def __init__(self, child: torch.nn.Module) -> None:
+        super().__init__()
+        self.child = child
+        self.head = torch.nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.child(x)
+        scale = out[1] if isinstance(out[1], (int, float)) else 1
+        return (self.head(out[0]) * scale, *out[1:])
+
+
+def _same(got: object, expected: object) -> None:
+    """Same pytree structure; tensors torch.equal; other leaves the same type and value."""
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    expected_leaves, expected_spec = pytree.tree_flatten(expected)
+    assert got_spec == expected_spec, (got, expected)
+    for a, b in zip(got_leaves, expected_leaves):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and torch.equal(a, b), (a, b)
+        else:
+            assert type(a) is type(b) and a == b, (a, b)
+
+
+_VALUE_MODELS = {
+    "root_int": lambda: ReturnsInt(),
+    "child_attr_int": lambda: UsesValue(AttrChild()),
+    "child_size": lambda: UsesValue(SizeChild()),
+    "child_bool_float": lambda: UsesValue(FlagChild()),
+    "child_none_in_tuple": lambda: UsesValue(NoneChild()),
+    "opaque_child_data_int": lambda: UsesValue(ArgmaxChild()),
+}
+
+
+@pytest.mark.parametrize("front", ["bridge", "pg", "nnsight"])
+@pytest.mark.parametrize("name", list(_VALUE_MODELS))
+def test_python_values_returned_next_to_tensors(name, front):
+    torch.manual_seed(0)
+    model = _VALUE_MODELS[name]().eval()
+    reference = copy.deepcopy(model)
+    has_child = hasattr(model, "child")
+    seen: list[object] = []
+    if has_child:
+        reference.child.register_forward_hook(lambda m, a, out: seen.append(out))
+    inputs = [torch.randn(2, 3), torch.randn(4, 3), torch.randn(2, 3)]  # a new batch size, then back
+    with torch.no_grad():
+        expected = [reference(x) for x in inputs]
+        if front == "bridge":
+            nnbridge.bridge(model, inputs[0])
+        elif front == "pg":
+            pg = PatchableGraph(model, inputs[0])
+        else:
+            wrapped = nnbridge.NNsight(model)
+        got, children = [], []
+        for x in inputs:
+            if front == "bridge":
+                if has_child:
+                    handle = model.child.register_forward_hook(lambda m, a, out: children.append(out))
+                got.append(model(x))
+                if has_child:
+                    handle.remove()
+            elif front == "pg":
+                got.append(pg(x))
+            else:
+                with wrapped.trace(x):
+                    if has_child:
+                        child_out = wrapped.child.output.save()
+                    out = wrapped.output.save()
+                got.append(out)
+                if has_child:
+                    children.append(child_out)
+    for a, b in zip(got, expected):
+        _same(a, b)
+    if front != "pg" and has_child:  # the child's own output carries the value too
+        assert len(children) == len(seen)
+        for a, b in zip(children, seen):
+            _same(a, b)
+    if front == "bridge":
+        nnbridge.unbridge(model)
+
+
+def test_opaque_child_returning_an_int_leaves_its_caller_opaque():
+    model = UsesValue(ArgmaxChild()).eval()
+    x = torch.randn(2, 3)
+    nnbridge.bridge(model, x)
+    reasons = _opaque(model)
+    assert "child" in reasons and "GuardOnDataDependentSymNode" in reasons["child"]
+    assert "'child'" in reasons["<root>"] and "int" in reasons["<root>"]
+    nnbridge.unbridge(model)
+    with pytest.raises(ExtractionError, match=r"'child'.*Python value"):
+        PatchableGraph(UsesValue(ArgmaxChild()).eval(), x,
+                       options=ExtractionOptions(error_on_compilation_failure=True))
+
+
+def test_module_returning_only_a_python_value_runs_its_own_code():
+    class Config(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> int:
+            return 3
+
+    model = Config()
+    nnbridge.bridge(model, torch.randn(2, 3))
+    assert model(torch.randn(5, 3)) == 3
+    assert "no tensor operation" in _opaque(model)["<root>"]
     nnbridge.unbridge(model)

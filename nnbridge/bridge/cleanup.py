@@ -29,6 +29,7 @@ from ..compat.pytree import fx_pytree
 from ..compat.pytree import pytree
 
 from ..compat import rename_nodes
+from ..errors import ExtractionError
 from .graph_module import NAME_KEY
 
 _SIMPLE = (tuple, list, dict)
@@ -382,6 +383,32 @@ def name_nodes(graph: Graph, forward: Callable[..., Any], call_names: dict[Node,
     for node, name in names.items():
         node.meta[NAME_KEY] = name
     rename_nodes(graph, names)
+
+
+def restore_constant_outputs(graph: Graph, constants: dict[int, Any]) -> None:
+    """Put back the Python constants a module returned next to its tensors (``return x * 2, 3``).
+
+    Unflatten builds the output as ``tree_unflatten(leaves, spec)`` with ``None`` for every leaf
+    that was a constant in the call's signature (see :func:`nnbridge.compat.constant_outputs`);
+    ``constants`` is ``{leaf index: value}`` for this invocation. Run before :func:`clean_graph`.
+    The values are those of the extracted call: export specialises on them (a size read with
+    ``x.shape[0]`` makes the whole extraction static, so a new size re-extracts).
+    """
+    if not constants:
+        return
+    output = next(n for n in graph.nodes if n.op == "output")
+    value = output.args[0]
+    unflattened = (value.args[0] if isinstance(value, Node) and value.op == "call_function"
+                   and value.target is pytree.tree_unflatten else None)
+    leaves: list[Any] = list(unflattened) if isinstance(unflattened, (tuple, list)) else []
+    for i, constant in constants.items():
+        if i >= len(leaves) or leaves[i] is not None:  # unflatten's output differs from torch 2.13's
+            raise ExtractionError(
+                f"Cannot restore the constant {constant!r} returned by a module: the unflattened graph's output"
+                f" is {value}, not a tree_unflatten with None at leaf {i} (written for torch 2.13).")
+        leaves[i] = constant
+    assert isinstance(value, Node) and isinstance(unflattened, (tuple, list))  # leaves were found above
+    value.args = (type(unflattened)(leaves), *value.args[1:])
 
 
 def clean_graph(graph: Graph, attrs: dict[str, Any]) -> list[Node]:

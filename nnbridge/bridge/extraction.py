@@ -33,15 +33,15 @@ from ..compat.module_dicts import modules_of
 from ..compat.pytree import pytree
 from tqdm.auto import tqdm
 
-from ..compat import (cleared_module_state, copy_spec, export, invocation_graphs, offloaded_weights_loaded,
-                      register_cache_pytrees, unflatten)
+from ..compat import (cleared_module_state, constant_outputs, copy_spec, export, invocation_graphs,
+                      offloaded_weights_loaded, register_cache_pytrees, unflatten)
 from ..compat.output_capturing import active_collector, collector_suspended
 from ..compat.fx import fx_patches_confined
 from ..errors import ExtractionError, NNBridgeWarning
 from .call_structure import ShapeGuard, tensor_leaves
 from .capture_checks import CaptureWatch, UnfaithfulCaptureError, preserved_state
 from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value,
-                      remove_dead_code)
+                      remove_dead_code, restore_constant_outputs)
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
 from .locking import CALL_LOCK, locked_calls
 from .op_point import OpPoint, OpPointContainer
@@ -341,6 +341,17 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     traced = {fqn for fqn in stubs if stubs[fqn] == "skipped" and any(state_keys(a, k) for a, k, _ in calls[fqn])}
     frozen: set[str] = set()  # traced modules whose own grad-mode changes are ignored while exporting
     while True:
+        frozen_by = _scalar_stub_caller(module, stubs, traced, calls)
+        if frozen_by is not None:
+            caller, cause = frozen_by
+            if caller == "":
+                bar.close()
+                ctx.fail("", describe_failure(cause), cause)
+                return _opaque(ctx, "", module, args, kwargs, describe_failure(cause)), static
+            stubs[caller] = describe_failure(cause)
+            errors[caller] = cause
+            calls = record_calls(module, set(stubs), args, kwargs)
+            continue
         try:
             exported, dynamic, states = _export(module, args, kwargs,
                                                 {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic,
@@ -378,12 +389,51 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     guard = ShapeGuard.from_export(exported) if dynamic else static
     bar.update()
     bar.set_postfix_str("unflatten and build graphs")
-    unflattened = unflatten(exported)
-    builder = _Builder(ctx, unflattened, stubs, calls, input_spec, states)
-    root = builder.build("", module, invocation_graphs(unflattened.get_submodule("model"))[0])
+    # no op ran (``return x``, ``return 3``): unflatten (torch 2.13) makes no graph for the module
+    holder = None
+    if any(node.op == "call_function" for node in exported.graph.nodes):
+        unflattened = unflatten(exported)
+        unflattened_model = dict(unflattened.named_children()).get("model")
+        holder = invocation_graphs(unflattened_model)[0] if unflattened_model is not None else None
+    if holder is None or not isinstance(getattr(holder, "graph", None), Graph):
+        bar.close()
+        reason = "its forward runs no tensor operation: there is no graph to extract"
+        ctx.fail("", reason, None)
+        return _opaque(ctx, "", module, args, kwargs, reason), static
+    builder = _Builder(ctx, unflattened, stubs, calls, input_spec, states, constant_outputs(exported))
+    root = builder.build("", module, holder)
     bar.update()
     bar.close()
     return root, guard
+
+
+_SCALARS = (bool, int, float, complex, str)
+
+
+def _scalar_stub_caller(module: torch.nn.Module, stubs: dict[str, str], traced: set[str],
+                        calls: dict[str, list]) -> tuple[str, UnfaithfulCaptureError] | None:
+    """The caller of a stub that returned Python scalars, which must then run its own code too.
+
+    A stub replays its recorded output while export traces the caller, so an ``int`` it returned
+    (``int(x.argmax())``, a size) would be frozen into the caller's graph as a constant, wrong for
+    the next input. Returns ``(caller path, reason)`` for the first such stub whose callers are
+    not stubbed already, else None. Modules export traces through (``traced``) return their real
+    values (symbolic or specialised), so they are not concerned.
+    """
+    for fqn in stubs:
+        if fqn in traced or stubs[fqn] == "custom":
+            continue
+        values = [leaf for _, _, out in calls.get(fqn, []) for leaf in pytree.tree_leaves(out)
+                  if isinstance(leaf, _SCALARS)]
+        if not values:
+            continue
+        caller = _caller(module, fqn)
+        if any(other != fqn and (not other or fqn.startswith(f"{other}.")) for other in stubs):
+            continue  # an enclosing module already runs its own code
+        return caller, UnfaithfulCaptureError(
+            f"calls '{fqn}', which runs its own code and returned the Python value {values[0]!r}"
+            f" ({type(values[0]).__name__}); a graph would keep the value of the extracted call")
+    return None
 
 
 class _CapturingOutputs(Exception):
@@ -562,10 +612,12 @@ class _Builder:
     """Builds the mirror hierarchy from an unflattened export."""
 
     def __init__(self, ctx: _Context, unflattened: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list],
-                 input_spec: pytree.TreeSpec | None = None, states: dict[str, list[list[Key]]] | None = None):
+                 input_spec: pytree.TreeSpec | None = None, states: dict[str, list[list[Key]]] | None = None,
+                 constants: dict[tuple[str, int], dict[int, Any]] | None = None):
         self.ctx, self.unflattened, self.stubs, self.calls = ctx, unflattened, stubs, calls
         self.input_spec = input_spec
         self.states = states or {}
+        self.constants = constants or {}  # {(program path, invocation): {output leaf: value}}
 
     def state_keys(self, fqn: str, invocation: int) -> list[Key]:
         """The state keys export recorded for this invocation ([] when it had no stateful argument)."""
@@ -586,6 +638,7 @@ class _Builder:
               invocation: int = 0) -> CompiledGraphModule:
         graph: Graph = holder.graph
         attrs = {str(n.target): _resolve_attr(holder, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
+        restore_constant_outputs(graph, self.constants.get((f"model.{fqn}" if fqn else "model", invocation), {}))
         keys = self.state_keys(fqn, invocation)
         if keys:
             write_states_back(graph, attrs, keys)

@@ -2,6 +2,7 @@
 
 from .export import (
     compile_guards as compile_guards,
+    constant_outputs as constant_outputs,
     copy_spec as copy_spec,
     export_guards as export_guards,
     export as export,

@@ -117,6 +117,33 @@ def invocation_graphs(unflattened: torch.nn.Module) -> list[torch.nn.Module]:
     return [unflattened]
 
 
+def constant_outputs(exported: torch.export.ExportedProgram) -> dict[tuple[str, int], dict[int, Any]]:
+    """The Python constants each preserved module call returned next to its tensors.
+
+    ``torch.export.unflatten`` (torch 2.13) leaves ``None`` in a module graph's output where the
+    call's signature has a ``ConstantArgument`` (``return x * 2, 3``; ``return out, self.n``): the
+    value lives only in ``exported.module_call_graph``, where export names a module's first call
+    ``path`` and its call number k >= 1 (counted from 0) ``path@k`` (unflatten's ``_call_name``,
+    torch 2.5 - 2.13).
+
+    Returns:
+        ``{(module path as in the program, e.g. "model.h.0", invocation from 0): {output leaf
+        index: value}}``, only for calls that returned constants.
+    """
+    from torch.export.graph_signature import ConstantArgument
+
+    found: dict[tuple[str, int], dict[int, Any]] = {}
+    for entry in exported.module_call_graph:
+        if entry.signature is None:
+            continue
+        constants = {i: out.value for i, out in enumerate(entry.signature.outputs)
+                     if isinstance(out, ConstantArgument)}
+        if constants:
+            path, _, call = entry.fqn.partition("@")
+            found[(path, int(call) if call else 0)] = constants
+    return found
+
+
 def register_cache_pytrees(model: torch.nn.Module) -> None:
     """Let torch.export flatten transformers' ``Cache`` objects (``use_cache=True``).
 
