@@ -18,6 +18,7 @@ records every extraction with its reason (see :func:`nnbridge.explain`).
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -35,6 +36,29 @@ from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
 
 
+class WeakCallback:
+    """An ``on_extraction`` callback that does not keep its object alive.
+
+    Calls the bound method ``method`` while its object lives and removes itself from ``callbacks``
+    when the object is collected: a :class:`~nnbridge.bridge.patchable_graph.PatchableGraph` made
+    over a bridged model listens to the bridge's extractions without the model keeping it alive.
+    """
+
+    def __init__(self, method: Callable[[GraphDispatcher, Extraction], None],
+                 callbacks: list[Callable[[GraphDispatcher, Extraction], None]]):
+        def remove(_: weakref.WeakMethod) -> None:
+            try:
+                callbacks.remove(self)
+            except ValueError:
+                pass
+        self.method = weakref.WeakMethod(method, remove)
+
+    def __call__(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
+        method = self.method()
+        if method is not None:
+            method(dispatcher, extraction)
+
+
 def _nnbridge_child(module: torch.nn.Module) -> bool:
     return isinstance(module, (OpPoint, OpPointContainer))
 
@@ -48,7 +72,8 @@ class GraphDispatcher(torch.nn.Module):
         path: NodePath of the module in its hierarchy (for messages).
         on_extraction: ``callback(dispatcher, extraction)`` run on each new extraction (applying
             open patches, linking a bridge); the list is shared with the dispatchers of opaque
-            modules' children in the same tree.
+            modules' children in the same tree. A listener that must not be kept alive by the
+            model registers a :class:`WeakCallback`.
     """
 
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, *, path: str = "",

@@ -33,8 +33,9 @@ from ..compat.module_dicts import modules_of
 from ..compat.pytree import pytree
 from tqdm.auto import tqdm
 
-from ..compat import (cleared_module_state, constant_outputs, copy_spec, export, invocation_graphs,
-                      offloaded_weights_loaded, register_cache_pytrees, unflatten)
+from ..compat import (cleared_module_state, constant_outputs, copy_spec, export, forget_export_state,
+                      generated_code_released, invocation_graphs, offloaded_weights_loaded, register_cache_pytrees,
+                      unflatten)
 from ..compat.output_capturing import active_collector, collector_suspended
 from ..compat.fx import fx_patches_confined
 from ..errors import ExtractionError, NNBridgeWarning
@@ -282,9 +283,15 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     # extraction changes shared state (hooks, forwards, parameters while tracing) for its duration:
     # another thread entering any of the model's modules waits (see .locking)
     # (module calls, and tracing's process-wide patches of nn.Module, see .locking)
-    # and a caller's transformers output collector does not see extraction's runs
-    with CALL_LOCK, fx_patches_confined(CALL_LOCK), locked_calls(module.modules()), collector_suspended():
-        return _extract(module, args, kwargs, options, path, on_extraction)
+    # and a caller's transformers output collector does not see extraction's runs; the source of
+    # the code export, unflatten and the graph modules generate is dropped with the code (fx keeps
+    # every generated source for ever otherwise)
+    with CALL_LOCK, fx_patches_confined(CALL_LOCK), locked_calls(module.modules()), collector_suspended(), \
+            generated_code_released():
+        try:
+            return _extract(module, args, kwargs, options, path, on_extraction)
+        finally:  # else torch's globals keep this trace, and through it the model, alive
+            forget_export_state()
 
 
 def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

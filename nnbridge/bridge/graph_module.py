@@ -24,7 +24,7 @@ from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat.pytree import fx_pytree
 from ..compat.pytree import pytree
 
-from ..compat import NoSubmoduleRecompile, forward_from_source, keep_tracebacks
+from ..compat import NoSubmoduleRecompile, forward_from_source, generated_code_released, keep_tracebacks
 from ..compat.nnsight import route_if_wanted
 from .failures import register
 from .op_point import OpPoint
@@ -127,8 +127,10 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
 
     # -- routing --------------------------------------------------------------------------------
     def recompile(self) -> Any:
-        """Regenerate the plain code from ``self.graph`` and re-apply routing (after graph edits)."""
-        code = super().recompile()
+        """Regenerate the plain code from ``self.graph`` and re-apply routing (after graph edits).
+        The generated source leaves fx's cache and ``linecache`` with the code."""
+        with generated_code_released():
+            code = super().recompile()
         keep_tracebacks(self)
         if "_forward_cache" in self.__dict__:
             self._reset_routing()

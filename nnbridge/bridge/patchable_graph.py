@@ -23,7 +23,7 @@ from ..compat.pytree import pytree
 from ..compat import has_user_hooks
 from ..errors import NNBridgeError, NodePathError, PatchError
 from . import hierarchy, patch_state
-from .dispatcher import GraphDispatcher
+from .dispatcher import GraphDispatcher, WeakCallback
 from .capture_checks import preserved_state
 from .extraction import Extraction, named_real_modules
 from .graph_module import GraphModuleBase
@@ -125,7 +125,9 @@ class PatchableGraph(torch.nn.Module):
                 raise TypeError("PatchableGraph over a bridged model uses the bridge's extraction options;"
                                 " pass options to nnbridge.bridge() instead.")
             self._dispatcher = bridged.dispatcher
-            self._dispatcher.on_extraction.append(self._apply_active)
+            # weakly: the bridged model must not keep this PatchableGraph alive
+            callbacks = self._dispatcher.on_extraction
+            callbacks.append(WeakCallback(self._apply_active, callbacks))
             self.__dict__["_call"] = module
             self.__dict__["_modules_of_plain"] = None
             first = self._dispatcher.lookup(tuple(example_args), dict(example_kwargs))

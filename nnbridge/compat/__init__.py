@@ -6,6 +6,7 @@ from .export import (
     copy_spec as copy_spec,
     export_guards as export_guards,
     export as export,
+    forget_export_state as forget_export_state,
     forward_from_source as forward_from_source,
     invocation_graphs as invocation_graphs,
     register_cache_pytrees as register_cache_pytrees,
@@ -13,6 +14,7 @@ from .export import (
     unflatten as unflatten,
 )
 from .fx import NoSubmoduleRecompile as NoSubmoduleRecompile
+from .fx import generated_code_released as generated_code_released
 from .fx import generated_line_map as generated_line_map
 from .fx import keep_tracebacks as keep_tracebacks
 from .hooks import cleared_module_state as cleared_module_state

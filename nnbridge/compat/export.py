@@ -7,9 +7,11 @@ so a torch upgrade breaks in one place. Verified on torch 2.13.0.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import logging
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -90,9 +92,69 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: An
     ``torch.is_grad_enabled()`` branch takes the same side as eager; under ``torch.no_grad()``,
     ``@torch.no_grad`` rotary-embedding code is inlined instead of becoming a higher-order op), with
     conversions kept from aliasing (see :class:`_DistinctConversions`)."""
-    with quiet_torch_export(), torch.set_grad_enabled(grad_enabled), _DistinctConversions():
+    with quiet_torch_export(), torch.set_grad_enabled(grad_enabled), _DistinctConversions(), \
+            shape_envs_released():
         return torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes,
                                    preserve_module_call_signature=preserve_module_call_signature)
+
+
+@contextlib.contextmanager
+def shape_envs_released() -> Iterator[None]:
+    """Let the ``ShapeEnv`` of every export made in the body be freed with its graphs.
+
+    Non-strict export (torch 2.13, ``torch._export.non_strict_utils.make_fake_inputs``) makes a
+    ``ShapeEnv(tracked_fakes=[])`` and appends the fake inputs to ``tracked_fakes``; those fake
+    tensors hold the ``ShapeEnv`` through the ``SymNode``s of their symbolic sizes, which sit in C++
+    (``TensorImpl`` sizes) where the garbage collector does not see them: a cycle ``gc`` cannot
+    free, so every extraction left its ``ShapeEnv``, fake inputs and symbols alive for ever (one per
+    export, measured with ``gc.get_objects``). ``tracked_fakes`` is read while export produces its
+    guards; after the export returns (or raises) it is emptied. Only exports made by this thread
+    are touched (``make_fake_inputs`` is wrapped in ``torch.export._trace`` for the duration).
+    """
+    trace = importlib.import_module("torch.export._trace")
+    original, owner, made = trace.make_fake_inputs, threading.get_ident(), []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if threading.get_ident() == owner:
+            made.append(result[0])  # (fake_mode, fake_args, fake_kwargs, ...)
+        return result
+
+    trace.make_fake_inputs = recording
+    try:
+        yield
+    finally:
+        if trace.make_fake_inputs is recording:
+            trace.make_fake_inputs = original
+        for fake_mode in made:
+            shape_env = getattr(fake_mode, "shape_env", None)
+            if shape_env is not None and shape_env.tracked_fakes:
+                shape_env.tracked_fakes.clear()
+
+
+def forget_export_state() -> None:
+    """Drop what torch.export and its shape environments keep in process-wide state after a trace
+    (called after each extraction; measured on torch 2.13 with ``gc.get_referrers`` walks from a
+    deleted bridged model and from the ``ShapeEnv``s left after it).
+
+    - Non-strict export fills ``torch.fx.experimental.proxy_tensor.
+      _FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT`` with the traced graph's nodes for its fake-tensor
+      leak check and clears it only when the next export traces. Those nodes reach the exported
+      program, its unflattened modules and, through them, the model: a model deleted after its last
+      extraction stayed alive until some other export. Only the export call that filled it reads it.
+    - ``ShapeEnv``'s memoized methods (``functools.lru_cache`` on the class: ``_inner_evaluate_expr``,
+      ``simplify``, ``size_hint``...) key on ``self``, so they can hold an extraction's ``ShapeEnv``
+      with its symbols and guards (a referrer walk found ``_inner_evaluate_expr``'s cache holding
+      one); the caches are pure memoization, emptied here.
+    """
+    from torch.fx.experimental import proxy_tensor
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT.clear()
+    for attribute in vars(ShapeEnv).values():
+        clear = getattr(attribute, "cache_clear", None)
+        if callable(clear):
+            clear()
 
 
 def unflatten(exported: torch.export.ExportedProgram) -> torch.nn.Module:
@@ -164,11 +226,17 @@ def forward_from_source(source: str, globals_: dict[str, Any]) -> Callable[..., 
     """Compile fx-generated ``forward`` source into a function, keeping it linecache-visible.
 
     ``torch.fx.graph_module._forward_from_src`` registers the source with linecache so tracebacks
-    through generated code show the generated line (torch 2.0 - 2.13).
+    through generated code show the generated line (torch 2.0 - 2.13). The source is dropped from
+    fx's cache and ``linecache`` when the function's code dies (see
+    :func:`nnbridge.compat.fx.release_source_with`).
     """
     from torch.fx.graph_module import _forward_from_src
 
-    return _forward_from_src(source, globals_, None)
+    from .fx import release_source_with
+
+    forward = _forward_from_src(source, globals_, None)
+    release_source_with(forward)
+    return forward
 
 
 def rename_nodes(graph: torch.fx.Graph, names: dict[torch.fx.Node, str]) -> None:

@@ -1,16 +1,21 @@
-"""Shims over ``torch.fx.GraphModule`` behaviour and fx tracing's process-wide patches."""
+"""Shims over ``torch.fx.GraphModule`` behaviour, fx's generated-code cache and fx tracing's
+process-wide patches."""
 
 from __future__ import annotations
 
 import builtins
 import contextlib
 import functools
+import linecache
 import threading
-from collections.abc import Iterator
+import types
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.fx._symbolic_trace
+import torch.fx.graph_module
 
 
 class NoSubmoduleRecompile:
@@ -45,6 +50,69 @@ def keep_tracebacks(graph_module: Any) -> None:
     import torch
 
     type(graph_module).__call__ = torch.nn.Module.__call__
+
+
+#: prefix of the file names fx gives generated code (``_EvalCacheLoader._get_key``, torch 2.0 - 2.13);
+#: each such name is unique to one compiled source
+_GENERATED_PREFIX = "<eval_with_key>."
+_RELEASE_LOCK = threading.Lock()
+_release_depth = 0
+_installed: tuple[Callable[..., Any], Callable[..., Any]] | None = None  # (fx's own, wrapper) while entered
+
+
+def _forget_source(filename: str) -> None:
+    torch.fx.graph_module._loader.eval_cache.pop(filename, None)
+    linecache.cache.pop(filename, None)
+
+
+def release_source_with(function: Callable[..., Any]) -> None:
+    """Drop ``function``'s generated source from fx's cache and ``linecache`` once its code dies.
+
+    torch 2.0 - 2.13 keep the source of every function fx generates for ever: in
+    ``torch.fx.graph_module._loader.eval_cache`` and as a ``linecache`` entry, both keyed by the
+    unique file name ``<eval_with_key>.N`` (about 100 entries per extraction of a 2-layer GPT-2).
+    The entries are removed when the code object dies, not the function: a traceback still holding
+    a frame of the code keeps its generated lines printable.
+    """
+    code = getattr(function, "__code__", None)
+    if isinstance(code, types.CodeType) and code.co_filename.startswith(_GENERATED_PREFIX):
+        weakref.finalize(code, _forget_source, code.co_filename).atexit = False
+
+
+def _releasing(method_from_src: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method_from_src)
+    def releasing(*args: Any, **kwargs: Any) -> Any:
+        method = method_from_src(*args, **kwargs)
+        release_source_with(method)
+        return method
+    return releasing
+
+
+@contextlib.contextmanager
+def generated_code_released() -> Iterator[None]:
+    """Within: every function fx generates (``GraphModule.recompile``, torch.export's and
+    unflatten's graph modules) gets :func:`release_source_with`.
+
+    fx compiles all generated code through ``torch.fx.graph_module._method_from_src`` (torch 2.0 -
+    2.13), which is wrapped for the duration. Re-entrant and thread-safe: the wrapper stays while any
+    thread is inside; code another thread generates meanwhile is released the same way.
+    """
+    global _release_depth, _installed
+    fx = torch.fx.graph_module
+    with _RELEASE_LOCK:
+        if _release_depth == 0:
+            _installed = (fx._method_from_src, _releasing(fx._method_from_src))
+            fx._method_from_src = _installed[1]
+        _release_depth += 1
+    try:
+        yield
+    finally:
+        with _RELEASE_LOCK:
+            _release_depth -= 1
+            if _release_depth == 0 and _installed is not None:
+                if fx._method_from_src is _installed[1]:  # else patched again since: leave theirs
+                    fx._method_from_src = _installed[0]
+                _installed = None
 
 
 @contextlib.contextmanager
