@@ -3,7 +3,9 @@ extracts again, so edits after bridging, dtype changes, autocast and shape-depen
 eager's numbers through bridge, PatchableGraph and nnbridge.NNsight."""
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -191,6 +193,17 @@ def test_recompile_limit_evicts_and_warns_once_at_the_users_line():
     assert caught[0].filename == __file__, "the warning points at the user's line"
     assert len(pg.extractions) == 2, "least recently used extractions are evicted"
     assert len(pg._dispatcher.history) == 5
+    # the history keeps why each was made, not the evicted extractions
+    from nnbridge.bridge.dispatcher import EvictedExtraction
+
+    evicted = [e for e in pg._dispatcher.history if isinstance(e, EvictedExtraction)]
+    assert [e.reason for e in evicted] == ["first call", "attribute 'temperature' of <root> changed 1.0 -> 2.0",
+                                           "attribute 'temperature' of <root> changed 2.0 -> 3.0"]
+    assert sum(1 for e in pg._dispatcher.history if not isinstance(e, EvictedExtraction)) == 2
+    live = [weakref.ref(e.root) for e in pg.extractions]
+    gc.collect()
+    assert all(ref() is not None for ref in live)
+    assert "2. <root>: attribute 'temperature' of <root> changed 1.0 -> 2.0" in str(nnbridge.explain(pg, x))
 
 
 def test_explain_tree_opaque_reasons_guards_and_history():

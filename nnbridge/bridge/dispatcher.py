@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -34,6 +35,15 @@ from .guards import StateGuard
 from .locking import CALL_LOCK
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
+
+
+@dataclass(frozen=True)
+class EvictedExtraction:
+    """What :attr:`GraphDispatcher.history` keeps of an extraction evicted by the LRU bound: why it
+    was made and which modules were opaque (its graphs are freed)."""
+
+    reason: str
+    opaque: dict[str, str]
 
 
 class WeakCallback:
@@ -85,7 +95,8 @@ class GraphDispatcher(torch.nn.Module):
         self.__dict__["on_extraction"] = on_extraction if on_extraction is not None else []
         self.__dict__["extractions"] = {}  # structure key -> [Extraction]
         self.__dict__["_recency"] = OrderedDict()  # id(extraction) -> (key, extraction), oldest first
-        self.__dict__["history"] = []  # every Extraction made, in order (reasons for explain)
+        # every extraction made, in order (reasons for explain); evicted ones as EvictedExtraction
+        self.__dict__["history"] = []
         self.__dict__["_warned"] = False
         self.__dict__["flag_modules"] = real_modules(module)
         # structure keys flatten caches: register them before the first key is computed
@@ -188,6 +199,9 @@ class GraphDispatcher(torch.nn.Module):
             group[:] = [e for e in group if e is not oldest]
             if not group:
                 self.extractions.pop(key, None)
+            # history keeps why it was made, not its graphs (else evicted graphs live on)
+            self.history[:] = [EvictedExtraction(e.reason, dict(e.opaque)) if e is oldest else e
+                               for e in self.history]
 
     def _warn_if_thrashing(self, reason: str) -> None:
         if self._warned or len(self.history) < max(1, self.options.recompile_limit):
