@@ -206,6 +206,34 @@ def test_recompile_limit_evicts_and_warns_once_at_the_users_line():
     assert "2. <root>: attribute 'temperature' of <root> changed 1.0 -> 2.0" in str(nnbridge.explain(pg, x))
 
 
+@pytest.mark.parametrize("front", ["bridge", "PatchableGraph"])
+def test_evicted_extractions_are_freed(front):
+    """A call that keeps changing a guarded value (here an attribute; a new int argument is the same)
+    keeps at most recompile_limit extractions alive; a PatchableGraph also keeps its first, inspected one."""
+    torch.manual_seed(0)
+    model = Stack().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    options = ExtractionOptions(recompile_limit=2)
+    if front == "bridge":
+        run = nnbridge.bridge(model, x, options=options)
+        dispatcher = bridge_of(model).dispatcher
+    else:
+        run = PatchableGraph(model, x, options=options)
+        dispatcher = run._dispatcher
+    roots = [weakref.ref(dispatcher.all_extractions()[0].root)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NNBridgeWarning)
+        for temperature in (2.0, 3.0, 4.0, 5.0):
+            model.temperature = reference.temperature = temperature
+            assert torch.equal(run(x), reference(x))
+            roots.append(weakref.ref(dispatcher.all_extractions()[-1].root))
+    gc.collect()
+    alive = [ref() is not None for ref in roots]
+    first_kept = front == "PatchableGraph"  # pg.graph shows the first extraction
+    assert alive == [first_kept, False, False, True, True]
+
+
 def test_explain_tree_opaque_reasons_guards_and_history():
     model = DataDependentModule().eval()
     x = torch.randn(4, 3)
