@@ -107,6 +107,38 @@ def test_concurrent_calls_during_re_extraction_are_equal_to_eager():
     nnbridge.unbridge(model)
 
 
+def test_plain_model_running_in_another_thread_while_a_patchable_graph_extracts_it():
+    """A plain (never bridged) model called in a loop by another thread while ``PatchableGraph``
+    extracts it: its calls wait for the extraction (its modules' calls are locked for its
+    duration) and every one of them, and the PatchableGraph's, returns eager's numbers."""
+    for trial in range(3):
+        model, reference = _model(), _model()
+        x = torch.randn(2, 4)
+        expected = reference(x)
+        stop = threading.Event()
+        returned: list[bool] = []
+        errors: list[BaseException] = []
+
+        def loop() -> None:
+            try:
+                while not stop.is_set():
+                    returned.append(torch.equal(model(x), expected))
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        thread = threading.Thread(target=loop)
+        thread.start()
+        try:
+            pg = PatchableGraph(model, torch.randn(3, 4))
+            assert torch.equal(pg(x), expected)
+        finally:
+            stop.set()
+            thread.join(30)
+        assert not errors, errors
+        assert returned and all(returned), f"trial {trial}: a plain call differed from eager during extraction"
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+
+
 def test_other_threads_grad_mode_and_functions_are_untouched_during_extraction():
     """Extraction's process-wide hooks (grad-mode freezing, ``autograd.Function.apply``) act only
     in the extracting thread: another thread's ``no_grad`` still applies there."""
