@@ -5,6 +5,7 @@ import torch
 
 from fixtures.tuple_output_module import TupleOutputModule
 from nnbridge import NodePath, NodePathError, PatchableGraph, ZeroPatch
+from nnbridge.errors import PatchMapError
 from utils import forward_spy
 
 
@@ -26,7 +27,6 @@ def test_parse():
 
 
 @pytest.mark.parametrize("patch_map, message", [
-    (["linear_0.output"], "takes a dict"),
     ({"linear_2.output": ZeroPatch()}, "'linear_2.output' is not a node. Closest valid NodePaths: \\['linear_1.output'"),
     ({"output": ZeroPatch()}, "'output' is not a leaf.*'output\\|sub_0'"),
     ({"linear_0": ZeroPatch()}, "'linear_0' is a graph, not a node"),
@@ -54,11 +54,20 @@ def test_every_bad_path_is_listed_and_nothing_is_patched(tuple_pg):
     assert torch.equal(pg(x)[0], model(x)[0])
 
 
-def test_non_patch_values_are_rejected(tuple_pg):
-    _, pg = tuple_pg
-    with pytest.raises(TypeError, match="must be Patch objects"):
-        with pg.patch({"add": lambda v: v}):
-            pass
+@pytest.mark.parametrize("patch_map, message", [
+    (["linear_0.output"], "takes a dict"),
+    ({"add": lambda v: v}, "must be Patch objects"),
+    ({"add": [ZeroPatch(), "zero"]}, "must be Patch objects"),
+    ({3: ZeroPatch()}, "keys must be NodePath strings"),
+])
+def test_invalid_patch_map_types_raise_value_error_like_graphpatch(tuple_pg, patch_map, message):
+    """graphpatch raises ValueError for a patch_map of invalid types (KeyError for bad paths)."""
+    model, pg = tuple_pg
+    with forward_spy(model, pg) as calls:
+        with pytest.raises(ValueError, match=message) as info:
+            with pg.patch(patch_map):
+                pg(torch.ones(3, 2))
+    assert calls == [] and isinstance(info.value, (PatchMapError, TypeError))
 
 
 def test_nnsight_spelling_and_op_point(tuple_pg):

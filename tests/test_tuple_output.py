@@ -1,5 +1,6 @@
 """Seed 000/001's TupleOutputModule: the tree, the code, independent invocation patches."""
 
+import pytest
 import torch
 
 from fixtures.tuple_output_module import TupleOutputModule
@@ -94,3 +95,46 @@ def test_node_view_is_a_node_path():
         first, second = pg(x)
     assert torch.equal(first, torch.zeros(3, 3)) and torch.equal(second, torch.zeros(3, 3))
     assert str(pg.graph.output.sub_0) == "output|sub_0"
+
+
+def test_container_shape_like_graphpatch():
+    """``_shape`` of a container value is a tree of its entries' shapes (graphpatch's shape tree)."""
+    _, pg = make()
+    shape = pg.graph.output._shape
+    assert shape.sub_0 == torch.Size([3, 3]) and shape[1] == torch.Size([3, 3])
+    assert shape == (torch.Size([3, 3]), torch.Size([3, 3])) and shape.unwrap() == (torch.Size([3, 3]),) * 2
+    assert len(shape) == 2 and dir(shape) == ["sub_0", "sub_1"]
+    assert repr(shape) == "output: tuple(2)\n├─sub_0: torch.Size([3, 3])\n└─sub_1: torch.Size([3, 3])"
+    with pytest.raises(AttributeError, match=r"No entry 'sub_2' in the shape of output; entries: \['sub_0', 'sub_1'\]"):
+        shape.sub_2
+
+
+def test_mapping_interface_like_graphpatch():
+    """``in``, ``[]``, ``get``, ``keys``, ``len`` on ``pg.graph`` and on any graph below it, as on
+    graphpatch's NodePath; a dig may be written with ``|`` or, as graphpatch's keys, with ``.``."""
+    _, pg = make()
+    assert "linear_0.output" in pg.graph and "output|sub_0" in pg.graph and "output.sub_1" in pg.graph
+    assert "linear_2.output" not in pg.graph and "output|sub_2" not in pg.graph and 3 not in pg.graph
+    assert "output" in pg.graph.linear_1 and "linear_0.output" not in pg.graph.linear_1
+    assert str(pg.graph["linear_1.weight"]) == "linear_1.weight"
+    assert pg.graph["linear_1"]["output"]._shape == torch.Size([3, 3])
+    assert str(pg.graph["output.sub_1"]) == str(pg.graph["output|sub_1"]) == "output|sub_1"
+    assert pg.graph.get("nope") is None and pg.graph.get("nope", 7) == 7
+    keys = list(pg.graph)
+    assert keys[:5] == ["x", "linear_0", "add", "linear_1", "output"], "breadth first, graph order"
+    assert "linear_1.bias" in keys and keys[-2:] == ["output|sub_0", "output|sub_1"]
+    assert len(pg.graph) == len(keys) == 17
+    with pg.patch({pg.graph["linear_1.output"]: ZeroPatch()}):
+        assert torch.equal(pg(torch.ones(3, 2))[1], torch.zeros(3, 3))
+    with pytest.raises(KeyError, match=r"No node 'linear_0.outptu' under <root>; closest: \['linear_0.output'"):
+        pg.graph["linear_0.outptu"]
+    with pytest.raises(ValueError, match="linear_0.output is a leaf"):
+        "x" in pg.graph.linear_0.output
+
+
+def test_output_code_is_the_return_statement():
+    """graphpatch's ``_code`` of an ``output`` node (and of its digs): the return statement."""
+    _, pg = make()
+    assert pg.graph.output._code == "return (linear_0, linear_1)"
+    assert pg.graph.output.sub_1._code == "return (linear_0, linear_1)"
+    assert pg.graph.linear_0.output._code == "return linear"

@@ -9,9 +9,12 @@ as a NodePath key in ``pg.patch``.
 from __future__ import annotations
 
 import difflib
+from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.fx.node import Node, map_arg
 
 from . import hierarchy
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
@@ -80,6 +83,84 @@ def _calling_context(owner: CompiledGraphModule, child_graph: GraphModuleBase) -
     return child_frames[-2] if len(child_frames) >= 2 else _NO_SOURCE
 
 
+class _Name:
+    """A node shown by its NodePath name inside a printed value (``return (linear, add)``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _return_line(owner: CompiledGraphModule, node: Node) -> str:
+    """graphpatch's ``_code`` of an ``output`` node: the return statement, by NodePath names."""
+    names = {n: name for name, n in owner.named_nodes()}
+    return f"return {map_arg(node.args[0], lambda n: _Name(names.get(n, n.name)))!r}"
+
+
+class ShapeView:
+    """``_shape`` of a node whose value is a container (graphpatch's shape tree): attribute access
+    by dig key (``pg.graph.output._shape.sub_0`` is a ``torch.Size``), indexing by position or key,
+    ``unwrap()`` for the plain tuple/list/dict of ``torch.Size`` (non-tensor leaves as their type
+    name), and a tree repr."""
+
+    def __init__(self, path: str, summary: Any):
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_summary", summary)
+
+    @staticmethod
+    def _wrap(path: str, summary: Any) -> Any:
+        return ShapeView(path, summary) if _dig_children(summary) else summary
+
+    def __getattr__(self, key: str) -> Any:
+        for name, value in _dig_children(self._summary):
+            if name == key:
+                return self._wrap(f"{self._path}.{key}", value)
+        raise AttributeError(f"No entry {key!r} in the shape of {self._path}; entries:"
+                             f" {[name for name, _ in _dig_children(self._summary)]}")
+
+    def __getitem__(self, key: int | str) -> Any:
+        children = _dig_children(self._summary)
+        if isinstance(key, int):
+            return self._wrap(f"{self._path}.{children[key][0]}", children[key][1])
+        return self.__getattr__(key)
+
+    def __len__(self) -> int:
+        return len(_dig_children(self._summary))
+
+    def __dir__(self) -> list[str]:
+        return [name for name, _ in _dig_children(self._summary)]
+
+    def unwrap(self) -> Any:
+        """The shapes as plain containers, e.g. ``(torch.Size([3, 3]), torch.Size([3, 3]))``."""
+        def plain(summary: Any) -> Any:
+            if isinstance(summary, (tuple, list)):
+                return type(summary)(plain(v) for v in summary)
+            if isinstance(summary, dict):
+                return {k: plain(v) for k, v in summary.items()}
+            return summary
+        return plain(self._summary)
+
+    def __eq__(self, other: object) -> bool:
+        return self.unwrap() == (other.unwrap() if isinstance(other, ShapeView) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        lines = [f"{self._path}: {_describe(self._summary)}"]
+
+        def draw(summary: Any, indent: str) -> None:
+            kids = _dig_children(summary)
+            for i, (name, value) in enumerate(kids):
+                last = i == len(kids) - 1
+                shown = f"torch.Size({list(value)})" if isinstance(value, torch.Size) else _describe(value)
+                lines.append(f"{indent}{'└─' if last else '├─'}{name}: {shown}")
+                draw(value, indent + ("  " if last else "│ "))
+        draw(self._summary, "")
+        return "\n".join(lines)
+
+
 class NodeView:
     """One entry of the hierarchy: a graph, a node, or a dug-into part of a node's value.
 
@@ -122,10 +203,74 @@ class NodeView:
         raise AttributeError("pg.graph is read-only; patch nodes with pg.patch({...})")
 
     # -- description ----------------------------------------------------------------------------
+    # -- mapping interface (graphpatch's NodeData) ---------------------------------------------
+    def keys(self) -> Iterator[str]:
+        """Every NodePath below this view, relative to it, breadth first (dig paths with ``|``).
+
+        Raises:
+            ValueError: this view is a leaf (as graphpatch's mapping interface on a leaf).
+        """
+        self._require_children()
+        queue: deque[tuple[str, NodeView]] = deque([("", self)])
+        while queue:
+            prefix, view = queue.popleft()
+            for name, child in view._children():
+                sep = "|" if (child._dig and len(child._dig) == 1) else "."
+                path = f"{prefix}{sep}{name}" if prefix else name
+                yield path
+                queue.append((path, child))
+
+    def __iter__(self) -> Iterator[str]:
+        return self.keys()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.keys())
+
+    def __contains__(self, path: object) -> bool:
+        return isinstance(path, str) and self._lookup(path) is not None
+
+    def __getitem__(self, path: str) -> NodeView:
+        """The view at ``path`` below this one: ``pg.graph["linear.output"]``; a dig may be written
+        ``"output|sub_0"`` or, as graphpatch's mapping keys, ``"output.sub_0"``.
+
+        Raises:
+            KeyError: no such path (the message lists the closest ones).
+            ValueError: this view is a leaf.
+        """
+        found = self._lookup(path) if isinstance(path, str) else None
+        if found is None:
+            close = difflib.get_close_matches(str(path), list(self.keys()), n=5, cutoff=0.4)
+            raise KeyError(f"No node {path!r} under {self._path or '<root>'}; closest: {close}")
+        return found
+
+    def get(self, path: str, default: Any = None) -> Any:
+        """``self[path]``, or ``default`` when there is no such path."""
+        found = self._lookup(path) if isinstance(path, str) else None
+        return default if found is None else found
+
+    def _require_children(self) -> None:
+        if self._graph is None and not _dig_children(self._summary):
+            raise ValueError(f"{self._path or '<root>'} is a leaf ({_describe(self._summary)}); the mapping"
+                             " interface (in, [], len, keys) applies to graphs and container values.")
+
+    def _lookup(self, path: str) -> NodeView | None:
+        self._require_children()
+        view: NodeView = self
+        for segment in path.replace("|", ".").split("."):
+            view = next((child for name, child in view._children() if name == segment), None)  # type: ignore[assignment]
+            if view is None:
+                return None
+        return view
+
     @property
-    def _shape(self) -> torch.Size | None:
-        """The ``torch.Size`` observed on the example inputs (None for non-tensors and graphs)."""
-        return self._summary if isinstance(self._summary, torch.Size) else None
+    def _shape(self) -> torch.Size | ShapeView | None:
+        """The ``torch.Size`` observed on the example inputs; for a container value a
+        :class:`ShapeView` of its entries' shapes (as graphpatch); None for other values and graphs."""
+        if isinstance(self._summary, torch.Size):
+            return self._summary
+        if self._graph is None and _dig_children(self._summary):
+            return ShapeView(self._path, self._summary)
+        return None
 
     @property
     def _code(self) -> str:
@@ -138,7 +283,10 @@ class NodeView:
                 return f"Calling context:\n{_calling_context(self._owner, self._graph)}\nCompiled code:\n{code}"
             return code
         if isinstance(self._owner, CompiledGraphModule):
-            return _last_frame(self._owner.node(self._name).meta.get("stack_trace"))
+            node = self._owner.node(self._name)
+            if node.op == "output":
+                return _return_line(self._owner, node)
+            return _last_frame(node.meta.get("stack_trace"))
         if isinstance(self._owner, OpaqueGraphModule):
             return f"<{self._name} of opaque module {type(self._owner.original).__qualname__}>"
         return ""

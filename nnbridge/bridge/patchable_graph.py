@@ -21,7 +21,7 @@ import torch
 from ..compat.pytree import pytree
 
 from ..compat import has_user_hooks
-from ..errors import NNBridgeError, NodePathError, PatchError
+from ..errors import NNBridgeError, NodePathError, PatchError, PatchMapError
 from . import hierarchy, patch_state
 from .dispatcher import GraphDispatcher, WeakCallback
 from .capture_checks import preserved_state
@@ -195,22 +195,26 @@ class PatchableGraph(torch.nn.Module):
                 apply in list order, after those of enclosing contexts.
 
         Raises:
-            NodePathError: (a ``KeyError``) ``patch_map`` is not a dict, or paths are unknown, not
+            NodePathError: (a ``KeyError``, as in graphpatch) paths are unknown, not
                 leaves (a graph, or a container value without a ``|`` dig), or dig into nothing;
                 every bad path is listed with the closest valid ones. Raised before anything is
                 patched; the model does not run.
-            TypeError: a value is not a Patch or a list of Patches.
+            PatchMapError: (a ``ValueError`` as in graphpatch, and a ``TypeError``) ``patch_map``
+                is not a dict, or a value is not a Patch or a list of Patches.
         """
         if not isinstance(patch_map, dict):
-            raise NodePathError(
+            raise PatchMapError(
                 f"pg.patch() takes a dict {{NodePath: patch or [patches]}}, got {type(patch_map).__name__}:"
                 f" {patch_map!r}. Example: pg.patch({{'linear_0.output': ZeroPatch()}}).")
         errors, plan = [], []
         for key, value in patch_map.items():
+            if not isinstance(key, (str, NodeView)):
+                raise PatchMapError(f"pg.patch() keys must be NodePath strings or pg.graph nodes, got {key!r}"
+                                    f" ({type(key).__name__}). Example: pg.patch({{'linear_0.output': ZeroPatch()}}).")
             patches = value if isinstance(value, (list, tuple)) else [value]
             bad = [p for p in patches if not isinstance(p, Patch)]
             if bad:
-                raise TypeError(f"The patches for {str(key)!r} must be Patch objects (ZeroPatch(), AddPatch(value=...),"
+                raise PatchMapError(f"The patches for {str(key)!r} must be Patch objects (ZeroPatch(), AddPatch(value=...),"
                                 f" ...) or a list of them; got {bad[0]!r}.")
             try:
                 node_path = self._validate(str(key) if isinstance(key, NodeView) else key)
