@@ -123,7 +123,7 @@ def test_mapping_interface_like_graphpatch():
     keys = list(pg.graph)
     assert keys[:5] == ["x", "linear_0", "add", "linear_1", "output"], "breadth first, graph order"
     assert "linear_1.bias" in keys and keys[-2:] == ["output|sub_0", "output|sub_1"]
-    assert len(pg.graph) == len(keys) == 17
+    assert len(pg.graph) == len(keys) == 17 and bool(pg.graph.x)
     with pg.patch({pg.graph["linear_1.output"]: ZeroPatch()}):
         assert torch.equal(pg(torch.ones(3, 2))[1], torch.zeros(3, 3))
     with pytest.raises(KeyError, match=r"No node 'linear_0.outptu' under <root>; closest: \['linear_0.output'"):

@@ -226,6 +226,9 @@ class NodeView:
     def __len__(self) -> int:
         return sum(1 for _ in self.keys())
 
+    def __bool__(self) -> bool:  # a view is a NodePath, true even when it is a leaf
+        return True
+
     def __contains__(self, path: object) -> bool:
         return isinstance(path, str) and self._lookup(path) is not None
 
