@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from ..compat.pytree import pytree
 
-from ..compat import compile_guards, export_guards
+from ..compat import compile_guards, export_guards, guard_view
 
 #: Device types whose autocast state is part of a call's structure.
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -150,8 +150,8 @@ class ShapeGuard:
         return True
 
     def _check_call(self, call: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
-        try:  # the exported root is nnbridge's wrapper: forward(args, kwargs)
-            return self._check({"args": call[0], "kwargs": call[1]})  # type: ignore[misc]
+        try:  # the exported root is nnbridge's wrapper: forward(args, kwargs); guards address leaves by key path
+            return self._check(guard_view({"args": call[0], "kwargs": call[1]}))  # type: ignore[misc]
         except Exception:  # noqa: BLE001 - a guard that cannot be evaluated does not hold
             return False
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from ..compat.pytree import pytree
 
-from ..compat import has_user_hooks
+from ..compat import has_user_hooks, restore_body, swap_body
 from ..errors import NNBridgeError, NodePathError, PatchError, PatchMapError
 from . import hierarchy, patch_state
 from .dispatcher import GraphDispatcher, WeakCallback
@@ -33,6 +33,16 @@ from .node_path import NodePath, dig_key
 from .op_point import OpPoint
 from .options import ExtractionOptions
 from .patches import Patch
+
+
+@contextlib.contextmanager
+def body_swapped(module: torch.nn.Module, body: Any) -> Iterator[None]:
+    """Calls of ``module`` (hooks, then ``body(module, *args, **kwargs)``) for the duration."""
+    swapped = swap_body(module, body)
+    try:
+        yield
+    finally:
+        restore_body(swapped)
 
 
 class _PatchListener:
@@ -162,6 +172,56 @@ class PatchableGraph(torch.nn.Module):
     def extractions(self) -> list[Extraction]:
         """Every extraction made so far (one per call structure); the first is the one inspected."""
         return self._dispatcher.all_extractions()
+
+    # -- generation (transformers) --------------------------------------------------------------
+    @property
+    def config(self) -> Any:
+        """The module's ``config`` (transformers models), as on graphpatch's PatchableGraph."""
+        return getattr(self._dispatcher.module, "config", None)
+
+    @property
+    def generation_config(self) -> Any:
+        """A copy of the module's ``generation_config``, taken at construction (as graphpatch);
+        :meth:`generate` uses it unless given one. None for modules that do not generate."""
+        if "_generation_config" not in self.__dict__:
+            config = getattr(self._dispatcher.module, "generation_config", None)
+            self.__dict__["_generation_config"] = copy.deepcopy(config)
+        return self.__dict__["_generation_config"]
+
+    @generation_config.setter
+    def generation_config(self, value: Any) -> None:
+        self.__dict__["_generation_config"] = value
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``generate`` with every forward run through this PatchableGraph's graphs,
+        so open ``pg.patch`` contexts apply at every step (graphpatch's ``PatchableGraph.generate``).
+
+        Unlike graphpatch (which turned the cache off), the KV cache is kept (``use_cache`` as the
+        module's generation config says): the cache object flows through the graphs. Each new step
+        structure (prefill, decode) is extracted once. Over a bridged model this is the model's own
+        ``generate``. Arguments and return value: as ``module.generate``; ``generation_config``
+        defaults to :attr:`generation_config`.
+
+        Raises:
+            NNBridgeError: the module has no ``generate`` (not a transformers generation model).
+        """
+        module = self._dispatcher.module
+        if not callable(getattr(module, "generate", None)):
+            raise NNBridgeError(
+                f"PatchableGraph.generate: {type(module).__name__} has no generate() (not a transformers model with"
+                " GenerationMixin); call the PatchableGraph in a loop instead.")
+        if self._modules_of_plain is not None:
+            self._refuse_user_hooks()
+        own = getattr(module, "generation_config", None)
+        if "generation_config" not in kwargs and self.generation_config is not None and (
+                own is None or self.generation_config.to_dict() != own.to_dict()):  # changed on pg
+            kwargs["generation_config"] = copy.deepcopy(self.generation_config)
+        if self._call is not self._dispatcher:  # a bridged model: its own generate runs the graphs
+            self._check_bridged()
+            return self._call.generate(*args, **kwargs)
+        dispatcher = self._dispatcher
+        with body_swapped(module, lambda _module, *a, **k: dispatcher(*a, **k)):
+            return module.generate(*args, **kwargs)
 
     # -- inspection -----------------------------------------------------------------------------
     @property

@@ -7,6 +7,7 @@ from .export import (
     export_guards as export_guards,
     export as export,
     forget_export_state as forget_export_state,
+    guard_view as guard_view,
     forward_from_source as forward_from_source,
     invocation_graphs as invocation_graphs,
     register_cache_pytrees as register_cache_pytrees,

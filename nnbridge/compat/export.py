@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .pytree import pytree
+
 # torch.export.unflatten the *module* is shadowed by the function of the same name.
 _unflatten_module = sys.modules["torch.export.unflatten"]
 
@@ -286,3 +288,29 @@ def compile_guards(codes: list[str]) -> Callable[[dict[str, Any]], bool]:
     source = " and ".join(f"({code})" for code in codes) or "True"
     namespace = {**SYMPY_INTERP, "math": math, "inf": float("inf"), "torch": torch}
     return eval(f"lambda L: bool({source})", namespace)  # noqa: S307 - torch's own guard code
+
+
+class _Keyed(dict):
+    """A pytree node as export's guard sources address it: ``[key]`` and ``.attribute``."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def guard_view(value: Any) -> Any:
+    """``value`` rebuilt from its pytree leaves by key path, as export's guard sources see it:
+    ``L['kwargs']['past_key_values'][0]`` is the first leaf of a cache object (its flattened
+    children), not ``cache[0]``. Key entries: ``MappingKey`` and ``SequenceKey`` index,
+    ``GetAttrKey`` is an attribute (torch 2.2 - 2.13 ``torch.utils._pytree``)."""
+    root = _Keyed()
+    for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+        node = root
+        keys = [getattr(entry, "key", getattr(entry, "idx", getattr(entry, "name", None))) for entry in path]
+        for key in keys[:-1]:
+            node = node.setdefault(key, _Keyed())
+        if keys:
+            node[keys[-1]] = leaf
+    return root

@@ -13,6 +13,7 @@ Three wrappers can already hold that slot; a bridge swaps the *body* they call, 
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ def swap_body(module: torch.nn.Module, body: Callable[..., Any]) -> SwappedBody:
         swapped = SwappedBody(module, "nnsight", state.body)
         state.body = body
         return swapped
-    bound = _Bound(module, body)
+    bound = _Bound(module, body, module.__dict__.get("forward"))
     if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__:
         swapped = SwappedBody(module, "accelerate", module.__dict__["_old_forward"])
         module.__dict__["_old_forward"] = bound
@@ -66,11 +67,24 @@ def restore_body(swapped: SwappedBody) -> None:
 class _Bound:
     """``body`` bound to a module by weak reference (the module owns this object)."""
 
-    def __init__(self, module: torch.nn.Module, body: Callable[..., Any]):
+    def __init__(self, module: torch.nn.Module, body: Callable[..., Any], previous: Any = None):
         import weakref
 
         self.module_ref = weakref.ref(module)
         self.body = body
+        self._previous_signature = None if previous is None else inspect.signature(previous)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The signature of the forward it stands in for: transformers reads
+        ``inspect.signature(model.forward)`` to decide which arguments to pass (``generate`` passes
+        ``logits_to_keep`` only to a forward that declares it)."""
+        if self._previous_signature is not None:
+            return self._previous_signature
+        module = self.module_ref()
+        if module is None:
+            return inspect.Signature()
+        return inspect.signature(type(module).forward.__get__(module))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.body(self.module_ref(), *args, **kwargs)
