@@ -97,8 +97,13 @@ def test_dig_patches_into_nested_containers():
     x = torch.randn(3, 2)
     pg = PatchableGraph(model, x)
     assert "output|a.sub_1.sub_1.sub_0" in pg.node_paths()
-    with pg.patch({"output|a.sub_1.sub_1.sub_0": ZeroPatch(), "output|b.sub_1.c": AddPatch(value=1.0)}):
+    zero, add, plain = ZeroPatch(), AddPatch(value=1.0), ProbePatch()
+    with pg.patch({"output|a.sub_1.sub_1.sub_0": zero, "output|b.sub_1.c": add, "linear.output": plain}):
         out = pg(x)
+    # graphpatch's Patch.path: the dig part, set by pg.patch; not a constructor argument
+    assert (zero.path, add.path, plain.path) == ("a.sub_1.sub_1.sub_0", "b.sub_1.c", None)
+    with pytest.raises(TypeError):
+        ZeroPatch(path="a")
     want = model(x)
     assert torch.equal(out["a"][1][1][0], torch.zeros(3, 2))
     assert torch.equal(out["a"][1][1][1], want["a"][1][1][1]) and torch.equal(out["a"][0], want["a"][0])

@@ -281,6 +281,8 @@ class PatchableGraph(torch.nn.Module):
             except NodePathError as error:
                 errors.append(str(error))
                 continue
+            for patch in patches:  # graphpatch's Patch.path: the dig part of the NodePath
+                patch.path = ".".join(node_path.dig) or None
             plan.extend((node_path, patch) for patch in patches)
         if errors:
             raise NodePathError("Invalid NodePaths (nothing was patched):\n- " + "\n- ".join(errors))

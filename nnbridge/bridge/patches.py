@@ -53,9 +53,13 @@ class Patch(Generic[PatchTarget]):
             (the default) the patch receives a clone of the node's tensors, so an in-place op
             (``t.add_(1)``) cannot change the model's weights, a caller's input or another consumer
             of the node. nnbridge's own patches are out of place and receive the node's value.
+        path: for a NodePath that digs into a container value (``"output|sub_0.logits"``), the
+            dig part (``"sub_0.logits"``), set by ``pg.patch`` as graphpatch does; None otherwise.
+            Not a constructor argument. The patch receives the dug element, never the container.
     """
 
     requires_clone: bool = field(default=True, init=False)
+    path: str | None = field(default=None, init=False)
 
     def op(self, original_output: PatchTarget) -> PatchTarget:
         """The value the rest of the graph sees instead of ``original_output`` (the node's value:
