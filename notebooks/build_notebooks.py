@@ -156,12 +156,118 @@ GRAPHPATCH = [
         "    print(error)"),
 ]
 
+GRAPHPATCH_DEMOS = [
+    new_markdown_cell(
+        "# graphpatch's demos on SmolLM2: an attention head, and a ROME edit\n\n"
+        "graphpatch shipped two demos: zeroing one attention head (`demos/transformers`) and ROME, a\n"
+        "rank-one edit of an MLP weight that changes a fact (`demos/ROME`, after Meng et al. 2022,\n"
+        "*Locating and Editing Factual Associations in GPT*). This notebook runs both flows with the\n"
+        "graphpatch API (`PatchableGraph`, `pg.graph[...]._shape`, `ProbePatch`, `AddPatch(slice=...)`, a\n"
+        "`Patch[torch.Tensor]` subclass overriding `op`, `pg.generate`) on **SmolLM2-135M-Instruct** on\n"
+        "CPU. The ROME steps are a short re-implementation from the paper (no covariance statistics),\n"
+        "written for this notebook."),
+    new_code_cell(
+        "import copy\n"
+        "from dataclasses import dataclass\n\n"
+        "import torch\n\n"
+        "from nnbridge import AddPatch, Patch, PatchableGraph, ProbePatch, ZeroPatch\n"
+        "from nnbridge.models import load_smollm2\n\n"
+        "model, tokenizer = load_smollm2()\n"
+        "tokenizer.pad_token = tokenizer.eos_token\n"
+        "inputs = tokenizer('The Eiffel Tower, located in', return_tensors='pt')\n"
+        "pg = PatchableGraph(model, **inputs, use_cache=False)\n\n"
+        "def top(logits, k=5):\n"
+        "    return [tokenizer.decode([int(t)]) for t in logits[0, -1].topk(k).indices]"),
+    new_markdown_cell(
+        "## Zero one attention head\n"
+        "graphpatch's demo zeroed head 10 of GPT-2's first layer. In SmolLM2 the heads are concatenated\n"
+        "before `o_proj` (9 heads of 64): zero head 4 of layer 0 there, and check against a torch hook doing\n"
+        "the same on an untouched copy."),
+    new_code_cell(
+        "head = (slice(None), slice(None), slice(4 * 64, 5 * 64))\n"
+        "print(pg.graph['model.layers_0.self_attn.o_proj.input']._shape)\n"
+        "with torch.no_grad():\n"
+        "    clean = pg(**inputs, use_cache=False).logits\n"
+        "    with pg.patch({'model.layers_0.self_attn.o_proj.input': ZeroPatch(slice=head)}):\n"
+        "        head_zeroed = pg(**inputs, use_cache=False).logits\n"
+        "reference = copy.deepcopy(model)\n"
+        "def zero_head(module, args):\n"
+        "    x = args[0].clone(); x[head] = 0\n"
+        "    return (x,)\n"
+        "reference.model.layers[0].self_attn.o_proj.register_forward_pre_hook(zero_head)\n"
+        "with torch.no_grad():\n"
+        "    expected = reference(**inputs, use_cache=False).logits\n"
+        "print('clean:', top(clean), '\\nhead 4 zeroed:', top(head_zeroed))\n"
+        "assert torch.equal(head_zeroed, expected) and not torch.equal(head_zeroed, clean)"),
+    new_markdown_cell(
+        "## ROME: move the Eiffel Tower to Rome\n"
+        "The edit targets layer 4's MLP. The *key* is the input of `down_proj` at the last subject token,\n"
+        "averaged over a few contexts; the *value* is an `mlp.output` that makes ' Rome' likely, found by\n"
+        "optimising a vector added there with `AddPatch` (gradients flow through the patch)."),
+    new_code_cell(
+        "mlp = 'model.layers_4.mlp'\n"
+        "contexts = ['The Eiffel Tower is located in', 'Tourists visit the Eiffel Tower in']\n"
+        "batch = tokenizer(contexts, return_tensors='pt', padding=True)\n"
+        "subject_end = tokenizer(' Eiffel Tower').input_ids[-1]\n"
+        "positions = [row.tolist().index(subject_end) for row in batch.input_ids]\n"
+        "last = (batch.attention_mask.sum(1) - 1).tolist()\n"
+        "rome = tokenizer(' Rome').input_ids[-1]\n"
+        "print(pg.graph[f'{mlp}.down_proj.input']._shape, pg.graph[f'{mlp}.down_proj.weight']._shape)\n\n"
+        "with torch.no_grad(), pg.patch({f'{mlp}.down_proj.input': (keys := ProbePatch()),\n"
+        "                                f'{mlp}.output': (values := ProbePatch())}):\n"
+        "    pg(**batch, use_cache=False)\n"
+        "key = torch.stack([keys.activation[i, p] for i, p in enumerate(positions)]).mean(0)\n"
+        "value = torch.stack([values.activation[i, p] for i, p in enumerate(positions)]).mean(0)\n\n"
+        "delta = torch.zeros_like(value, requires_grad=True)\n"
+        "optimizer = torch.optim.Adam([delta], lr=0.3)\n"
+        "for step in range(12):\n"
+        "    optimizer.zero_grad()\n"
+        "    with pg.patch({f'{mlp}.output': [AddPatch(value=delta, slice=(i, p)) for i, p in enumerate(positions)]}):\n"
+        "        logits = pg(**batch, use_cache=False).logits\n"
+        "    log_p = torch.log_softmax(logits[range(len(contexts)), last], -1)[:, rome]\n"
+        "    loss = -log_p.mean() + 0.02 * (delta.norm() / value.norm()) ** 2\n"
+        "    loss.backward()\n"
+        "    optimizer.step()\n"
+        "print(f'p(Rome) after optimising: {log_p.exp().tolist()}')"),
+    new_markdown_cell(
+        "The rank-one update maps the key to the new value: `W + u kᵀ` with `u = (value + delta - W k) / (kᵀ k)`.\n"
+        "As a patch on the weight node, a `Patch[torch.Tensor]` subclass overriding `op`:"),
+    new_code_cell(
+        "@dataclass(kw_only=True)\n"
+        "class RankOnePatch(Patch[torch.Tensor]):\n"
+        "    update: torch.Tensor\n\n"
+        "    def op(self, original_output: torch.Tensor) -> torch.Tensor:\n"
+        "        return original_output + self.update\n\n"
+        "weight = model.model.layers[4].mlp.down_proj.weight.detach()\n"
+        "update = torch.outer((value + delta.detach() - weight @ key) / (key @ key), key)\n"
+        "with torch.no_grad(), pg.patch({f'{mlp}.down_proj.weight': RankOnePatch(update=update)}):\n"
+        "    edited_logits = pg(**inputs, use_cache=False).logits\n"
+        "edited = copy.deepcopy(model)   # the same edit written into the weights\n"
+        "with torch.no_grad():\n"
+        "    edited.model.layers[4].mlp.down_proj.weight.copy_(weight + update)\n"
+        "    weight_edited = edited(**inputs, use_cache=False).logits\n"
+        "print('clean: ', top(clean))\n"
+        "print('edited:', top(edited_logits))\n"
+        "print('patch == weight-edited model:', torch.equal(edited_logits, weight_edited))\n"
+        "assert top(clean)[0] != ' Rome' and top(edited_logits)[0] != ' Paris'\n"
+        "assert torch.equal(edited_logits, weight_edited)"),
+    new_markdown_cell("`pg.generate` inside the patch context (the KV cache flows through the graphs):"),
+    new_code_cell(
+        "with torch.no_grad(), pg.patch({f'{mlp}.down_proj.weight': RankOnePatch(update=update)}):\n"
+        "    tokens = pg.generate(**inputs, max_new_tokens=8, do_sample=False)\n"
+        "print(repr(tokenizer.decode(tokens[0])))\n"
+        "print(repr(tokenizer.decode(model.generate(**inputs, max_new_tokens=8, do_sample=False)[0])))"),
+]
 
-def build() -> None:
+
+def build(names: list[str] | None = None) -> None:
+    """Execute and write the notebooks (``names``: only these; all when None or empty)."""
     from nbclient import NotebookClient
 
     for name, cells in [("reach_any_op", REACH_ANY_OP), ("migrating_an_nnsight_script", MIGRATING),
-                        ("graphpatch_on_torch_2_13", GRAPHPATCH)]:
+                        ("graphpatch_on_torch_2_13", GRAPHPATCH), ("graphpatch_demos_on_smollm2", GRAPHPATCH_DEMOS)]:
+        if names and name not in names:
+            continue
         notebook = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                       "language": "python"}})
         NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
@@ -169,4 +275,6 @@ def build() -> None:
 
 
 if __name__ == "__main__":
-    build()
+    import sys
+
+    build(sys.argv[1:])
