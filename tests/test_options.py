@@ -1,21 +1,20 @@
 """ExtractionOptions: opaque fallback, skipping, custom extraction functions, postprocessing."""
 
+import copy
 import warnings
 
 import pytest
 import torch
 from torch.fx import Graph
 
-from fixtures.data_dependent_module import Branchy, DataDependentModule
+import nnbridge
+
+from fixtures.data_dependent_module import Branchy
 from fixtures.minimal_module import MinimalModule
 from fixtures.unused_submodule import UnusedSubmoduleModule
 from nnbridge import (CompiledGraphModule, ExtractionError, ExtractionOptions, NNBridgeWarning,
                       OpaqueGraphModule, PatchableGraph, ProbePatch, ZeroPatch)
-from utils import assert_same
-
-
-def data_dependent():
-    return DataDependentModule().eval(), torch.randn(2, 3)
+from utils import assert_same, data_dependent
 
 
 def test_opaque_fallback_is_silent_by_default():
@@ -24,6 +23,15 @@ def test_opaque_fallback_is_silent_by_default():
         warnings.simplefilter("error")
         pg = PatchableGraph(model, x)
     assert isinstance(pg._graph_module.branchy, OpaqueGraphModule)
+
+
+def test_opaque_fallback_prints_nothing_and_explain_keeps_the_reason(capfd):
+    model, x = data_dependent()
+    capfd.readouterr()
+    pg = PatchableGraph(model, x)
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+    assert "GuardOnDataDependentSymNode" in str(nnbridge.explain(pg))
 
 
 def test_warn_on_compilation_failure():
@@ -107,11 +115,12 @@ def test_custom_extraction_function_errors():
         return graph
 
     model, x = data_dependent()
+    untouched = copy.deepcopy(model)
     with pytest.raises(ExtractionError, match="not a 1-tuple"):
         PatchableGraph(model, x, options=ExtractionOptions(custom_extraction_functions={Branchy: no_tuple}))
     with pytest.raises(ExtractionError, match="placeholders \\['y'\\].*\\['x'\\]"):
         PatchableGraph(model, x, options=ExtractionOptions(custom_extraction_functions={Branchy: wrong_name}))
-    assert_same(model(x), model(x))
+    assert_same(model(x), untouched(x))
     assert "forward" not in model.branchy.__dict__
 
 
