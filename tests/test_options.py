@@ -40,6 +40,25 @@ def test_warn_on_compilation_failure():
         PatchableGraph(model, x, options=ExtractionOptions(warn_on_compilation_failure=True))
 
 
+def test_fallback_warnings_point_at_the_users_line():
+    """Extracting at construction, at a call of the PatchableGraph with a new call structure, and
+    at a call of a bridged model: each warning names this file."""
+    options = ExtractionOptions(warn_on_compilation_failure=True)
+    model, x = data_dependent()
+    with pytest.warns(NNBridgeWarning, match="Module 'branchy' is opaque") as caught:
+        pg = PatchableGraph(model, x, options=options)
+    assert [w.filename for w in caught] == [__file__]
+    with pytest.warns(NNBridgeWarning, match="Module 'branchy' is opaque") as caught:
+        pg(x.unsqueeze(0))  # another rank: extracted again
+    assert [w.filename for w in caught] == [__file__]
+    model, x = data_dependent()
+    with pytest.warns(NNBridgeWarning, match="Module 'branchy' is opaque") as caught:
+        nnbridge.bridge(model, x, options=options)
+        model(x.unsqueeze(0))
+    assert len(caught) == 2 and all(w.filename == __file__ for w in caught)
+    nnbridge.unbridge(model)
+
+
 def test_error_on_compilation_failure_keeps_cause_and_model_intact():
     model, x = data_dependent()
     hook_calls = []

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from ..compat import (cleared_module_state, constant_outputs, copy_spec, export,
                       unflatten)
 from ..compat.output_capturing import active_collector, collector_suspended
 from ..compat.fx import fx_patches_confined
-from ..errors import ExtractionError, NNBridgeWarning
+from ..errors import ExtractionError, NNBridgeWarning, warn
 from .call_structure import ShapeGuard, tensor_leaves
 from .capture_checks import CaptureWatch, UnfaithfulCaptureError, preserved_state
 from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value,
@@ -250,8 +249,8 @@ class _Context:
                 "to fall back to an opaque module."
             ) from error
         if self.options.warn_on_compilation_failure and error is not None:
-            warnings.warn(f"Module '{where}' is opaque (only its inputs, output, parameters and buffers are"
-                          f" patchable): {reason}", NNBridgeWarning, stacklevel=4)
+            warn(f"Module '{where}' is opaque (only its inputs, output, parameters and buffers are"
+                 f" patchable): {reason}", NNBridgeWarning)
         self.opaque[where] = reason
 
 
