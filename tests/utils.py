@@ -85,9 +85,12 @@ EXTRACTION_MODES = {
     "opaque": lambda: ExtractionOptions(skip_compilation=True),
 }
 
-#: Runs a test once per extraction mode; the test takes ``options`` (an ``ExtractionOptions``).
+#: Runs a test once per extraction mode; the test (or its fixture) takes ``options``.
 opaque_and_compiled = pytest.mark.parametrize(
     "options", [pytest.param(make, id=mode) for mode, make in EXTRACTION_MODES.items()], indirect=True)
+#: Runs a test in compiled mode only: it reaches op nodes or generated code, which opaque mode has not.
+compiled_only = pytest.mark.parametrize(
+    "options", [pytest.param(EXTRACTION_MODES["compiled"], id="compiled")], indirect=True)
 
 
 def shared_dir() -> Path:
