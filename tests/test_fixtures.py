@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from nnbridge import CompiledGraphModule, ExtractionOptions, OpaqueGraphModule, PatchableGraph, ProbePatch
-from utils import EXTRACTION_MODES, FIXTURES, assert_same, graph_modules, leaves, load_fixture
+from utils import (EXTRACTION_MODES, FIXTURES, assert_same, compiled_only, graph_modules, leaves, load_fixture,
+                   opaque_and_compiled)
 
 # Its ``branchy`` child cannot compile: compiled mode would raise, so it runs with the default
 # options there (that child falls back to opaque, the rest compiles).
@@ -61,17 +62,19 @@ def test_parameters_and_buffers_are_shared(name, make_options):
         assert tensor.data_ptr() in originals
 
 
-def test_weight_edits_are_seen():
+@opaque_and_compiled
+def test_weight_edits_are_seen(options):
     model, args, kwargs = load_fixture("minimal_module.MinimalModule")
-    pg = PatchableGraph(model, *args, **kwargs)
+    pg = PatchableGraph(model, *args, options=options, **kwargs)
     with torch.no_grad():
         model.linear.weight.mul_(3)
     assert torch.equal(pg(*args), model(*args))
 
 
-def test_nested_module_list_keeps_its_place():
+@compiled_only
+def test_nested_module_list_keeps_its_place(options):
     model, args, kwargs = load_fixture("nested_module.NestedModule")
-    pg = PatchableGraph(model, *args, **kwargs)
+    pg = PatchableGraph(model, *args, options=options, **kwargs)
     layers = pg._graph_module.layers
     assert type(layers) is torch.nn.ModuleList and len(layers) == 3
     assert all(isinstance(layer, CompiledGraphModule) for layer in layers)
@@ -84,30 +87,34 @@ def test_nested_module_list_keeps_its_place():
     assert torch.equal(probe.activation, model.layers[0](args[0], args[1], 1.5))
 
 
-def test_buffers_keep_persistence():
+@compiled_only
+def test_buffers_keep_persistence(options):
     model, args, kwargs = load_fixture("buffer_module.BufferModule")
-    pg = PatchableGraph(model, *args, **kwargs)
+    pg = PatchableGraph(model, *args, options=options, **kwargs)
     assert set(pg._graph_module.state_dict()) == {"offset"}
     assert {"offset", "scratch"} <= set(dir(pg.graph))
 
 
-def test_float_attribute_is_a_constant():
+@compiled_only
+def test_float_attribute_is_a_constant(options):
     model, args, kwargs = load_fixture("attribute_module.AttributeModule")
-    pg = PatchableGraph(model, *args, **kwargs)
+    pg = PatchableGraph(model, *args, options=options, **kwargs)
     assert "div" in dir(pg.graph)
     assert_same(pg(*args), model(*args))
 
 
-def test_varargs_placeholders():
+@compiled_only
+def test_varargs_placeholders(options):
     model, args, kwargs = load_fixture("varargs_module.VarargsModule")
-    pg = PatchableGraph(model, *args, **kwargs)
+    pg = PatchableGraph(model, *args, options=options, **kwargs)
     assert {"args_0", "args_1", "gain"} <= set(dir(pg.graph.inner))
     assert_same(pg(*args), model(*args))
 
 
-def test_layer_norm_graph():
+@compiled_only
+def test_layer_norm_graph(options):
     model, args, kwargs = load_fixture("layer_norm_module.LayerNormModule")
-    pg = PatchableGraph(model, *args, **kwargs)
+    pg = PatchableGraph(model, *args, options=options, **kwargs)
     assert "layer_norm" in dir(pg.graph.ln)
     assert pg.graph.ln.layer_norm._shape == torch.Size([2, 3, 5])
 
@@ -126,9 +133,10 @@ def test_data_dependent_branch_is_opaque_rest_is_graph():
         assert_same(pg(x), model(x))
 
 
-def test_protected_names_are_mangled():
+@compiled_only
+def test_protected_names_are_mangled(options):
     model, args, kwargs = load_fixture("protected_names_module.ProtectedNamesModule")
-    pg = PatchableGraph(model, *args, **kwargs)
+    pg = PatchableGraph(model, *args, options=options, **kwargs)
     assert {"_code_", "graph_"} <= set(dir(pg.graph))
     assert isinstance(pg.graph._code, str)
     assert pg.graph.graph_.linear._shape == torch.Size([3, 2])
