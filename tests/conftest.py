@@ -10,3 +10,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def options(request):
+    """Fresh ``ExtractionOptions`` for one extraction mode; use it through ``utils.opaque_and_compiled``."""
+    if not hasattr(request, "param"):
+        raise pytest.UsageError(f"{request.node.name} takes 'options': decorate it with @opaque_and_compiled")
+    return request.param()

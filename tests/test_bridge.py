@@ -8,8 +8,7 @@ from fixtures.data_dependent_module import DataDependentModule
 from fixtures.tuple_output_module import TupleOutputModule
 from nnbridge import ExtractionError, ExtractionOptions, NNBridgeError, OpPoint, ProbePatch, ZeroPatch
 from nnbridge.bridge import bridge_of
-from test_transformers import gpt2, llama, padded_batch
-from utils import assert_same
+from utils import assert_same, gpt2, llama, padded_batch
 
 MODELS = {"gpt2": gpt2, "llama": llama}
 

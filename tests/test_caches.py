@@ -10,8 +10,7 @@ import nnbridge
 from nnbridge import ExtractionOptions, PatchableGraph, ProbePatch
 from nnbridge.bridge import bridge_of
 from nnbridge.bridge.state import assign_state
-from test_transformers import gpt2, llama
-from utils import assert_same
+from utils import assert_same, gpt2, llama
 
 MODELS = {"gpt2": gpt2, "llama": llama}
 

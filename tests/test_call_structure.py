@@ -4,8 +4,7 @@ import torch
 
 from fixtures.minimal_module import MinimalModule
 from nnbridge import PatchableGraph, ZeroPatch
-from test_transformers import gpt2, padded_batch
-from utils import assert_same
+from utils import assert_same, gpt2, padded_batch
 
 
 def test_new_kwargs_and_values_are_extracted_again_and_cached():

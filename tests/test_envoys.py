@@ -5,11 +5,12 @@ import warnings
 import nnsight
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 import nnbridge
 from nnbridge import ProbePatch, ZeroPatch
-from utils import assert_same, gpt2_tokenizer_dir
+from nnbridge.bridge import bridge_of
+from utils import assert_same, gpt2_tokenizer_dir, text_model
 
 PROMPTS = ["When Mary and John went to the store", "The capital of France is"]
 
@@ -20,18 +21,8 @@ def tokenizer():
     return tok
 
 
-def make(kind):
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, attn_implementation="eager")).eval()
-    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=50257,
-                                        attn_implementation="eager", bos_token_id=0, eos_token_id=0,
-                                        pad_token_id=0)).eval()
-
-
 def wrap(library, kind):
-    return library.TransformersModel(make(kind), tokenizer=tokenizer(), task="text-generation")
+    return library.TransformersModel(text_model(kind), tokenizer=tokenizer(), task="text-generation")
 
 
 def layer(model, i):
@@ -141,17 +132,17 @@ def test_same_values_as_nnsight(kind, body):
     bridged_model = wrap(nnbridge, kind)
     got = body(bridged_model)
     assert_same(got, expected)
-    assert nnbridge.bridge.__module__ and __import__("nnbridge.bridge", fromlist=["bridge_of"]).bridge_of(bridged_model._module) is not None
+    assert bridge_of(bridged_model._module) is not None
 
 
 def test_nnbridge_wraps_an_nnsight_model():
-    inner = nnsight.NNsight(make("gpt2"))
+    inner = nnsight.NNsight(text_model("gpt2"))
     model = nnbridge.NNsight(inner)
     ids = torch.randint(0, 50257, (1, 5))
     with model.trace(ids, use_cache=False):
         sm = model.transformer.h[1].attn.softmax.output.save()
         logits = model.lm_head.output.save()
-    reference = make("gpt2")(ids, use_cache=False, output_attentions=True)
+    reference = text_model("gpt2")(ids, use_cache=False, output_attentions=True)
     assert torch.equal(sm, reference.attentions[1]) and torch.equal(logits, reference.logits)
 
 
@@ -169,7 +160,7 @@ def test_softmax_op_equals_output_attentions_and_zeroing_changes_logits(gpt2_mod
         attn = model.transformer.h[0].attn.softmax.output.save()
         logits = model.lm_head.output.save()
     ids = model.tokenizer(PROMPTS[0], return_tensors="pt")
-    reference = make("gpt2")(**ids, output_attentions=True)
+    reference = text_model("gpt2")(**ids, output_attentions=True)
     assert torch.equal(attn, reference.attentions[0]) and torch.equal(logits, reference.logits)
     with model.trace(PROMPTS[0]):
         model.transformer.h[0].attn.softmax.output[:] = 0
@@ -182,7 +173,7 @@ def test_op_values_match_the_graph_layer(gpt2_model):
     ids = model.tokenizer(PROMPTS[0], return_tensors="pt")
     with model.trace(PROMPTS[0]):
         traced = model.transformer.h[1].attn.softmax.output.save()
-    pg = nnbridge.PatchableGraph(make("gpt2"), **ids)
+    pg = nnbridge.PatchableGraph(text_model("gpt2"), **ids)
     probe = ProbePatch()
     with pg.patch({"transformer.h_1.attn.softmax": probe}):
         pg(**ids)
@@ -220,7 +211,7 @@ def test_op_grad_equals_autograd(gpt2_model):
         loss = model.lm_head.output.pow(2).mean()
         with loss.backward():
             grad = attn.grad.save()
-    reference = make("gpt2")
+    reference = text_model("gpt2")
     ids = model.tokenizer(PROMPTS[0], return_tensors="pt")
     captured = {}
     nnbridge.bridge(reference, **ids)
@@ -238,7 +229,7 @@ def test_ops_source_cannot_reach(gpt2_model):
     (drilling in needs a trace and crashes on F.softmax). They are ops here. (The block's residual
     ``+`` is a named assignment, which 0.8.1's ``.source`` does reach, as ``hidden_states_1``.)"""
     model, _ = gpt2_model
-    source_names = [n for n in dir(nnsight.TransformersModel(make("gpt2"), tokenizer=tokenizer(),
+    source_names = [n for n in dir(nnsight.TransformersModel(text_model("gpt2"), tokenizer=tokenizer(),
                                                              task="text-generation").transformer.h[0].attn.source)
                     if not n.startswith("_")]
     assert not any("softmax" in n or n.startswith("matmul") for n in source_names)
@@ -252,8 +243,8 @@ def test_ops_source_cannot_reach(gpt2_model):
         residual = model.transformer.h[0].add.output.save()              # attn_output + residual
     assert torch.equal(context, torch.matmul(probs, value))
     assert torch.equal(residual, attn_out + block_in)
-    assert torch.equal(ln, torch.nn.functional.layer_norm(block_in, (64,), make("gpt2").transformer.h[0].ln_1.weight,
-                                                          make("gpt2").transformer.h[0].ln_1.bias))
+    assert torch.equal(ln, torch.nn.functional.layer_norm(block_in, (64,), text_model("gpt2").transformer.h[0].ln_1.weight,
+                                                          text_model("gpt2").transformer.h[0].ln_1.bias))
 
 
 def test_op_paths_in_tracer_cache(gpt2_model):
@@ -341,7 +332,7 @@ def test_mixed_patching_with_nnsight(gpt2_model):
 
 
 def test_nnbridge_after_nnsight_was_used_on_the_same_model():
-    module = make("gpt2")
+    module = text_model("gpt2")
     ids = torch.randint(0, 50257, (1, 5))
     plain = nnsight.NNsight(module)
     with plain.trace(ids, use_cache=False):
@@ -352,7 +343,7 @@ def test_nnbridge_after_nnsight_was_used_on_the_same_model():
         after = model.lm_head.output.save()
     with plain.trace(ids, use_cache=False):  # the first wrapper still works on the bridged module
         again = plain.lm_head.output.save()
-    reference = make("gpt2")(ids, use_cache=False, output_attentions=True)
+    reference = text_model("gpt2")(ids, use_cache=False, output_attentions=True)
     assert torch.equal(before, after) and torch.equal(after, again) and torch.equal(sm, reference.attentions[0])
 
 

@@ -7,7 +7,7 @@ import torch
 import nnbridge
 from nnbridge import CustomPatch, PatchableGraph
 from nnbridge.bridge.failures import describe
-from test_transformers import gpt2
+from utils import gpt2
 
 
 def notes(error):

@@ -16,8 +16,7 @@ import nnbridge
 from nnbridge import NNBridgeError, PatchableGraph, ZeroPatch
 from nnbridge.bridge import bridge_of
 from test_caches import cached
-from test_transformers import gpt2, llama
-from utils import assert_same
+from utils import assert_same, gpt2, llama
 
 MODELS = {"gpt2": gpt2, "llama": llama}
 CAPTURE = [{"output_attentions": True}, {"output_hidden_states": True},

@@ -27,11 +27,11 @@ def _model() -> Two:
     return Two().eval()
 
 
-@pytest.mark.parametrize("bridged", [True, False])
-def test_patches_apply_once_across_call_structures(bridged):
+@pytest.mark.parametrize("bridge_first", [True, False])
+def test_patches_apply_once_across_call_structures(bridge_first):
     model, reference = _model(), _model()
     x1, x3, x5 = torch.randn(1, 4), torch.randn(3, 4), torch.randn(5, 4)
-    if bridged:
+    if bridge_first:
         nnbridge.bridge(model, x1)
         model(x3)  # a second call structure
     pg = PatchableGraph(model, x1)
@@ -48,7 +48,7 @@ def test_patches_apply_once_across_call_structures(bridged):
     # the same patch object listed twice applies twice, as listed
     with pg.patch({"fc.output": [AddPatch(value=1.0)] * 2}):
         assert torch.equal(pg(x3), (reference.fc(x3) + 1.0 + 1.0) * 2)
-    if bridged:
+    if bridge_first:
         nnbridge.unbridge(model)
 
 

@@ -15,8 +15,7 @@ import nnbridge
 from fixtures.data_dependent_module import DataDependentModule
 from nnbridge import ExtractionOptions, NNBridgeError, NNBridgeWarning, PatchableGraph
 from nnbridge.bridge import bridge_of
-from test_transformers import gpt2
-from utils import assert_same
+from utils import assert_same, gpt2
 
 
 class Stack(nn.Module):

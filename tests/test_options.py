@@ -1,21 +1,20 @@
 """ExtractionOptions: opaque fallback, skipping, custom extraction functions, postprocessing."""
 
+import copy
 import warnings
 
 import pytest
 import torch
 from torch.fx import Graph
 
-from fixtures.data_dependent_module import Branchy, DataDependentModule
+import nnbridge
+
+from fixtures.data_dependent_module import Branchy
 from fixtures.minimal_module import MinimalModule
 from fixtures.unused_submodule import UnusedSubmoduleModule
 from nnbridge import (CompiledGraphModule, ExtractionError, ExtractionOptions, NNBridgeWarning,
                       OpaqueGraphModule, PatchableGraph, ProbePatch, ZeroPatch)
-from utils import assert_same
-
-
-def data_dependent():
-    return DataDependentModule().eval(), torch.randn(2, 3)
+from utils import assert_same, data_dependent
 
 
 def test_opaque_fallback_is_silent_by_default():
@@ -26,10 +25,38 @@ def test_opaque_fallback_is_silent_by_default():
     assert isinstance(pg._graph_module.branchy, OpaqueGraphModule)
 
 
+def test_opaque_fallback_prints_nothing_and_explain_keeps_the_reason(capfd):
+    model, x = data_dependent()
+    capfd.readouterr()
+    pg = PatchableGraph(model, x)
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+    assert "GuardOnDataDependentSymNode" in str(nnbridge.explain(pg))
+
+
 def test_warn_on_compilation_failure():
     model, x = data_dependent()
     with pytest.warns(NNBridgeWarning, match="Module 'branchy' is opaque"):
         PatchableGraph(model, x, options=ExtractionOptions(warn_on_compilation_failure=True))
+
+
+def test_fallback_warnings_point_at_the_users_line():
+    """Extracting at construction, at a call of the PatchableGraph with a new call structure, and
+    at a call of a bridged model: each warning names this file."""
+    options = ExtractionOptions(warn_on_compilation_failure=True)
+    model, x = data_dependent()
+    with pytest.warns(NNBridgeWarning, match="Module 'branchy' is opaque") as caught:
+        pg = PatchableGraph(model, x, options=options)
+    assert [w.filename for w in caught] == [__file__]
+    with pytest.warns(NNBridgeWarning, match="Module 'branchy' is opaque") as caught:
+        pg(x.unsqueeze(0))  # another rank: extracted again
+    assert [w.filename for w in caught] == [__file__]
+    model, x = data_dependent()
+    with pytest.warns(NNBridgeWarning, match="Module 'branchy' is opaque") as caught:
+        nnbridge.bridge(model, x, options=options)
+        model(x.unsqueeze(0))
+    assert len(caught) == 2 and all(w.filename == __file__ for w in caught)
+    nnbridge.unbridge(model)
 
 
 def test_error_on_compilation_failure_keeps_cause_and_model_intact():
@@ -107,11 +134,12 @@ def test_custom_extraction_function_errors():
         return graph
 
     model, x = data_dependent()
+    untouched = copy.deepcopy(model)
     with pytest.raises(ExtractionError, match="not a 1-tuple"):
         PatchableGraph(model, x, options=ExtractionOptions(custom_extraction_functions={Branchy: no_tuple}))
     with pytest.raises(ExtractionError, match="placeholders \\['y'\\].*\\['x'\\]"):
         PatchableGraph(model, x, options=ExtractionOptions(custom_extraction_functions={Branchy: wrong_name}))
-    assert_same(model(x), model(x))
+    assert_same(model(x), untouched(x))
     assert "forward" not in model.branchy.__dict__
 
 

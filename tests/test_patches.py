@@ -8,15 +8,18 @@ from fixtures.container_module import ContainerModule
 from fixtures.minimal_module import MinimalModule
 from nnbridge import (AddPatch, CustomPatch, PatchableGraph, ProbePatch, RecordPatch, ReplacePatch,
                       ZeroPatch)
+from utils import compiled_only, opaque_and_compiled
 
 
 @pytest.fixture
-def minimal():
+def minimal(options):
+    """MinimalModule, a PatchableGraph over it in the test's extraction mode, an input."""
     model = MinimalModule().eval()
     x = torch.randn(4, 3)
-    return model, PatchableGraph(model, x), x
+    return model, PatchableGraph(model, x, options=options), x
 
 
+@opaque_and_compiled
 def test_zero_patch_whole_and_slice(minimal):
     model, pg, x = minimal
     with pg.patch({"linear.output": ZeroPatch()}):
@@ -27,6 +30,7 @@ def test_zero_patch_whole_and_slice(minimal):
         assert torch.equal(pg(x), want)
 
 
+@compiled_only
 def test_add_and_replace_patches(minimal):
     model, pg, x = minimal
     with pg.patch({"linear.linear": AddPatch(value=2.0)}):
@@ -44,6 +48,7 @@ def test_add_and_replace_patches(minimal):
         assert torch.equal(pg(x), want)
 
 
+@opaque_and_compiled
 def test_probe_record_custom(minimal):
     model, pg, x = minimal
     probe, record = ProbePatch(), RecordPatch()
@@ -55,6 +60,7 @@ def test_probe_record_custom(minimal):
     assert torch.equal(out1, torch.relu(model(x))) and torch.equal(out2, torch.relu(model(2 * x)))
 
 
+@opaque_and_compiled
 def test_patches_apply_in_list_order_and_nested_contexts_append(minimal):
     model, pg, x = minimal
     with pg.patch({"linear.output": [AddPatch(value=1.0), CustomPatch(custom_op=lambda v: v * 3)]}):
@@ -65,6 +71,7 @@ def test_patches_apply_in_list_order_and_nested_contexts_append(minimal):
     assert torch.equal(pg(x), model(x))
 
 
+@opaque_and_compiled
 def test_exit_restores_after_exception(minimal):
     model, pg, x = minimal
     with pytest.raises(RuntimeError, match="boom"):
@@ -74,6 +81,7 @@ def test_exit_restores_after_exception(minimal):
     assert all(not p.listened for m in pg.modules() if hasattr(m, "op_points") for p in m.op_points.values())
 
 
+@opaque_and_compiled
 def test_parameter_and_placeholder_patches(minimal):
     model, pg, x = minimal
     with pg.patch({"linear.weight": ZeroPatch()}):
@@ -110,6 +118,7 @@ def test_dig_patches_into_nested_containers():
     assert torch.equal(out["b"][1]["c"], want["b"][1]["c"] + 1.0)
 
 
+@opaque_and_compiled
 def test_add_patch_value_can_be_optimised(minimal):
     model, pg, x = minimal
     target = torch.randn(4, 2)
@@ -128,6 +137,7 @@ def test_add_patch_value_can_be_optimised(minimal):
     assert torch.allclose(delta.detach(), best, atol=1e-2)
 
 
+@compiled_only
 def test_unpatched_graph_routes_nothing(minimal):
     _, pg, x = minimal
     root = pg._graph_module
@@ -137,6 +147,7 @@ def test_unpatched_graph_routes_nothing(minimal):
     assert root.linear._routed == frozenset()
 
 
+@opaque_and_compiled
 def test_graphpatch_style_patch_subclass(minimal):
     """As graphpatch documents: ``class P(Patch[torch.Tensor])``, a kw-only dataclass overriding
     ``op``; it gets a clone (``requires_clone`` defaults to True), so writing into it is safe."""
@@ -163,6 +174,7 @@ def test_graphpatch_style_patch_subclass(minimal):
     assert Patch().op(x) is x  # the base op is the identity
 
 
+@opaque_and_compiled
 def test_custom_patch_exposes_requires_clone(minimal):
     model, pg, x = minimal
     seen = []
@@ -173,6 +185,7 @@ def test_custom_patch_exposes_requires_clone(minimal):
     assert seen[0] is model.linear.weight, "no clone for a read-only op"
 
 
+@opaque_and_compiled
 def test_builtin_patch_subclass_overrides_op(minimal):
     """Built-in patches implement ``op`` too, so a subclass can extend it."""
     from dataclasses import dataclass

@@ -2,48 +2,43 @@
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from nnbridge import CompiledGraphModule, PatchableGraph, ProbePatch, ZeroPatch
-from utils import assert_same, graph_modules
-
-
-def gpt2(attn="eager"):
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, attn_implementation=attn,
-                        bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config).eval()
-
-
-def llama(attn="eager"):
-    torch.manual_seed(0)
-    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100, attn_implementation=attn,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return LlamaForCausalLM(config).eval()
+from utils import EXTRACTION_MODES, assert_same, gpt2, graph_modules, llama, padded_batch
 
 
 MODELS = {"gpt2-eager": lambda: gpt2("eager"), "gpt2-sdpa": lambda: gpt2("sdpa"),
           "llama-eager": lambda: llama("eager"), "llama-sdpa": lambda: llama("sdpa")}
 
 
-def padded_batch(seq):
-    ids = torch.randint(1, 100, (2, seq))
-    mask = torch.ones(2, seq, dtype=torch.long)
-    mask[0, : seq // 2] = 0
-    return ids, mask
-
-
-@pytest.fixture(scope="module", params=list(MODELS))
-def bridged(request):
-    model = MODELS[request.param]()
+@pytest.fixture(scope="module", params=[(model, mode) for model in MODELS for mode in EXTRACTION_MODES],
+                ids=lambda param: "-".join(param))
+def model_and_graph(request):
+    """A tiny model and a PatchableGraph over it, extracted in one mode (compiled or opaque)."""
+    name, mode = request.param
+    model = MODELS[name]()
     ids, mask = padded_batch(7)
-    pg = PatchableGraph(model, ids, attention_mask=mask)
-    return request.param, model, pg
+    if mode == "compiled" and name.startswith("llama"):
+        # Its rotary embedding's @torch.no_grad forward changes grad mode, which a graph cannot
+        # keep: it is traced through and shown opaque, by design. Every other module must compile.
+        pg = PatchableGraph(model, ids, attention_mask=mask)
+        assert list(pg.extractions[0].opaque) == ["model.rotary_emb"], pg.extractions[0].opaque
+    else:
+        pg = PatchableGraph(model, ids, attention_mask=mask, options=EXTRACTION_MODES[mode]())
+    return f"{name}-{mode}", model, pg
 
 
-def test_outputs_equal_at_two_lengths_and_padded(bridged):
-    _, model, pg = bridged
+def xfail_if_opaque(request, model_and_graph):
+    """Opaque extractions are specialised to the example's sizes (no export, so no dynamic
+    dimensions): another sequence length or batch size is extracted again."""
+    if model_and_graph[0].endswith("-opaque"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason="opaque extractions are static-shaped: "
+                                              "a new sequence length or batch size re-extracts"))
+
+
+def test_outputs_equal_at_two_lengths_and_padded(request, model_and_graph):
+    xfail_if_opaque(request, model_and_graph)
+    _, model, pg = model_and_graph
     for seq in (7, 12):
         ids, mask = padded_batch(seq)
         assert_same(pg(ids, attention_mask=mask), model(ids, attention_mask=mask))
@@ -52,16 +47,17 @@ def test_outputs_equal_at_two_lengths_and_padded(bridged):
         graph_module.graph.lint()
 
 
-def test_other_batch_size_reuses_extraction(bridged):
-    _, model, pg = bridged
+def test_other_batch_size_reuses_extraction(request, model_and_graph):
+    xfail_if_opaque(request, model_and_graph)
+    _, model, pg = model_and_graph
     ids, mask = padded_batch(9)
     ids, mask = torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]])
     assert_same(pg(ids, attention_mask=mask), model(ids, attention_mask=mask))
     assert len(pg.extractions) == 1
 
 
-def test_gradients_equal(bridged):
-    _, model, pg = bridged
+def test_gradients_equal(model_and_graph):
+    _, model, pg = model_and_graph
     ids, mask = padded_batch(6)
 
     def grads(fn):
@@ -75,8 +71,8 @@ def test_gradients_equal(bridged):
         assert torch.equal(got[name], want[name]), name
 
 
-def test_weights_are_the_models_own(bridged):
-    _, model, pg = bridged
+def test_weights_are_the_models_own(model_and_graph):
+    _, model, pg = model_and_graph
     originals = {p.data_ptr() for p in model.parameters()}
     assert all(p.data_ptr() in originals for p in pg.parameters())
     total = sum(p.numel() for p in pg.parameters())

@@ -10,10 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.utils import _pytree as pytree
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from nnbridge import CompiledGraphModule
+from fixtures.data_dependent_module import DataDependentModule
+from nnbridge import CompiledGraphModule, ExtractionOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,6 +33,64 @@ FIXTURES = [
     "data_dependent_module.DataDependentModule",
     "protected_names_module.ProtectedNamesModule",
 ]
+
+
+# -- model factories: every test file builds its models here ------------------------------------
+def gpt2(attn="eager"):
+    """Tiny random GPT-2 (2 layers, width 64, vocab 100), seeded, in eval mode."""
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, attn_implementation=attn,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config).eval()
+
+
+def llama(attn="eager"):
+    """Tiny random Llama (2 layers, width 64, GQA 4/2, vocab 100), seeded, in eval mode."""
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100, attn_implementation=attn,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def text_model(kind):
+    """Tiny random GPT-2 or Llama with GPT-2's vocabulary (50257), for the real tokenizer."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, attn_implementation="eager")).eval()
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=50257,
+                                        attn_implementation="eager", bos_token_id=0, eos_token_id=0,
+                                        pad_token_id=0)).eval()
+
+
+def padded_batch(seq):
+    """Token ids ``(2, seq)`` and an attention mask with the first half of row 0 padded."""
+    ids = torch.randint(1, 100, (2, seq))
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[0, : seq // 2] = 0
+    return ids, mask
+
+
+def data_dependent():
+    """``DataDependentModule`` (its ``branchy`` child branches on a tensor value) and an input."""
+    return DataDependentModule().eval(), torch.randn(2, 3)
+
+
+# -- extraction modes, as graphpatch's ``@opaque_and_compiled`` -----------------------------------
+EXTRACTION_MODES = {
+    # every module compiled, or the extraction raises: a silent opaque fallback cannot pass
+    "compiled": lambda: ExtractionOptions(error_on_compilation_failure=True),
+    # every module opaque
+    "opaque": lambda: ExtractionOptions(skip_compilation=True),
+}
+
+#: Runs a test once per extraction mode; the test (or its fixture) takes ``options``.
+opaque_and_compiled = pytest.mark.parametrize(
+    "options", [pytest.param(make, id=mode) for mode, make in EXTRACTION_MODES.items()], indirect=True)
+#: Runs a test in compiled mode only: it reaches op nodes or generated code, which opaque mode has not.
+compiled_only = pytest.mark.parametrize(
+    "options", [pytest.param(EXTRACTION_MODES["compiled"], id="compiled")], indirect=True)
 
 
 def shared_dir() -> Path:

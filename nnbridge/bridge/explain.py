@@ -27,16 +27,18 @@ from .dispatcher import GraphDispatcher
 from .extraction import Extraction
 from .graph_module import CompiledGraphModule, OpaqueGraphModule
 from .in_place import bridge_of
+from .kinds import ModuleKind
 from .options import ExtractionOptions
 
 
 @dataclass
 class ModuleReport:
-    """One module of an extraction: ``kind`` is ``"graph"`` or ``"opaque"`` (runs eagerly)."""
+    """One module of an extraction: ``kind`` is ``ModuleKind.GRAPH`` or ``ModuleKind.OPAQUE`` (runs
+    eagerly); they equal the strings ``"graph"`` and ``"opaque"``."""
 
     path: str
     module_type: str
-    kind: str
+    kind: ModuleKind
     reason: str | None = None
 
 
@@ -62,7 +64,7 @@ class Explanation:
     @property
     def opaque(self) -> dict[str, str]:
         """``{module path: reason}`` of the modules that run eagerly."""
-        return {m.path: m.reason or "" for m in self.modules if m.kind == "opaque"}
+        return {m.path: m.reason or "" for m in self.modules if m.kind == ModuleKind.OPAQUE}
 
     def __str__(self) -> str:
         kept = sum(1 for _ in self.history)
@@ -74,7 +76,7 @@ class Explanation:
         lines.append("  modules:")
         for report in self.modules:
             depth = report.path.count(".") + 1 if report.path else 0
-            what = "graph" if report.kind == "graph" else f"opaque (runs eagerly): {report.reason}"
+            what = "graph" if report.kind == ModuleKind.GRAPH else f"opaque (runs eagerly): {report.reason}"
             lines.append(f"    {'  ' * depth}{report.path or '<root>'} ({report.module_type}): {what}")
         return "\n".join(lines)
 
@@ -131,8 +133,8 @@ def _modules(extraction: Extraction, prefix: str) -> list[ModuleReport]:
 def _report(path: str, module: Any) -> ModuleReport:
     original = module.__dict__.get("original_type", type(module))
     if isinstance(module, CompiledGraphModule):
-        return ModuleReport(path, original.__name__, "graph")
-    return ModuleReport(path, original.__name__, "opaque", getattr(module, "reason", None))
+        return ModuleReport(path, original.__name__, ModuleKind.GRAPH)
+    return ModuleReport(path, original.__name__, ModuleKind.OPAQUE, getattr(module, "reason", None))
 
 
 def explain(target: Any, *args: Any, **kwargs: Any) -> Explanation:

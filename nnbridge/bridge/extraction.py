@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,12 +37,13 @@ from ..compat import (cleared_module_state, constant_outputs, copy_spec, export,
                       unflatten)
 from ..compat.output_capturing import active_collector, collector_suspended
 from ..compat.fx import fx_patches_confined
-from ..errors import ExtractionError, NNBridgeWarning
+from ..errors import ExtractionError, NNBridgeWarning, warn
 from .call_structure import ShapeGuard, tensor_leaves
 from .capture_checks import CaptureWatch, UnfaithfulCaptureError, preserved_state
 from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value,
                       remove_dead_code, restore_constant_outputs)
 from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
+from .kinds import HookKind, StubKind
 from .locking import CALL_LOCK, locked_calls
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
@@ -157,13 +157,13 @@ def copy_inputs(value: Any) -> Any:
 
 
 def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 hooks: list[tuple[torch.nn.Module, str, Callable[..., None]]]) -> None:
+                 hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]]) -> None:
     """One eager run of ``module`` on copies of the inputs (a cache would be mutated), no grad,
-    with temporary hooks: ``(submodule, "pre" | "post", fn)``, both with kwargs."""
+    with temporary hooks: ``(submodule, HookKind, fn)``, both with kwargs."""
     handles = []
     try:
         for sub, kind, fn in hooks:
-            register = sub.register_forward_pre_hook if kind == "pre" else sub.register_forward_hook
+            register = sub.register_forward_pre_hook if kind == HookKind.PRE else sub.register_forward_hook
             handles.append(register(fn, with_kwargs=True))
         with torch.no_grad():
             module(*copy_inputs(args), **copy_inputs(kwargs))
@@ -185,7 +185,7 @@ def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
     def after(fqn: str) -> Callable[..., None]:
         return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy_inputs(out)))
     observed_run(module, args, kwargs, [(module.get_submodule(fqn), kind, hook(fqn))
-                                        for fqn in fqns for kind, hook in (("pre", before), ("post", after))])
+                                        for fqn in fqns for kind, hook in ((HookKind.PRE, before), (HookKind.POST, after))])
     return calls
 
 
@@ -250,8 +250,8 @@ class _Context:
                 "to fall back to an opaque module."
             ) from error
         if self.options.warn_on_compilation_failure and error is not None:
-            warnings.warn(f"Module '{where}' is opaque (only its inputs, output, parameters and buffers are"
-                          f" patchable): {reason}", NNBridgeWarning, stacklevel=4)
+            warn(f"Module '{where}' is opaque (only its inputs, output, parameters and buffers are"
+                 f" patchable): {reason}", NNBridgeWarning)
         self.opaque[where] = reason
 
 
@@ -327,10 +327,10 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if type(module) in ctx.options.custom_extraction_functions:
         return _custom(ctx, "", module), static
     if _skip(ctx, module):
-        ctx.opaque[ctx.full("") or "<root>"] = "skipped"
-        return _opaque(ctx, "", module, args, kwargs, "skipped"), static
-    stubs: dict[str, str] = {
-        fqn: "custom" if type(sub) in ctx.options.custom_extraction_functions else "skipped"
+        ctx.opaque[ctx.full("") or "<root>"] = StubKind.SKIPPED
+        return _opaque(ctx, "", module, args, kwargs, StubKind.SKIPPED), static
+    stubs: dict[str, str] = {  # a StubKind, or the reason an export failure made it opaque
+        fqn: StubKind.CUSTOM if type(sub) in ctx.options.custom_extraction_functions else StubKind.SKIPPED
         for fqn, sub in named_real_modules(module)
         if fqn and (type(sub) in ctx.options.custom_extraction_functions
                     or type(sub) in ctx.options.classes_to_skip_compiling)}
@@ -345,7 +345,7 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     calls = record_calls(module, set(stubs), args, kwargs) if stubs else {}
     # a skipped module called with a cache is traced through (its new cache state must reach its
     # caller's graph) and only shown as opaque; the others are stubbed while exporting
-    traced = {fqn for fqn in stubs if stubs[fqn] == "skipped" and any(state_keys(a, k) for a, k, _ in calls[fqn])}
+    traced = {fqn for fqn in stubs if stubs[fqn] == StubKind.SKIPPED and any(state_keys(a, k) for a, k, _ in calls[fqn])}
     frozen: set[str] = set()  # traced modules whose own grad-mode changes are ignored while exporting
     while True:
         frozen_by = _scalar_stub_caller(module, stubs, traced, calls)
@@ -389,9 +389,9 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             errors[fqn] = error
             calls = record_calls(module, set(stubs), args, kwargs)
     for fqn, reason in stubs.items():
-        if reason not in ("custom", "skipped"):
+        if reason not in (StubKind.CUSTOM, StubKind.SKIPPED):
             ctx.fail(fqn, reason, errors[fqn])
-        elif reason == "skipped":
+        elif reason == StubKind.SKIPPED:
             ctx.opaque[ctx.full(fqn)] = reason
     guard = ShapeGuard.from_export(exported) if dynamic else static
     bar.update()
@@ -428,7 +428,7 @@ def _scalar_stub_caller(module: torch.nn.Module, stubs: dict[str, str], traced: 
     values (symbolic or specialised), so they are not concerned.
     """
     for fqn in stubs:
-        if fqn in traced or stubs[fqn] == "custom":
+        if fqn in traced or stubs[fqn] == StubKind.CUSTOM:
             continue
         values = [leaf for _, _, out in calls.get(fqn, []) for leaf in pytree.tree_leaves(out)
                   if isinstance(leaf, _SCALARS)]
@@ -633,7 +633,7 @@ class _Builder:
 
     def child(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
         if fqn in self.stubs:
-            if self.stubs[fqn] == "custom":
+            if self.stubs[fqn] == StubKind.CUSTOM:
                 return _custom(self.ctx, fqn, module)
             recorded = self.calls.get(fqn, [])
             args, kwargs, _ = recorded[min(invocation, len(recorded) - 1)]
@@ -803,7 +803,7 @@ def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, .
 
     def grabber(name: str) -> Callable[..., None]:
         return lambda m, a, k: captured.setdefault(name, (copy_inputs(a), copy_inputs(k))) and None
-    observed_run(module, args, kwargs, [(child, "pre", grabber(name)) for name, child in callees])
+    observed_run(module, args, kwargs, [(child, HookKind.PRE, grabber(name)) for name, child in callees])
     shown = torch.nn.Module()
     swapped = torch.nn.Module()
     dispatchers: dict[str, GraphDispatcher] = {}

@@ -322,4 +322,4 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         return tuple(args), kwargs
 
     def extra_repr(self) -> str:
-        return f"reason={self.reason!r}"
+        return f"reason={str(self.reason)!r}"  # a StubKind prints as its value

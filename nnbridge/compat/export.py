@@ -94,10 +94,49 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: An
     ``torch.is_grad_enabled()`` branch takes the same side as eager; under ``torch.no_grad()``,
     ``@torch.no_grad`` rotary-embedding code is inlined instead of becoming a higher-order op), with
     conversions kept from aliasing (see :class:`_DistinctConversions`)."""
-    with quiet_torch_export(), torch.set_grad_enabled(grad_enabled), _DistinctConversions(), \
-            shape_envs_released():
+    with no_partial_graph_on_stderr(), quiet_torch_export(), torch.set_grad_enabled(grad_enabled), \
+            _DistinctConversions(), shape_envs_released():
         return torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes,
                                    preserve_module_call_signature=preserve_module_call_signature)
+
+
+@contextlib.contextmanager
+def no_partial_graph_on_stderr() -> Iterator[None]:
+    """Keep the graph traced so far off stderr when an export fails.
+
+    torch 2.13's ``torch.export._trace`` prints ``exception.partial_fx_graph`` (the graph up to the
+    failing op, 50-100 lines for a small model) to ``sys.stderr`` before re-raising, once in each of
+    its nested ``_export`` wrappers; nnbridge then falls back to an opaque module, which is meant to
+    be quiet (``ExtractionOptions.warn_on_compilation_failure`` asks for a warning naming the
+    reason instead). Everything written to stderr meanwhile is held and written out afterwards,
+    minus that graph; the exception keeps it (``partial_fx_graph``) and the fallback's reason is
+    recorded for :func:`nnbridge.explain`. Extractions hold nnbridge's process-wide lock, so
+    another thread's stderr output is only delayed. It also silences ``torch.export._trace``'s
+    logged "exportdb" hint for classified errors (the error itself is raised and recorded).
+    """
+    held = io.StringIO()
+    logger = logging.getLogger("torch.export._trace")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    error: BaseException | None = None
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        logger.setLevel(level)
+        text = held.getvalue()
+        seen: set[int] = set()
+        while error is not None and id(error) not in seen:  # torch may re-raise it wrapped
+            seen.add(id(error))
+            partial = getattr(error, "partial_fx_graph", None)
+            if partial is not None:
+                text = text.replace(f"{partial}\n", "")  # printed once per nested _export wrapper
+            error = error.__cause__ or error.__context__
+        if text:
+            sys.stderr.write(text)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ Three wrappers can already hold that slot; a bridge swaps the *body* they call, 
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import types
@@ -25,12 +26,20 @@ NNSIGHT_STATE = "__nnsight__"  # nnsight 0.8.x: nnsight.intervention.source.STAT
 _MISSING = object()
 
 
+class BodyKind(enum.Enum):
+    """Where :func:`swap_body` put the new body (and where :func:`restore_body` puts the old one)."""
+
+    NNSIGHT = "nnsight"  # nnsight's per-module ``State.body`` (nnsight 0.8.x wraps the module)
+    ACCELERATE = "accelerate"  # accelerate's ``_old_forward`` (an ``_hf_hook`` wraps the forward)
+    SLOT = "slot"  # the module's instance ``forward``
+
+
 @dataclass
 class SwappedBody:
     """What :func:`swap_body` replaced, for :func:`restore_body`."""
 
     module: torch.nn.Module
-    kind: str  # "nnsight" | "accelerate" | "slot"
+    kind: BodyKind
     previous: Any
 
 
@@ -38,15 +47,15 @@ def swap_body(module: torch.nn.Module, body: Callable[..., Any]) -> SwappedBody:
     """Make ``module``'s call run ``body(module, *args, **kwargs)`` inside whatever wraps it."""
     state = module.__dict__.get(NNSIGHT_STATE)
     if state is not None:
-        swapped = SwappedBody(module, "nnsight", state.body)
+        swapped = SwappedBody(module, BodyKind.NNSIGHT, state.body)
         state.body = body
         return swapped
     bound = _Bound(module, body, module.__dict__.get("forward"))
     if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__:
-        swapped = SwappedBody(module, "accelerate", module.__dict__["_old_forward"])
+        swapped = SwappedBody(module, BodyKind.ACCELERATE, module.__dict__["_old_forward"])
         module.__dict__["_old_forward"] = bound
         return swapped
-    swapped = SwappedBody(module, "slot", module.__dict__.get("forward", _MISSING))
+    swapped = SwappedBody(module, BodyKind.SLOT, module.__dict__.get("forward", _MISSING))
     module.__dict__["forward"] = bound
     return swapped
 
@@ -54,9 +63,9 @@ def swap_body(module: torch.nn.Module, body: Callable[..., Any]) -> SwappedBody:
 def restore_body(swapped: SwappedBody) -> None:
     """Undo :func:`swap_body`."""
     module = swapped.module
-    if swapped.kind == "nnsight":
+    if swapped.kind is BodyKind.NNSIGHT:
         module.__dict__[NNSIGHT_STATE].body = swapped.previous
-    elif swapped.kind == "accelerate":
+    elif swapped.kind is BodyKind.ACCELERATE:
         module.__dict__["_old_forward"] = swapped.previous
     elif swapped.previous is _MISSING:
         module.__dict__.pop("forward", None)
