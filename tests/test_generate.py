@@ -9,7 +9,7 @@ import torch
 
 import nnbridge
 from nnbridge import NNBridgeError, PatchableGraph, ZeroPatch
-from test_transformers import gpt2
+from utils import gpt2
 
 GREEDY = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
 
