@@ -60,3 +60,51 @@ SKIPS = [basic_skip, multiple_skips, second_layer_skip, batched_skips, skip_afte
 @pytest.mark.parametrize("body", SKIPS, ids=lambda b: b.__name__)
 def test_skip_with_default_cache_equals_nnsight(kind, body):
     assert_same(body(wrap(nnbridge, kind)), body(wrap(nnsight, kind)))
+
+
+# -- tracer.cache() with a single invoker (0-d op values: the norm) ------------------------------
+class Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer1 = torch.nn.Linear(5, 10)
+        self.layer2 = torch.nn.Linear(10, 2)
+
+    def forward(self, x):
+        hidden = self.layer1(x)
+        return self.layer2(hidden / hidden.norm())
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (3, 5), (5,)])
+def test_cache_with_a_single_invoker_equals_nnsight(shape):
+    def run(library):
+        torch.manual_seed(0)
+        model = library.NNsight(Normed())
+        with model.trace(torch.ones(*shape)) as tracer:
+            cache = tracer.cache()
+        return cache["model.layer1"].output, cache["model.layer2"].output, cache["model"].output
+
+    assert_same(run(nnbridge), run(nnsight))
+
+
+def test_cache_with_a_single_invoker_on_a_language_model_equals_nnsight():
+    def run(library):
+        model = wrap(library, "gpt2")
+        with model.trace(PROMPTS) as tracer:
+            cache = tracer.cache()
+        return cache["model.transformer.h.0"].output, cache["model.lm_head"].output
+
+    assert_same(run(nnbridge), run(nnsight))
+
+
+# -- tracer.iter with .skip() --------------------------------------------------------------------
+def test_iter_with_skip_equals_nnsight():
+    def run(library):
+        model = wrap(library, "gpt2")
+        with model.generate(PROMPTS[0], max_new_tokens=3, do_sample=False) as tracer:
+            logits = nnsight.save([])
+            for _ in tracer.iter[0:3]:
+                layer(model, 0).skip(layer(model, 0).input)
+                logits.append(head(model).output)
+        return logits
+
+    assert_same(run(nnbridge), run(nnsight))
