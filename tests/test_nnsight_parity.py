@@ -108,3 +108,23 @@ def test_iter_with_skip_equals_nnsight():
         return logits
 
     assert_same(run(nnbridge), run(nnsight))
+
+
+# -- a lazily built model (no dispatch=True: meta weights until the first trace) ----------------
+def test_first_trace_of_a_lazily_built_model_equals_nnsight(tmp_path):
+    from test_envoys import make, tokenizer
+
+    make("gpt2").save_pretrained(tmp_path)
+    results = {}
+    for library in (nnsight, nnbridge):
+        model = library.LanguageModel(str(tmp_path), tokenizer=tokenizer())
+        assert not model.dispatched
+        with model.trace(PROMPTS[0]):
+            attn = model.transformer.h[0].attn.output[0].save()
+            logits = head(model).output.save()
+        results[library] = (attn, logits)
+    assert_same(results[nnbridge], results[nnsight])
+    model = nnbridge.LanguageModel(str(tmp_path), tokenizer=tokenizer())
+    with model.trace(PROMPTS[0]):  # an op envoy in the very first trace
+        attention = model.transformer.h[0].attn.scaled_dot_product_attention.output.save()  # sdpa
+    assert attention.shape[-1] == 16  # head dim (64 / 4)

@@ -24,7 +24,7 @@ from nnsight.modeling.transformers import TransformersModel as _NNsightTransform
 
 from ..bridge.call_structure import structure_key
 from ..bridge.in_place import bridge, bridge_of
-from ..compat.nnsight import mirror_envoys, repoint_envoys, scalar_safe_batcher
+from ..compat.nnsight import dispatch_if_lazy, mirror_envoys, repoint_envoys, scalar_safe_batcher
 from .envoy import BridgeEnvoy
 
 
@@ -69,7 +69,9 @@ class _Bridged:
 
     def interleave(self, fn: Any, *args: Any, batcher: Any = None, **kwargs: Any) -> Any:
         # Assemble the call as nnsight will, extract its structure before the workers start
-        # (they may ask for op envoys at once), then let nnsight run it unchanged.
+        # (they may ask for op envoys at once), then let nnsight run it unchanged. A lazily built
+        # model is dispatched first (nnsight does it in its own interleave, which runs later).
+        dispatch_if_lazy(self)
         if batcher is None:
             batcher = self._batcher_class(self, kwargs)
         batcher.add(*args, **kwargs)
