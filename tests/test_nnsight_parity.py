@@ -128,3 +128,36 @@ def test_first_trace_of_a_lazily_built_model_equals_nnsight(tmp_path):
     with model.trace(PROMPTS[0]):  # an op envoy in the very first trace
         attention = model.transformer.h[0].attn.scaled_dot_product_attention.output.save()  # sdpa
     assert attention.shape[-1] == 16  # head dim (64 / 4)
+
+
+# -- envoy classes: nnsight's envoys= argument ---------------------------------------------------
+class _LinearEnvoy(nnsight.Envoy):
+    def marker(self):
+        return f"linear:{self.path}"
+
+
+class _AllEnvoy(nnsight.Envoy):
+    pass
+
+
+def test_envoys_argument_is_used_for_modules_and_ops():
+    model = nnbridge.NNsight(Normed(), envoys={torch.nn.Linear: _LinearEnvoy})
+    assert type(model.layer1) is _LinearEnvoy and model.layer1.marker() == "linear:model.layer1"
+    with model.trace(torch.ones(1, 5)):
+        norm = model.linalg_vector_norm.output.save()  # an op envoy, reached through a plain Envoy
+        out = model.layer2.output.save()
+    torch.manual_seed(0)
+    reference = Normed()
+    torch.manual_seed(0)
+    model = nnbridge.NNsight(Normed(), envoys=_AllEnvoy)
+    with model.trace(torch.ones(1, 5)):
+        norm = model.linalg_vector_norm.output.save()
+        out = model.layer2.output.save()
+    assert type(model.layer1) is _AllEnvoy and type(model.linalg_vector_norm) is _AllEnvoy
+    assert torch.equal(out, reference(torch.ones(1, 5)))
+    assert torch.equal(norm, reference.layer1(torch.ones(1, 5)).norm())
+
+
+def test_envoys_none_gives_plain_envoys():
+    model = nnbridge.NNsight(Normed(), envoys=None)
+    assert type(model.layer1) is nnsight.Envoy

@@ -34,7 +34,14 @@ class _Bridged:
     def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(model, nnsight.Envoy):  # nnbridge.NNsight(nnsight.NNsight(m))
             model = model._module
-        kwargs.setdefault("envoys", BridgeEnvoy)
+        # nnsight's ``envoys=`` (a class, or a dict by module class / path suffix) and a subclass's
+        # ``envoys`` class attribute are the user's choice and are used as given, for op envoys
+        # too (``Envoy._resolve_envoy_class``); only when neither is set are envoys BridgeEnvoys
+        # (``node_path``, op-aware errors). Plain envoys still reach ops: op points are children.
+        if "envoys" not in kwargs and getattr(type(self), "envoys", None) is None:
+            kwargs["envoys"] = BridgeEnvoy
+        elif "envoys" not in kwargs:
+            kwargs["envoys"] = type(self).envoys
         super().__init__(model, *args, **kwargs)
         self.__dict__["_nnbridge_warmed"] = set()
         # op values may be 0-d: served whole to every invoke (see compat.nnsight.scalar_safe_batcher)
