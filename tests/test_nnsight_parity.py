@@ -117,14 +117,14 @@ def test_first_trace_of_a_lazily_built_model_equals_nnsight(tmp_path):
     make("gpt2").save_pretrained(tmp_path)
     results = {}
     for library in (nnsight, nnbridge):
-        model = library.LanguageModel(str(tmp_path), tokenizer=tokenizer())
+        model = library.TransformersModel(str(tmp_path), tokenizer=tokenizer(), task="text-generation")
         assert not model.dispatched
         with model.trace(PROMPTS[0]):
             attn = model.transformer.h[0].attn.output[0].save()
             logits = head(model).output.save()
         results[library] = (attn, logits)
     assert_same(results[nnbridge], results[nnsight])
-    model = nnbridge.LanguageModel(str(tmp_path), tokenizer=tokenizer())
+    model = nnbridge.TransformersModel(str(tmp_path), tokenizer=tokenizer(), task="text-generation")
     with model.trace(PROMPTS[0]):  # an op envoy in the very first trace
         attention = model.transformer.h[0].attn.scaled_dot_product_attention.output.save()  # sdpa
     assert attention.shape[-1] == 16  # head dim (64 / 4)
@@ -161,3 +161,11 @@ def test_envoys_argument_is_used_for_modules_and_ops():
 def test_envoys_none_gives_plain_envoys():
     model = nnbridge.NNsight(Normed(), envoys=None)
     assert type(model.layer1) is nnsight.Envoy
+
+
+# -- older nnsight spellings ----------------------------------------------------------------------
+@pytest.mark.parametrize("name, hint", [("value", "tensor itself"), ("next", "tracer.iter")])
+def test_old_spellings_name_the_nnsight_08_spelling(name, hint):
+    model = nnbridge.NNsight(Normed())
+    with pytest.raises(AttributeError, match=hint.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        getattr(model.layer1, name)
