@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from ..compat.pytree import pytree
 
 from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat import SwappedBody, restore_body, swap_body
@@ -47,6 +48,7 @@ from . import hierarchy
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
 from .dispatcher import GraphDispatcher
 from .extraction import MODULE_PATH_KEY, Extraction
+from .state_graphs import state_argument_specs
 from .graph_module import NAME_KEY, CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 from .locking import CALL_LOCK, lock_calls, unlock_calls
 from .op_point import OpPoint, OpPointContainer
@@ -64,6 +66,29 @@ def _pending() -> dict[int, GraphModuleBase]:
     if pending is None:
         pending = _LOCAL.pending = {}
     return pending
+
+
+def _state_specs_hold(graph: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the state objects (custom pytree arguments such as a ``DynamicCache``) of a call
+    have the pytree structure ``graph`` was extracted for (its input prologue's spec; the graph's
+    ``tree_flatten_spec`` raises ``Real spec ... is different from expected spec`` otherwise).
+    Graphs without such arguments always hold (checked once per graph)."""
+    expected = graph.__dict__.get("_nnbridge_state_specs")
+    if expected is None:
+        expected = graph.__dict__["_nnbridge_state_specs"] = state_argument_specs(graph)
+    if not expected:
+        return True
+    names = graph.__dict__.get("_nnbridge_arg_names")
+    if names is None:
+        names = graph.__dict__["_nnbridge_arg_names"] = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
+    for where, spec in expected:
+        if isinstance(where, int):
+            value = args[where] if where < len(args) else kwargs.get(names[where]) if where < len(names) else None
+        else:
+            value = kwargs.get(where)
+        if value is None or pytree.tree_flatten(value)[1] != spec:
+            return False
+    return True
 
 
 class _CallSite:
@@ -110,6 +135,11 @@ class Bridge:
 
     def _body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         graph = _pending().pop(id(module), None)
+        if graph is not None and not _state_specs_hold(graph, args, kwargs):
+            # a state object (a ``Cache``) is not in the state the parent's extraction saw, e.g. an
+            # earlier layer was skipped (nnsight ``.skip()``) and did not write its cache layer, as
+            # in eager: this call gets its own extraction, for the state it really receives
+            graph = self._own_dispatcher(module).lookup(args, kwargs).root
         if graph is None:
             dispatcher = self.dispatchers.get(id(module))
             if dispatcher is None or not (module is self.model or self.depth > 0):
@@ -127,6 +157,15 @@ class Bridge:
             raise
         finally:
             self.depth -= 1
+
+    def _own_dispatcher(self, module: torch.nn.Module) -> GraphDispatcher:
+        """``module``'s own dispatcher (made on first need, linked like the model's)."""
+        dispatcher = self.dispatchers.get(id(module))
+        if dispatcher is None:
+            path = next((name for name, m in self.model.named_modules(remove_duplicate=False) if m is module), "")
+            dispatcher = GraphDispatcher(module, self.options, path=path, on_extraction=[self._on_extraction])
+            self.dispatchers[id(module)] = dispatcher
+        return dispatcher
 
     # -- linking extractions to the user's modules ----------------------------------------------
     def _on_extraction(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:

@@ -230,3 +230,25 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is assign_state and node.args[0] is node.args[1]:
             graph.erase_node(node)
+
+
+def state_argument_specs(graph_module: torch.nn.Module) -> list[tuple[int | str, pytree.TreeSpec]]:
+    """``(position or keyword, spec)`` of each argument of a compiled graph that is a custom pytree
+    object (a ``Cache``), read off its input prologue; empty for other graphs."""
+    graph = getattr(graph_module, "graph", None)
+    prologue = input_prologue(graph) if isinstance(graph, Graph) else None
+    if prologue is None or not isinstance(prologue.args[1], Node):
+        return []
+    spec = getattr(graph_module, str(prologue.args[1].target), None)
+    if not isinstance(spec, pytree.TreeSpec) or spec.num_children != 2:
+        return []
+    positional, keywords = prologue.args[0]
+    found: list[tuple[int | str, pytree.TreeSpec]] = []
+    pos_spec, kw_spec = spec.children()
+    for i, child in enumerate(pos_spec.children()):
+        if _custom(child):
+            found.append((i, child))
+    for key, child in zip(kw_spec.context, kw_spec.children()):
+        if _custom(child):
+            found.append((key, child))
+    return found

@@ -103,3 +103,15 @@ def scalar_safe_batcher(batcher_class: type) -> type:
 
 #: Attributes nnsight 0.8 sets on the modules it wraps (its per-module state).
 NNSIGHT_MODULE_ATTRIBUTES = frozenset({NNSIGHT_STATE})
+
+
+def dispatch_if_lazy(model: Any) -> None:
+    """Load the real weights of a lazily built nnsight model (``LanguageModel(repo)`` without
+    ``dispatch=True``: built on the meta device) before nnbridge extracts it, as nnsight 0.8.1's
+    ``MetaMixin.interleave`` does on the first real trace (``model.dispatch()``). Not under a fake
+    tensor mode (``model.scan``), where nnsight keeps the meta weights too."""
+    if getattr(model, "dispatched", True) is False:
+        from torch._guards import detect_fake_mode  # private torch: nnsight's own test (2.13)
+
+        if detect_fake_mode() is None:
+            model.dispatch()

@@ -38,6 +38,15 @@ def node_path(path: str, root: torch.nn.Module) -> str:
     return ".".join(out)
 
 
+#: spellings of older nnsight versions, and their nnsight 0.8 replacement (AttributeError, as nnsight)
+_OLD_SPELLINGS = {
+    "value": ("`.value` is nnsight 0.4's proxy value; in nnsight 0.8 a saved value is the tensor itself:"
+              " `x = envoy.output.save()`, then use `x` after the trace."),
+    "next": ("`.next()` is nnsight 0.5-0.7's generation step; in nnsight 0.8 loop over steps with"
+             " `for step in tracer.iter[...]:` (or `tracer.all()` for every step)."),
+}
+
+
 class BridgeEnvoy(nnsight.Envoy):
     """An nnsight Envoy whose children include the module's op envoys (see the module docstring)."""
 
@@ -55,6 +64,8 @@ class BridgeEnvoy(nnsight.Envoy):
             raise AttributeError(self._missing(name)) from None
 
     def _missing(self, name: str) -> str:
+        if name in _OLD_SPELLINGS and name not in modules_of(self.__dict__.get("_module") or torch.nn.Module()):
+            return f"{self.path}.{name}: {_OLD_SPELLINGS[name]}"
         module = self.__dict__.get("_module")
         ops = [n for n, child in (modules_of(module).items() if module is not None else [])
                if isinstance(child, (OpPoint, OpPointContainer))]

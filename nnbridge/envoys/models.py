@@ -24,7 +24,7 @@ from nnsight.modeling.transformers import TransformersModel as _NNsightTransform
 
 from ..bridge.call_structure import structure_key
 from ..bridge.in_place import bridge, bridge_of
-from ..compat.nnsight import mirror_envoys, repoint_envoys, scalar_safe_batcher
+from ..compat.nnsight import dispatch_if_lazy, mirror_envoys, repoint_envoys, scalar_safe_batcher
 from .envoy import BridgeEnvoy
 
 
@@ -34,7 +34,14 @@ class _Bridged:
     def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(model, nnsight.Envoy):  # nnbridge.NNsight(nnsight.NNsight(m))
             model = model._module
-        kwargs.setdefault("envoys", BridgeEnvoy)
+        # nnsight's ``envoys=`` (a class, or a dict by module class / path suffix) and a subclass's
+        # ``envoys`` class attribute are the user's choice and are used as given, for op envoys
+        # too (``Envoy._resolve_envoy_class``); only when neither is set are envoys BridgeEnvoys
+        # (``node_path``, op-aware errors). Plain envoys still reach ops: op points are children.
+        if "envoys" not in kwargs and getattr(type(self), "envoys", None) is None:
+            kwargs["envoys"] = BridgeEnvoy
+        elif "envoys" not in kwargs:
+            kwargs["envoys"] = type(self).envoys
         super().__init__(model, *args, **kwargs)
         self.__dict__["_nnbridge_warmed"] = set()
         # op values may be 0-d: served whole to every invoke (see compat.nnsight.scalar_safe_batcher)
@@ -69,7 +76,9 @@ class _Bridged:
 
     def interleave(self, fn: Any, *args: Any, batcher: Any = None, **kwargs: Any) -> Any:
         # Assemble the call as nnsight will, extract its structure before the workers start
-        # (they may ask for op envoys at once), then let nnsight run it unchanged.
+        # (they may ask for op envoys at once), then let nnsight run it unchanged. A lazily built
+        # model is dispatched first (nnsight does it in its own interleave, which runs later).
+        dispatch_if_lazy(self)
         if batcher is None:
             batcher = self._batcher_class(self, kwargs)
         batcher.add(*args, **kwargs)

@@ -1,0 +1,171 @@
+"""nnsight 0.8.1 parity (issue 12): trace bodies from nnsight's own tests (tests/test_lm.py,
+test_tiny.py, test_envoys.py, re-written here) give equal values under nnsight and nnbridge."""
+
+import nnsight
+import pytest
+import torch
+
+import nnbridge
+from test_envoys import PROMPTS, head, layer, wrap
+from utils import assert_same
+
+
+# -- .skip() with transformers' default cache (use_cache=True, DynamicCache) ---------------------
+def basic_skip(model):
+    with model.trace(PROMPTS[0]):
+        layer(model, 0).skip(layer(model, 0).input)
+        logits = head(model).output.save()
+    return logits
+
+
+def multiple_skips(model):
+    with model.trace(PROMPTS[0]):
+        layer(model, 0).skip(layer(model, 0).input)
+        layer(model, 1).skip(layer(model, 1).input)
+        logits = head(model).output.save()
+    return logits
+
+
+def second_layer_skip(model):
+    with model.trace(PROMPTS[0]):
+        layer(model, 1).skip(layer(model, 1).input)
+        logits = head(model).output.save()
+    return logits
+
+
+def batched_skips(model):
+    with model.trace() as tracer:
+        with tracer.invoke(PROMPTS[0]):
+            layer(model, 0).skip(layer(model, 0).input)
+            first = head(model).output.save()
+        with tracer.invoke(PROMPTS[1]):
+            layer(model, 0).skip(layer(model, 0).input)
+            second = head(model).output.save()
+    return first, second
+
+
+def skip_after_input_edit(model):
+    with model.trace(PROMPTS[0]):
+        hidden = layer(model, 0).input
+        layer(model, 0).input = hidden * 2
+        layer(model, 0).skip(layer(model, 0).input)
+        logits = head(model).output.save()
+    return logits
+
+
+SKIPS = [basic_skip, multiple_skips, second_layer_skip, batched_skips, skip_after_input_edit]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("body", SKIPS, ids=lambda b: b.__name__)
+def test_skip_with_default_cache_equals_nnsight(kind, body):
+    assert_same(body(wrap(nnbridge, kind)), body(wrap(nnsight, kind)))
+
+
+# -- tracer.cache() with a single invoker (0-d op values: the norm) ------------------------------
+class Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer1 = torch.nn.Linear(5, 10)
+        self.layer2 = torch.nn.Linear(10, 2)
+
+    def forward(self, x):
+        hidden = self.layer1(x)
+        return self.layer2(hidden / hidden.norm())
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (3, 5), (5,)])
+def test_cache_with_a_single_invoker_equals_nnsight(shape):
+    def run(library):
+        torch.manual_seed(0)
+        model = library.NNsight(Normed())
+        with model.trace(torch.ones(*shape)) as tracer:
+            cache = tracer.cache()
+        return cache["model.layer1"].output, cache["model.layer2"].output, cache["model"].output
+
+    assert_same(run(nnbridge), run(nnsight))
+
+
+def test_cache_with_a_single_invoker_on_a_language_model_equals_nnsight():
+    def run(library):
+        model = wrap(library, "gpt2")
+        with model.trace(PROMPTS) as tracer:
+            cache = tracer.cache()
+        return cache["model.transformer.h.0"].output, cache["model.lm_head"].output
+
+    assert_same(run(nnbridge), run(nnsight))
+
+
+# -- tracer.iter with .skip() --------------------------------------------------------------------
+def test_iter_with_skip_equals_nnsight():
+    def run(library):
+        model = wrap(library, "gpt2")
+        with model.generate(PROMPTS[0], max_new_tokens=3, do_sample=False) as tracer:
+            logits = nnsight.save([])
+            for _ in tracer.iter[0:3]:
+                layer(model, 0).skip(layer(model, 0).input)
+                logits.append(head(model).output)
+        return logits
+
+    assert_same(run(nnbridge), run(nnsight))
+
+
+# -- a lazily built model (no dispatch=True: meta weights until the first trace) ----------------
+def test_first_trace_of_a_lazily_built_model_equals_nnsight(tmp_path):
+    from test_envoys import make, tokenizer
+
+    make("gpt2").save_pretrained(tmp_path)
+    results = {}
+    for library in (nnsight, nnbridge):
+        model = library.TransformersModel(str(tmp_path), tokenizer=tokenizer(), task="text-generation")
+        assert not model.dispatched
+        with model.trace(PROMPTS[0]):
+            attn = model.transformer.h[0].attn.output[0].save()
+            logits = head(model).output.save()
+        results[library] = (attn, logits)
+    assert_same(results[nnbridge], results[nnsight])
+    model = nnbridge.TransformersModel(str(tmp_path), tokenizer=tokenizer(), task="text-generation")
+    with model.trace(PROMPTS[0]):  # an op envoy in the very first trace
+        attention = model.transformer.h[0].attn.scaled_dot_product_attention.output.save()  # sdpa
+    assert attention.shape[-1] == 16  # head dim (64 / 4)
+
+
+# -- envoy classes: nnsight's envoys= argument ---------------------------------------------------
+class _LinearEnvoy(nnsight.Envoy):
+    def marker(self):
+        return f"linear:{self.path}"
+
+
+class _AllEnvoy(nnsight.Envoy):
+    pass
+
+
+def test_envoys_argument_is_used_for_modules_and_ops():
+    model = nnbridge.NNsight(Normed(), envoys={torch.nn.Linear: _LinearEnvoy})
+    assert type(model.layer1) is _LinearEnvoy and model.layer1.marker() == "linear:model.layer1"
+    with model.trace(torch.ones(1, 5)):
+        norm = model.linalg_vector_norm.output.save()  # an op envoy, reached through a plain Envoy
+        out = model.layer2.output.save()
+    torch.manual_seed(0)
+    reference = Normed()
+    torch.manual_seed(0)
+    model = nnbridge.NNsight(Normed(), envoys=_AllEnvoy)
+    with model.trace(torch.ones(1, 5)):
+        norm = model.linalg_vector_norm.output.save()
+        out = model.layer2.output.save()
+    assert type(model.layer1) is _AllEnvoy and type(model.linalg_vector_norm) is _AllEnvoy
+    assert torch.equal(out, reference(torch.ones(1, 5)))
+    assert torch.equal(norm, reference.layer1(torch.ones(1, 5)).norm())
+
+
+def test_envoys_none_gives_plain_envoys():
+    model = nnbridge.NNsight(Normed(), envoys=None)
+    assert type(model.layer1) is nnsight.Envoy
+
+
+# -- older nnsight spellings ----------------------------------------------------------------------
+@pytest.mark.parametrize("name, hint", [("value", "tensor itself"), ("next", "tracer.iter")])
+def test_old_spellings_name_the_nnsight_08_spelling(name, hint):
+    model = nnbridge.NNsight(Normed())
+    with pytest.raises(AttributeError, match=hint.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        getattr(model.layer1, name)
