@@ -135,7 +135,7 @@ class Bridge:
 
     def _body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         graph = _pending().pop(id(module), None)
-        if graph is not None and not _state_specs_hold(graph, args, kwargs):
+        if graph is not None and not torch.compiler.is_dynamo_compiling() and not _state_specs_hold(graph, args, kwargs):
             # a state object (a ``Cache``) is not in the state the parent's extraction saw, e.g. an
             # earlier layer was skipped (nnsight ``.skip()``) and did not write its cache layer, as
             # in eager: this call gets its own extraction, for the state it really receives
