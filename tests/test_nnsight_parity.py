@@ -112,7 +112,8 @@ def test_iter_with_skip_equals_nnsight():
 
 # -- a lazily built model (no dispatch=True: meta weights until the first trace) ----------------
 def test_first_trace_of_a_lazily_built_model_equals_nnsight(tmp_path):
-    from test_envoys import make, tokenizer
+    from test_envoys import tokenizer
+    from utils import text_model as make
 
     make("gpt2").save_pretrained(tmp_path)
     results = {}
