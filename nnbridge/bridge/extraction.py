@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, Node
-from ..compat.module_dicts import modules_of
+from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat.pytree import pytree
 from tqdm.auto import tqdm
 
@@ -120,9 +120,55 @@ def reserved_names_renamed(module: torch.nn.Module) -> Iterator[dict[int, dict[s
         yield mapping
     finally:
         for parent, name, safe in reversed(renamed):
+            order = [name if key == safe else key for key in modules_of(parent)]
             child = modules_of(parent).pop(safe)
             parent.__dict__.pop(name, None)
             modules_of(parent)[name] = child
+            _reorder(modules_of(parent), order)  # the child keeps its place (state_dict order)
+
+
+def _reorder(store: dict[str, Any], order: list[str]) -> None:
+    """Reorder ``store`` in place: the keys in ``order`` first, in that order, then the others."""
+    items = dict(store)
+    store.clear()
+    for name in [n for n in order if n in items] + [n for n in items if n not in order]:
+        store[name] = items[name]
+
+
+@contextlib.contextmanager
+def aliases_hidden(module: torch.nn.Module) -> Iterator[None]:
+    """Hide every further registration of a module object (``self.alias = self.linear``, or one
+    child shared by two parents) from ``_modules`` for the body's duration.
+
+    torch.export (2.13, non-strict) traces a model with shared submodules through attribute
+    proxies whose paths break when a forward is overridden on the instance (``KeyError: 'linear'``
+    in its tracepoint pass). The hidden name stays an instance attribute, so the module's code
+    still reaches the child through it; export then knows the child by its first name only, and
+    every call of it, under any name, is an invocation of that name (``linear_0``, ``linear_1``).
+    Restores every registration in its place on exit, also on error.
+    """
+    hidden: list[tuple[torch.nn.Module, str, torch.nn.Module, list[str]]] = []
+    seen = {id(module)}
+
+    def visit(parent: torch.nn.Module) -> None:
+        for name, child in list(modules_of(parent).items()):
+            if child is None or isinstance(child, (OpPoint, OpPointContainer)):
+                continue
+            if id(child) in seen:
+                hidden.append((parent, name, child, list(modules_of(parent))))
+                del modules_of(parent)[name]
+                parent.__dict__[name] = child
+                continue
+            seen.add(id(child))
+            visit(child)
+    try:
+        visit(module)
+        yield
+    finally:
+        for parent, name, child, order in reversed(hidden):
+            parent.__dict__.pop(name, None)
+            modules_of(parent)[name] = child
+            _reorder(modules_of(parent), order)
 
 
 def describe_failure(error: BaseException) -> str:
@@ -239,15 +285,16 @@ class _Context:
     def full(self, fqn: str) -> str:
         return ".".join(p for p in (self.path, fqn) if p)
 
-    def fail(self, fqn: str, reason: str, error: BaseException | None) -> None:
-        """Record an opaque fallback, honouring the warn/error options."""
+    def fail(self, fqn: str, reason: str, error: BaseException | None, fix: str | None = None) -> None:
+        """Record an opaque fallback, honouring the warn/error options (``fix``: what the error
+        message tells the user to do instead of the default advice)."""
         where = self.full(fqn) or "<root>"
         if self.options.error_on_compilation_failure and error is not None:
             raise ExtractionError(
                 f"Could not extract a graph for module '{where}' ({type(self.module.get_submodule(fqn)).__name__}):"
-                f" {reason}. Fix the module's code for torch.export, add its class to "
-                "ExtractionOptions.classes_to_skip_compiling, or set error_on_compilation_failure=False "
-                "to fall back to an opaque module."
+                f" {reason}. " + (fix or "Fix the module's code for torch.export, add its class to "
+                                  "ExtractionOptions.classes_to_skip_compiling, or set error_on_compilation_failure="
+                                  "False to fall back to an opaque module.")
             ) from error
         if self.options.warn_on_compilation_failure and error is not None:
             warnings.warn(f"Module '{where}' is opaque (only its inputs, output, parameters and buffers are"
@@ -302,7 +349,7 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     # extraction's eager runs must not consume random numbers (dropout in train mode) nor change
     # buffers (batch norm in train mode) or module attributes
     with preserved_state(list(named_real_modules(module))), cleared_module_state(module), \
-            offloaded_weights_loaded(module), reserved_names_renamed(module) as renamed:
+            offloaded_weights_loaded(module), reserved_names_renamed(module) as renamed, aliases_hidden(module):
         ctx.renamed = renamed
         register_cache_pytrees(module)
         root, guard = _extract_root(ctx, args, kwargs)
@@ -325,7 +372,12 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     module = ctx.module
     static = ShapeGuard.static(tensor_leaves(args, kwargs))
     if type(module) in ctx.options.custom_extraction_functions:
-        return _custom(ctx, "", module), static
+        try:
+            return _custom(ctx, "", module), static
+        except _CustomFunctionFailed as failed:  # as graphpatch: a failing function means fallback
+            reason = f"its custom extraction function failed: {describe_failure(failed.error)}"
+            ctx.fail("", reason, failed.error, fix=_CUSTOM_FIX)
+            return _opaque(ctx, "", module, args, kwargs, reason), static
     if _skip(ctx, module):
         ctx.opaque[ctx.full("") or "<root>"] = "skipped"
         return _opaque(ctx, "", module, args, kwargs, "skipped"), static
@@ -407,8 +459,16 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         reason = "its forward runs no tensor operation: there is no graph to extract"
         ctx.fail("", reason, None)
         return _opaque(ctx, "", module, args, kwargs, reason), static
-    builder = _Builder(ctx, unflattened, stubs, calls, input_spec, states, constant_outputs(exported))
-    root = builder.build("", module, holder)
+    builder = _Builder(ctx, unflattened, stubs, calls, input_spec, states, constant_outputs(exported), (args, kwargs))
+    try:
+        root = builder.build("", module, holder)
+    except ExtractionError:
+        raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
+    except Exception as error:  # noqa: BLE001 - as graphpatch: any failure while compiling means fallback
+        bar.close()
+        reason = f"building its graph failed: {describe_failure(error)}"
+        ctx.fail("", reason, error)
+        return _opaque(ctx, "", module, args, kwargs, reason), static
     bar.update()
     bar.close()
     return root, guard
@@ -620,11 +680,13 @@ class _Builder:
 
     def __init__(self, ctx: _Context, unflattened: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list],
                  input_spec: pytree.TreeSpec | None = None, states: dict[str, list[list[Key]]] | None = None,
-                 constants: dict[tuple[str, int], dict[int, Any]] | None = None):
+                 constants: dict[tuple[str, int], dict[int, Any]] | None = None,
+                 example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})):
         self.ctx, self.unflattened, self.stubs, self.calls = ctx, unflattened, stubs, calls
         self.input_spec = input_spec
         self.states = states or {}
         self.constants = constants or {}  # {(program path, invocation): {output leaf: value}}
+        self.example = example  # the extracted call of the root (to record a fallback's calls)
 
     def state_keys(self, fqn: str, invocation: int) -> list[Key]:
         """The state keys export recorded for this invocation ([] when it had no stateful argument)."""
@@ -632,14 +694,50 @@ class _Builder:
         return recorded[invocation] if invocation < len(recorded) else []
 
     def child(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
+        """Invocation ``invocation`` of submodule ``fqn``: its graph, or an opaque module when it
+        is stubbed, or when building its graph raises and ``error_on_compilation_failure`` is off
+        (as graphpatch, any failure while compiling a module falls back to opaque).
+
+        Raises:
+            ExtractionError: building failed and ``error_on_compilation_failure`` is set; or a
+                custom extraction function returned a malformed graph (always loud).
+        """
         if fqn in self.stubs:
             if self.stubs[fqn] == "custom":
-                return _custom(self.ctx, fqn, module)
-            recorded = self.calls.get(fqn, [])
-            args, kwargs, _ = recorded[min(invocation, len(recorded) - 1)]
-            return _opaque(self.ctx, fqn, module, args, kwargs, self.stubs[fqn])
-        graphs = invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))
-        return self.build(fqn, module, graphs[invocation], invocation)
+                return self.custom(fqn, module, invocation)
+            return self.opaque(fqn, module, invocation, self.stubs[fqn])
+        try:
+            graphs = invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))
+            return self.build(fqn, module, graphs[invocation], invocation)
+        except ExtractionError:
+            raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
+        except Exception as error:  # noqa: BLE001 - any other failure means fallback (or a loud error)
+            if self.state_keys(fqn, invocation):  # an opaque module cannot hand its cache state back
+                raise
+            reason = f"building its graph failed: {describe_failure(error)}"
+            self.ctx.fail(fqn, reason, error)
+            return self.opaque(fqn, module, invocation, reason)
+
+    def recorded_call(self, fqn: str, invocation: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` of invocation ``invocation`` of ``fqn`` in the extracted call."""
+        if fqn not in self.calls:
+            self.calls.update(record_calls(self.ctx.module, {fqn}, *self.example))
+        recorded = self.calls.get(fqn, [])
+        args, kwargs, _ = recorded[min(invocation, len(recorded) - 1)]
+        return args, kwargs
+
+    def opaque(self, fqn: str, module: torch.nn.Module, invocation: int, reason: str) -> OpaqueGraphModule:
+        return _opaque(self.ctx, fqn, module, *self.recorded_call(fqn, invocation), reason)
+
+    def custom(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
+        """The graph of a custom extraction function; opaque when the function raises (as
+        graphpatch's ``custom_extraction_functions``), per the warn/error options."""
+        try:
+            return _custom(self.ctx, fqn, module)
+        except _CustomFunctionFailed as failed:
+            reason = f"its custom extraction function failed: {describe_failure(failed.error)}"
+            self.ctx.fail(fqn, reason, failed.error, fix=_CUSTOM_FIX)
+            return self.opaque(fqn, module, invocation, reason)
 
     def build(self, fqn: str, module: torch.nn.Module, holder: torch.nn.Module,
               invocation: int = 0) -> CompiledGraphModule:
@@ -711,11 +809,8 @@ class _Builder:
                 if not _persistent(module, target):
                     *prefix, name = target.split(".")
                     cgm.get_submodule(".".join(prefix)).register_buffer(name, tensor, persistent=False)
-        if self.ctx.options.allow_unused_submodules:
-            called = {t.split(".")[0] for t, _ in children}
-            for name, sub in module.named_children():
-                if safe_name(name) not in called and not isinstance(sub, _CONTAINERS):
-                    cgm.add_module(safe_name(name), OpaqueGraphModule(sub, "not invoked during extraction", {}, {}))
+        _keep_unused(self.ctx, fqn, cgm, module)
+        _registration_order(cgm, module)
         if self.ctx.options.postprocessing_function is not None:
             self.ctx.options.postprocessing_function(cgm, module)
             cgm.recompile()
@@ -765,9 +860,99 @@ def _renamed_template(module: torch.nn.Module) -> torch.nn.Module:
     return view
 
 
+#: Reason recorded for a submodule the extracted call never ran.
+UNUSED_REASON = "not invoked during extraction"
+_CUSTOM_FIX = ("Fix the function, remove the module's class from ExtractionOptions.custom_extraction_functions, or"
+               " set error_on_compilation_failure=False to fall back to an opaque module.")
+_UNUSED_FIX = ("Call it in the example inputs, or set allow_unused_submodules=True (the default unless"
+               " error_on_compilation_failure is set) to keep it as an opaque module.")
+
+
+class NeverCalledError(ExtractionError):
+    """A submodule was never called by the example inputs (graphpatch's ``NoRecordedInvocations``)."""
+
+
+def _user_children(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``module``'s children in registration order, without op points (names as in ``_modules``)."""
+    for name, child in modules_of(module).items():
+        if child is not None and not isinstance(child, (OpPoint, OpPointContainer)):
+            yield name, child
+
+
+def _unused(ctx: _Context, fqn: str, module: torch.nn.Module, top: bool = True) -> torch.nn.Module:
+    """A submodule the extracted call never ran, as graphpatch keeps it: an :class:`OpaqueGraphModule`
+    (its own code, parameters and buffers) with its children likewise; containers keep their type.
+    With ``allow_unused_submodules`` off it is a compilation failure (see :class:`ExtractionOptions`).
+
+    Raises:
+        ExtractionError: ``allow_unused_submodules`` is off and ``error_on_compilation_failure`` on.
+    """
+    if isinstance(module, _CONTAINERS):
+        container = type(module)()
+        for name, child in _user_children(module):
+            modules_of(container)[name] = _unused(ctx, f"{fqn}.{name}", child, top)
+        return container
+    if not top:  # inside an unused module: reported with it
+        pass
+    elif not ctx.options.allow_unused_submodules:
+        ctx.fail(fqn, "it was never called by the example inputs", NeverCalledError(
+            f"'{ctx.full(fqn)}' was never called when running the example inputs"), fix=_UNUSED_FIX)
+    elif ctx.options.warn_on_compilation_failure:  # as graphpatch: told, though allowed
+        warnings.warn(f"Module '{ctx.full(fqn)}' was never called by the example inputs; it is kept as an opaque"
+                      " module", NNBridgeWarning, stacklevel=4)
+    children = {name: _unused(ctx, f"{fqn}.{name}", child, top=False) for name, child in _user_children(module)}
+    return OpaqueGraphModule(module, UNUSED_REASON, children, {})
+
+
+def _keep_unused(ctx: _Context, fqn: str, cgm: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Give ``cgm`` every child of ``module`` the graph never calls (see :func:`_unused`), also
+    inside ModuleList/ModuleDict containers, so its parameters and buffers are the module's."""
+    # a child registered under several names (``self.alias = self.linear``) was called if any name was
+    called = {id(child) for name, child in _user_children(module) if name in modules_of(cgm)}
+
+    def fill(holder: torch.nn.Module, original: torch.nn.Module, prefix: str) -> None:
+        for name, child in _user_children(original):
+            path = f"{prefix}.{name}" if prefix else name
+            existing = modules_of(holder).get(name)
+            if existing is None and id(child) not in called:
+                modules_of(holder)[name] = _unused(ctx, path, child)
+            elif isinstance(child, _CONTAINERS) and type(existing) is type(child):
+                fill(existing, child, path)
+    fill(cgm, module, fqn)
+
+
+def _registration_order(cgm: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Order ``cgm``'s children, parameters and buffers (and those of its ModuleList/ModuleDict
+    children) as ``module`` registered them, not as the graph calls them: ``named_parameters()``
+    and ``state_dict()`` then list them in the module's order (graphpatch restores it too)."""
+    _reorder(parameters_of(cgm), list(parameters_of(module)))
+    _reorder(buffers_of(cgm), list(buffers_of(module)))
+    _reorder(modules_of(cgm), list(modules_of(module)))
+    for name, child in modules_of(cgm).items():
+        original = modules_of(module).get(name)
+        if isinstance(child, _CONTAINERS) and type(child) is type(original):
+            _registration_order(child, original)
+
+
+class _CustomFunctionFailed(Exception):
+    """A custom extraction function raised ``error`` (the module then falls back to opaque)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
 def _custom(ctx: _Context, fqn: str, module: torch.nn.Module) -> CompiledGraphModule:
-    """A graph from a user's custom extraction function (graphpatch's custom_extraction_functions)."""
-    graph = ctx.options.custom_extraction_functions[type(module)](module)
+    """A graph from a user's custom extraction function (graphpatch's custom_extraction_functions).
+
+    Raises:
+        _CustomFunctionFailed: the function raised.
+        ExtractionError: the graph it returned is malformed (a mistake in the function: always loud).
+    """
+    try:
+        graph = ctx.options.custom_extraction_functions[type(module)](module)
+    except Exception as error:  # noqa: BLE001 - the caller falls back to opaque (or raises)
+        raise _CustomFunctionFailed(error) from error
     output = next(n for n in graph.nodes if n.op == "output")
     value = output.args[0]
     if not (isinstance(value, tuple) and len(value) == 1):
@@ -814,8 +999,7 @@ def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, .
         safe = ".".join([safe_name(first), *rest])
         original_name = ".".join([ctx.renamed.get(id(module), {}).get(first, first), *rest])
         if name not in captured:
-            if ctx.options.allow_unused_submodules:
-                _attach(shown, safe, OpaqueGraphModule(child, "not invoked during extraction", {}, {}), template)
+            _attach(shown, safe, _unused(ctx, f"{fqn}.{name}" if fqn else name, child), template)
             _attach(swapped, original_name, child, module)
             continue
         a, k = captured[name]
