@@ -269,3 +269,39 @@ def test_graph_children_keep_registration_order():
     assert list(root.state_dict()) == list(model.state_dict())
     assert [n for n, _ in pg.named_parameters()] == [f"_graph_module.{n}" for n, _ in model.named_parameters()]
     assert torch.equal(pg(x), model(x))
+
+
+# -- 1. (cont.) any failure while compiling falls back ---------------------------------------------------------------------------
+class ShapeBranch(Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return -y if x.shape[0] == 1 else y  # each call's graph is specialised to its branch
+
+
+class DiscardsACall(Module):
+    def __init__(self):
+        super().__init__()
+        self.branch = ShapeBranch()
+
+    def forward(self, x):
+        self.branch(x[:1])  # result unused: dead code in the caller's graph
+        return self.branch(x)
+
+
+def test_failure_while_unflattening_falls_back_to_opaque():
+    """torch 2.13's unflatten fails on this program (``'Module' object has no attribute
+    'linear@1'``): the root runs its own code and its children are extracted per call."""
+    model, x = DiscardsACall().eval(), torch.randn(2, 4)
+    pg = PatchableGraph(model, x)
+    assert isinstance(pg._graph_module, OpaqueGraphModule)
+    assert "building its graph failed" in pg.extractions[0].opaque["<root>"]
+    assert isinstance(pg._graph_module.branch, CompiledGraphModule)
+    assert torch.equal(pg(x), model(x))
+    expected = model(x)
+    assert torch.equal(bridged_output(model, x), expected)
+    with pytest.raises(ExtractionError, match="module '<root>' \\(DiscardsACall\\).*linear@1"):
+        PatchableGraph(model, x, options=STRICT)

@@ -448,23 +448,25 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     guard = ShapeGuard.from_export(exported) if dynamic else static
     bar.update()
     bar.set_postfix_str("unflatten and build graphs")
-    # no op ran (``return x``, ``return 3``): unflatten (torch 2.13) makes no graph for the module
-    holder = None
-    if any(node.op == "call_function" for node in exported.graph.nodes):
-        unflattened = unflatten(exported)
-        unflattened_model = dict(unflattened.named_children()).get("model")
-        holder = invocation_graphs(unflattened_model)[0] if unflattened_model is not None else None
-    if holder is None or not isinstance(getattr(holder, "graph", None), Graph):
-        bar.close()
-        reason = "its forward runs no tensor operation: there is no graph to extract"
-        ctx.fail("", reason, None)
-        return _opaque(ctx, "", module, args, kwargs, reason), static
-    builder = _Builder(ctx, unflattened, stubs, calls, input_spec, states, constant_outputs(exported), (args, kwargs))
-    try:
+    try:  # as graphpatch: any failure while compiling (unflattening, building) means fallback
+        # no op ran (``return x``, ``return 3``): unflatten (torch 2.13) makes no graph for the module
+        holder = None
+        if any(node.op == "call_function" for node in exported.graph.nodes):
+            unflattened = unflatten(exported)
+            unflattened_model = dict(unflattened.named_children()).get("model")
+            holder = invocation_graphs(unflattened_model)[0] if unflattened_model is not None else None
+        if holder is None or not isinstance(getattr(holder, "graph", None), Graph):
+            bar.close()
+            reason = "its forward runs no tensor operation: there is no graph to extract"
+            ctx.fail("", reason, None)
+            return _opaque(ctx, "", module, args, kwargs, reason), static
+        builder = _Builder(ctx, unflattened, stubs, calls, input_spec, states, constant_outputs(exported),
+                           (args, kwargs))
+        builder.number_calls(holder)
         root = builder.build("", module, holder)
     except ExtractionError:
         raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
-    except Exception as error:  # noqa: BLE001 - as graphpatch: any failure while compiling means fallback
+    except Exception as error:  # noqa: BLE001
         bar.close()
         reason = f"building its graph failed: {describe_failure(error)}"
         ctx.fail("", reason, error)
@@ -687,6 +689,29 @@ class _Builder:
         self.states = states or {}
         self.constants = constants or {}  # {(program path, invocation): {output leaf: value}}
         self.example = example  # the extracted call of the root (to record a fallback's calls)
+        self.numbers: dict[Node, int] = {}  # {submodule call: its invocation}, see number_calls
+
+    def number_calls(self, holder: torch.nn.Module) -> None:
+        """Number every submodule call of the unflattened graphs, from the root graph ``holder``
+        down, before any graph is built: invocation ``k`` of a module is its ``k``-th call in
+        the program, also when an earlier caller's graph is dead code or fell back to opaque
+        half-built (a running count while building would then hand later calls the wrong graph).
+        Stubbed modules' children are not numbered (they are extracted separately)."""
+        counts: Counter[str] = Counter()
+
+        def walk(fqn: str, graph_holder: torch.nn.Module) -> None:
+            for node in graph_holder.graph.nodes:
+                if node.op != "call_module":
+                    continue
+                child_fqn = f"{fqn}.{node.target}" if fqn else str(node.target)
+                self.numbers[node] = invocation = counts[child_fqn]
+                counts[child_fqn] += 1
+                if child_fqn not in self.stubs:
+                    walk(child_fqn, invocation_graphs(self.unflattened.get_submodule(f"model.{child_fqn}"))[invocation])
+        try:
+            walk("", holder)
+        except Exception:  # noqa: BLE001 - an unexpected structure: count while building instead
+            self.numbers.clear()
 
     def state_keys(self, fqn: str, invocation: int) -> list[Key]:
         """The state keys export recorded for this invocation ([] when it had no stateful argument)."""
@@ -765,8 +790,8 @@ class _Builder:
         for node in calls:
             target = str(node.target)
             child_fqn = f"{fqn}.{target}" if fqn else target
-            invocation = self.ctx.invocations[child_fqn]
-            self.ctx.invocations[child_fqn] += 1
+            invocation = self.numbers[node] if node in self.numbers else self.ctx.invocations[child_fqn]
+            self.ctx.invocations[child_fqn] = invocation + 1
             child = self.child(child_fqn, module.get_submodule(target), invocation)
             extra = node.meta.get(EXTRA_ARGS_KEY, 0)
             if getattr(child, "exact_signature", True):
