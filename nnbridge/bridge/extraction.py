@@ -9,7 +9,11 @@ are the original module's own tensors.
 A submodule that cannot be exported is stubbed during export (its recorded output, still
 depending on its inputs) and becomes an :class:`OpaqueGraphModule` whose children are extracted
 separately; the rest stays a graph. So does a module whose graph would silently differ from its
-code (grad-mode changes, custom autograd Functions, Python side effects: :mod:`.capture_checks`).
+code (grad-mode changes, custom autograd Functions, Python side effects, ``torch._dynamo.graph_break()``:
+:mod:`.capture_checks`), one whose graph module cannot be built (any exception while unflattening or
+building), and one whose custom extraction function raises, as graphpatch falls back. Submodules the
+call never runs stay as opaque modules (graphpatch's ``allow_unused_submodules``), and every graph
+module lists its children, parameters and buffers in the module's registration order.
 Example::
 
     root, guard = extract(model, (input_ids,), {}, ExtractionOptions())
@@ -323,9 +327,11 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         An :class:`Extraction`.
 
     Raises:
-        ExtractionError: a module could not be exported, or its graph would differ from its code,
-            and ``error_on_compilation_failure`` is set; or extraction's eager run changed a
-            parameter in place (see :func:`.capture_checks.preserved_state`).
+        ExtractionError: with ``error_on_compilation_failure``: a module could not be exported,
+            its graph would differ from its code, building its graph module raised, its custom
+            extraction function raised, or (``allow_unused_submodules`` off) it was never called;
+            in every mode: a custom extraction function returned a malformed graph, or extraction's
+            eager run changed a parameter in place (see :func:`.capture_checks.preserved_state`).
     """
     # extraction changes shared state (hooks, forwards, parameters while tracing) for its duration:
     # another thread entering any of the model's modules waits (see .locking)
