@@ -305,3 +305,27 @@ def test_failure_while_unflattening_falls_back_to_opaque():
     assert torch.equal(bridged_output(model, x), expected)
     with pytest.raises(ExtractionError, match="module '<root>' \\(DiscardsACall\\).*linear@1"):
         PatchableGraph(model, x, options=STRICT)
+
+
+class ReservedFirst(Module):
+    def __init__(self):
+        super().__init__()
+        self.graph = Linear(4, 4)  # reserved: renamed graph_ while extracting
+        self.alias = self.graph  # hidden while extracting
+        self.other = Linear(4, 4)
+
+    def forward(self, x):
+        return self.other(self.alias(self.graph(x)))
+
+
+def test_extraction_leaves_the_models_registration_order():
+    """Renamed (reserved) and hidden (alias) children go back to their places: the model's
+    ``_modules`` and ``state_dict()`` order are unchanged by extraction."""
+    model, x = ReservedFirst().eval(), torch.randn(2, 4)
+    keys = list(model.state_dict())
+    pg = PatchableGraph(model, x, options=STRICT)
+    assert list(model._modules) == ["graph", "alias", "other"] and list(model.state_dict()) == keys
+    assert torch.equal(pg(x), model(x))
+    expected = model(x)
+    assert torch.equal(bridged_output(model, x), expected)
+    assert list(model._modules) == ["graph", "alias", "other"] and list(model.state_dict()) == keys

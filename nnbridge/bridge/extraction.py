@@ -114,8 +114,8 @@ def reserved_names_renamed(module: torch.nn.Module) -> Iterator[dict[int, dict[s
                     raise ExtractionError(
                         f"{type(parent).__name__} has children named both {name!r} and {safe!r}; nnbridge renames"
                         f" {name!r} (reserved) to {safe!r} in NodePaths. Rename one of them.")
-                child = modules_of(parent).pop(name)
-                modules_of(parent)[safe] = child
+                child = modules_of(parent)[name]
+                _rename_key(modules_of(parent), name, safe)  # in its place: registration order is kept
                 parent.__dict__[name] = child
                 renamed.append((parent, name, safe))
         mapping: dict[int, dict[str, str]] = {}
@@ -124,11 +124,16 @@ def reserved_names_renamed(module: torch.nn.Module) -> Iterator[dict[int, dict[s
         yield mapping
     finally:
         for parent, name, safe in reversed(renamed):
-            order = [name if key == safe else key for key in modules_of(parent)]
-            child = modules_of(parent).pop(safe)
             parent.__dict__.pop(name, None)
-            modules_of(parent)[name] = child
-            _reorder(modules_of(parent), order)  # the child keeps its place (state_dict order)
+            _rename_key(modules_of(parent), safe, name)  # the child keeps its place (state_dict order)
+
+
+def _rename_key(store: dict[str, Any], old: str, new: str) -> None:
+    """Rename key ``old`` of ``store`` to ``new`` in place, keeping its position."""
+    items = list(store.items())
+    store.clear()
+    for key, value in items:
+        store[new if key == old else key] = value
 
 
 def _reorder(store: dict[str, Any], order: list[str]) -> None:
