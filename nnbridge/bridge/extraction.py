@@ -711,7 +711,8 @@ class _Builder:
         counts: Counter[str] = Counter()
 
         def walk(fqn: str, graph_holder: torch.nn.Module) -> None:
-            for node in graph_holder.graph.nodes:
+            graph: Graph = getattr(graph_holder, "graph")
+            for node in graph.nodes:
                 if node.op != "call_module":
                     continue
                 child_fqn = f"{fqn}.{node.target}" if fqn else str(node.target)
@@ -966,7 +967,7 @@ def _registration_order(cgm: torch.nn.Module, module: torch.nn.Module) -> None:
     _reorder(modules_of(cgm), list(modules_of(module)))
     for name, child in modules_of(cgm).items():
         original = modules_of(module).get(name)
-        if isinstance(child, _CONTAINERS) and type(child) is type(original):
+        if isinstance(child, _CONTAINERS) and original is not None and type(child) is type(original):
             _registration_order(child, original)
 
 
