@@ -162,13 +162,19 @@ def test_postprocessing_function():
 
 
 def test_allow_unused_submodules():
+    """As graphpatch: unused submodules are kept (opaque, not in NodePaths) unless strict."""
     model = UnusedSubmoduleModule().eval()
     x = torch.randn(2, 3)
-    assert "unused" not in dir(PatchableGraph(model, x).graph)
-    pg = PatchableGraph(model, x, options=ExtractionOptions(allow_unused_submodules=True))
+    pg = PatchableGraph(model, x)
+    assert "unused" not in dir(pg.graph)
     assert isinstance(pg._graph_module.unused, OpaqueGraphModule)
     assert pg._graph_module.unused.reason == "not invoked during extraction"
     assert_same(pg(x), model(x))
+    with pytest.raises(ExtractionError, match="module 'unused' \\(Linear\\): it was never called"):
+        PatchableGraph(model, x, options=ExtractionOptions(error_on_compilation_failure=True))
+    pg = PatchableGraph(model, x, options=ExtractionOptions(error_on_compilation_failure=True,
+                                                            allow_unused_submodules=True))
+    assert isinstance(pg._graph_module.unused, OpaqueGraphModule)
 
 
 def test_options_are_keyword_only_and_given_once():

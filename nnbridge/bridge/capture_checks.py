@@ -6,6 +6,8 @@ A graph replays the tensor operations of one traced call. It does not replay:
   export records them as higher-order ops that unflatten cannot keep (see
   :func:`nnbridge.compat.capture.mode_regions`);
 - custom ``torch.autograd.Function``s: export inlines their forward and loses their backward;
+- ``torch._dynamo.graph_break()``: the author asked for the code around it not to be one graph
+  (graphpatch made such a module opaque; non-strict export would run it as a no-op);
 - Python side effects on module state: an attribute set in forward (``self.calls += 1``, a tensor
   cached on ``self``), a list/dict/set attribute mutated (``self.seen.append(x)``), a buffer
   re-assigned (``self.ema = 0.9 * self.ema + ...``; in-place buffer updates are replayed).
@@ -35,7 +37,8 @@ import torch
 from ..compat.module_dicts import buffers_of, parameters_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.nnsight import NNSIGHT_MODULE_ATTRIBUTES
-from ..compat.capture import autograd_function_calls, grad_mode_frozen, mode_regions, tensor_version
+from ..compat.capture import (autograd_function_calls, grad_mode_frozen, graph_break_calls, mode_regions,
+                              tensor_version)
 from ..errors import ExtractionError, NNBridgeError
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
@@ -182,6 +185,7 @@ class CaptureWatch:
         self.active = active
         self.known = known  # already opaque: faults in them and below them are not reported again
         self.functions: dict[str, str] = {}
+        self.breaks: dict[str, str] = {}
         self.changes: dict[str, list[str]] = {}
 
     @contextlib.contextmanager
@@ -194,6 +198,10 @@ class CaptureWatch:
         def on_apply(cls: type) -> None:
             if self.active:
                 self.functions.setdefault(self.active[-1], cls.__qualname__)
+
+        def on_break(msg: str) -> None:
+            if self.active:
+                self.breaks.setdefault(self.active[-1], msg)
 
         def before(mod: torch.nn.Module, args: Any) -> None:
             inner.append(snapshot(self.modules, clone=False))
@@ -209,7 +217,7 @@ class CaptureWatch:
             # (the shim only while needed: export records grad-mode changes through the original)
             # only while needed: export records no grad-mode change while the shim is in place, and
             # every module changing grad mode was found by the first export (without it)
-            with autograd_function_calls(on_apply), (grad_mode_frozen(lambda: any(p in frozen for p in self.active))
+            with autograd_function_calls(on_apply), graph_break_calls(on_break), (grad_mode_frozen(lambda: any(p in frozen for p in self.active))
                                                       if frozen else contextlib.nullcontext()):
                 yield
         finally:
@@ -236,6 +244,11 @@ class CaptureWatch:
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(
                     f"calls the custom autograd Function {name}.apply, whose backward a graph would lose"))]
+        for fqn, msg in self.breaks.items():
+            if new(fqn):
+                return [(fqn, UnfaithfulCaptureError(
+                    f"calls torch._dynamo.graph_break({msg!r}) in forward; as graphpatch, nnbridge keeps"
+                    " such a module opaque"))]
         for fqn, changed in self.changes.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(

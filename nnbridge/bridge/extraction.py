@@ -9,7 +9,11 @@ are the original module's own tensors.
 A submodule that cannot be exported is stubbed during export (its recorded output, still
 depending on its inputs) and becomes an :class:`OpaqueGraphModule` whose children are extracted
 separately; the rest stays a graph. So does a module whose graph would silently differ from its
-code (grad-mode changes, custom autograd Functions, Python side effects: :mod:`.capture_checks`).
+code (grad-mode changes, custom autograd Functions, Python side effects, ``torch._dynamo.graph_break()``:
+:mod:`.capture_checks`), one whose graph module cannot be built (any exception while unflattening or
+building), and one whose custom extraction function raises, as graphpatch falls back. Submodules the
+call never runs stay as opaque modules (graphpatch's ``allow_unused_submodules``), and every graph
+module lists its children, parameters and buffers in the module's registration order.
 Example::
 
     root, guard = extract(model, (input_ids,), {}, ExtractionOptions())
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, Node
-from ..compat.module_dicts import modules_of
+from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat.pytree import pytree
 from tqdm.auto import tqdm
 
@@ -110,8 +114,8 @@ def reserved_names_renamed(module: torch.nn.Module) -> Iterator[dict[int, dict[s
                     raise ExtractionError(
                         f"{type(parent).__name__} has children named both {name!r} and {safe!r}; nnbridge renames"
                         f" {name!r} (reserved) to {safe!r} in NodePaths. Rename one of them.")
-                child = modules_of(parent).pop(name)
-                modules_of(parent)[safe] = child
+                child = modules_of(parent)[name]
+                _rename_key(modules_of(parent), name, safe)  # in its place: registration order is kept
                 parent.__dict__[name] = child
                 renamed.append((parent, name, safe))
         mapping: dict[int, dict[str, str]] = {}
@@ -120,9 +124,60 @@ def reserved_names_renamed(module: torch.nn.Module) -> Iterator[dict[int, dict[s
         yield mapping
     finally:
         for parent, name, safe in reversed(renamed):
-            child = modules_of(parent).pop(safe)
+            parent.__dict__.pop(name, None)
+            _rename_key(modules_of(parent), safe, name)  # the child keeps its place (state_dict order)
+
+
+def _rename_key(store: dict[str, Any], old: str, new: str) -> None:
+    """Rename key ``old`` of ``store`` to ``new`` in place, keeping its position."""
+    items = list(store.items())
+    store.clear()
+    for key, value in items:
+        store[new if key == old else key] = value
+
+
+def _reorder(store: dict[str, Any], order: list[str]) -> None:
+    """Reorder ``store`` in place: the keys in ``order`` first, in that order, then the others."""
+    items = dict(store)
+    store.clear()
+    for name in [n for n in order if n in items] + [n for n in items if n not in order]:
+        store[name] = items[name]
+
+
+@contextlib.contextmanager
+def aliases_hidden(module: torch.nn.Module) -> Iterator[None]:
+    """Hide every further registration of a module object (``self.alias = self.linear``, or one
+    child shared by two parents) from ``_modules`` for the body's duration.
+
+    torch.export (2.13, non-strict) traces a model with shared submodules through attribute
+    proxies whose paths break when a forward is overridden on the instance (``KeyError: 'linear'``
+    in its tracepoint pass). The hidden name stays an instance attribute, so the module's code
+    still reaches the child through it; export then knows the child by its first name only, and
+    every call of it, under any name, is an invocation of that name (``linear_0``, ``linear_1``).
+    Restores every registration in its place on exit, also on error.
+    """
+    hidden: list[tuple[torch.nn.Module, str, torch.nn.Module, list[str]]] = []
+    seen = {id(module)}
+
+    def visit(parent: torch.nn.Module) -> None:
+        for name, child in list(modules_of(parent).items()):
+            if child is None or isinstance(child, (OpPoint, OpPointContainer)):
+                continue
+            if id(child) in seen:
+                hidden.append((parent, name, child, list(modules_of(parent))))
+                del modules_of(parent)[name]
+                parent.__dict__[name] = child
+                continue
+            seen.add(id(child))
+            visit(child)
+    try:
+        visit(module)
+        yield
+    finally:
+        for parent, name, child, order in reversed(hidden):
             parent.__dict__.pop(name, None)
             modules_of(parent)[name] = child
+            _reorder(modules_of(parent), order)
 
 
 def describe_failure(error: BaseException) -> str:
@@ -239,15 +294,16 @@ class _Context:
     def full(self, fqn: str) -> str:
         return ".".join(p for p in (self.path, fqn) if p)
 
-    def fail(self, fqn: str, reason: str, error: BaseException | None) -> None:
-        """Record an opaque fallback, honouring the warn/error options."""
+    def fail(self, fqn: str, reason: str, error: BaseException | None, fix: str | None = None) -> None:
+        """Record an opaque fallback, honouring the warn/error options (``fix``: what the error
+        message tells the user to do instead of the default advice)."""
         where = self.full(fqn) or "<root>"
         if self.options.error_on_compilation_failure and error is not None:
             raise ExtractionError(
                 f"Could not extract a graph for module '{where}' ({type(self.module.get_submodule(fqn)).__name__}):"
-                f" {reason}. Fix the module's code for torch.export, add its class to "
-                "ExtractionOptions.classes_to_skip_compiling, or set error_on_compilation_failure=False "
-                "to fall back to an opaque module."
+                f" {reason}. " + (fix or "Fix the module's code for torch.export, add its class to "
+                                  "ExtractionOptions.classes_to_skip_compiling, or set error_on_compilation_failure="
+                                  "False to fall back to an opaque module.")
             ) from error
         if self.options.warn_on_compilation_failure and error is not None:
             warn(f"Module '{where}' is opaque (only its inputs, output, parameters and buffers are"
@@ -276,9 +332,11 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         An :class:`Extraction`.
 
     Raises:
-        ExtractionError: a module could not be exported, or its graph would differ from its code,
-            and ``error_on_compilation_failure`` is set; or extraction's eager run changed a
-            parameter in place (see :func:`.capture_checks.preserved_state`).
+        ExtractionError: with ``error_on_compilation_failure``: a module could not be exported,
+            its graph would differ from its code, building its graph module raised, its custom
+            extraction function raised, or (``allow_unused_submodules`` off) it was never called;
+            in every mode: a custom extraction function returned a malformed graph, or extraction's
+            eager run changed a parameter in place (see :func:`.capture_checks.preserved_state`).
     """
     # extraction changes shared state (hooks, forwards, parameters while tracing) for its duration:
     # another thread entering any of the model's modules waits (see .locking)
@@ -302,7 +360,7 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     # extraction's eager runs must not consume random numbers (dropout in train mode) nor change
     # buffers (batch norm in train mode) or module attributes
     with preserved_state(list(named_real_modules(module))), cleared_module_state(module), \
-            offloaded_weights_loaded(module), reserved_names_renamed(module) as renamed:
+            offloaded_weights_loaded(module), reserved_names_renamed(module) as renamed, aliases_hidden(module):
         ctx.renamed = renamed
         register_cache_pytrees(module)
         root, guard = _extract_root(ctx, args, kwargs)
@@ -325,7 +383,12 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     module = ctx.module
     static = ShapeGuard.static(tensor_leaves(args, kwargs))
     if type(module) in ctx.options.custom_extraction_functions:
-        return _custom(ctx, "", module), static
+        try:
+            return _custom(ctx, "", module), static
+        except _CustomFunctionFailed as failed:  # as graphpatch: a failing function means fallback
+            reason = f"its custom extraction function failed: {describe_failure(failed.error)}"
+            ctx.fail("", reason, failed.error, fix=_CUSTOM_FIX)
+            return _opaque(ctx, "", module, args, kwargs, reason), static
     if _skip(ctx, module):
         ctx.opaque[ctx.full("") or "<root>"] = StubKind.SKIPPED
         return _opaque(ctx, "", module, args, kwargs, StubKind.SKIPPED), static
@@ -396,19 +459,29 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     guard = ShapeGuard.from_export(exported) if dynamic else static
     bar.update()
     bar.set_postfix_str("unflatten and build graphs")
-    # no op ran (``return x``, ``return 3``): unflatten (torch 2.13) makes no graph for the module
-    holder = None
-    if any(node.op == "call_function" for node in exported.graph.nodes):
-        unflattened = unflatten(exported)
-        unflattened_model = dict(unflattened.named_children()).get("model")
-        holder = invocation_graphs(unflattened_model)[0] if unflattened_model is not None else None
-    if holder is None or not isinstance(getattr(holder, "graph", None), Graph):
+    try:  # as graphpatch: any failure while compiling (unflattening, building) means fallback
+        # no op ran (``return x``, ``return 3``): unflatten (torch 2.13) makes no graph for the module
+        holder = None
+        if any(node.op == "call_function" for node in exported.graph.nodes):
+            unflattened = unflatten(exported)
+            unflattened_model = dict(unflattened.named_children()).get("model")
+            holder = invocation_graphs(unflattened_model)[0] if unflattened_model is not None else None
+        if holder is None or not isinstance(getattr(holder, "graph", None), Graph):
+            bar.close()
+            reason = "its forward runs no tensor operation: there is no graph to extract"
+            ctx.fail("", reason, None)
+            return _opaque(ctx, "", module, args, kwargs, reason), static
+        builder = _Builder(ctx, unflattened, stubs, calls, input_spec, states, constant_outputs(exported),
+                           (args, kwargs))
+        builder.number_calls(holder)
+        root = builder.build("", module, holder)
+    except ExtractionError:
+        raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
+    except Exception as error:  # noqa: BLE001
         bar.close()
-        reason = "its forward runs no tensor operation: there is no graph to extract"
-        ctx.fail("", reason, None)
+        reason = f"building its graph failed: {describe_failure(error)}"
+        ctx.fail("", reason, error)
         return _opaque(ctx, "", module, args, kwargs, reason), static
-    builder = _Builder(ctx, unflattened, stubs, calls, input_spec, states, constant_outputs(exported))
-    root = builder.build("", module, holder)
     bar.update()
     bar.close()
     return root, guard
@@ -620,11 +693,37 @@ class _Builder:
 
     def __init__(self, ctx: _Context, unflattened: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list],
                  input_spec: pytree.TreeSpec | None = None, states: dict[str, list[list[Key]]] | None = None,
-                 constants: dict[tuple[str, int], dict[int, Any]] | None = None):
+                 constants: dict[tuple[str, int], dict[int, Any]] | None = None,
+                 example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})):
         self.ctx, self.unflattened, self.stubs, self.calls = ctx, unflattened, stubs, calls
         self.input_spec = input_spec
         self.states = states or {}
         self.constants = constants or {}  # {(program path, invocation): {output leaf: value}}
+        self.example = example  # the extracted call of the root (to record a fallback's calls)
+        self.numbers: dict[Node, int] = {}  # {submodule call: its invocation}, see number_calls
+
+    def number_calls(self, holder: torch.nn.Module) -> None:
+        """Number every submodule call of the unflattened graphs, from the root graph ``holder``
+        down, before any graph is built: invocation ``k`` of a module is its ``k``-th call in
+        the program, also when an earlier caller's graph is dead code or fell back to opaque
+        half-built (a running count while building would then hand later calls the wrong graph).
+        Stubbed modules' children are not numbered (they are extracted separately)."""
+        counts: Counter[str] = Counter()
+
+        def walk(fqn: str, graph_holder: torch.nn.Module) -> None:
+            graph: Graph = getattr(graph_holder, "graph")
+            for node in graph.nodes:
+                if node.op != "call_module":
+                    continue
+                child_fqn = f"{fqn}.{node.target}" if fqn else str(node.target)
+                self.numbers[node] = invocation = counts[child_fqn]
+                counts[child_fqn] += 1
+                if child_fqn not in self.stubs:
+                    walk(child_fqn, invocation_graphs(self.unflattened.get_submodule(f"model.{child_fqn}"))[invocation])
+        try:
+            walk("", holder)
+        except Exception:  # noqa: BLE001 - an unexpected structure: count while building instead
+            self.numbers.clear()
 
     def state_keys(self, fqn: str, invocation: int) -> list[Key]:
         """The state keys export recorded for this invocation ([] when it had no stateful argument)."""
@@ -632,14 +731,50 @@ class _Builder:
         return recorded[invocation] if invocation < len(recorded) else []
 
     def child(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
+        """Invocation ``invocation`` of submodule ``fqn``: its graph, or an opaque module when it
+        is stubbed, or when building its graph raises and ``error_on_compilation_failure`` is off
+        (as graphpatch, any failure while compiling a module falls back to opaque).
+
+        Raises:
+            ExtractionError: building failed and ``error_on_compilation_failure`` is set; or a
+                custom extraction function returned a malformed graph (always loud).
+        """
         if fqn in self.stubs:
             if self.stubs[fqn] == StubKind.CUSTOM:
-                return _custom(self.ctx, fqn, module)
-            recorded = self.calls.get(fqn, [])
-            args, kwargs, _ = recorded[min(invocation, len(recorded) - 1)]
-            return _opaque(self.ctx, fqn, module, args, kwargs, self.stubs[fqn])
-        graphs = invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))
-        return self.build(fqn, module, graphs[invocation], invocation)
+                return self.custom(fqn, module, invocation)
+            return self.opaque(fqn, module, invocation, self.stubs[fqn])
+        try:
+            graphs = invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))
+            return self.build(fqn, module, graphs[invocation], invocation)
+        except ExtractionError:
+            raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
+        except Exception as error:  # noqa: BLE001 - any other failure means fallback (or a loud error)
+            if self.state_keys(fqn, invocation):  # an opaque module cannot hand its cache state back
+                raise
+            reason = f"building its graph failed: {describe_failure(error)}"
+            self.ctx.fail(fqn, reason, error)
+            return self.opaque(fqn, module, invocation, reason)
+
+    def recorded_call(self, fqn: str, invocation: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` of invocation ``invocation`` of ``fqn`` in the extracted call."""
+        if fqn not in self.calls:
+            self.calls.update(record_calls(self.ctx.module, {fqn}, *self.example))
+        recorded = self.calls.get(fqn, [])
+        args, kwargs, _ = recorded[min(invocation, len(recorded) - 1)]
+        return args, kwargs
+
+    def opaque(self, fqn: str, module: torch.nn.Module, invocation: int, reason: str) -> OpaqueGraphModule:
+        return _opaque(self.ctx, fqn, module, *self.recorded_call(fqn, invocation), reason)
+
+    def custom(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
+        """The graph of a custom extraction function; opaque when the function raises (as
+        graphpatch's ``custom_extraction_functions``), per the warn/error options."""
+        try:
+            return _custom(self.ctx, fqn, module)
+        except _CustomFunctionFailed as failed:
+            reason = f"its custom extraction function failed: {describe_failure(failed.error)}"
+            self.ctx.fail(fqn, reason, failed.error, fix=_CUSTOM_FIX)
+            return self.opaque(fqn, module, invocation, reason)
 
     def build(self, fqn: str, module: torch.nn.Module, holder: torch.nn.Module,
               invocation: int = 0) -> CompiledGraphModule:
@@ -667,8 +802,8 @@ class _Builder:
         for node in calls:
             target = str(node.target)
             child_fqn = f"{fqn}.{target}" if fqn else target
-            invocation = self.ctx.invocations[child_fqn]
-            self.ctx.invocations[child_fqn] += 1
+            invocation = self.numbers[node] if node in self.numbers else self.ctx.invocations[child_fqn]
+            self.ctx.invocations[child_fqn] = invocation + 1
             child = self.child(child_fqn, module.get_submodule(target), invocation)
             extra = node.meta.get(EXTRA_ARGS_KEY, 0)
             if getattr(child, "exact_signature", True):
@@ -711,11 +846,8 @@ class _Builder:
                 if not _persistent(module, target):
                     *prefix, name = target.split(".")
                     cgm.get_submodule(".".join(prefix)).register_buffer(name, tensor, persistent=False)
-        if self.ctx.options.allow_unused_submodules:
-            called = {t.split(".")[0] for t, _ in children}
-            for name, sub in module.named_children():
-                if safe_name(name) not in called and not isinstance(sub, _CONTAINERS):
-                    cgm.add_module(safe_name(name), OpaqueGraphModule(sub, "not invoked during extraction", {}, {}))
+        _keep_unused(self.ctx, fqn, cgm, module)
+        _registration_order(cgm, module)
         if self.ctx.options.postprocessing_function is not None:
             self.ctx.options.postprocessing_function(cgm, module)
             cgm.recompile()
@@ -765,9 +897,99 @@ def _renamed_template(module: torch.nn.Module) -> torch.nn.Module:
     return view
 
 
+#: Reason recorded for a submodule the extracted call never ran.
+UNUSED_REASON = "not invoked during extraction"
+_CUSTOM_FIX = ("Fix the function, remove the module's class from ExtractionOptions.custom_extraction_functions, or"
+               " set error_on_compilation_failure=False to fall back to an opaque module.")
+_UNUSED_FIX = ("Call it in the example inputs, or set allow_unused_submodules=True (the default unless"
+               " error_on_compilation_failure is set) to keep it as an opaque module.")
+
+
+class NeverCalledError(ExtractionError):
+    """A submodule was never called by the example inputs (graphpatch's ``NoRecordedInvocations``)."""
+
+
+def _user_children(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``module``'s children in registration order, without op points (names as in ``_modules``)."""
+    for name, child in modules_of(module).items():
+        if child is not None and not isinstance(child, (OpPoint, OpPointContainer)):
+            yield name, child
+
+
+def _unused(ctx: _Context, fqn: str, module: torch.nn.Module, top: bool = True) -> torch.nn.Module:
+    """A submodule the extracted call never ran, as graphpatch keeps it: an :class:`OpaqueGraphModule`
+    (its own code, parameters and buffers) with its children likewise; containers keep their type.
+    With ``allow_unused_submodules`` off it is a compilation failure (see :class:`ExtractionOptions`).
+
+    Raises:
+        ExtractionError: ``allow_unused_submodules`` is off and ``error_on_compilation_failure`` on.
+    """
+    if isinstance(module, _CONTAINERS):
+        container = type(module)()
+        for name, child in _user_children(module):
+            modules_of(container)[name] = _unused(ctx, f"{fqn}.{name}", child, top)
+        return container
+    if not top:  # inside an unused module: reported with it
+        pass
+    elif not ctx.options.allow_unused_submodules:
+        ctx.fail(fqn, "it was never called by the example inputs", NeverCalledError(
+            f"'{ctx.full(fqn)}' was never called when running the example inputs"), fix=_UNUSED_FIX)
+    elif ctx.options.warn_on_compilation_failure:  # as graphpatch: told, though allowed
+        warnings.warn(f"Module '{ctx.full(fqn)}' was never called by the example inputs; it is kept as an opaque"
+                      " module", NNBridgeWarning, stacklevel=4)
+    children = {name: _unused(ctx, f"{fqn}.{name}", child, top=False) for name, child in _user_children(module)}
+    return OpaqueGraphModule(module, UNUSED_REASON, children, {})
+
+
+def _keep_unused(ctx: _Context, fqn: str, cgm: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Give ``cgm`` every child of ``module`` the graph never calls (see :func:`_unused`), also
+    inside ModuleList/ModuleDict containers, so its parameters and buffers are the module's."""
+    # a child registered under several names (``self.alias = self.linear``) was called if any name was
+    called = {id(child) for name, child in _user_children(module) if name in modules_of(cgm)}
+
+    def fill(holder: torch.nn.Module, original: torch.nn.Module, prefix: str) -> None:
+        for name, child in _user_children(original):
+            path = f"{prefix}.{name}" if prefix else name
+            existing = modules_of(holder).get(name)
+            if existing is None and id(child) not in called:
+                modules_of(holder)[name] = _unused(ctx, path, child)
+            elif isinstance(child, _CONTAINERS) and type(existing) is type(child):
+                fill(existing, child, path)
+    fill(cgm, module, fqn)
+
+
+def _registration_order(cgm: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Order ``cgm``'s children, parameters and buffers (and those of its ModuleList/ModuleDict
+    children) as ``module`` registered them, not as the graph calls them: ``named_parameters()``
+    and ``state_dict()`` then list them in the module's order (graphpatch restores it too)."""
+    _reorder(parameters_of(cgm), list(parameters_of(module)))
+    _reorder(buffers_of(cgm), list(buffers_of(module)))
+    _reorder(modules_of(cgm), list(modules_of(module)))
+    for name, child in modules_of(cgm).items():
+        original = modules_of(module).get(name)
+        if isinstance(child, _CONTAINERS) and original is not None and type(child) is type(original):
+            _registration_order(child, original)
+
+
+class _CustomFunctionFailed(Exception):
+    """A custom extraction function raised ``error`` (the module then falls back to opaque)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
 def _custom(ctx: _Context, fqn: str, module: torch.nn.Module) -> CompiledGraphModule:
-    """A graph from a user's custom extraction function (graphpatch's custom_extraction_functions)."""
-    graph = ctx.options.custom_extraction_functions[type(module)](module)
+    """A graph from a user's custom extraction function (graphpatch's custom_extraction_functions).
+
+    Raises:
+        _CustomFunctionFailed: the function raised.
+        ExtractionError: the graph it returned is malformed (a mistake in the function: always loud).
+    """
+    try:
+        graph = ctx.options.custom_extraction_functions[type(module)](module)
+    except Exception as error:  # noqa: BLE001 - the caller falls back to opaque (or raises)
+        raise _CustomFunctionFailed(error) from error
     output = next(n for n in graph.nodes if n.op == "output")
     value = output.args[0]
     if not (isinstance(value, tuple) and len(value) == 1):
@@ -814,8 +1036,7 @@ def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, .
         safe = ".".join([safe_name(first), *rest])
         original_name = ".".join([ctx.renamed.get(id(module), {}).get(first, first), *rest])
         if name not in captured:
-            if ctx.options.allow_unused_submodules:
-                _attach(shown, safe, OpaqueGraphModule(child, "not invoked during extraction", {}, {}), template)
+            _attach(shown, safe, _unused(ctx, f"{fqn}.{name}" if fqn else name, child), template)
             _attach(swapped, original_name, child, module)
             continue
         a, k = captured[name]

@@ -19,10 +19,15 @@ class ExtractionOptions:
             extracted. Default: ``set()``.
         custom_extraction_functions: ``{module type: fn(module) -> torch.fx.Graph}``. The graph's
             placeholders must be named exactly as ``forward()``'s arguments and its output must be a
-            1-tuple (as graphpatch documents). ``get_attr`` targets resolve on the module. Default:
-            ``{}``.
-        error_on_compilation_failure: Raise :class:`nnbridge.ExtractionError` (original exception
-            as ``__cause__``) instead of falling back to an opaque module. Default: ``False``.
+            1-tuple (as graphpatch documents). ``get_attr`` targets resolve on the module. A
+            function that raises is a compilation failure (as graphpatch: the module falls back to
+            opaque, per the warn/error options); a malformed graph raises
+            :class:`nnbridge.ExtractionError`. Default: ``{}``.
+        error_on_compilation_failure: Raise :class:`nnbridge.ExtractionError` naming the module
+            (original exception as ``__cause__``) instead of falling back to an opaque module when a
+            module cannot be exported, its graph would differ from its code (grad-mode changes,
+            side effects, ``torch._dynamo.graph_break()``), building its graph module raises, or its
+            custom extraction function raises. Default: ``False``.
         warn_on_compilation_failure: Warn (:class:`nnbridge.NNBridgeWarning`) when a module falls
             back to an opaque module. Default: ``False``.
         postprocessing_function: ``fn(graph_module, original_module)`` called on every extracted
@@ -30,8 +35,15 @@ class ExtractionOptions:
             ``graph_module.recompile()`` afterwards). Default: ``None``.
         skip_compilation: Make every module opaque; only module inputs, outputs, parameters and
             buffers are patchable. Default: ``False``.
-        allow_unused_submodules: Keep submodules that the example forward never calls in the
-            hierarchy (as opaque modules) instead of dropping them. Default: ``False``.
+        allow_unused_submodules: Whether a submodule the example forward never calls is a normal
+            condition: it stays in the hierarchy as an :class:`OpaqueGraphModule` (its own code;
+            its parameters and buffers kept, so ``named_parameters()``/``state_dict()`` of the
+            graphs match the module's). When False it is a compilation failure: with
+            ``error_on_compilation_failure`` extraction raises :class:`nnbridge.ExtractionError`
+            naming it, else it is kept opaque all the same (and warned about with
+            ``warn_on_compilation_failure``). Default: ``True`` unless
+            ``error_on_compilation_failure`` is set ("strict mode"), as graphpatch's
+            ``allow_unused_submodules``.
         dynamic_shapes: Export every tensor dimension as ``torch.export.Dim.AUTO`` so one
             extraction serves other sequence lengths (and batch sizes when the example batch is
             >= 2); dimensions the model fixes stay static. Default: ``True``.
@@ -50,7 +62,11 @@ class ExtractionOptions:
     warn_on_compilation_failure: bool = False
     postprocessing_function: Callable[[GraphModule, torch.nn.Module], None] | None = None
     skip_compilation: bool = False
-    allow_unused_submodules: bool = False
+    allow_unused_submodules: bool | None = None
     dynamic_shapes: bool = True
     progress: bool = False
     recompile_limit: int = 8
+
+    def __post_init__(self) -> None:
+        if self.allow_unused_submodules is None:  # graphpatch's default: lenient unless strict
+            self.allow_unused_submodules = not self.error_on_compilation_failure

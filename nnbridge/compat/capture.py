@@ -4,6 +4,8 @@
 - :func:`autograd_function_calls`: report every custom ``torch.autograd.Function.apply`` while
   tracing; export inlines the Function's forward and drops its backward.
 - :func:`grad_mode_frozen`: ignore grad-mode changes while a given module is traced.
+- :func:`graph_break_calls`: report every ``torch._dynamo.graph_break()`` while tracing; non-strict
+  export runs it as the no-op it is in eager code, so the module would silently become one graph.
 - :func:`mode_regions`: the grad-mode / autocast regions export recorded as higher-order ops
   (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) or as ``_set_grad_enabled`` calls.
 """
@@ -68,6 +70,43 @@ def grad_mode_frozen(when: Callable[[], bool]) -> Iterator[None]:
         yield
     finally:
         torch._C._set_grad_enabled = original
+
+
+#: Global name, in ``torch._dynamo.decorators``, of the callback :func:`graph_break_calls` installs.
+_GRAPH_BREAK_HOOK = "_nnbridge_graph_break_hook"
+
+
+def _reporting_graph_break(msg: str = "") -> None:  # body becomes torch._dynamo.graph_break's
+    _nnbridge_graph_break_hook(msg)  # type: ignore[name-defined]  # noqa: F821 - resolved in torch's module
+
+
+@contextlib.contextmanager
+def graph_break_calls(on_break: Callable[[str], None]) -> Iterator[None]:
+    """Call ``on_break(msg)`` on every ``torch._dynamo.graph_break(msg)`` in the body.
+
+    ``graph_break`` is a plain function with an empty body in ``torch._dynamo.decorators``
+    (torch 2.0 - 2.13); user code usually imports it by name (``from torch._dynamo import
+    graph_break``), so its ``__code__`` is swapped (every reference sees it) for one calling a
+    global set in that module, and both are restored on exit. Only calls in the thread that entered
+    the body are reported.
+    """
+    from torch._dynamo import decorators
+
+    function = decorators.graph_break
+    original = function.__code__
+    thread = threading.get_ident()
+
+    def hook(msg: str = "") -> None:
+        if threading.get_ident() == thread:
+            on_break(msg)
+
+    decorators.__dict__[_GRAPH_BREAK_HOOK] = hook
+    function.__code__ = _reporting_graph_break.__code__
+    try:
+        yield
+    finally:
+        function.__code__ = original
+        decorators.__dict__.pop(_GRAPH_BREAK_HOOK, None)
 
 
 def _mode_targets() -> dict[object, str]:

@@ -214,10 +214,22 @@ def invocation_graphs(unflattened: torch.nn.Module) -> list[torch.nn.Module]:
 
     A module called once is an ``InterpreterModule``; one called several times is an
     ``InterpreterModuleDispatcher`` whose ``_call_modules`` are in call order (torch 2.5+).
+
+    Each returned module owns its graph again (``graph.owning_module``): torch 2.13 unflatten
+    generates an InterpreterModule's code through a GraphModule made before it merged repeated call
+    names, so that GraphModule owns the graph and holds stale children (``c_linear@2``,
+    ``c_linear@3`` for the second call of a module that calls ``c_linear`` twice) while the graph
+    calls ``c_linear``: ``graph.lint()`` and attribute look-ups through the owner then fail.
     """
     if isinstance(unflattened, _unflatten_module.InterpreterModuleDispatcher):
-        return list(unflattened._call_modules)
-    return [unflattened]
+        holders = list(unflattened._call_modules)
+    else:
+        holders = [unflattened]
+    for holder in holders:
+        graph = getattr(holder, "graph", None)
+        if isinstance(graph, torch.fx.Graph):
+            graph.owning_module = holder
+    return holders
 
 
 def constant_outputs(exported: torch.export.ExportedProgram) -> dict[tuple[str, int], dict[int, Any]]:
