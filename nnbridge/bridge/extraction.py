@@ -935,8 +935,7 @@ def _unused(ctx: _Context, fqn: str, module: torch.nn.Module, top: bool = True) 
         ctx.fail(fqn, "it was never called by the example inputs", NeverCalledError(
             f"'{ctx.full(fqn)}' was never called when running the example inputs"), fix=_UNUSED_FIX)
     elif ctx.options.warn_on_compilation_failure:  # as graphpatch: told, though allowed
-        warnings.warn(f"Module '{ctx.full(fqn)}' was never called by the example inputs; it is kept as an opaque"
-                      " module", NNBridgeWarning, stacklevel=4)
+        warn(f"Module '{ctx.full(fqn)}' was never called by the example inputs; it is kept as an opaque module")
     children = {name: _unused(ctx, f"{fqn}.{name}", child, top=False) for name, child in _user_children(module)}
     return OpaqueGraphModule(module, UNUSED_REASON, children, {})
 
