@@ -10,7 +10,6 @@ from utils import (EXTRACTION_MODES, FIXTURES, assert_same, compiled_only, graph
 # Its ``branchy`` child cannot compile: compiled mode would raise, so it runs with the default
 # options there (that child falls back to opaque, the rest compiles).
 FALLBACK = "data_dependent_module.DataDependentModule"
-UNUSED = "unused_submodule.UnusedSubmoduleModule"
 
 
 def _cases():
@@ -19,9 +18,6 @@ def _cases():
         for mode, make_options in EXTRACTION_MODES.items():
             if name == FALLBACK and mode == "compiled":
                 mode, make_options = "fallback", ExtractionOptions
-            elif name == UNUSED and mode == "compiled":  # strict mode refuses unused modules unless allowed (graphpatch)
-                make_options = lambda: ExtractionOptions(error_on_compilation_failure=True,  # noqa: E731
-                                                         allow_unused_submodules=True)
             yield pytest.param(name, make_options, id=f"{name.split('.')[1]}-{mode}")
 
 

@@ -80,7 +80,8 @@ def data_dependent():
 # -- extraction modes, as graphpatch's ``@opaque_and_compiled`` -----------------------------------
 EXTRACTION_MODES = {
     # every module compiled, or the extraction raises: a silent opaque fallback cannot pass
-    "compiled": lambda: ExtractionOptions(error_on_compilation_failure=True),
+    # (modules the example never calls, e.g. an unused dropout, stay allowed: strict mode would refuse them)
+    "compiled": lambda: ExtractionOptions(error_on_compilation_failure=True, allow_unused_submodules=True),
     # every module opaque
     "opaque": lambda: ExtractionOptions(skip_compilation=True),
 }
