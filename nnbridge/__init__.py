@@ -41,10 +41,8 @@ from .errors import NNBridgeError as NNBridgeError
 from .errors import NNBridgeWarning as NNBridgeWarning
 from .errors import NodePathError as NodePathError
 
-# ``nnbridge.bridge`` is the function (the public API the issues ask for); the ``nnbridge/bridge``
-# subpackage stays importable as ``nnbridge.bridge.<module>`` / ``from nnbridge.bridge import X``
-# through ``sys.modules``.
-from .bridge.in_place import bridge as bridge  # noqa: E402  (rebinds the subpackage attribute)
+# ``nnbridge.bridge`` is the subpackage, callable as the in-place bridge (see its ``_CallablePackage``).
+from . import bridge as bridge  # noqa: E402
 from .bridge.in_place import unbridge as unbridge  # noqa: E402
 from .bridge.explain import Explanation as Explanation  # noqa: E402
 from .bridge.explain import explain as explain  # noqa: E402

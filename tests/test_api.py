@@ -19,9 +19,17 @@ def test_error_hierarchy():
     assert issubclass(nnbridge.NNBridgeWarning, UserWarning)
 
 
-def test_bridge_function_and_subpackage_coexist():
+def test_bridge_is_the_callable_subpackage():
     import importlib
+    import types
 
-    assert callable(nnbridge.bridge) and nnbridge.bridge.__module__ == "nnbridge.bridge.in_place"
-    assert importlib.import_module("nnbridge.bridge").PatchableGraph is nnbridge.PatchableGraph
+    import nnbridge.bridge.extraction as extraction  # a module path through nnbridge.bridge imports
+    import nnbridge.bridge as package
     from nnbridge.bridge import extract  # noqa: F401
+    from nnbridge.bridge.in_place import bridge as bridge_function
+
+    assert isinstance(nnbridge.bridge, types.ModuleType) and callable(nnbridge.bridge)
+    assert package is nnbridge.bridge is importlib.import_module("nnbridge.bridge")
+    assert package.PatchableGraph is nnbridge.PatchableGraph
+    assert extraction.__name__ == "nnbridge.bridge.extraction"
+    assert bridge_function.__module__ == "nnbridge.bridge.in_place"

@@ -12,12 +12,16 @@ puts NodePaths, patches and inspection on top, as graphpatch did::
         logits = pg(input_ids).logits
 """
 
+import sys
+import types
+from typing import Any
+
 from .dispatcher import GraphDispatcher as GraphDispatcher
 from .in_place import bridge as bridge
 from .in_place import bridge_of as bridge_of
 from .in_place import unbridge as unbridge
 from .extraction import Extraction as Extraction
-from .extraction import extract as extract
+from .dispatcher import extract as extract
 from .graph_module import CompiledGraphModule as CompiledGraphModule
 from .graph_module import MultiplyInvokedModule as MultiplyInvokedModule
 from .graph_module import OpaqueGraphModule as OpaqueGraphModule
@@ -32,3 +36,19 @@ from .patches import ProbePatch as ProbePatch
 from .patches import RecordPatch as RecordPatch
 from .patches import ReplacePatch as ReplacePatch
 from .patches import ZeroPatch as ZeroPatch
+
+
+class _CallablePackage(types.ModuleType):
+    """The ``nnbridge.bridge`` package, callable as :func:`~.in_place.bridge`.
+
+    ``nnbridge.bridge(model, *inputs)`` is the in-place bridge (the README's spelling) and
+    ``nnbridge.bridge`` is still only this package: ``import nnbridge.bridge.extraction as ex``
+    and ``import nnbridge.bridge as b; b.PatchableGraph`` both work, and ``nnbridge.bridge`` is
+    never a function that hides the package.
+    """
+
+    def __call__(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        return bridge(model, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

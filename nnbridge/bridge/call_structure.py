@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from ..compat.pytree import pytree
+from ..compat.symbolic import symbolic_expr, symbolic_hint
 
 from ..compat import compile_guards, export_guards, guard_view
 
@@ -107,10 +108,10 @@ class ShapeGuard:
                 if isinstance(size, int):
                     tensor_dims.append(size)
                     continue
-                expr = size.node.expr
+                expr = symbolic_expr(size)
                 bounds = exported.range_constraints.get(expr)
                 if bounds is None or not expr.is_Symbol:
-                    tensor_dims.append(int(size.node.hint))
+                    tensor_dims.append(symbolic_hint(size))
                     continue
                 try:
                     high: int | None = int(bounds.upper)

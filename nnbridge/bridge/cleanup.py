@@ -26,15 +26,15 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 from ..compat.pytree import fx_pytree
+from ..compat.symbolic import symbolic_expr
 from ..compat.pytree import pytree
 
 from ..compat import rename_nodes
 from ..errors import ExtractionError
-from .graph_module import NAME_KEY
+from .metadata import update_node_meta
 
 _SIMPLE = (tuple, list, dict)
 #: ``node.meta`` key on a submodule call: how many leading arguments unflatten added (``args_0``).
-EXTRA_ARGS_KEY = "nnbridge_extra_args"
 
 
 def _simple_spec(spec: pytree.TreeSpec, *, subclasses: bool = False) -> bool:
@@ -137,13 +137,13 @@ def localize_symbols(graph: Graph) -> list[Node]:
         if isinstance(value, torch.Tensor):
             for dim, size in enumerate(value.shape):
                 if isinstance(size, torch.SymInt):
-                    sources.setdefault(size.node.expr, (leaf, dim))
+                    sources.setdefault(symbolic_expr(size), (leaf, dim))
     for extra in extras:
         for user in list(extra.users):
             value = user.meta.get("val")
             if (user.op == "call_function" and op_base_name(user) == "sym_size"
-                    and isinstance(value, torch.SymInt) and value.node.expr in sources):
-                leaf, dim = sources[value.node.expr]
+                    and isinstance(value, torch.SymInt) and symbolic_expr(value) in sources):
+                leaf, dim = sources[symbolic_expr(value)]
                 user.args = (leaf, dim)
                 leaf.append(user)
     return extras
@@ -233,7 +233,7 @@ def _clean_calls(graph: Graph, attrs: dict[str, Any]) -> None:
                 while extra < len(call.args) and _find_input_unflatten_of(call.args[extra]) is None:
                     extra += 1
                 call.args, call.kwargs = tuple(call.args[:extra]) + tuple(args), dict(kwargs)
-                call.meta[EXTRA_ARGS_KEY] = extra
+                update_node_meta(call, extra_args=extra)
         # output: tree_flatten_spec(call, spec) -> getitem i
         for user in list(call.users):
             if user.op == "call_function" and user.target is fx_pytree.tree_flatten_spec:
@@ -347,7 +347,7 @@ def _placeholder_names(graph: Graph, forward: Callable[..., Any]) -> dict[Node, 
 
 
 def name_nodes(graph: Graph, forward: Callable[..., Any], call_names: dict[Node, str]) -> None:
-    """Give every node its per-graph NodePath name (``node.meta[NAME_KEY]``) and a legal fx name.
+    """Give every node its per-graph NodePath name (its :class:`~.metadata.NodeMeta` ``name``) and a legal fx name.
 
     Args:
         graph: the graph to rename in place.
@@ -381,7 +381,7 @@ def name_nodes(graph: Graph, forward: Callable[..., Any], call_names: dict[Node,
             continue
         names[node] = "output" if node.op == "output" else unique(op_base_name(node))
     for node, name in names.items():
-        node.meta[NAME_KEY] = name
+        update_node_meta(node, name=name)
     rename_nodes(graph, names)
 
 

@@ -29,7 +29,9 @@ import torch
 from ..compat import register_cache_pytrees
 from ..errors import warn
 from .call_structure import describe_key_change, structure_key, tensor_leaves
-from .extraction import Extraction, extract, real_modules
+from . import extraction as _extraction
+from .extraction import Extraction
+from .module_tree import real_modules
 from .failures import add_note
 from .guards import StateGuard
 from .locking import CALL_LOCK
@@ -212,3 +214,24 @@ class GraphDispatcher(torch.nn.Module):
              f" (ExtractionOptions.recompile_limit={self.options.recompile_limit}; the least recently used"
              f" extractions are evicted). Last guard that failed: {reason}. Calls that keep changing it extract"
              " again each time; keep it fixed, or see nnbridge.explain(model) for every re-extraction.")
+
+
+def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            options: ExtractionOptions | None = None, *, path: str = "",
+            on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None) -> Extraction:
+    """Extract ``module`` for the call ``module(*args, **kwargs)``; the children of its opaque
+    modules are called through :class:`GraphDispatcher`\\ s (extracted per call structure).
+
+    As :func:`nnbridge.bridge.extraction.extract` (arguments, result and errors), which this wires
+    to the dispatcher layer. Example::
+
+        extraction = extract(model, (input_ids,), {})
+        extraction.root.transformer.h[0].attn      # CompiledGraphModule
+    """
+    options = options or ExtractionOptions()
+    callbacks = on_extraction if on_extraction is not None else []
+
+    def child_dispatcher(child: torch.nn.Module, child_path: str) -> GraphDispatcher:
+        return GraphDispatcher(child, options, path=child_path, on_extraction=callbacks)
+    return _extraction.extract(module, args, kwargs, options, child_dispatcher=child_dispatcher, path=path,
+                               on_extraction=callbacks)

@@ -25,7 +25,7 @@ from ..errors import NNBridgeError
 from . import hierarchy
 from .dispatcher import GraphDispatcher
 from .extraction import Extraction
-from .graph_module import CompiledGraphModule, OpaqueGraphModule
+from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 from .in_place import bridge_of
 from .kinds import ModuleKind
 from .options import ExtractionOptions
@@ -102,7 +102,7 @@ def _dispatchers(dispatcher: GraphDispatcher) -> list[GraphDispatcher]:
     for extraction in dispatcher.all_extractions():
         for module in extraction.root.modules():
             if isinstance(module, OpaqueGraphModule):
-                for child in module.__dict__.get("child_dispatchers", {}).values():
+                for child in module.graph_meta.child_dispatchers.values():
                     if all(child is not d for d in found):
                         found.extend(d for d in _dispatchers(child) if all(d is not f for f in found))
     return found
@@ -131,7 +131,7 @@ def _modules(extraction: Extraction, prefix: str) -> list[ModuleReport]:
 
 
 def _report(path: str, module: Any) -> ModuleReport:
-    original = module.__dict__.get("original_type", type(module))
+    original = module.original_type if isinstance(module, GraphModuleBase) else type(module)
     if isinstance(module, CompiledGraphModule):
         return ModuleReport(path, original.__name__, ModuleKind.GRAPH)
     return ModuleReport(path, original.__name__, ModuleKind.OPAQUE, getattr(module, "reason", None))

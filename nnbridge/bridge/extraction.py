@@ -9,26 +9,24 @@ are the original module's own tensors.
 A submodule that cannot be exported is stubbed during export (its recorded output, still
 depending on its inputs) and becomes an :class:`OpaqueGraphModule` whose children are extracted
 separately; the rest stays a graph. So does a module whose graph would silently differ from its
-code (grad-mode changes, custom autograd Functions, Python side effects, ``torch._dynamo.graph_break()``:
+code (grad-mode changes, custom autograd Functions, Python side effects, Dynamo's ``graph_break()``:
 :mod:`.capture_checks`), one whose graph module cannot be built (any exception while unflattening or
 building), and one whose custom extraction function raises, as graphpatch falls back. Submodules the
 call never runs stay as opaque modules (graphpatch's ``allow_unused_submodules``), and every graph
 module lists its children, parameters and buffers in the module's registration order.
 Example::
 
-    root, guard = extract(model, (input_ids,), {}, ExtractionOptions())
+    root, guard = extract(model, (input_ids,), {}, ExtractionOptions(), child_dispatcher=...)
     root.transformer.h[0].attn      # CompiledGraphModule
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import inspect
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.fx import Graph, Node
@@ -44,41 +42,20 @@ from ..compat.fx import fx_patches_confined
 from ..errors import ExtractionError, NNBridgeWarning, warn
 from .call_structure import ShapeGuard, tensor_leaves
 from .capture_checks import CaptureWatch, UnfaithfulCaptureError, preserved_state
-from .cleanup import (EXTRA_ARGS_KEY, clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value,
+from .cleanup import (clean_graph, drop_unused_extras, input_prologue, name_nodes, plain_value,
                       remove_dead_code, restore_constant_outputs)
-from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, OpaqueGraphModule
+from .graph_module import CompiledGraphModule, GraphModuleBase, MultiplyInvokedModule, OpaqueGraphModule
+from .metadata import node_meta, update_node_meta
 from .kinds import HookKind, StubKind
 from .locking import CALL_LOCK, locked_calls
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
 from .state import Key, state_keys, states_returned
 from .state_graphs import argument_objects, forward_state_objects, read_states_back, write_states_back
-
-#: Names a child may not take in a graph module or in ``pg.graph``; such children get a trailing
-#: ``_`` in NodePaths and as attributes (graphpatch mangled them too).
-RESERVED_NAMES = frozenset(
-    {"graph", "code", "_code", "_shape", "forward", "training", "output", "op_points"}
-    | {name for name in dir(CompiledGraphModule) if not name.startswith("__")}
-)
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
-
-
-def real_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """``module`` and its submodules, without the op points a bridge registered on them."""
-    return [m for _, m in named_real_modules(module)]
-
-
-def named_real_modules(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
-    """``named_modules()`` without op points and their per-invocation containers."""
-    yield prefix, module
-    for name, child in module.named_children():
-        if not isinstance(child, (OpPoint, OpPointContainer)):
-            yield from named_real_modules(child, f"{prefix}.{name}" if prefix else name)
-
-
-def safe_name(name: str) -> str:
-    """``name`` with a trailing ``_`` when it is reserved (``graph`` -> ``graph_``)."""
-    return f"{name}_" if name in RESERVED_NAMES else name
+from .module_tree import (CONTAINERS, RESERVED_NAMES, aliases_hidden, direct_callees, named_real_modules, real_modules,
+                          reorder, reserved_names_renamed, safe_name)
+from .recording import copy_inputs, observed_run, record_calls, stub_output
+from .hierarchy import summarize, walk
 
 
 class _Wrapper(torch.nn.Module):
@@ -93,168 +70,10 @@ class _Wrapper(torch.nn.Module):
         return self.model(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def reserved_names_renamed(module: torch.nn.Module) -> Iterator[dict[int, dict[str, str]]]:
-    """Rename children whose names are reserved (``graph`` -> ``graph_``) for the body's duration.
-
-    ``torch.export.unflatten`` cannot hold a submodule called ``graph`` and a GraphModule cannot
-    hold one called ``_code``. The child moves to the safe key in ``_modules`` while an instance
-    attribute keeps ``self.graph`` working in the module's own code. Yields
-    ``{id(parent): {safe name: original name}}``; restores everything on exit, also on error.
-
-    Raises:
-        ExtractionError: the safe name is already taken by another child.
-    """
-    renamed: list[tuple[torch.nn.Module, str, str]] = []
-    try:
-        for parent in real_modules(module):
-            for name in [n for n in modules_of(parent) if n in RESERVED_NAMES]:
-                safe = safe_name(name)
-                if safe in modules_of(parent):
-                    raise ExtractionError(
-                        f"{type(parent).__name__} has children named both {name!r} and {safe!r}; nnbridge renames"
-                        f" {name!r} (reserved) to {safe!r} in NodePaths. Rename one of them.")
-                child = modules_of(parent)[name]
-                _rename_key(modules_of(parent), name, safe)  # in its place: registration order is kept
-                parent.__dict__[name] = child
-                renamed.append((parent, name, safe))
-        mapping: dict[int, dict[str, str]] = {}
-        for parent, name, safe in renamed:
-            mapping.setdefault(id(parent), {})[safe] = name
-        yield mapping
-    finally:
-        for parent, name, safe in reversed(renamed):
-            parent.__dict__.pop(name, None)
-            _rename_key(modules_of(parent), safe, name)  # the child keeps its place (state_dict order)
-
-
-def _rename_key(store: dict[str, Any], old: str, new: str) -> None:
-    """Rename key ``old`` of ``store`` to ``new`` in place, keeping its position."""
-    items = list(store.items())
-    store.clear()
-    for key, value in items:
-        store[new if key == old else key] = value
-
-
-def _reorder(store: dict[str, Any], order: list[str]) -> None:
-    """Reorder ``store`` in place: the keys in ``order`` first, in that order, then the others."""
-    items = dict(store)
-    store.clear()
-    for name in [n for n in order if n in items] + [n for n in items if n not in order]:
-        store[name] = items[name]
-
-
-@contextlib.contextmanager
-def aliases_hidden(module: torch.nn.Module) -> Iterator[None]:
-    """Hide every further registration of a module object (``self.alias = self.linear``, or one
-    child shared by two parents) from ``_modules`` for the body's duration.
-
-    torch.export (2.13, non-strict) traces a model with shared submodules through attribute
-    proxies whose paths break when a forward is overridden on the instance (``KeyError: 'linear'``
-    in its tracepoint pass). The hidden name stays an instance attribute, so the module's code
-    still reaches the child through it; export then knows the child by its first name only, and
-    every call of it, under any name, is an invocation of that name (``linear_0``, ``linear_1``).
-    Restores every registration in its place on exit, also on error.
-    """
-    hidden: list[tuple[torch.nn.Module, str, torch.nn.Module, list[str]]] = []
-    seen = {id(module)}
-
-    def visit(parent: torch.nn.Module) -> None:
-        for name, child in list(modules_of(parent).items()):
-            if child is None or isinstance(child, (OpPoint, OpPointContainer)):
-                continue
-            if id(child) in seen:
-                hidden.append((parent, name, child, list(modules_of(parent))))
-                del modules_of(parent)[name]
-                parent.__dict__[name] = child
-                continue
-            seen.add(id(child))
-            visit(child)
-    try:
-        visit(module)
-        yield
-    finally:
-        for parent, name, child, order in reversed(hidden):
-            parent.__dict__.pop(name, None)
-            modules_of(parent)[name] = child
-            _reorder(modules_of(parent), order)
-
-
 def describe_failure(error: BaseException) -> str:
     """One-line reason for a failed export (``GuardOnDataDependentSymNode: ...``)."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
-
-
-def direct_callees(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
-    """Children a module's forward can call, looking through ModuleList/ModuleDict containers."""
-    for name, child in module.named_children():
-        if isinstance(child, (OpPoint, OpPointContainer)):
-            continue
-        if isinstance(child, _CONTAINERS):
-            yield from direct_callees(child, f"{prefix}{name}.")
-        else:
-            yield prefix + name, child
-
-
-def copy_inputs(value: Any) -> Any:
-    """A copy of example inputs that extraction may run or trace without touching the caller's
-    objects (a cache is mutated by the run). ``deepcopy`` when it works; else (tensors with autograd
-    history cannot be deep-copied) a pytree copy with detached clones, which also rebuilds
-    registered objects such as transformers' caches."""
-    try:
-        return copy.deepcopy(value)
-    except Exception:
-        def clone(t: torch.Tensor) -> torch.Tensor:
-            copied = t.detach().clone()
-            return copied.requires_grad_() if t.requires_grad and copied.is_floating_point() else copied
-        return pytree.tree_map_only(torch.Tensor, clone, value)
-
-
-def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]]) -> None:
-    """One eager run of ``module`` on copies of the inputs (a cache would be mutated), no grad,
-    with temporary hooks: ``(submodule, HookKind, fn)``, both with kwargs."""
-    handles = []
-    try:
-        for sub, kind, fn in hooks:
-            register = sub.register_forward_pre_hook if kind == HookKind.PRE else sub.register_forward_hook
-            handles.append(register(fn, with_kwargs=True))
-        with torch.no_grad():
-            module(*copy_inputs(args), **copy_inputs(kwargs))
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
-    """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules;
-    the inputs are copied before the call (a cache argument is updated by it)."""
-    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = defaultdict(list)
-    pending: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
-
-    def before(fqn: str) -> Callable[..., None]:
-        return lambda mod, a, k: pending[fqn].append((copy_inputs(a), copy_inputs(k)))
-
-    def after(fqn: str) -> Callable[..., None]:
-        return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy_inputs(out)))
-    observed_run(module, args, kwargs, [(module.get_submodule(fqn), kind, hook(fqn))
-                                        for fqn in fqns for kind, hook in ((HookKind.PRE, before), (HookKind.POST, after))])
-    return calls
-
-
-def _stub_output(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-    """The recorded output as zeros that still depend on every tensor input (else export drops
-    whatever computed the inputs, e.g. the integer ``position_ids`` a stubbed rotary embedding
-    receives)."""
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    dep = sum((0 * t.sum().float() for t in tensors), torch.tensor(0.0))
-
-    def stub(t: torch.Tensor) -> torch.Tensor:
-        zeros = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
-        return zeros + dep.to(t.dtype) if t.is_floating_point() else zeros
-    return pytree.tree_map_only(torch.Tensor, stub, output)
 
 
 @dataclass
@@ -279,10 +98,23 @@ class Extraction:
     reason: str = "first call"
 
 
+class ChildDispatcher(Protocol):
+    """What an opaque module's child is called through: extracts it per call structure
+    (:class:`~nnbridge.bridge.dispatcher.GraphDispatcher`)."""
+
+    def add_extraction(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction: ...
+
+
+#: ``(child module, its NodePath) -> ChildDispatcher``: supplied by the dispatcher layer, so
+#: extraction does not import it (the dispatcher calls :func:`extract`).
+ChildDispatcherFactory = Callable[[torch.nn.Module, str], ChildDispatcher]
+
+
 class _Context:
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, path: str,
-                 on_extraction: list[Callable[[Any, Extraction], None]]):
+                 on_extraction: list[Callable[[Any, Extraction], None]], child_dispatcher: ChildDispatcherFactory):
         self.module = module
+        self.child_dispatcher = child_dispatcher
         self.options = options
         self.path = path
         self.on_extraction = on_extraction
@@ -312,7 +144,7 @@ class _Context:
 
 
 def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            options: ExtractionOptions | None = None, *, path: str = "",
+            options: ExtractionOptions | None = None, *, child_dispatcher: ChildDispatcherFactory, path: str = "",
             on_extraction: list[Callable[[Any, Extraction], None]] | None = None) -> Extraction:
     """Extract ``module`` for the call ``module(*args, **kwargs)``.
 
@@ -325,6 +157,8 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         module: the module; not modified, its parameters are shared with the result.
         args, kwargs: example inputs; graphs are specialised to their structure.
         options: :class:`ExtractionOptions` (defaults if None).
+        child_dispatcher: makes the dispatcher an opaque module's child is called through
+            (``GraphDispatcher``; :func:`nnbridge.bridge.dispatcher.extract` passes it).
         path: NodePath prefix for messages (when extracting a child of an opaque module).
         on_extraction: callbacks run on every later extraction made by dispatchers in this tree.
 
@@ -347,16 +181,17 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     with CALL_LOCK, fx_patches_confined(CALL_LOCK), locked_calls(module.modules()), collector_suspended(), \
             generated_code_released():
         try:
-            return _extract(module, args, kwargs, options, path, on_extraction)
+            return _extract(module, args, kwargs, options, path, on_extraction, child_dispatcher)
         finally:  # else torch's globals keep this trace, and through it the model, alive
             forget_export_state()
 
 
 def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              options: ExtractionOptions | None, path: str,
-             on_extraction: list[Callable[[Any, Extraction], None]] | None) -> Extraction:
+             on_extraction: list[Callable[[Any, Extraction], None]] | None,
+             child_dispatcher: ChildDispatcherFactory) -> Extraction:
     options = options or ExtractionOptions()
-    ctx = _Context(module, options, path, on_extraction if on_extraction is not None else [])
+    ctx = _Context(module, options, path, on_extraction if on_extraction is not None else [], child_dispatcher)
     # extraction's eager runs must not consume random numbers (dropout in train mode) nor change
     # buffers (batch norm in train mode) or module attributes
     with preserved_state(list(named_real_modules(module))), cleared_module_state(module), \
@@ -364,12 +199,10 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         ctx.renamed = renamed
         register_cache_pytrees(module)
         root, guard = _extract_root(ctx, args, kwargs)
-    from .hierarchy import summarize, walk
-
-    root.__dict__["node_path"] = path  # for failure notes (see .failures)
+    root.graph_meta.node_path = path  # for failure notes (see .failures)
     for sub_path, _, _, sub in walk(root):  # type: ignore[arg-type]
         if sub is not None:
-            sub.__dict__["node_path"] = f"{path}.{sub_path}" if path else sub_path
+            sub.graph_meta.node_path = f"{path}.{sub_path}" if path else sub_path
 
     return Extraction(root, guard, ctx.opaque, (tuple(summarize(a) for a in args),
                                                 {k: summarize(v) for k, v in kwargs.items()}))
@@ -550,7 +383,7 @@ class _ModuleFailure(Exception):
 def _caller(module: torch.nn.Module, fqn: str) -> str:
     """Path of the module that calls ``fqn`` (its parent, looking through ModuleList/ModuleDict)."""
     parent = fqn.rpartition(".")[0]
-    while parent and isinstance(module.get_submodule(parent), _CONTAINERS):
+    while parent and isinstance(module.get_submodule(parent), CONTAINERS):
         parent = parent.rpartition(".")[0]
     return parent
 
@@ -572,7 +405,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """
     wrapper = _Wrapper(module)
     flat = {fqn for fqn in stubs if any(state_keys(a, k) for a, k, _ in calls.get(fqn, []))}
-    preserved = {n: m for n, m in named_real_modules(module) if not isinstance(m, _CONTAINERS) and n not in flat}
+    preserved = {n: m for n, m in named_real_modules(module) if not isinstance(m, CONTAINERS) and n not in flat}
     fqns = tuple(f"model.{n}" if n else "model" for n in preserved)
     threaded = {n: m for n, m in preserved.items() if n not in stubs}
     active: list[str] = []
@@ -604,7 +437,7 @@ def _export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         def stub(*a: Any, _fqn: str = fqn, _recorded: list = recorded, **k: Any) -> Any:
             i = stub_counters[_fqn]
             stub_counters[_fqn] += 1
-            return _stub_output(a, k, _recorded[min(i, len(_recorded) - 1)][2])
+            return stub_output(a, k, _recorded[min(i, len(_recorded) - 1)][2])
         module.get_submodule(fqn).__dict__["forward"] = stub
     try:
         attempts = [True, False] if dynamic else [False]
@@ -682,7 +515,7 @@ def _attach(parent: torch.nn.Module, target: str, child: torch.nn.Module, templa
         original = modules_of(original).get(part) if original is not None else None
         existing = modules_of(holder).get(part)
         if existing is None:
-            existing = type(original)() if isinstance(original, _CONTAINERS) else torch.nn.Module()
+            existing = type(original)() if isinstance(original, CONTAINERS) else torch.nn.Module()
             holder.add_module(part, existing)
         holder = existing
     holder.add_module(name, child)
@@ -805,8 +638,8 @@ class _Builder:
             invocation = self.numbers[node] if node in self.numbers else self.ctx.invocations[child_fqn]
             self.ctx.invocations[child_fqn] = invocation + 1
             child = self.child(child_fqn, module.get_submodule(target), invocation)
-            extra = node.meta.get(EXTRA_ARGS_KEY, 0)
-            if getattr(child, "exact_signature", True):
+            extra = node_meta(node).extra_args
+            if not isinstance(child, GraphModuleBase) or child.graph_meta.exact_signature:
                 node.args, extra = node.args[extra:], 0
             if self.state_keys(child_fqn, invocation):  # recorded for modules export traced through
                 read_states_back(graph, node, self.state_keys(child_fqn, invocation), extra)
@@ -824,7 +657,7 @@ class _Builder:
                 node.target = safe_target
                 call_names[node] = base
             children.append((str(node.target), child))
-            node.meta[MODULE_PATH_KEY] = _original_path(self.ctx, module, target)
+            update_node_meta(node, module_path=_original_path(self.ctx, module, target))
         forward_state_objects(graph, attrs, threaded, arguments)
         remove_dead_code(graph)
         exact_signature = drop_unused_extras(graph, extras)
@@ -839,7 +672,7 @@ class _Builder:
                     value = None
                 root[target] = value if isinstance(value, torch.Tensor) else attrs[target]
         cgm = CompiledGraphModule({**root, **dict(children)}, graph, type(module))
-        cgm.__dict__["exact_signature"] = exact_signature
+        cgm.graph_meta.exact_signature = exact_signature
         _retype_containers(cgm, [target for target, _ in children], _renamed_template(module), multi)
         for target, tensor in root.items():
             if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
@@ -852,11 +685,6 @@ class _Builder:
             self.ctx.options.postprocessing_function(cgm, module)
             cgm.recompile()
         return cgm
-
-
-#: ``node.meta`` key on a submodule call: the callee's path relative to the caller, as the user
-#: spells it (``h.0``, ``graph``), whatever the graph attribute is called (``h.0``, ``graph_``).
-MODULE_PATH_KEY = "nnbridge_module_path"
 
 
 def _original_path(ctx: _Context, module: torch.nn.Module, target: str) -> str:
@@ -879,7 +707,7 @@ def _retype_containers(cgm: torch.nn.Module, targets: list[str], template: torch
             for part in parts[:i]:
                 original = modules_of(original).get(part) if original is not None else None
             kind = MultiplyInvokedModule if path in multi else (
-                type(original) if isinstance(original, _CONTAINERS) else None)
+                type(original) if isinstance(original, CONTAINERS) else None)
             current = cgm.get_submodule(path)
             if kind is None or type(current) is kind:
                 continue
@@ -924,7 +752,7 @@ def _unused(ctx: _Context, fqn: str, module: torch.nn.Module, top: bool = True) 
     Raises:
         ExtractionError: ``allow_unused_submodules`` is off and ``error_on_compilation_failure`` on.
     """
-    if isinstance(module, _CONTAINERS):
+    if isinstance(module, CONTAINERS):
         container = type(module)()
         for name, child in _user_children(module):
             modules_of(container)[name] = _unused(ctx, f"{fqn}.{name}", child, top)
@@ -952,7 +780,7 @@ def _keep_unused(ctx: _Context, fqn: str, cgm: torch.nn.Module, module: torch.nn
             existing = modules_of(holder).get(name)
             if existing is None and id(child) not in called:
                 modules_of(holder)[name] = _unused(ctx, path, child)
-            elif isinstance(child, _CONTAINERS) and type(existing) is type(child):
+            elif isinstance(child, CONTAINERS) and type(existing) is type(child):
                 fill(existing, child, path)
     fill(cgm, module, fqn)
 
@@ -961,12 +789,12 @@ def _registration_order(cgm: torch.nn.Module, module: torch.nn.Module) -> None:
     """Order ``cgm``'s children, parameters and buffers (and those of its ModuleList/ModuleDict
     children) as ``module`` registered them, not as the graph calls them: ``named_parameters()``
     and ``state_dict()`` then list them in the module's order (graphpatch restores it too)."""
-    _reorder(parameters_of(cgm), list(parameters_of(module)))
-    _reorder(buffers_of(cgm), list(buffers_of(module)))
-    _reorder(modules_of(cgm), list(modules_of(module)))
+    reorder(parameters_of(cgm), list(parameters_of(module)))
+    reorder(buffers_of(cgm), list(buffers_of(module)))
+    reorder(modules_of(cgm), list(modules_of(module)))
     for name, child in modules_of(cgm).items():
         original = modules_of(module).get(name)
-        if isinstance(child, _CONTAINERS) and original is not None and type(child) is type(original):
+        if isinstance(child, CONTAINERS) and original is not None and type(child) is type(original):
             _registration_order(child, original)
 
 
@@ -1004,8 +832,8 @@ def _custom(ctx: _Context, fqn: str, module: torch.nn.Module) -> CompiledGraphMo
             f"The custom extraction function for {type(module).__name__} (module '{ctx.full(fqn) or '<root>'}')"
             f" has placeholders {got}; they must be named exactly as forward()'s arguments {expected}.")
     for node in graph.nodes:
-        node.meta[NAME_KEY] = "output" if node.op == "output" else (
-            str(node.target) if node.op == "placeholder" else node.name)
+        update_node_meta(node, name="output" if node.op == "output" else (
+            str(node.target) if node.op == "placeholder" else node.name))
     root = {str(n.target): _resolve_attr(module, str(n.target)) for n in graph.nodes if n.op in ("get_attr", "call_module")}
     cgm = CompiledGraphModule(root, graph, type(module))
     if ctx.options.postprocessing_function is not None:
@@ -1017,8 +845,6 @@ def _custom(ctx: _Context, fqn: str, module: torch.nn.Module) -> CompiledGraphMo
 def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             reason: str) -> OpaqueGraphModule:
     """Opaque fallback: run the original code, extract each called child from its first call."""
-    from .dispatcher import GraphDispatcher
-
     callees = list(direct_callees(module))
     captured: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
@@ -1027,7 +853,7 @@ def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, .
     observed_run(module, args, kwargs, [(child, HookKind.PRE, grabber(name)) for name, child in callees])
     shown = torch.nn.Module()
     swapped = torch.nn.Module()
-    dispatchers: dict[str, GraphDispatcher] = {}
+    dispatchers: dict[str, ChildDispatcher] = {}
     template = _renamed_template(module)
     for name, child in callees:
         child_path = ctx.full(f"{fqn}.{name}" if fqn else name)
@@ -1039,12 +865,12 @@ def _opaque(ctx: _Context, fqn: str, module: torch.nn.Module, args: tuple[Any, .
             _attach(swapped, original_name, child, module)
             continue
         a, k = captured[name]
-        dispatcher = GraphDispatcher(child, ctx.options, path=child_path, on_extraction=ctx.on_extraction)
+        dispatcher = ctx.child_dispatcher(child, child_path)
         first_extraction = dispatcher.add_extraction(a, k)
         ctx.opaque.update(first_extraction.opaque)
         _attach(shown, safe, first_extraction.root, template)
         _attach(swapped, original_name, dispatcher, module)
         dispatchers[safe.replace(".", "_")] = dispatcher
     opaque = OpaqueGraphModule(module, reason, dict(modules_of(shown)), dict(modules_of(swapped)))
-    opaque.__dict__["child_dispatchers"] = dispatchers
+    opaque.graph_meta.child_dispatchers = dispatchers
     return opaque

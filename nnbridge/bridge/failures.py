@@ -18,27 +18,28 @@ from typing import Any
 from torch.fx import Graph
 
 from ..compat import generated_line_map
+from .metadata import GraphMeta, node_meta
 
 _NOTED = "_nnbridge_noted"
 
 
 class _Generated:
-    def __init__(self, graph: Graph, code: Any, name_key: str, route_key: str):
+    def __init__(self, graph: Graph, code: Any):
         self.lines, self.prologue = generated_line_map(code)
-        self.nodes = [(node.meta.get(name_key, node.name), "route" if node.meta.get(route_key) else node.op,
+        self.nodes = [(node_meta(node).name, "route" if node_meta(node).routed else node.op,
                        str(node.target), node.meta.get("stack_trace")) for node in graph.nodes]
 
 
-#: ``owner.__dict__`` key: ``{code object of a generated forward: _Generated}`` (lives with its graph)
-_GENERATED = "_nnbridge_generated"
+def _meta(owner: Any) -> GraphMeta | None:
+    meta = getattr(owner, "__dict__", {}).get("graph_meta")
+    return meta if isinstance(meta, GraphMeta) else None
 
 
-def register(owner: Any, function: Any, graph: Graph, code: Any, name_key: str, route_key: str) -> None:
-    """Remember on ``owner`` (a graph module) that ``function``, one of its generated forwards, was
-    compiled from ``graph`` with fx's ``code``/``GraphModule``, so failures in it can be located.
-    ``name_key``/``route_key`` are the ``node.meta`` keys of NodePath names and of op-point
-    routing nodes."""
-    owner.__dict__.setdefault(_GENERATED, {})[function.__code__] = _Generated(graph, code, name_key, route_key)
+def register(owner: Any, function: Any, graph: Graph, code: Any) -> None:
+    """Remember on ``owner`` (a graph module; in its :attr:`GraphMeta.generated`, so the map lives
+    with its graph) that ``function``, one of its generated forwards, was compiled from ``graph``
+    with fx's ``code``/``GraphModule``, so failures in it can be located."""
+    owner.graph_meta.generated[function.__code__] = _Generated(graph, code)
 
 
 def _innermost(error: BaseException) -> tuple[_Generated, int, Any] | None:
@@ -48,7 +49,8 @@ def _innermost(error: BaseException) -> tuple[_Generated, int, Any] | None:
     while tb is not None:
         frame = tb.tb_frame
         owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
-        entry = getattr(owner, "__dict__", {}).get(_GENERATED, {}).get(frame.f_code)
+        meta = _meta(owner) if owner is not None else None
+        entry = meta.generated.get(frame.f_code) if meta is not None else None
         if entry is not None:
             index = entry.lines.get(tb.tb_lineno - entry.prologue)
             if index is not None and index < len(entry.nodes):
@@ -65,7 +67,8 @@ def describe(error: BaseException) -> str | None:
         return None
     entry, index, owner = found
     name, op, target, stack = entry.nodes[index]
-    prefix = getattr(owner, "__dict__", {}).get("node_path", "")
+    meta = _meta(owner)
+    prefix = meta.node_path if meta is not None else ""
     path = f"{prefix}.{name}" if prefix else name
     what = {"route": "in a patch or hook on this op", "call_module": f"in its submodule {target}"}.get(op, f"{op} {target}")
     note = f"nnbridge: raised at NodePath '{path}' ({what})"

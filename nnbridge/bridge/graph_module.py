@@ -27,23 +27,34 @@ from ..compat.pytree import pytree
 from ..compat import NoSubmoduleRecompile, forward_from_source, generated_code_released, keep_tracebacks
 from ..compat.nnsight import route_if_wanted
 from .failures import register
+from .metadata import GraphMeta, node_meta, node_name, update_node_meta
 from .op_point import OpPoint
 
 #: Calls that only convert between a custom pytree object and its leaves.
 _PLUMBING_CALLS = (fx_pytree.tree_flatten_spec, pytree.tree_unflatten)
-#: ``node.meta`` key holding a node's NodePath name within its graph.
-NAME_KEY = "nnbridge_name"
-#: ``node.meta`` key marking a node that passes an op's value through its op point.
-ROUTE_KEY = "nnbridge_route"
-#: ``node.meta`` key holding the summary (``torch.Size``, container) observed on the example inputs.
-EXAMPLE_KEY = "nnbridge_example"
 
 
 class GraphModuleBase(abc.ABC):
     """Op-point bookkeeping shared by :class:`CompiledGraphModule` and :class:`OpaqueGraphModule`.
 
     Op points are created on first use (most nodes of a large model are never listened to).
+
+    Attributes:
+        graph_meta: nnbridge's record of this graph (:class:`~.metadata.GraphMeta`).
+        original_type: the class of the module this graph was extracted from.
     """
+
+    graph_meta: GraphMeta
+    original_type: type[torch.nn.Module]
+    _point_names: list[str]
+    _op_points: dict[str, OpPoint]
+    _nnbridge_ops: types.SimpleNamespace
+    _routed: frozenset[str]
+
+    def _init_meta(self, original_type: type[torch.nn.Module]) -> None:
+        self.__dict__["graph_meta"] = GraphMeta()
+        self.__dict__["original_type"] = original_type
+        self.__dict__["_routed"] = frozenset()
 
     def _set_points(self, names: list[str]) -> None:
         old = self.__dict__.get("_op_points", {})
@@ -71,6 +82,15 @@ class GraphModuleBase(abc.ABC):
         """``{node name: OpPoint}`` for every node, in graph order (creates them all)."""
         return {name: self.op_point(name) for name in self.point_names}
 
+    def example(self, name: str) -> Any:
+        """The summary of node ``name``'s value on the example call (``torch.Size`` for a tensor,
+        see :mod:`.summaries`); None when none was recorded."""
+        return self.graph_meta.examples.get(name)
+
+    def set_examples(self, examples: dict[str, Any]) -> None:
+        """Store ``{node name: summary}`` recorded on the example call."""
+        self.graph_meta.examples.update(examples)
+
     @abc.abstractmethod
     def refresh_routing(self) -> None:
         """Route exactly the listened nodes through their op points."""
@@ -82,13 +102,16 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
     Args:
         root: ``{qualified name: object}`` for every ``get_attr``/``call_module`` target: the original
             module's parameters and buffers (shared, never copied) and the child graph modules.
-        graph: the cleaned graph; each node carries its NodePath name in ``node.meta[NAME_KEY]``.
+        graph: the cleaned graph; each node carries its :class:`~.metadata.NodeMeta`.
         original_type: the class of the module this graph was extracted from.
     """
 
+    _forward_cache: dict[frozenset[str], Any]
+    _trace_forward: Any
+
     def __init__(self, root: dict[str, Any], graph: Graph, original_type: type[torch.nn.Module]):
         super().__init__(root, graph, class_name="CompiledGraphModule")
-        self.__dict__["original_type"] = original_type
+        self._init_meta(original_type)
         self.__dict__["_forward_cache"] = {}
         self._reset_routing()
 
@@ -96,7 +119,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
     def named_nodes(self) -> Iterator[tuple[str, Node]]:
         """``(NodePath name, node)`` for every node in graph order."""
         for node in self.graph.nodes:
-            yield node.meta.get(NAME_KEY, node.name), node
+            yield node_name(node), node
 
     def node(self, name: str) -> Node:
         """The node named ``name`` (its NodePath name). Raises ``KeyError``."""
@@ -107,10 +130,22 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
 
     def child_graph(self, node: Node) -> GraphModuleBase:
         """The graph a ``call_module`` node runs (also after a bridge rewired the call site)."""
-        linked = self.__dict__.get("graph_children")
+        linked = self.graph_meta.graph_children
         if linked is not None:
-            return linked[node.meta.get(NAME_KEY, node.name)]
+            return linked[node_name(node)]
         return self.get_submodule(str(node.target))  # type: ignore[return-value]
+
+    def example(self, name: str) -> Any:
+        """As :meth:`GraphModuleBase.example`; a compiled graph keeps summaries on its nodes."""
+        try:
+            return node_meta(self.node(name)).example
+        except KeyError:
+            return None
+
+    def set_examples(self, examples: dict[str, Any]) -> None:
+        for name, node in self.named_nodes():
+            if name in examples:
+                update_node_meta(node, example=examples[name])
 
     def _plumbing(self, node: Node) -> bool:
         """A ``get_attr`` of something that is not a tensor (export's pytree specs), or a call that
@@ -142,7 +177,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         self.__dict__.pop("_trace_forward", None)
         self._forward_cache.clear()
         self._forward_cache[frozenset()] = type(self).forward
-        register(self, type(self).forward, self.graph, self, NAME_KEY, ROUTE_KEY)
+        register(self, type(self).forward, self.graph, self)
         self.__dict__["_routed"] = frozenset()
         self.refresh_routing()
 
@@ -171,7 +206,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         val_map: dict[Node, Node] = {}
         output_value = graph.graph_copy(self.graph, val_map)
         output_node = graph.output(output_value)
-        copies = {node.meta.get(NAME_KEY, node.name): val_map[node] for node in self.graph.nodes
+        copies = {node_name(node): val_map[node] for node in self.graph.nodes
                   if node.op != "output"}
         last_placeholder = None
         for node in graph.nodes:
@@ -189,7 +224,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
             if name == "output":
                 with graph.inserting_before(output_node):
                     routed_value = route(output_node.args[0])
-                routed_value.meta.update({NAME_KEY: name, ROUTE_KEY: True})
+                update_node_meta(routed_value, name=name, routed=True)
                 output_node.args = (routed_value,)
                 continue
             node = copies[name]
@@ -197,11 +232,12 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
             with graph.inserting_after(anchor):
                 routed_node = route(node)
             # a failure in a patch or hook names the op and its source line (see .failures)
-            routed_node.meta.update({NAME_KEY: name, ROUTE_KEY: True, "stack_trace": node.meta.get("stack_trace")})
+            update_node_meta(routed_node, name=name, routed=True)
+            routed_node.meta["stack_trace"] = node.meta.get("stack_trace")
             node.replace_all_uses_with(routed_node, delete_user_cb=lambda user: user is not routed_node)
         code = graph.python_code(root_module="self")
         forward = forward_from_source(code.src, code.globals)
-        register(self, forward, graph, code, NAME_KEY, ROUTE_KEY)
+        register(self, forward, graph, code)
         return forward
 
 
@@ -226,11 +262,17 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         callees: ``{child name: module called in its place}`` while the original code runs.
     """
 
+    original: torch.nn.Module
+    reason: str
+    _callees: dict[str, torch.nn.Module]
+    _signature: inspect.Signature
+    _tensor_names: list[str]
+
     def __init__(self, module: torch.nn.Module, reason: str, children: dict[str, torch.nn.Module],
                  callees: dict[str, torch.nn.Module]):
         super().__init__()
+        self._init_meta(type(module))
         self.__dict__["original"] = module
-        self.__dict__["original_type"] = type(module)
         self.reason = reason
         for name, tensor in module.named_parameters(recurse=False):
             self.register_parameter(name, tensor)
@@ -245,7 +287,6 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         self.__dict__["_tensor_names"] = [n for n, _ in module.named_parameters(recurse=False)] + [
             n for n, _ in module.named_buffers(recurse=False)]
         self._set_points([p.name for p in params] + self._tensor_names + ["output"])
-        self.__dict__["_routed"] = frozenset()
 
     def refresh_routing(self) -> None:
         self.__dict__["_routed"] = frozenset(n for n, p in self._op_points.items() if p.listened)

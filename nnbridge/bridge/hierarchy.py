@@ -7,13 +7,13 @@ their ``forward()`` arguments, then parameters and buffers, then children, then 
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from .extraction import copy_inputs
+from .recording import copy_inputs
+from .summaries import ExampleSummaries, bind_inputs, recording_listener, summarize
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -94,44 +94,22 @@ def resolve_all(module: GraphModuleBase, segments: list[str]) -> list[tuple[Grap
         return []
     alternatives: list[GraphModuleBase] = [sub]
     if isinstance(module, OpaqueGraphModule):
-        dispatcher = module.__dict__.get("child_dispatchers", {}).get(name)
+        dispatcher = module.graph_meta.child_dispatchers.get(name)
         if dispatcher is not None:
             alternatives = [e.root for e in dispatcher.all_extractions()]
     return [hit for alt in alternatives for hit in resolve_all(alt, rest)]
 
 
-def summarize(value: Any) -> Any:
-    """What inspection keeps of an example value: ``torch.Size`` for tensors, containers of
-    summaries for tuples/lists/dicts, the type name otherwise."""
-    if isinstance(value, torch.Tensor):
-        return value.shape
-    if isinstance(value, (tuple, list)):
-        return type(value)(summarize(v) for v in value) if type(value) in (tuple, list) else [summarize(v) for v in value]
-    if isinstance(value, dict):
-        return {k: summarize(v) for k, v in value.items()} if type(value) is dict else _Named(type(value).__name__, {k: summarize(v) for k, v in value.items()})
-    return type(value).__name__
-
-
-class _Named(dict):
-    """A dict summary that remembers the container's class name (``CausalLMOutputWithPast``)."""
-
-    def __init__(self, type_name: str, items: dict[str, Any]):
-        super().__init__(items)
-        self.type_name = type_name
-
-
 def record_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Run ``root`` once on the example inputs with every node listened, storing summaries in each
-    graph module's ``examples`` dict (``{node name: summary}``)."""
+    """Run ``root`` once on the example inputs with every node listened, storing each node's
+    summary in its graph (:meth:`~.graph_module.GraphModuleBase.set_examples`)."""
     listeners = []
+    stores: dict[int, tuple[GraphModuleBase, dict[str, Any]]] = {}
     for _, owner, name, sub in walk(root):
         if sub is not None:
             continue
-        store = owner.__dict__.setdefault("examples", {})
-
-        def record(value: Any, store: dict = store, name: str = name) -> Any:
-            store.setdefault(name, summarize(value))
-            return value
+        store = stores.setdefault(id(owner), (owner, {}))[1]
+        record = recording_listener(store, name)
         point = owner.op_point(name)
         point.add_listener(record, refresh=False)
         listeners.append((point, record))
@@ -143,6 +121,8 @@ def record_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[s
         for point, record in listeners:
             point.remove_listener(record, refresh=False)
         refresh_all(point for point, _ in listeners)
+    for owner, store in stores.values():
+        owner.set_examples(store)
 
 
 def refresh_all(points: Any) -> None:
@@ -152,137 +132,13 @@ def refresh_all(points: Any) -> None:
         owner.refresh_routing()
 
 
-def _size(value: torch.Tensor) -> torch.Size:
-    """The example's concrete sizes of a (fake) tensor whose dimensions may be symbolic."""
-    return torch.Size(int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in value.shape)
-
-
-def _from_val(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return _size(value)
-    if isinstance(value, (torch.SymInt, int)):
-        return "int"
-    if isinstance(value, (torch.SymFloat, float)):
-        return "float"
-    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
-        return type(value)(_size(v) for v in value) if type(value) in (tuple, list) else [_size(v) for v in value]
-    return None
-
-
-def _from_spec(spec: Any, leaves: Iterator[Any]) -> Any:
-    """Summary of ``tree_unflatten(leaves, spec)`` built from the spec alone (never unflattens:
-    custom pytree types keep state in their spec)."""
-    if spec.is_leaf():
-        return next(leaves)
-    children = [_from_spec(child, leaves) for child in spec.children()]
-    kind = spec.type
-    if kind in (tuple, list):
-        return kind(children)
-    if kind is dict:
-        return dict(zip(spec.context, children))
-    if kind is not None and issubclass(kind, dict):
-        return _Named(kind.__name__, dict(zip(spec.context, children)))
-    if kind is not None and issubclass(kind, (tuple, list)):
-        return list(children)
-    return getattr(kind, "__name__", "object")
-
-
-_UNKNOWN = object()  # a value export kept no metadata for
-
-
-def _missing(summary: Any) -> bool:
-    if summary is _UNKNOWN:
-        return True
-    if isinstance(summary, torch.Size):
-        return False
-    if isinstance(summary, (tuple, list)):
-        return any(_missing(s) for s in summary)
-    if isinstance(summary, dict):
-        return any(_missing(s) for s in summary.values())
-    return False
-
-
-def static_examples(module: GraphModuleBase, inputs: dict[str, Any], attrs: dict[str, Any] | None = None) -> Any:
-    """Fill ``module.examples`` from export's metadata (fake tensors, sizes of the example call).
-
-    Args:
-        module: an extracted graph.
-        inputs: ``{placeholder name: summary}`` of the call.
-
-    Returns:
-        The summary of the module's output, or None when some value is unknown (opaque modules,
-        values export kept no metadata for): callers then fall back to :func:`record_examples`.
-    """
-    from torch.fx import Node
-    from ..compat.pytree import fx_pytree
-    from ..compat.pytree import pytree
-
+def static_examples(module: GraphModuleBase, inputs: dict[str, Any]) -> Any:
+    """Summaries from export's metadata (:class:`~.summaries.ExampleSummaries`) for a compiled
+    graph; the output's summary, or None when some value is unknown (then callers fall back to
+    :func:`record_examples`)."""
     if not isinstance(module, CompiledGraphModule):
         return None
-    examples: dict[str, Any] = {}
-    values: dict[Node, Any] = {}
-    complete = True
-
-    def of(arg: Any) -> Any:
-        return pytree.tree_map(lambda leaf: values.get(leaf, _UNKNOWN) if isinstance(leaf, Node) else summarize(leaf), arg)
-
-    for name, node in module.named_nodes():
-        summary = _from_val(node.meta.get("val"))
-        if node.op == "placeholder":
-            summary = inputs.get(name, summary)
-        elif node.op == "get_attr":
-            attr = module
-            for part in str(node.target).split("."):
-                attr = getattr(attr, part)
-            summary = summarize(attr)
-        elif node.op == "call_module":
-            child_module = module.child_graph(node)
-            child_inputs = bind_inputs(child_module, of(node.args), of(node.kwargs))
-            summary = static_examples(child_module, child_inputs) if child_inputs is not None else None
-            complete = complete and summary is not None
-            summary = _UNKNOWN if summary is None else summary
-        elif node.op == "output":
-            summary = _plain(of(node.args[0]))
-        elif summary is None and node.target is fx_pytree.tree_flatten_spec:
-            summary = "list"  # custom-pytree plumbing; its leaves carry metadata of their own
-        elif summary is None and node.target is pytree.tree_unflatten:
-            spec = getattr(module, str(node.args[1].target))
-            summary = _from_spec(spec, iter(of(list(node.args[0]))))
-        elif summary is None and node.target is operator.getitem:
-            container = values.get(node.args[0], _UNKNOWN)
-            try:
-                summary = container[node.args[1]]
-            except (KeyError, IndexError, TypeError):
-                summary = _UNKNOWN
-        elif summary is None:
-            summary = _UNKNOWN
-        values[node] = summary
-        if node.op != "call_module":
-            examples[name] = summary
-            complete = complete and not _missing(summary)
-    module.__dict__["examples"] = examples
-    return values[next(n for n in module.graph.nodes if n.op == "output")] if complete else None
-
-
-def _plain(summary: Any) -> Any:
-    """fx's ``immutable_list``/``immutable_dict`` (graph argument containers) as list/dict."""
-    if isinstance(summary, list) and type(summary) is not list:
-        return [_plain(s) for s in summary]
-    if isinstance(summary, dict) and type(summary) not in (dict, _Named):
-        return {k: _plain(v) for k, v in summary.items()}
-    if type(summary) is tuple:
-        return tuple(_plain(s) for s in summary)
-    return summary
-
-
-def bind_inputs(module: GraphModuleBase, args: Any, kwargs: Any) -> dict[str, Any] | None:
-    """``{placeholder name: value}`` for a call of a compiled graph (None for other kinds)."""
-    if not isinstance(module, CompiledGraphModule):
-        return None
-    placeholders = [name for name, node in module.named_nodes() if node.op == "placeholder"]
-    bound = dict(zip(placeholders, args))
-    bound.update(kwargs)
-    return bound
+    return ExampleSummaries(module, inputs).propagate()
 
 
 def describe_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

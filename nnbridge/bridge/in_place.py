@@ -47,9 +47,10 @@ from ..errors import NNBridgeError
 from . import hierarchy
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
 from .dispatcher import GraphDispatcher
-from .extraction import MODULE_PATH_KEY, Extraction
+from .extraction import Extraction
 from .state_graphs import state_argument_specs
-from .graph_module import NAME_KEY, CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
+from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
+from .metadata import node_meta
 from .locking import CALL_LOCK, lock_calls, unlock_calls
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
@@ -73,14 +74,14 @@ def _state_specs_hold(graph: GraphModuleBase, args: tuple[Any, ...], kwargs: dic
     have the pytree structure ``graph`` was extracted for (its input prologue's spec; the graph's
     ``tree_flatten_spec`` raises ``Real spec ... is different from expected spec`` otherwise).
     Graphs without such arguments always hold (checked once per graph)."""
-    expected = graph.__dict__.get("_nnbridge_state_specs")
+    expected = graph.graph_meta.state_specs
     if expected is None:
-        expected = graph.__dict__["_nnbridge_state_specs"] = state_argument_specs(graph)
+        expected = graph.graph_meta.state_specs = state_argument_specs(graph)
     if not expected:
         return True
-    names = graph.__dict__.get("_nnbridge_arg_names")
+    names = graph.graph_meta.argument_names
     if names is None:
-        names = graph.__dict__["_nnbridge_arg_names"] = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
+        names = graph.graph_meta.argument_names = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
     for where, spec in expected:
         if isinstance(where, int):
             value = args[where] if where < len(args) else kwargs.get(names[where]) if where < len(names) else None
@@ -187,23 +188,23 @@ class Bridge:
             self.swap(module)
         self._share_points(graph, module, invocation)
         if isinstance(graph, CompiledGraphModule):
-            if "graph_children" in graph.__dict__:
+            if graph.graph_meta.graph_children is not None:
                 return  # already linked (an extraction shared by several callers)
             children: dict[str, GraphModuleBase] = {}
             for i, node in enumerate([n for n in graph.graph.nodes if n.op == "call_module"]):
                 child_graph = graph.get_submodule(str(node.target))
-                child_module = module.get_submodule(node.meta[MODULE_PATH_KEY])
-                children[node.meta[NAME_KEY]] = child_graph
+                child_module = module.get_submodule(node_meta(node).module_path or "")
+                children[node_meta(node).name] = child_graph
                 self._link(child_graph, child_module, invocations)
                 site = f"_nnbridge_call_{i}"
                 graph.__dict__[site] = _CallSite(child_module, child_graph)
                 node.target = site
-            graph.__dict__["graph_children"] = children
+            graph.graph_meta.graph_children = children
             self._read_tensors_live(graph, module)
             graph.recompile()
         elif isinstance(graph, OpaqueGraphModule):
             graph.__dict__["_callees"] = {}  # the original code calls the (bridged) user modules
-            for dispatcher in graph.__dict__.get("child_dispatchers", {}).values():
+            for dispatcher in graph.graph_meta.child_dispatchers.values():
                 self.dispatchers[id(dispatcher.module)] = dispatcher
                 for extraction in dispatcher.all_extractions():
                     self._link(extraction.root, dispatcher.module, Counter())

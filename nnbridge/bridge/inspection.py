@@ -17,27 +17,8 @@ import torch
 from torch.fx.node import Node, map_arg
 
 from . import hierarchy
+from .summaries import describe, summary_children
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
-
-
-def _describe(summary: Any) -> str:
-    if isinstance(summary, torch.Size):
-        return f"Tensor({', '.join(str(s) for s in summary)})"
-    if isinstance(summary, hierarchy._Named):
-        return f"{summary.type_name}({len(summary)})"
-    if isinstance(summary, (tuple, list, dict)):
-        return f"{type(summary).__name__}({len(summary)})"
-    return str(summary)
-
-
-def _dig_children(summary: Any) -> list[tuple[str, Any]]:
-    if isinstance(summary, torch.Size):
-        return []
-    if isinstance(summary, (tuple, list)):
-        return [(f"sub_{i}", v) for i, v in enumerate(summary)]
-    if isinstance(summary, dict):
-        return [(str(k), v) for k, v in summary.items()]
-    return []
 
 
 _NO_SOURCE = "<no source recorded for this node>"
@@ -111,26 +92,26 @@ class ShapeView:
 
     @staticmethod
     def _wrap(path: str, summary: Any) -> Any:
-        return ShapeView(path, summary) if _dig_children(summary) else summary
+        return ShapeView(path, summary) if summary_children(summary) else summary
 
     def __getattr__(self, key: str) -> Any:
-        for name, value in _dig_children(self._summary):
+        for name, value in summary_children(self._summary):
             if name == key:
                 return self._wrap(f"{self._path}.{key}", value)
         raise AttributeError(f"No entry {key!r} in the shape of {self._path}; entries:"
-                             f" {[name for name, _ in _dig_children(self._summary)]}")
+                             f" {[name for name, _ in summary_children(self._summary)]}")
 
     def __getitem__(self, key: int | str) -> Any:
-        children = _dig_children(self._summary)
+        children = summary_children(self._summary)
         if isinstance(key, int):
             return self._wrap(f"{self._path}.{children[key][0]}", children[key][1])
         return self.__getattr__(key)
 
     def __len__(self) -> int:
-        return len(_dig_children(self._summary))
+        return len(summary_children(self._summary))
 
     def __dir__(self) -> list[str]:
-        return [name for name, _ in _dig_children(self._summary)]
+        return [name for name, _ in summary_children(self._summary)]
 
     def unwrap(self) -> Any:
         """The shapes as plain containers, e.g. ``(torch.Size([3, 3]), torch.Size([3, 3]))``."""
@@ -148,13 +129,13 @@ class ShapeView:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        lines = [f"{self._path}: {_describe(self._summary)}"]
+        lines = [f"{self._path}: {describe(self._summary)}"]
 
         def draw(summary: Any, indent: str) -> None:
-            kids = _dig_children(summary)
+            kids = summary_children(summary)
             for i, (name, value) in enumerate(kids):
                 last = i == len(kids) - 1
-                shown = f"torch.Size({list(value)})" if isinstance(value, torch.Size) else _describe(value)
+                shown = f"torch.Size({list(value)})" if isinstance(value, torch.Size) else describe(value)
                 lines.append(f"{indent}{'└─' if last else '├─'}{name}: {shown}")
                 draw(value, indent + ("  " if last else "│ "))
         draw(self._summary, "")
@@ -180,12 +161,12 @@ class NodeView:
     def _children(self) -> list[tuple[str, NodeView]]:
         prefix = f"{self._path}." if self._path else ""
         if self._graph is not None:
-            examples = self._graph.__dict__.get("examples", {})
-            return [(name, NodeView(prefix + name, self._graph, name, sub, examples.get(name)))
+            graph = self._graph
+            return [(name, NodeView(prefix + name, graph, name, sub, graph.example(name)))
                     for name, sub in hierarchy.children(self._graph)]
         sep = "." if self._dig else "|"
         return [(key, NodeView(f"{self._path}{sep}{key}", self._owner, self._name, None, value, (*self._dig, key)))
-                for key, value in _dig_children(self._summary)]
+                for key, value in summary_children(self._summary)]
 
     def __getattr__(self, item: str) -> NodeView:
         for name, view in self._children():
@@ -252,8 +233,8 @@ class NodeView:
         return default if found is None else found
 
     def _require_children(self) -> None:
-        if self._graph is None and not _dig_children(self._summary):
-            raise ValueError(f"{self._path or '<root>'} is a leaf ({_describe(self._summary)}); the mapping"
+        if self._graph is None and not summary_children(self._summary):
+            raise ValueError(f"{self._path or '<root>'} is a leaf ({describe(self._summary)}); the mapping"
                              " interface (in, [], len, keys) applies to graphs and container values.")
 
     def _lookup(self, path: str) -> NodeView | None:
@@ -271,7 +252,7 @@ class NodeView:
         :class:`ShapeView` of its entries' shapes (as graphpatch); None for other values and graphs."""
         if isinstance(self._summary, torch.Size):
             return self._summary
-        if self._graph is None and _dig_children(self._summary):
+        if self._graph is None and summary_children(self._summary):
             return ShapeView(self._path, self._summary)
         return None
 
@@ -298,7 +279,7 @@ class NodeView:
         name = self._path.rpartition(".")[2].rpartition("|")[2] if self._path else "<root>"
         if self._graph is not None:
             return f"{name}: {type(self._graph).__name__}"
-        return f"{name}: {_describe(self._summary)}"
+        return f"{name}: {describe(self._summary)}"
 
     def _lines(self, indent: str, depth: int | None = None) -> list[str]:
         if depth is not None and depth <= 0:

@@ -21,6 +21,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..compat.hooks import has_module_hooks
+from .summaries import describe
 
 if TYPE_CHECKING:
     from .graph_module import GraphModuleBase
@@ -124,12 +125,10 @@ class OpPoint(torch.nn.Module):
         return self._refreshing(super().register_full_backward_pre_hook(hook, **kwargs))
 
     def extra_repr(self) -> str:
-        from .inspection import _describe
-
         for owner in self.owners():
-            example = owner.__dict__.get("examples", {}).get(self.node_name)
+            example = owner.example(self.node_name)
             if example is not None:
-                return f"{self.node_name}: {_describe(example)}"
+                return f"{self.node_name}: {describe(example)}"
         return self.node_name
 
 

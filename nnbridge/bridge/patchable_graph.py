@@ -25,10 +25,12 @@ from ..errors import NNBridgeError, NodePathError, PatchError, PatchMapError
 from . import hierarchy, patch_state
 from .dispatcher import GraphDispatcher, WeakCallback
 from .capture_checks import preserved_state
-from .extraction import Extraction, named_real_modules
+from .extraction import Extraction
+from .module_tree import named_real_modules
 from .graph_module import GraphModuleBase
 from .in_place import bridge_of
-from .inspection import NodeView, _dig_children
+from .inspection import NodeView
+from .summaries import summary_children
 from .node_path import NodePath, dig_key
 from .op_point import OpPoint
 from .options import ExtractionOptions
@@ -235,7 +237,7 @@ class PatchableGraph(torch.nn.Module):
         for path, owner, name, sub in hierarchy.walk(self._graph_module):
             if sub is not None:
                 continue
-            summary = owner.__dict__.get("examples", {}).get(name)
+            summary = owner.example(name)
             paths.extend(_leaf_paths(path, summary, first=True))
         return paths
 
@@ -348,15 +350,15 @@ class PatchableGraph(torch.nn.Module):
             raise NodePathError(
                 f"{text!r} is a graph, not a node: patch one of its nodes, e.g. '{'.'.join(segments)}.output'.")
         owner, name = hits[0]
-        summary = owner.__dict__.get("examples", {}).get(name)
+        summary = owner.example(name)
         for depth, segment in enumerate(node_path.dig):
-            keys = [k for k, _ in _dig_children(summary)]
+            keys = [k for k, _ in summary_children(summary)]
             if segment not in keys:
                 where = str(NodePath(canonical.nodes, node_path.dig[:depth]))
                 raise NodePathError(f"{text!r}: cannot dig {segment!r} into {where!r}; valid: {keys or 'none (a leaf)'}.")
-            summary = dict(_dig_children(summary))[segment]
-        if _dig_children(summary):
-            keys = [k for k, _ in _dig_children(summary)]
+            summary = dict(summary_children(summary))[segment]
+        if summary_children(summary):
+            keys = [k for k, _ in summary_children(summary)]
             raise NodePathError(
                 f"{text!r} is not a leaf: its value is a container; dig into it with '|', e.g. "
                 f"'{canonical}{'.' if node_path.dig else '|'}{keys[0]}' (choices: {keys}).")
@@ -372,7 +374,7 @@ class PatchableGraph(torch.nn.Module):
 
 
 def _leaf_paths(path: str, summary: Any, first: bool) -> list[str]:
-    kids = _dig_children(summary)
+    kids = summary_children(summary)
     if not kids:
         return [path]
     sep = "|" if first else "."

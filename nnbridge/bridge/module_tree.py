@@ -1,0 +1,147 @@
+"""The module tree as extraction sees it: real submodules, reserved and aliased names.
+
+Extraction walks the user's modules without the op points a bridge registered on them
+(:func:`named_real_modules`), renames children whose names fx or ``pg.graph`` reserve
+(:func:`reserved_names_renamed`, graphpatch mangled them too) and hides second registrations of
+one module object (:func:`aliases_hidden`) for the duration of an export. Example::
+
+    with reserved_names_renamed(model) as renamed, aliases_hidden(model):
+        ...  # export model; renamed == {id(parent): {"graph_": "graph"}}
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..compat.module_dicts import modules_of
+from ..errors import ExtractionError
+from .graph_module import CompiledGraphModule
+from .op_point import OpPoint, OpPointContainer
+
+#: Names a child may not take in a graph module or in ``pg.graph``; such children get a trailing
+#: ``_`` in NodePaths and as attributes (graphpatch mangled them too).
+RESERVED_NAMES = frozenset(
+    {"graph", "code", "_code", "_shape", "forward", "training", "output", "op_points"}
+    | {name for name in dir(CompiledGraphModule) if not name.startswith("__")}
+)
+CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def real_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and its submodules, without the op points a bridge registered on them."""
+    return [m for _, m in named_real_modules(module)]
+
+
+def named_real_modules(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
+    """``named_modules()`` without op points and their per-invocation containers."""
+    yield prefix, module
+    for name, child in module.named_children():
+        if not isinstance(child, (OpPoint, OpPointContainer)):
+            yield from named_real_modules(child, f"{prefix}.{name}" if prefix else name)
+
+
+def safe_name(name: str) -> str:
+    """``name`` with a trailing ``_`` when it is reserved (``graph`` -> ``graph_``)."""
+    return f"{name}_" if name in RESERVED_NAMES else name
+
+
+@contextlib.contextmanager
+def reserved_names_renamed(module: torch.nn.Module) -> Iterator[dict[int, dict[str, str]]]:
+    """Rename children whose names are reserved (``graph`` -> ``graph_``) for the body's duration.
+
+    ``torch.export.unflatten`` cannot hold a submodule called ``graph`` and a GraphModule cannot
+    hold one called ``_code``. The child moves to the safe key in ``_modules`` while an instance
+    attribute keeps ``self.graph`` working in the module's own code. Yields
+    ``{id(parent): {safe name: original name}}``; restores everything on exit, also on error.
+
+    Raises:
+        ExtractionError: the safe name is already taken by another child.
+    """
+    renamed: list[tuple[torch.nn.Module, str, str]] = []
+    try:
+        for parent in real_modules(module):
+            for name in [n for n in modules_of(parent) if n in RESERVED_NAMES]:
+                safe = safe_name(name)
+                if safe in modules_of(parent):
+                    raise ExtractionError(
+                        f"{type(parent).__name__} has children named both {name!r} and {safe!r}; nnbridge renames"
+                        f" {name!r} (reserved) to {safe!r} in NodePaths. Rename one of them.")
+                child = modules_of(parent)[name]
+                _rename_key(modules_of(parent), name, safe)  # in its place: registration order is kept
+                parent.__dict__[name] = child
+                renamed.append((parent, name, safe))
+        mapping: dict[int, dict[str, str]] = {}
+        for parent, name, safe in renamed:
+            mapping.setdefault(id(parent), {})[safe] = name
+        yield mapping
+    finally:
+        for parent, name, safe in reversed(renamed):
+            parent.__dict__.pop(name, None)
+            _rename_key(modules_of(parent), safe, name)  # the child keeps its place (state_dict order)
+
+
+def _rename_key(store: dict[str, Any], old: str, new: str) -> None:
+    """Rename key ``old`` of ``store`` to ``new`` in place, keeping its position."""
+    items = list(store.items())
+    store.clear()
+    for key, value in items:
+        store[new if key == old else key] = value
+
+
+def reorder(store: dict[str, Any], order: list[str]) -> None:
+    """Reorder ``store`` in place: the keys in ``order`` first, in that order, then the others."""
+    items = dict(store)
+    store.clear()
+    for name in [n for n in order if n in items] + [n for n in items if n not in order]:
+        store[name] = items[name]
+
+
+@contextlib.contextmanager
+def aliases_hidden(module: torch.nn.Module) -> Iterator[None]:
+    """Hide every further registration of a module object (``self.alias = self.linear``, or one
+    child shared by two parents) from ``_modules`` for the body's duration.
+
+    torch.export (2.13, non-strict) traces a model with shared submodules through attribute
+    proxies whose paths break when a forward is overridden on the instance (``KeyError: 'linear'``
+    in its tracepoint pass). The hidden name stays an instance attribute, so the module's code
+    still reaches the child through it; export then knows the child by its first name only, and
+    every call of it, under any name, is an invocation of that name (``linear_0``, ``linear_1``).
+    Restores every registration in its place on exit, also on error.
+    """
+    hidden: list[tuple[torch.nn.Module, str, torch.nn.Module, list[str]]] = []
+    seen = {id(module)}
+
+    def visit(parent: torch.nn.Module) -> None:
+        for name, child in list(modules_of(parent).items()):
+            if child is None or isinstance(child, (OpPoint, OpPointContainer)):
+                continue
+            if id(child) in seen:
+                hidden.append((parent, name, child, list(modules_of(parent))))
+                del modules_of(parent)[name]
+                parent.__dict__[name] = child
+                continue
+            seen.add(id(child))
+            visit(child)
+    try:
+        visit(module)
+        yield
+    finally:
+        for parent, name, child, order in reversed(hidden):
+            parent.__dict__.pop(name, None)
+            modules_of(parent)[name] = child
+            reorder(modules_of(parent), order)
+
+
+def direct_callees(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
+    """Children a module's forward can call, looking through ModuleList/ModuleDict containers."""
+    for name, child in module.named_children():
+        if isinstance(child, (OpPoint, OpPointContainer)):
+            continue
+        if isinstance(child, CONTAINERS):
+            yield from direct_callees(child, f"{prefix}{name}.")
+        else:
+            yield prefix + name, child

@@ -1,0 +1,80 @@
+"""Eager recording: runs of the user's module on copies of the inputs, with temporary hooks.
+
+Extraction needs what each submodule was called with (:func:`record_calls`), stand-in outputs for
+children that export may not trace (:func:`stub_output`) and copies of example inputs that a run
+may mutate (:func:`copy_inputs`; a ``DynamicCache`` is updated in place). Example::
+
+    calls = record_calls(model, {"transformer.h.0"}, (ids,), {})
+    args, kwargs, output = calls["transformer.h.0"][0]
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..compat.pytree import pytree
+from .kinds import HookKind
+
+def copy_inputs(value: Any) -> Any:
+    """A copy of example inputs that extraction may run or trace without touching the caller's
+    objects (a cache is mutated by the run). ``deepcopy`` when it works; else (tensors with autograd
+    history cannot be deep-copied) a pytree copy with detached clones, which also rebuilds
+    registered objects such as transformers' caches."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:
+        def clone(t: torch.Tensor) -> torch.Tensor:
+            copied = t.detach().clone()
+            return copied.requires_grad_() if t.requires_grad and copied.is_floating_point() else copied
+        return pytree.tree_map_only(torch.Tensor, clone, value)
+
+
+def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]]) -> None:
+    """One eager run of ``module`` on copies of the inputs (a cache would be mutated), no grad,
+    with temporary hooks: ``(submodule, HookKind, fn)``, both with kwargs."""
+    handles = []
+    try:
+        for sub, kind, fn in hooks:
+            register = sub.register_forward_pre_hook if kind == HookKind.PRE else sub.register_forward_hook
+            handles.append(register(fn, with_kwargs=True))
+        with torch.no_grad():
+            module(*copy_inputs(args), **copy_inputs(kwargs))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
+    """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules;
+    the inputs are copied before the call (a cache argument is updated by it)."""
+    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = defaultdict(list)
+    pending: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
+
+    def before(fqn: str) -> Callable[..., None]:
+        return lambda mod, a, k: pending[fqn].append((copy_inputs(a), copy_inputs(k)))
+
+    def after(fqn: str) -> Callable[..., None]:
+        return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy_inputs(out)))
+    observed_run(module, args, kwargs, [(module.get_submodule(fqn), kind, hook(fqn))
+                                        for fqn in fqns for kind, hook in ((HookKind.PRE, before), (HookKind.POST, after))])
+    return calls
+
+
+def stub_output(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    """The recorded output as zeros that still depend on every tensor input (else export drops
+    whatever computed the inputs, e.g. the integer ``position_ids`` a stubbed rotary embedding
+    receives)."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    dep = sum((0 * t.sum().float() for t in tensors), torch.tensor(0.0))
+
+    def stub(t: torch.Tensor) -> torch.Tensor:
+        zeros = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+        return zeros + dep.to(t.dtype) if t.is_floating_point() else zeros
+    return pytree.tree_map_only(torch.Tensor, stub, output)

@@ -1,0 +1,21 @@
+"""Symbolic sizes (torch 2.1 - 2.13): the private ``SymInt.node`` fields export's fake tensors carry.
+
+Usage: ``symbolic_hint(size)`` is the concrete example value of a ``torch.SymInt`` (an ``int``
+stays as it is); ``symbolic_expr(size)`` its sympy expression (``s0``), None for an ``int``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def symbolic_hint(size: torch.SymInt | int) -> int:
+    """The example value behind a symbolic size (``SymInt.node.hint``)."""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def symbolic_expr(size: torch.SymInt | int) -> Any:
+    """The sympy expression of a symbolic size (``SymInt.node.expr``), None for an ``int``."""
+    return size.node.expr if isinstance(size, torch.SymInt) else None

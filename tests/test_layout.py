@@ -1,0 +1,157 @@
+"""The package's layout: every module imports on its own, and no two modules import each other.
+
+Both checks read the source (``ast``), so an import placed inside a function, which would hide a
+cycle from a plain import, is counted like any other; imports under ``if TYPE_CHECKING:`` are
+annotations only and never run.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nnbridge"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            ids |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return ids
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: modules it imports}`` within nnbridge; ancestors' ``__init__`` (run by any import
+    of a submodule) are not edges."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_checking_only(tree)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")
+                    anchor = anchor[:len(anchor) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for target in targets:
+                if target in modules and target != name and not name.startswith(target + "."):
+                    deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_cycle_check_finds_a_hidden_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_function_local_imports_count(tmp_path, monkeypatch):
+    package = tmp_path / "nnbridge"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "one.py").write_text("from . import two\n")
+    (package / "two.py").write_text("def f():\n    from .one import x\n")
+    (package / "three.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import one\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
+    graph = import_graph()
+    assert cycles(graph) == [["nnbridge.one", "nnbridge.two"]]
+    assert graph["nnbridge.three"] == set()
+
+
+def test_compat_does_not_import_the_graph_layer_or_envoys():
+    graph = import_graph()
+    leaks = {m: sorted(d for d in deps if d.startswith(("nnbridge.bridge", "nnbridge.envoys")))
+             for m, deps in graph.items() if m.startswith("nnbridge.compat")}
+    assert {m: d for m, d in leaks.items() if d} == {}
+
+
+def test_graph_layer_does_not_import_envoys():
+    graph = import_graph()
+    leaks = {m: sorted(d for d in deps if d.startswith("nnbridge.envoys"))
+             for m, deps in graph.items() if m.startswith("nnbridge.bridge")}
+    assert {m: d for m, d in leaks.items() if d} == {}
+
+
+def test_every_module_imports_alone():
+    """Each module imported first in a clean interpreter state (torch stays loaded: only nnbridge's
+    modules are dropped between imports), so none relies on another having been imported before."""
+    names = sorted(n for n in _modules() if not n.endswith("__main__"))  # __main__ runs the CLI
+    script = (
+        "import importlib, sys, torch, transformers, nnsight\n"
+        f"failed = []\nfor name in {names!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'nnbridge' or m.startswith('nnbridge.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n        importlib.import_module(name)\n"
+        "    except Exception as error:\n        failed.append(f'{name}: {type(error).__name__}: {error}')\n"
+        "print('\\n'.join(failed))\nsys.exit(1 if failed else 0)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            cwd=PACKAGE.parent, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", ["nnbridge.bridge.extraction", "nnbridge.bridge.dispatcher", "nnbridge.compat"])
+def test_module_paths_through_the_bridge_package_import(name):
+    import importlib
+
+    assert importlib.import_module(name).__name__ == name
