@@ -25,10 +25,9 @@ from ..compat.pytree import fx_pytree
 from ..compat.pytree import pytree
 
 from ..compat import NoSubmoduleRecompile, forward_from_source, generated_code_released, keep_tracebacks
-from ..compat.nnsight import route_if_wanted
 from .failures import register
 from .metadata import GraphMeta, node_meta, node_name, update_node_meta
-from .op_point import OpPoint
+from .op_point import OpPoint, route
 
 #: Calls that only convert between a custom pytree object and its leaves.
 _PLUMBING_CALLS = (fx_pytree.tree_flatten_spec, pytree.tree_unflatten)
@@ -194,7 +193,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
 
     def trace_forward(self) -> Any:
         """The generated code used while an nnsight trace runs: every node asks
-        :func:`route_if_wanted` whether something listens (a patch, a hook, or a trace waiting at or
+        :func:`route` whether something listens (a patch, a hook, or a trace waiting at or
         caching the op's location) and only then passes through its op point. Compiled on first use."""
         forward = self.__dict__.get("_trace_forward")
         if forward is None:
@@ -212,25 +211,25 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         for node in graph.nodes:
             if node.op == "placeholder":
                 last_placeholder = node
-        def route(value: Any) -> Node:
+        def through_point(value: Any) -> Node:
             if not guarded:
                 return graph.call_module(target, (value,))
             point = graph.get_attr(target)
             with graph.inserting_after(point):  # fx inserts each new node right after the anchor
-                return graph.call_function(route_if_wanted, (point, value))
+                return graph.call_function(route, (point, value))
 
         for name in sorted(routed):
             target = f"_nnbridge_ops.{name}"
             if name == "output":
                 with graph.inserting_before(output_node):
-                    routed_value = route(output_node.args[0])
+                    routed_value = through_point(output_node.args[0])
                 update_node_meta(routed_value, name=name, routed=True)
                 output_node.args = (routed_value,)
                 continue
             node = copies[name]
             anchor = last_placeholder if node.op == "placeholder" else node
             with graph.inserting_after(anchor):
-                routed_node = route(node)
+                routed_node = through_point(node)
             # a failure in a patch or hook names the op and its source line (see .failures)
             update_node_meta(routed_node, name=name, routed=True)
             routed_node.meta["stack_trace"] = node.meta.get("stack_trace")
@@ -293,7 +292,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
 
     def trace_forward(self) -> Any:
         """The forward used while an nnsight trace runs: every input, tensor and the output may be
-        routed (see :func:`route_if_wanted`)."""
+        routed (see :func:`route`)."""
         return type(self)._traced
 
     def _traced(self, *args: Any, **kwargs: Any) -> Any:
@@ -308,7 +307,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
             points = {name: self.op_point(name) for name in routed}
 
             def call(name: str, value: Any) -> Any:
-                return route_if_wanted(points[name], value)
+                return route(points[name], value)
         else:
             points = self._op_points
 

@@ -33,15 +33,14 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
 import torch
 from ..compat.pytree import pytree
 
 from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat import SwappedBody, restore_body, swap_body
-from ..compat.nnsight import wanted_inside
 from .failures import add_note
 from ..errors import NNBridgeError
 from . import hierarchy
@@ -111,7 +110,16 @@ class _CallSite:
 
 
 class Bridge:
-    """The in-place state of one bridged model (see the module docstring)."""
+    """The in-place state of one bridged model (see the module docstring).
+
+    Attributes:
+        wanted_inside: class-wide ``wanted_inside(module) -> bool``: whether a running trace wants
+            a value inside ``module`` (then its graph runs code that asks each node's
+            :attr:`OpPoint.wanted`); never, until a front-end installs its test (the envoy layer
+            installs nnsight's).
+    """
+
+    wanted_inside: ClassVar[Callable[[torch.nn.Module], bool]] = staticmethod(lambda module: False)
 
     def __init__(self, model: torch.nn.Module, options: ExtractionOptions):
         self.model = model
@@ -150,7 +158,7 @@ class Bridge:
         try:
             # an nnsight trace waiting for something inside this module: each node asks whether
             # it is wanted; otherwise the plain code (which routes patched and hooked nodes)
-            if wanted_inside(module):
+            if Bridge.wanted_inside(module):
                 return graph.trace_forward()(graph, *args, **kwargs)
             return graph.forward(*args, **kwargs)
         except BaseException as error:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -38,7 +38,16 @@ class OpPoint(torch.nn.Module):
 
     Attributes:
         node_name: the node's name within its graph (``softmax``, ``add_1``, ``weight``).
+        wanted: class-wide ``wanted(point) -> bool``, asked by :func:`route` while a trace runs:
+            whether something other than this point's listeners and torch hooks wants the op's
+            value. Never, until a front-end installs its test (the envoy layer installs nnsight's:
+            a running trace parks at, skips or caches one of the op's locations).
     """
+
+    wanted: ClassVar[Callable[[OpPoint], bool]] = staticmethod(lambda point: False)
+    _owners: list[weakref.ref[GraphModuleBase]]
+    _listeners: list[Listener]
+    _hooked: bool
 
     def __init__(self, owner: GraphModuleBase, node_name: str) -> None:
         super().__init__()
@@ -130,6 +139,16 @@ class OpPoint(torch.nn.Module):
             if example is not None:
                 return f"{self.node_name}: {describe(example)}"
         return self.node_name
+
+
+def route(point: OpPoint, value: Any) -> Any:
+    """``point(value)`` when a patch or torch hook listens to ``point`` or :attr:`OpPoint.wanted`
+    says a running trace wants it; else ``value`` unchanged. The generated code of a graph running
+    under a trace calls this once per node, so it is kept to two attribute reads and one call."""
+    d = point.__dict__
+    if d["_listeners"] or d["_hooked"] or OpPoint.wanted(point):
+        return point(value)
+    return value
 
 
 class OpPointContainer(torch.nn.Module):

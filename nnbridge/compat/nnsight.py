@@ -39,15 +39,12 @@ def wanted_inside(module: torch.nn.Module) -> bool:
             or any(location.startswith(prefix) for location in interleaver.observers))
 
 
-def route_if_wanted(point: torch.nn.Module, value: Any) -> Any:
-    """``point(value)`` when a patch or torch hook listens (``point.__dict__["_listeners"]``,
-    ``["_hooked"]``) or the running nnsight trace parks at, skips or caches one of the op's
-    locations; else ``value``. Called once per graph node while a trace runs: kept to a few dict
-    and set look-ups (``State.routes``, ``Interleaver.interleaving/parked/observers``)."""
-    d = point.__dict__
-    if d["_listeners"] or d["_hooked"]:
-        return point(value)
-    state = d.get(NNSIGHT_STATE)
+def trace_wants(point: torch.nn.Module) -> bool:
+    """Whether the running nnsight trace parks at, skips or caches one of the locations of the op
+    envoy over ``point`` (an op point, wrapped by nnsight like any module). Asked once per graph
+    node while a trace runs: kept to a few dict and set look-ups (``State.routes``,
+    ``Interleaver.interleaving/parked/observers``)."""
+    state = point.__dict__.get(NNSIGHT_STATE)
     if state is not None:
         for ref, _, locations in state.routes:
             interleaver = ref()
@@ -55,8 +52,8 @@ def route_if_wanted(point: torch.nn.Module, value: Any) -> Any:
                 parked, observers = interleaver.parked, interleaver.observers
                 for location in locations:
                     if location in parked or location in observers:
-                        return point(value)
-    return value
+                        return True
+    return False
 
 
 def mirror_envoys(interleaver: Any, registered: list[tuple[torch.nn.Module, str]]) -> None:

@@ -5,3 +5,6 @@ from .envoy import node_path as node_path
 from .models import LanguageModel as LanguageModel
 from .models import NNsight as NNsight
 from .models import TransformersModel as TransformersModel
+from .routing import install as _install_routing
+
+_install_routing()
