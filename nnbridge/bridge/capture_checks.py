@@ -6,7 +6,7 @@ A graph replays the tensor operations of one traced call. It does not replay:
   export records them as higher-order ops that unflatten cannot keep (see
   :func:`nnbridge.compat.capture.mode_regions`);
 - custom ``torch.autograd.Function``s: export inlines their forward and loses their backward;
-- ``torch._dynamo.graph_break()``: the author asked for the code around it not to be one graph
+- Dynamo's ``graph_break()``: the author asked for the code around it not to be one graph
   (graphpatch made such a module opaque; non-strict export would run it as a no-op);
 - Python side effects on module state: an attribute set in forward (``self.calls += 1``, a tensor
   cached on ``self``), a list/dict/set attribute mutated (``self.seen.append(x)``), a buffer
@@ -247,7 +247,7 @@ class CaptureWatch:
         for fqn, msg in self.breaks.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(
-                    f"calls torch._dynamo.graph_break({msg!r}) in forward; as graphpatch, nnbridge keeps"
+                    f"calls Dynamo's graph_break({msg!r}) in forward; as graphpatch, nnbridge keeps"
                     " such a module opaque"))]
         for fqn, changed in self.changes.items():
             if new(fqn):

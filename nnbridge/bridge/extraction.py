@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.fx import Graph, Node
-from ..compat.module_dicts import buffers_of, modules_of, parameters_of
+from ..compat.module_dicts import buffers_of, modules_of, non_persistent_buffers_of, parameters_of
 from ..compat.pytree import pytree
 from tqdm.auto import tqdm
 
@@ -504,7 +504,7 @@ def _resolve_attr(owner: torch.nn.Module, target: str) -> Any:
 def _persistent(owner: torch.nn.Module, target: str) -> bool:
     *prefix, name = target.split(".")
     holder = owner.get_submodule(".".join(prefix)) if prefix else owner
-    return name not in getattr(holder, "_non_persistent_buffers_set", set())
+    return name not in non_persistent_buffers_of(holder)
 
 
 def _attach(parent: torch.nn.Module, target: str, child: torch.nn.Module, template: torch.nn.Module) -> None:

@@ -26,7 +26,7 @@ class ExtractionOptions:
         error_on_compilation_failure: Raise :class:`nnbridge.ExtractionError` naming the module
             (original exception as ``__cause__``) instead of falling back to an opaque module when a
             module cannot be exported, its graph would differ from its code (grad-mode changes,
-            side effects, ``torch._dynamo.graph_break()``), building its graph module raises, or its
+            side effects, Dynamo's ``graph_break()``), building its graph module raises, or its
             custom extraction function raises. Default: ``False``.
         warn_on_compilation_failure: Warn (:class:`nnbridge.NNBridgeWarning`) when a module falls
             back to an opaque module. Default: ``False``.

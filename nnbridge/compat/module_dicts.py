@@ -25,3 +25,8 @@ def buffers_of(module: torch.nn.Module) -> dict[str, Any]:
 def modules_of(module: torch.nn.Module) -> dict[str, Any]:
     """``module._modules``: name -> child module or None, the live dict."""
     return module._modules
+
+
+def non_persistent_buffers_of(module: torch.nn.Module) -> set[str]:
+    """``module._non_persistent_buffers_set``: names of buffers left out of ``state_dict``."""
+    return getattr(module, "_non_persistent_buffers_set", set())
