@@ -13,6 +13,7 @@ import operator
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.fx import Graph, Node
 from ..compat.pytree import fx_pytree
 from ..compat.pytree import pytree

@@ -1,0 +1,202 @@
+"""Building graph modules from the unflattened export: one per submodule invocation.
+
+:class:`GraphBuilder` walks the unflattened program top-down: each invocation's graph is cleaned
+and named (:mod:`.cleanup`), threads module state (:mod:`.state_graphs`), gets its children
+(graphs, opaque modules, custom graphs, multiply invoked containers) and becomes a
+:class:`~.graph_module.CompiledGraphModule` over the original module's own tensors. Example::
+
+    root = GraphBuilder(ctx, unflattened, stubs, calls, states, traced).build("", model, holder, 0)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+
+from .assembly import original_path, persistent, renamed_template, resolve_attr, retype_containers
+from .cleanup import (clean_graph, drop_unused_extras, input_prologue, name_nodes, remove_dead_code,
+                      restore_constant_outputs)
+from .context import ExtractionContext, describe_failure
+from .custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
+from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
+from .hierarchy import walk
+from .kinds import StubKind
+from .metadata import node_meta, update_node_meta
+from .module_tree import safe_name
+from .opaque import opaque_module
+from .recording import record_calls
+from .state import Key
+from .state_graphs import argument_objects, forward_state_objects, read_states_back, write_states_back
+from .unused import keep_unused, registration_order
+from ..compat import invocation_graphs
+from ..compat.pytree import pytree
+from ..errors import ExtractionError
+
+
+class GraphBuilder:
+    """Builds the mirror hierarchy from an unflattened export."""
+
+    def __init__(self, ctx: ExtractionContext, unflattened: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list],
+                 input_spec: pytree.TreeSpec | None = None, states: dict[str, list[list[Key]]] | None = None,
+                 constants: dict[tuple[str, int], dict[int, Any]] | None = None,
+                 example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})):
+        self.ctx, self.unflattened, self.stubs, self.calls = ctx, unflattened, stubs, calls
+        self.input_spec = input_spec
+        self.states = states or {}
+        self.constants = constants or {}  # {(program path, invocation): {output leaf: value}}
+        self.example = example  # the extracted call of the root (to record a fallback's calls)
+        self.numbers: dict[Node, int] = {}  # {submodule call: its invocation}, see number_calls
+
+    def number_calls(self, holder: torch.nn.Module) -> None:
+        """Number every submodule call of the unflattened graphs, from the root graph ``holder``
+        down, before any graph is built: invocation ``k`` of a module is its ``k``-th call in
+        the program, also when an earlier caller's graph is dead code or fell back to opaque
+        half-built (a running count while building would then hand later calls the wrong graph).
+        Stubbed modules' children are not numbered (they are extracted separately)."""
+        counts: Counter[str] = Counter()
+
+        def walk(fqn: str, graph_holder: torch.nn.Module) -> None:
+            graph: Graph = getattr(graph_holder, "graph")
+            for node in graph.nodes:
+                if node.op != "call_module":
+                    continue
+                child_fqn = f"{fqn}.{node.target}" if fqn else str(node.target)
+                self.numbers[node] = invocation = counts[child_fqn]
+                counts[child_fqn] += 1
+                if child_fqn not in self.stubs:
+                    walk(child_fqn, invocation_graphs(self.unflattened.get_submodule(f"model.{child_fqn}"))[invocation])
+        try:
+            walk("", holder)
+        except Exception:  # noqa: BLE001 - an unexpected structure: count while building instead
+            self.numbers.clear()
+
+    def state_keys(self, fqn: str, invocation: int) -> list[Key]:
+        """The state keys export recorded for this invocation ([] when it had no stateful argument)."""
+        recorded = self.states.get(fqn, [])
+        return recorded[invocation] if invocation < len(recorded) else []
+
+    def child(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
+        """Invocation ``invocation`` of submodule ``fqn``: its graph, or an opaque module when it
+        is stubbed, or when building its graph raises and ``error_on_compilation_failure`` is off
+        (as graphpatch, any failure while compiling a module falls back to opaque).
+
+        Raises:
+            ExtractionError: building failed and ``error_on_compilation_failure`` is set; or a
+                custom extraction function returned a malformed graph (always loud).
+        """
+        if fqn in self.stubs:
+            if self.stubs[fqn] == StubKind.CUSTOM:
+                return self.custom(fqn, module, invocation)
+            return self.opaque(fqn, module, invocation, self.stubs[fqn])
+        try:
+            graphs = invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))
+            return self.build(fqn, module, graphs[invocation], invocation)
+        except ExtractionError:
+            raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
+        except Exception as error:  # noqa: BLE001 - any other failure means fallback (or a loud error)
+            if self.state_keys(fqn, invocation):  # an opaque module cannot hand its cache state back
+                raise
+            reason = f"building its graph failed: {describe_failure(error)}"
+            self.ctx.fail(fqn, reason, error)
+            return self.opaque(fqn, module, invocation, reason)
+
+    def recorded_call(self, fqn: str, invocation: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` of invocation ``invocation`` of ``fqn`` in the extracted call."""
+        if fqn not in self.calls:
+            self.calls.update(record_calls(self.ctx.module, {fqn}, *self.example))
+        recorded = self.calls.get(fqn, [])
+        args, kwargs, _ = recorded[min(invocation, len(recorded) - 1)]
+        return args, kwargs
+
+    def opaque(self, fqn: str, module: torch.nn.Module, invocation: int, reason: str) -> OpaqueGraphModule:
+        return opaque_module(self.ctx, fqn, module, *self.recorded_call(fqn, invocation), reason)
+
+    def custom(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
+        """The graph of a custom extraction function; opaque when the function raises (as
+        graphpatch's ``custom_extraction_functions``), per the warn/error options."""
+        try:
+            return custom_graph(self.ctx, fqn, module)
+        except CustomFunctionFailed as failed:
+            reason = f"its custom extraction function failed: {describe_failure(failed.error)}"
+            self.ctx.fail(fqn, reason, failed.error, fix=CUSTOM_FIX)
+            return self.opaque(fqn, module, invocation, reason)
+
+    def build(self, fqn: str, module: torch.nn.Module, holder: torch.nn.Module,
+              invocation: int = 0) -> CompiledGraphModule:
+        graph: Graph = holder.graph
+        attrs = {str(n.target): resolve_attr(holder, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
+        restore_constant_outputs(graph, self.constants.get((f"model.{fqn}" if fqn else "model", invocation), {}))
+        keys = self.state_keys(fqn, invocation)
+        if keys:
+            write_states_back(graph, attrs, keys)
+        arguments = argument_objects(graph, attrs)
+        if fqn == "" and self.input_spec is not None:
+            prologue = input_prologue(graph)
+            if prologue is not None:
+                target = str(prologue.args[1].target)
+                attrs[target] = self.input_spec
+                setattr(holder, target, self.input_spec)
+        extras = clean_graph(graph, attrs)
+        calls = [n for n in graph.nodes if n.op == "call_module"]
+        per_target = Counter(str(n.target) for n in calls)
+        local: Counter[str] = Counter()
+        children: list[tuple[str, torch.nn.Module]] = []
+        call_names: dict[Node, str] = {}
+        multi: set[str] = set()
+        threaded: list[tuple[Node, list[Key], int]] = []
+        for node in calls:
+            target = str(node.target)
+            child_fqn = f"{fqn}.{target}" if fqn else target
+            invocation = self.numbers[node] if node in self.numbers else self.ctx.invocations[child_fqn]
+            self.ctx.invocations[child_fqn] = invocation + 1
+            child = self.child(child_fqn, module.get_submodule(target), invocation)
+            extra = node_meta(node).extra_args
+            if not isinstance(child, GraphModuleBase) or child.graph_meta.exact_signature:
+                node.args, extra = node.args[extra:], 0
+            if self.state_keys(child_fqn, invocation):  # recorded for modules export traced through
+                read_states_back(graph, node, self.state_keys(child_fqn, invocation), extra)
+                threaded.append((node, self.state_keys(child_fqn, invocation), extra))
+            first, *rest = target.split(".")
+            safe_target = ".".join([safe_name(first), *rest])
+            base = safe_target.replace(".", "_")
+            if per_target[target] > 1:
+                k = local[target]
+                local[target] += 1
+                node.target = f"{safe_target}.{k}"
+                multi.add(safe_target)
+                call_names[node] = f"{base}_{k}"
+            else:
+                node.target = safe_target
+                call_names[node] = base
+            children.append((str(node.target), child))
+            update_node_meta(node, module_path=original_path(self.ctx, module, target))
+        forward_state_objects(graph, attrs, threaded, arguments)
+        remove_dead_code(graph)
+        exact_signature = drop_unused_extras(graph, extras)
+        name_nodes(graph, type(module).forward, call_names)
+        root: dict[str, Any] = {}
+        for node in graph.nodes:
+            if node.op == "get_attr":
+                target = str(node.target)
+                try:  # the module's own tensor (shared); never an op point a bridge registered
+                    value = resolve_attr(module, target)
+                except AttributeError:
+                    value = None
+                root[target] = value if isinstance(value, torch.Tensor) else attrs[target]
+        cgm = CompiledGraphModule({**root, **dict(children)}, graph, type(module))
+        cgm.graph_meta.exact_signature = exact_signature
+        retype_containers(cgm, [target for target, _ in children], renamed_template(module), multi)
+        for target, tensor in root.items():
+            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
+                if not persistent(module, target):
+                    *prefix, name = target.split(".")
+                    cgm.get_submodule(".".join(prefix)).register_buffer(name, tensor, persistent=False)
+        keep_unused(self.ctx, fqn, cgm, module)
+        registration_order(cgm, module)
+        if self.ctx.options.postprocessing_function is not None:
+            self.ctx.options.postprocessing_function(cgm, module)
+            cgm.recompile()
+        return cgm
