@@ -34,7 +34,6 @@ from ..errors import ExtractionError
 from .metadata import update_node_meta
 
 _SIMPLE = (tuple, list, dict)
-#: ``node.meta`` key on a submodule call: how many leading arguments unflatten added (``args_0``).
 
 
 def _simple_spec(spec: pytree.TreeSpec, *, subclasses: bool = False) -> bool:

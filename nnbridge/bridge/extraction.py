@@ -35,7 +35,8 @@ from .capture_checks import UnfaithfulCaptureError, preserved_state
 from .context import ChildDispatcherFactory, Extraction, ExtractionContext, describe_failure
 from .custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
 from .exporting import ModuleFailure, caller_of, export_module, scalar_stub_caller
-from .hierarchy import summarize, walk
+from .hierarchy import walk
+from .summaries import summarize
 from .kinds import StubKind
 from .locking import CALL_LOCK, locked_calls
 from .module_tree import aliases_hidden, named_real_modules, reserved_names_renamed

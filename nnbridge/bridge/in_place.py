@@ -43,13 +43,14 @@ from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat import SwappedBody, restore_body, swap_body
 from .failures import add_note
 from ..errors import NNBridgeError
-from . import hierarchy
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
 from .dispatcher import GraphDispatcher
 from .extraction import Extraction
 from .state_graphs import state_argument_specs
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
+from .examples import static_examples
 from .metadata import node_meta
+from .summaries import bind_inputs
 from .locking import CALL_LOCK, lock_calls, unlock_calls
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
@@ -184,9 +185,9 @@ class Bridge:
         """Rewire an extraction so its graphs call the user's modules and share op points."""
         if extraction.example is not None:  # shapes for printing op points (no run needed)
             args, kwargs = extraction.example
-            inputs = hierarchy.bind_inputs(extraction.root, list(args), kwargs)
+            inputs = bind_inputs(extraction.root, list(args), kwargs)
             if inputs is not None:
-                hierarchy.static_examples(extraction.root, inputs)
+                static_examples(extraction.root, inputs)
         self._link(extraction.root, module, Counter())
 
     def _link(self, graph: GraphModuleBase, module: torch.nn.Module, invocations: Counter[int]) -> None:

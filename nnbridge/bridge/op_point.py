@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -139,6 +139,14 @@ class OpPoint(torch.nn.Module):
             if example is not None:
                 return f"{self.node_name}: {describe(example)}"
         return self.node_name
+
+
+def refresh_owners(points: Iterable[OpPoint]) -> None:
+    """Refresh the routing of every distinct owner of ``points`` once (after adding or removing
+    listeners with ``refresh=False``)."""
+    owners = {id(owner): owner for p in points for owner in p.owners()}
+    for owner in owners.values():
+        owner.refresh_routing()
 
 
 def route(point: OpPoint, value: Any) -> Any:

@@ -29,10 +29,11 @@ from .extraction import Extraction
 from .module_tree import named_real_modules
 from .graph_module import GraphModuleBase
 from .in_place import bridge_of
+from .examples import describe_examples
 from .inspection import NodeView
 from .summaries import summary_children
 from .node_path import NodePath, dig_key
-from .op_point import OpPoint
+from .op_point import OpPoint, refresh_owners
 from .options import ExtractionOptions
 from .patches import Patch
 
@@ -150,7 +151,7 @@ class PatchableGraph(torch.nn.Module):
             self.__dict__["_modules_of_plain"] = list(named_real_modules(module))
             first = self._dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
         with preserved_state(list(named_real_modules(module))):  # a recording run must not change the model
-            hierarchy.describe_examples(first.root, tuple(example_args), dict(example_kwargs))
+            describe_examples(first.root, tuple(example_args), dict(example_kwargs))
         self._graph_module = first.root
 
     # -- calling --------------------------------------------------------------------------------
@@ -319,7 +320,7 @@ class PatchableGraph(torch.nn.Module):
                        for p in [owner.op_point(name)]}.values())
         for point in points:
             (point.add_listener if add else point.remove_listener)(listener, refresh=False)
-        hierarchy.refresh_all(points)
+        refresh_owners(points)
 
     def _apply_active(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
         """A new extraction while patch contexts are open: its op points not yet listened get the
@@ -331,7 +332,7 @@ class PatchableGraph(torch.nn.Module):
                 if not point.has_listener(listener):
                     point.add_listener(listener, refresh=False)
                     points.append(point)
-        hierarchy.refresh_all(points)
+        refresh_owners(points)
 
     # -- NodePath validation --------------------------------------------------------------------
     def _resolve(self, root: GraphModuleBase, node_path: NodePath) -> list[tuple[GraphModuleBase, str]]:
