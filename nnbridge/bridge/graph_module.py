@@ -197,10 +197,10 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         caching the op's location) and only then passes through its op point. Compiled on first use."""
         forward = self.__dict__.get("_trace_forward")
         if forward is None:
-            forward = self.__dict__["_trace_forward"] = self._compile_routed(frozenset(self.point_names), guarded=True)
+            forward = self.__dict__["_trace_forward"] = self._compile_routed(frozenset(self.point_names), asking=True)
         return forward
 
-    def _compile_routed(self, routed: frozenset[str], guarded: bool = False) -> Any:
+    def _compile_routed(self, routed: frozenset[str], asking: bool = False) -> Any:
         graph = Graph()
         val_map: dict[Node, Node] = {}
         output_value = graph.graph_copy(self.graph, val_map)
@@ -212,7 +212,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
             if node.op == "placeholder":
                 last_placeholder = node
         def through_point(value: Any) -> Node:
-            if not guarded:
+            if not asking:
                 return graph.call_module(target, (value,))
             point = graph.get_attr(target)
             with graph.inserting_after(point):  # fx inserts each new node right after the anchor
@@ -296,14 +296,14 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         return type(self)._traced
 
     def _traced(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run(args, kwargs, frozenset(self.point_names), guarded=True)
+        return self._run(args, kwargs, frozenset(self.point_names), asking=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run(args, kwargs, self._routed, guarded=False)
+        return self._run(args, kwargs, self._routed, asking=False)
 
-    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], routed: frozenset[str], guarded: bool) -> Any:
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], routed: frozenset[str], asking: bool) -> Any:
         module = self.original
-        if guarded:
+        if asking:
             points = {name: self.op_point(name) for name in routed}
 
             def call(name: str, value: Any) -> Any:

@@ -4,6 +4,12 @@ A :class:`CompiledGraphModule`'s generated code routes a node's value through th
 only while something listens to it (a patch listener, a torch hook on the op point). While nothing
 listens the graph runs its plain generated code: an unpatched forward does no per-node work.
 
+Three words, three things: a point is *listened* when a patch listener or torch hook is on it
+(known ahead, so the plain code routes it); a value is *wanted* when :attr:`OpPoint.wanted` says
+a running trace waits for it (known only at run time, so the code run under a trace *asks*
+:func:`route` per node); a node is *routed* when its value passes through its point. *Guards*
+are something else: an extraction's validity checks (:mod:`.dispatcher`).
+
 Example::
 
     point = pg.op_point("transformer.h_0.attn.softmax")
