@@ -81,6 +81,15 @@ class GraphModuleBase(abc.ABC):
         """``{node name: OpPoint}`` for every node, in graph order (creates them all)."""
         return {name: self.op_point(name) for name in self.point_names}
 
+    def share_point(self, name: str, point: OpPoint) -> None:
+        """Use ``point`` (another graph's op point for the same node: another call structure of the
+        same module) as this graph's op point ``name``, so listeners and hooks on it reach both."""
+        if self._op_points.get(name) is point:
+            return
+        self._op_points[name] = point
+        setattr(self._nnbridge_ops, name, point)
+        point.add_owner(self)
+
     def example(self, name: str) -> Any:
         """The summary of node ``name``'s value on the example call (``torch.Size`` for a tensor,
         see :mod:`.summaries`); None when none was recorded."""
@@ -107,6 +116,10 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
 
     _forward_cache: dict[frozenset[str], Any]
     _trace_forward: Any
+    #: set by :meth:`read_tensors_from`: the module whose tensors ``get_attr`` nodes read at call time
+    _nnbridge_module: torch.nn.Module
+    #: set by :meth:`add_call_site`: ``{call_module target: callable}`` a bridge calls children through
+    _call_sites: dict[str, Any]
 
     def __init__(self, root: dict[str, Any], graph: Graph, original_type: type[torch.nn.Module]):
         super().__init__(root, graph, class_name="CompiledGraphModule")
@@ -145,6 +158,18 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         for name, node in self.named_nodes():
             if name in examples:
                 update_node_meta(node, example=examples[name])
+
+    def read_tensors_from(self, module: torch.nn.Module) -> None:
+        """Make ``get_attr`` targets ``_nnbridge_module.<name>`` read ``module``'s tensors at call
+        time (an in-place bridge: the user may replace a parameter between calls). Kept in
+        ``__dict__``: ``module`` must not become a child of this graph."""
+        self.__dict__["_nnbridge_module"] = module
+
+    def add_call_site(self, target: str, site: Any) -> None:
+        """Register ``site`` (a callable, not a module) as the ``call_module`` target ``target``
+        (an in-place bridge calls the user's module there, which then runs its graph)."""
+        self.__dict__.setdefault("_call_sites", {})[target] = site
+        self.__dict__[target] = site
 
     def _plumbing(self, node: Node) -> bool:
         """A ``get_attr`` of something that is not a tensor (export's pytree specs), or a call that
@@ -289,6 +314,11 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
 
     def refresh_routing(self) -> None:
         self.__dict__["_routed"] = frozenset(n for n, p in self._op_points.items() if p.listened)
+
+    def call_original_children(self) -> None:
+        """Let the original code call the module's own children instead of their graph
+        dispatchers (an in-place bridge: the children are bridged themselves)."""
+        self.__dict__["_callees"] = {}
 
     def trace_forward(self) -> Any:
         """The forward used while an nnsight trace runs: every input, tensor and the output may be

@@ -206,13 +206,13 @@ class Bridge:
                 children[node_meta(node).name] = child_graph
                 self._link(child_graph, child_module, invocations)
                 site = f"_nnbridge_call_{i}"
-                graph.__dict__[site] = _CallSite(child_module, child_graph)
+                graph.add_call_site(site, _CallSite(child_module, child_graph))
                 node.target = site
             graph.graph_meta.graph_children = children
             self._read_tensors_live(graph, module)
             graph.recompile()
         elif isinstance(graph, OpaqueGraphModule):
-            graph.__dict__["_callees"] = {}  # the original code calls the (bridged) user modules
+            graph.call_original_children()  # the original code calls the (bridged) user modules
             for dispatcher in graph.graph_meta.child_dispatchers.values():
                 self.dispatchers[id(dispatcher.module)] = dispatcher
                 for extraction in dispatcher.all_extractions():
@@ -223,7 +223,7 @@ class Bridge:
         """Read parameters and buffers off the module at call time (``self._nnbridge_module.weight``)
         instead of holding them: a replaced parameter, or a weight accelerate loads for the call,
         is what the graph uses; the graph keeps no tensor alive."""
-        graph.__dict__["_nnbridge_module"] = module  # a cycle through the model, freed with it
+        graph.read_tensors_from(module)  # a cycle through the model, freed with it
         for node in graph.graph.nodes:
             if node.op != "get_attr" or str(node.target).startswith("_nnbridge_module."):
                 continue
@@ -249,10 +249,8 @@ class Bridge:
             if point is None:
                 self.points[key] = graph.op_point(name)
                 self._register(module, invocation, name, self.points[key])
-            elif graph.__dict__["_op_points"].get(name) is not point:
-                graph.__dict__["_op_points"][name] = point
-                setattr(graph.__dict__["_nnbridge_ops"], name, point)
-                point.add_owner(graph)
+            else:
+                graph.share_point(name, point)
 
     def _register(self, module: torch.nn.Module, invocation: int, name: str, point: OpPoint) -> None:
         holder = module
