@@ -50,6 +50,7 @@ from .graph_module import NAME_KEY, CompiledGraphModule, MultiplyInvokedModule, 
 from .kinds import HookKind, StubKind
 from .locking import CALL_LOCK, locked_calls
 from .op_point import OpPoint, OpPointContainer
+from . import programs
 from .options import ExtractionOptions
 from .state import Key, state_keys, states_returned
 from .state_graphs import argument_objects, forward_state_objects, read_states_back, write_states_back
@@ -405,12 +406,19 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     bar = tqdm(total=2, desc=f"extracting {type(module).__name__}", unit="stage", disable=not ctx.options.progress,
                leave=False)
     bar.set_postfix_str("torch.export")
+    # a saved or cached export of this call (see .programs) replaces the loop below
+    request = programs.ExportRequest(module, ctx.path, args, kwargs, ctx.options, ctx.grad_enabled)
+    record = programs.lookup(request)
+    if record is not None:
+        stubs = dict(record.stubs)
+        exported, dynamic, states = record.exported, record.dynamic, record.states
+        errors = {fqn: programs.RecordedFailure(reason) for fqn, reason in stubs.items()}
     calls = record_calls(module, set(stubs), args, kwargs) if stubs else {}
     # a skipped module called with a cache is traced through (its new cache state must reach its
     # caller's graph) and only shown as opaque; the others are stubbed while exporting
     traced = {fqn for fqn in stubs if stubs[fqn] == StubKind.SKIPPED and any(state_keys(a, k) for a, k, _ in calls[fqn])}
     frozen: set[str] = set()  # traced modules whose own grad-mode changes are ignored while exporting
-    while True:
+    while record is None:
         frozen_by = _scalar_stub_caller(module, stubs, traced, calls)
         if frozen_by is not None:
             caller, cause = frozen_by
@@ -456,7 +464,10 @@ def _extract_root(ctx: _Context, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             ctx.fail(fqn, reason, errors[fqn])
         elif reason == StubKind.SKIPPED:
             ctx.opaque[ctx.full(fqn)] = reason
-    guard = ShapeGuard.from_export(exported) if dynamic else static
+    guard = record.guard if record is not None else ShapeGuard.from_export(exported) if dynamic else static
+    if record is None:
+        programs.store(request, programs.ProgramRecord(ctx.path, request.call_fingerprint(), exported, dynamic,
+                                                       states, dict(stubs), guard))
     bar.update()
     bar.set_postfix_str("unflatten and build graphs")
     try:  # as graphpatch: any failure while compiling (unflattening, building) means fallback
