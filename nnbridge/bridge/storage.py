@@ -7,7 +7,8 @@ A *bundle* is one zip file:
   NodePath, call fingerprint, dynamic flag, threaded state keys, stubs, shape guard, and which
   parameters and buffers were left out);
 - ``programs/<i>.pt2``: each exported program, written by ``torch.export.save`` with every
-  parameter and buffer of the model replaced by a meta tensor (no weights; no pickled code);
+  parameter and persistent buffer of the model replaced by a meta tensor (no weights; no pickled
+  code; non-persistent buffers, computed by the module, are written);
 - ``inputs.pt`` (``pg.save`` only): the example inputs' leaves, plain tensors and numbers written
   by ``torch.save`` and read back with ``weights_only=True``; their tree is JSON in the header.
 
@@ -36,7 +37,7 @@ from typing import IO, Any
 
 import torch
 
-from ..compat.serialization import library_versions
+from ..compat.serialization import library_versions, load_program
 from ..errors import SaveLoadError
 from .call_structure import ShapeGuard
 from .programs import ProgramRecord
@@ -117,13 +118,18 @@ def _save_without_weights(exported: torch.export.ExportedProgram, stream: IO[byt
     try:
         for section, store in (("state_dict", exported.state_dict), ("constants", exported.constants)):
             for name in [n for n in store if n in names]:
+                left_out.append([section, name])
+                if section == "constants":
+                    # non-persistent buffers (computed: rotary ``inv_freq``, masks): torch.export.load
+                    # (2.13) cannot read a meta constant, so their values are written, and still
+                    # replaced by the module's own tensors on reading
+                    continue
                 value = store[name]
                 meta = torch.empty_like(value, device="meta")
                 if isinstance(value, torch.nn.Parameter):
                     meta = torch.nn.Parameter(meta, requires_grad=value.requires_grad)
                 swapped.append((store, name, value))
                 store[name] = meta
-                left_out.append([section, name])
         try:
             torch.export.save(exported, stream)
         except Exception as error:  # noqa: BLE001 - reported with the cause
@@ -156,7 +162,7 @@ class Bundle:
         """
         entry = self.header["records"][index]
         try:
-            exported = torch.export.load(io.BytesIO(self.programs[index]))
+            exported = load_program(io.BytesIO(self.programs[index]))
         except Exception as error:  # noqa: BLE001 - reported with the cause
             raise SaveLoadError(f"{self.source}: program {index} cannot be read by torch.export.load: {error}."
                                 " Delete the file and extract again.") from error

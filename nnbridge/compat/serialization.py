@@ -35,3 +35,70 @@ def library_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "absent"
     return versions
+
+
+class _MemoTyping:
+    """``typing`` with ``get_type_hints`` memoised per class (every other name delegated)."""
+
+    def __init__(self, typing_module: Any):
+        self._typing = typing_module
+        self._hints: dict[Any, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._typing, name)
+
+    def get_type_hints(self, cls: Any, globalns: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return self._typing.get_type_hints(cls, globalns, *args, **kwargs)
+        if cls not in self._hints:
+            self._hints[cls] = self._typing.get_type_hints(cls, globalns)
+        return self._hints[cls]
+
+
+class _MemoSympy:
+    """``sympy`` with ``sympify(text, locals=...)`` memoised on the text and the locals (sympy
+    expressions are immutable, so a shared result is safe); every other name delegated."""
+
+    def __init__(self, sympy_module: Any):
+        self._sympy = sympy_module
+        self._parsed: dict[Any, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sympy, name)
+
+    def sympify(self, text: Any, *args: Any, locals: Any = None, **kwargs: Any) -> Any:  # noqa: A002
+        if args or kwargs or not isinstance(text, str):
+            return self._sympy.sympify(text, *args, locals=locals, **kwargs)
+        try:
+            key = (text, tuple(sorted((locals or {}).items(), key=lambda item: item[0])))
+            hash(key)
+        except TypeError:
+            return self._sympy.sympify(text, locals=locals)
+        if key not in self._parsed:
+            self._parsed[key] = self._sympy.sympify(text, locals=locals)
+        return self._parsed[key]
+
+
+_MEMO: dict[str, Any] = {}
+
+
+def load_program(stream: Any) -> Any:
+    """``torch.export.load(stream)``, about twice as fast.
+
+    torch 2.13's deserializer (``torch._export.serde.serialize``) calls ``typing.get_type_hints``
+    for every node of the JSON schema and ``sympy.sympify`` for every symbolic size, again for the
+    same classes and texts; for the duration the module's ``typing`` and ``sympy`` globals are
+    wrappers that memoise both (results are identical: type hints of a class and parsed sympy
+    expressions do not change). Measured on a 2-layer GPT-2: 1.3 s -> see benchmarks.
+    """
+    import torch
+    from torch._export.serde import serialize
+
+    original_typing, original_sympy = serialize.typing, serialize.sympy
+    if "typing" not in _MEMO:
+        _MEMO["typing"], _MEMO["sympy"] = _MemoTyping(original_typing), _MemoSympy(original_sympy)
+    serialize.typing, serialize.sympy = _MEMO["typing"], _MEMO["sympy"]
+    try:
+        return torch.export.load(stream)
+    finally:
+        serialize.typing, serialize.sympy = original_typing, original_sympy
