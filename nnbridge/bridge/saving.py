@@ -2,8 +2,10 @@
 pickling of PatchableGraphs).
 
 ``pg.save`` writes a :mod:`.storage` bundle: every exported program the PatchableGraph's
-extraction made (the root's, and those of children of opaque modules), nnbridge's metadata and the
-example inputs; no weights and no pickled code. ``PatchableGraph.load`` builds the PatchableGraph
+extractions made so far (the root's, those of children of opaque modules, and those later calls
+with new call structures made), nnbridge's metadata and the example inputs; no weights and no
+pickled code. The loaded PatchableGraph takes later extractions from the file too; a call
+structure the file does not hold is extracted (exported) as usual. ``PatchableGraph.load`` builds the PatchableGraph
 again from the bundle and the given model: the same steps as a fresh extraction, except that each
 ``torch.export`` is replaced by the saved program, so outputs, patches, ``pg.graph`` and NodePaths
 are those of a fresh extraction, several times faster (``benchmarks/bench_disk_cache.py``).
@@ -136,6 +138,7 @@ def load(cls: type[PatchableGraph], source: str | os.PathLike[str] | IO[bytes], 
     files = BundleSource(bundle)
     with sources_active(files):
         pg = cls(model, *args, options=options, **kwargs)
+    pg.__dict__["_sources"].insert(0, files)  # later calls' extractions come from the file too
     if files.missed:
         warn(f"PatchableGraph.load({bundle.source!r}): no saved program matched the call of {files.missed[:3]} (grad"
              " mode or train/eval mode differs from when it was saved?); those were extracted anew.")
