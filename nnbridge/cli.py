@@ -72,11 +72,12 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _cache(args: argparse.Namespace) -> None:
-    from .bridge.disk_cache import ENVIRONMENT_VARIABLE, default_cache
+    from .bridge.disk_cache import ENVIRONMENT_VARIABLE, SWITCH_VARIABLE, default_cache
 
     cache = default_cache()
     if cache is None:
-        print(f"disk cache: off (set {ENVIRONMENT_VARIABLE} to a directory to turn it on)")
+        print(f"disk cache: off (set {ENVIRONMENT_VARIABLE} to a directory to turn it on, and leave"
+              f" {SWITCH_VARIABLE} unset)")
         return
     if args.action == "clear":
         print(f"removed {cache.clear()} entries from {cache.directory}")

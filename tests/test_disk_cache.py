@@ -24,9 +24,9 @@ storage = importlib.import_module("nnbridge.bridge.storage")
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
-    directory = tmp_path / "cache"
-    monkeypatch.setenv("NNBRIDGE_CACHE", str(directory))
-    return directory
+    monkeypatch.setenv("NNBRIDGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE")  # conftest turns it off for every other test
+    return tmp_path / "cache" / "extractions"
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_cache_hit_equals_fresh_extraction(cache_dir, monkeypatch, exports):
     monkeypatch.delenv("NNBRIDGE_CACHE")
     fresh = PatchableGraph(gpt2(), ids)  # cache off
     assert not cache_dir.exists()
-    monkeypatch.setenv("NNBRIDGE_CACHE", str(cache_dir))
+    monkeypatch.setenv("NNBRIDGE_CACHE", str(cache_dir.parent))
     PatchableGraph(gpt2(), ids)  # fills the cache
     cached = PatchableGraph(gpt2(), ids)
     assert exports[0] == 2
@@ -181,8 +181,16 @@ def test_writes_are_atomic(cache_dir, monkeypatch):
     assert len(_entries(cache_dir)) == 1 and [p for p in cache_dir.iterdir() if p.suffix == ".tmp"] == []
 
 
+def test_cache_off_when_switched_off(cache_dir, monkeypatch):
+    monkeypatch.setenv("NNBRIDGE_EXTRACTION_CACHE", "0")
+    assert disk_cache.default_cache() is None
+    PatchableGraph(_linear(), torch.randn(2, 3))
+    assert not cache_dir.exists()
+
+
 def test_cache_off_when_unset(tmp_path, monkeypatch):
     monkeypatch.delenv("NNBRIDGE_CACHE", raising=False)
+    monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE", raising=False)
     assert disk_cache.default_cache() is None
     monkeypatch.setenv("HOME", str(tmp_path))
     PatchableGraph(_linear(), torch.randn(2, 3))

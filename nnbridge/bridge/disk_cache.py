@@ -1,9 +1,12 @@
 """The disk extraction cache: a second process that extracts the same model skips ``torch.export``.
 
-On when the environment variable ``NNBRIDGE_CACHE`` names a directory (created if needed); off
-when it is unset or empty, so nothing is written unless asked. Each ``torch.export`` result (one
-per extracted module and call, see :mod:`.programs`) is one :mod:`.storage` bundle,
-``<key>.nnbridge``, where ``key`` is a sha256 of:
+On when the environment variable ``NNBRIDGE_CACHE`` names a directory (the one
+:mod:`nnbridge.models` caches dequantized weights in); entries go to its ``extractions/``
+subdirectory (created if needed). Off when ``NNBRIDGE_CACHE`` is unset or empty, so nothing is
+written unless asked, or when ``NNBRIDGE_EXTRACTION_CACHE=0`` (the test suite sets it, so a
+developer's cache cannot change what tests see). Each ``torch.export`` result (one per extracted
+module and call, see :mod:`.programs`) is one :mod:`.storage` bundle, ``<key>.nnbridge``, where
+``key`` is a sha256 of:
 
 - the bundle format version and the torch, transformers and nnbridge versions;
 - the module's class, the hash of its transformers config (if any), the hash of its module tree
@@ -37,17 +40,21 @@ from ..errors import SaveLoadError, warn
 from .programs import ExportRequest, ProgramRecord, model_fingerprint
 from .storage import FORMAT_VERSION, read_bundle, write_bundle
 
-#: Environment variable naming the cache directory (cache off when unset or empty).
+#: Environment variable naming nnbridge's cache directory (cache off when unset or empty).
 ENVIRONMENT_VARIABLE = "NNBRIDGE_CACHE"
+#: Environment variable that turns the extraction cache off when ``"0"``.
+SWITCH_VARIABLE = "NNBRIDGE_EXTRACTION_CACHE"
 #: ``header["kind"]`` of a cache entry.
 KIND = "cache_entry"
 SUFFIX = ".nnbridge"
 
 
 def cache_directory() -> Path | None:
-    """The directory ``$NNBRIDGE_CACHE`` names (``~`` expanded), or None when the cache is off."""
+    """``$NNBRIDGE_CACHE/extractions`` (``~`` expanded), or None when the cache is off."""
     value = os.environ.get(ENVIRONMENT_VARIABLE, "")
-    return Path(value).expanduser() if value else None
+    if not value or os.environ.get(SWITCH_VARIABLE, "1") == "0":
+        return None
+    return Path(value).expanduser() / "extractions"
 
 
 def default_cache() -> DiskCache | None:
