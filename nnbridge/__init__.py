@@ -40,6 +40,7 @@ from .errors import ExtractionError as ExtractionError
 from .errors import NNBridgeError as NNBridgeError
 from .errors import NNBridgeWarning as NNBridgeWarning
 from .errors import NodePathError as NodePathError
+from .errors import SaveLoadError as SaveLoadError
 
 # ``nnbridge.bridge`` is the function (the public API the issues ask for); the ``nnbridge/bridge``
 # subpackage stays importable as ``nnbridge.bridge.<module>`` / ``from nnbridge.bridge import X``
@@ -74,6 +75,7 @@ __all__ = [
     "ProbePatch",
     "RecordPatch",
     "ReplacePatch",
+    "SaveLoadError",
     "ZeroPatch",
     "bridge",
     "explain",
