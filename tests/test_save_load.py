@@ -250,3 +250,29 @@ def test_failed_save_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(SaveLoadError, match="disk full"):
         pg.save(tmp_path / "pg.nnbridge")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_load_restores_shape_summaries_without_a_recording_run(tmp_path, monkeypatch):
+    """pg.graph's shapes come from the file (the recording run that describes them is skipped)."""
+    model, ids = gpt2(), _ids()
+    pg = PatchableGraph(model, ids)
+    pg.save(tmp_path / "pg.nnbridge")
+    hierarchy = __import__("nnbridge.bridge.hierarchy", fromlist=["describe_examples"])
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the recording run ran during a load")
+    monkeypatch.setattr(hierarchy, "describe_examples", refuse)
+    loaded = PatchableGraph.load(tmp_path / "pg.nnbridge", model)
+    assert str(loaded.graph) == str(pg.graph)
+    assert loaded.graph.transformer.h_0.attn.softmax._shape == pg.graph.transformer.h_0.attn.softmax._shape
+    assert loaded.graph.transformer.h_0.attn.softmax._shape == torch.Size([1, 4, 8, 8])
+
+
+def test_load_without_saved_summaries_makes_the_recording_run(tmp_path):
+    model, ids = gpt2(), _ids()
+    pg = PatchableGraph(model, ids)
+    path = tmp_path / "pg.nnbridge"
+    pg.save(path)
+    _rewrite_header(path, lambda h: h.update(examples=None))
+    loaded = PatchableGraph.load(path, model)
+    assert str(loaded.graph) == str(pg.graph)

@@ -156,8 +156,9 @@ class PatchableGraph(torch.nn.Module):
             self.__dict__["_example"] = (tuple(example_args), dict(example_kwargs))
         # the recording run may extract children of opaque modules again (under no_grad): pg.save keeps those too
         recording = [self.__dict__["_programs"]] if "_programs" in self.__dict__ else []
-        with preserved_state(list(named_real_modules(module))), sources_active(*recording):
-            hierarchy.describe_examples(first.root, tuple(example_args), dict(example_kwargs))
+        if not saving.restore_examples(first.root):  # a load has them from the file
+            with preserved_state(list(named_real_modules(module))), sources_active(*recording):
+                hierarchy.describe_examples(first.root, tuple(example_args), dict(example_kwargs))
         self._graph_module = first.root
 
     # -- saving (see .saving) --------------------------------------------------------------------

@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import contextvars
 import io
 import os
 from typing import IO, TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ import torch
 from ..compat.pytree import pytree
 from ..compat.serialization import library_versions, spec_from_json, spec_to_json
 from ..errors import SaveLoadError, warn
+from .hierarchy import _UNKNOWN, _Named, walk
 from .options import ExtractionOptions
 from .programs import (ExportRequest, ProgramRecord, Recorder, describe_difference, model_fingerprint,
                        options_fingerprint, sources_active)
@@ -76,7 +78,8 @@ def save(pg: PatchableGraph, target: str | os.PathLike[str] | IO[bytes]) -> None
             f"pg.save() stores the example inputs, which must be tensors, numbers, strings, None, tuples, lists and"
             f" dicts; they hold {bad[0]}. Extract from plain inputs (e.g. without past_key_values) to save.")
     header = {"kind": KIND, "model": model_fingerprint(pg._dispatcher.module),
-              "options": options_fingerprint(pg._dispatcher.options), "inputs": spec_text}
+              "options": options_fingerprint(pg._dispatcher.options), "inputs": spec_text,
+              "examples": examples_of(pg._graph_module)}
     inputs = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     write_bundle(target, header, list(recorder.records), inputs)
 
@@ -136,8 +139,12 @@ def load(cls: type[PatchableGraph], source: str | os.PathLike[str] | IO[bytes], 
     leaves = bundle.inputs or []
     args, kwargs = pytree.tree_unflatten(leaves, spec_from_json(header["inputs"]))
     files = BundleSource(bundle)
-    with sources_active(files):
-        pg = cls(model, *args, options=options, **kwargs)
+    token = _SAVED_EXAMPLES.set(header.get("examples"))
+    try:
+        with sources_active(files):
+            pg = cls(model, *args, options=options, **kwargs)
+    finally:
+        _SAVED_EXAMPLES.reset(token)
     pg.__dict__["_sources"].insert(0, files)  # later calls' extractions come from the file too
     if files.missed:
         warn(f"PatchableGraph.load({bundle.source!r}): no saved program matched the call of {files.missed[:3]} (grad"
@@ -157,3 +164,76 @@ def reduce(pg: PatchableGraph) -> tuple[Any, ...]:
     stream = io.BytesIO()
     save(pg, stream)
     return _restore, (stream.getvalue(), pg._dispatcher.module, pg._dispatcher.options)
+
+
+# -- example summaries (what pg.graph shows), saved so a load skips the recording run ------------
+_SAVED_EXAMPLES: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "nnbridge_saved_examples", default=None)
+
+
+class _Unencodable(Exception):
+    pass
+
+
+def _encode(summary: Any) -> Any:
+    """A summary of :func:`~.hierarchy.summarize` as JSON (tagged lists)."""
+    if isinstance(summary, torch.Size):
+        return ["size", list(summary)]
+    if isinstance(summary, _Named):
+        return ["named", summary.type_name, [[k, _encode(v)] for k, v in summary.items()]]
+    if isinstance(summary, dict) and type(summary) is dict:
+        return ["dict", [[k, _encode(v)] for k, v in summary.items()]]
+    if type(summary) in (tuple, list):
+        return [type(summary).__name__, [_encode(v) for v in summary]]
+    if isinstance(summary, str):
+        return ["str", summary]
+    if summary is _UNKNOWN:  # a value export kept no metadata for
+        return ["unknown"]
+    raise _Unencodable(type(summary).__name__)
+
+
+def _decode(data: Any) -> Any:
+    kind = data[0]
+    if kind == "size":
+        return torch.Size(data[1])
+    if kind == "named":
+        return _Named(data[1], {k: _decode(v) for k, v in data[2]})
+    if kind == "dict":
+        return {k: _decode(v) for k, v in data[1]}
+    if kind in ("tuple", "list"):
+        return (tuple if kind == "tuple" else list)(_decode(v) for v in data[1])
+    if kind == "unknown":
+        return _UNKNOWN
+    return data[1]
+
+
+def _graph_owners(root: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    owners = {"": root}
+    for path, _, _, sub in walk(root):  # type: ignore[arg-type]
+        if sub is not None:
+            owners[path] = sub
+    return owners
+
+
+def examples_of(root: torch.nn.Module) -> dict[str, Any] | None:
+    """``{graph path: {node name: encoded summary}}`` of every graph below ``root``, or None when a
+    summary cannot be written as JSON (the load then makes the recording run)."""
+    try:
+        return {path: {name: _encode(v) for name, v in owner.__dict__["examples"].items()}
+                for path, owner in _graph_owners(root).items() if "examples" in owner.__dict__}
+    except _Unencodable:
+        return None
+
+
+def restore_examples(root: torch.nn.Module) -> bool:
+    """While :func:`load` builds a PatchableGraph: put the saved summaries on ``root``'s graphs.
+    False (nothing changed) outside a load, or when the saved graphs do not match ``root``'s."""
+    saved = _SAVED_EXAMPLES.get()
+    if saved is None:
+        return False
+    owners = _graph_owners(root)
+    if any(path not in owners for path in saved):
+        return False
+    for path, examples in saved.items():
+        owners[path].__dict__["examples"] = {name: _decode(v) for name, v in examples.items()}
+    return True
