@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401 - used by the expressions in _MODELS
 
 from nnbridge import PatchableGraph
 
@@ -47,7 +47,7 @@ def make(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
 
 _CHILD = """
 import sys, time, json, torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401 - used by the expressions in _MODELS
 start = time.perf_counter()
 import nnbridge
 torch.manual_seed(0)

@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -75,7 +76,7 @@ def write_bundle(target: str | os.PathLike[str] | IO[bytes], header: dict[str, A
                 write_bundle(stream, header, records, inputs)
             os.replace(temporary, path)
         except BaseException:
-            with _ignored_os_error():
+            with contextlib.suppress(OSError):
                 os.unlink(temporary)
             raise
         return
@@ -96,14 +97,6 @@ def write_bundle(target: str | os.PathLike[str] | IO[bytes], header: dict[str, A
             archive.writestr(INPUTS_NAME, stream.getvalue())
         full = {**header, "format": FORMAT_VERSION, "versions": library_versions(), "records": entries}
         archive.writestr(HEADER_NAME, json.dumps(full, indent=1))
-
-
-class _ignored_os_error:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, value: Any, traceback: Any) -> bool:
-        return kind is not None and issubclass(kind, OSError)
 
 
 def _save_without_weights(exported: torch.export.ExportedProgram, stream: IO[bytes]) -> list[list[str]]:
