@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from utils import gpt2
+from utils import data_dependent, gpt2
 
 import nnbridge
 from nnbridge import PatchableGraph, ZeroPatch
@@ -227,3 +227,25 @@ def test_cli_bad_action_exits_2(capsys):
         main(["cache", "purge"])
     assert exit_info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_opaque_child_programs_are_cached_too(cache_dir, exports, monkeypatch):
+    """The root's program and the separately exported children of an opaque module all hit."""
+    model, x = data_dependent()
+    first = PatchableGraph(model, x)
+    first(x)
+    made = exports[0]
+    assert made >= 2 and len(_entries(cache_dir)) >= 2  # failed export attempts store nothing
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.export ran with a warm cache")
+    monkeypatch.setattr(extraction, "_export", refuse)
+    fresh, _ = data_dependent()
+    fresh.load_state_dict(model.state_dict())  # same weights (the factory is not seeded)
+    pg = PatchableGraph(fresh, x)
+    assert torch.equal(pg(x), fresh(x))
+    assert pg.extractions[0].opaque == first.extractions[0].opaque
+    with pg.patch({"branchy.inner.output": ZeroPatch()}):
+        patched = pg(x)
+    with first.patch({"branchy.inner.output": ZeroPatch()}):
+        assert torch.equal(patched, first(x))
