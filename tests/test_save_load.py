@@ -275,3 +275,16 @@ def test_load_without_saved_summaries_makes_the_recording_run(tmp_path):
     _rewrite_header(path, lambda h: h.update(examples=None))
     loaded = PatchableGraph.load(path, model)
     assert str(loaded.graph) == str(pg.graph)
+
+
+def test_load_over_a_bridged_model_shares_the_bridge(tmp_path):
+    model, x = _linear()
+    PatchableGraph(model, x).save(tmp_path / "pg.nnbridge")
+    nnbridge.bridge(model, x)
+    try:
+        loaded = PatchableGraph.load(tmp_path / "pg.nnbridge", model)
+        with loaded.patch({"0.output": ZeroPatch()}):
+            assert torch.equal(model(x), torch.zeros(2, 3))  # the model's own forward is patched
+    finally:
+        nnbridge.unbridge(model)
+    assert torch.equal(model(x), _linear()[0](x))

@@ -109,8 +109,8 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     """What a saved program depends on in the model, as JSON-able values.
 
     ``class``: the model's qualified class name. ``config``: sha256 of the transformers config
-    (``config.to_json_string()``), or None. ``structure``: sha256 of every module's path, class,
-    train flag and plain attribute values (numbers, strings, dtypes) and every parameter's and
+    (``config.to_json_string()``), or None. ``structure``: sha256 of every module's path, class (op
+    points a bridge registered left out), train flag and plain attribute values (numbers, strings, dtypes) and every parameter's and
     buffer's name, shape, dtype and requires_grad (weights' values are not part of it).
     ``source``: sha256 of the source files defining every module class in the tree.
     """
@@ -120,7 +120,9 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
         config_hash = _digest(config.to_json_string(use_diff=False))
     entries: list[Any] = []
     classes: dict[str, type] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
+    from .extraction import named_real_modules  # (extraction imports this module)
+
+    for name, module in named_real_modules(model):  # a bridge's op points are not part of it
         classes[_qualname(type(module))] = type(module)
         plain = sorted((k, repr(v)) for k, v in vars(module).items() if isinstance(v, _PLAIN) and not k.startswith("__"))
         tensors = [(k, list(t.shape), str(t.dtype), t.requires_grad)

@@ -124,8 +124,7 @@ def load(cls: type[PatchableGraph], source: str | os.PathLike[str] | IO[bytes], 
     if difference is not None:
         raise SaveLoadError(f"PatchableGraph.load({bundle.source!r}): {difference}; load with the model the file was"
                             " saved from (same class, config and modules).")
-    options = options or ExtractionOptions()
-    given = options_fingerprint(options)
+    given = options_fingerprint(options or ExtractionOptions())
     changed = sorted(k for k in given if given[k] != header["options"].get(k))
     if changed:
         raise SaveLoadError(f"PatchableGraph.load({bundle.source!r}): ExtractionOptions differ from the saved ones in"
@@ -147,7 +146,7 @@ def load(cls: type[PatchableGraph], source: str | os.PathLike[str] | IO[bytes], 
             pg = cls(model, *args, options=options, **kwargs)
     finally:
         _SAVED_EXAMPLES.reset(token)
-    pg.__dict__["_sources"].insert(0, files)  # later calls' extractions come from the file too
+    pg.__dict__.setdefault("_sources", []).insert(0, files)  # later calls' extractions come from the file too
     if files.missed:
         warn(f"PatchableGraph.load({bundle.source!r}): no saved program matched the call of {files.missed[:3]} (grad"
              " mode or train/eval mode differs from when it was saved?); those were extracted anew.")
