@@ -110,8 +110,9 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
 
     ``class``: the model's qualified class name. ``config``: sha256 of the transformers config
     (``config.to_json_string()``), or None. ``structure``: sha256 of every module's path, class (op
-    points a bridge registered left out), train flag and plain attribute values (numbers, strings, dtypes) and every parameter's and
-    buffer's name, shape, dtype and requires_grad (weights' values are not part of it).
+    points a bridge registered left out), train flag and plain attribute values (numbers, strings,
+    dtypes) and every parameter's and buffer's name, shape, dtype and requires_grad (weights' values
+    are not part of it).
     ``source``: sha256 of the source files defining every module class in the tree.
     """
     config = getattr(model, "config", None)
