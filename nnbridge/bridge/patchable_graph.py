@@ -152,7 +152,8 @@ class PatchableGraph(torch.nn.Module):
             with sources_active(recorder):
                 first = self._dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
             self.__dict__["_programs"] = recorder
-            self.__dict__["_sources"] = [recorder]  # also for extractions calls make later (see forward)
+            # not for extractions later calls make: kept, their programs would keep evicted extractions alive
+            self.__dict__["_sources"] = []
             self.__dict__["_example"] = (tuple(example_args), dict(example_kwargs))
         # the recording run may extract children of opaque modules again (under no_grad): pg.save keeps those too
         recording = [self.__dict__["_programs"]] if "_programs" in self.__dict__ else []
@@ -194,7 +195,7 @@ class PatchableGraph(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._modules_of_plain is not None:
             self._refuse_user_hooks()
-        with sources_active(*self.__dict__.get("_sources", ())):  # pg.save keeps what calls extract
+        with sources_active(*self.__dict__.get("_sources", ())):  # a loaded pg's file (see .saving)
             return self._call(*args, **kwargs)
 
     def _refuse_user_hooks(self) -> None:

@@ -2,15 +2,15 @@
 pickling of PatchableGraphs).
 
 ``pg.save`` writes a :mod:`.storage` bundle: every exported program the PatchableGraph's
-extractions made so far (the root's, those of children of opaque modules, and those later calls
-with new call structures made), nnbridge's metadata, the example inputs and the shape summaries
+construction made (the root's, and those of children of opaque modules; not those of later calls
+with new call structures), nnbridge's metadata, the example inputs and the shape summaries
 ``pg.graph`` shows; no weights and no pickled code. ``PatchableGraph.load`` builds the
 PatchableGraph again from the bundle and the given model: the same steps as a fresh extraction,
 except that each ``torch.export`` is replaced by the saved program and the recording run that
 describes shapes by the saved summaries, so outputs, patches, ``pg.graph`` and NodePaths are those
 of a fresh extraction, about 4x faster (``benchmarks/bench_disk_cache.py``). The loaded
-PatchableGraph takes later extractions from the file too; a call structure the file does not hold
-is extracted (exported) as usual.
+PatchableGraph takes later extractions from the file too when it holds their program; a call
+structure the file does not hold is extracted (exported) as usual, as it would be by a fresh one.
 
 ``torch.save(pg, f)`` pickles the bundle's bytes together with the model (so the file holds the
 weights, as graphpatch's did) and the options; ``torch.load(f, weights_only=False)`` calls
