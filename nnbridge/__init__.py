@@ -40,6 +40,7 @@ from .errors import ExtractionError as ExtractionError
 from .errors import NNBridgeError as NNBridgeError
 from .errors import NNBridgeWarning as NNBridgeWarning
 from .errors import NodePathError as NodePathError
+from .errors import SaveLoadError as SaveLoadError
 
 # ``nnbridge.bridge`` is the subpackage, callable as the in-place bridge (see its ``_CallablePackage``).
 from . import bridge as bridge  # noqa: E402
@@ -72,6 +73,7 @@ __all__ = [
     "ProbePatch",
     "RecordPatch",
     "ReplacePatch",
+    "SaveLoadError",
     "ZeroPatch",
     "bridge",
     "explain",

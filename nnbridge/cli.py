@@ -3,6 +3,7 @@
     nnbridge demo [--out ioi_patching.png]     IOI activation patching at op level on SmolLM2
     nnbridge tree MODEL [--path PREFIX] [--depth N]   the NodePath tree with shapes
     nnbridge tree MODEL --explain                     graph or opaque per module, guards, extractions
+    nnbridge cache info | clear                        the disk extraction cache ($NNBRIDGE_CACHE)
 
 Bad arguments print one line and exit with status 2; failures exit with status 1.
 """
@@ -70,6 +71,21 @@ def _demo(args: argparse.Namespace) -> None:
     print(f"heatmap: {save_heatmap(result, Path(args.out))}")
 
 
+def _cache(args: argparse.Namespace) -> None:
+    from .bridge.disk_cache import ENVIRONMENT_VARIABLE, SWITCH_VARIABLE, default_cache
+
+    cache = default_cache()
+    if cache is None:
+        print(f"disk cache: off (set {ENVIRONMENT_VARIABLE} to a directory to turn it on, and leave"
+              f" {SWITCH_VARIABLE} unset)")
+        return
+    if args.action == "clear":
+        print(f"removed {cache.clear()} entries from {cache.directory}")
+        return
+    info = cache.info()
+    print(f"directory: {info['directory']}\nentries: {info['entries']}\nsize: {info['bytes'] / 1e6:.1f} MB")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="nnbridge", description="Every intermediate op of a PyTorch model as a patchable point.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -81,11 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     tree.add_argument("--depth", type=int, default=None, help="levels to print (default: all)")
     tree.add_argument("--explain", action="store_true",
                       help="print nnbridge.explain instead: per module graph or opaque (why), guards, extractions")
+    cache = commands.add_parser("cache", help="show or empty the disk extraction cache ($NNBRIDGE_CACHE)")
+    cache.add_argument("action", choices=["info", "clear"], help="info: directory, entries, size; clear: delete entries")
     args = parser.parse_args(argv)
     if args.command == "tree" and args.depth is not None and args.depth < 1:
         parser.error("--depth must be a positive integer")
     try:
-        {"demo": _demo, "tree": _tree}[args.command](args)
+        {"demo": _demo, "tree": _tree, "cache": _cache}[args.command](args)
     except (NNBridgeError, KeyError, OSError, ValueError) as error:
         print(f"nnbridge: error: {error}", file=sys.stderr)
         return 1

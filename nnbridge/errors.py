@@ -59,3 +59,9 @@ def warn(message: str, category: type[Warning] = NNBridgeWarning) -> None:
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
                            module=frame.f_globals.get("__name__"), registry=frame.f_globals.setdefault(
                                "__warningregistry__", {}))
+
+
+class SaveLoadError(NNBridgeError):
+    """A saved extraction (``pg.save`` file or disk-cache entry) cannot be written or used: the file
+    is corrupt or partial, was written by another format version, or was made for another model.
+    The message names the file and what to do."""

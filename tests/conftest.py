@@ -5,6 +5,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# a developer's $NNBRIDGE_CACHE must not serve extractions to tests (test_disk_cache turns it on)
+os.environ["NNBRIDGE_EXTRACTION_CACHE"] = "0"
 
 
 @pytest.fixture(autouse=True)

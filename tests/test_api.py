@@ -6,7 +6,7 @@ def test_public_api_is_pinned():
         "AddPatch", "CompiledGraphModule", "LanguageModel", "NNsight", "TransformersModel", "CustomPatch", "ExtractionError", "ExtractionOptions",
         "MultiplyInvokedModule", "NNBridgeError", "NNBridgeWarning", "NodePath", "NodePathError",
         "OpPoint", "OpaqueGraphModule", "Patch", "PatchableGraph", "ProbePatch", "RecordPatch",
-        "ReplacePatch", "ZeroPatch", "bridge", "unbridge", "explain", "Explanation",
+        "ReplacePatch", "SaveLoadError", "ZeroPatch", "bridge", "unbridge", "explain", "Explanation",
     ])
     for name in nnbridge.__all__:
         assert getattr(nnbridge, name) is not None
@@ -16,6 +16,7 @@ def test_error_hierarchy():
     assert issubclass(nnbridge.NodePathError, KeyError)
     assert issubclass(nnbridge.NodePathError, nnbridge.NNBridgeError)
     assert issubclass(nnbridge.ExtractionError, nnbridge.NNBridgeError)
+    assert issubclass(nnbridge.SaveLoadError, nnbridge.NNBridgeError)
     assert issubclass(nnbridge.NNBridgeWarning, UserWarning)
 
 

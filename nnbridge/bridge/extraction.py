@@ -41,6 +41,8 @@ from .kinds import StubKind
 from .locking import CALL_LOCK, locked_calls
 from .module_tree import aliases_hidden, named_real_modules, reserved_names_renamed
 from .opaque import opaque_module
+from . import programs
+from .disk_cache import default_cache
 from .options import ExtractionOptions
 from .recording import record_calls
 from .state import state_keys
@@ -148,12 +150,20 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     bar = tqdm(total=2, desc=f"extracting {type(module).__name__}", unit="stage", disable=not ctx.options.progress,
                leave=False)
     bar.set_postfix_str("torch.export")
+    # a saved or cached export of this call (see .programs) replaces the loop below
+    request = programs.ExportRequest(module, ctx.path, args, kwargs, ctx.options, ctx.grad_enabled)
+    cache = default_cache()
+    record = programs.lookup(request, cache)
+    if record is not None:
+        stubs = dict(record.stubs)
+        exported, dynamic, states = record.exported, record.dynamic, record.states
+        errors = {fqn: programs.RecordedFailure(reason) for fqn, reason in stubs.items()}
     calls = record_calls(module, set(stubs), args, kwargs) if stubs else {}
     # a skipped module called with a cache is traced through (its new cache state must reach its
     # caller's graph) and only shown as opaque; the others are stubbed while exporting
     traced = {fqn for fqn in stubs if stubs[fqn] == StubKind.SKIPPED and any(state_keys(a, k) for a, k, _ in calls[fqn])}
     frozen: set[str] = set()  # traced modules whose own grad-mode changes are ignored while exporting
-    while True:
+    while record is None:
         frozen_by = scalar_stub_caller(module, stubs, traced, calls)
         if frozen_by is not None:
             caller, cause = frozen_by
@@ -199,7 +209,10 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
             ctx.fail(fqn, reason, errors[fqn])
         elif reason == StubKind.SKIPPED:
             ctx.opaque[ctx.full(fqn)] = reason
-    guard = ShapeGuard.from_export(exported) if dynamic else static
+    guard = record.guard if record is not None else ShapeGuard.from_export(exported) if dynamic else static
+    if record is None:
+        programs.store(request, programs.ProgramRecord(ctx.path, request.call_fingerprint(), exported, dynamic,
+                                                       states, dict(stubs), guard), cache)
     bar.update()
     bar.set_postfix_str("unflatten and build graphs")
     try:  # as graphpatch: any failure while compiling (unflattening, building) means fallback

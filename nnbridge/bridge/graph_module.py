@@ -99,6 +99,10 @@ class GraphModuleBase(abc.ABC):
         """Store ``{node name: summary}`` recorded on the example call."""
         self.graph_meta.examples.update(examples)
 
+    def recorded_examples(self) -> dict[str, Any]:
+        """``{node name: summary}`` of every node with a recorded example."""
+        return dict(self.graph_meta.examples)
+
     @abc.abstractmethod
     def refresh_routing(self) -> None:
         """Route exactly the listened nodes through their op points."""
@@ -158,6 +162,10 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         for name, node in self.named_nodes():
             if name in examples:
                 update_node_meta(node, example=examples[name])
+
+    def recorded_examples(self) -> dict[str, Any]:
+        return {name: node_meta(node).example for name, node in self.named_nodes()
+                if node_meta(node).example is not None}
 
     def read_tensors_from(self, module: torch.nn.Module) -> None:
         """Make ``get_attr`` targets ``_nnbridge_module.<name>`` read ``module``'s tensors at call

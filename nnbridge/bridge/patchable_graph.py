@@ -36,6 +36,8 @@ from .node_path import NodePath, dig_key
 from .op_point import OpPoint, refresh_owners
 from .options import ExtractionOptions
 from .patches import Patch
+from . import saving
+from .programs import Recorder, sources_active
 
 
 @contextlib.contextmanager
@@ -149,16 +151,55 @@ class PatchableGraph(torch.nn.Module):
                                                on_extraction=[self._apply_active])
             self.__dict__["_call"] = self._dispatcher
             self.__dict__["_modules_of_plain"] = list(named_real_modules(module))
-            first = self._dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
-        with preserved_state(list(named_real_modules(module))):  # a recording run must not change the model
-            describe_examples(first.root, tuple(example_args), dict(example_kwargs))
+            recorder = Recorder()  # the exported programs, for pg.save (see .saving)
+            with sources_active(recorder):
+                first = self._dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
+            self.__dict__["_programs"] = recorder
+            # not for extractions later calls make: kept, their programs would keep evicted extractions alive
+            self.__dict__["_sources"] = []
+            self.__dict__["_example"] = (tuple(example_args), dict(example_kwargs))
+        # the recording run may extract children of opaque modules again (under no_grad): pg.save keeps those too
+        recording = [self.__dict__["_programs"]] if "_programs" in self.__dict__ else []
+        if not saving.restore_examples(first.root):  # a load has them from the file
+            with preserved_state(list(named_real_modules(module))), sources_active(*recording):
+                describe_examples(first.root, tuple(example_args), dict(example_kwargs))
         self._graph_module = first.root
+
+    # -- saving (see .saving) --------------------------------------------------------------------
+    def save(self, path: Any = None, *args: Any) -> Any:
+        """``pg.save(path)``: write this PatchableGraph's extraction (exported programs, metadata,
+        example inputs; no weights, no pickled code) to ``path`` (a path, written atomically, or a
+        binary file). Without a path, nnsight's ``.save()`` (inside a trace) is called.
+
+        Raises:
+            SaveLoadError: see :func:`nnbridge.bridge.saving.save`.
+        """
+        if path is None:  # nnsight injects ``save`` on every object: keep it reachable
+            return super().save(*args)  # type: ignore[misc]
+        saving.save(self, path)
+        return None
+
+    @classmethod
+    def load(cls, path: Any, model: torch.nn.Module, options: ExtractionOptions | None = None) -> PatchableGraph:
+        """The PatchableGraph that ``pg.save(path)`` saved, over ``model`` (the same class, config and
+        modules; its own weights are used), without running ``torch.export``.
+
+        Raises:
+            SaveLoadError: corrupt/partial file, another format version, another model or options
+                (see :mod:`nnbridge.bridge.saving`, which also gives the version policy).
+        """
+        return saving.load(cls, path, model, options)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """``torch.save(pg)``: the ``pg.save`` bundle plus the model itself (weights included)."""
+        return saving.reduce(self)
 
     # -- calling --------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._modules_of_plain is not None:
             self._refuse_user_hooks()
-        return self._call(*args, **kwargs)
+        with sources_active(*self.__dict__.get("_sources", ())):  # a loaded pg's file (see .saving)
+            return self._call(*args, **kwargs)
 
     def _refuse_user_hooks(self) -> None:
         """Over a plain (unbridged) model the graphs replace the model's modules, so torch hooks on

@@ -1,0 +1,251 @@
+"""The disk extraction cache ($NNBRIDGE_CACHE): a second extraction of the same model skips
+torch.export and equals eager torch; changed source, versions or config miss; corrupt entries are
+deleted with a warning and rebuilt; ``nnbridge cache info|clear``."""
+
+from __future__ import annotations
+
+import importlib
+import textwrap
+
+import pytest
+import torch
+from utils import data_dependent, gpt2
+
+import nnbridge
+from nnbridge import PatchableGraph, ZeroPatch
+from nnbridge.cli import main
+from nnbridge.errors import NNBridgeWarning
+
+extraction = importlib.import_module("nnbridge.bridge.extraction")
+disk_cache = importlib.import_module("nnbridge.bridge.disk_cache")
+programs = importlib.import_module("nnbridge.bridge.programs")
+storage = importlib.import_module("nnbridge.bridge.storage")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("NNBRIDGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE")  # conftest turns it off for every other test
+    return tmp_path / "cache" / "extractions"
+
+
+@pytest.fixture
+def exports(monkeypatch):
+    """The number of torch.export runs (a list with one count)."""
+    count = [0]
+    real = extraction.export_module
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(extraction, "export_module", counted)
+    return count
+
+
+def _ids():
+    return torch.randint(0, 100, (1, 8))
+
+
+def _entries(directory):
+    return sorted(p.name for p in directory.glob("*.nnbridge"))
+
+
+def test_second_bridge_skips_export_and_equals_eager(cache_dir, exports, monkeypatch):
+    ids = _ids()
+    first = gpt2()
+    nnbridge.bridge(first, ids)
+    assert exports[0] == 1 and len(_entries(cache_dir)) == 1
+    model = gpt2()  # a fresh model (another process would build the same)
+    eager = model(ids).logits
+    nnbridge.bridge(model, ids)
+    assert exports[0] == 1  # the cache served it
+    assert torch.equal(model(ids).logits, eager)
+    pg = PatchableGraph(model, ids)
+    with pg.patch({"transformer.h_0.mlp.act.output": ZeroPatch()}):
+        patched = model(ids).logits
+    nnbridge.unbridge(model)
+    monkeypatch.delenv("NNBRIDGE_CACHE")
+    reference = PatchableGraph(gpt2(), ids)  # a fresh export: patches act the same
+    assert exports[0] == 2
+    with reference.patch({"transformer.h_0.mlp.act.output": ZeroPatch()}):
+        assert torch.equal(reference(ids).logits, patched)
+
+
+def test_cache_hit_equals_fresh_extraction(cache_dir, monkeypatch, exports):
+    ids = _ids()
+    monkeypatch.delenv("NNBRIDGE_CACHE")
+    fresh = PatchableGraph(gpt2(), ids)  # cache off
+    assert not cache_dir.exists()
+    monkeypatch.setenv("NNBRIDGE_CACHE", str(cache_dir.parent))
+    PatchableGraph(gpt2(), ids)  # fills the cache
+    cached = PatchableGraph(gpt2(), ids)
+    assert exports[0] == 2
+    assert cached.node_paths() == fresh.node_paths() and str(cached.graph) == str(fresh.graph)
+    assert torch.equal(cached(ids).logits, fresh(ids).logits)
+
+
+def test_changed_config_misses(cache_dir, exports):
+    ids = _ids()
+    PatchableGraph(gpt2(), ids)
+    other = gpt2()
+    other.config.layer_norm_epsilon = 1e-3
+    for module in other.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.eps = 1e-3
+    pg = PatchableGraph(other, ids)
+    assert exports[0] == 2 and len(_entries(cache_dir)) == 2
+    assert torch.equal(pg(ids).logits, other(ids).logits)
+
+
+def test_changed_library_version_misses(cache_dir, exports, monkeypatch):
+    x = torch.randn(2, 3)
+    PatchableGraph(_linear(), x)
+    real = disk_cache.library_versions
+    monkeypatch.setattr(disk_cache, "library_versions", lambda: {**real(), "transformers": "99.0"})
+    PatchableGraph(_linear(), x)
+    assert exports[0] == 2 and len(_entries(cache_dir)) == 2
+
+
+def test_changed_model_source_misses(cache_dir, exports, tmp_path, monkeypatch):
+    source = tmp_path / "src" / "edited_model.py"
+    source.parent.mkdir()
+    source.write_text(textwrap.dedent("""
+        import torch
+
+        class Edited(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(3, 3)
+
+            def forward(self, x):
+                return self.linear(x).relu()
+    """))
+    monkeypatch.syspath_prepend(str(source.parent))
+    module = importlib.import_module("edited_model")
+    x = torch.randn(2, 3)
+    PatchableGraph(module.Edited(), x)
+    PatchableGraph(module.Edited(), x)
+    assert exports[0] == 1
+    source.write_text(source.read_text() + "\n# edited\n")
+    programs.forget_source_digests()
+    PatchableGraph(module.Edited(), x)
+    assert exports[0] == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_corrupt_entry_is_deleted_with_a_warning_and_rebuilt(cache_dir, exports, damage):
+    ids = _ids()
+    PatchableGraph(gpt2(), ids)
+    (entry,) = cache_dir.glob("*.nnbridge")
+    data = bytearray(entry.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data[len(data) // 3] ^= 0xFF
+    else:
+        data = bytearray()
+    entry.write_bytes(bytes(data))
+    model = gpt2()
+    with pytest.warns(NNBridgeWarning, match="unusable and was deleted"):
+        pg = PatchableGraph(model, ids)
+    assert exports[0] == 2
+    assert torch.equal(pg(ids).logits, model(ids).logits)
+    storage.read_bundle(entry)  # rewritten, readable
+    PatchableGraph(gpt2(), ids)
+    assert exports[0] == 2
+
+
+def test_failed_write_warns_and_extraction_goes_on(cache_dir, exports, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(disk_cache, "write_bundle", broken)
+    model, x = _linear(), torch.randn(2, 3)
+    with pytest.warns(NNBridgeWarning, match="could not write.*disk full"):
+        pg = PatchableGraph(model, x)
+    assert torch.equal(pg(x), model(x))
+    assert _entries(cache_dir) == []
+
+
+def test_writes_are_atomic(cache_dir, monkeypatch):
+    """A write interrupted after the temporary file was written leaves no entry and no temp file."""
+    real_replace = storage.os.replace
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(storage.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        PatchableGraph(_linear(), torch.randn(2, 3))
+    assert list(cache_dir.iterdir()) == []
+    monkeypatch.setattr(storage.os, "replace", real_replace)
+    PatchableGraph(_linear(), torch.randn(2, 3))
+    assert len(_entries(cache_dir)) == 1 and [p for p in cache_dir.iterdir() if p.suffix == ".tmp"] == []
+
+
+def test_cache_off_when_switched_off(cache_dir, monkeypatch):
+    monkeypatch.setenv("NNBRIDGE_EXTRACTION_CACHE", "0")
+    assert disk_cache.default_cache() is None
+    PatchableGraph(_linear(), torch.randn(2, 3))
+    assert not cache_dir.exists()
+
+
+def test_cache_off_when_unset(tmp_path, monkeypatch):
+    monkeypatch.delenv("NNBRIDGE_CACHE", raising=False)
+    monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE", raising=False)
+    assert disk_cache.default_cache() is None
+    monkeypatch.setenv("HOME", str(tmp_path))
+    PatchableGraph(_linear(), torch.randn(2, 3))
+    assert list(tmp_path.iterdir()) == []
+
+
+def _linear():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU()).eval()
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+def test_cli_info_and_clear(cache_dir, capsys):
+    PatchableGraph(_linear(), torch.randn(2, 3))
+    (cache_dir / ".leftover.nnbridge.x.tmp").write_bytes(b"partial")
+    assert main(["cache", "info"]) == 0
+    out = capsys.readouterr().out
+    assert f"directory: {cache_dir}" in out and "entries: 1" in out
+    assert main(["cache", "clear"]) == 0
+    assert "removed 1 entries" in capsys.readouterr().out
+    assert list(cache_dir.iterdir()) == []
+    assert main(["cache", "info"]) == 0
+    assert "entries: 0" in capsys.readouterr().out
+
+
+def test_cli_cache_off(monkeypatch, capsys):
+    monkeypatch.delenv("NNBRIDGE_CACHE", raising=False)
+    assert main(["cache", "info"]) == 0
+    assert "off" in capsys.readouterr().out
+
+
+def test_cli_bad_action_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["cache", "purge"])
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_opaque_child_programs_are_cached_too(cache_dir, exports, monkeypatch):
+    """The root's program and the separately exported children of an opaque module all hit."""
+    model, x = data_dependent()
+    first = PatchableGraph(model, x)
+    first(x)
+    made = exports[0]
+    assert made >= 2 and len(_entries(cache_dir)) >= 2  # failed export attempts store nothing
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.export ran with a warm cache")
+    monkeypatch.setattr(extraction, "export_module", refuse)
+    fresh, _ = data_dependent()
+    fresh.load_state_dict(model.state_dict())  # same weights (the factory is not seeded)
+    pg = PatchableGraph(fresh, x)
+    assert torch.equal(pg(x), fresh(x))
+    assert pg.extractions[0].opaque == first.extractions[0].opaque
+    with pg.patch({"branchy.inner.output": ZeroPatch()}):
+        patched = pg(x)
+    with first.patch({"branchy.inner.output": ZeroPatch()}):
+        assert torch.equal(patched, first(x))
