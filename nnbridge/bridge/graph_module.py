@@ -26,6 +26,7 @@ from ..compat.pytree import pytree
 
 from ..compat import NoSubmoduleRecompile, forward_from_source, generated_code_released, keep_tracebacks
 from ..compat.nnsight import route_if_wanted
+from ..compat.accelerate import run_hooked
 from .failures import register
 from .op_point import OpPoint
 
@@ -262,6 +263,11 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         return self._run(args, kwargs, self._routed, guarded=False)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], routed: frozenset[str], guarded: bool) -> Any:
+        # inside the module's accelerate hook, if any, as its eager call: offloaded weights load first
+        return run_hooked(self.original, args, kwargs, lambda a, k: self._run_loaded(a, k, routed, guarded))
+
+    def _run_loaded(self, args: tuple[Any, ...], kwargs: dict[str, Any], routed: frozenset[str],
+                    guarded: bool) -> Any:
         module = self.original
         if guarded:
             points = {name: self.op_point(name) for name in routed}
