@@ -61,9 +61,6 @@ def test_opaque_patch_on_an_offloaded_module_equals_a_hook(checkpoint):
     model, reference = _offloaded(checkpoint, "a"), _offloaded(checkpoint, "b")
     ids = _ids()
     pg = PatchableGraph(model, ExtractionOptions(skip_compilation=True), ids, use_cache=False)
-    # a first call with grad enabled re-extracts the children (the example ran without grad); a
-    # patch active during that call misses the new extractions (tests/test_opaque_first_call_patch.py)
-    pg(ids, use_cache=False)
     with pg.patch({"transformer.h_1.mlp.output": ZeroPatch()}):
         patched = pg(ids, use_cache=False)
     handle = reference.transformer.h[1].mlp.register_forward_hook(lambda m, a, o: torch.zeros_like(o))

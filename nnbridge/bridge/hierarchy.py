@@ -137,8 +137,10 @@ def record_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[s
         listeners.append((point, record))
     refresh_all(point for point, _ in listeners)
     try:
-        with torch.no_grad():  # on copies: a cache argument would be updated in place
-            root(*copy_inputs(args), **copy_inputs(kwargs))
+        # on copies: a cache argument would be updated in place. In the caller's grad mode (the
+        # mode the example was extracted in): a change would make the children of opaque modules
+        # extract again, and the listeners below would not see those new graphs
+        root(*copy_inputs(args), **copy_inputs(kwargs))
     finally:
         for point, record in listeners:
             point.remove_listener(record, refresh=False)

@@ -1,0 +1,40 @@
+"""The children of an opaque module extract on their own (one dispatcher each) and may extract
+again on a later call (here: the first call with grad enabled after a construction whose example
+summaries were recorded without grad). Patches open during such a call, and the example recording,
+must reach those new graphs. Both failed before: the first patched call returned the unpatched
+output (fixed), and ``inner.foos`` of a nested opaque module showed as a leaf (fixed for the
+varargs fixture; GPT-2's nested children still miss their example summaries: strict xfail)."""
+
+import pytest
+import torch
+
+from nnbridge import ExtractionOptions, PatchableGraph, ZeroPatch
+from utils import gpt2
+
+OPAQUE = ExtractionOptions(skip_compilation=True)
+
+
+def test_patch_applies_on_the_first_call_after_construction():
+    model, reference = gpt2(), gpt2()
+    ids = torch.randint(1, 100, (2, 6))
+    pg = PatchableGraph(model, OPAQUE, ids, use_cache=False)
+    handle = reference.transformer.h[1].mlp.register_forward_hook(lambda m, a, o: torch.zeros_like(o))
+    expected = reference(ids, use_cache=False).logits
+    handle.remove()
+    with torch.no_grad():  # a grad-mode change re-extracts the children while the patch is open
+        with pg.patch({"transformer.h_1.mlp.output": ZeroPatch()}):
+            assert torch.equal(pg(ids, use_cache=False).logits, expected)
+    with pg.patch({"transformer.h_1.mlp.output": ZeroPatch()}):
+        assert torch.equal(pg(ids, use_cache=False).logits, expected)
+    assert torch.equal(pg(ids, use_cache=False).logits, reference(ids, use_cache=False).logits)
+
+
+@pytest.mark.xfail(strict=True, reason="GPT-2: the children's first extractions come from a no-grad observed run, so"
+                   " the recording run (grad enabled) re-extracts them and records into graphs pg.graph does"
+                   " not show; the nested varargs case in test_varargs_paths passes")
+def test_examples_of_nested_opaque_children_are_recorded():
+    model = gpt2()
+    ids = torch.randint(1, 100, (2, 6))
+    pg = PatchableGraph(model, OPAQUE, ids, use_cache=False)
+    assert pg.graph.transformer.h_1.mlp.output._shape == torch.Size([2, 6, 64])
+    assert "transformer.h_1.attn.output|sub_0" in pg.graph.keys()
