@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from . import hierarchy
 from .graph_module import CompiledGraphModule, GraphModuleBase
 from .node_path import NodePath, dig_key
@@ -48,7 +50,8 @@ def canonical(root: GraphModuleBase, node_path: NodePath) -> NodePath:
     name = node_path.nodes[-1]
     if not isinstance(owner, CompiledGraphModule) or hierarchy.child(owner, name) is not None:
         return node_path
-    parameter = inspect.signature(owner.original_type.forward).parameters.get(name)
+    original_type: type[torch.nn.Module] = owner.__dict__["original_type"]
+    parameter = inspect.signature(original_type.forward).parameters.get(name)
     if parameter is None:
         return node_path
     key = dig_key(node_path.dig[0])
