@@ -122,29 +122,43 @@ class _Named(dict):
 
 def record_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Run ``root`` once on the example inputs with every node listened, storing summaries in each
-    graph module's ``examples`` dict (``{node name: summary}``)."""
-    listeners = []
-    for _, owner, name, sub in walk(root):
-        if sub is not None:
-            continue
-        store = owner.__dict__.setdefault("examples", {})
+    graph module's ``examples`` dict (``{node name: summary}``).
 
-        def record(value: Any, store: dict = store, name: str = name) -> Any:
-            store.setdefault(name, summarize(value))
-            return value
-        point = owner.op_point(name)
-        point.add_listener(record, refresh=False)
-        listeners.append((point, record))
-    refresh_all(point for point, _ in listeners)
-    try:
-        # on copies: a cache argument would be updated in place. In the caller's grad mode (the
-        # mode the example was extracted in): a change would make the children of opaque modules
-        # extract again, and the listeners below would not see those new graphs
-        root(*copy_inputs(args), **copy_inputs(kwargs))
-    finally:
-        for point, record in listeners:
-            point.remove_listener(record, refresh=False)
+    A node is listened in every extraction of its module (the children of opaque modules extract on
+    their own and may hold several), each storing into the graph ``pg.graph`` shows. When the run
+    made new extractions (a child whose earlier graph came from a no-grad observed run extracts
+    again under grad), nodes they ran are missed: the run is repeated once, listening to them too.
+    """
+    for attempt in range(2):
+        listeners = []
+        for path, owner, name, sub in walk(root):
+            if sub is not None:
+                continue
+            store = owner.__dict__.setdefault("examples", {})
+
+            def record(value: Any, store: dict = store, name: str = name) -> Any:
+                store.setdefault(name, summarize(value))
+                return value
+            targets = resolve_all(root, path.split(".")) or [(owner, name)]
+            for target, target_name in targets:
+                point = target.op_point(target_name)
+                point.add_listener(record, refresh=False)
+                listeners.append((point, record))
+        before = len(listeners)
         refresh_all(point for point, _ in listeners)
+        try:
+            # on copies: a cache argument would be updated in place. In the caller's grad mode (the
+            # mode the example was extracted in)
+            root(*copy_inputs(args), **copy_inputs(kwargs))
+        finally:
+            for point, record in listeners:
+                point.remove_listener(record, refresh=False)
+            refresh_all(point for point, _ in listeners)
+        missing = any(sub is None and name not in owner.__dict__.get("examples", {})
+                      for _, owner, name, sub in walk(root))
+        if not missing or sum(1 for path, _, _, sub in walk(root) if sub is None
+                              for _ in resolve_all(root, path.split("."))) <= before:
+            return
 
 
 def refresh_all(points: Any) -> None:
