@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from .graph_module import CompiledGraphModule, GraphModuleBase
-from .hierarchy import walk
+from .hierarchy import resolve_all, walk
 from .op_point import refresh_owners
 from .recording import copy_inputs
 from .summaries import ExampleSummaries, bind_inputs, recording_listener, summarize
@@ -23,27 +22,39 @@ from .summaries import ExampleSummaries, bind_inputs, recording_listener, summar
 
 def record_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Run ``root`` once on the example inputs with every node listened, storing each node's
-    summary in its graph (:meth:`~.graph_module.GraphModuleBase.set_examples`)."""
-    listeners = []
-    stores: dict[int, tuple[GraphModuleBase, dict[str, Any]]] = {}
-    for _, owner, name, sub in walk(root):
-        if sub is not None:
-            continue
-        store = stores.setdefault(id(owner), (owner, {}))[1]
-        record = recording_listener(store, name)
-        point = owner.op_point(name)
-        point.add_listener(record, refresh=False)
-        listeners.append((point, record))
-    refresh_owners(point for point, _ in listeners)
-    try:
-        with torch.no_grad():  # on copies: a cache argument would be updated in place
-            root(*copy_inputs(args), **copy_inputs(kwargs))
-    finally:
-        for point, record in listeners:
-            point.remove_listener(record, refresh=False)
+    summary in the graph ``pg.graph`` shows (:meth:`~.graph_module.GraphModuleBase.set_examples`).
+
+    A node is listened in every extraction of its module (the children of opaque modules extract on
+    their own and may hold several). When the run made new extractions (a child whose earlier graph
+    came from a no-grad observed run extracts again under grad), nodes they ran are missed: the run
+    is repeated once, listening to them too. The run is in the caller's grad mode (the mode the
+    example was extracted in), on copies of the inputs (a cache argument would be updated).
+    """
+    for _ in range(2):
+        listeners = []
+        stores: dict[int, tuple[GraphModuleBase, dict[str, Any]]] = {}
+        for path, owner, name, sub in walk(root):
+            if sub is not None:
+                continue
+            record = recording_listener(stores.setdefault(id(owner), (owner, {}))[1], name)
+            for target, target_name in resolve_all(root, path.split(".")) or [(owner, name)]:
+                point = target.op_point(target_name)
+                point.add_listener(record, refresh=False)
+                listeners.append((point, record))
+        before = len(listeners)
         refresh_owners(point for point, _ in listeners)
-    for owner, store in stores.values():
-        owner.set_examples(store)
+        try:
+            root(*copy_inputs(args), **copy_inputs(kwargs))
+        finally:
+            for point, record in listeners:
+                point.remove_listener(record, refresh=False)
+            refresh_owners(point for point, _ in listeners)
+        for owner, store in stores.values():
+            owner.set_examples(store)
+        missing = any(sub is None and owner.example(name) is None for _, owner, name, sub in walk(root))
+        if not missing or sum(1 for path, _, _, sub in walk(root) if sub is None
+                              for _ in resolve_all(root, path.split("."))) <= before:
+            return
 
 
 def static_examples(module: GraphModuleBase, inputs: dict[str, Any]) -> Any:

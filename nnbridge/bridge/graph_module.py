@@ -25,6 +25,7 @@ from ..compat.pytree import fx_pytree
 from ..compat.pytree import pytree
 
 from ..compat import NoSubmoduleRecompile, forward_from_source, generated_code_released, keep_tracebacks
+from ..compat.accelerate import run_hooked
 from .failures import register
 from .metadata import GraphMeta, node_meta, node_name, update_node_meta
 from .op_point import OpPoint, route
@@ -340,6 +341,11 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         return self._run(args, kwargs, self._routed, asking=False)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], routed: frozenset[str], asking: bool) -> Any:
+        # inside the module's accelerate hook, if any, as its eager call: offloaded weights load first
+        return run_hooked(self.original, args, kwargs, lambda a, k: self._run_loaded(a, k, routed, asking))
+
+    def _run_loaded(self, args: tuple[Any, ...], kwargs: dict[str, Any], routed: frozenset[str],
+                    asking: bool) -> Any:
         module = self.original
         if asking:
             points = {name: self.op_point(name) for name in routed}

@@ -22,7 +22,7 @@ from ..compat.pytree import pytree
 
 from ..compat import has_user_hooks, restore_body, swap_body
 from ..errors import NNBridgeError, NodePathError, PatchError, PatchMapError
-from . import hierarchy, patch_state
+from . import hierarchy, patch_state, varargs_paths
 from .dispatcher import GraphDispatcher, WeakCallback
 from .capture_checks import preserved_state
 from .extraction import Extraction
@@ -366,14 +366,30 @@ class PatchableGraph(torch.nn.Module):
     def _apply_active(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
         """A new extraction while patch contexts are open: its op points not yet listened get the
         open contexts' listeners (a point shared with an earlier structure has them already)."""
+        if not self._active:
+            return
         points = []
+        prefix = self._prefix_of(dispatcher)
         for listener in self._active:
-            for owner, name in self._resolve(extraction.root, listener.node_path):
+            nodes = listener.node_path.nodes
+            if nodes[:len(prefix)] != prefix or len(nodes) == len(prefix):
+                continue
+            for owner, name in self._resolve(extraction.root, NodePath(nodes[len(prefix):], listener.node_path.dig)):
                 point = owner.op_point(name)
                 if not point.has_listener(listener):
                     point.add_listener(listener, refresh=False)
                     points.append(point)
         refresh_owners(points)
+
+    def _prefix_of(self, dispatcher: GraphDispatcher) -> tuple[str, ...]:
+        """The NodePath segments of the module a dispatcher serves (the child of an opaque module
+        extracts on its own), relative to this graph's root; () for the root's dispatcher."""
+        path, own = dispatcher.path, self._dispatcher.path
+        if dispatcher is self._dispatcher or not path:
+            return ()
+        relative = path[len(own) + 1:] if own and path.startswith(f"{own}.") else path
+        segments = hierarchy.split_segments(self._graph_module, tuple(relative.split(".")))
+        return tuple(segments) if segments else ()
 
     # -- NodePath validation --------------------------------------------------------------------
     def _resolve(self, root: GraphModuleBase, node_path: NodePath) -> list[tuple[GraphModuleBase, str]]:
@@ -381,8 +397,8 @@ class PatchableGraph(torch.nn.Module):
         return hierarchy.resolve_all(root, segments) if segments else []
 
     def _validate(self, text: str) -> NodePath:
-        node_path = NodePath.parse(text)
         root = self._graph_module
+        node_path = varargs_paths.canonical(root, NodePath.parse(text))  # graphpatch's "foos|sub_0"
         segments = hierarchy.split_segments(root, node_path.nodes)
         if segments is None:
             raise NodePathError(f"{text!r} is not a node. {self._closest(text)}")

@@ -36,3 +36,32 @@ def offloaded_weights_loaded(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for hook, module in reversed(loaded):
             hook.post_forward(module, None)
+
+
+def accelerate_hook(module: torch.nn.Module) -> Any:
+    """The accelerate hook wrapping ``module``'s forward (``_hf_hook``, accelerate 1.x), or None."""
+    return module.__dict__.get("_hf_hook")
+
+
+def run_hooked(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+               body: Any) -> Any:
+    """Run ``body(args, kwargs)`` as accelerate's wrapper (``add_hook_to_module``'s ``new_forward``,
+    accelerate 1.x) runs ``module._old_forward``: ``pre_forward`` first (loads offloaded weights
+    onto the execution device, moves the inputs), ``post_forward`` on the output (offloads the
+    weights again, moves the output), under ``torch.no_grad`` when the hook asks for it. A module
+    without a hook runs ``body`` alone. ``post_forward`` also runs when ``body`` raises, so no
+    weights stay loaded after an error."""
+    hook = accelerate_hook(module)
+    if hook is None:
+        return body(args, kwargs)
+    args, kwargs = hook.pre_forward(module, *args, **kwargs)
+    try:
+        if getattr(hook, "no_grad", False):
+            with torch.no_grad():
+                output = body(args, kwargs)
+        else:
+            output = body(args, kwargs)
+    except BaseException:
+        hook.post_forward(module, None)
+        raise
+    return hook.post_forward(module, output)

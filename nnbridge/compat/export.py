@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .pytree import pytree
+from .tracepoints import string_arguments_traced
 
 # torch.export.unflatten the *module* is shadowed by the function of the same name.
 _unflatten_module = sys.modules["torch.export.unflatten"]
@@ -95,7 +96,7 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: An
     ``@torch.no_grad`` rotary-embedding code is inlined instead of becoming a higher-order op), with
     conversions kept from aliasing (see :class:`_DistinctConversions`)."""
     with no_partial_graph_on_stderr(), quiet_torch_export(), torch.set_grad_enabled(grad_enabled), \
-            _DistinctConversions(), shape_envs_released():
+            _DistinctConversions(), shape_envs_released(), string_arguments_traced():
         return torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes,
                                    preserve_module_call_signature=preserve_module_call_signature)
 

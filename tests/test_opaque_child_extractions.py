@@ -1,0 +1,36 @@
+"""The children of an opaque module extract on their own (one dispatcher each) and may extract
+again on a later call (here: a call in another grad mode than the one their first graphs were
+extracted in, which came from extraction's no-grad observed run). Patches open during such a call, and the example recording,
+must reach those new graphs. Both failed before: the first patched call returned the unpatched
+output, and nested opaque children (GPT-2's ``transformer.h_1.mlp``) had no example summaries,
+so ``pg.graph`` showed their values as ``None`` and refused digs (``inner.foos|sub_0``)."""
+
+import torch
+
+from nnbridge import ExtractionOptions, PatchableGraph, ZeroPatch
+from utils import gpt2
+
+OPAQUE = ExtractionOptions(skip_compilation=True)
+
+
+def test_patch_applies_on_the_first_call_after_construction():
+    model, reference = gpt2(), gpt2()
+    ids = torch.randint(1, 100, (2, 6))
+    pg = PatchableGraph(model, OPAQUE, ids, use_cache=False)
+    handle = reference.transformer.h[1].mlp.register_forward_hook(lambda m, a, o: torch.zeros_like(o))
+    expected = reference(ids, use_cache=False).logits
+    handle.remove()
+    with torch.no_grad():  # a grad-mode change re-extracts the children while the patch is open
+        with pg.patch({"transformer.h_1.mlp.output": ZeroPatch()}):
+            assert torch.equal(pg(ids, use_cache=False).logits, expected)
+    with pg.patch({"transformer.h_1.mlp.output": ZeroPatch()}):
+        assert torch.equal(pg(ids, use_cache=False).logits, expected)
+    assert torch.equal(pg(ids, use_cache=False).logits, reference(ids, use_cache=False).logits)
+
+
+def test_examples_of_nested_opaque_children_are_recorded():
+    model = gpt2()
+    ids = torch.randint(1, 100, (2, 6))
+    pg = PatchableGraph(model, OPAQUE, ids, use_cache=False)
+    assert pg.graph.transformer.h_1.mlp.output._shape == torch.Size([2, 6, 64])
+    assert "transformer.h_1.attn.output|sub_0" in pg.graph.keys()
