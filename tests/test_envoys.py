@@ -266,7 +266,9 @@ def test_generation_steps_reach_ops(gpt2_model):
 
 
 def test_names_paths_and_errors(gpt2_model):
-    model, ids = gpt2_model
+    _, ids = gpt2_model
+    # op-aware errors on module envoys: envoys=BridgeEnvoy (by default modules have nnsight's Envoy)
+    model = nnbridge.LanguageModel(text_model("gpt2"), tokenizer=tokenizer(), envoys=nnbridge.envoys.BridgeEnvoy)
     with pytest.raises(AttributeError, match="ops are not known yet.*model.extract"):
         model.transformer.h[0].attn.softmax
     model.extract(**ids)
@@ -388,7 +390,7 @@ def test_only_graphs_with_a_wanted_op_inside_pay_for_the_trace_checks(gpt2_model
 def test_module_the_extracted_calls_never_ran_says_so():
     from fixtures.unused_submodule import UnusedSubmoduleModule
 
-    model = nnbridge.NNsight(UnusedSubmoduleModule())
+    model = nnbridge.NNsight(UnusedSubmoduleModule(), envoys=nnbridge.envoys.BridgeEnvoy)
     model.extract(torch.randn(2, 3))
     assert model.used.linear is not None  # an op of a module that ran
     with pytest.raises(AttributeError, match="model.unused \\(Linear\\) has no attribute or op 'linear', and no"

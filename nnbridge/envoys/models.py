@@ -25,7 +25,11 @@ from nnsight.modeling.transformers import TransformersModel as _NNsightTransform
 from ..bridge.call_structure import structure_key
 from ..bridge.in_place import bridge, bridge_of
 from ..compat.nnsight import dispatch_if_lazy, mirror_envoys, repoint_envoys, scalar_safe_batcher
+from ..bridge.op_point import OpPoint, OpPointContainer
 from .envoy import BridgeEnvoy
+
+#: The default ``envoys=`` mapping: op points get BridgeEnvoys, modules nnsight's own Envoy.
+OP_ENVOYS = {OpPoint: BridgeEnvoy, OpPointContainer: BridgeEnvoy}
 
 
 class _Bridged:
@@ -36,10 +40,12 @@ class _Bridged:
             model = model._module
         # nnsight's ``envoys=`` (a class, or a dict by module class / path suffix) and a subclass's
         # ``envoys`` class attribute are the user's choice and are used as given, for op envoys
-        # too (``Envoy._resolve_envoy_class``); only when neither is set are envoys BridgeEnvoys
-        # (``node_path``, op-aware errors). Plain envoys still reach ops: op points are children.
+        # too (``Envoy._resolve_envoy_class``). When neither is set, module envoys are plain
+        # ``nnsight.Envoy`` as in nnsight (its tests check ``type(envoy) is Envoy``) and op envoys,
+        # which nnsight does not have, are BridgeEnvoys (``node_path``). ``envoys=BridgeEnvoy``
+        # makes every envoy one (op-aware errors on modules too).
         if "envoys" not in kwargs and getattr(type(self), "envoys", None) is None:
-            kwargs["envoys"] = BridgeEnvoy
+            kwargs["envoys"] = OP_ENVOYS
         elif "envoys" not in kwargs:
             kwargs["envoys"] = type(self).envoys
         super().__init__(model, *args, **kwargs)
