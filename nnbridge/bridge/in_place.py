@@ -41,6 +41,7 @@ from ..compat.pytree import pytree
 
 from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat import SwappedBody, restore_body, swap_body
+from ..compat.nnsight_source import count_visits, nnsight_body, source_body
 from ..compat.nnsight import wanted_inside
 from .failures import add_note
 from ..errors import NNBridgeError
@@ -143,14 +144,19 @@ class Bridge:
         if graph is None:
             dispatcher = self.dispatchers.get(id(module))
             if dispatcher is None or not (module is self.model or self.depth > 0):
-                return type(module).forward(module, *args, **kwargs)
+                return (nnsight_body(module) or type(module).forward)(module, *args, **kwargs)
             graph = dispatcher.lookup(args, kwargs).root
         self.depth += 1
         try:
             # an nnsight trace waiting for something inside this module: each node asks whether
-            # it is wanted; otherwise the plain code (which routes patched and hooked nodes)
-            if wanted_inside(module):
+            # it is wanted; otherwise the plain code (which routes patched and hooked nodes), with
+            # the trace's visit counts of the graph's ops kept as if each had been served
+            source = source_body(module)
+            if source is None and wanted_inside(module):
                 return graph.trace_forward()(graph, *args, **kwargs)
+            count_visits(module, graph.__dict__["_op_points"].values())
+            if source is not None:  # the trace wants this call's nnsight ``.source`` operations
+                return source(module, *args, **kwargs)
             return graph.forward(*args, **kwargs)
         except BaseException as error:
             add_note(error)

@@ -46,10 +46,10 @@ class SwappedBody:
 def swap_body(module: torch.nn.Module, body: Callable[..., Any]) -> SwappedBody:
     """Make ``module``'s call run ``body(module, *args, **kwargs)`` inside whatever wraps it."""
     state = module.__dict__.get(NNSIGHT_STATE)
-    if state is not None:
-        swapped = SwappedBody(module, BodyKind.NNSIGHT, state.body)
-        state.body = body
-        return swapped
+    if state is not None:  # nnsight's slot keeps its own body (``.source`` rewrites it): see nnsight_source
+        from .nnsight_source import install
+
+        return SwappedBody(module, BodyKind.NNSIGHT, install(module, body))
     bound = _Bound(module, body, module.__dict__.get("forward"))
     if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__:
         swapped = SwappedBody(module, BodyKind.ACCELERATE, module.__dict__["_old_forward"])
@@ -64,7 +64,9 @@ def restore_body(swapped: SwappedBody) -> None:
     """Undo :func:`swap_body`."""
     module = swapped.module
     if swapped.kind is BodyKind.NNSIGHT:
-        module.__dict__[NNSIGHT_STATE].body = swapped.previous
+        from .nnsight_source import uninstall
+
+        uninstall(module, swapped.previous)
     elif swapped.kind is BodyKind.ACCELERATE:
         module.__dict__["_old_forward"] = swapped.previous
     elif swapped.previous is _MISSING:

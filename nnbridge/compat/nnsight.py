@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .forwards import NNSIGHT_STATE
+from .nnsight_source import count_routes
 
 
 def wanted_inside(module: torch.nn.Module) -> bool:
@@ -56,6 +57,7 @@ def route_if_wanted(point: torch.nn.Module, value: Any) -> Any:
                 for location in locations:
                     if location in parked or location in observers:
                         return point(value)
+        count_routes(state)  # not served: counted as visited all the same (see count_visits)
     return value
 
 
