@@ -266,7 +266,9 @@ def test_generation_steps_reach_ops(gpt2_model):
 
 
 def test_names_paths_and_errors(gpt2_model):
-    model, ids = gpt2_model
+    _, ids = gpt2_model
+    # op-aware errors on module envoys: envoys=BridgeEnvoy (by default modules have nnsight's Envoy)
+    model = nnbridge.LanguageModel(text_model("gpt2"), tokenizer=tokenizer(), envoys=nnbridge.envoys.BridgeEnvoy)
     with pytest.raises(AttributeError, match="ops are not known yet.*model.extract"):
         model.transformer.h[0].attn.softmax
     model.extract(**ids)
@@ -279,7 +281,7 @@ def test_names_paths_and_errors(gpt2_model):
     with pytest.raises(AttributeError, match="sofmax"):
         with model.trace(PROMPTS[0]):
             model.transformer.h[0].attn.sofmax.output.save()
-    assert "OpPoint(softmax: Tensor(2, 4, 8, 8))" in repr(model.transformer.h[0].attn)
+    assert repr(softmax) == "OpPoint(softmax: Tensor(2, 4, 8, 8))" and "(ops): " in repr(model.transformer.h[0].attn)
     # bad indexes keep nnsight's exception type (AttributeError) and say what is there
     with pytest.raises(AttributeError, match="model.transformer.h \\(ModuleList\\) has no entry '999'; it holds 2"):
         model.transformer.h[999]
@@ -288,7 +290,7 @@ def test_names_paths_and_errors(gpt2_model):
 def test_opaque_module_ops_explain_why():
     from fixtures.data_dependent_module import DataDependentModule
 
-    model = nnbridge.NNsight(DataDependentModule().eval())
+    model = nnbridge.NNsight(DataDependentModule().eval(), envoys=nnbridge.envoys.BridgeEnvoy)
     x = torch.randn(2, 3)
     model.extract(x)
     with pytest.raises(AttributeError, match="is opaque .*GuardOnDataDependent|is opaque"):
@@ -388,7 +390,7 @@ def test_only_graphs_with_a_wanted_op_inside_pay_for_the_trace_checks(gpt2_model
 def test_module_the_extracted_calls_never_ran_says_so():
     from fixtures.unused_submodule import UnusedSubmoduleModule
 
-    model = nnbridge.NNsight(UnusedSubmoduleModule())
+    model = nnbridge.NNsight(UnusedSubmoduleModule(), envoys=nnbridge.envoys.BridgeEnvoy)
     model.extract(torch.randn(2, 3))
     assert model.used.linear is not None  # an op of a module that ran
     with pytest.raises(AttributeError, match="model.unused \\(Linear\\) has no attribute or op 'linear', and no"

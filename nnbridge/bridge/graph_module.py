@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import inspect
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -81,6 +81,11 @@ class GraphModuleBase(abc.ABC):
     def op_points(self) -> dict[str, OpPoint]:
         """``{node name: OpPoint}`` for every node, in graph order (creates them all)."""
         return {name: self.op_point(name) for name in self.point_names}
+
+    def op_points_made(self) -> Iterable[OpPoint]:
+        """The op points created so far (without creating the others): a live view, no copy (asked
+        on every bridged call)."""
+        return self._op_points.values()
 
     def share_point(self, name: str, point: OpPoint) -> None:
         """Use ``point`` (another graph's op point for the same node: another call structure of the

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -118,9 +118,21 @@ class Bridge:
             a value inside ``module`` (then its graph runs code that asks each node's
             :attr:`OpPoint.wanted`); never, until a front-end installs its test (the envoy layer
             installs nnsight's).
+        source_body: class-wide ``source_body(module)``: the body a running trace wants this call of
+            ``module`` to run instead of its graph (nnsight's ``.source``-instrumented forward), or
+            None. Never, until a front-end installs its test.
+        front_end_body: class-wide ``front_end_body(module)``: the body a front-end keeps for
+            ``module`` when it runs outside a bridged call (nnsight's own), or None.
+        count_unrouted: class-wide ``count_unrouted(module, points)``: told of a call that ran
+            ``points`` without routing them, so a front-end counting visits (nnsight's iteration
+            steps) counts them as visited. Does nothing until a front-end installs its counter.
     """
 
     wanted_inside: ClassVar[Callable[[torch.nn.Module], bool]] = staticmethod(lambda module: False)
+    source_body: ClassVar[Callable[[torch.nn.Module], Callable[..., Any] | None]] = staticmethod(lambda module: None)
+    front_end_body: ClassVar[Callable[[torch.nn.Module], Callable[..., Any] | None]] = staticmethod(lambda module: None)
+    count_unrouted: ClassVar[Callable[[torch.nn.Module, Iterable[OpPoint]], None]] = staticmethod(
+        lambda module, points: None)
 
     def __init__(self, model: torch.nn.Module, options: ExtractionOptions):
         self.model = model
@@ -153,14 +165,19 @@ class Bridge:
         if graph is None:
             dispatcher = self.dispatchers.get(id(module))
             if dispatcher is None or not (module is self.model or self.depth > 0):
-                return type(module).forward(module, *args, **kwargs)
+                return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
             graph = dispatcher.lookup(args, kwargs).root
         self.depth += 1
         try:
             # an nnsight trace waiting for something inside this module: each node asks whether
-            # it is wanted; otherwise the plain code (which routes patched and hooked nodes)
-            if Bridge.wanted_inside(module):
+            # it is wanted; otherwise the plain code (which routes patched and hooked nodes), with
+            # the trace's visit counts of the graph's ops kept as if each had been served
+            source = Bridge.source_body(module)
+            if source is None and Bridge.wanted_inside(module):
                 return graph.trace_forward()(graph, *args, **kwargs)
+            Bridge.count_unrouted(module, graph.op_points_made())
+            if source is not None:  # the trace wants this call's nnsight ``.source`` operations
+                return source(module, *args, **kwargs)
             return graph.forward(*args, **kwargs)
         except BaseException as error:
             add_note(error)

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-NNSIGHT_STATE = "__nnsight__"  # nnsight 0.8.x: nnsight.intervention.source.STATE
+from .nnsight_source import NNSIGHT_STATE, install, uninstall
+
 _MISSING = object()
 
 
@@ -46,10 +47,9 @@ class SwappedBody:
 def swap_body(module: torch.nn.Module, body: Callable[..., Any]) -> SwappedBody:
     """Make ``module``'s call run ``body(module, *args, **kwargs)`` inside whatever wraps it."""
     state = module.__dict__.get(NNSIGHT_STATE)
-    if state is not None:
-        swapped = SwappedBody(module, BodyKind.NNSIGHT, state.body)
-        state.body = body
-        return swapped
+    if state is not None:  # nnsight's slot keeps its own body (``.source`` rewrites it): see nnsight_source
+
+        return SwappedBody(module, BodyKind.NNSIGHT, install(module, body))
     bound = _Bound(module, body, module.__dict__.get("forward"))
     if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__:
         swapped = SwappedBody(module, BodyKind.ACCELERATE, module.__dict__["_old_forward"])
@@ -64,7 +64,8 @@ def restore_body(swapped: SwappedBody) -> None:
     """Undo :func:`swap_body`."""
     module = swapped.module
     if swapped.kind is BodyKind.NNSIGHT:
-        module.__dict__[NNSIGHT_STATE].body = swapped.previous
+
+        uninstall(module, swapped.previous)
     elif swapped.kind is BodyKind.ACCELERATE:
         module.__dict__["_old_forward"] = swapped.previous
     elif swapped.previous is _MISSING:

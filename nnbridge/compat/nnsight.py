@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .forwards import NNSIGHT_STATE
+from .nnsight_source import count_routes
 
 
 def wanted_inside(module: torch.nn.Module) -> bool:
@@ -53,6 +54,7 @@ def trace_wants(point: torch.nn.Module) -> bool:
                 for location in locations:
                     if location in parked or location in observers:
                         return True
+        count_routes(state)  # not served: counted as visited all the same (see count_visits)
     return False
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import nnsight
 import torch
 
+from ..compat import nnsight_repr
 from ..compat.module_dicts import modules_of
 from ..bridge.in_place import bridge_of
 from ..bridge.op_point import OpPoint, OpPointContainer
@@ -89,10 +90,21 @@ class BridgeEnvoy(nnsight.Envoy):
         close = difflib.get_close_matches(name, ops, n=5, cutoff=0.5) or ops[:5]
         return f"{where} has no attribute or op {name!r}; closest ops: {close}."
 
+    def __repr__(self) -> str:
+        """nnsight's printed tree, each module's ops on one line (see :func:`tree_repr`)."""
+        return tree_repr(self)
+
     def __dir__(self) -> list[str]:
         module = self.__dict__.get("_module")
         children = list(modules_of(module)) if module is not None else []
         return sorted(set(super().__dir__()) | set(children))
+
+
+def tree_repr(envoy: nnsight.Envoy) -> str:
+    """``envoy``'s tree as nnsight 0.8.1 prints it (``Envoy.__repr__``: repeated ``ModuleList``
+    entries collapse to ``(0-29): 30 x LlamaDecoderLayer(...)``), with each module's op envoys
+    on one line, ``(ops): 8 ops: x, bias_, weight_, ..., output_`` (the first 6 and last 2 names)."""
+    return nnsight_repr.tree_repr(envoy, lambda module: isinstance(module, (OpPoint, OpPointContainer)))
 
 
 #: Module containers: their entries are modules, indexed by position or key.

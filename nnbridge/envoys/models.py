@@ -24,8 +24,13 @@ from nnsight.modeling.transformers import TransformersModel as _NNsightTransform
 
 from ..bridge.call_structure import structure_key
 from ..bridge.in_place import bridge, bridge_of
+from ..compat.nnsight_loading import PreprocessorSources
 from ..compat.nnsight import dispatch_if_lazy, mirror_envoys, repoint_envoys, scalar_safe_batcher
-from .envoy import BridgeEnvoy
+from ..bridge.op_point import OpPoint, OpPointContainer
+from .envoy import BridgeEnvoy, tree_repr
+
+#: The default ``envoys=`` mapping: op points get BridgeEnvoys, modules nnsight's own Envoy.
+OP_ENVOYS = {OpPoint: BridgeEnvoy, OpPointContainer: BridgeEnvoy}
 
 
 class _Bridged:
@@ -36,10 +41,12 @@ class _Bridged:
             model = model._module
         # nnsight's ``envoys=`` (a class, or a dict by module class / path suffix) and a subclass's
         # ``envoys`` class attribute are the user's choice and are used as given, for op envoys
-        # too (``Envoy._resolve_envoy_class``); only when neither is set are envoys BridgeEnvoys
-        # (``node_path``, op-aware errors). Plain envoys still reach ops: op points are children.
+        # too (``Envoy._resolve_envoy_class``). When neither is set, module envoys are plain
+        # ``nnsight.Envoy`` as in nnsight (its tests check ``type(envoy) is Envoy``) and op envoys,
+        # which nnsight does not have, are BridgeEnvoys (``node_path``). ``envoys=BridgeEnvoy``
+        # makes every envoy one (op-aware errors on modules too).
         if "envoys" not in kwargs and getattr(type(self), "envoys", None) is None:
-            kwargs["envoys"] = BridgeEnvoy
+            kwargs["envoys"] = OP_ENVOYS
         elif "envoys" not in kwargs:
             kwargs["envoys"] = type(self).envoys
         super().__init__(model, *args, **kwargs)
@@ -57,6 +64,10 @@ class _Bridged:
         copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         repoint_envoys(copied, copied._module)
         return copied
+
+    def __repr__(self) -> str:
+        """nnsight's printed tree, each module's ops on one line (see :func:`.envoy.tree_repr`)."""
+        return tree_repr(self)
 
     # -- extraction -----------------------------------------------------------------------------
     def _nnbridge_model(self) -> torch.nn.Module:
@@ -120,10 +131,10 @@ class NNsight(_Bridged, nnsight.NNsight):
     """``nnsight.NNsight`` whose trace contexts reach every op (see the module docstring)."""
 
 
-class TransformersModel(_Bridged, _NNsightTransformersModel):
+class TransformersModel(_Bridged, PreprocessorSources, _NNsightTransformersModel):
     """``nnsight.TransformersModel`` whose trace contexts reach every op."""
 
 
-class LanguageModel(_Bridged, _NNsightLanguageModel):
+class LanguageModel(_Bridged, PreprocessorSources, _NNsightLanguageModel):
     """``nnsight.LanguageModel`` whose trace contexts reach every op (nnsight deprecates the class
     in favour of ``TransformersModel(..., task="text-generation")``; both are provided)."""

@@ -1,10 +1,11 @@
 """Installs nnsight's "does the running trace want this?" tests into the graph runtime.
 
-The graph layer asks two class-wide hooks while a trace runs: :attr:`OpPoint.wanted` (route
-this node's value through its op point?) and :attr:`Bridge.wanted_inside` (run this bridged
-module's asking code?). Both say no until a front-end installs its test; importing the envoy
-layer installs nnsight 0.8's (:func:`nnbridge.compat.nnsight.trace_wants`,
-:func:`~nnbridge.compat.nnsight.wanted_inside`). The dependency runs one way: the envoy layer
+The graph layer asks class-wide hooks while a trace runs: :attr:`OpPoint.wanted` (route this
+node's value through its op point?), :attr:`Bridge.wanted_inside` (run this bridged module's
+asking code?), :attr:`Bridge.source_body` (run nnsight's ``.source`` body for this call?),
+:attr:`Bridge.front_end_body` and :attr:`Bridge.count_unrouted` (nnsight's visit counts). All say
+no until a front-end installs its test; importing the envoy layer installs nnsight 0.8's
+(:mod:`nnbridge.compat.nnsight`, :mod:`nnbridge.compat.nnsight_source`). The dependency runs one way: the envoy layer
 knows the graph runtime, never the reverse. Example::
 
     install()                  # done on import of nnbridge.envoys
@@ -16,6 +17,7 @@ from __future__ import annotations
 from ..bridge.in_place import Bridge
 from ..bridge.op_point import OpPoint
 from ..compat.nnsight import trace_wants, wanted_inside
+from ..compat.nnsight_source import count_visits, nnsight_body, source_body
 
 
 def install() -> None:
@@ -23,3 +25,6 @@ def install() -> None:
     inside. Idempotent."""
     OpPoint.wanted = staticmethod(trace_wants)  # type: ignore[assignment]
     Bridge.wanted_inside = staticmethod(wanted_inside)  # type: ignore[assignment]
+    Bridge.source_body = staticmethod(source_body)  # type: ignore[assignment]
+    Bridge.front_end_body = staticmethod(nnsight_body)  # type: ignore[assignment]
+    Bridge.count_unrouted = staticmethod(count_visits)  # type: ignore[assignment]
