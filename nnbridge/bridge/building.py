@@ -17,7 +17,8 @@ import torch
 from torch.fx import Graph, Node
 
 from .assembly import original_path, persistent, renamed_template, resolve_attr, retype_containers
-from .cleanup import (clean_graph, drop_unused_extras, input_prologue, name_nodes, remove_dead_code,
+from .naming import name_nodes
+from .cleanup import (clean_graph, drop_unused_extras, input_prologue, remove_dead_code,
                       restore_constant_outputs)
 from .context import ExtractionContext, describe_failure
 from .custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
