@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .forwards import NNSIGHT_STATE
-from .nnsight_source import count_routes
+from .nnsight_source import NNSIGHT_STATE
+from .nnsight_source import count_routes, wanted_below
 
 
 def wanted_inside(module: torch.nn.Module) -> bool:
@@ -29,15 +29,7 @@ def wanted_inside(module: torch.nn.Module) -> bool:
     anyone, and a worker can only move on (and park deeper in this module) when it is served a
     location below this module, so a module nothing below is wanted from runs its plain code.
     """
-    state = module.__dict__.get(NNSIGHT_STATE)
-    if state is None:
-        return False
-    interleaver, path, _ = state.active()
-    if interleaver is None:
-        return False
-    prefix = f"{path}."
-    return (any(location.startswith(prefix) for location in interleaver.parked)
-            or any(location.startswith(prefix) for location in interleaver.observers))
+    return wanted_below(module)
 
 
 def trace_wants(point: torch.nn.Module) -> bool:

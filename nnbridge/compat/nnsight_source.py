@@ -102,14 +102,21 @@ def source_body(module: torch.nn.Module) -> Callable[..., Any] | None:
     state = module.__dict__.get(NNSIGHT_STATE)
     if state is None or not state.sourced:
         return None
+    return nnsight_body(module) if wanted_below(module, "source.") else None
+
+
+def wanted_below(module: torch.nn.Module, prefix: str = "") -> bool:
+    """Whether the running nnsight trace parks at, or caches, a location of ``module``'s whose path
+    continues with ``prefix`` (``Interleaver.parked``/``observers``, matched by path prefix)."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    if state is None:
+        return False
     interleaver, path, _ = state.active()
     if interleaver is None:
-        return None
-    prefix = f"{path}.source."
-    if (any(location.startswith(prefix) for location in interleaver.parked)
-            or any(location.startswith(prefix) for location in interleaver.observers)):
-        return nnsight_body(module)
-    return None
+        return False
+    start = f"{path}.{prefix}"
+    return (any(location.startswith(start) for location in interleaver.parked)
+            or any(location.startswith(start) for location in interleaver.observers))
 
 
 def count_visits(module: torch.nn.Module, points: Iterable[torch.nn.Module]) -> None:
