@@ -10,14 +10,9 @@ import nnbridge
 from nnbridge import ExtractionOptions, PatchableGraph, ProbePatch
 from nnbridge.bridge import bridge_of
 from nnbridge.bridge.state import assign_state
-from utils import assert_same, gpt2, llama
+from utils import assert_same, cached, gpt2, llama
 
 MODELS = {"gpt2": gpt2, "llama": llama}
-
-
-def cached(cache):
-    """The tensors a DynamicCache holds: each initialized layer's keys and values."""
-    return [t for layer in cache.layers if layer.is_initialized for t in (layer.keys, layer.values)]
 
 
 def cache_modules(name, model):

@@ -5,33 +5,11 @@ import warnings
 import nnsight
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 import nnbridge
 from nnbridge import ProbePatch, ZeroPatch
 from nnbridge.bridge import bridge_of
-from utils import assert_same, gpt2_tokenizer_dir, text_model
-
-PROMPTS = ["When Mary and John went to the store", "The capital of France is"]
-
-
-def tokenizer():
-    tok = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir())
-    tok.pad_token = "<|endoftext|>"
-    return tok
-
-
-def wrap(library, kind):
-    return library.TransformersModel(text_model(kind), tokenizer=tokenizer(), task="text-generation")
-
-
-def layer(model, i):
-    return model.transformer.h[i] if hasattr(model, "transformer") else model.model.layers[i]
-
-
-def head(model):
-    return model.lm_head
-
+from utils import PROMPTS, assert_same, gpt2_tokenizer_dir, head, layer, text_model, tokenizer, wrap
 
 # -- trace bodies, each run under nnsight and under nnbridge -------------------------------------
 def attention(model, i):

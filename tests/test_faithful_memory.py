@@ -15,8 +15,7 @@ import torch
 import nnbridge
 from nnbridge import NNBridgeError, PatchableGraph, ZeroPatch
 from nnbridge.bridge import bridge_of
-from test_caches import cached
-from utils import assert_same, gpt2, llama
+from utils import assert_same, cached, gpt2, llama
 
 MODELS = {"gpt2": gpt2, "llama": llama}
 CAPTURE = [{"output_attentions": True}, {"output_hidden_states": True},

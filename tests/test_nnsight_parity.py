@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import nnbridge
-from test_envoys import PROMPTS, head, layer, wrap
-from utils import assert_same
+from utils import assert_same, head, layer, PROMPTS, wrap
 
 
 # -- .skip() with transformers' default cache (use_cache=True, DynamicCache) ---------------------

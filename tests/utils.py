@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils import _pytree as pytree
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from fixtures.data_dependent_module import DataDependentModule
 from nnbridge import CompiledGraphModule, ExtractionOptions
@@ -166,3 +166,30 @@ def forward_spy(*modules: torch.nn.Module) -> Iterator[list[str]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+# -- nnsight-style wrappers over the text models (test_envoys, test_nnsight_parity) ---------------
+PROMPTS = ["When Mary and John went to the store", "The capital of France is"]
+
+
+def tokenizer():
+    tok = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir())
+    tok.pad_token = "<|endoftext|>"
+    return tok
+
+
+def wrap(library, kind):
+    return library.TransformersModel(text_model(kind), tokenizer=tokenizer(), task="text-generation")
+
+
+def layer(model, i):
+    return model.transformer.h[i] if hasattr(model, "transformer") else model.model.layers[i]
+
+
+def head(model):
+    return model.lm_head
+
+
+def cached(cache):
+    """The tensors a DynamicCache holds: each initialized layer's keys and values."""
+    return [t for layer in cache.layers if layer.is_initialized for t in (layer.keys, layer.values)]
