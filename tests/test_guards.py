@@ -79,6 +79,7 @@ EDITS = {
     "replaced_child": lambda m: m.layers.__setitem__(2, _seeded(nn.Linear, 4, 4)),
     "wrapped_child": lambda m: m.layers.__setitem__(1, _seeded(Lora, m.layers[1])),
     "parameter_reassigned": lambda m: setattr(m.layers[0], "weight", nn.Parameter(torch.full((4, 4), 0.5))),
+    "appended_layer": lambda m: m.layers.append(_seeded(nn.Linear, 4, 4)),
 }
 
 
@@ -93,6 +94,7 @@ def test_edits_after_extraction_are_honoured(edit):
     for name, run, target, reference in _front_ends(_stack, x):
         before = run(x)
         assert torch.equal(before, reference(x)), name
+        assert torch.equal(run(x), before), f"{name}: a second call (guards already counted once) reuses the graphs"
         EDITS[edit](target)
         EDITS[edit](reference)
         assert not torch.equal(reference(x), before), "the edit changes eager's output"
@@ -323,3 +325,22 @@ def test_child_re_extracted_while_transformers_collects_outputs():
     assert all(type(h) is torch.Tensor for h in got.hidden_states)
     assert_same(got, want)
     nnbridge.unbridge(model)
+
+
+class _OpPointLike(nn.Module):
+    """Stands for nnbridge's op points: children the guard is told to skip."""
+
+
+def test_size_guard_counts_again_when_a_dict_holding_op_points_grows():
+    """A module dict longer than its guarded size (it holds op points) is counted once per length:
+    a child added after that first count still fails the guard, an op point added does not."""
+    from nnbridge.bridge.guards import StateGuard
+    model = _stack()
+    model.add_module("point_0", _OpPointLike())
+    guard = StateGuard(model, opaque=set(), skip=lambda child: isinstance(child, _OpPointLike))
+    assert guard.holds() and guard.holds(), "op points are not guarded"
+    model.add_module("point_1", _OpPointLike())
+    assert guard.holds(), "another op point is not an edit"
+    model.add_module("extra", nn.Linear(4, 4))
+    assert not guard.holds()
+    assert guard.what_changed() == "entries of <root> were added or removed (1 -> 4)"

@@ -75,6 +75,10 @@ class StateGuard:
         # (where, live dict, its size): a parameter, buffer, child, attribute or config entry added
         # later (``register_buffer``, ``m.use_gate = True`` where forward uses ``hasattr``) changes it
         self._sizes: list[tuple[str, dict[str, Any], int]] = []
+        # {index in _sizes: a length of its live dict already counted equal once}: a module dict
+        # that holds nnbridge's op points is longer than its guarded size on every call; counting
+        # its entries again only when its length moves keeps :meth:`holds` O(1) per module
+        self._counted: dict[int, int] = {}
         self._skip = skip
         seen_configs: set[int] = set()
         for where, module in self._walk(root, path, opaque, skip):
@@ -147,9 +151,12 @@ class StateGuard:
                     return False
         except Exception:  # noqa: BLE001 - a value whose == raises has changed
             return False
-        for _, live, size in self._sizes:
-            if len(live) != size and self._size(live) != size:
-                return False
+        for index, (_, live, size) in enumerate(self._sizes):
+            length = len(live)
+            if length != size and self._counted.get(index) != length:
+                if self._size(live) != size:
+                    return False
+                self._counted[index] = length
         for _, store, name, tensor, dtype, device, shape, requires_grad in self._tensors:
             current = store.get(name)
             if (current is not tensor or current.dtype != dtype or current.device != device or current.shape != shape
