@@ -20,7 +20,7 @@ import torch
 from .capture_checks import CaptureWatch, UnfaithfulCaptureError
 from .cleanup import plain_value
 from .kinds import StubKind
-from .module_tree import CONTAINERS, named_real_modules
+from .module_tree import CONTAINERS, aliases_hidden, named_real_modules
 from .recording import copy_inputs, stub_output
 from .state import Key, state_keys, states_returned
 from ..compat import export
@@ -174,7 +174,9 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
             try:
                 # non-strict export runs the module's Python code, which mutates a cache passed in
                 # (with fake tensors): every attempt traces a fresh copy of the inputs
-                with states_returned(threaded) as states, watch.watching(frozen):
+                # (a container's repeated entry: its owner is stubbed, see .module_tree)
+                with states_returned(threaded) as states, watch.watching(frozen), \
+                        aliases_hidden(module, in_containers=True):
                     exported = export(wrapper, copy_inputs((args, kwargs)), dynamic_shapes=shapes,
                                       preserve_module_call_signature=fqns, grad_enabled=grad_enabled)
             except Exception as error:  # noqa: BLE001 - any export failure means fallback

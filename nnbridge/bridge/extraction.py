@@ -39,7 +39,8 @@ from .hierarchy import walk
 from .summaries import summarize
 from .kinds import StubKind
 from .locking import CALL_LOCK, locked_calls
-from .module_tree import aliases_hidden, named_real_modules, reserved_names_renamed
+from .module_tree import (SharedModuleEntry, aliases_hidden, named_real_modules, reserved_names_renamed,
+                          shared_container_entries)
 from .opaque import opaque_module
 from . import programs
 from .disk_cache import default_cache
@@ -143,6 +144,12 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         if fqn and (type(sub) in ctx.options.custom_extraction_functions
                     or type(sub) in ctx.options.classes_to_skip_compiling)}
     errors: dict[str, BaseException] = {}
+    for fqn, reason in shared_container_entries(module).items():
+        if fqn == "":
+            ctx.fail("", reason, SharedModuleEntry(reason), fix=SharedModuleEntry.FIX)
+            return opaque_module(ctx, "", module, args, kwargs, reason), static
+        if fqn not in stubs:
+            stubs[fqn], errors[fqn] = reason, SharedModuleEntry(reason)
     dynamic = ctx.options.dynamic_shapes
     # the call's structure before anything runs it: export may record a cache argument's spec
     # after the traced code mutated it (torch 2.13, static shapes)
@@ -206,7 +213,8 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
             calls = record_calls(module, set(stubs), args, kwargs)
     for fqn, reason in stubs.items():
         if reason not in (StubKind.CUSTOM, StubKind.SKIPPED):
-            ctx.fail(fqn, reason, errors[fqn])
+            shared = isinstance(errors[fqn], SharedModuleEntry)
+            ctx.fail(fqn, reason, errors[fqn], fix=SharedModuleEntry.FIX if shared else None)
         elif reason == StubKind.SKIPPED:
             ctx.opaque[ctx.full(fqn)] = reason
     guard = record.guard if record is not None else ShapeGuard.from_export(exported) if dynamic else static

@@ -101,7 +101,7 @@ def reorder(store: dict[str, Any], order: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def aliases_hidden(module: torch.nn.Module) -> Iterator[None]:
+def aliases_hidden(module: torch.nn.Module, *, in_containers: bool = False) -> Iterator[None]:
     """Hide every further registration of a module object (``self.alias = self.linear``, or one
     child shared by two parents) from ``_modules`` for the body's duration.
 
@@ -111,6 +111,10 @@ def aliases_hidden(module: torch.nn.Module) -> Iterator[None]:
     still reaches the child through it; export then knows the child by its first name only, and
     every call of it, under any name, is an invocation of that name (``linear_0``, ``linear_1``).
     Restores every registration in its place on exit, also on error.
+
+    A ModuleList/ModuleDict entry is hidden only with ``in_containers``: iterating a container goes
+    through its registrations, so this is for the export call alone, whose container owners are
+    stubbed (see :func:`shared_container_entries`).
     """
     hidden: list[tuple[torch.nn.Module, str, torch.nn.Module, list[str]]] = []
     seen = {id(module)}
@@ -119,7 +123,7 @@ def aliases_hidden(module: torch.nn.Module) -> Iterator[None]:
         for name, child in list(modules_of(parent).items()):
             if child is None or isinstance(child, (OpPoint, OpPointContainer)):
                 continue
-            if id(child) in seen:
+            if id(child) in seen and (in_containers or not isinstance(parent, CONTAINERS)):
                 hidden.append((parent, name, child, list(modules_of(parent))))
                 del modules_of(parent)[name]
                 parent.__dict__[name] = child
@@ -137,11 +141,52 @@ def aliases_hidden(module: torch.nn.Module) -> Iterator[None]:
 
 
 def direct_callees(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
-    """Children a module's forward can call, looking through ModuleList/ModuleDict containers."""
-    for name, child in module.named_children():
-        if isinstance(child, (OpPoint, OpPointContainer)):
+    """Children a module's forward can call, looking through ModuleList/ModuleDict containers.
+
+    Every registration counts: a container holding one module object at two entries yields both
+    (iterating the container runs it twice), unlike ``named_children()``.
+    """
+    for name, child in modules_of(module).items():
+        if child is None or isinstance(child, (OpPoint, OpPointContainer)):
             continue
         if isinstance(child, CONTAINERS):
             yield from direct_callees(child, f"{prefix}{name}.")
         else:
             yield prefix + name, child
+
+
+class SharedModuleEntry(ExtractionError):
+    """Why a module runs opaque: its container holds a module object registered twice (see
+    :func:`shared_container_entries`)."""
+
+    #: what the error (with ``error_on_compilation_failure``) tells the user to do
+    FIX = ("Give each container entry its own module object (to share weights, call one module twice"
+           " from forward instead), or set error_on_compilation_failure=False to run this module opaque"
+           " (its children are still extracted).")
+
+
+def shared_container_entries(module: torch.nn.Module) -> dict[str, str]:
+    """``{fqn: reason}`` for each module whose ModuleList/ModuleDict holds a module object that is
+    registered more than once in ``module``'s tree (``nn.ModuleList([block, other, block])``).
+
+    Iterating, indexing and ``len()`` of a container go through its registrations, so hiding a
+    repeated one from export (:func:`aliases_hidden`) would change what the module runs, and
+    export (torch 2.13) cannot keep the calls of one object under two paths apart: such a module
+    runs opaque, its children extracted one by one (each entry its own invocation).
+    """
+    registrations: dict[int, list[str]] = {}
+    for fqn, sub in named_real_modules(module):
+        for name, child in modules_of(sub).items():
+            if child is not None and not isinstance(child, (OpPoint, OpPointContainer)):
+                registrations.setdefault(id(child), []).append(f"{fqn}.{name}" if fqn else name)
+    found: dict[str, str] = {}
+    for fqn, sub in named_real_modules(module):
+        if isinstance(sub, CONTAINERS):
+            continue
+        for name, child in direct_callees(sub):
+            paths = registrations.get(id(child), [])
+            if len(paths) > 1 and "." in name and fqn not in found:
+                found[fqn] = (f"{' and '.join(repr(p) for p in paths)} are one module object, held in a"
+                              f" {type(sub.get_submodule(name.rsplit('.', 1)[0])).__name__}: export cannot keep"
+                              f" the calls of one module under two paths apart")
+    return found
