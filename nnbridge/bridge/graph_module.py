@@ -298,16 +298,19 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         reason: why it is opaque (``"GuardOnDataDependentSymNode: ..."``, ``"skipped"``).
         children: ``{child name: extracted child}`` shown in the hierarchy (primary extractions).
         callees: ``{child name: module called in its place}`` while the original code runs.
+        routers: the callees that count their calls per run (``restart()`` before each run): a
+            child called several times, one graph per invocation (see :mod:`.opaque`).
     """
 
     original: torch.nn.Module
     reason: str
     _callees: dict[str, torch.nn.Module]
+    _routers: list[Any]
     _signature: inspect.Signature
     _tensor_names: list[str]
 
     def __init__(self, module: torch.nn.Module, reason: str, children: dict[str, torch.nn.Module],
-                 callees: dict[str, torch.nn.Module]):
+                 callees: dict[str, torch.nn.Module], routers: list[Any] | None = None):
         super().__init__()
         self._init_meta(type(module))
         self.__dict__["original"] = module
@@ -319,6 +322,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         for name, child in children.items():
             self.add_module(name, child)
         self.__dict__["_callees"] = dict(callees)
+        self.__dict__["_routers"] = list(routers or [])
         signature = inspect.signature(type(module).forward)
         params = list(signature.parameters.values())[1:]
         self.__dict__["_signature"] = signature.replace(parameters=params)
@@ -333,6 +337,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         """Let the original code call the module's own children instead of their graph
         dispatchers (an in-place bridge: the children are bridged themselves)."""
         self.__dict__["_callees"] = {}
+        self.__dict__["_routers"] = []
 
     def trace_forward(self) -> Any:
         """The forward used while an nnsight trace runs: every input, tensor and the output may be
@@ -366,6 +371,8 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
             args, kwargs = self._route_arguments(args, kwargs, routed, call)
         saved_modules = {name: modules_of(module)[name] for name in self._callees}
         saved_tensors: dict[str, tuple[dict[str, Any], Any, Any]] = {}
+        for router in self._routers:
+            router.restart()
         try:
             modules_of(module).update(self._callees)
             for name in self._tensor_names:

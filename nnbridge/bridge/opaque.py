@@ -17,7 +17,7 @@ import torch
 
 from .assembly import attach, renamed_template
 from .context import ChildDispatcher, ExtractionContext
-from .graph_module import OpaqueGraphModule
+from .graph_module import MultiplyInvokedModule, OpaqueGraphModule
 from .kinds import HookKind
 from .module_tree import direct_callees, safe_name
 from .recording import copy_inputs, observed_run
@@ -25,18 +25,56 @@ from .unused import unused_module
 from ..compat.module_dicts import modules_of
 
 
+class InvocationRouter(torch.nn.Module):
+    """Called in place of a child the opaque module's code calls several times: its ``k``-th call
+    in one run of the module goes to invocation ``k``'s dispatcher (NodePath ``<child>_k``), as a
+    compiled graph numbers them; calls past the last extracted invocation go to the last one.
+
+    The opaque module calls :meth:`restart` before each run.
+    """
+
+    dispatchers: list[ChildDispatcher]
+    calls: int
+
+    def __init__(self, dispatchers: list[ChildDispatcher]):
+        super().__init__()
+        self.__dict__["dispatchers"] = dispatchers  # not registered: shown through the invocations
+        self.__dict__["calls"] = 0
+
+    def restart(self) -> None:
+        self.__dict__["calls"] = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        index = min(self.calls, len(self.dispatchers) - 1)
+        self.__dict__["calls"] = self.calls + 1
+        return self.dispatchers[index](*args, **kwargs)  # type: ignore[operator]
+
+
 def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             reason: str) -> OpaqueGraphModule:
-    """Opaque fallback: run the original code, extract each called child from its first call."""
+    """Opaque fallback: run the original code, extract each called child from its calls.
+
+    A child called several times in the observed run gets one extraction per invocation
+    (``linear_0``, ``linear_1``, graphpatch's numbering), routed by an :class:`InvocationRouter`;
+    one module object registered under several names is extracted from its first call.
+    """
     callees = list(direct_callees(module))
-    captured: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    names_of: dict[int, int] = {}
+    for _, child in callees:
+        names_of[id(child)] = names_of.get(id(child), 0) + 1
+    captured: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
 
     def grabber(name: str) -> Callable[..., None]:
-        return lambda m, a, k: captured.setdefault(name, (copy_inputs(a), copy_inputs(k))) and None
+        def grab(m: torch.nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> None:
+            calls = captured.setdefault(name, [])
+            if not calls or names_of[id(m)] == 1:
+                calls.append((copy_inputs(a), copy_inputs(k)))
+        return grab
     observed_run(module, args, kwargs, [(child, HookKind.PRE, grabber(name)) for name, child in callees])
     shown = torch.nn.Module()
     swapped = torch.nn.Module()
     dispatchers: dict[str, ChildDispatcher] = {}
+    routers: list[InvocationRouter] = []
     template = renamed_template(module)
     for name, child in callees:
         child_path = ctx.full(f"{fqn}.{name}" if fqn else name)
@@ -47,13 +85,22 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
             attach(shown, safe, unused_module(ctx, f"{fqn}.{name}" if fqn else name, child), template)
             attach(swapped, original_name, child, module)
             continue
-        a, k = captured[name]
-        dispatcher = ctx.child_dispatcher(child, child_path)
-        first_extraction = dispatcher.add_extraction(a, k)
-        ctx.opaque.update(first_extraction.opaque)
-        attach(shown, safe, first_extraction.root, template)
-        attach(swapped, original_name, dispatcher, module)
-        dispatchers[safe.replace(".", "_")] = dispatcher
-    opaque = OpaqueGraphModule(module, reason, dict(modules_of(shown)), dict(modules_of(swapped)))
+        invocations = []
+        for index, (a, k) in enumerate(captured[name]):
+            several = len(captured[name]) > 1
+            dispatcher = ctx.child_dispatcher(child, f"{child_path}_{index}" if several else child_path)
+            extraction = dispatcher.add_extraction(a, k)
+            ctx.opaque.update(extraction.opaque)
+            invocations.append((dispatcher, extraction.root))
+            dispatchers[f"{safe.replace('.', '_')}_{index}" if several else safe.replace(".", "_")] = dispatcher
+        if len(invocations) == 1:
+            attach(shown, safe, invocations[0][1], template)
+            attach(swapped, original_name, invocations[0][0], module)  # type: ignore[arg-type]
+        else:
+            attach(shown, safe, MultiplyInvokedModule([root for _, root in invocations]), template)
+            router = InvocationRouter([dispatcher for dispatcher, _ in invocations])
+            routers.append(router)
+            attach(swapped, original_name, router, module)
+    opaque = OpaqueGraphModule(module, reason, dict(modules_of(shown)), dict(modules_of(swapped)), routers)
     opaque.graph_meta.child_dispatchers = dispatchers
     return opaque
