@@ -100,3 +100,24 @@ def test_error_option_names_the_module_the_cause_and_the_fix():
     assert "Give each container entry its own module object" in message
     assert torch.equal(model(x), _made(Outer)(x)), "nothing left half-extracted"
     assert list(dict(model.stack.layers.named_children())) == ["0", "1"] and len(model.stack.layers) == 3
+
+
+class SecondEntry(nn.Module):
+    """``ModuleList([lin, lin])`` whose forward indexes the second entry (graphpatch-parity report)."""
+
+    def __init__(self):
+        super().__init__()
+        lin = nn.Linear(4, 4)
+        self.layers = nn.ModuleList([lin, lin])
+
+    def forward(self, x):
+        return self.layers[1](x) * 2
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_indexing_the_repeated_entry(mode):
+    model, x = _made(SecondEntry), torch.randn(3, 4)
+    pg = PatchableGraph(model, x, options=MODES[mode])
+    assert torch.equal(pg(x), _made(SecondEntry)(x))
+    with pg.patch({"layers_1.output": ZeroPatch()}):
+        assert torch.equal(pg(x), torch.zeros(3, 4))
