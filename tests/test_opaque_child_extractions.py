@@ -1,6 +1,6 @@
 """The children of an opaque module extract on their own (one dispatcher each) and may extract
 again on a later call (here: a call in another grad mode than the one their first graphs were
-extracted in, which came from extraction's no-grad observed run). Patches open during such a call, and the example recording,
+extracted in). Patches open during such a call, and the example recording,
 must reach those new graphs. Both failed before: the first patched call returned the unpatched
 output, and nested opaque children (GPT-2's ``transformer.h_1.mlp``) had no example summaries,
 so ``pg.graph`` showed their values as ``None`` and refused digs (``inner.foos|sub_0``)."""
@@ -8,7 +8,8 @@ so ``pg.graph`` showed their values as ``None`` and refused digs (``inner.foos|s
 import torch
 
 from nnbridge import ExtractionOptions, PatchableGraph, ZeroPatch
-from utils import gpt2
+import nnbridge
+from utils import gpt2, llama
 
 OPAQUE = ExtractionOptions(skip_compilation=True)
 
@@ -34,3 +35,19 @@ def test_examples_of_nested_opaque_children_are_recorded():
     pg = PatchableGraph(model, OPAQUE, ids, use_cache=False)
     assert pg.graph.transformer.h_1.mlp.output._shape == torch.Size([2, 6, 64])
     assert "transformer.h_1.attn.output|sub_0" in pg.graph.keys()
+
+
+def test_children_of_an_opaque_module_extract_once_for_the_calls_they_get():
+    """``output_attentions=True`` makes the decoder opaque (transformers collects outputs with
+    hooks). Its children's first graphs come from an observed run in the caller's grad mode, so
+    the real calls (inputs that require grad) reuse them: one extraction per child, not two."""
+    model, reference = llama(), llama()
+    ids = torch.randint(1, 100, (1, 7))
+    nnbridge.bridge(model, ids)
+    out = model(ids, output_attentions=True)
+    expected = reference(ids, output_attentions=True)
+    assert torch.equal(out.logits, expected.logits)
+    assert all(torch.equal(a, b) for a, b in zip(out.attentions, expected.attentions))
+    history = nnbridge.explain(model, ids, output_attentions=True).history
+    layers = [(path, reason) for path, reason in history if path.startswith("model.layers")]
+    assert layers == [("model.layers.0", "first call"), ("model.layers.1", "first call")], history

@@ -70,7 +70,10 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
             if not calls or names_of[id(m)] == 1:
                 calls.append((copy_inputs(a), copy_inputs(k)))
         return grab
-    observed_run(module, args, kwargs, [(child, HookKind.PRE, grabber(name)) for name, child in callees])
+    # in the caller's grad mode: each child's first extraction then has the call structure
+    # (``requires_grad`` of its inputs) of the real calls, which reuse it instead of extracting again
+    observed_run(module, args, kwargs, [(child, HookKind.PRE, grabber(name)) for name, child in callees],
+                 grad=torch.is_grad_enabled())
     shown = torch.nn.Module()
     swapped = torch.nn.Module()
     dispatchers: dict[str, ChildDispatcher] = {}

@@ -35,15 +35,16 @@ def copy_inputs(value: Any) -> Any:
 
 
 def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]]) -> None:
-    """One eager run of ``module`` on copies of the inputs (a cache would be mutated), no grad,
-    with temporary hooks: ``(submodule, HookKind, fn)``, both with kwargs."""
+                 hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]], *, grad: bool = False) -> None:
+    """One eager run of ``module`` on copies of the inputs (a cache would be mutated), with
+    temporary hooks: ``(submodule, HookKind, fn)``, both with kwargs. No grad unless ``grad``
+    (then the hooks see the ``requires_grad`` of the values a real call in grad mode passes)."""
     handles = []
     try:
         for sub, kind, fn in hooks:
             register = sub.register_forward_pre_hook if kind == HookKind.PRE else sub.register_forward_hook
             handles.append(register(fn, with_kwargs=True))
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             module(*copy_inputs(args), **copy_inputs(kwargs))
     finally:
         for handle in handles:
