@@ -61,3 +61,21 @@ def test_opaque_invocations_share_the_parameters():
     reference = _made()
     reference(x).sum().backward()
     assert torch.equal(model.linear.weight.grad, reference.linear.weight.grad)
+
+
+def test_opaque_invocations_survive_torch_save_and_pg_save(tmp_path):
+    import io
+    model, x = _made(), torch.randn(3, 4)
+    pg = PatchableGraph(model, x, options=MODES["opaque"])
+    buffer = io.BytesIO()
+    torch.save(pg, buffer)
+    buffer.seek(0)
+    pg.save(tmp_path / "pg")
+    for loaded in (torch.load(buffer, weights_only=False),
+                   PatchableGraph.load(tmp_path / "pg", model, options=MODES["opaque"])):
+        assert torch.equal(loaded(x), _made()(x))
+        reference = _made()
+        handle = _zero_call(reference, 1)
+        with loaded.patch({"linear_1.output": ZeroPatch()}):
+            assert torch.equal(loaded(x), reference(x))
+        handle.remove()
