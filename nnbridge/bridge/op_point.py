@@ -123,11 +123,11 @@ class OpPoint(torch.nn.Module):
         self.refresh()
         return handle
 
-    def register_forward_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:  # type: ignore[override]
+    def register_forward_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:
         """As ``torch.nn.Module.register_forward_hook``; returning a value replaces the op's output."""
         return self._refreshing(super().register_forward_hook(hook, **kwargs))
 
-    def register_forward_pre_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:  # type: ignore[override]
+    def register_forward_pre_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:
         """As ``torch.nn.Module.register_forward_pre_hook``; the op's value is the single input."""
         return self._refreshing(super().register_forward_pre_hook(hook, **kwargs))
 

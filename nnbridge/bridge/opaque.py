@@ -49,6 +49,8 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
             continue
         a, k = captured[name]
         dispatcher = ctx.child_dispatcher(child, child_path)
+        # a GraphDispatcher (see ChildDispatcher): the original code calls it in the child's place
+        assert isinstance(dispatcher, torch.nn.Module), type(dispatcher)
         first_extraction = dispatcher.add_extraction(a, k)
         ctx.opaque.update(first_extraction.opaque)
         attach(shown, safe, first_extraction.root, template)
