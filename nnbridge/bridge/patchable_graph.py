@@ -154,7 +154,7 @@ class PatchableGraph(torch.nn.Module):
     _graph_module: CompiledGraphModule | OpaqueGraphModule
     # Plain attributes, written through ``self.__dict__`` so that nn.Module does not register them
     # (the model and its dispatcher must not become children twice).
-    #: the ``_PatchListener``\ s of every open patch context (every thread)
+    #: the _PatchListener objects of every open patch context (every thread)
     _active: list[_PatchListener]
     #: what a call runs: the bridged model itself, or the dispatcher over a plain model
     _call: torch.nn.Module
@@ -250,7 +250,7 @@ class PatchableGraph(torch.nn.Module):
 
     def _refuse_user_hooks(self, plain: list[tuple[str, torch.nn.Module]]) -> None:
         """Over a plain (unbridged) model the graphs replace the model's modules (``plain``: its
-        ``(path, module)``\ s), so torch hooks on those modules would not run (as in graphpatch):
+        ``(path, module)`` pairs), so torch hooks on those modules would not run (as in graphpatch):
         refuse rather than silently skip them."""
         hooked = [path or "<root>" for path, module in plain if has_user_hooks(module)]
         if hooked:
