@@ -16,7 +16,7 @@ import abc
 import inspect
 import types
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -155,7 +155,8 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         linked = self.graph_meta.graph_children
         if linked is not None:
             return linked[node_name(node)]
-        return self.get_submodule(str(node.target))  # type: ignore[return-value]
+        # a call_module node of an extracted graph calls a child graph
+        return cast(GraphModuleBase, self.get_submodule(str(node.target)))
 
     def example(self, name: str) -> Any:
         """As :meth:`GraphModuleBase.example`; a compiled graph keeps summaries on its nodes."""

@@ -134,7 +134,7 @@ class ShapeView:
     def __eq__(self, other: object) -> bool:
         return self.unwrap() == (other.unwrap() if isinstance(other, ShapeView) else other)
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as __eq__ compares shapes (Python's idiom)
 
     def __repr__(self) -> str:
         lines = [f"{self._path}: {describe(self._summary)}"]
@@ -261,11 +261,12 @@ class NodeView:
 
     def _lookup(self, path: str) -> NodeView | None:
         self._require_children()
-        view: NodeView = self
+        view = self
         for segment in path.replace("|", ".").split("."):
-            view = next((child for name, child in view._children() if name == segment), None)  # type: ignore[assignment]
-            if view is None:
+            found = next((child for name, child in view._children() if name == segment), None)
+            if found is None:
                 return None
+            view = found
         return view
 
     @property

@@ -96,12 +96,12 @@ class _PatchListener:
             return self._patched(value)
         key = self.keys[depth]
         new = self._apply(value[key], depth + 1)
-        if isinstance(value, tuple) and not hasattr(value, "_fields"):
-            position = cast(int, key)  # value[key] indexed a tuple: an int
-            return value[:position] + (new,) + value[position + 1:]
         if isinstance(value, tuple):
-            named = cast(_NamedTuple, value)  # a tuple with _fields
-            return named._replace(**{named._fields[cast(int, key)]: new})
+            position = cast(int, key)  # value[key] indexed a tuple: an int
+            if not hasattr(value, "_fields"):
+                return value[:position] + (new,) + value[position + 1:]
+            named = cast(_NamedTuple, value)
+            return named._replace(**{named._fields[position]: new})
         copied = copy.copy(value)  # list, dict or ModelOutput: a new container, same elements
         copied[key] = new
         return copied
@@ -148,12 +148,12 @@ class PatchableGraph(torch.nn.Module):
         ExtractionError: extraction failed and ``error_on_compilation_failure`` is set.
     """
 
-    # registered as children (nn.Module.__setattr__)
+    # children, registered by nn.Module.__setattr__
     _dispatcher: GraphDispatcher
     #: the root graph of the first extraction: what pg.graph, node_paths and NodePath checks use
     _graph_module: CompiledGraphModule | OpaqueGraphModule
     # Plain attributes, written through ``self.__dict__`` so that nn.Module does not register them
-    # (the model and its dispatcher must not become children twice).
+    # (``_call`` would register the bridged model, or the dispatcher a second time, as a child).
     #: the _PatchListener objects of every open patch context (every thread)
     _active: list[_PatchListener]
     #: what a call runs: the bridged model itself, or the dispatcher over a plain model
@@ -206,10 +206,11 @@ class PatchableGraph(torch.nn.Module):
             self.__dict__["_example"] = (tuple(example_args), dict(example_kwargs))
         # the recording run may extract children of opaque modules again (under no_grad): pg.save keeps those too
         recording = [self.__dict__["_programs"]] if "_programs" in self.__dict__ else []
-        if not saving.restore_examples(first.root):  # a load has them from the file
+        root = _root(first)
+        if not saving.restore_examples(root):  # a load has them from the file
             with preserved_state(list(named_real_modules(module))), sources_active(*recording):
-                describe_examples(_root(first), tuple(example_args), dict(example_kwargs))
-        self._graph_module = _root(first)
+                describe_examples(root, tuple(example_args), dict(example_kwargs))
+        self._graph_module = root
 
     # -- saving (see .saving) --------------------------------------------------------------------
     def save(self, path: Any = None, *args: Any) -> Any:
@@ -221,7 +222,7 @@ class PatchableGraph(torch.nn.Module):
             SaveLoadError: see :func:`nnbridge.bridge.saving.save`.
         """
         if path is None:  # nnsight injects ``save`` on every object: keep it reachable
-            return super().save(*args)  # type: ignore[misc]
+            return super().save(*args)  # type: ignore[misc]  # nnsight adds save() at run time; Module has none
         saving.save(self, path)
         return None
 
