@@ -88,6 +88,26 @@ class GraphDispatcher(torch.nn.Module):
             model registers a :class:`WeakCallback`.
     """
 
+    # Plain attributes, written through ``self.__dict__`` so that nn.Module does not register them
+    # (``module`` would become a child and its parameters this dispatcher's own).
+    #: the original module (not a child; parameters shared)
+    module: torch.nn.Module
+    options: ExtractionOptions
+    #: NodePath of ``module`` in its hierarchy ("" for a root)
+    path: str
+    #: ``callback(dispatcher, extraction)`` run on each new extraction (shared within one tree)
+    on_extraction: list[Callable[[GraphDispatcher, Extraction], None]]
+    #: structure key -> the extractions kept for it, oldest first
+    extractions: dict[Hashable, list[Extraction]]
+    #: ``id(extraction)`` -> ``(structure key, extraction)``, least recently used first
+    _recency: OrderedDict[int, tuple[Hashable, Extraction]]
+    #: every extraction made, in order; evicted ones as :class:`EvictedExtraction`
+    history: list[Extraction | EvictedExtraction]
+    #: whether the thrashing warning was given
+    _warned: bool
+    #: ``module`` and its submodules (op points excluded): whose train/eval flags key a call
+    flag_modules: list[torch.nn.Module]
+
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, *, path: str = "",
                  on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None):
         super().__init__()
@@ -95,9 +115,8 @@ class GraphDispatcher(torch.nn.Module):
         self.__dict__["options"] = options
         self.__dict__["path"] = path
         self.__dict__["on_extraction"] = on_extraction if on_extraction is not None else []
-        self.__dict__["extractions"] = {}  # structure key -> [Extraction]
-        self.__dict__["_recency"] = OrderedDict()  # id(extraction) -> (key, extraction), oldest first
-        # every extraction made, in order (reasons for explain); evicted ones as EvictedExtraction
+        self.__dict__["extractions"] = {}
+        self.__dict__["_recency"] = OrderedDict()
         self.__dict__["history"] = []
         self.__dict__["_warned"] = False
         self.__dict__["flag_modules"] = real_modules(module)

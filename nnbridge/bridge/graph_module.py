@@ -15,8 +15,8 @@ from __future__ import annotations
 import abc
 import inspect
 import types
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -68,7 +68,7 @@ class GraphModuleBase(abc.ABC):
         if point is None:
             if name not in self._point_names:
                 raise KeyError(name)
-            point = self._op_points[name] = OpPoint(self, name)  # type: ignore[arg-type]
+            point = self._op_points[name] = OpPoint(self, name)
             setattr(self._nnbridge_ops, name, point)
         return point
 
@@ -155,7 +155,8 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         linked = self.graph_meta.graph_children
         if linked is not None:
             return linked[node_name(node)]
-        return self.get_submodule(str(node.target))  # type: ignore[return-value]
+        # a call_module node of an extracted graph calls a child graph
+        return cast(GraphModuleBase, self.get_submodule(str(node.target)))
 
     def example(self, name: str) -> Any:
         """As :meth:`GraphModuleBase.example`; a compiled graph keeps summaries on its nodes."""
@@ -317,8 +318,8 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         self.reason = reason
         for name, tensor in module.named_parameters(recurse=False):
             self.register_parameter(name, tensor)
-        for name, tensor in module.named_buffers(recurse=False):
-            self.register_buffer(name, tensor)
+        for name, buffer in module.named_buffers(recurse=False):
+            self.register_buffer(name, buffer)
         for name, child in children.items():
             self.add_module(name, child)
         self.__dict__["_callees"] = dict(callees)
@@ -392,30 +393,30 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         return output
 
     def _route_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any], routed: frozenset[str],
-                         call: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                         call: Callable[[str, Any], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Route each argument through its op point, passing it as the caller did: positionally or
         by keyword (re-binding keywords positionally makes transformers 5's forward decorators,
         which fill ``use_cache`` and the like into ``kwargs``, see them twice)."""
-        args, kwargs = list(args), dict(kwargs)
-        bound = self._signature.bind(*args, **kwargs)  # raises TypeError as the forward would
+        positional, kwargs = list(args), dict(kwargs)
+        bound = self._signature.bind(*positional, **kwargs)  # raises TypeError as the forward would
         position = 0
         for parameter in self._signature.parameters.values():
             name, kind = parameter.name, parameter.kind
             if kind is inspect.Parameter.VAR_POSITIONAL:
                 if name in routed and name in bound.arguments:
-                    args[position:] = list(call(name, tuple(args[position:])))
-                position = len(args)
+                    positional[position:] = list(call(name, tuple(positional[position:])))
+                position = len(positional)
             elif kind is inspect.Parameter.VAR_KEYWORD:
                 if name in routed and name in bound.arguments:
                     extra = {k: v for k, v in kwargs.items() if k not in self._signature.parameters}
                     kwargs.update(call(name, extra))
-            elif kind is not inspect.Parameter.KEYWORD_ONLY and position < len(args):
+            elif kind is not inspect.Parameter.KEYWORD_ONLY and position < len(positional):
                 if name in routed:
-                    args[position] = call(name, args[position])
+                    positional[position] = call(name, positional[position])
                 position += 1
             elif name in kwargs and name in routed:
                 kwargs[name] = call(name, kwargs[name])
-        return tuple(args), kwargs
+        return tuple(positional), kwargs
 
     def extra_repr(self) -> str:
         return f"reason={str(self.reason)!r}"  # a StubKind prints as its value

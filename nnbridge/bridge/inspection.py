@@ -11,10 +11,10 @@ from __future__ import annotations
 import difflib
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch.fx.node import Node, map_arg
+from torch.fx.node import Argument, Node, map_arg
 
 from . import hierarchy
 from .summaries import describe, summary_children
@@ -77,7 +77,11 @@ class _Name:
 def _return_line(owner: CompiledGraphModule, node: Node) -> str:
     """graphpatch's ``_code`` of an ``output`` node: the return statement, by NodePath names."""
     names = {n: name for name, n in owner.named_nodes()}
-    return f"return {map_arg(node.args[0], lambda n: _Name(names.get(n, n.name)))!r}"
+
+    def shown(n: Node) -> Argument:
+        # map_arg only rebuilds the containers around the nodes: a _Name may stand in for a node
+        return cast(Argument, _Name(names.get(n, n.name)))
+    return f"return {map_arg(node.args[0], shown)!r}"
 
 
 class ShapeView:
@@ -85,6 +89,10 @@ class ShapeView:
     by dig key (``pg.graph.output._shape.sub_0`` is a ``torch.Size``), indexing by position or key,
     ``unwrap()`` for the plain tuple/list/dict of ``torch.Size`` (non-tensor leaves as their type
     name), and a tree repr."""
+
+    # set through object.__setattr__ (attribute access reads the shape's entries)
+    _path: str
+    _summary: Any
 
     def __init__(self, path: str, summary: Any):
         object.__setattr__(self, "_path", path)
@@ -126,7 +134,7 @@ class ShapeView:
     def __eq__(self, other: object) -> bool:
         return self.unwrap() == (other.unwrap() if isinstance(other, ShapeView) else other)
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as __eq__ compares shapes (Python's idiom)
 
     def __repr__(self) -> str:
         lines = [f"{self._path}: {describe(self._summary)}"]
@@ -147,6 +155,20 @@ class NodeView:
 
     Attributes are the next NodePath segments; ``_shape``, ``_code`` and ``_path`` describe it.
     """
+
+    # set through object.__setattr__ (the view is read-only: __setattr__ raises)
+    #: NodePath of this entry ("" for the root)
+    _path: str
+    #: the graph holding the node (None for the root)
+    _owner: GraphModuleBase | None
+    #: node name in ``_owner``
+    _name: str
+    #: the graph this entry is, or None for a node
+    _graph: GraphModuleBase | None
+    #: summary of the node's value on the example call (``torch.Size`` for a tensor, see .summaries)
+    _summary: Any
+    #: dig keys into the node's value
+    _dig: tuple[str, ...]
 
     def __init__(self, path: str, owner: GraphModuleBase | None, name: str, graph: GraphModuleBase | None,
                  summary: Any = None, dig: tuple[str, ...] = ()):
@@ -239,11 +261,12 @@ class NodeView:
 
     def _lookup(self, path: str) -> NodeView | None:
         self._require_children()
-        view: NodeView = self
+        view = self
         for segment in path.replace("|", ".").split("."):
-            view = next((child for name, child in view._children() if name == segment), None)  # type: ignore[assignment]
-            if view is None:
+            found = next((child for name, child in view._children() if name == segment), None)
+            if found is None:
                 return None
+            view = found
         return view
 
     @property
@@ -260,8 +283,12 @@ class NodeView:
     def _code(self) -> str:
         """Generated code (graphs), original source line(s) (nodes), or both (submodule calls)."""
         if self._graph is not None:
-            code = self._graph.code if isinstance(self._graph, CompiledGraphModule) else (
-                f"<opaque: runs {type(self._graph.original).__qualname__}.forward; reason: {self._graph.reason}>")
+            graph = self._graph
+            if isinstance(graph, CompiledGraphModule):
+                code = graph.code
+            else:
+                assert isinstance(graph, OpaqueGraphModule), type(graph)  # the only other kind
+                code = f"<opaque: runs {type(graph.original).__qualname__}.forward; reason: {graph.reason}>"
             code = code.strip("\n")
             if isinstance(self._owner, CompiledGraphModule):
                 return f"Calling context:\n{_calling_context(self._owner, self._graph)}\nCompiled code:\n{code}"

@@ -118,26 +118,26 @@ class OpPoint(torch.nn.Module):
             remove()
             self.__dict__["_hooked"] = has_module_hooks(self)
             self.refresh()
-        handle.remove = remove_and_refresh  # type: ignore[method-assign]
+        handle.remove = remove_and_refresh  # type: ignore[method-assign]  # this handle's remove also re-routes
         self.__dict__["_hooked"] = True
         self.refresh()
         return handle
 
-    def register_forward_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:  # type: ignore[override]
+    def register_forward_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:
         """As ``torch.nn.Module.register_forward_hook``; returning a value replaces the op's output."""
         return self._refreshing(super().register_forward_hook(hook, **kwargs))
 
-    def register_forward_pre_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:  # type: ignore[override]
+    def register_forward_pre_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:
         """As ``torch.nn.Module.register_forward_pre_hook``; the op's value is the single input."""
         return self._refreshing(super().register_forward_pre_hook(hook, **kwargs))
 
-    def register_full_backward_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:  # type: ignore[override]
+    def register_full_backward_hook(self, hook: Any, *args: Any, **kwargs: Any) -> RemovableHandle:
         """As ``torch.nn.Module.register_full_backward_hook``."""
-        return self._refreshing(super().register_full_backward_hook(hook, **kwargs))
+        return self._refreshing(super().register_full_backward_hook(hook, *args, **kwargs))
 
-    def register_full_backward_pre_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:  # type: ignore[override]
+    def register_full_backward_pre_hook(self, hook: Any, *args: Any, **kwargs: Any) -> RemovableHandle:
         """As ``torch.nn.Module.register_full_backward_pre_hook``."""
-        return self._refreshing(super().register_full_backward_pre_hook(hook, **kwargs))
+        return self._refreshing(super().register_full_backward_pre_hook(hook, *args, **kwargs))
 
     def extra_repr(self) -> str:
         for owner in self.owners():

@@ -33,10 +33,10 @@ class InvocationRouter(torch.nn.Module):
     The opaque module calls :meth:`restart` before each run.
     """
 
-    dispatchers: list[ChildDispatcher]
+    dispatchers: list[torch.nn.Module]
     calls: int
 
-    def __init__(self, dispatchers: list[ChildDispatcher]):
+    def __init__(self, dispatchers: list[torch.nn.Module]):
         super().__init__()
         self.__dict__["dispatchers"] = dispatchers  # not registered: shown through the invocations
         self.__dict__["calls"] = 0
@@ -47,7 +47,7 @@ class InvocationRouter(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         index = min(self.calls, len(self.dispatchers) - 1)
         self.__dict__["calls"] = self.calls + 1
-        return self.dispatchers[index](*args, **kwargs)  # type: ignore[operator]
+        return self.dispatchers[index](*args, **kwargs)
 
 
 def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -88,17 +88,19 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
             attach(shown, safe, unused_module(ctx, f"{fqn}.{name}" if fqn else name, child), template)
             attach(swapped, original_name, child, module)
             continue
-        invocations = []
+        invocations: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         for index, (a, k) in enumerate(captured[name]):
             several = len(captured[name]) > 1
             dispatcher = ctx.child_dispatcher(child, f"{child_path}_{index}" if several else child_path)
+            # a GraphDispatcher (see ChildDispatcher): the original code calls it in the child's place
+            assert isinstance(dispatcher, torch.nn.Module), type(dispatcher)
             extraction = dispatcher.add_extraction(a, k)
             ctx.opaque.update(extraction.opaque)
             invocations.append((dispatcher, extraction.root))
             dispatchers[f"{safe.replace('.', '_')}_{index}" if several else safe.replace(".", "_")] = dispatcher
         if len(invocations) == 1:
             attach(shown, safe, invocations[0][1], template)
-            attach(swapped, original_name, invocations[0][0], module)  # type: ignore[arg-type]
+            attach(swapped, original_name, invocations[0][0], module)
         else:
             attach(shown, safe, MultiplyInvokedModule([root for _, root in invocations]), template)
             router = InvocationRouter([dispatcher for dispatcher, _ in invocations])

@@ -15,7 +15,7 @@ import contextlib
 import copy
 import difflib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from ..compat.pytree import pytree
@@ -27,7 +27,7 @@ from .dispatcher import GraphDispatcher, WeakCallback
 from .capture_checks import preserved_state
 from .extraction import Extraction
 from .module_tree import named_real_modules
-from .graph_module import GraphModuleBase
+from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 from .in_place import bridge_of
 from .examples import describe_examples
 from .inspection import NodeView
@@ -37,7 +37,7 @@ from .op_point import OpPoint, refresh_owners
 from .options import ExtractionOptions
 from .patches import Patch
 from . import saving
-from .programs import Recorder, sources_active
+from .programs import ProgramSource, Recorder, sources_active
 
 
 @contextlib.contextmanager
@@ -48,6 +48,28 @@ def body_swapped(module: torch.nn.Module, body: Any) -> Iterator[None]:
         yield
     finally:
         restore_body(swapped)
+
+
+class _NamedTuple(Protocol):
+    """A ``collections.namedtuple`` / ``typing.NamedTuple`` instance, as :class:`_PatchListener` rebuilds one."""
+
+    _fields: tuple[str, ...]
+
+    def _replace(self, **changes: Any) -> Any: ...
+
+
+class _Generating(Protocol):
+    """A transformers generation model (``GenerationMixin``), as :meth:`PatchableGraph.generate` calls it."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def _root(extraction: Extraction) -> CompiledGraphModule | OpaqueGraphModule:
+    """The root graph of ``extraction``, always one of the two (``Extraction.root`` is typed as the
+    ``nn.Module`` both are)."""
+    root = extraction.root
+    assert isinstance(root, (CompiledGraphModule, OpaqueGraphModule)), type(root)
+    return root
 
 
 class _PatchListener:
@@ -74,10 +96,12 @@ class _PatchListener:
             return self._patched(value)
         key = self.keys[depth]
         new = self._apply(value[key], depth + 1)
-        if isinstance(value, tuple) and not hasattr(value, "_fields"):
-            return value[:key] + (new,) + value[key + 1:]  # type: ignore[operator]
         if isinstance(value, tuple):
-            return value._replace(**{value._fields[key]: new})
+            position = cast(int, key)  # value[key] indexed a tuple: an int
+            if not hasattr(value, "_fields"):
+                return value[:position] + (new,) + value[position + 1:]
+            named = cast(_NamedTuple, value)
+            return named._replace(**{named._fields[position]: new})
         copied = copy.copy(value)  # list, dict or ModelOutput: a new container, same elements
         copied[key] = new
         return copied
@@ -124,6 +148,28 @@ class PatchableGraph(torch.nn.Module):
         ExtractionError: extraction failed and ``error_on_compilation_failure`` is set.
     """
 
+    # children, registered by nn.Module.__setattr__
+    _dispatcher: GraphDispatcher
+    #: the root graph of the first extraction: what pg.graph, node_paths and NodePath checks use
+    _graph_module: CompiledGraphModule | OpaqueGraphModule
+    # Plain attributes, written through ``self.__dict__`` so that nn.Module does not register them
+    # (``_call`` would register the bridged model, or the dispatcher a second time, as a child).
+    #: the _PatchListener objects of every open patch context (every thread)
+    _active: list[_PatchListener]
+    #: what a call runs: the bridged model itself, or the dispatcher over a plain model
+    _call: torch.nn.Module
+    #: over a plain model ``(path, module)`` of its modules (checked for torch hooks); None over a bridged one
+    _modules_of_plain: list[tuple[str, torch.nn.Module]] | None
+    #: over a plain model only: the exported programs of the first extraction, for pg.save (see .saving)
+    _programs: Recorder
+    #: over a plain model only: where the extractions of later calls take their programs from (a
+    #: loaded pg's file, put first by :func:`.saving.load`)
+    _sources: list[ProgramSource]
+    #: over a plain model only: the example call ``(args, kwargs)``, for pg.save
+    _example: tuple[tuple[Any, ...], dict[str, Any]]
+    #: the module's ``generation_config`` copied on first use (see :attr:`generation_config`)
+    _generation_config: Any
+
     def __init__(self, module: torch.nn.Module, *example_args: Any, options: ExtractionOptions | None = None,
                  **example_kwargs: Any):
         super().__init__()
@@ -160,10 +206,11 @@ class PatchableGraph(torch.nn.Module):
             self.__dict__["_example"] = (tuple(example_args), dict(example_kwargs))
         # the recording run may extract children of opaque modules again (under no_grad): pg.save keeps those too
         recording = [self.__dict__["_programs"]] if "_programs" in self.__dict__ else []
-        if not saving.restore_examples(first.root):  # a load has them from the file
+        root = _root(first)
+        if not saving.restore_examples(root):  # a load has them from the file
             with preserved_state(list(named_real_modules(module))), sources_active(*recording):
-                describe_examples(first.root, tuple(example_args), dict(example_kwargs))
-        self._graph_module = first.root
+                describe_examples(root, tuple(example_args), dict(example_kwargs))
+        self._graph_module = root
 
     # -- saving (see .saving) --------------------------------------------------------------------
     def save(self, path: Any = None, *args: Any) -> Any:
@@ -175,7 +222,7 @@ class PatchableGraph(torch.nn.Module):
             SaveLoadError: see :func:`nnbridge.bridge.saving.save`.
         """
         if path is None:  # nnsight injects ``save`` on every object: keep it reachable
-            return super().save(*args)  # type: ignore[misc]
+            return super().save(*args)  # type: ignore[misc]  # nnsight adds save() at run time; Module has none
         saving.save(self, path)
         return None
 
@@ -196,15 +243,17 @@ class PatchableGraph(torch.nn.Module):
 
     # -- calling --------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._modules_of_plain is not None:
-            self._refuse_user_hooks()
+        plain = self._modules_of_plain
+        if plain is not None:
+            self._refuse_user_hooks(plain)
         with sources_active(*self.__dict__.get("_sources", ())):  # a loaded pg's file (see .saving)
             return self._call(*args, **kwargs)
 
-    def _refuse_user_hooks(self) -> None:
-        """Over a plain (unbridged) model the graphs replace the model's modules, so torch hooks on
-        those modules would not run (as in graphpatch): refuse rather than silently skip them."""
-        hooked = [path or "<root>" for path, module in self._modules_of_plain if has_user_hooks(module)]
+    def _refuse_user_hooks(self, plain: list[tuple[str, torch.nn.Module]]) -> None:
+        """Over a plain (unbridged) model the graphs replace the model's modules (``plain``: its
+        ``(path, module)`` pairs), so torch hooks on those modules would not run (as in graphpatch):
+        refuse rather than silently skip them."""
+        hooked = [path or "<root>" for path, module in plain if has_user_hooks(module)]
         if hooked:
             raise NNBridgeError(
                 f"PatchableGraph over an unbridged model: torch hooks are registered on {hooked[:5]}"
@@ -254,18 +303,19 @@ class PatchableGraph(torch.nn.Module):
             raise NNBridgeError(
                 f"PatchableGraph.generate: {type(module).__name__} has no generate() (not a transformers model with"
                 " GenerationMixin); call the PatchableGraph in a loop instead.")
-        if self._modules_of_plain is not None:
-            self._refuse_user_hooks()
+        plain = self._modules_of_plain
+        if plain is not None:
+            self._refuse_user_hooks(plain)
         own = getattr(module, "generation_config", None)
         if "generation_config" not in kwargs and self.generation_config is not None and (
                 own is None or self.generation_config.to_dict() != own.to_dict()):  # changed on pg
             kwargs["generation_config"] = copy.deepcopy(self.generation_config)
         if self._call is not self._dispatcher:  # a bridged model: its own generate runs the graphs
             self._check_bridged()
-            return self._call.generate(*args, **kwargs)
+            return cast(_Generating, self._call).generate(*args, **kwargs)
         dispatcher = self._dispatcher
         with body_swapped(module, lambda _module, *a, **k: dispatcher(*a, **k)):
-            return module.generate(*args, **kwargs)
+            return cast(_Generating, module).generate(*args, **kwargs)  # checked callable above
 
     # -- inspection -----------------------------------------------------------------------------
     @property
@@ -310,7 +360,8 @@ class PatchableGraph(torch.nn.Module):
             raise PatchMapError(
                 f"pg.patch() takes a dict {{NodePath: patch or [patches]}}, got {type(patch_map).__name__}:"
                 f" {patch_map!r}. Example: pg.patch({{'linear_0.output': ZeroPatch()}}).")
-        errors, plan = [], []
+        errors: list[str] = []
+        plan: list[tuple[NodePath, Patch]] = []
         for key, value in patch_map.items():
             if not isinstance(key, (str, NodeView)):
                 raise PatchMapError(f"pg.patch() keys must be NodePath strings or pg.graph nodes, got {key!r}"
@@ -357,7 +408,7 @@ class PatchableGraph(torch.nn.Module):
     def _listen(self, node_path: NodePath, listener: _PatchListener, *, add: bool) -> None:
         # op points are shared by the call structures' graphs: each distinct point once
         points = list({id(p): p for extraction in self.extractions
-                       for owner, name in self._resolve(extraction.root, node_path)
+                       for owner, name in self._resolve(_root(extraction), node_path)
                        for p in [owner.op_point(name)]}.values())
         for point in points:
             (point.add_listener if add else point.remove_listener)(listener, refresh=False)
@@ -374,7 +425,7 @@ class PatchableGraph(torch.nn.Module):
             nodes = listener.node_path.nodes
             if nodes[:len(prefix)] != prefix or len(nodes) == len(prefix):
                 continue
-            for owner, name in self._resolve(extraction.root, NodePath(nodes[len(prefix):], listener.node_path.dig)):
+            for owner, name in self._resolve(_root(extraction), NodePath(nodes[len(prefix):], listener.node_path.dig)):
                 point = owner.op_point(name)
                 if not point.has_listener(listener):
                     point.add_listener(listener, refresh=False)
