@@ -75,6 +75,7 @@ def run_ioi(model: Any, tokenizer: Any, *, progress: bool = True) -> IOIResult:
         recovered: dict[str, list[float]] = {site: [] for site in SITES}
         for (site, i), probe in tqdm(probes.items(), desc="patching clean -> corrupted", disable=not progress):
             where = (slice(None), positions[site])
+            assert probe.activation is not None  # recorded by the clean run above: every site runs
             with pg.patch({SITES[site].format(i=i): ReplacePatch(value=probe.activation[where], slice=where)}):
                 patched = logit_diff(pg(**corrupted).logits, mary, john)
             recovered[site].append((patched - corrupted_diff) / (clean_diff - corrupted_diff))

@@ -50,8 +50,9 @@ def warn(message: str, category: type[Warning] = NNBridgeWarning) -> None:
     import sys
     import warnings
 
-    skipped = tuple(os.path.dirname(module.__file__) + os.sep for name, module in list(sys.modules.items())
-                    if name in ("nnbridge", "torch", "nnsight", "transformers") and getattr(module, "__file__", None))
+    files = [getattr(module, "__file__", None) for name, module in list(sys.modules.items())
+             if name in ("nnbridge", "torch", "nnsight", "transformers")]
+    skipped = tuple(os.path.dirname(file) + os.sep for file in files if file)
     frame = sys._getframe(1)
     skipped += ("<eval_with_key>",)  # torch.fx generated code
     while frame.f_back is not None and frame.f_code.co_filename.startswith(skipped):

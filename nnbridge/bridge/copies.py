@@ -18,32 +18,36 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
+import operator
 import pickle
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
 from ..errors import NNBridgeError
+from .options import ExtractionOptions
+
 
 class CarriedOptions:
     """A bridge's options, carried into its copies: deep-copied with them, and pickled only if they
     can be (a lambda in ``custom_extraction_functions`` cannot)."""
 
-    def __init__(self, options: Any):
+    def __init__(self, options: ExtractionOptions):
         self.options = options
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CarriedOptions:
         return CarriedOptions(copy.deepcopy(self.options, memo))
 
-    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         """Raises:
             NNBridgeError: the options cannot be pickled; the model stays bridged."""
         try:
-            pickle.dumps(self.options, protocol)
+            pickle.dumps(self.options, operator.index(protocol))
         except Exception as error:
             raise NNBridgeError(
                 f"cannot pickle a bridged model: its ExtractionOptions cannot be pickled ({type(error).__name__}:"
@@ -68,8 +72,8 @@ class Copier:
         options: the bridge's options.
     """
 
-    def __init__(self, module: torch.nn.Module, detached: Callable[[], Any],
-                 rebridge: Callable[..., torch.nn.Module], options: Any):
+    def __init__(self, module: torch.nn.Module, detached: Callable[[], contextlib.AbstractContextManager[object]],
+                 rebridge: Callable[[torch.nn.Module, CarriedOptions], torch.nn.Module], options: ExtractionOptions):
         self.module_ref = weakref.ref(module)  # the module owns this object
         self.detached, self.rebridge, self.options = detached, rebridge, CarriedOptions(options)
 
@@ -81,6 +85,7 @@ class Copier:
         :class:`CarriedOptions`)."""
         with self.detached():
             module = self.module_ref()
+            assert module is not None  # called as the module's own __reduce_ex__: it is alive
             tensors = itertools.chain(module.parameters(), module.buffers())
             plain = copy.deepcopy(module, {id(t): t for t in tensors})
         return self.rebridge, (plain, self.options)

@@ -212,8 +212,9 @@ def _decode(data: Any) -> Any:
 
 
 def _graph_owners(root: torch.nn.Module) -> dict[str, GraphModuleBase]:
-    owners = {"": root}
-    for path, _, _, sub in walk(root):  # type: ignore[arg-type]
+    assert isinstance(root, GraphModuleBase)  # an extraction's root: compiled or opaque graph module
+    owners: dict[str, GraphModuleBase] = {"": root}
+    for path, _, _, sub in walk(root):
         if sub is not None:
             owners[path] = sub
     return owners

@@ -83,18 +83,18 @@ def write_bundle(target: str | os.PathLike[str] | IO[bytes], header: dict[str, A
     entries = []
     with zipfile.ZipFile(target, "w", compression=zipfile.ZIP_STORED) as archive:
         for index, record in enumerate(records):
-            stream = io.BytesIO()
-            left_out = _save_without_weights(record.exported, stream)
-            archive.writestr(_program_name(index), stream.getvalue())
+            buffer = io.BytesIO()
+            left_out = _save_without_weights(record.exported, buffer)
+            archive.writestr(_program_name(index), buffer.getvalue())
             entries.append({
                 "path": record.path, "call": record.call, "dynamic": record.dynamic, "states": record.states,
                 "stubs": {k: str(v) for k, v in record.stubs.items()},
                 "guard": {"dims": record.guard.dims, "code": record.guard.code}, "left_out": left_out,
             })
         if inputs is not None:
-            stream = io.BytesIO()
-            torch.save(inputs, stream)
-            archive.writestr(INPUTS_NAME, stream.getvalue())
+            buffer = io.BytesIO()
+            torch.save(inputs, buffer)
+            archive.writestr(INPUTS_NAME, buffer.getvalue())
         full = {**header, "format": FORMAT_VERSION, "versions": library_versions(), "records": entries}
         archive.writestr(HEADER_NAME, json.dumps(full, indent=1))
 

@@ -61,9 +61,9 @@ def grad_mode_frozen(when: Callable[[], bool]) -> Iterator[None]:
     original = torch._C._set_grad_enabled
     thread = threading.get_ident()
 
-    def set_grad_enabled(mode: bool) -> None:
+    def set_grad_enabled(enabled: bool) -> None:  # torch._C._set_grad_enabled's signature
         if threading.get_ident() != thread or not when():
-            original(mode)
+            original(enabled)
 
     torch._C._set_grad_enabled = set_grad_enabled
     try:

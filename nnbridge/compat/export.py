@@ -34,11 +34,11 @@ def no_module_deduplication() -> Iterator[None]:
     MultiplyInvokedModule did, so de-duplication is switched off for the duration.
     """
     original = _unflatten_module._deduplicate_modules
-    _unflatten_module._deduplicate_modules = lambda partitions: {}
+    setattr(_unflatten_module, "_deduplicate_modules", lambda partitions: {})  # a ModuleType: no declared attribute
     try:
         yield
     finally:
-        _unflatten_module._deduplicate_modules = original
+        setattr(_unflatten_module, "_deduplicate_modules", original)
 
 
 @contextlib.contextmanager
@@ -162,12 +162,12 @@ def shape_envs_released() -> Iterator[None]:
             made.append(result[0])  # (fake_mode, fake_args, fake_kwargs, ...)
         return result
 
-    trace.make_fake_inputs = recording
+    setattr(trace, "make_fake_inputs", recording)  # a ModuleType: no declared attribute
     try:
         yield
     finally:
         if trace.make_fake_inputs is recording:
-            trace.make_fake_inputs = original
+            setattr(trace, "make_fake_inputs", original)
         for fake_mode in made:
             shape_env = getattr(fake_mode, "shape_env", None)
             if shape_env is not None and shape_env.tracked_fakes:
@@ -271,7 +271,7 @@ def register_cache_pytrees(model: torch.nn.Module) -> None:
     except ImportError:
         return
     try:
-        register_cache_pytrees_for_model(model)
+        register_cache_pytrees_for_model(model)  # type: ignore[arg-type]  # typed PreTrainedModel; any module works
     except Exception:  # a non-transformers module: nothing to register
         return
 

@@ -155,8 +155,11 @@ def fx_patches_confined(wait: Any) -> Iterator[None]:
         new_fn = confined(new_fn, original, waits=issubclass(cls, torch.nn.Module) and name == "__call__")
         return patch_method(self, cls, name, new_fn, deduplicate)
 
-    patcher.patch, patcher.patch_method = confined_patch, confined_patch_method
+    # setattr: the class's methods are replaced on purpose (mypy forbids assigning to a method)
+    setattr(patcher, "patch", confined_patch)
+    setattr(patcher, "patch_method", confined_patch_method)
     try:
         yield
     finally:
-        patcher.patch, patcher.patch_method = patch, patch_method
+        setattr(patcher, "patch", patch)
+        setattr(patcher, "patch_method", patch_method)

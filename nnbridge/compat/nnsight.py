@@ -77,7 +77,7 @@ def scalar_safe_batcher(batcher_class: type) -> type:
     dimension, so they are served whole like nnsight's other non-batched values.
     """
 
-    class ScalarSafeBatcher(batcher_class):  # type: ignore[misc, valid-type]
+    class ScalarSafeBatcher(batcher_class):
         def _narrow_tensor(self, tensor: torch.Tensor, group: Any) -> torch.Tensor:
             if tensor.dim() == 0:
                 return tensor

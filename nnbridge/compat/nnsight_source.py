@@ -47,7 +47,7 @@ class BridgedState(State):
 
     __slots__ = ()
 
-    @property  # type: ignore[override]
+    @property
     def body(self) -> Callable[..., Any]:
         return _SLOT.__get__(self)
 

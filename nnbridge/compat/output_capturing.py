@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
+_capturing: ModuleType | None
 try:  # transformers >= 5.0
     from transformers.utils import output_capturing as _capturing
 except ImportError:  # pragma: no cover - older transformers, or none

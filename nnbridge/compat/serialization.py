@@ -28,7 +28,7 @@ def library_versions() -> dict[str, str]:
     (``"absent"`` for a library that is not installed)."""
     import torch
 
-    versions = {"torch": torch.__version__}
+    versions: dict[str, str] = {"torch": torch.__version__}  # a TorchVersion: a str subclass
     for name in ("transformers", "nnbridge"):
         try:
             versions[name] = importlib.metadata.version(name)

@@ -35,8 +35,8 @@ def string_arguments_traced() -> Iterator[None]:
             return val
         return original(val, include_real)
 
-    proxy_tensor.extract_val = extract_val  # type: ignore[assignment]
+    proxy_tensor.extract_val = extract_val
     try:
         yield
     finally:
-        proxy_tensor.extract_val = original  # type: ignore[assignment]
+        proxy_tensor.extract_val = original
