@@ -9,7 +9,7 @@ itself for its duration, through the same hook methods, and offloads them again 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ def accelerate_hook(module: torch.nn.Module) -> Any:
 
 
 def run_hooked(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-               body: Any) -> Any:
+               body: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> Any:
     """Run ``body(args, kwargs)`` as accelerate's wrapper (``add_hook_to_module``'s ``new_forward``,
     accelerate 1.x) runs ``module._old_forward``: ``pre_forward`` first (loads offloaded weights
     onto the execution device, moves the inputs), ``post_forward`` on the output (offloads the

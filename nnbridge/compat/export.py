@@ -308,7 +308,7 @@ def rename_nodes(graph: torch.fx.Graph, names: dict[torch.fx.Node, str]) -> None
         node.name = namespace.create_name(names.get(node, node.name), node)
 
 
-def copy_spec(spec: Any) -> Any:
+def copy_spec(spec: pytree.TreeSpec) -> pytree.TreeSpec:
     """A deep copy of a pytree ``TreeSpec`` (torch 2.13's copy path warns about ``LeafSpec``)."""
     import copy
 
@@ -352,7 +352,7 @@ class _Keyed(dict):
             raise AttributeError(name) from None
 
 
-def guard_view(value: Any) -> Any:
+def guard_view(value: Any) -> dict[Any, Any]:
     """``value`` rebuilt from its pytree leaves by key path, as export's guard sources see it:
     ``L['kwargs']['past_key_values'][0]`` is the first leaf of a cache object (its flattened
     children), not ``cache[0]``. Key entries: ``MappingKey`` and ``SequenceKey`` index,

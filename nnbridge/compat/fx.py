@@ -30,7 +30,7 @@ class NoSubmoduleRecompile:
         return []
 
 
-def generated_line_map(code: Any) -> tuple[dict[int, int | None], int]:
+def generated_line_map(code: torch.fx.graph.PythonCode | torch.fx.GraphModule) -> tuple[dict[int, int | None], int]:
     """``(line -> node index, prologue start)`` of fx-generated code: a ``PythonCode`` from
     ``Graph.python_code`` or a ``GraphModule`` after ``recompile`` (``_lineno_map`` and
     ``_prologue_start``, torch 2.1 - 2.13). The node index of a frame at ``lineno`` in the generated
@@ -38,7 +38,7 @@ def generated_line_map(code: Any) -> tuple[dict[int, int | None], int]:
     return dict(getattr(code, "_lineno_map", None) or {}), int(getattr(code, "_prologue_start", 0))
 
 
-def keep_tracebacks(graph_module: Any) -> None:
+def keep_tracebacks(graph_module: torch.fx.GraphModule) -> None:
     """Call ``graph_module`` as a plain ``nn.Module``.
 
     ``GraphModule.recompile`` (torch 2.0 - 2.13) installs ``cls.__call__ = call_wrapped``, whose
@@ -47,9 +47,7 @@ def keep_tracebacks(graph_module: Any) -> None:
     (see ``nnbridge.bridge.failures``), so the class gets ``nn.Module.__call__`` back (the same call
     otherwise).
     """
-    import torch
-
-    type(graph_module).__call__ = torch.nn.Module.__call__
+    setattr(type(graph_module), "__call__", torch.nn.Module.__call__)  # mypy forbids assigning to a method
 
 
 #: prefix of the file names fx gives generated code (``_EvalCacheLoader._get_key``, torch 2.0 - 2.13);
@@ -116,7 +114,7 @@ def generated_code_released() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fx_patches_confined(wait: Any) -> Iterator[None]:
+def fx_patches_confined(wait: contextlib.AbstractContextManager[object]) -> Iterator[None]:
     """Keep the process-wide patches torch.fx makes while tracing to the tracing thread.
 
     While it traces, fx's ``Tracer.trace`` replaces ``nn.Module.__call__`` and

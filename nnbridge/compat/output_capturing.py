@@ -46,7 +46,7 @@ def is_output_capturing_hook(hook: Any) -> bool:
     return _HOOK_CODE is not None and getattr(hook, "__code__", None) is _HOOK_CODE
 
 
-def active_collector() -> Any:
+def active_collector() -> dict[str, Any] | None:
     """The collector transformers' capturing hooks currently append to: a dict such as
     ``{"attentions": [], "hidden_states": []}``, or None (no decorated forward is running, or it
     requested nothing)."""

@@ -8,17 +8,20 @@ namedtuple) and of types registered with a serialized name round-trip.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 from .pytree import pytree
 
+if TYPE_CHECKING:
+    import torch
 
-def spec_to_json(spec: Any) -> str:
+
+def spec_to_json(spec: pytree.TreeSpec) -> str:
     """``spec`` as JSON text (raises ``TypeError``/``NotImplementedError`` for unserialisable nodes)."""
     return pytree.treespec_dumps(spec)
 
 
-def spec_from_json(text: str) -> Any:
+def spec_from_json(text: str) -> pytree.TreeSpec:
     """The ``TreeSpec`` that :func:`spec_to_json` wrote."""
     return pytree.treespec_loads(text)
 
@@ -82,7 +85,7 @@ class _MemoSympy:
 _MEMO: dict[str, Any] = {}
 
 
-def load_program(stream: Any) -> Any:
+def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
     """``torch.export.load(stream)``, about twice as fast.
 
     torch 2.13's deserializer (``torch._export.serde.serialize``) calls ``typing.get_type_hints``
