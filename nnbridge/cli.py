@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from .errors import NNBridgeError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"nnbridge: error: {message} (see 'nnbridge --help')\n")
 
 
-def _load(model: str) -> tuple[Any, Any]:
+def _load(model: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from . import models
 
     if model == "smollm2":

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
 from .bridge import ExtractionOptions, PatchableGraph, ProbePatch, ReplacePatch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
@@ -52,7 +55,7 @@ def logit_diff(logits: torch.Tensor, good: int, bad: int) -> float:
     return float(logits[0, -1, good] - logits[0, -1, bad])
 
 
-def run_ioi(model: Any, tokenizer: Any, *, progress: bool = True) -> IOIResult:
+def run_ioi(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, progress: bool = True) -> IOIResult:
     """Patch each layer's attention-output op and residual add from the clean into the corrupted run.
 
     Raises:
