@@ -24,7 +24,7 @@ class PreprocessorSources:
     pipeline class also when transformers names the class by import path."""
 
     def _loaded_preprocessors(self) -> set[str]:
-        found: set[str] = super()._loaded_preprocessors()  # type: ignore[misc]
+        found: set[str] = super()._loaded_preprocessors()  # type: ignore[misc]  # a mixin: nnsight's class has it
         if found:
             return found
         impl = pipeline_class(getattr(self, "task", None))
