@@ -36,7 +36,8 @@ def persistent(owner: torch.nn.Module, target: str) -> bool:
 def attach(parent: torch.nn.Module, target: str, child: torch.nn.Module, template: torch.nn.Module) -> None:
     """Set ``parent.<target> = child``, creating containers of the same types as in ``template``."""
     *prefix, name = target.split(".")
-    holder, original = parent, template
+    holder: torch.nn.Module = parent
+    original: torch.nn.Module | None = template  # None below a prefix the template lacks
     for part in prefix:
         original = modules_of(original).get(part) if original is not None else None
         existing = modules_of(holder).get(part)

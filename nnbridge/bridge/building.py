@@ -11,7 +11,7 @@ and named (:mod:`.cleanup`), threads module state (:mod:`.state_graphs`), gets i
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import Graph, Node
@@ -60,7 +60,7 @@ class GraphBuilder:
         counts: Counter[str] = Counter()
 
         def walk(fqn: str, graph_holder: torch.nn.Module) -> None:
-            graph: Graph = getattr(graph_holder, "graph")
+            graph = cast(Graph, graph_holder.graph)  # an unflattened InterpreterModule's graph
             for node in graph.nodes:
                 if node.op != "call_module":
                     continue
@@ -127,7 +127,7 @@ class GraphBuilder:
 
     def build(self, fqn: str, module: torch.nn.Module, holder: torch.nn.Module,
               invocation: int = 0) -> CompiledGraphModule:
-        graph: Graph = holder.graph
+        graph = cast(Graph, holder.graph)  # an unflattened InterpreterModule's graph
         attrs = {str(n.target): resolve_attr(holder, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
         restore_constant_outputs(graph, self.constants.get((f"model.{fqn}" if fqn else "model", invocation), {}))
         keys = self.state_keys(fqn, invocation)
@@ -137,7 +137,8 @@ class GraphBuilder:
         if fqn == "" and self.input_spec is not None:
             prologue = input_prologue(graph)
             if prologue is not None:
-                target = str(prologue.args[1].target)
+                spec = cast(Node, prologue.args[1])  # tree_flatten_spec(inputs, get_attr(_spec_N))
+                target = str(spec.target)
                 attrs[target] = self.input_spec
                 setattr(holder, target, self.input_spec)
         extras = clean_graph(graph, attrs)

@@ -29,7 +29,7 @@ example recording) from changing parameters, buffers, module attributes or the C
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Set as AbstractSet
 from typing import Any
 
 import torch
@@ -189,7 +189,7 @@ class CaptureWatch:
         self.changes: dict[str, list[str]] = {}
 
     @contextlib.contextmanager
-    def watching(self, frozen: set[str]) -> Iterator[None]:
+    def watching(self, frozen: AbstractSet[str]) -> Iterator[None]:
         """Watch the body (one export); module state is restored afterwards, also on error.
         Grad-mode changes made while a ``frozen`` module runs are ignored."""
         outer = snapshot(self.modules, clone=False)

@@ -12,11 +12,12 @@ and dicts (an argument of a custom pytree type such as transformers' ``DynamicCa
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.node import Argument
 from ..compat.pytree import fx_pytree
 from ..compat.symbolic import symbolic_expr
 from ..compat.pytree import pytree
@@ -26,6 +27,9 @@ from .metadata import update_node_meta
 from .naming import op_base_name
 
 _SIMPLE = (tuple, list, dict)
+
+# {(base node, key path prefix): the getitem node reading that prefix off base}
+_GetitemCache = dict[tuple[Node, tuple[Any, ...]], Node]
 
 
 def _simple_spec(spec: pytree.TreeSpec, *, subclasses: bool = False) -> bool:
@@ -73,7 +77,7 @@ def _spec_of(node: Node, attrs: dict[str, Any]) -> pytree.TreeSpec | None:
     return None
 
 
-def _getitem_chain(graph: Graph, base: Node, path: tuple[Any, ...], cache: dict) -> Node:
+def _getitem_chain(graph: Graph, base: Node, path: tuple[Any, ...], cache: _GetitemCache) -> Node:
     node = base
     for depth in range(len(path)):
         key = (base, path[: depth + 1])
@@ -119,11 +123,13 @@ def localize_symbols(graph: Graph) -> list[Node]:
     prologue = input_prologue(graph)
     if prologue is None:
         return []
-    positional, keywords = prologue.args[0]
+    positional, keywords = cast(tuple[tuple[Node, ...], dict[str, Node]], prologue.args[0])
     declared = set(positional) | set(keywords.values())
     extras = [n for n in graph.nodes if n.op == "placeholder" and n not in declared]
     sources: dict[Any, tuple[Node, int]] = {}
-    for leaf in sorted((u for u in prologue.users if u.target is operator.getitem), key=lambda u: u.args[1]):
+    # each getitem of the flattened inputs reads leaf ``args[1]``, an int index
+    for leaf in sorted((u for u in prologue.users if u.target is operator.getitem),
+                       key=lambda u: cast(int, u.args[1])):
         value = leaf.meta.get("val")
         if isinstance(value, torch.Tensor):
             for dim, size in enumerate(value.shape):
@@ -163,13 +169,15 @@ def _clean_prologue(graph: Graph, attrs: dict[str, Any]) -> None:
         paths = _leaf_paths(spec) if spec is not None else None
         if paths is None:
             continue
-        positional, keywords = structure
-        cache: dict = {}
+        positional, keywords = cast(tuple[tuple[Node, ...], dict[str, Node]], structure)
+        cache: _GetitemCache = {}
 
-        def leaf(i: int, paths=paths, positional=positional, keywords=keywords) -> Node | None:
-            if paths[i] is None:
+        def leaf(i: int, paths: list[tuple[Any, ...] | None] = paths, positional: tuple[Node, ...] = positional,
+                 keywords: dict[str, Node] = keywords) -> Node | None:
+            path = paths[i]
+            if path is None:
                 return None
-            where, key, *rest = paths[i]
+            where, key, *rest = path
             arg = positional[key] if where == 0 else keywords[key]
             return _getitem_chain(graph, arg, tuple(rest), cache) if rest else arg
 
@@ -219,7 +227,8 @@ def _clean_calls(graph: Graph, attrs: dict[str, Any]) -> None:
         if unflatten is not None:
             spec = _spec_of(unflatten, attrs)
             if spec is not None:
-                args, kwargs = _call_arguments(graph, attrs, call, list(unflatten.args[0]), spec)
+                leaves = cast(Sequence[Argument], unflatten.args[0])  # tree_unflatten(leaves, spec)
+                args, kwargs = _call_arguments(graph, attrs, call, list(leaves), spec)
                 extra = 0
                 while extra < len(call.args) and _find_input_unflatten_of(call.args[extra]) is None:
                     extra += 1
@@ -232,10 +241,14 @@ def _clean_calls(graph: Graph, attrs: dict[str, Any]) -> None:
                 paths = _leaf_paths(spec) if spec is not None else None
                 if paths is None:
                     continue
-                cache: dict = {}
-                _replace_leaf_getitems(
-                    graph, user, lambda i, paths=paths, call=call, cache=cache:
-                    None if paths[i] is None else _getitem_chain(graph, call, paths[i], cache))
+                cache: _GetitemCache = {}
+
+                def leaf(i: int, paths: list[tuple[Any, ...] | None] = paths, call: Node = call,
+                         cache: _GetitemCache = cache) -> Node | None:
+                    path = paths[i]
+                    return None if path is None else _getitem_chain(graph, call, path, cache)
+
+                _replace_leaf_getitems(graph, user, leaf)
 
 
 def _find_input_unflatten_of(arg: Any) -> Node | None:
@@ -262,7 +275,8 @@ def _clean_epilogue(graph: Graph, attrs: dict[str, Any]) -> None:
     if isinstance(value, Node) and value.op == "call_function" and value.target is pytree.tree_unflatten:
         spec = _spec_of(value, attrs)
         if spec is not None and _simple_spec(spec):
-            output.args = (pytree.tree_unflatten(list(value.args[0]), spec),)
+            leaves = cast(Sequence[Argument], value.args[0])  # tree_unflatten(leaves, spec)
+            output.args = (pytree.tree_unflatten(list(leaves), spec),)
 
 
 def _placeholders_first(graph: Graph) -> None:

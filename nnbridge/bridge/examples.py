@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 
 from .graph_module import CompiledGraphModule, GraphModuleBase
 from .hierarchy import resolve_all, walk
@@ -43,6 +44,7 @@ def record_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[s
                 listeners.append((point, record))
         before = len(listeners)
         refresh_owners(point for point, _ in listeners)
+        assert isinstance(root, torch.nn.Module)  # both kinds of graph module are modules
         try:
             root(*copy_inputs(args), **copy_inputs(kwargs))
         finally:

@@ -12,7 +12,7 @@ make the caller opaque instead (:class:`CapturingOutputs`). Example::
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence, Set as AbstractSet
 from typing import Any
 
 import torch
@@ -94,10 +94,10 @@ def capturing_cause(error: BaseException | None) -> CapturingOutputs | None:
 
 class ModuleFailure(Exception):
     def __init__(self, fqn: str, error: BaseException, states: dict[str, list[list[Key]]],
-                 more: list[tuple[str, BaseException]] | None = None):
+                 more: Sequence[tuple[str, BaseException]] | None = None):
         super().__init__(fqn)
         self.fqn, self.error, self.states = fqn, error, states
-        self.more = more or []  # further modules at fault found by the same export
+        self.more: Sequence[tuple[str, BaseException]] = more or []  # further modules at fault found by the same export
 
 
 def caller_of(module: torch.nn.Module, fqn: str) -> str:
@@ -110,7 +110,7 @@ def caller_of(module: torch.nn.Module, fqn: str) -> str:
 
 def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
             calls: dict[str, list], dynamic: bool, grad_enabled: bool = False,
-            traced: set[str] = frozenset(), frozen: set[str] = frozenset()  # type: ignore[assignment]
+            traced: AbstractSet[str] = frozenset(), frozen: AbstractSet[str] = frozenset()
             ) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
     """Export once (dynamic, then static on failure); raise ModuleFailure naming the innermost
     module that was running when export failed.
@@ -190,7 +190,8 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
             if faults:
                 raise ModuleFailure(faults[0][0], faults[0][1], states, faults[1:])
             return exported, use_dynamic, states
-        raise ModuleFailure(failing, last, states)  # type: ignore[arg-type]
+        assert last is not None  # every attempt failed: each set ``last``
+        raise ModuleFailure(failing, last, states)
     finally:
         for handle in handles:
             handle.remove()

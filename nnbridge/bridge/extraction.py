@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import Graph
@@ -34,6 +34,7 @@ from .call_structure import ShapeGuard, tensor_leaves
 from .capture_checks import UnfaithfulCaptureError, preserved_state
 from .context import ChildDispatcherFactory, Extraction, ExtractionContext, describe_failure
 from .custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
+from .graph_module import CompiledGraphModule, OpaqueGraphModule
 from .exporting import ModuleFailure, caller_of, export_module, scalar_stub_caller
 from .hierarchy import walk
 from .summaries import summarize
@@ -113,7 +114,7 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         register_cache_pytrees(module)
         root, guard = _extract_root(ctx, args, kwargs)
     root.graph_meta.node_path = path  # for failure notes (see .failures)
-    for sub_path, _, _, sub in walk(root):  # type: ignore[arg-type]
+    for sub_path, _, _, sub in walk(root):
         if sub is not None:
             sub.graph_meta.node_path = f"{path}.{sub_path}" if path else sub_path
 
@@ -125,7 +126,8 @@ def _skip(ctx: ExtractionContext, module: torch.nn.Module) -> bool:
     return ctx.options.skip_compilation or type(module) in ctx.options.classes_to_skip_compiling
 
 
-def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.nn.Module, ShapeGuard]:
+def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[CompiledGraphModule | OpaqueGraphModule, ShapeGuard]:
     module = ctx.module
     static = ShapeGuard.static(tensor_leaves(args, kwargs))
     if type(module) in ctx.options.custom_extraction_functions:
@@ -197,7 +199,7 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
                     stubs[fqn] = describe_failure(error)
                     errors[fqn] = error
                     traced.add(fqn)
-                    if error.grad_mode:  # type: ignore[attr-defined]
+                    if cast(UnfaithfulCaptureError, error).grad_mode:  # all are, checked above
                         frozen.add(fqn)
                 calls = record_calls(module, set(stubs), args, kwargs)
                 continue

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import nnsight
 import torch
@@ -23,7 +23,7 @@ from nnsight.modeling.language import LanguageModel as _NNsightLanguageModel
 from nnsight.modeling.transformers import TransformersModel as _NNsightTransformersModel
 
 from ..bridge.call_structure import structure_key
-from ..bridge.in_place import bridge, bridge_of
+from ..bridge.in_place import Bridge, bridge, bridge_of
 from ..compat.nnsight_loading import PreprocessorSources
 from ..compat.nnsight import dispatch_if_lazy, mirror_envoys, repoint_envoys, scalar_safe_batcher
 from ..bridge.op_point import OpPoint, OpPointContainer
@@ -32,9 +32,19 @@ from .envoy import BridgeEnvoy, tree_repr
 #: The default ``envoys=`` mapping: op points get BridgeEnvoys, modules nnsight's own Envoy.
 OP_ENVOYS = {OpPoint: BridgeEnvoy, OpPointContainer: BridgeEnvoy}
 
+if TYPE_CHECKING:  # the mixin only ever precedes an nnsight.Envoy subclass (nnsight ships no types: Any)
+    from nnsight import Envoy as _EnvoyBase
+else:
+    _EnvoyBase = object
 
-class _Bridged:
+
+class _Bridged(_EnvoyBase):
     """Mixin over an nnsight model class (``NNsight``, ``TransformersModel``...)."""
+
+    _module: torch.nn.Module  # nnsight's: the wrapped model
+    # written through self.__dict__ (past nnsight.Envoy.__setattr__) in __init__:
+    _nnbridge_warmed: set[Hashable]  # the non-forward calls already run once (see _nnbridge_prepare)
+    _batcher_class: type  # nnsight's class attribute, shadowed per instance by scalar_safe_batcher's
 
     def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(model, nnsight.Envoy):  # nnbridge.NNsight(nnsight.NNsight(m))
@@ -80,7 +90,8 @@ class _Bridged:
         """Extract the model for this call (inputs as the model's forward takes them) so its op
         envoys exist before any trace. Returns ``self``."""
         module = self._nnbridge_model()
-        state = bridge_of(module)
+        # None for a model without parameters, which is never bridged: then AttributeError below
+        state = cast(Bridge, bridge_of(module))
         state.dispatcher.lookup(tuple(args), dict(kwargs))
         mirror_envoys(self.interleaver, state.registered)
         return self

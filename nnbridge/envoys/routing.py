@@ -23,8 +23,8 @@ from ..compat.nnsight_source import count_visits, nnsight_body, source_body
 def install() -> None:
     """Make the graph runtime ask nnsight whether a running trace wants an op or a module's
     inside. Idempotent."""
-    OpPoint.wanted = staticmethod(trace_wants)  # type: ignore[assignment]
-    Bridge.wanted_inside = staticmethod(wanted_inside)  # type: ignore[assignment]
-    Bridge.source_body = staticmethod(source_body)  # type: ignore[assignment]
-    Bridge.front_end_body = staticmethod(nnsight_body)  # type: ignore[assignment]
-    Bridge.count_unrouted = staticmethod(count_visits)  # type: ignore[assignment]
+    OpPoint.wanted = staticmethod(trace_wants)
+    Bridge.wanted_inside = staticmethod(wanted_inside)
+    Bridge.source_body = staticmethod(source_body)
+    Bridge.front_end_body = staticmethod(nnsight_body)
+    Bridge.count_unrouted = staticmethod(count_visits)
