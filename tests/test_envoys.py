@@ -396,3 +396,15 @@ def test_several_invokes_serve_0d_op_values_whole():
     assert first.dim() == 0 and torch.equal(first, second)
     for a, b in zip(outputs[nnsight], outputs[nnbridge]):
         assert torch.equal(a, b)
+
+
+def test_extract_on_a_model_without_parameters_names_the_rule():
+    """A parameterless model is left unbridged (nnsight runs it as is): extract() says so, and a
+    trace of its module envoys still equals nnsight's."""
+    model = nnbridge.NNsight(torch.nn.ReLU())
+    x = torch.randn(2, 3)
+    with pytest.raises(nnbridge.NNBridgeError, match="ReLU has no parameters"):
+        model.extract(x)
+    with model.trace(x):
+        out = model.output.save()
+    assert torch.equal(out, torch.relu(x))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import nnsight
 import torch
@@ -23,7 +23,8 @@ from nnsight.modeling.language import LanguageModel as _NNsightLanguageModel
 from nnsight.modeling.transformers import TransformersModel as _NNsightTransformersModel
 
 from ..bridge.call_structure import structure_key
-from ..bridge.in_place import Bridge, bridge, bridge_of
+from ..bridge.in_place import bridge, bridge_of
+from ..errors import NNBridgeError
 from ..compat.nnsight_loading import PreprocessorSources
 from ..compat.nnsight import dispatch_if_lazy, mirror_envoys, repoint_envoys, scalar_safe_batcher
 from ..bridge.op_point import OpPoint, OpPointContainer
@@ -88,10 +89,18 @@ class _Bridged(_EnvoyBase):
 
     def extract(self, *args: Any, **kwargs: Any) -> Any:
         """Extract the model for this call (inputs as the model's forward takes them) so its op
-        envoys exist before any trace. Returns ``self``."""
+        envoys exist before any trace. Returns ``self``.
+
+        Raises:
+            NNBridgeError: the model has no parameters: nnbridge leaves it unbridged (nnsight runs it
+                as is), so there is nothing to extract.
+        """
         module = self._nnbridge_model()
-        # None for a model without parameters, which is never bridged: then AttributeError below
-        state = cast(Bridge, bridge_of(module))
+        state = bridge_of(module)
+        if state is None:
+            raise NNBridgeError(f"{type(module).__name__} has no parameters, so nnbridge does not bridge it and it has"
+                                " no op envoys to extract; trace it as with nnsight (module envoys work), or wrap a"
+                                " module with parameters.")
         state.dispatcher.lookup(tuple(args), dict(kwargs))
         mirror_envoys(self.interleaver, state.registered)
         return self
