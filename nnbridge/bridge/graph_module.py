@@ -87,6 +87,10 @@ class GraphModuleBase(abc.ABC):
         on every bridged call)."""
         return self._op_points.values()
 
+    def named_op_points_made(self) -> dict[str, OpPoint]:
+        """``{node name: op point}`` of the op points created so far (a copy)."""
+        return dict(self._op_points)
+
     def share_point(self, name: str, point: OpPoint) -> None:
         """Use ``point`` (another graph's op point for the same node: another call structure of the
         same module) as this graph's op point ``name``, so listeners and hooks on it reach both."""

@@ -21,6 +21,7 @@ import torch
 from ..compat.pytree import pytree
 
 from ..compat import has_user_hooks, restore_body, swap_body
+from ..compat.module_dicts import modules_of
 from ..errors import NNBridgeError, NodePathError, PatchError, PatchMapError
 from . import hierarchy, patch_state, varargs_paths
 from .dispatcher import GraphDispatcher, WeakCallback
@@ -334,10 +335,17 @@ class PatchableGraph(torch.nn.Module):
         return paths
 
     def op_point(self, path: str | NodeView) -> OpPoint:
-        """The :class:`OpPoint` of a node of the first extraction (for torch hooks)."""
+        """The :class:`OpPoint` of a node (for torch hooks). Every extraction (call structure) that
+        has a node at this NodePath uses this one op point, so its hooks fire on every call, as
+        patches apply to every extraction."""
         node_path = self._validate(str(path))
         owner, name = self._resolve(self._graph_module, node_path)[0]
-        return owner.op_point(name)
+        point = owner.op_point(name)
+        for extraction in self.extractions:
+            for other, other_name in self._resolve(_root(extraction), node_path):
+                other.share_point(other_name, point)
+        refresh_owners([point])
+        return point
 
     # -- patching -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -415,8 +423,10 @@ class PatchableGraph(torch.nn.Module):
         refresh_owners(points)
 
     def _apply_active(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
-        """A new extraction while patch contexts are open: its op points not yet listened get the
-        open contexts' listeners (a point shared with an earlier structure has them already)."""
+        """A new extraction: it shares the op points made so far on the first extraction (torch
+        hooks on op points, see :meth:`op_point`); while patch contexts are open, its op points not
+        yet listened get the open contexts' listeners (a shared point has them already)."""
+        self._share_made_points(dispatcher, extraction)
         if not self._active:
             return
         points = []
@@ -431,6 +441,24 @@ class PatchableGraph(torch.nn.Module):
                     point.add_listener(listener, refresh=False)
                     points.append(point)
         refresh_owners(points)
+
+    def _share_made_points(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
+        first = modules_of(self).get("_graph_module")
+        if first is None or self._modules_of_plain is None:  # the first extraction; or a bridge shares them
+            return
+        made = {f"{path}.{name}" if path else name: point
+                for path, graph in [("", first), *((p, sub) for p, _, _, sub in hierarchy.walk(first) if sub)]
+                for name, point in graph.named_op_points_made().items()}
+        if not made:
+            return
+        prefix = ".".join(self._prefix_of(dispatcher))
+        shared = []
+        for path, owner, name, sub in hierarchy.walk(_root(extraction)):
+            point = made.get(f"{prefix}.{path}" if prefix else path) if sub is None else None
+            if point is not None:
+                owner.share_point(name, point)
+                shared.append(point)
+        refresh_owners(shared)
 
     def _prefix_of(self, dispatcher: GraphDispatcher) -> tuple[str, ...]:
         """The NodePath segments of the module a dispatcher serves (the child of an opaque module
