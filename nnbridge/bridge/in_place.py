@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
-from ..compat.pytree import pytree
 
 from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat import SwappedBody, restore_body, swap_body
@@ -46,6 +45,7 @@ from ..errors import NNBridgeError
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
 from .dispatcher import GraphDispatcher
 from .extraction import Extraction
+from .state import SpecCheck
 from .state_graphs import state_argument_specs
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 from .examples import static_examples
@@ -71,23 +71,24 @@ def _pending() -> dict[int, GraphModuleBase]:
 
 def _state_specs_hold(graph: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether the state objects (custom pytree arguments such as a ``DynamicCache``) of a call
-    have the pytree structure ``graph`` was extracted for (its input prologue's spec; the graph's
-    ``tree_flatten_spec`` raises ``Real spec ... is different from expected spec`` otherwise).
-    Graphs without such arguments always hold (checked once per graph)."""
-    expected = graph.graph_meta.state_specs
-    if expected is None:
-        expected = graph.graph_meta.state_specs = state_argument_specs(graph)
-    if not expected:
+    have the pytree structure ``graph`` was extracted for (the spec of its input prologue or of its
+    :func:`~.state.read_state` / :func:`~.state.write_state` nodes; the graph's code assumes it).
+    Graphs without such arguments always hold (checked once per graph); structures that held are
+    remembered (see :class:`~.state.SpecCheck`)."""
+    checks = graph.graph_meta.state_specs
+    if checks is None:
+        checks = graph.graph_meta.state_specs = [(where, SpecCheck(spec)) for where, spec in state_argument_specs(graph)]
+    if not checks:
         return True
     names = graph.graph_meta.argument_names
     if names is None:
         names = graph.graph_meta.argument_names = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
-    for where, spec in expected:
+    for where, check in checks:
         if isinstance(where, int):
             value = args[where] if where < len(args) else kwargs.get(names[where]) if where < len(names) else None
         else:
             value = kwargs.get(where)
-        if value is None or pytree.tree_flatten(value)[1] != spec:
+        if value is None or not check(value):
             return False
     return True
 
