@@ -106,7 +106,7 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
         stateful arguments), filled while the body runs.
     """
     calls: dict[str, list[list[Key]]] = {}
-    installed: list[tuple[torch.nn.Module, Any]] = []
+    installed: list[tuple[torch.nn.Module, Any, Any]] = []
 
     def wrap(path: str, module: torch.nn.Module) -> None:
         inner = module.forward
@@ -115,16 +115,16 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
             keys = state_keys(args, kwargs)
             if not keys:
                 return inner(*args, **kwargs)
-            args, kwargs = list(args), dict(kwargs)
+            positional, keywords = list(args), dict(kwargs)
             copies = []
             for key in keys:
-                copy = _fresh(argument(args, kwargs, key))  # type: ignore[arg-type]
+                copy = _fresh(argument(args, kwargs, key))
                 if isinstance(key, int):
-                    args[key] = copy
+                    positional[key] = copy
                 else:
-                    kwargs[key] = copy
+                    keywords[key] = copy
                 copies.append(copy)
-            return inner(*args, **kwargs), copies
+            return inner(*positional, **keywords), copies
 
         def call(run: Any, *args: Any, **kwargs: Any) -> Any:
             with CALL_LOCK:  # replaces a locked call for the extraction's duration (see .locking)

@@ -43,9 +43,9 @@ def write_states_back(graph: Graph, attrs: dict[str, Any], keys: list[Key]) -> N
     if spec is None or prologue is None or spec.num_children != 2:
         raise ExtractionError("internal: a module called with a stateful argument (a transformers Cache) has no"
                               " (output, [states]) graph output; please report this with the model's class.")
-    positional, keywords = prologue.args[0]
+    positional, keywords = cast(tuple[tuple[Node, ...], dict[str, Node]], prologue.args[0])
     out_spec, states_spec = spec.children()
-    leaves = list(value.args[0])
+    leaves = list(cast(list[Any], cast(Node, value).args[0]))
     with graph.inserting_before(output):
         result = graph.call_function(pytree.tree_unflatten, (leaves[:out_spec.num_leaves],
                                                              spec_node(graph, attrs, out_spec, output)))
@@ -116,7 +116,9 @@ def argument_objects(graph: Graph, attrs: dict[str, Any]) -> list[tuple[pytree.T
     """``(spec, placeholder)`` of each argument of a raw unflattened graph that is a custom pytree
     object (a ``Cache``), read off the input prologue before cleaning removes it."""
     prologue = input_prologue(graph)
-    spec = attrs.get(str(prologue.args[1].target)) if prologue is not None else None
+    if prologue is None:
+        return []
+    spec = attrs.get(str(cast(Node, prologue.args[1]).target))
     if spec is None:
         return []
     return [(sub, node) for _, sub, node, path in _objects(prologue.args[0], spec) if not path]
@@ -141,7 +143,7 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
     """
     order = {node: i for i, node in enumerate(graph.nodes)}
     # flatten node -> {first leaf index: (spec, object node)}
-    sources: dict[Node, dict[int, tuple[pytree.TreeSpec, Node]]] = {}
+    sources: dict[Node, dict[int, tuple[pytree.TreeSpec, Node, tuple[Any, ...]]]] = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target is fx_pytree.tree_flatten_spec:
             spec = attrs.get(str(node.args[1].target)) if isinstance(node.args[1], Node) else None
@@ -180,10 +182,11 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
             first = leaves[0]
             if not (isinstance(first, Node) and first.target is operator.getitem and first.args[0] in sources):
                 return None
-            flatten, index = first.args
-            found = sources[flatten].get(index)
-            if found is None or found[0] != spec or spec.num_leaves != len(leaves):
+            flatten, index = cast(tuple[Node, int], first.args)
+            entry = sources[flatten].get(index)
+            if entry is None or entry[0] != spec or spec.num_leaves != len(leaves):
                 return None
+            found = entry
             for i, leaf in enumerate(leaves):
                 if not (isinstance(leaf, Node) and leaf.target is operator.getitem and leaf.args == (flatten, index + i)):
                     return None
@@ -430,7 +433,7 @@ def narrow_state_access(graph: Graph, attrs: dict[str, Any], threaded: list[tupl
         if not (target in specs and isinstance(new, Node) and new.target is pytree.tree_unflatten
                 and isinstance(new.args[1], Node)):
             continue
-        new_spec, leaves = attrs.get(str(new.args[1].target)), list(new.args[0])
+        new_spec, leaves = attrs.get(str(new.args[1].target)), list(cast(list[Any], new.args[0]))
         old_template = _template(specs[target])
         new_template = _template(new_spec) if new_spec is not None else None
         if old_template is None or new_template is None:
