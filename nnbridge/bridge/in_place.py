@@ -34,10 +34,9 @@ import contextlib
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
-from ..compat.pytree import pytree
 
 from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat import SwappedBody, restore_body, swap_body
@@ -46,8 +45,9 @@ from ..errors import NNBridgeError
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
 from .dispatcher import GraphDispatcher
 from .extraction import Extraction
+from .state import SpecCheck
 from .state_graphs import state_argument_specs
-from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
+from .graph_module import CompiledGraphModule, OpaqueGraphModule
 from .examples import static_examples
 from .metadata import node_meta
 from .summaries import bind_inputs
@@ -60,34 +60,43 @@ from .options import ExtractionOptions
 BRIDGE_KEY = "_nnbridge_bridge"
 _LOCAL = threading.local()
 _ENVOY_NAMES = frozenset({"input", "inputs", "output"})
+#: What an extraction gives for a module: its compiled graph, or an opaque stand-in.
+AnyGraph = CompiledGraphModule | OpaqueGraphModule
 
 
-def _pending() -> dict[int, GraphModuleBase]:
+def _graph(root: torch.nn.Module) -> AnyGraph:
+    """An extraction's ``root`` (typed as a module) as the graph module it always is."""
+    return cast(AnyGraph, root)
+
+
+def _pending() -> dict[int, AnyGraph]:
     pending = getattr(_LOCAL, "pending", None)
     if pending is None:
         pending = _LOCAL.pending = {}
     return pending
 
 
-def _state_specs_hold(graph: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _state_specs_hold(graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether the state objects (custom pytree arguments such as a ``DynamicCache``) of a call
-    have the pytree structure ``graph`` was extracted for (its input prologue's spec; the graph's
-    ``tree_flatten_spec`` raises ``Real spec ... is different from expected spec`` otherwise).
-    Graphs without such arguments always hold (checked once per graph)."""
-    expected = graph.graph_meta.state_specs
-    if expected is None:
-        expected = graph.graph_meta.state_specs = state_argument_specs(graph)
-    if not expected:
+    have the pytree structure ``graph`` was extracted for (the spec of its input prologue or of its
+    :func:`~.state.read_state` / :func:`~.state.write_state` nodes; the graph's code assumes it).
+    Graphs without such arguments always hold (checked once per graph); structures that held are
+    remembered (see :class:`~.state.SpecCheck`)."""
+    checks = graph.graph_meta.state_specs
+    if checks is None:
+        checks = graph.graph_meta.state_specs = [(where, SpecCheck(spec)) for where, spec in state_argument_specs(graph)]
+    if not checks:
         return True
     names = graph.graph_meta.argument_names
     if names is None:
-        names = graph.graph_meta.argument_names = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
-    for where, spec in expected:
+        placeholders: Iterable[torch.fx.Node] = graph.graph.nodes if isinstance(graph, CompiledGraphModule) else []
+        names = graph.graph_meta.argument_names = [n.name for n in placeholders if n.op == "placeholder"]
+    for where, check in checks:
         if isinstance(where, int):
             value = args[where] if where < len(args) else kwargs.get(names[where]) if where < len(names) else None
         else:
             value = kwargs.get(where)
-        if value is None or pytree.tree_flatten(value)[1] != spec:
+        if value is None or not check(value):
             return False
     return True
 
@@ -98,7 +107,7 @@ class _CallSite:
 
     __slots__ = ("module", "graph")
 
-    def __init__(self, module: torch.nn.Module, graph: GraphModuleBase):
+    def __init__(self, module: torch.nn.Module, graph: AnyGraph):
         self.module, self.graph = module, graph
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -161,12 +170,12 @@ class Bridge:
             # a state object (a ``Cache``) is not in the state the parent's extraction saw, e.g. an
             # earlier layer was skipped (nnsight ``.skip()``) and did not write its cache layer, as
             # in eager: this call gets its own extraction, for the state it really receives
-            graph = self._own_dispatcher(module).lookup(args, kwargs).root
+            graph = _graph(self._own_dispatcher(module).lookup(args, kwargs).root)
         if graph is None:
             dispatcher = self.dispatchers.get(id(module))
             if dispatcher is None or not (module is self.model or self.depth > 0):
                 return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
-            graph = dispatcher.lookup(args, kwargs).root
+            graph = _graph(dispatcher.lookup(args, kwargs).root)
         self.depth += 1
         try:
             # an nnsight trace waiting for something inside this module: each node asks whether
@@ -196,18 +205,18 @@ class Bridge:
 
     # -- linking extractions to the user's modules ----------------------------------------------
     def _on_extraction(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
-        self.link(extraction, dispatcher.module)
+        self.link(extraction, cast(torch.nn.Module, dispatcher.module))
 
     def link(self, extraction: Extraction, module: torch.nn.Module) -> None:
         """Rewire an extraction so its graphs call the user's modules and share op points."""
         if extraction.example is not None:  # shapes for printing op points (no run needed)
             args, kwargs = extraction.example
-            inputs = bind_inputs(extraction.root, list(args), kwargs)
+            inputs = bind_inputs(_graph(extraction.root), list(args), kwargs)
             if inputs is not None:
-                static_examples(extraction.root, inputs)
-        self._link(extraction.root, module, Counter())
+                static_examples(_graph(extraction.root), inputs)
+        self._link(_graph(extraction.root), module, Counter())
 
-    def _link(self, graph: GraphModuleBase, module: torch.nn.Module, invocations: Counter[int]) -> None:
+    def _link(self, graph: AnyGraph, module: torch.nn.Module, invocations: Counter[int]) -> None:
         invocation = invocations[id(module)]
         invocations[id(module)] += 1
         if id(module) not in self.swapped:
@@ -216,9 +225,9 @@ class Bridge:
         if isinstance(graph, CompiledGraphModule):
             if graph.graph_meta.graph_children is not None:
                 return  # already linked (an extraction shared by several callers)
-            children: dict[str, GraphModuleBase] = {}
+            children: dict[str, AnyGraph] = {}
             for i, node in enumerate([n for n in graph.graph.nodes if n.op == "call_module"]):
-                child_graph = graph.get_submodule(str(node.target))
+                child_graph = _graph(graph.get_submodule(str(node.target)))
                 child_module = module.get_submodule(node_meta(node).module_path or "")
                 children[node_meta(node).name] = child_graph
                 self._link(child_graph, child_module, invocations)
@@ -233,7 +242,7 @@ class Bridge:
             for dispatcher in graph.graph_meta.child_dispatchers.values():
                 self.dispatchers[id(dispatcher.module)] = dispatcher
                 for extraction in dispatcher.all_extractions():
-                    self._link(extraction.root, dispatcher.module, Counter())
+                    self._link(_graph(extraction.root), dispatcher.module, Counter())
 
     @staticmethod
     def _read_tensors_live(graph: CompiledGraphModule, module: torch.nn.Module) -> None:
@@ -245,6 +254,7 @@ class Bridge:
             if node.op != "get_attr" or str(node.target).startswith("_nnbridge_module."):
                 continue
             target = str(node.target)
+            value: torch.Tensor
             try:
                 value = module.get_parameter(target)
             except AttributeError:
@@ -259,7 +269,7 @@ class Bridge:
                 buffers_of(holder).pop(name, None)
                 node.target = f"_nnbridge_module.{target}"
 
-    def _share_points(self, graph: GraphModuleBase, module: torch.nn.Module, invocation: int) -> None:
+    def _share_points(self, graph: AnyGraph, module: torch.nn.Module, invocation: int) -> None:
         for name in graph.point_names:
             key = (id(module), invocation, name)
             point = self.points.get(key)
@@ -273,9 +283,9 @@ class Bridge:
         holder = module
         if invocation:
             container_name = f"invocation_{invocation}"
-            holder = modules_of(module).get(container_name)
-            if holder is None:
-                holder = OpPointContainer()
+            existing = modules_of(module).get(container_name)
+            holder = existing if existing is not None else OpPointContainer()
+            if existing is None:
                 module.add_module(container_name, holder)
                 self.registered.append((module, container_name))
         attribute = name

@@ -106,7 +106,7 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
         stateful arguments), filled while the body runs.
     """
     calls: dict[str, list[list[Key]]] = {}
-    installed: list[tuple[torch.nn.Module, Any]] = []
+    installed: list[tuple[torch.nn.Module, Any, Any]] = []
 
     def wrap(path: str, module: torch.nn.Module) -> None:
         inner = module.forward
@@ -115,16 +115,16 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
             keys = state_keys(args, kwargs)
             if not keys:
                 return inner(*args, **kwargs)
-            args, kwargs = list(args), dict(kwargs)
+            positional, keywords = list(args), dict(kwargs)
             copies = []
             for key in keys:
-                copy = _fresh(argument(args, kwargs, key))  # type: ignore[arg-type]
+                copy = _fresh(argument(args, kwargs, key))
                 if isinstance(key, int):
-                    args[key] = copy
+                    positional[key] = copy
                 else:
-                    kwargs[key] = copy
+                    keywords[key] = copy
                 copies.append(copy)
-            return inner(*args, **kwargs), copies
+            return inner(*positional, **keywords), copies
 
         def call(run: Any, *args: Any, **kwargs: Any) -> Any:
             with CALL_LOCK:  # replaces a locked call for the extraction's duration (see .locking)
@@ -157,3 +157,118 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
                 module.__dict__.pop("forward", None)
             else:
                 module.__dict__["forward"] = previous
+
+
+def _structure(value: Any) -> Any:
+    """``value``'s type and non-tensor state, recursively through lists, tuples, dicts and object
+    attributes, with every tensor as ``torch.Tensor``: two objects with equal structures flatten
+    to equal pytree specs when their flatten reads only that state (as transformers' ``Cache``
+    pytree does: tensors become leaves, everything else the spec's context)."""
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return (kind, *map(_structure, value))
+    if kind is dict:
+        return (kind, *value, *map(_structure, value.values()))
+    state = getattr(value, "__dict__", None)
+    if state is not None and not isinstance(value, type):
+        return (kind, *state, *map(_structure, state.values()))
+    return (kind, value)
+
+
+class SpecCheck:
+    """Whether a state argument (a ``Cache``) has the pytree spec a graph was extracted for.
+
+    A full check flattens the object (every layer of a cache); the object's structure (its types
+    and non-tensor state, tensors abstracted) is remembered when it holds, so a later call with an
+    object of a remembered structure is checked by one walk that builds no spec. At most
+    :attr:`REMEMBERED` structures are kept.
+
+    Example::
+
+        check = SpecCheck(pytree.tree_flatten(cache)[1])
+        check(cache)    # True: flattens, remembers the structure
+        check(cache)    # True: the structure is remembered
+    """
+
+    REMEMBERED = 16
+
+    def __init__(self, spec: pytree.TreeSpec):
+        self.spec = spec
+        self.held: set[Any] = set()
+
+    def __call__(self, value: Any) -> bool:
+        try:
+            structure = _structure(value)
+            if structure in self.held:
+                return True
+        except (TypeError, RecursionError):  # an unhashable value, or a cycle: check in full
+            structure = None
+        if pytree.tree_flatten(value)[1] != self.spec:
+            return False
+        if structure is not None:
+            if len(self.held) >= self.REMEMBERED:
+                self.held.clear()
+            self.held.add(structure)
+        return True
+
+
+#: A path into a state object: each step an attribute name (``str``) or a one-element tuple holding
+#: an item key (a list index or a dict key): ``("layers", (3,), "keys")`` is ``obj.layers[3].keys``.
+Path = tuple[str | tuple[Any], ...]
+
+
+def _slot(obj: Any, step: str | tuple[Any]) -> tuple[Any, Any]:
+    """``(mapping or list, key)`` holding ``step`` of ``obj`` (an attribute lives in ``vars(obj)``,
+    where :func:`assign_state` and transformers' cache pytree read and write it)."""
+    return (vars(obj), step) if isinstance(step, str) else (obj, step[0])
+
+
+def _at(obj: Any, path: Path) -> Any:
+    for step in path:
+        holder, key = _slot(obj, step)
+        obj = holder[key]
+    return obj
+
+
+def read_state(target: Any, spec: pytree.TreeSpec, paths: tuple[Path, ...]) -> tuple[Any, ...]:
+    """The values at ``paths`` in ``target``: the pytree leaves of a state object (a ``Cache``'s
+    tensors) that a graph reads, without flattening the whole object.
+
+    ``spec`` is the object's pytree spec the graph was extracted for; the bridge checks it before
+    the call (see :func:`.in_place._state_specs_hold`), it is not used here.
+
+    Returns:
+        one value per path, in order.
+    """
+    return tuple(_at(target, path) for path in paths)
+
+
+@torch.fx.node.has_side_effect
+def write_state(target: Any, spec: pytree.TreeSpec, deleted: tuple[Path, ...], paths: tuple[Path, ...],
+                values: list[Any]) -> None:
+    """Write the parts of a state object a module call changed: delete the attributes or dict items
+    at ``deleted``, then set ``values[i]`` at ``paths[i]``, in order. Every other part of ``target``
+    (the other layers of a ``Cache``) is left untouched; the result is what :func:`assign_state`
+    of the whole new state gives, in time proportional to the change.
+
+    ``spec`` is the pytree spec ``target`` had when the call began, as the graph was extracted for
+    it; the bridge checks it before the call (see :func:`.in_place._state_specs_hold`), it is not
+    used here.
+
+    Raises:
+        AttributeError, KeyError, IndexError: a path does not exist in ``target`` (the object is
+            not in the structure the graph was extracted for).
+    """
+    for path in deleted:
+        holder, key = _slot(_at(target, path[:-1]), path[-1])
+        del holder[key]
+    for path, value in zip(paths, values):
+        holder, key = _slot(_at(target, path[:-1]), path[-1])
+        holder[key] = value
+
+
+#: Plumbing, not ops: op points skip nodes calling them.
+read_state.nnbridge_plumbing = True  # type: ignore[attr-defined]
+write_state.nnbridge_plumbing = True  # type: ignore[attr-defined]

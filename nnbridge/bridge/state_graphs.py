@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import Graph, Node
@@ -20,7 +20,7 @@ from ..compat.pytree import pytree
 
 from ..errors import ExtractionError
 from .cleanup import input_prologue, spec_node
-from .state import Key, assign_state
+from .state import Key, Path, assign_state, read_state, write_state
 
 
 def write_states_back(graph: Graph, attrs: dict[str, Any], keys: list[Key]) -> None:
@@ -43,9 +43,9 @@ def write_states_back(graph: Graph, attrs: dict[str, Any], keys: list[Key]) -> N
     if spec is None or prologue is None or spec.num_children != 2:
         raise ExtractionError("internal: a module called with a stateful argument (a transformers Cache) has no"
                               " (output, [states]) graph output; please report this with the model's class.")
-    positional, keywords = prologue.args[0]
+    positional, keywords = cast(tuple[tuple[Node, ...], dict[str, Node]], prologue.args[0])
     out_spec, states_spec = spec.children()
-    leaves = list(value.args[0])
+    leaves = list(cast(list[Any], cast(Node, value).args[0]))
     with graph.inserting_before(output):
         result = graph.call_function(pytree.tree_unflatten, (leaves[:out_spec.num_leaves],
                                                              spec_node(graph, attrs, out_spec, output)))
@@ -116,7 +116,9 @@ def argument_objects(graph: Graph, attrs: dict[str, Any]) -> list[tuple[pytree.T
     """``(spec, placeholder)`` of each argument of a raw unflattened graph that is a custom pytree
     object (a ``Cache``), read off the input prologue before cleaning removes it."""
     prologue = input_prologue(graph)
-    spec = attrs.get(str(prologue.args[1].target)) if prologue is not None else None
+    if prologue is None:
+        return []
+    spec = attrs.get(str(cast(Node, prologue.args[1]).target))
     if spec is None:
         return []
     return [(sub, node) for _, sub, node, path in _objects(prologue.args[0], spec) if not path]
@@ -124,7 +126,8 @@ def argument_objects(graph: Graph, attrs: dict[str, Any]) -> list[tuple[pytree.T
 
 def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tuple[Node, list[Key], int]],
                           arguments: list[tuple[pytree.TreeSpec, Node]]) -> None:
-    """Pass state objects by reference, as the eager code does.
+    """Pass state objects by reference, as the eager code does, and let each graph touch only the
+    parts of them it reads or changes (:func:`narrow_state_access`).
 
     Where a graph rebuilds an object (``tree_unflatten``) from exactly the leaves it just read off
     an object it holds (a ``Cache`` argument, or one a callee wrote its new state into), the
@@ -140,7 +143,7 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
     """
     order = {node: i for i, node in enumerate(graph.nodes)}
     # flatten node -> {first leaf index: (spec, object node)}
-    sources: dict[Node, dict[int, tuple[pytree.TreeSpec, Node]]] = {}
+    sources: dict[Node, dict[int, tuple[pytree.TreeSpec, Node, tuple[Any, ...]]]] = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target is fx_pytree.tree_flatten_spec:
             spec = attrs.get(str(node.args[1].target)) if isinstance(node.args[1], Node) else None
@@ -179,10 +182,11 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
             first = leaves[0]
             if not (isinstance(first, Node) and first.target is operator.getitem and first.args[0] in sources):
                 return None
-            flatten, index = first.args
-            found = sources[flatten].get(index)
-            if found is None or found[0] != spec or spec.num_leaves != len(leaves):
+            flatten, index = cast(tuple[Node, int], first.args)
+            entry = sources[flatten].get(index)
+            if entry is None or entry[0] != spec or spec.num_leaves != len(leaves):
                 return None
+            found = entry
             for i, leaf in enumerate(leaves):
                 if not (isinstance(leaf, Node) and leaf.target is operator.getitem and leaf.args == (flatten, index + i)):
                     return None
@@ -231,20 +235,30 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is assign_state and node.args[0] is node.args[1]:
             graph.erase_node(node)
+    narrow_state_access(graph, attrs, threaded, arguments)
 
 
 def state_argument_specs(graph_module: torch.nn.Module) -> list[tuple[int | str, pytree.TreeSpec]]:
     """``(position or keyword, spec)`` of each argument of a compiled graph that is a custom pytree
-    object (a ``Cache``), read off its input prologue; empty for other graphs."""
+    object (a ``Cache``) whose leaves the graph reads or writes, off its input prologue or its
+    :func:`read_state` and :func:`write_state` nodes; empty for other graphs."""
     graph = getattr(graph_module, "graph", None)
-    prologue = input_prologue(graph) if isinstance(graph, Graph) else None
-    if prologue is None or not isinstance(prologue.args[1], Node):
+    if not isinstance(graph, Graph):
         return []
+    found: list[tuple[int | str, pytree.TreeSpec]] = []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (read_state, write_state) and node.args[0] in placeholders:
+            spec = getattr(graph_module, str(cast(Node, node.args[1]).target), None)
+            where = placeholders.index(cast(Node, node.args[0]))
+            if isinstance(spec, pytree.TreeSpec) and (where, spec) not in found:
+                found.append((where, spec))
+    prologue = input_prologue(graph)
+    if prologue is None or not isinstance(prologue.args[1], Node):
+        return found
     spec = getattr(graph_module, str(prologue.args[1].target), None)
     if not isinstance(spec, pytree.TreeSpec) or spec.num_children != 2:
-        return []
-    positional, keywords = prologue.args[0]
-    found: list[tuple[int | str, pytree.TreeSpec]] = []
+        return found
     pos_spec, kw_spec = spec.children()
     for i, child in enumerate(pos_spec.children()):
         if _custom(child):
@@ -253,3 +267,213 @@ def state_argument_specs(graph_module: torch.nn.Module) -> list[tuple[int | str,
         if _custom(child):
             found.append((key, child))
     return found
+
+
+class _Leaf:
+    """Stands for leaf ``index`` of a spec in a :func:`_template`."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class _Unnarrowable(Exception):
+    """The change between two states cannot be written as a few assignments (see :func:`_changes`)."""
+
+
+#: Values a write may set as graph constants (fx prints them in generated code).
+_ATOMS = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def _template(spec: pytree.TreeSpec) -> Any:
+    """The object ``spec`` unflattens to, with :class:`_Leaf` markers for its leaves; None when the
+    spec's unflatten needs real leaves."""
+    try:
+        return pytree.tree_unflatten([_Leaf(i) for i in range(spec.num_leaves)], spec)
+    except Exception:  # noqa: BLE001 - a custom unflatten that computes on its leaves
+        return None
+
+
+def _members(obj: Any) -> list[tuple[str | tuple[Any], Any]] | None:
+    """``[(path step, value)]`` of a list's items, a dict's items or an object's attributes (see
+    :data:`.state.Path`); None for anything else (a tuple, an atom, a leaf)."""
+    if isinstance(obj, list):
+        return [((i,), item) for i, item in enumerate(obj)]
+    if isinstance(obj, dict):
+        return [((key,), item) for key, item in obj.items()]
+    if isinstance(obj, _Leaf) or isinstance(obj, type) or not hasattr(obj, "__dict__"):
+        return None
+    return list(vars(obj).items())
+
+
+def _leaf_paths(template: Any, path: Path = ()) -> dict[int, Path]:
+    """``{leaf index: path}`` of the markers in a :func:`_template`.
+
+    Raises:
+        _Unnarrowable: a marker sits inside a tuple or other value paths cannot address.
+    """
+    if isinstance(template, _Leaf):
+        return {template.index: path}
+    members = _members(template)
+    if members is None:
+        if isinstance(template, tuple) and any(_leaf_paths(item) for item in template):
+            raise _Unnarrowable
+        return {}
+    found: dict[int, Path] = {}
+    for step, value in members:
+        found.update(_leaf_paths(value, (*path, step)))
+    return found
+
+
+def _changes(old: Any, new: Any, unchanged: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """``(path, value)`` of each assignment that turns ``old`` into ``new`` as :func:`assign_state`
+    does, both :func:`_template` objects; ``value`` is a ``_Leaf`` of ``new``, a constant, or
+    :data:`_DELETE` (delete the attribute or item at ``path``).
+    ``unchanged(old_leaf, new_leaf)`` tells whether a new leaf is the old one, unmodified.
+
+    Raises:
+        _Unnarrowable: a changed part is a new container or object (it would have to be rebuilt).
+    """
+    if isinstance(new, _Leaf):
+        if not (isinstance(old, _Leaf) and unchanged(old, new)):
+            yield path, new
+        return
+    new_members, old_members = _members(new), _members(old)
+    if new_members is None:
+        if _leaf_paths(new):
+            raise _Unnarrowable
+        if type(old) is type(new) and isinstance(new, _ATOMS) and old == new:
+            return
+        if not isinstance(new, _ATOMS):
+            raise _Unnarrowable
+        yield path, new
+        return
+    if old_members is None or type(old) is not type(new):
+        raise _Unnarrowable  # assign_state would put in the new object itself
+    if isinstance(new, list):
+        if len(old) != len(new):
+            raise _Unnarrowable  # assign_state replaces the whole list's contents
+    else:
+        new_steps = {step for step, _ in new_members}
+        for step, _ in old_members:
+            if step not in new_steps:
+                yield (*path, step), _DELETE
+    old_state = dict(old_members)
+    for step, value in new_members:
+        if step in old_state:
+            yield from _changes(old_state[step], value, unchanged, (*path, step))
+        elif isinstance(value, _Leaf) or isinstance(value, _ATOMS):
+            yield (*path, step), value
+        else:
+            raise _Unnarrowable
+
+
+#: Marks a deletion in :func:`_changes`.
+_DELETE = object()
+
+
+def narrow_state_access(graph: Graph, attrs: dict[str, Any], threaded: list[tuple[Node, list[Key], int]],
+                        arguments: list[tuple[pytree.TreeSpec, Node]]) -> None:
+    """Make a graph read and write only the parts of its state arguments it uses or changes.
+
+    Export leaves a state module's graph flattening the whole state argument (every layer of a
+    ``Cache``) to read a few leaves, and rebuilding the whole new state to :func:`assign_state` it
+    back, so that each attention call of an ``L``-layer model costs ``O(L)`` and a forward
+    ``O(L^2)``. Here, for each argument that is a custom pytree object (``arguments``):
+
+    - ``assign_state(arg, tree_unflatten(leaves, spec))`` becomes :func:`write_state` of the
+      assignments that differ from the argument's own state: a new leaf, a changed constant
+      (``is_initialized``, ``dtype``), a deleted attribute. A leaf that is the argument's own leaf,
+      read before and not changed by a child call in between, is not written. The node carries
+      the argument's spec, which the bridge checks before the call, as export's flatten did;
+    - reads of the argument's leaves off a ``tree_flatten_spec`` become one :func:`read_state` of
+      their paths (it carries the argument's spec, which the bridge checks before the call); a
+      flatten left without readers is removed.
+
+    A change that would need a new container or object built (a cache that appends layers), or
+    a spec whose unflatten computes on its leaves, keeps export's whole-object code.
+
+    Args:
+        graph: a cleaned graph, after :func:`forward_state_objects`.
+        attrs: ``{get_attr target: value}`` of the graph's owner (``_spec_N`` attributes are added).
+        threaded: ``(call, state keys, extra arguments)`` of each call that writes states back.
+        arguments: the graph's object arguments (:func:`argument_objects`).
+    """
+    specs = {placeholder: spec for spec, placeholder in arguments}
+    order = {node: i for i, node in enumerate(graph.nodes)}
+
+    def mutated_between(obj: Node, after: Node, before: Node) -> bool:
+        for call, keys, extra in threaded:
+            if order[after] < order[call] < order[before]:
+                if any((call.args[extra + k] if isinstance(k, int) else call.kwargs[k]) is obj for k in keys):
+                    return True
+        return False
+
+    def read_of(leaf: Any, obj: Node) -> tuple[Node, int] | None:
+        """``(flatten, leaf index in obj's spec)`` when ``leaf`` reads a leaf of ``obj`` off a flatten."""
+        if not (isinstance(leaf, Node) and leaf.op == "call_function" and leaf.target is operator.getitem):
+            return None
+        flatten, index = leaf.args
+        if not (isinstance(flatten, Node) and flatten.target is fx_pytree.tree_flatten_spec
+                and isinstance(flatten.args[1], Node) and isinstance(index, int)):
+            return None
+        spec = attrs.get(str(flatten.args[1].target))
+        if spec is None:
+            return None
+        for start, sub, found, path in _objects(flatten.args[0], spec):
+            if found is obj and not path and sub == specs[obj] and start <= index < start + sub.num_leaves:
+                return flatten, index - start
+        return None
+
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is assign_state):
+            continue
+        target, new = node.args
+        if not (target in specs and isinstance(new, Node) and new.target is pytree.tree_unflatten
+                and isinstance(new.args[1], Node)):
+            continue
+        new_spec, leaves = attrs.get(str(new.args[1].target)), list(cast(list[Any], new.args[0]))
+        old_template = _template(specs[target])
+        new_template = _template(new_spec) if new_spec is not None else None
+        if old_template is None or new_template is None:
+            continue
+
+        def unchanged(old: _Leaf, new_leaf: _Leaf) -> bool:
+            read = read_of(leaves[new_leaf.index], target)
+            return read is not None and read[1] == old.index and not mutated_between(target, read[0], node)
+
+        try:
+            changes = list(_changes(old_template, new_template, unchanged))
+        except _Unnarrowable:
+            continue
+        deleted = tuple(path for path, value in changes if value is _DELETE)
+        written = [(path, leaves[value.index] if isinstance(value, _Leaf) else value)
+                   for path, value in changes if value is not _DELETE]
+        with graph.inserting_before(node):
+            graph.call_function(write_state, (target, spec_node(graph, attrs, specs[target], node), deleted,
+                                              tuple(p for p, _ in written), [v for _, v in written]))
+        graph.erase_node(node)
+        if not new.users:
+            graph.erase_node(new)
+
+    for flatten in [n for n in graph.nodes if n.op == "call_function" and n.target is fx_pytree.tree_flatten_spec]:
+        for placeholder, spec in specs.items():
+            readers = [user for user in flatten.users if read_of(user, placeholder) is not None]
+            template = _template(spec) if readers else None
+            if template is None:
+                continue
+            try:
+                paths = _leaf_paths(template)
+            except _Unnarrowable:
+                continue
+            indices = [cast(tuple[Node, int], read_of(user, placeholder))[1] for user in readers]
+            with graph.inserting_after(flatten):
+                read = graph.call_function(read_state, (placeholder, spec_node(graph, attrs, spec, flatten),
+                                                        tuple(paths[i] for i in indices)))
+            with graph.inserting_after(read):
+                for k, user in enumerate(readers):
+                    user.replace_all_uses_with(graph.call_function(operator.getitem, (read, k)))
+                    graph.erase_node(user)
+        if not flatten.users:
+            graph.erase_node(flatten)

@@ -1,0 +1,144 @@
+"""Cache threading in linear time: each bridged module call reads and writes only the parts of a
+``DynamicCache`` it uses or changes (:func:`nnbridge.bridge.state.write_state`), and the cache
+afterwards equals eager's, object for object."""
+
+import copy
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import nnbridge
+from nnbridge import CompiledGraphModule
+from nnbridge.bridge import bridge_of
+from nnbridge.bridge.state import SpecCheck, assign_state, write_state
+from nnbridge.compat.pytree import pytree
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, attn_implementation="eager")).eval()
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=3, hidden_size=32, intermediate_size=64,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                        attn_implementation="eager")).eval()
+
+
+MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+
+
+def attentions(model):
+    layers = model.transformer.h if isinstance(model, GPT2LMHeadModel) else model.model.layers
+    return [layer.attn if isinstance(model, GPT2LMHeadModel) else layer.self_attn for layer in layers]
+
+
+def pair(name):
+    """``(untouched model, bridged copy, prompt ids)``."""
+    plain = MODELS[name]()
+    ids = torch.randint(0, 100, (1, 7))
+    bridged = nnbridge.bridge(copy.deepcopy(plain), ids)
+    return plain, bridged, ids
+
+
+def assert_same_cache(got, want):
+    assert type(got) is type(want) and len(got.layers) == len(want.layers)
+    for mine, theirs in zip(got.layers, want.layers):
+        assert type(mine) is type(theirs)
+        assert vars(mine).keys() == vars(theirs).keys()
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+        assert (mine.is_initialized, mine.dtype, mine.device) == (theirs.is_initialized, theirs.dtype, theirs.device)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cache_after_one_forward_equals_eager(name):
+    plain, bridged, ids = pair(name)
+    with torch.no_grad():
+        want, got = plain(ids), bridged(ids)
+    assert torch.equal(got.logits, want.logits)
+    assert_same_cache(got.past_key_values, want.past_key_values)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cache_after_three_decode_steps_equals_eager_and_keeps_its_objects(name):
+    plain, bridged, ids = pair(name)
+    with torch.no_grad():
+        want, got = plain(ids).past_key_values, bridged(ids).past_key_values
+        layer_objects = list(got.layers)
+        for step in range(3):
+            token = torch.randint(0, 100, (1, 1))
+            out, ref = bridged(token, past_key_values=got), plain(token, past_key_values=want)
+            assert out.past_key_values is got and torch.equal(out.logits, ref.logits)
+            assert_same_cache(got, want)
+    assert all(a is b for a, b in zip(got.layers, layer_objects))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_attention_call_changes_only_its_own_cache_layer(name):
+    """Every value in every other layer's ``__dict__`` is the very same object after the call."""
+    plain, bridged, ids = pair(name)
+    changed: list[tuple[int, list[int]]] = []
+    snapshots = {}
+
+    def before(index):
+        def hook(module, args, kwargs):
+            cache = kwargs["past_key_values"]
+            snapshots[index] = [dict(vars(layer)) for layer in cache.layers]
+        return hook
+
+    def after(index):
+        def hook(module, args, kwargs, output):
+            cache = kwargs["past_key_values"]
+            now = [vars(layer) for layer in cache.layers]
+            touched = [i for i, (old, new) in enumerate(zip(snapshots[index], now))
+                       if old.keys() != new.keys() or any(old[k] is not new[k] for k in old)]
+            changed.append((index, touched))
+        return hook
+
+    handles = []
+    for i, attention in enumerate(attentions(bridged)):
+        handles.append(attention.register_forward_pre_hook(before(i), with_kwargs=True))
+        handles.append(attention.register_forward_hook(after(i), with_kwargs=True))
+    with torch.no_grad():
+        cache = bridged(ids).past_key_values
+        bridged(torch.randint(0, 100, (1, 1)), past_key_values=cache)
+    for handle in handles:
+        handle.remove()
+    assert changed == [(i, [i]) for i in range(3)] * 2
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_graphs_write_only_their_layer_and_never_the_whole_cache(name):
+    _, bridged, _ = pair(name)
+    writes = {}
+    graphs, seen = [bridge_of(bridged).dispatcher.all_extractions()[0].root], []
+    while graphs:
+        graph = graphs.pop()
+        seen.append(graph)
+        graphs += list((graph.graph_meta.graph_children or {}).values())
+    for graph in seen:
+        if not isinstance(graph, CompiledGraphModule):
+            continue  # an opaque module (Llama's rotary embedding) has no graph
+        for node in graph.graph.nodes:
+            assert node.target is not assign_state, graph.code
+            if node.target is write_state:
+                _, _, deleted, paths, _ = node.args
+                writes.setdefault(id(graph), set()).update(path[:2] for path in (*deleted, *paths))
+    assert sorted(map(sorted, writes.values())) == [[("layers", (i,))] for i in range(3)]
+
+
+def test_spec_check_remembers_structures_and_still_refuses_other_ones():
+    model = tiny_gpt2()
+    nnbridge.bridge(model, torch.randint(0, 100, (1, 4)))  # registers the cache pytrees
+    with torch.no_grad():
+        cache = model(torch.randint(0, 100, (1, 4))).past_key_values
+        other = model(torch.randint(0, 100, (1, 4))).past_key_values
+    check = SpecCheck(pytree.tree_flatten(cache)[1])
+    assert check(cache) and len(check.held) == 1
+    assert check(other) and len(check.held) == 1  # same structure, other tensors
+    cache.layers[1].is_initialized = False
+    assert not check(cache)
+    del cache.layers[2].dtype
+    assert not check(cache)
