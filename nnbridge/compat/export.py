@@ -206,8 +206,30 @@ def unflatten(exported: torch.export.ExportedProgram) -> torch.nn.Module:
     functionalized buffer mutation; its stdout is swallowed here.
     """
     with no_module_deduplication(), _unflatten_module._disable_interpreter(), \
-            contextlib.redirect_stdout(io.StringIO()), quiet_torch_export():
+            contextlib.redirect_stdout(io.StringIO()), quiet_torch_export(), _state_on_meta(exported):
         return torch.export.unflatten(exported)
+
+
+@contextlib.contextmanager
+def _state_on_meta(exported: torch.export.ExportedProgram) -> Iterator[None]:
+    """Parameters and persistent buffers as meta tensors while unflattening: torch 2.13's
+    ``UnflattenedModule`` clones every one of them (a second copy of the weights, about a second on
+    12-layer GPT-2), and nnbridge's graphs use the module's own tensors instead. Tied tensors stay
+    tied (one meta tensor per original). Lifted constants are kept: graphs may use them."""
+    state = exported._state_dict
+    metas: dict[int, torch.Tensor] = {}
+
+    def meta(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in metas:
+            empty = torch.empty_like(tensor, device="meta")
+            metas[id(tensor)] = torch.nn.Parameter(empty, tensor.requires_grad) if isinstance(
+                tensor, torch.nn.Parameter) else empty
+        return metas[id(tensor)]
+    exported._state_dict = {name: meta(t) if isinstance(t, torch.Tensor) else t for name, t in state.items()}
+    try:
+        yield
+    finally:
+        exported._state_dict = state
 
 
 def invocation_graphs(unflattened: torch.nn.Module) -> list[torch.nn.Module]:
