@@ -178,7 +178,8 @@ def test_printed_tree_before_extraction_is_nnsights():
 
 def test_printed_tree_shows_ops_on_one_line_and_collapses_repeated_layers():
     model = language_model(nnbridge)
-    with model.trace(PROMPTS[0]):
+    with model.trace(PROMPTS[0]):  # the trace names an op, so the model is extracted
+        model.transformer.h[0].attn.softmax.output.save()
         logits = model.lm_head.output.save()
     assert torch.equal(logits, text_model("gpt2")(**tokenizer()(PROMPTS[0], return_tensors="pt")).logits)
     printed = repr(model)

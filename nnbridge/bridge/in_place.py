@@ -152,6 +152,7 @@ class Bridge:
         self.points: dict[tuple[int, int, str], OpPoint] = {}
         self.registered: list[tuple[torch.nn.Module, str]] = []
         self.depth = 0
+        self.eager = 0  # > 0 while :meth:`running_eagerly`
         self.locked: list[tuple[torch.nn.Module, Any]] = []  # locked ``_call_impl``s (see .locking)
 
     # -- running --------------------------------------------------------------------------------
@@ -165,6 +166,8 @@ class Bridge:
             return self._body(module, *args, **kwargs)
 
     def _body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.eager:
+            return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
         graph = _pending().pop(id(module), None)
         if graph is not None and not torch.compiler.is_dynamo_compiling() and not _state_specs_hold(graph, args, kwargs):
             # a state object (a ``Cache``) is not in the state the parent's extraction saw, e.g. an
@@ -193,6 +196,31 @@ class Bridge:
             raise
         finally:
             self.depth -= 1
+
+    def listened(self) -> bool:
+        """Whether a patch listener or a torch hook is on any of the model's op points (then a
+        call must run the graphs: :meth:`running_eagerly` would skip them)."""
+        return any(point.listened for point in self.points.values())
+
+    @contextlib.contextmanager
+    def running_eagerly(self) -> Iterator[None]:
+        """Every module of the model runs its own code for the body's duration, as if unbridged
+        (a front-end's own body, such as nnsight's, included): no graph runs and nothing is
+        extracted. For calls that want no op (see :mod:`nnbridge.envoys.op_reads`).
+
+        Raises:
+            NNBridgeError: a patch or torch hook is on an op point (they act only in graphs).
+        """
+        if self.listened():
+            listened = [point.node_name for point in self.points.values() if point.listened][:3]
+            raise NNBridgeError(f"cannot run {type(self.model).__name__} eagerly: op points {listened} have"
+                                " patches or torch hooks, which act only when its graphs run; remove them"
+                                " or run the model normally.")
+        self.eager += 1
+        try:
+            yield
+        finally:
+            self.eager -= 1
 
     def _own_dispatcher(self, module: torch.nn.Module) -> GraphDispatcher:
         """``module``'s own dispatcher (made on first need, linked like the model's)."""

@@ -5,6 +5,9 @@
 - ``Interleaver.parked`` (set of locations a worker waits at) and ``Interleaver.observers``
   (locations ``tracer.cache()`` records) decide whether a location is served; nnsight's own fast
   path in ``Interleaver.handle`` asks the same question.
+- ``Interleaver.mediators`` (the workers of the trace about to run, each with its compiled block
+  ``Mediator.code`` and its ``Scope`` ``Mediator.lcls``) and ``Envoy._edits`` (stored edits, replayed
+  on every trace) are what a trace will run.
 - ``Envoy._wrap_envoy(name, module)`` mirrors a submodule added after the tree was built;
   ``Interleaver.envoys`` maps ``id(module)`` to its envoy.
 """
@@ -12,7 +15,8 @@
 from __future__ import annotations
 
 import functools
-
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,6 +61,26 @@ def mirror_envoys(interleaver: Any, registered: list[tuple[torch.nn.Module, str]
         if envoy is None or name in envoy._child_map:
             continue
         envoy._wrap_envoy(name, holder._modules[name])
+
+
+def pending_workers(envoy: Any) -> tuple[list[types.CodeType] | None, Callable[[str], object]]:
+    """The code of every worker the next run of ``envoy``'s interleaver starts (each invoke's
+    block, and the envoy's stored edits), with a resolver of names in their scopes (a global or
+    local of a block, or None). The codes are None when a worker has no code object to read."""
+    mediators = list(envoy.interleaver.mediators) + list(getattr(envoy, "_edits", ()))
+    codes = [getattr(m, "code", None) for m in mediators]
+    scopes = [m.lcls for m in mediators]
+
+    def resolve(name: str) -> object:
+        for scope in scopes:
+            try:
+                return scope[name]
+            except (KeyError, NameError):
+                continue
+        return None
+    if not all(isinstance(code, types.CodeType) for code in codes):
+        return None, resolve
+    return [code for code in codes if isinstance(code, types.CodeType)], resolve
 
 
 def repoint_envoys(envoy: Any, module: torch.nn.Module) -> None:

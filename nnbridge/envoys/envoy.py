@@ -86,7 +86,8 @@ class BridgeEnvoy(nnsight.Envoy):
                 return (f"{where} has no attribute or op {name!r}, and no ops: the extracted calls of the"
                         " model did not run it.")
             return (f"{where} has no attribute or op {name!r}. Its ops are not known yet: they appear when the"
-                    " model is extracted, at the first trace or with model.extract(*inputs).")
+                    " model is extracted, at the first trace whose code names an op (a trace that reads only"
+                    " module inputs and outputs runs the model as is), or with model.extract(*inputs).")
         close = difflib.get_close_matches(name, ops, n=5, cutoff=0.5) or ops[:5]
         return f"{where} has no attribute or op {name!r}; closest ops: {close}."
 

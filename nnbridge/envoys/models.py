@@ -6,6 +6,9 @@ from that trace's own inputs, and mirrors the new op points as envoys before the
 runs, so ``model.transformer.h[0].attn.softmax.output`` works in that same trace. Later traces
 with the same call structure reuse the extraction. ``model.extract(*inputs)`` does it up front.
 
+A trace whose workers read no op envoy (only module inputs and outputs: see :mod:`.op_reads`) runs
+the model's own code, as nnsight would, and extracts nothing.
+
 Generation: the first ``generate`` trace of a call structure runs generation once beforehand
 (no grad, random state restored) so the prefill and decode steps are extracted before the trace
 body asks for their ops; a module's op envoys serve every step (``tracer.iter``).
@@ -19,16 +22,19 @@ from typing import TYPE_CHECKING, Any
 
 import nnsight
 import torch
+from nnsight.intervention.interleaver import OutOfOrderError
 from nnsight.modeling.language import LanguageModel as _NNsightLanguageModel
 from nnsight.modeling.transformers import TransformersModel as _NNsightTransformersModel
 
 from ..bridge.call_structure import structure_key
-from ..bridge.in_place import bridge, bridge_of
+from ..bridge.in_place import Bridge, bridge, bridge_of
 from ..errors import NNBridgeError
 from ..compat.nnsight_loading import PreprocessorSources
-from ..compat.nnsight import dispatch_if_lazy, mirror_envoys, repoint_envoys, scalar_safe_batcher
+from ..compat.nnsight import (dispatch_if_lazy, mirror_envoys, pending_workers, repoint_envoys,
+                              scalar_safe_batcher)
 from ..bridge.op_point import OpPoint, OpPointContainer
 from .envoy import BridgeEnvoy, tree_repr
+from .op_reads import reads_ops
 
 #: The default ``envoys=`` mapping: op points get BridgeEnvoys, modules nnsight's own Envoy.
 OP_ENVOYS = {OpPoint: BridgeEnvoy, OpPointContainer: BridgeEnvoy}
@@ -39,8 +45,22 @@ else:
     _EnvoyBase = object
 
 
+#: Added to an error raised in a trace run without graphs (what a runtime-built op name meets).
+_EAGER_NOTE = ("nnbridge ran this trace on the model's own code, without its graphs, because the trace's code"
+               " names no op envoy. If it reaches an op through a name built at run time, set"
+               " `model.eager_module_traces = False` to run every trace on the graphs.")
+
+
 class _Bridged(_EnvoyBase):
-    """Mixin over an nnsight model class (``NNsight``, ``TransformersModel``...)."""
+    """Mixin over an nnsight model class (``NNsight``, ``TransformersModel``...).
+
+    Attributes:
+        eager_module_traces: run a trace whose code names no op envoy (only module inputs and
+            outputs: see :mod:`.op_reads`) on the model's own code, extracting nothing (default
+            True; class-wide, or per wrapper). False runs every trace on the graphs.
+    """
+
+    eager_module_traces: bool = True
 
     _module: torch.nn.Module  # nnsight's: the wrapped model
     # written through self.__dict__ (past nnsight.Envoy.__setattr__) in __init__:
@@ -118,8 +138,27 @@ class _Bridged(_EnvoyBase):
         if device is not None:
             call_args, call_kwargs = nnsight.util.apply(
                 (call_args, call_kwargs), lambda tensor: tensor.to(device), torch.Tensor)
+        state = bridge_of(self._nnbridge_model())
+        if state is not None and self.eager_module_traces and not self._nnbridge_wants_ops(state):
+            # no worker reads an op: nnsight's hooks on the modules serve the trace (see .op_reads)
+            try:
+                with state.running_eagerly():
+                    return super().interleave(fn, batcher=batcher)
+            except (AttributeError, OutOfOrderError) as error:
+                error.add_note(_EAGER_NOTE)
+                raise
         self._nnbridge_prepare(fn, call_args, call_kwargs)
         return super().interleave(fn, batcher=batcher)
+
+    def _nnbridge_wants_ops(self, state: Bridge) -> bool:
+        """Whether the run about to start must run the graphs: a worker may read an op envoy
+        (:func:`.op_reads.reads_ops`), or a patch or torch hook is on an op point."""
+        if state.listened():
+            return True
+        codes, resolve = pending_workers(self)
+        if codes is None:
+            return True
+        return reads_ops(codes, resolve, self._module, (name for _, name in state.registered))
 
     def _nnbridge_prepare(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         module = self._nnbridge_model()

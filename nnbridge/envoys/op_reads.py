@@ -1,0 +1,154 @@
+"""Whether a trace body may read an op envoy: the test behind running module-only traces eagerly.
+
+A trace whose workers only read and write module inputs and outputs (``model.transformer.h[0].output``)
+needs no graph: nnsight's own hooks on the modules serve it, so :class:`~.models._Bridged` runs the
+model's own code for it and extracts nothing (issue: "for a trace that touches only module inputs
+and outputs, run the plain model"). A trace that may touch an op (``...attn.softmax.output``) is
+extracted first, as before.
+
+The test reads the bytecode of every worker about to start (each invoke's body, and the model's
+stored edits), of the code nested in it and of the Python functions it names: every attribute it
+*reads* (``LOAD_ATTR``; method calls such as ``x.sum()`` are not envoy reads), and the identifier
+segments of every string constant and of every string a name in the body holds
+(``getattr(envoy, "softmax")``, ``model.get(path)``). A name counts as a possible op when:
+
+- it is one of the model's op envoy names already registered (exact, once anything was extracted);
+- or, not being one of the envoy API's names (``output``, ``save``, ...) nor a tensor attribute
+  (``grad``, ``device``, ...), it looks like a node name: an ATen op (``softmax``, ``add_3``), a
+  forward argument of one of the model's module classes (placeholders: ``hidden_states``), a name
+  ending in ``_`` (``weight_``, ``output_``), ``getitem``/``sym_size_int``, or ``invocation_<k>``.
+
+It errs towards extracting: a name the test cannot rule out costs an extraction, never a result.
+A body that reaches an op only through code the test cannot see (a name built at run time) gets
+nnbridge's "ops are not known yet" ``AttributeError`` at that read (loud, never a wrong value);
+``model.extract(*inputs)`` before the trace makes the ops known.
+
+Example::
+
+    reads = attribute_reads([compile("model.transformer.h[0].attn.softmax.output.save()", "", "exec")],
+                            lambda name: None)
+    # {'transformer', 'h', 'attn', 'softmax', 'output'}
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import inspect
+import re
+import sys
+import types
+from collections.abc import Callable, Iterable
+
+import nnsight
+import torch
+
+#: Tensor attributes that are also ATen op names (``x.grad``, ``x.device``): read off values, not envoys.
+TENSOR_ATTRIBUTES = frozenset({"grad", "data", "device", "dtype", "shape", "real", "imag", "T", "mT", "H", "mH",
+                               "ndim", "layout", "is_leaf", "requires_grad", "grad_fn", "names", "itemsize",
+                               "nbytes", "is_cuda", "values", "indices"})
+#: nnbridge node names that are not ATen op names.
+NODE_NAMES = frozenset({"getitem", "lifted_tensor", "_tensor_constant", "sym_size_int", "sym_numel", "sym_stride_int", "sym_storage_offset"})
+#: Tracer and envoy methods whose use makes a trace see every location, ops included (``tracer.cache()``).
+WHOLE_MODEL_METHODS = frozenset({"cache"})
+_NUMBERED = re.compile(r"(.*?)(_\d+)?")
+_INVOCATION = re.compile(r"invocation_\d+")
+_LOAD_ATTRIBUTE = frozenset({"LOAD_ATTR", "STORE_ATTR", "DELETE_ATTR"})
+_METHOD = sys.version_info >= (3, 12)  # LOAD_ATTR's low bit marks a method load from 3.12 on
+
+
+@functools.cache
+def envoy_api() -> frozenset[str]:
+    """The attribute names of nnsight's envoy and tracer classes (``output``, ``save``, ``iter``...)."""
+    from nnsight.intervention.tracer import InterleavingTracer, Invoker
+
+    names = set(dir(nnsight.Envoy)) | set(dir(InterleavingTracer)) | set(dir(Invoker))
+    return frozenset(names | {"input", "inputs", "output"})
+
+
+@functools.cache
+def _aten(name: str) -> bool:
+    return bool(name) and hasattr(torch.ops.aten, name)
+
+
+def attribute_reads(codes: Iterable[types.CodeType], resolve: Callable[[str], object]) -> set[str]:
+    """Every attribute name ``codes`` read (not method calls), the identifier segments of their
+    string constants and of the strings their names hold, and the method names of :data:`WHOLE_MODEL_METHODS` they call, following nested
+    code and the Python functions named in them (``resolve(name)``: the value of a global or
+    local name, or None)."""
+    found: set[str] = set()
+    seen: set[int] = set()
+    stack = list(codes)
+    while stack:
+        code = stack.pop()
+        if id(code) in seen:
+            continue
+        seen.add(id(code))
+        for instruction in dis.get_instructions(code):
+            name = instruction.argval
+            if instruction.opname in _LOAD_ATTRIBUTE and isinstance(name, str):
+                if _METHOD and instruction.opname == "LOAD_ATTR" and (instruction.arg or 0) & 1:
+                    if name in WHOLE_MODEL_METHODS:
+                        found.add(name)
+                    continue
+                found.add(name)
+            elif instruction.opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS:
+                found.add(name)
+            elif instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF") and isinstance(name, str):
+                value = resolve(name)
+                if isinstance(value, str):  # a path or name held in a variable (``model.get(path)``)
+                    found.update(_identifiers(value))
+                elif isinstance(value, types.FunctionType):
+                    stack.append(value.__code__)
+                elif isinstance(value, types.MethodType) and isinstance(value.__func__, types.FunctionType):
+                    stack.append(value.__func__.__code__)
+        for constant in code.co_consts:
+            if isinstance(constant, types.CodeType):
+                stack.append(constant)
+            elif isinstance(constant, str):
+                found.update(_identifiers(constant))
+    return found
+
+
+def _identifiers(text: str) -> list[str]:
+    """The identifier segments of a name or dotted path (``"transformer.h.0.attn.softmax"``)."""
+    if len(text) > 200:
+        return []
+    return [part for part in text.split(".") if part.isidentifier()]
+
+
+def forward_arguments(model: torch.nn.Module) -> frozenset[str]:
+    """The forward parameter names of every module class in ``model`` (their placeholders' names)."""
+    names: set[str] = set()
+    for cls in {type(module) for module in model.modules()}:
+        try:
+            names.update(inspect.signature(cls.forward).parameters)
+        except (TypeError, ValueError):  # a builtin or C forward: no placeholders to name
+            continue
+    names.discard("self")
+    return frozenset(names)
+
+
+def may_be_op(name: str, known_ops: frozenset[str], arguments: frozenset[str]) -> bool:
+    """Whether ``name``, read as an attribute in a trace body, may be an op envoy (see the module
+    docstring): always for a registered op name, else by its shape."""
+    if name in known_ops or name in WHOLE_MODEL_METHODS:
+        return True
+    if name in envoy_api() or name in TENSOR_ATTRIBUTES:
+        return False
+    if name.endswith("_") or _INVOCATION.fullmatch(name):
+        return True
+    match = _NUMBERED.fullmatch(name)
+    base = match.group(1) if match is not None else name
+    return base in NODE_NAMES or base in arguments or name in arguments or _aten(base) or _aten(name)
+
+
+def reads_ops(codes: Iterable[types.CodeType], resolve: Callable[[str], object], model: torch.nn.Module,
+              known_ops: Iterable[str]) -> bool:
+    """Whether the trace bodies ``codes`` may read an op envoy of ``model`` whose registered op
+    envoy names so far are ``known_ops`` (see the module docstring)."""
+    reads = attribute_reads(codes, resolve)
+    if not reads:
+        return False
+    known, arguments = frozenset(known_ops), forward_arguments(model)
+    return any(may_be_op(name, known, arguments) for name in reads)
