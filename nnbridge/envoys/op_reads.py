@@ -119,8 +119,13 @@ def _identifiers(text: str) -> list[str]:
 
 def forward_arguments(model: torch.nn.Module) -> frozenset[str]:
     """The forward parameter names of every module class in ``model`` (their placeholders' names)."""
+    return _forward_arguments(frozenset(type(module) for module in model.modules()))
+
+
+@functools.cache
+def _forward_arguments(classes: frozenset[type[torch.nn.Module]]) -> frozenset[str]:
     names: set[str] = set()
-    for cls in {type(module) for module in model.modules()}:
+    for cls in classes:
         try:
             names.update(inspect.signature(cls.forward).parameters)
         except (TypeError, ValueError):  # a builtin or C forward: no placeholders to name
