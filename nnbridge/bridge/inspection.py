@@ -40,6 +40,15 @@ def _last_frame(stack_trace: str | None) -> str:
     return frames[-1] if frames else _NO_SOURCE
 
 
+def _through_forward(stack_trace: str | None) -> list[str]:
+    """The frames of a stack trace down to the innermost ``forward`` (the frames of helper
+    functions below it, see :mod:`nnbridge.compat.stack_traces`, left out)."""
+    frames = _frames(stack_trace)
+    last = max((i for i, frame in enumerate(frames) if frame.splitlines()[0].rstrip().endswith(" in forward")),
+               default=len(frames) - 1)
+    return frames[:last + 1]
+
+
 def _first_trace(module: GraphModuleBase) -> str | None:
     if not isinstance(module, CompiledGraphModule):
         return None
@@ -56,8 +65,8 @@ def _first_trace(module: GraphModuleBase) -> str | None:
 def _calling_context(owner: CompiledGraphModule, child_graph: GraphModuleBase) -> str:
     """The line of the parent's forward that called a submodule: the frame of a child op's stack
     trace at the depth of the parent's own ops."""
-    child_frames = _frames(_first_trace(child_graph))
-    parent_depth = next((len(_frames(n.meta["stack_trace"])) for n in owner.graph.nodes
+    child_frames = _through_forward(_first_trace(child_graph))
+    parent_depth = next((len(_through_forward(n.meta["stack_trace"])) for n in owner.graph.nodes
                          if n.op == "call_function" and n.meta.get("stack_trace")), None)
     if parent_depth is not None and 0 < parent_depth <= len(child_frames):
         return child_frames[parent_depth - 1]
