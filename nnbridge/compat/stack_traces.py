@@ -69,7 +69,7 @@ def helper_frames_recorded() -> Iterator[None]:
         if _DEPTH == 0:
             original = TracerBase.__dict__["_filter_traceback_frames"]
             patched = _with_helper_frames(original)
-            patched.__wrapped__ = original  # type: ignore[attr-defined]  # to restore it
+            patched.__wrapped__ = original  # to restore it
             setattr(TracerBase, "_filter_traceback_frames", patched)
         _DEPTH += 1
     try:
