@@ -220,5 +220,5 @@ def suggestion(graph: object, segment: str, prefix: str) -> str:
     close = difflib.get_close_matches(segment, list(aliases), n=3, cutoff=0.6)
     if not close:
         return ""
-    shown = ", ".join(f"{prefix + '.' if prefix else ''}{aliases[a]!r} (alias {a})" for a in close)
+    shown = ", ".join(f"{(f'{prefix}.{aliases[a]}' if prefix else aliases[a])!r} (alias {a})" for a in close)
     return f" Did you mean {shown}?"

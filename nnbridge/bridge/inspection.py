@@ -217,8 +217,8 @@ class NodeView:
         names = [name for name, _ in self._children()]
         close = difflib.get_close_matches(item, names, n=5, cutoff=0.4) or names[:5]
         hint = hierarchy.alias_hint(self._graph, (item,), self._path) if self._graph is not None else ""
-        raise AttributeError(f"{self._path or '<root>'} has no child {item!r};{hint} closest: {close}"
-                             f" ({len(names)} children; dir() lists them)")
+        raise AttributeError(f"{self._path or '<root>'} has no child {item!r}; closest: {close}"
+                             f" ({len(names)} children; dir() lists them).{hint}")
 
     def __dir__(self) -> list[str]:
         aliases = list(aliases_of(self._graph)) if isinstance(self._graph, CompiledGraphModule) else []
@@ -271,7 +271,7 @@ class NodeView:
             hint = ""
             if isinstance(path, str) and self._graph is not None:
                 hint = hierarchy.alias_hint(self._graph, tuple(path.replace("|", ".").split(".")), self._path)
-            raise KeyError(f"No node {path!r} under {self._path or '<root>'};{hint} closest: {close}")
+            raise KeyError(f"No node {path!r} under {self._path or '<root>'}; closest: {close}.{hint}")
         return found
 
     def get(self, path: str, default: Any = None) -> Any:
