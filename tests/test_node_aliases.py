@@ -118,6 +118,11 @@ def test_gpt2_attention_aliases(gpt2_pg):
         "mul", "add", "softmax", "to", "dropout"]
     assert aliases["attn_output"] == "matmul_1" and aliases["attn_output_1"] == "transpose_4"
     assert "nn.functional.softmax(attn_weights, dim=-1)" in pg.graph[f"{ATTN}.softmax"]._code
+    # the block: 'hidden_states = attn_output + residual' is a forward() argument's name (not made,
+    # number consumed); the ln_2 call on the next line does not take the add's line over
+    assert aliases_of(pg.graph.transformer.h_0._graph) == {"hidden_states_1": "add_1"}
+    # 'logits = self.lm_head(...)' is a submodule's value: no alias; the helper's slice is hidden_states
+    assert aliases_of(pg.graph._graph) == {"hidden_states": "slice"}
 
 
 def test_aliases_never_shadow_ops_children_or_arguments():

@@ -27,6 +27,8 @@ in a loop (one run: only the last value gets the alias). An alias never shadows 
 name, a child module or a ``forward()`` argument of the module; when two assignments would yield
 the same alias (``x_1`` from the second ``x`` and a variable named ``x_1``) neither is created.
 Numbers are still consumed by aliases not created, so the others keep Dynamo's numbers.
+Extractions whose stack traces were recorded without helper frames (disk-cache entries and
+``pg.save`` files written before nnbridge recorded them) get aliases from ``forward`` lines only.
 Example::
 
     aliases_of(attention_graph)   # {"query_states": "getitem", ..., "attn_weights_2": "softmax"}
@@ -48,8 +50,8 @@ from .graph_module import CompiledGraphModule, GraphModuleBase
 from .metadata import node_meta
 
 _NAME = r"[A-Za-z_]\w*"
-#: in a frame's header: nnbridge's own code (the wrappers export traces modules through)
-_NNBRIDGE_FRAME = os.path.join(os.sep, os.path.basename(os.path.dirname(os.path.dirname(__file__))), "")
+#: the start of a frame header in nnbridge's own code (the wrappers export traces modules through)
+_NNBRIDGE_FRAME = f'File "{os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")}'
 #: ``x = ...``, ``x: T = ...``, ``a, b = ...`` (not ``==``, not ``x += ...``, not ``self.x = ...``)
 _ASSIGNMENT = re.compile(rf"\s*(?P<targets>{_NAME}(?:\s*,\s*{_NAME})*\s*,?)\s*(?::[^=]+)?=(?!=)")
 
