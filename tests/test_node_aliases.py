@@ -11,7 +11,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2Model
 
 import nnbridge
-from nnbridge import NodePathError, PatchableGraph, ZeroPatch
+from nnbridge import ExtractionOptions, NodePathError, PatchableGraph, ZeroPatch
 from nnbridge.bridge.aliases import aliases_of, assigned_names
 from nnbridge.bridge.inspection import format_tree
 from nnbridge.cli import main
@@ -302,3 +302,40 @@ def test_cli_tree_aliases(model_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading progress
     assert err.startswith("nnbridge: error: h_0.attn has no child 'query_sates'")
     assert "Did you mean 'h_0.attn.getitem' (alias query_states)" in err
+
+
+def test_opaque_graphs_have_no_aliases():
+    """An opaque module runs its own code: no graph, no per-op nodes, so no aliases and no hints."""
+    torch.manual_seed(0)
+    model = Reassigning().eval()
+    x = torch.randn(3, 4)
+    pg = PatchableGraph(model, ExtractionOptions(skip_compilation=True), x)
+    assert "h_2" not in pg.graph and "x" in pg.graph
+    with pytest.raises(NodePathError) as info:
+        with pg.patch({"h_2": ZeroPatch()}):
+            pass
+    assert "'h_2' is not a node" in str(info.value) and "Did you mean" not in str(info.value)
+
+
+def test_helper_frames_are_recorded_only_while_asked():
+    from torch.fx.proxy import TracerBase
+
+    from nnbridge.compat.stack_traces import helper_frames_recorded
+
+    original = TracerBase.__dict__["_filter_traceback_frames"]
+
+    def traces():
+        exported = torch.export.export(Reassigning().eval(), (torch.randn(3, 4),), strict=False)
+        return {node.name: node.meta.get("stack_trace") or "" for node in exported.graph.nodes}
+
+    with helper_frames_recorded():
+        with helper_frames_recorded():  # nests
+            assert TracerBase.__dict__["_filter_traceback_frames"] is not original
+        assert TracerBase.__dict__["_filter_traceback_frames"] is not original
+        inside = traces()
+    assert TracerBase.__dict__["_filter_traceback_frames"] is original
+    outside = traces()
+    assert inside["mul_1"].splitlines()[-1].strip() == "r = t * 3", "the helper's own line"
+    assert inside["mul_1"].startswith(outside["mul_1"]), "torch's frames first, unchanged"
+    assert outside["mul_1"].splitlines()[-1].strip() == "c = _helper(a)", "torch alone: the call site"
+    assert inside["split"].splitlines()[-1].strip() == "a, b = h.split(2, dim=-1)", "Tensor.split (torch/_tensor.py) left out"
