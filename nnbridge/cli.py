@@ -1,7 +1,8 @@
 """The ``nnbridge`` command (also ``python -m nnbridge``).
 
     nnbridge demo [--out ioi_patching.png]     IOI activation patching at op level on SmolLM2
-    nnbridge tree MODEL [--path PREFIX] [--depth N]   the NodePath tree with shapes
+    nnbridge tree MODEL [--path PREFIX] [--depth N] [--aliases]   the NodePath tree with shapes
+                                                  (--aliases: variable aliases next to op names)
     nnbridge tree MODEL --explain                     graph or opaque per module, guards, extractions
     nnbridge cache info | clear                        the disk extraction cache ($NNBRIDGE_CACHE)
 
@@ -61,7 +62,7 @@ def _tree(args: argparse.Namespace) -> None:
                 view = getattr(view, segment)
             except AttributeError as error:
                 raise NNBridgeError(str(error)) from None
-    print(format_tree(view, args.depth))
+    print(format_tree(view, args.depth, aliases=args.aliases))
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     tree.add_argument("model", help="'smollm2', 'minilm' or a local transformers directory")
     tree.add_argument("--path", default="", help="NodePath prefix to start from, e.g. model.layers_0")
     tree.add_argument("--depth", type=int, default=None, help="levels to print (default: all)")
+    tree.add_argument("--aliases", action="store_true",
+                      help="show each node's variable alias next to its op name, e.g. 'softmax (attn_weights_2)'")
     tree.add_argument("--explain", action="store_true",
                       help="print nnbridge.explain instead: per module graph or opaque (why), guards, extractions")
     cache = commands.add_parser("cache", help="show or empty the disk extraction cache ($NNBRIDGE_CACHE)")

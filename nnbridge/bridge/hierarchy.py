@@ -3,6 +3,8 @@
 A *graph* entry is a submodule graph (:class:`CompiledGraphModule` or :class:`OpaqueGraphModule`);
 a *node* entry is a node with an op point (op, placeholder, parameter, output). Opaque modules list
 their ``forward()`` arguments, then parameters and buffers, then children, then ``output``.
+A compiled graph's nodes may also be reached by their variable aliases (:mod:`.aliases`): a
+look-up by an alias gives the canonical name (canonical names and children always win).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .aliases import aliases_of, suggestion
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -39,12 +42,35 @@ def children(module: GraphModuleBase) -> list[tuple[str, GraphModuleBase | None]
     return kids
 
 
-def child(module: GraphModuleBase, segment: str) -> tuple[str, GraphModuleBase | None] | None:
-    """The child named ``segment`` (None when there is none)."""
+def child(module: GraphModuleBase, segment: str, *, aliases: bool = True) -> tuple[str, GraphModuleBase | None] | None:
+    """The child named ``segment`` (None when there is none), as ``(canonical name, child graph or
+    None)``; with ``aliases``, a compiled graph's variable alias (``attn_weights_2``) names its node."""
     for name, sub in children(module):
         if name == segment:
             return name, sub
+    if aliases and isinstance(module, CompiledGraphModule):
+        target = aliases_of(module).get(segment)
+        if target is not None:
+            return child(module, target, aliases=False)
     return None
+
+
+def alias_hint(module: GraphModuleBase, segments: tuple[str, ...], prefix: str = "") -> str:
+    """For a path that does not resolve: a ``" Did you mean ...?"`` naming the aliases close to
+    the first unknown segment, in the graph the longest resolvable prefix names (see
+    :func:`.aliases.suggestion`); ``""`` when there is none. ``prefix``: ``module``'s own NodePath,
+    put before the suggested paths."""
+    for known in range(len(segments) - 1, -1, -1):
+        resolved = split_segments(module, segments[:known])
+        if resolved is None:
+            continue
+        current: GraphModuleBase | None = module
+        for segment in resolved:
+            found = child(current, segment) if current is not None else None
+            current = found[1] if found is not None else None
+        where = ".".join([p for p in (prefix, *resolved) if p])
+        return suggestion(current, segments[known], where) if current is not None else ""
+    return ""
 
 
 def walk(module: GraphModuleBase, prefix: str = "") -> Iterator[tuple[str, GraphModuleBase, str, GraphModuleBase | None]]:
@@ -64,12 +90,14 @@ def split_segments(module: GraphModuleBase, segments: tuple[str, ...]) -> list[s
     while i < len(segments):
         if current is None:
             return None
-        found = child(current, segments[i])
+        found = child(current, segments[i], aliases=False)
         if found is None and i + 1 < len(segments):
             joined = f"{segments[i]}_{segments[i + 1]}"
-            found = child(current, joined)
+            found = child(current, joined, aliases=False)
             if found is not None:
                 i += 1
+        if found is None:  # a variable alias, after every canonical spelling
+            found = child(current, segments[i])
         if found is None:
             return None
         out.append(found[0])

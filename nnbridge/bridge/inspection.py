@@ -3,7 +3,8 @@
 Attribute access walks NodePaths (``pg.graph.linear_0.output``), ``dir()`` lists the next
 segments (tab completion), the repr draws the tree with the shapes observed on the example
 inputs, ``_shape`` gives a ``torch.Size`` and ``_code`` the code behind a node. A view can be used
-as a NodePath key in ``pg.patch``.
+as a NodePath key in ``pg.patch``. A node's variable alias (``attn_weights_2`` for ``softmax``, see
+:mod:`.aliases`) reaches the same view and is shown next to its name: ``softmax (attn_weights_2)``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch.fx.node import Argument, Node, map_arg
 
 from . import hierarchy
+from .aliases import aliases_by_node, aliases_of
 from .summaries import describe, summary_children
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 
@@ -40,6 +42,15 @@ def _last_frame(stack_trace: str | None) -> str:
     return frames[-1] if frames else _NO_SOURCE
 
 
+def _through_forward(stack_trace: str | None) -> list[str]:
+    """The frames of a stack trace down to the innermost ``forward`` (the frames of helper
+    functions below it, see :mod:`nnbridge.compat.stack_traces`, left out)."""
+    frames = _frames(stack_trace)
+    last = max((i for i, frame in enumerate(frames) if frame.splitlines()[0].rstrip().endswith(" in forward")),
+               default=len(frames) - 1)
+    return frames[:last + 1]
+
+
 def _first_trace(module: GraphModuleBase) -> str | None:
     if not isinstance(module, CompiledGraphModule):
         return None
@@ -56,8 +67,8 @@ def _first_trace(module: GraphModuleBase) -> str | None:
 def _calling_context(owner: CompiledGraphModule, child_graph: GraphModuleBase) -> str:
     """The line of the parent's forward that called a submodule: the frame of a child op's stack
     trace at the depth of the parent's own ops."""
-    child_frames = _frames(_first_trace(child_graph))
-    parent_depth = next((len(_frames(n.meta["stack_trace"])) for n in owner.graph.nodes
+    child_frames = _through_forward(_first_trace(child_graph))
+    parent_depth = next((len(_through_forward(n.meta["stack_trace"])) for n in owner.graph.nodes
                          if n.op == "call_function" and n.meta.get("stack_trace")), None)
     if parent_depth is not None and 0 < parent_depth <= len(child_frames):
         return child_frames[parent_depth - 1]
@@ -190,17 +201,28 @@ class NodeView:
         return [(key, NodeView(f"{self._path}{sep}{key}", self._owner, self._name, None, value, (*self._dig, key)))
                 for key, value in summary_children(self._summary)]
 
-    def __getattr__(self, item: str) -> NodeView:
-        for name, view in self._children():
+    def _child(self, item: str) -> NodeView | None:
+        """The child named ``item``, or whose variable alias is ``item`` (canonical names first)."""
+        children = self._children()
+        for name, view in children:
             if name == item:
                 return view
+        target = aliases_of(self._graph).get(item) if isinstance(self._graph, CompiledGraphModule) else None
+        return next((view for name, view in children if name == target), None)
+
+    def __getattr__(self, item: str) -> NodeView:
+        found = self._child(item)
+        if found is not None:
+            return found
         names = [name for name, _ in self._children()]
         close = difflib.get_close_matches(item, names, n=5, cutoff=0.4) or names[:5]
+        hint = hierarchy.alias_hint(self._graph, (item,), self._path) if self._graph is not None else ""
         raise AttributeError(f"{self._path or '<root>'} has no child {item!r}; closest: {close}"
-                             f" ({len(names)} children; dir() lists them)")
+                             f" ({len(names)} children; dir() lists them).{hint}")
 
     def __dir__(self) -> list[str]:
-        return [name for name, _ in self._children()] + ["_code", "_shape", "_path"]
+        aliases = list(aliases_of(self._graph)) if isinstance(self._graph, CompiledGraphModule) else []
+        return [name for name, _ in self._children()] + aliases + ["_code", "_shape", "_path"]
 
     def __setattr__(self, key: str, value: Any) -> None:
         raise AttributeError("pg.graph is read-only; patch nodes with pg.patch({...})")
@@ -246,7 +268,10 @@ class NodeView:
         found = self._lookup(path) if isinstance(path, str) else None
         if found is None:
             close = difflib.get_close_matches(str(path), list(self.keys()), n=5, cutoff=0.4)
-            raise KeyError(f"No node {path!r} under {self._path or '<root>'}; closest: {close}")
+            hint = ""
+            if isinstance(path, str) and self._graph is not None:
+                hint = hierarchy.alias_hint(self._graph, tuple(path.replace("|", ".").split(".")), self._path)
+            raise KeyError(f"No node {path!r} under {self._path or '<root>'}; closest: {close}.{hint}")
         return found
 
     def get(self, path: str, default: Any = None) -> Any:
@@ -263,7 +288,7 @@ class NodeView:
         self._require_children()
         view = self
         for segment in path.replace("|", ".").split("."):
-            found = next((child for name, child in view._children() if name == segment), None)
+            found = view._child(segment)
             if found is None:
                 return None
             view = found
@@ -302,21 +327,29 @@ class NodeView:
             return f"<{self._name} of opaque module {type(self._owner.original).__qualname__}>"
         return ""
 
-    def _label(self) -> str:
+    def _alias(self) -> str | None:
+        """The variable alias of this node (None for graphs, digs and nodes without one)."""
+        if self._graph is not None or self._dig or not isinstance(self._owner, CompiledGraphModule):
+            return None
+        return aliases_by_node(self._owner).get(self._name)
+
+    def _label(self, aliases: bool = True) -> str:
         name = self._path.rpartition(".")[2].rpartition("|")[2] if self._path else "<root>"
         if self._graph is not None:
             return f"{name}: {type(self._graph).__name__}"
-        return f"{name}: {describe(self._summary)}"
+        alias = self._alias() if aliases else None
+        shown = f"{name} ({alias})" if alias else name
+        return f"{shown}: {describe(self._summary)}"
 
-    def _lines(self, indent: str, depth: int | None = None) -> list[str]:
+    def _lines(self, indent: str, depth: int | None = None, aliases: bool = True) -> list[str]:
         if depth is not None and depth <= 0:
             return []
         lines = []
         kids = self._children()
         for i, (_, view) in enumerate(kids):
             last = i == len(kids) - 1
-            lines.append(f"{indent}{'└─' if last else '├─'}{view._label()}")
-            lines.extend(view._lines(indent + ("  " if last else "│ "), None if depth is None else depth - 1))
+            lines.append(f"{indent}{'└─' if last else '├─'}{view._label(aliases)}")
+            lines.extend(view._lines(indent + ("  " if last else "│ "), None if depth is None else depth - 1, aliases))
         return lines
 
     def __repr__(self) -> str:
@@ -326,6 +359,8 @@ class NodeView:
         return self._path
 
 
-def format_tree(view: NodeView, depth: int | None = None) -> str:
-    """The tree under ``view`` (as its repr), limited to ``depth`` levels when given."""
-    return "\n".join([view._label(), *view._lines("", depth)])
+def format_tree(view: NodeView, depth: int | None = None, *, aliases: bool = False) -> str:
+    """The tree under ``view`` (as its repr), limited to ``depth`` levels when given; with
+    ``aliases``, each node's variable alias next to its name (``softmax (attn_weights_2)``), as
+    the repr shows them."""
+    return "\n".join([view._label(aliases), *view._lines("", depth, aliases)])

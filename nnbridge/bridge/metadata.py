@@ -88,6 +88,9 @@ class GraphMeta:
         argument_names: a bridge's cached placeholder names.
         generated: ``{code object of a generated forward: its line and node map}`` for locating
             failures in generated code (:mod:`.failures`).
+        aliases: a compiled graph's ``{variable alias: canonical node name}`` (``attn_weights_2``:
+            ``softmax``), computed on first use from the nodes' stack traces (:mod:`.aliases`);
+            None until then.
     """
 
     node_path: str = ""
@@ -99,3 +102,4 @@ class GraphMeta:
     state_specs: Any = None
     argument_names: list[str] | None = None
     generated: dict[Any, Any] = field(default_factory=dict)
+    aliases: dict[str, str] | None = None

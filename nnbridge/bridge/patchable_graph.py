@@ -480,7 +480,8 @@ class PatchableGraph(torch.nn.Module):
         node_path = varargs_paths.canonical(root, NodePath.parse(text))  # graphpatch's "foos|sub_0"
         segments = hierarchy.split_segments(root, node_path.nodes)
         if segments is None:
-            raise NodePathError(f"{text!r} is not a node. {self._closest(text)}")
+            hint = hierarchy.alias_hint(root, node_path.nodes)
+            raise NodePathError(f"{text!r} is not a node.{hint} {self._closest(text)}")
         canonical = NodePath(tuple(segments), node_path.dig)
         hits = hierarchy.resolve_all(root, segments)
         if not hits:

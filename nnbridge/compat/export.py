@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .pytree import pytree
+from .stack_traces import helper_frames_recorded
 from .tracepoints import string_arguments_traced
 
 # torch.export.unflatten the *module* is shadowed by the function of the same name.
@@ -94,9 +95,10 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: An
     """``torch.export.export(strict=False)`` under the grad mode of the call being extracted (a
     ``torch.is_grad_enabled()`` branch takes the same side as eager; under ``torch.no_grad()``,
     ``@torch.no_grad`` rotary-embedding code is inlined instead of becoming a higher-order op), with
-    conversions kept from aliasing (see :class:`_DistinctConversions`)."""
+    conversions kept from aliasing (see :class:`_DistinctConversions`) and stack traces that reach
+    into the helper functions a forward calls (see :mod:`.stack_traces`)."""
     with no_partial_graph_on_stderr(), quiet_torch_export(), torch.set_grad_enabled(grad_enabled), \
-            _DistinctConversions(), shape_envs_released(), string_arguments_traced():
+            _DistinctConversions(), shape_envs_released(), string_arguments_traced(), helper_frames_recorded():
         return torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes,
                                    preserve_module_call_signature=preserve_module_call_signature)
 
