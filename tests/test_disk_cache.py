@@ -106,6 +106,15 @@ def test_changed_library_version_misses(cache_dir, exports, monkeypatch):
     assert exports[0] == 2 and len(_entries(cache_dir)) == 2
 
 
+def test_changed_recording_version_misses(cache_dir, exports, monkeypatch):
+    """Entries recorded before helper lines were kept in stack traces (no aliases) are not reused."""
+    x = torch.randn(2, 3)
+    PatchableGraph(_linear(), x)
+    monkeypatch.setattr(disk_cache, "RECORDING_VERSION", disk_cache.RECORDING_VERSION - 1)
+    PatchableGraph(_linear(), x)
+    assert exports[0] == 2 and len(_entries(cache_dir)) == 2
+
+
 def test_changed_model_source_misses(cache_dir, exports, tmp_path, monkeypatch):
     source = tmp_path / "src" / "edited_model.py"
     source.parent.mkdir()

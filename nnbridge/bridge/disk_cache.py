@@ -8,7 +8,8 @@ developer's cache cannot change what tests see). Each ``torch.export`` result (o
 module and call, see :mod:`.programs`) is one :mod:`.storage` bundle, ``<key>.nnbridge``, where
 ``key`` is a sha256 of:
 
-- the bundle format version and the torch, transformers and nnbridge versions;
+- the bundle format version, the recording version (:data:`RECORDING_VERSION`) and the torch,
+  transformers and nnbridge versions;
 - the module's class, the hash of its transformers config (if any), the hash of its module tree
   (classes, train flags, plain attribute values, parameter and buffer names, shapes, dtypes) and
   the hash of the source files of every module class in it (:func:`~.programs.model_fingerprint`);
@@ -63,6 +64,11 @@ def default_cache() -> DiskCache | None:
     return DiskCache(directory) if directory is not None else None
 
 
+#: What export records into an entry beyond the bundle format (2: helper functions' lines in each
+#: node's stack trace, which variable-name aliases read); entries recorded otherwise miss.
+RECORDING_VERSION = 2
+
+
 class DiskCache:
     """Program records on disk, one bundle per key (see module docstring); a program source.
 
@@ -76,7 +82,8 @@ class DiskCache:
     def key(self, request: ExportRequest) -> str:
         """The entry key of ``request`` (hex sha256; see module docstring)."""
         if request.cache_key is None:
-            text = json.dumps({"format": FORMAT_VERSION, "versions": library_versions(),
+            text = json.dumps({"format": FORMAT_VERSION, "recording": RECORDING_VERSION,
+                               "versions": library_versions(),
                                "model": model_fingerprint(request.module), "call": request.call_fingerprint()},
                               sort_keys=True)
             request.cache_key = hashlib.sha256(text.encode()).hexdigest()
