@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from .call_structure import ShapeGuard
+from .graph_module import CompiledGraphModule, OpaqueGraphModule
 from .options import ExtractionOptions
 from ..errors import ExtractionError, NNBridgeWarning, warn
 
@@ -30,8 +31,6 @@ def describe_failure(error: BaseException) -> str:
 
 
 @dataclass
-
-
 class Extraction:
     """One extraction of a module for one call structure.
 
@@ -45,7 +44,7 @@ class Extraction:
         reason: why it was made: ``"first call"``, or the guard that failed for the call.
     """
 
-    root: torch.nn.Module
+    root: CompiledGraphModule | OpaqueGraphModule
     guard: ShapeGuard
     opaque: dict[str, str] = field(default_factory=dict)
     example: tuple[tuple[Any, ...], dict[str, Any]] | None = None

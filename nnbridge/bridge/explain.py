@@ -123,7 +123,6 @@ def _guards(extraction: Extraction) -> list[str]:
 
 def _modules(extraction: Extraction, prefix: str) -> list[ModuleReport]:
     root = extraction.root
-    assert isinstance(root, GraphModuleBase), type(root)  # an extraction's root is a Compiled- or OpaqueGraphModule
     reports = [_report(prefix, root)]
     for path, _, _, sub in hierarchy.walk(root):
         if sub is not None:

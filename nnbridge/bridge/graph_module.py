@@ -154,13 +154,13 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
                 return node
         raise KeyError(name)
 
-    def child_graph(self, node: Node) -> GraphModuleBase:
+    def child_graph(self, node: Node) -> CompiledGraphModule | OpaqueGraphModule:
         """The graph a ``call_module`` node runs (also after a bridge rewired the call site)."""
         linked = self.graph_meta.graph_children
         if linked is not None:
             return linked[node_name(node)]
         # a call_module node of an extracted graph calls a child graph
-        return cast(GraphModuleBase, self.get_submodule(str(node.target)))
+        return cast(CompiledGraphModule | OpaqueGraphModule, self.get_submodule(str(node.target)))
 
     def example(self, name: str) -> Any:
         """As :meth:`GraphModuleBase.example`; a compiled graph keeps summaries on its nodes."""

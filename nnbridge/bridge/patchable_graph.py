@@ -65,14 +65,6 @@ class _Generating(Protocol):
     def generate(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
-def _root(extraction: Extraction) -> CompiledGraphModule | OpaqueGraphModule:
-    """The root graph of ``extraction``, always one of the two (``Extraction.root`` is typed as the
-    ``nn.Module`` both are)."""
-    root = extraction.root
-    assert isinstance(root, (CompiledGraphModule, OpaqueGraphModule)), type(root)
-    return root
-
-
 class _PatchListener:
     """One ``(NodePath, patch)`` entry of an open patch context, as an op-point listener.
 
@@ -207,7 +199,7 @@ class PatchableGraph(torch.nn.Module):
             self.__dict__["_example"] = (tuple(example_args), dict(example_kwargs))
         # the recording run may extract children of opaque modules again (under no_grad): pg.save keeps those too
         recording = [self.__dict__["_programs"]] if "_programs" in self.__dict__ else []
-        root = _root(first)
+        root = first.root
         if not saving.restore_examples(root):  # a load has them from the file
             with preserved_state(list(named_real_modules(module))), sources_active(*recording):
                 describe_examples(root, tuple(example_args), dict(example_kwargs))
@@ -342,7 +334,7 @@ class PatchableGraph(torch.nn.Module):
         owner, name = self._resolve(self._graph_module, node_path)[0]
         point = owner.op_point(name)
         for extraction in self.extractions:
-            for other, other_name in self._resolve(_root(extraction), node_path):
+            for other, other_name in self._resolve(extraction.root, node_path):
                 other.share_point(other_name, point)
         refresh_owners([point])
         return point
@@ -416,7 +408,7 @@ class PatchableGraph(torch.nn.Module):
     def _listen(self, node_path: NodePath, listener: _PatchListener, *, add: bool) -> None:
         # op points are shared by the call structures' graphs: each distinct point once
         points = list({id(p): p for extraction in self.extractions
-                       for owner, name in self._resolve(_root(extraction), node_path)
+                       for owner, name in self._resolve(extraction.root, node_path)
                        for p in [owner.op_point(name)]}.values())
         for point in points:
             (point.add_listener if add else point.remove_listener)(listener, refresh=False)
@@ -435,7 +427,7 @@ class PatchableGraph(torch.nn.Module):
             nodes = listener.node_path.nodes
             if nodes[:len(prefix)] != prefix or len(nodes) == len(prefix):
                 continue
-            for owner, name in self._resolve(_root(extraction), NodePath(nodes[len(prefix):], listener.node_path.dig)):
+            for owner, name in self._resolve(extraction.root, NodePath(nodes[len(prefix):], listener.node_path.dig)):
                 point = owner.op_point(name)
                 if not point.has_listener(listener):
                     point.add_listener(listener, refresh=False)
@@ -453,7 +445,7 @@ class PatchableGraph(torch.nn.Module):
             return
         prefix = ".".join(self._prefix_of(dispatcher))
         shared = []
-        for path, owner, name, sub in hierarchy.walk(_root(extraction)):
+        for path, owner, name, sub in hierarchy.walk(extraction.root):
             point = made.get(f"{prefix}.{path}" if prefix else path) if sub is None else None
             if point is not None:
                 owner.share_point(name, point)
