@@ -20,6 +20,7 @@ import torch
 
 from .call_structure import ShapeGuard
 from .graph_module import CompiledGraphModule, OpaqueGraphModule
+from .guards import StateGuard
 from .options import ExtractionOptions
 from ..errors import ExtractionError, NNBridgeWarning, warn
 
@@ -48,7 +49,7 @@ class Extraction:
     guard: ShapeGuard
     opaque: dict[str, str] = field(default_factory=dict)
     example: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-    state: Any = None
+    state: StateGuard | None = None
     reason: str = "first call"
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
-from collections.abc import Iterator
-from typing import Any, Protocol, cast
+import os
+from collections.abc import Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from ..compat.pytree import pytree
@@ -40,9 +41,12 @@ from .patches import Patch
 from . import saving
 from .programs import ProgramSource, Recorder, sources_active
 
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PretrainedConfig
+
 
 @contextlib.contextmanager
-def body_swapped(module: torch.nn.Module, body: Any) -> Iterator[None]:
+def body_swapped(module: torch.nn.Module, body: Callable[..., Any]) -> Iterator[None]:
     """Calls of ``module`` (hooks, then ``body(module, *args, **kwargs)``) for the duration."""
     swapped = swap_body(module, body)
     try:
@@ -161,7 +165,7 @@ class PatchableGraph(torch.nn.Module):
     #: over a plain model only: the example call ``(args, kwargs)``, for pg.save
     _example: tuple[tuple[Any, ...], dict[str, Any]]
     #: the module's ``generation_config`` copied on first use (see :attr:`generation_config`)
-    _generation_config: Any
+    _generation_config: GenerationConfig | None
 
     def __init__(self, module: torch.nn.Module, *example_args: Any, options: ExtractionOptions | None = None,
                  **example_kwargs: Any):
@@ -206,7 +210,8 @@ class PatchableGraph(torch.nn.Module):
         self._graph_module = root
 
     # -- saving (see .saving) --------------------------------------------------------------------
-    def save(self, path: Any = None, *args: Any) -> Any:
+    # -> Any: without a path, whatever nnsight's injected (untyped) ``save`` returns; else None
+    def save(self, path: str | os.PathLike[str] | IO[bytes] | None = None, *args: Any) -> Any:
         """``pg.save(path)``: write this PatchableGraph's extraction (exported programs, metadata,
         example inputs; no weights, no pickled code) to ``path`` (a path, written atomically, or a
         binary file). Without a path, nnsight's ``.save()`` (inside a trace) is called.
@@ -220,7 +225,7 @@ class PatchableGraph(torch.nn.Module):
         return None
 
     @classmethod
-    def load(cls, path: Any, model: torch.nn.Module, options: ExtractionOptions | None = None) -> PatchableGraph:
+    def load(cls, path: str | os.PathLike[str] | IO[bytes], model: torch.nn.Module, options: ExtractionOptions | None = None) -> PatchableGraph:
         """The PatchableGraph that ``pg.save(path)`` saved, over ``model`` (the same class, config and
         modules; its own weights are used), without running ``torch.export``.
 
@@ -261,12 +266,12 @@ class PatchableGraph(torch.nn.Module):
 
     # -- generation (transformers) --------------------------------------------------------------
     @property
-    def config(self) -> Any:
+    def config(self) -> PretrainedConfig | None:
         """The module's ``config`` (transformers models), as on graphpatch's PatchableGraph."""
         return getattr(self._dispatcher.module, "config", None)
 
     @property
-    def generation_config(self) -> Any:
+    def generation_config(self) -> GenerationConfig | None:
         """A copy of the module's ``generation_config``, taken at construction (as graphpatch);
         :meth:`generate` uses it unless given one. None for modules that do not generate."""
         if "_generation_config" not in self.__dict__:
@@ -275,7 +280,7 @@ class PatchableGraph(torch.nn.Module):
         return self.__dict__["_generation_config"]
 
     @generation_config.setter
-    def generation_config(self, value: Any) -> None:
+    def generation_config(self, value: GenerationConfig | None) -> None:
         self.__dict__["_generation_config"] = value
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
