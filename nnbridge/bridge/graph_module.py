@@ -15,8 +15,8 @@ from __future__ import annotations
 import abc
 import inspect
 import types
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -29,6 +29,9 @@ from ..compat.accelerate import run_hooked
 from .failures import register
 from .metadata import GraphMeta, node_meta, node_name, update_node_meta
 from .op_point import OpPoint, route
+
+if TYPE_CHECKING:  # annotations only: opaque imports this module
+    from .opaque import InvocationRouter
 
 #: Calls that only convert between a custom pytree object and its leaves.
 _PLUMBING_CALLS = (fx_pytree.tree_flatten_spec, pytree.tree_unflatten)
@@ -309,13 +312,13 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
 
     original: torch.nn.Module
     reason: str
-    _callees: dict[str, torch.nn.Module]
-    _routers: list[Any]
+    _callees: dict[str, torch.nn.Module | None]
+    _routers: list[InvocationRouter]
     _signature: inspect.Signature
     _tensor_names: list[str]
 
-    def __init__(self, module: torch.nn.Module, reason: str, children: dict[str, torch.nn.Module],
-                 callees: dict[str, torch.nn.Module], routers: list[Any] | None = None):
+    def __init__(self, module: torch.nn.Module, reason: str, children: Mapping[str, torch.nn.Module | None],
+                 callees: Mapping[str, torch.nn.Module | None], routers: list[InvocationRouter] | None = None):
         super().__init__()
         self._init_meta(type(module))
         self.__dict__["original"] = module

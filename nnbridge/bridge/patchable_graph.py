@@ -440,7 +440,7 @@ class PatchableGraph(torch.nn.Module):
         refresh_owners(points)
 
     def _share_made_points(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
-        first = modules_of(self).get("_graph_module")
+        first = cast("CompiledGraphModule | OpaqueGraphModule | None", modules_of(self).get("_graph_module"))
         if first is None or self._modules_of_plain is None:  # the first extraction; or a bridge shares them
             return
         made = {f"{path}.{name}" if path else name: point
