@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,7 +68,8 @@ class StateGuard:
         path: the root's path, for messages.
     """
 
-    def __init__(self, root: torch.nn.Module, *, opaque: set[int], skip: Any = None, path: str = ""):
+    def __init__(self, root: torch.nn.Module, *, opaque: set[int], skip: Callable[[torch.nn.Module], bool] | None = None,
+                 path: str = ""):
         self._plain: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         self._children: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         self._tensors: list[tuple[str, dict[str, Any], str, torch.Tensor, torch.dtype, torch.device, torch.Size, bool]] = []
@@ -105,7 +106,7 @@ class StateGuard:
                     self._add_config(f"{name} of {where}", value, seen_configs)
 
     @staticmethod
-    def _walk(module: torch.nn.Module, where: str, opaque: set[int], skip: Any
+    def _walk(module: torch.nn.Module, where: str, opaque: set[int], skip: Callable[[torch.nn.Module], bool] | None
               ) -> Iterator[tuple[str, torch.nn.Module]]:
         seen: set[int] = set()
         stack = [(where or "<root>", module)]

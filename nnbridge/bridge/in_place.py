@@ -148,7 +148,7 @@ class Bridge:
         self.registered: list[tuple[torch.nn.Module, str]] = []
         self.depth = 0
         self.eager = 0  # > 0 while :meth:`running_eagerly`
-        self.locked: list[tuple[torch.nn.Module, Any]] = []  # locked ``_call_impl``s (see .locking)
+        self.locked: list[tuple[torch.nn.Module, Callable[..., Any]]] = []  # locked ``_call_impl``s (see .locking)
 
     # -- running --------------------------------------------------------------------------------
     def body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -16,7 +16,7 @@ import copy
 import difflib
 import os
 from collections.abc import Callable, Iterator
-from typing import IO, TYPE_CHECKING, Any, Protocol, cast
+from typing import IO, TYPE_CHECKING, Any, Protocol, SupportsIndex, cast
 
 import torch
 from ..compat.pytree import pytree
@@ -235,7 +235,7 @@ class PatchableGraph(torch.nn.Module):
         """
         return saving.load(cls, path, model, options)
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         """``torch.save(pg)``: the ``pg.save`` bundle plus the model itself (weights included)."""
         return saving.reduce(self)
 
