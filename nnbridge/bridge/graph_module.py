@@ -202,7 +202,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
             return node.target in _PLUMBING_CALLS or getattr(node.target, "nnbridge_plumbing", False)
         if node.op != "get_attr":
             return False
-        value: Any = self
+        value: object = self
         for part in str(node.target).split("."):
             value = getattr(value, part, None)
         return not isinstance(value, torch.Tensor)
