@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -23,6 +23,9 @@ from .graph_module import CompiledGraphModule, OpaqueGraphModule
 from .guards import StateGuard
 from .options import ExtractionOptions
 from ..errors import ExtractionError, NNBridgeWarning, warn
+
+if TYPE_CHECKING:  # annotations only: the dispatcher layer imports this module
+    from .dispatcher import GraphDispatcher
 
 
 def describe_failure(error: BaseException) -> str:
@@ -67,7 +70,7 @@ ChildDispatcherFactory = Callable[[torch.nn.Module, str], ChildDispatcher]
 
 class ExtractionContext:
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, path: str,
-                 on_extraction: list[Callable[[Any, Extraction], None]], child_dispatcher: ChildDispatcherFactory):
+                 on_extraction: list[Callable[[GraphDispatcher, Extraction], None]], child_dispatcher: ChildDispatcherFactory):
         self.module = module
         self.child_dispatcher = child_dispatcher
         self.options = options

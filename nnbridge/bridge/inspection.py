@@ -225,7 +225,7 @@ class NodeView:
         aliases = list(aliases_of(self._graph)) if isinstance(self._graph, CompiledGraphModule) else []
         return [name for name, _ in self._children()] + aliases + ["_code", "_shape", "_path"]
 
-    def __setattr__(self, key: str, value: Any) -> None:
+    def __setattr__(self, key: str, value: object) -> None:
         raise AttributeError("pg.graph is read-only; patch nodes with pg.patch({...})")
 
     # -- description ----------------------------------------------------------------------------
