@@ -41,7 +41,7 @@ _PLAIN_TYPES = (int, float, bool, str, bytes, type(None), enum.Enum, torch.dtype
 _CONTAINER_TYPES = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
-def _plain(value: Any) -> bool:
+def _plain(value: object) -> bool:
     if isinstance(value, _PLAIN_TYPES):
         return True
     if isinstance(value, (tuple, frozenset)):
@@ -49,7 +49,7 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def _config_like(name: str, value: Any) -> bool:
+def _config_like(name: str, value: object) -> bool:
     """A transformers ``PretrainedConfig`` or a look-alike: an object with ``to_dict``, a
     ``SimpleNamespace``, or any plain object held as ``config``."""
     if isinstance(value, (type, torch.nn.Module, torch.Tensor)) or not hasattr(value, "__dict__") or callable(value):
@@ -206,7 +206,7 @@ class StateGuard:
                 f"identity, dtype, device, shape and requires_grad of {len(self._tensors)} tensors"]
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     if a is b:
         return True
     try:

@@ -81,7 +81,7 @@ def assign_state(target: Any, source: Any) -> None:
 assign_state.nnbridge_plumbing = True  # type: ignore[attr-defined]
 
 
-def _assignable(old: Any, new: Any) -> bool:
+def _assignable(old: object, new: object) -> bool:
     if old is new or type(old) is not type(new) or isinstance(old, torch.Tensor):
         return False
     return isinstance(old, (list, dict)) or (hasattr(old, "__dict__") and not isinstance(old, type))

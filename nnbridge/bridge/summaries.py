@@ -57,7 +57,7 @@ def summarize(value: Any) -> Any:
     return type(value).__name__
 
 
-def describe(summary: Any) -> str:
+def describe(summary: object) -> str:
     """One-line text of a summary: ``Tensor(1, 4, 8, 8)``, ``tuple(2)``, ``CausalLMOutputWithPast(2)``."""
     if isinstance(summary, torch.Size):
         return f"Tensor({', '.join(str(s) for s in summary)})"
@@ -80,7 +80,7 @@ def summary_children(summary: Any) -> list[tuple[str, Any]]:
     return []
 
 
-def incomplete(summary: Any) -> bool:
+def incomplete(summary: object) -> bool:
     """Whether some part of ``summary`` is :data:`UNKNOWN`."""
     if summary is UNKNOWN:
         return True
