@@ -44,7 +44,8 @@ def _package_dir(module: str, pip_name: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def load_smollm2(*, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_smollm2(*, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32
+                 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2-135M-Instruct as ``(LlamaForCausalLM in eval mode, tokenizer)``.
 
     The first call dequantizes the package's Q4_1 GGUF (about 25 s on 2 cores) and caches a

@@ -70,7 +70,8 @@ ChildDispatcherFactory = Callable[[torch.nn.Module, str], ChildDispatcher]
 
 class ExtractionContext:
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, path: str,
-                 on_extraction: list[Callable[[GraphDispatcher, Extraction], None]], child_dispatcher: ChildDispatcherFactory):
+                 on_extraction: list[Callable[[GraphDispatcher, Extraction], None]],
+                 child_dispatcher: ChildDispatcherFactory):
         self.module = module
         self.child_dispatcher = child_dispatcher
         self.options = options

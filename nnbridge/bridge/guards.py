@@ -68,8 +68,8 @@ class StateGuard:
         path: the root's path, for messages.
     """
 
-    def __init__(self, root: torch.nn.Module, *, opaque: set[int], skip: Callable[[torch.nn.Module], bool] | None = None,
-                 path: str = ""):
+    def __init__(self, root: torch.nn.Module, *, opaque: set[int],
+                 skip: Callable[[torch.nn.Module], bool] | None = None, path: str = ""):
         self._plain: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         self._children: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         self._tensors: list[tuple[str, dict[str, Any], str, torch.Tensor, torch.dtype, torch.device, torch.Size, bool]] = []

@@ -225,7 +225,8 @@ class PatchableGraph(torch.nn.Module):
         return None
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str] | IO[bytes], model: torch.nn.Module, options: ExtractionOptions | None = None) -> PatchableGraph:
+    def load(cls, path: str | os.PathLike[str] | IO[bytes], model: torch.nn.Module,
+             options: ExtractionOptions | None = None) -> PatchableGraph:
         """The PatchableGraph that ``pg.save(path)`` saved, over ``model`` (the same class, config and
         modules; its own weights are used), without running ``torch.export``.
 
