@@ -23,13 +23,16 @@ Patches on one node apply in list order; nested ``pg.patch`` contexts append. Ex
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import Any, Generic, TypeVar
 
 import torch
 
-Slice = Any  # anything ``tensor[...]`` accepts: an int, a slice, a tuple of them, a mask
+_IndexPart = int | slice | EllipsisType | torch.Tensor | None
+#: What ``tensor[...]`` accepts: an int, a slice, ``...``, an index or mask tensor, or a tuple of them
+Slice = _IndexPart | Sequence[_IndexPart]
 #: The type of value a patch applies to (graphpatch's ``PatchTarget``).
 PatchTarget = TypeVar("PatchTarget")
 
