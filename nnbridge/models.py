@@ -14,11 +14,14 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import NNBridgeError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -41,7 +44,8 @@ def _package_dir(module: str, pip_name: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def load_smollm2(*, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+def load_smollm2(*, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32
+                 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2-135M-Instruct as ``(LlamaForCausalLM in eval mode, tokenizer)``.
 
     The first call dequantizes the package's Q4_1 GGUF (about 25 s on 2 cores) and caches a
@@ -78,7 +82,7 @@ def load_smollm2(*, attn_implementation: str = "eager", dtype: torch.dtype = tor
     return model.eval(), tokenizer
 
 
-def load_minilm(*, attn_implementation: str = "eager") -> tuple[Any, Any]:
+def load_minilm(*, attn_implementation: str = "eager") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """all-MiniLM-L6-v2 as ``(BertModel in eval mode, tokenizer)``.
 
     Raises:

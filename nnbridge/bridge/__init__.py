@@ -16,6 +16,8 @@ import sys
 import types
 from typing import Any
 
+import torch
+
 from .dispatcher import GraphDispatcher as GraphDispatcher
 from .in_place import bridge as bridge
 from .in_place import bridge_of as bridge_of
@@ -47,7 +49,7 @@ class _CallablePackage(types.ModuleType):
     never a function that hides the package.
     """
 
-    def __call__(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
         return bridge(model, *args, **kwargs)
 
 

@@ -10,7 +10,7 @@ containers of the original container classes (``ModuleList``, ``ModuleDict``;
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -20,6 +20,7 @@ from .module_tree import CONTAINERS, safe_name
 from ..compat.module_dicts import modules_of, non_persistent_buffers_of
 
 
+# -> Any: a get_attr target is a parameter, buffer, child module or an exported constant (a TreeSpec)
 def resolve_attr(owner: torch.nn.Module, target: str) -> Any:
     value: Any = owner
     for part in target.split("."):
@@ -52,7 +53,7 @@ def original_path(ctx: ExtractionContext, module: torch.nn.Module, target: str) 
     holder, parts = module, []
     for part in target.split("."):
         parts.append(ctx.renamed.get(id(holder), {}).get(part, part))
-        holder = modules_of(holder)[part]
+        holder = cast(torch.nn.Module, modules_of(holder)[part])  # a path of real children
     return ".".join(parts)
 
 

@@ -25,7 +25,7 @@ from ..compat import compile_guards, export_guards, guard_view
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
-def _leaf_key(leaf: Any) -> Hashable:
+def _leaf_key(leaf: object) -> Hashable:
     if isinstance(leaf, torch.Tensor):
         # requires_grad: export traces with it, so a branch on an input's requires_grad is baked in
         return ("tensor", leaf.dtype, leaf.device, leaf.dim(), leaf.requires_grad)

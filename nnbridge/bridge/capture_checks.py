@@ -203,10 +203,10 @@ class CaptureWatch:
             if self.active:
                 self.breaks.setdefault(self.active[-1], msg)
 
-        def before(mod: torch.nn.Module, args: Any) -> None:
+        def before(mod: torch.nn.Module, args: tuple[Any, ...]) -> None:
             inner.append(snapshot(self.modules, clone=False))
 
-        def after(mod: torch.nn.Module, args: Any, output: Any) -> None:
+        def after(mod: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
             for path, state in inner.pop().items():
                 changed = state.changes()
                 if changed:

@@ -47,7 +47,7 @@ def _simple_spec(spec: pytree.TreeSpec, *, subclasses: bool = False) -> bool:
     return all(_simple_spec(child, subclasses=subclasses) for child in spec.children())
 
 
-def plain_value(value: Any) -> bool:
+def plain_value(value: object) -> bool:
     """Whether a call argument is built only of tuples, lists, dicts (or subclasses), None and leaves."""
     return _simple_spec(pytree.tree_flatten(value)[1], subclasses=True)
 
@@ -251,7 +251,7 @@ def _clean_calls(graph: Graph, attrs: dict[str, Any]) -> None:
                 _replace_leaf_getitems(graph, user, leaf)
 
 
-def _find_input_unflatten_of(arg: Any) -> Node | None:
+def _find_input_unflatten_of(arg: object) -> Node | None:
     node = arg
     for _ in range(2):
         if isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem:

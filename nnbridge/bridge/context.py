@@ -14,13 +14,18 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .call_structure import ShapeGuard
+from .graph_module import CompiledGraphModule, OpaqueGraphModule
+from .guards import StateGuard
 from .options import ExtractionOptions
 from ..errors import ExtractionError, NNBridgeWarning, warn
+
+if TYPE_CHECKING:  # annotations only: the dispatcher layer imports this module
+    from .dispatcher import GraphDispatcher
 
 
 def describe_failure(error: BaseException) -> str:
@@ -30,8 +35,6 @@ def describe_failure(error: BaseException) -> str:
 
 
 @dataclass
-
-
 class Extraction:
     """One extraction of a module for one call structure.
 
@@ -45,11 +48,11 @@ class Extraction:
         reason: why it was made: ``"first call"``, or the guard that failed for the call.
     """
 
-    root: torch.nn.Module
+    root: CompiledGraphModule | OpaqueGraphModule
     guard: ShapeGuard
     opaque: dict[str, str] = field(default_factory=dict)
     example: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-    state: Any = None
+    state: StateGuard | None = None
     reason: str = "first call"
 
 
@@ -67,7 +70,8 @@ ChildDispatcherFactory = Callable[[torch.nn.Module, str], ChildDispatcher]
 
 class ExtractionContext:
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, path: str,
-                 on_extraction: list[Callable[[Any, Extraction], None]], child_dispatcher: ChildDispatcherFactory):
+                 on_extraction: list[Callable[[GraphDispatcher, Extraction], None]],
+                 child_dispatcher: ChildDispatcherFactory):
         self.module = module
         self.child_dispatcher = child_dispatcher
         self.options = options

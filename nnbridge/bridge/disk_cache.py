@@ -34,7 +34,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from ..compat.serialization import library_versions
 from ..errors import SaveLoadError, warn
@@ -67,6 +67,15 @@ def default_cache() -> DiskCache | None:
 #: What export records into an entry beyond the bundle format (2: helper functions' lines in each
 #: node's stack trace, which variable-name aliases read); entries recorded otherwise miss.
 RECORDING_VERSION = 2
+
+
+class CacheInfo(TypedDict):
+    """What :meth:`DiskCache.info` reports."""
+
+    directory: str
+    entries: int
+    #: total size of the entry files
+    bytes: int
 
 
 class DiskCache:
@@ -130,7 +139,7 @@ class DiskCache:
             return []
         return sorted(p for p in self.directory.iterdir() if p.suffix == SUFFIX and not p.name.startswith("."))
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> CacheInfo:
         """``{"directory", "entries", "bytes"}`` of the cache."""
         entries = self.entries()
         return {"directory": str(self.directory), "entries": len(entries),

@@ -22,7 +22,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -159,7 +159,8 @@ class GraphDispatcher(torch.nn.Module):
             tensors = tensor_leaves(args, kwargs)
             call = (args, kwargs)
             for extraction in candidates:
-                if extraction.guard.matches(tensors, call) and extraction.state.holds():
+                # every cached extraction has the state guard add_extraction gave it
+                if extraction.guard.matches(tensors, call) and cast(StateGuard, extraction.state).holds():
                     if len(self._recency) > 1:
                         self._recency.move_to_end(id(extraction))
                     return extraction
@@ -210,7 +211,7 @@ class GraphDispatcher(torch.nn.Module):
         tensors = tensor_leaves(args, kwargs)
         if not extraction.guard.matches(tensors, (args, kwargs)):
             return extraction.guard.failed(tensors, (args, kwargs))
-        return extraction.state.what_changed() or "module state changed"
+        return cast(StateGuard, extraction.state).what_changed() or "module state changed"  # set by add_extraction
 
     def _evict(self) -> None:
         limit = max(1, self.options.recompile_limit)

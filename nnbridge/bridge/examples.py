@@ -12,16 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from .graph_module import CompiledGraphModule, GraphModuleBase
+from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 from .hierarchy import resolve_all, walk
 from .op_point import refresh_owners
 from .recording import copy_inputs
 from .summaries import ExampleSummaries, bind_inputs, recording_listener, summarize
 
 
-def record_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def record_examples(root: CompiledGraphModule | OpaqueGraphModule, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> None:
     """Run ``root`` once on the example inputs with every node listened, storing each node's
     summary in the graph ``pg.graph`` shows (:meth:`~.graph_module.GraphModuleBase.set_examples`).
 
@@ -44,7 +43,6 @@ def record_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[s
                 listeners.append((point, record))
         before = len(listeners)
         refresh_owners(point for point, _ in listeners)
-        assert isinstance(root, torch.nn.Module)  # both kinds of graph module are modules
         try:
             root(*copy_inputs(args), **copy_inputs(kwargs))
         finally:
@@ -68,7 +66,8 @@ def static_examples(module: GraphModuleBase, inputs: dict[str, Any]) -> Any:
     return ExampleSummaries(module, inputs).propagate()
 
 
-def describe_examples(root: GraphModuleBase, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def describe_examples(root: CompiledGraphModule | OpaqueGraphModule, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> None:
     """Store example summaries on every graph of ``root``: statically from export's metadata when
     it describes every value, else by one recording run of the example inputs."""
     inputs = bind_inputs(root, [summarize(a) for a in args], {k: summarize(v) for k, v in kwargs.items()})

@@ -81,7 +81,7 @@ class Explanation:
         return "\n".join(lines)
 
 
-def _dispatcher_of(target: Any) -> GraphDispatcher:
+def _dispatcher_of(target: object) -> GraphDispatcher:
     from .patchable_graph import PatchableGraph
 
     if isinstance(target, PatchableGraph):
@@ -123,7 +123,6 @@ def _guards(extraction: Extraction) -> list[str]:
 
 def _modules(extraction: Extraction, prefix: str) -> list[ModuleReport]:
     root = extraction.root
-    assert isinstance(root, GraphModuleBase), type(root)  # an extraction's root is a Compiled- or OpaqueGraphModule
     reports = [_report(prefix, root)]
     for path, _, _, sub in hierarchy.walk(root):
         if sub is not None:
@@ -131,14 +130,14 @@ def _modules(extraction: Extraction, prefix: str) -> list[ModuleReport]:
     return reports
 
 
-def _report(path: str, module: Any) -> ModuleReport:
+def _report(path: str, module: GraphModuleBase | torch.nn.Module) -> ModuleReport:
     original = module.original_type if isinstance(module, GraphModuleBase) else type(module)
     if isinstance(module, CompiledGraphModule):
         return ModuleReport(path, original.__name__, ModuleKind.GRAPH)
     return ModuleReport(path, original.__name__, ModuleKind.OPAQUE, getattr(module, "reason", None))
 
 
-def explain(target: Any, *args: Any, **kwargs: Any) -> Explanation:
+def explain(target: object, *args: Any, **kwargs: Any) -> Explanation:
     """Explain how nnbridge runs ``target``, as Dynamo's ``explain`` does for its traces.
 
     Args:

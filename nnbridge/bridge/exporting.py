@@ -131,10 +131,10 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     active: list[str] = []
     handles = []
 
-    collectors: list[Any] = []  # transformers' output collector when each active module was entered
+    collectors: list[dict[str, Any] | None] = []  # transformers' output collector when each active module was entered
 
     def enter(fqn: str) -> Callable[..., None]:
-        def hook(mod: torch.nn.Module, inputs: Any) -> None:
+        def hook(mod: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
             collector = active_collector()
             if collector is not None and collectors and collectors[-1] is not collector:
                 # the caller's body started collecting outputs with hooks (output_attentions...)
@@ -143,7 +143,7 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
             collectors.append(collector)
         return hook
 
-    def leave(mod: torch.nn.Module, inputs: Any, output: Any) -> None:
+    def leave(mod: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         active.pop()
         collectors.pop()
 

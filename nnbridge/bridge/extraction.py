@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.fx import Graph
@@ -56,10 +56,13 @@ from ..compat.output_capturing import collector_suspended
 from ..compat.pytree import pytree
 from ..errors import ExtractionError
 
+if TYPE_CHECKING:  # annotations only: the dispatcher layer imports this module
+    from .dispatcher import GraphDispatcher
+
 
 def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             options: ExtractionOptions | None = None, *, child_dispatcher: ChildDispatcherFactory, path: str = "",
-            on_extraction: list[Callable[[Any, Extraction], None]] | None = None) -> Extraction:
+            on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None) -> Extraction:
     """Extract ``module`` for the call ``module(*args, **kwargs)``.
 
     The module is left exactly as it was: its hooks and instance ``forward`` overrides are cleared
@@ -102,7 +105,7 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              options: ExtractionOptions | None, path: str,
-             on_extraction: list[Callable[[Any, Extraction], None]] | None,
+             on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None,
              child_dispatcher: ChildDispatcherFactory) -> Extraction:
     options = options or ExtractionOptions()
     ctx = ExtractionContext(module, options, path, on_extraction if on_extraction is not None else [], child_dispatcher)

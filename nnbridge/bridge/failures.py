@@ -13,36 +13,42 @@ exception's type and message are unchanged) naming the innermost graph node in t
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from torch.fx import Graph
+from torch.fx import Graph, GraphModule
+from torch.fx.graph import PythonCode
 
 from ..compat import generated_line_map
 from .metadata import GraphMeta, node_meta
+
+if TYPE_CHECKING:  # annotations only: graph_module imports this module
+    from .graph_module import GraphModuleBase
 
 _NOTED = "_nnbridge_noted"
 
 
 class _Generated:
-    def __init__(self, graph: Graph, code: Any):
+    def __init__(self, graph: Graph, code: PythonCode | GraphModule):
         self.lines, self.prologue = generated_line_map(code)
         self.nodes = [(node_meta(node).name, "route" if node_meta(node).routed else node.op,
                        str(node.target), node.meta.get("stack_trace")) for node in graph.nodes]
 
 
-def _meta(owner: Any) -> GraphMeta | None:
+def _meta(owner: object) -> GraphMeta | None:
     meta = getattr(owner, "__dict__", {}).get("graph_meta")
     return meta if isinstance(meta, GraphMeta) else None
 
 
-def register(owner: Any, function: Any, graph: Graph, code: Any) -> None:
+def register(owner: GraphModuleBase, function: Callable[..., Any], graph: Graph,
+             code: PythonCode | GraphModule) -> None:
     """Remember on ``owner`` (a graph module; in its :attr:`GraphMeta.generated`, so the map lives
     with its graph) that ``function``, one of its generated forwards, was compiled from ``graph``
     with fx's ``code``/``GraphModule``, so failures in it can be located."""
     owner.graph_meta.generated[function.__code__] = _Generated(graph, code)
 
 
-def _innermost(error: BaseException) -> tuple[_Generated, int, Any] | None:
+def _innermost(error: BaseException) -> tuple[_Generated, int, object] | None:
     """The innermost generated-forward frame of the traceback: its entry, node index and ``self``."""
     found = None
     tb = error.__traceback__

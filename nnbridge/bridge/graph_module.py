@@ -15,11 +15,12 @@ from __future__ import annotations
 import abc
 import inspect
 import types
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.graph import PythonCode
 from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat.pytree import fx_pytree
 from ..compat.pytree import pytree
@@ -29,6 +30,9 @@ from ..compat.accelerate import run_hooked
 from .failures import register
 from .metadata import GraphMeta, node_meta, node_name, update_node_meta
 from .op_point import OpPoint, route
+
+if TYPE_CHECKING:  # annotations only: opaque imports this module
+    from .opaque import InvocationRouter
 
 #: Calls that only convert between a custom pytree object and its leaves.
 _PLUMBING_CALLS = (fx_pytree.tree_flatten_spec, pytree.tree_unflatten)
@@ -128,12 +132,12 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         original_type: the class of the module this graph was extracted from.
     """
 
-    _forward_cache: dict[frozenset[str], Any]
-    _trace_forward: Any
+    _forward_cache: dict[frozenset[str], Callable[..., Any]]
+    _trace_forward: Callable[..., Any]
     #: set by :meth:`read_tensors_from`: the module whose tensors ``get_attr`` nodes read at call time
     _nnbridge_module: torch.nn.Module
     #: set by :meth:`add_call_site`: ``{call_module target: callable}`` a bridge calls children through
-    _call_sites: dict[str, Any]
+    _call_sites: dict[str, Callable[..., Any]]
 
     def __init__(self, root: dict[str, Any], graph: Graph, original_type: type[torch.nn.Module]):
         super().__init__(root, graph, class_name="CompiledGraphModule")
@@ -154,13 +158,13 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
                 return node
         raise KeyError(name)
 
-    def child_graph(self, node: Node) -> GraphModuleBase:
+    def child_graph(self, node: Node) -> CompiledGraphModule | OpaqueGraphModule:
         """The graph a ``call_module`` node runs (also after a bridge rewired the call site)."""
         linked = self.graph_meta.graph_children
         if linked is not None:
             return linked[node_name(node)]
         # a call_module node of an extracted graph calls a child graph
-        return cast(GraphModuleBase, self.get_submodule(str(node.target)))
+        return cast(CompiledGraphModule | OpaqueGraphModule, self.get_submodule(str(node.target)))
 
     def example(self, name: str) -> Any:
         """As :meth:`GraphModuleBase.example`; a compiled graph keeps summaries on its nodes."""
@@ -184,7 +188,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         ``__dict__``: ``module`` must not become a child of this graph."""
         self.__dict__["_nnbridge_module"] = module
 
-    def add_call_site(self, target: str, site: Any) -> None:
+    def add_call_site(self, target: str, site: Callable[..., Any]) -> None:
         """Register ``site`` (a callable, not a module) as the ``call_module`` target ``target``
         (an in-place bridge calls the user's module there, which then runs its graph)."""
         self.__dict__.setdefault("_call_sites", {})[target] = site
@@ -198,13 +202,13 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
             return node.target in _PLUMBING_CALLS or getattr(node.target, "nnbridge_plumbing", False)
         if node.op != "get_attr":
             return False
-        value: Any = self
+        value: object = self
         for part in str(node.target).split("."):
             value = getattr(value, part, None)
         return not isinstance(value, torch.Tensor)
 
     # -- routing --------------------------------------------------------------------------------
-    def recompile(self) -> Any:
+    def recompile(self) -> PythonCode:
         """Regenerate the plain code from ``self.graph`` and re-apply routing (after graph edits).
         The generated source leaves fx's cache and ``linecache`` with the code."""
         with generated_code_released():
@@ -235,7 +239,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         type(self).forward = forward
         self.__dict__["_routed"] = routed
 
-    def trace_forward(self) -> Any:
+    def trace_forward(self) -> Callable[..., Any]:
         """The generated code used while an nnsight trace runs: every node asks
         :func:`route` whether something listens (a patch, a hook, or a trace waiting at or
         caching the op's location) and only then passes through its op point. Compiled on first use."""
@@ -244,7 +248,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
             forward = self.__dict__["_trace_forward"] = self._compile_routed(frozenset(self.point_names), asking=True)
         return forward
 
-    def _compile_routed(self, routed: frozenset[str], asking: bool = False) -> Any:
+    def _compile_routed(self, routed: frozenset[str], asking: bool = False) -> Callable[..., Any]:
         graph = Graph()
         val_map: dict[Node, Node] = {}
         output_value = graph.graph_copy(self.graph, val_map)
@@ -309,13 +313,13 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
 
     original: torch.nn.Module
     reason: str
-    _callees: dict[str, torch.nn.Module]
-    _routers: list[Any]
+    _callees: dict[str, torch.nn.Module | None]
+    _routers: list[InvocationRouter]
     _signature: inspect.Signature
     _tensor_names: list[str]
 
-    def __init__(self, module: torch.nn.Module, reason: str, children: dict[str, torch.nn.Module],
-                 callees: dict[str, torch.nn.Module], routers: list[Any] | None = None):
+    def __init__(self, module: torch.nn.Module, reason: str, children: Mapping[str, torch.nn.Module | None],
+                 callees: Mapping[str, torch.nn.Module | None], routers: list[InvocationRouter] | None = None):
         super().__init__()
         self._init_meta(type(module))
         self.__dict__["original"] = module
@@ -344,7 +348,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         self.__dict__["_callees"] = {}
         self.__dict__["_routers"] = []
 
-    def trace_forward(self) -> Any:
+    def trace_forward(self) -> Callable[..., Any]:
         """The forward used while an nnsight trace runs: every input, tensor and the output may be
         routed (see :func:`route`)."""
         return type(self)._traced

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ _PLAIN_TYPES = (int, float, bool, str, bytes, type(None), enum.Enum, torch.dtype
 _CONTAINER_TYPES = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
-def _plain(value: Any) -> bool:
+def _plain(value: object) -> bool:
     if isinstance(value, _PLAIN_TYPES):
         return True
     if isinstance(value, (tuple, frozenset)):
@@ -49,7 +49,7 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def _config_like(name: str, value: Any) -> bool:
+def _config_like(name: str, value: object) -> bool:
     """A transformers ``PretrainedConfig`` or a look-alike: an object with ``to_dict``, a
     ``SimpleNamespace``, or any plain object held as ``config``."""
     if isinstance(value, (type, torch.nn.Module, torch.Tensor)) or not hasattr(value, "__dict__") or callable(value):
@@ -68,7 +68,8 @@ class StateGuard:
         path: the root's path, for messages.
     """
 
-    def __init__(self, root: torch.nn.Module, *, opaque: set[int], skip: Any = None, path: str = ""):
+    def __init__(self, root: torch.nn.Module, *, opaque: set[int],
+                 skip: Callable[[torch.nn.Module], bool] | None = None, path: str = ""):
         self._plain: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         self._children: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         self._tensors: list[tuple[str, dict[str, Any], str, torch.Tensor, torch.dtype, torch.device, torch.Size, bool]] = []
@@ -105,7 +106,7 @@ class StateGuard:
                     self._add_config(f"{name} of {where}", value, seen_configs)
 
     @staticmethod
-    def _walk(module: torch.nn.Module, where: str, opaque: set[int], skip: Any
+    def _walk(module: torch.nn.Module, where: str, opaque: set[int], skip: Callable[[torch.nn.Module], bool] | None
               ) -> Iterator[tuple[str, torch.nn.Module]]:
         seen: set[int] = set()
         stack = [(where or "<root>", module)]
@@ -205,7 +206,7 @@ class StateGuard:
                 f"identity, dtype, device, shape and requires_grad of {len(self._tensors)} tensors"]
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     if a is b:
         return True
     try:

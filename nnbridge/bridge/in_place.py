@@ -64,11 +64,6 @@ _ENVOY_NAMES = frozenset({"input", "inputs", "output"})
 AnyGraph = CompiledGraphModule | OpaqueGraphModule
 
 
-def _graph(root: torch.nn.Module) -> AnyGraph:
-    """An extraction's ``root`` (typed as a module) as the graph module it always is."""
-    return cast(AnyGraph, root)
-
-
 def _pending() -> dict[int, AnyGraph]:
     pending = getattr(_LOCAL, "pending", None)
     if pending is None:
@@ -153,7 +148,7 @@ class Bridge:
         self.registered: list[tuple[torch.nn.Module, str]] = []
         self.depth = 0
         self.eager = 0  # > 0 while :meth:`running_eagerly`
-        self.locked: list[tuple[torch.nn.Module, Any]] = []  # locked ``_call_impl``s (see .locking)
+        self.locked: list[tuple[torch.nn.Module, Callable[..., Any]]] = []  # locked ``_call_impl``s (see .locking)
 
     # -- running --------------------------------------------------------------------------------
     def body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -173,12 +168,12 @@ class Bridge:
             # a state object (a ``Cache``) is not in the state the parent's extraction saw, e.g. an
             # earlier layer was skipped (nnsight ``.skip()``) and did not write its cache layer, as
             # in eager: this call gets its own extraction, for the state it really receives
-            graph = _graph(self._own_dispatcher(module).lookup(args, kwargs).root)
+            graph = self._own_dispatcher(module).lookup(args, kwargs).root
         if graph is None:
             dispatcher = self.dispatchers.get(id(module))
             if dispatcher is None or not (module is self.model or self.depth > 0):
                 return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
-            graph = _graph(dispatcher.lookup(args, kwargs).root)
+            graph = dispatcher.lookup(args, kwargs).root
         self.depth += 1
         try:
             # an nnsight trace waiting for something inside this module: each node asks whether
@@ -239,10 +234,10 @@ class Bridge:
         """Rewire an extraction so its graphs call the user's modules and share op points."""
         if extraction.example is not None:  # shapes for printing op points (no run needed)
             args, kwargs = extraction.example
-            inputs = bind_inputs(_graph(extraction.root), list(args), kwargs)
+            inputs = bind_inputs(extraction.root, list(args), kwargs)
             if inputs is not None:
-                static_examples(_graph(extraction.root), inputs)
-        self._link(_graph(extraction.root), module, Counter())
+                static_examples(extraction.root, inputs)
+        self._link(extraction.root, module, Counter())
 
     def _link(self, graph: AnyGraph, module: torch.nn.Module, invocations: Counter[int]) -> None:
         invocation = invocations[id(module)]
@@ -255,7 +250,7 @@ class Bridge:
                 return  # already linked (an extraction shared by several callers)
             children: dict[str, AnyGraph] = {}
             for i, node in enumerate([n for n in graph.graph.nodes if n.op == "call_module"]):
-                child_graph = _graph(graph.get_submodule(str(node.target)))
+                child_graph = graph.child_graph(node)
                 child_module = module.get_submodule(node_meta(node).module_path or "")
                 children[node_meta(node).name] = child_graph
                 self._link(child_graph, child_module, invocations)
@@ -270,7 +265,7 @@ class Bridge:
             for dispatcher in graph.graph_meta.child_dispatchers.values():
                 self.dispatchers[id(dispatcher.module)] = dispatcher
                 for extraction in dispatcher.all_extractions():
-                    self._link(_graph(extraction.root), dispatcher.module, Counter())
+                    self._link(extraction.root, dispatcher.module, Counter())
 
     @staticmethod
     def _read_tensors_live(graph: CompiledGraphModule, module: torch.nn.Module) -> None:

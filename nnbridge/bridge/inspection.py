@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any, TypeVar, cast, overload
 
 import torch
 from torch.fx.node import Argument, Node, map_arg
@@ -23,6 +23,7 @@ from .summaries import describe, summary_children
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 
 
+_T = TypeVar("_T")
 _NO_SOURCE = "<no source recorded for this node>"
 
 
@@ -224,7 +225,7 @@ class NodeView:
         aliases = list(aliases_of(self._graph)) if isinstance(self._graph, CompiledGraphModule) else []
         return [name for name, _ in self._children()] + aliases + ["_code", "_shape", "_path"]
 
-    def __setattr__(self, key: str, value: Any) -> None:
+    def __setattr__(self, key: str, value: object) -> None:
         raise AttributeError("pg.graph is read-only; patch nodes with pg.patch({...})")
 
     # -- description ----------------------------------------------------------------------------
@@ -274,7 +275,12 @@ class NodeView:
             raise KeyError(f"No node {path!r} under {self._path or '<root>'}; closest: {close}.{hint}")
         return found
 
-    def get(self, path: str, default: Any = None) -> Any:
+    @overload
+    def get(self, path: str) -> NodeView | None: ...
+    @overload
+    def get(self, path: str, default: _T) -> NodeView | _T: ...
+
+    def get(self, path: str, default: object = None) -> object:
         """``self[path]``, or ``default`` when there is no such path."""
         found = self._lookup(path) if isinstance(path, str) else None
         return default if found is None else found

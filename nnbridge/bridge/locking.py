@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from ..compat.forwards import call_overridden
 CALL_LOCK = threading.RLock()
 
 
-def locked_call(run: Any, *args: Any, **kwargs: Any) -> Any:
+def locked_call(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """A bridged model's ``__call__`` (installed with :func:`nnbridge.compat.call_overridden`, so it
     sits outside every hook): the whole call, hooks included, holds :data:`CALL_LOCK`. While another
     thread extracts, the model's hooks and forwards are not the user's, so waiting must start here."""
@@ -45,7 +45,7 @@ def locked_call(run: Any, *args: Any, **kwargs: Any) -> Any:
         return run(*args, **kwargs)
 
 
-def lock_calls(modules: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, Any]]:
+def lock_calls(modules: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, Callable[..., Any]]]:
     """Install :func:`locked_call` on every module that has no ``__call__`` override of its own.
 
     Returns:
@@ -59,7 +59,7 @@ def lock_calls(modules: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module
     return installed
 
 
-def unlock_calls(installed: list[tuple[torch.nn.Module, Any]]) -> None:
+def unlock_calls(installed: list[tuple[torch.nn.Module, Callable[..., Any]]]) -> None:
     """Remove the overrides :func:`lock_calls` installed (those not replaced since)."""
     for module, override in installed:
         if module.__dict__.get("_call_impl") is override:

@@ -14,10 +14,18 @@ As graphpatch kept its ``NodeMeta``/``GraphMeta``: every node of an extracted gr
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.fx import Node
+
+if TYPE_CHECKING:  # annotations only: these modules import this one
+    from .dispatcher import GraphDispatcher
+    from .failures import _Generated
+    from .graph_module import CompiledGraphModule, OpaqueGraphModule
+    from .state import SpecCheck
 
 #: ``node.meta`` key of a node's :class:`NodeMeta`.
 NODE_META_KEY = "nnbridge"
@@ -96,10 +104,10 @@ class GraphMeta:
     node_path: str = ""
     examples: dict[str, Any] = field(default_factory=dict)
     exact_signature: bool = True
-    child_dispatchers: dict[str, Any] = field(default_factory=dict)
-    graph_children: dict[str, Any] | None = None
-    bridged_module: Any = None
-    state_specs: Any = None
+    child_dispatchers: dict[str, GraphDispatcher] = field(default_factory=dict)
+    graph_children: dict[str, CompiledGraphModule | OpaqueGraphModule] | None = None
+    bridged_module: torch.nn.Module | None = None
+    state_specs: list[tuple[int | str, SpecCheck]] | None = None
     argument_names: list[str] | None = None
-    generated: dict[Any, Any] = field(default_factory=dict)
+    generated: dict[types.CodeType, _Generated] = field(default_factory=dict)
     aliases: dict[str, str] | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TypeVar
 
 import torch
 
@@ -29,6 +29,8 @@ RESERVED_NAMES = frozenset(
     | {name for name in dir(CompiledGraphModule) if not name.startswith("__")}
 )
 CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+#: the value type of a module's registry (``_modules``, ``_parameters``, ``_buffers``)
+_V = TypeVar("_V")
 
 
 def real_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -84,7 +86,7 @@ def reserved_names_renamed(module: torch.nn.Module) -> Iterator[dict[int, dict[s
             _rename_key(modules_of(parent), safe, name)  # the child keeps its place (state_dict order)
 
 
-def _rename_key(store: dict[str, Any], old: str, new: str) -> None:
+def _rename_key(store: dict[str, _V], old: str, new: str) -> None:
     """Rename key ``old`` of ``store`` to ``new`` in place, keeping its position."""
     items = list(store.items())
     store.clear()
@@ -92,7 +94,7 @@ def _rename_key(store: dict[str, Any], old: str, new: str) -> None:
         store[new if key == old else key] = value
 
 
-def reorder(store: dict[str, Any], order: list[str]) -> None:
+def reorder(store: dict[str, _V], order: list[str]) -> None:
     """Reorder ``store`` in place: the keys in ``order`` first, in that order, then the others."""
     items = dict(store)
     store.clear()

@@ -123,19 +123,19 @@ class OpPoint(torch.nn.Module):
         self.refresh()
         return handle
 
-    def register_forward_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:
+    def register_forward_hook(self, hook: Callable[..., Any], **kwargs: Any) -> RemovableHandle:
         """As ``torch.nn.Module.register_forward_hook``; returning a value replaces the op's output."""
         return self._refreshing(super().register_forward_hook(hook, **kwargs))
 
-    def register_forward_pre_hook(self, hook: Any, **kwargs: Any) -> RemovableHandle:
+    def register_forward_pre_hook(self, hook: Callable[..., Any], **kwargs: Any) -> RemovableHandle:
         """As ``torch.nn.Module.register_forward_pre_hook``; the op's value is the single input."""
         return self._refreshing(super().register_forward_pre_hook(hook, **kwargs))
 
-    def register_full_backward_hook(self, hook: Any, *args: Any, **kwargs: Any) -> RemovableHandle:
+    def register_full_backward_hook(self, hook: Callable[..., Any], *args: Any, **kwargs: Any) -> RemovableHandle:
         """As ``torch.nn.Module.register_full_backward_hook``."""
         return self._refreshing(super().register_full_backward_hook(hook, *args, **kwargs))
 
-    def register_full_backward_pre_hook(self, hook: Any, *args: Any, **kwargs: Any) -> RemovableHandle:
+    def register_full_backward_pre_hook(self, hook: Callable[..., Any], *args: Any, **kwargs: Any) -> RemovableHandle:
         """As ``torch.nn.Module.register_full_backward_pre_hook``."""
         return self._refreshing(super().register_full_backward_pre_hook(hook, *args, **kwargs))
 

@@ -11,7 +11,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -23,6 +23,9 @@ from .module_tree import direct_callees, safe_name
 from .recording import copy_inputs, observed_run
 from .unused import unused_module
 from ..compat.module_dicts import modules_of
+
+if TYPE_CHECKING:  # annotations only: the dispatcher layer imports this module
+    from .dispatcher import GraphDispatcher
 
 
 class InvocationRouter(torch.nn.Module):
@@ -107,5 +110,6 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
             routers.append(router)
             attach(swapped, original_name, router, module)
     opaque = OpaqueGraphModule(module, reason, dict(modules_of(shown)), dict(modules_of(swapped)), routers)
-    opaque.graph_meta.child_dispatchers = dispatchers
+    # the dispatcher layer's factory makes GraphDispatchers (see ChildDispatcherFactory)
+    opaque.graph_meta.child_dispatchers = cast("dict[str, GraphDispatcher]", dispatchers)
     return opaque

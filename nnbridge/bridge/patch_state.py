@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 _OPEN: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("nnbridge_open_patches", default=frozenset())
 
 
-def is_open(listener: Any) -> bool:
+def is_open(listener: object) -> bool:
     """Whether ``listener``'s patch context is open in the calling thread / task."""
     return id(listener) in _OPEN.get()
 
 
 @contextlib.contextmanager
-def opened(listeners: list[Any]) -> Iterator[None]:
+def opened(listeners: Sequence[object]) -> Iterator[None]:
     """Mark ``listeners`` open in the calling context for the body's duration."""
     token = _OPEN.set(_OPEN.get() | {id(listener) for listener in listeners})
     try:

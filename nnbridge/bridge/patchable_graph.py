@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
-from collections.abc import Iterator
-from typing import Any, Protocol, cast
+import os
+from collections.abc import Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Protocol, SupportsIndex, cast
 
 import torch
 from ..compat.pytree import pytree
@@ -40,9 +41,12 @@ from .patches import Patch
 from . import saving
 from .programs import ProgramSource, Recorder, sources_active
 
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PretrainedConfig
+
 
 @contextlib.contextmanager
-def body_swapped(module: torch.nn.Module, body: Any) -> Iterator[None]:
+def body_swapped(module: torch.nn.Module, body: Callable[..., Any]) -> Iterator[None]:
     """Calls of ``module`` (hooks, then ``body(module, *args, **kwargs)``) for the duration."""
     swapped = swap_body(module, body)
     try:
@@ -63,14 +67,6 @@ class _Generating(Protocol):
     """A transformers generation model (``GenerationMixin``), as :meth:`PatchableGraph.generate` calls it."""
 
     def generate(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
-def _root(extraction: Extraction) -> CompiledGraphModule | OpaqueGraphModule:
-    """The root graph of ``extraction``, always one of the two (``Extraction.root`` is typed as the
-    ``nn.Module`` both are)."""
-    root = extraction.root
-    assert isinstance(root, (CompiledGraphModule, OpaqueGraphModule)), type(root)
-    return root
 
 
 class _PatchListener:
@@ -169,7 +165,7 @@ class PatchableGraph(torch.nn.Module):
     #: over a plain model only: the example call ``(args, kwargs)``, for pg.save
     _example: tuple[tuple[Any, ...], dict[str, Any]]
     #: the module's ``generation_config`` copied on first use (see :attr:`generation_config`)
-    _generation_config: Any
+    _generation_config: GenerationConfig | None
 
     def __init__(self, module: torch.nn.Module, *example_args: Any, options: ExtractionOptions | None = None,
                  **example_kwargs: Any):
@@ -207,14 +203,15 @@ class PatchableGraph(torch.nn.Module):
             self.__dict__["_example"] = (tuple(example_args), dict(example_kwargs))
         # the recording run may extract children of opaque modules again (under no_grad): pg.save keeps those too
         recording = [self.__dict__["_programs"]] if "_programs" in self.__dict__ else []
-        root = _root(first)
+        root = first.root
         if not saving.restore_examples(root):  # a load has them from the file
             with preserved_state(list(named_real_modules(module))), sources_active(*recording):
                 describe_examples(root, tuple(example_args), dict(example_kwargs))
         self._graph_module = root
 
     # -- saving (see .saving) --------------------------------------------------------------------
-    def save(self, path: Any = None, *args: Any) -> Any:
+    # -> Any: without a path, whatever nnsight's injected (untyped) ``save`` returns; else None
+    def save(self, path: str | os.PathLike[str] | IO[bytes] | None = None, *args: Any) -> Any:
         """``pg.save(path)``: write this PatchableGraph's extraction (exported programs, metadata,
         example inputs; no weights, no pickled code) to ``path`` (a path, written atomically, or a
         binary file). Without a path, nnsight's ``.save()`` (inside a trace) is called.
@@ -228,7 +225,8 @@ class PatchableGraph(torch.nn.Module):
         return None
 
     @classmethod
-    def load(cls, path: Any, model: torch.nn.Module, options: ExtractionOptions | None = None) -> PatchableGraph:
+    def load(cls, path: str | os.PathLike[str] | IO[bytes], model: torch.nn.Module,
+             options: ExtractionOptions | None = None) -> PatchableGraph:
         """The PatchableGraph that ``pg.save(path)`` saved, over ``model`` (the same class, config and
         modules; its own weights are used), without running ``torch.export``.
 
@@ -238,7 +236,7 @@ class PatchableGraph(torch.nn.Module):
         """
         return saving.load(cls, path, model, options)
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         """``torch.save(pg)``: the ``pg.save`` bundle plus the model itself (weights included)."""
         return saving.reduce(self)
 
@@ -269,12 +267,12 @@ class PatchableGraph(torch.nn.Module):
 
     # -- generation (transformers) --------------------------------------------------------------
     @property
-    def config(self) -> Any:
+    def config(self) -> PretrainedConfig | None:
         """The module's ``config`` (transformers models), as on graphpatch's PatchableGraph."""
         return getattr(self._dispatcher.module, "config", None)
 
     @property
-    def generation_config(self) -> Any:
+    def generation_config(self) -> GenerationConfig | None:
         """A copy of the module's ``generation_config``, taken at construction (as graphpatch);
         :meth:`generate` uses it unless given one. None for modules that do not generate."""
         if "_generation_config" not in self.__dict__:
@@ -283,7 +281,7 @@ class PatchableGraph(torch.nn.Module):
         return self.__dict__["_generation_config"]
 
     @generation_config.setter
-    def generation_config(self, value: Any) -> None:
+    def generation_config(self, value: GenerationConfig | None) -> None:
         self.__dict__["_generation_config"] = value
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -342,7 +340,7 @@ class PatchableGraph(torch.nn.Module):
         owner, name = self._resolve(self._graph_module, node_path)[0]
         point = owner.op_point(name)
         for extraction in self.extractions:
-            for other, other_name in self._resolve(_root(extraction), node_path):
+            for other, other_name in self._resolve(extraction.root, node_path):
                 other.share_point(other_name, point)
         refresh_owners([point])
         return point
@@ -416,7 +414,7 @@ class PatchableGraph(torch.nn.Module):
     def _listen(self, node_path: NodePath, listener: _PatchListener, *, add: bool) -> None:
         # op points are shared by the call structures' graphs: each distinct point once
         points = list({id(p): p for extraction in self.extractions
-                       for owner, name in self._resolve(_root(extraction), node_path)
+                       for owner, name in self._resolve(extraction.root, node_path)
                        for p in [owner.op_point(name)]}.values())
         for point in points:
             (point.add_listener if add else point.remove_listener)(listener, refresh=False)
@@ -435,7 +433,7 @@ class PatchableGraph(torch.nn.Module):
             nodes = listener.node_path.nodes
             if nodes[:len(prefix)] != prefix or len(nodes) == len(prefix):
                 continue
-            for owner, name in self._resolve(_root(extraction), NodePath(nodes[len(prefix):], listener.node_path.dig)):
+            for owner, name in self._resolve(extraction.root, NodePath(nodes[len(prefix):], listener.node_path.dig)):
                 point = owner.op_point(name)
                 if not point.has_listener(listener):
                     point.add_listener(listener, refresh=False)
@@ -443,7 +441,7 @@ class PatchableGraph(torch.nn.Module):
         refresh_owners(points)
 
     def _share_made_points(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
-        first = modules_of(self).get("_graph_module")
+        first = cast("CompiledGraphModule | OpaqueGraphModule | None", modules_of(self).get("_graph_module"))
         if first is None or self._modules_of_plain is None:  # the first extraction; or a bridge shares them
             return
         made = {f"{path}.{name}" if path else name: point
@@ -453,7 +451,7 @@ class PatchableGraph(torch.nn.Module):
             return
         prefix = ".".join(self._prefix_of(dispatcher))
         shared = []
-        for path, owner, name, sub in hierarchy.walk(_root(extraction)):
+        for path, owner, name, sub in hierarchy.walk(extraction.root):
             point = made.get(f"{prefix}.{path}" if prefix else path) if sub is None else None
             if point is not None:
                 owner.share_point(name, point)

@@ -23,13 +23,16 @@ Patches on one node apply in list order; nested ``pg.patch`` contexts append. Ex
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import Any, Generic, TypeVar
 
 import torch
 
-Slice = Any  # anything ``tensor[...]`` accepts: an int, a slice, a tuple of them, a mask
+_IndexPart = int | slice | EllipsisType | torch.Tensor | None
+#: What ``tensor[...]`` accepts: an int, a slice, ``...``, an index or mask tensor, or a tuple of them
+Slice = _IndexPart | Sequence[_IndexPart]
 #: The type of value a patch applies to (graphpatch's ``PatchTarget``).
 PatchTarget = TypeVar("PatchTarget")
 
@@ -105,6 +108,8 @@ class AddPatch(Patch[torch.Tensor]):
         return _patched(original, self.slice, lambda part: part + self.value)
 
 
+# Patch[Any] (Replace, Probe, Record): these apply to any node's value, which may be a tensor, a
+# Python scalar, a tuple or any object the graph passes along.
 @dataclass(kw_only=True)
 class ReplacePatch(Patch[Any]):
     """Replace the value, or ``value[slice]``, by ``value`` (as graphpatch's ReplacePatch)."""
@@ -151,8 +156,8 @@ class CustomPatch(Patch[PatchTarget]):
     """Replace the value by ``custom_op(value)`` (as graphpatch's CustomPatch, which also exposes
     ``requires_clone``: pass ``requires_clone=False`` for a read-only op to skip the clone)."""
 
-    custom_op: Callable[[Any], Any]
+    custom_op: Callable[[PatchTarget], PatchTarget]
     requires_clone: bool = field(default=True, init=True)
 
-    def op(self, original: Any) -> Any:
+    def op(self, original: PatchTarget) -> PatchTarget:
         return self.custom_op(original)

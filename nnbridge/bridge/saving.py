@@ -41,7 +41,7 @@ import torch
 from ..compat.pytree import pytree
 from ..compat.serialization import library_versions, spec_from_json, spec_to_json
 from ..errors import SaveLoadError, warn
-from .graph_module import GraphModuleBase
+from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 from .hierarchy import walk
 from .summaries import UNKNOWN as _UNKNOWN
 from .summaries import Named as _Named
@@ -211,8 +211,7 @@ def _decode(data: Any) -> Any:
     return data[1]
 
 
-def _graph_owners(root: torch.nn.Module) -> dict[str, GraphModuleBase]:
-    assert isinstance(root, GraphModuleBase)  # an extraction's root: compiled or opaque graph module
+def _graph_owners(root: CompiledGraphModule | OpaqueGraphModule) -> dict[str, GraphModuleBase]:
     owners: dict[str, GraphModuleBase] = {"": root}
     for path, _, _, sub in walk(root):
         if sub is not None:
@@ -220,7 +219,7 @@ def _graph_owners(root: torch.nn.Module) -> dict[str, GraphModuleBase]:
     return owners
 
 
-def examples_of(root: torch.nn.Module) -> dict[str, Any] | None:
+def examples_of(root: CompiledGraphModule | OpaqueGraphModule) -> dict[str, Any] | None:
     """``{graph path: {node name: encoded summary}}`` of every graph below ``root``, or None when a
     summary cannot be written as JSON (the load then makes the recording run)."""
     try:
@@ -230,7 +229,7 @@ def examples_of(root: torch.nn.Module) -> dict[str, Any] | None:
         return None
 
 
-def restore_examples(root: torch.nn.Module) -> bool:
+def restore_examples(root: CompiledGraphModule | OpaqueGraphModule) -> bool:
     """While :func:`load` builds a PatchableGraph: put the saved summaries on ``root``'s graphs.
     False (nothing changed) outside a load, or when the saved graphs do not match ``root``'s."""
     saved = _SAVED_EXAMPLES.get()

@@ -15,7 +15,7 @@ signature (``hidden_states, attention_mask=..., past_key_values=cache, ...``) an
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -81,7 +81,7 @@ def assign_state(target: Any, source: Any) -> None:
 assign_state.nnbridge_plumbing = True  # type: ignore[attr-defined]
 
 
-def _assignable(old: Any, new: Any) -> bool:
+def _assignable(old: object, new: object) -> bool:
     if old is new or type(old) is not type(new) or isinstance(old, torch.Tensor):
         return False
     return isinstance(old, (list, dict)) or (hasattr(old, "__dict__") and not isinstance(old, type))
@@ -106,7 +106,7 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
         stateful arguments), filled while the body runs.
     """
     calls: dict[str, list[list[Key]]] = {}
-    installed: list[tuple[torch.nn.Module, Any, Any]] = []
+    installed: list[tuple[torch.nn.Module, Callable[..., Any] | None, Callable[..., Any] | None]] = []
 
     def wrap(path: str, module: torch.nn.Module) -> None:
         inner = module.forward
@@ -126,11 +126,11 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
                 copies.append(copy)
             return inner(*positional, **keywords), copies
 
-        def call(run: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             with CALL_LOCK:  # replaces a locked call for the extraction's duration (see .locking)
                 return threaded_call(run, *args, **kwargs)
 
-        def threaded_call(run: Any, *args: Any, **kwargs: Any) -> Any:
+        def threaded_call(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             keys = state_keys(args, kwargs)
             calls.setdefault(path, []).append(keys)
             if not keys:

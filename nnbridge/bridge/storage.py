@@ -177,7 +177,7 @@ class Bundle:
 def _own_tensor(source: str, module: torch.nn.Module, name: str, meta: torch.Tensor) -> torch.Tensor:
     """``module``'s tensor for the program's name ``model.<path>`` (the export root wraps the
     module as ``model``), checked against the saved meta tensor's shape and dtype."""
-    value: Any = module
+    value: object = module
     for part in name.removeprefix("model.").split("."):
         value = getattr(value, part, None)
     if not isinstance(value, torch.Tensor):

@@ -14,7 +14,7 @@ the node's :class:`~.metadata.NodeMeta`. Example::
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +40,10 @@ class Named(dict):
 #: A value export kept no metadata for (opaque children's results, some plumbing).
 UNKNOWN: Any = object()
 
+# Summaries stay typed ``Any`` here and where they are stored (``NodeMeta.example``, ``pg.graph``):
+# they mirror arbitrary pytrees (``torch.Size`` leaves, type-name strings, :data:`UNKNOWN`, any
+# dict key) and every reader tells them apart with ``isinstance``.
+
 
 def summarize(value: Any) -> Any:
     """The summary of a concrete value (see module docstring)."""
@@ -53,7 +57,7 @@ def summarize(value: Any) -> Any:
     return type(value).__name__
 
 
-def describe(summary: Any) -> str:
+def describe(summary: object) -> str:
     """One-line text of a summary: ``Tensor(1, 4, 8, 8)``, ``tuple(2)``, ``CausalLMOutputWithPast(2)``."""
     if isinstance(summary, torch.Size):
         return f"Tensor({', '.join(str(s) for s in summary)})"
@@ -76,7 +80,7 @@ def summary_children(summary: Any) -> list[tuple[str, Any]]:
     return []
 
 
-def incomplete(summary: Any) -> bool:
+def incomplete(summary: object) -> bool:
     """Whether some part of ``summary`` is :data:`UNKNOWN`."""
     if summary is UNKNOWN:
         return True
@@ -107,7 +111,7 @@ def _from_val(value: Any) -> Any:
     return None
 
 
-def _from_spec(spec: Any, leaves: Iterator[Any]) -> Any:
+def _from_spec(spec: pytree.TreeSpec, leaves: Iterator[Any]) -> Any:
     """Summary of ``tree_unflatten(leaves, spec)`` built from the spec alone (never unflattens:
     custom pytree types keep state in their spec)."""
     if spec.is_leaf():
@@ -136,7 +140,7 @@ def plain(summary: Any) -> Any:
     return summary
 
 
-def bind_inputs(module: GraphModuleBase, args: Any, kwargs: Any) -> dict[str, Any] | None:
+def bind_inputs(module: GraphModuleBase, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
     """``{placeholder name: value}`` for a call of a compiled graph (None for other kinds)."""
     if not hasattr(module, "named_nodes"):
         return None

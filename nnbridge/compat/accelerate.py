@@ -38,6 +38,7 @@ def offloaded_weights_loaded(model: torch.nn.Module) -> Iterator[None]:
             hook.post_forward(module, None)
 
 
+# -> Any: accelerate ships no types (its ``ModelHook``, or None)
 def accelerate_hook(module: torch.nn.Module) -> Any:
     """The accelerate hook wrapping ``module``'s forward (``_hf_hook``, accelerate 1.x), or None."""
     return module.__dict__.get("_hf_hook")

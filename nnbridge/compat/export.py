@@ -13,7 +13,7 @@ import logging
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -83,7 +83,8 @@ class _DistinctConversions(torch.overrides.TorchFunctionMode):
                               torch.Tensor.cpu, torch.Tensor.type, torch.Tensor.int, torch.Tensor.long,
                               torch.Tensor.bool})
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type], args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         if func in self._CONVERSIONS and args and isinstance(args[0], torch.Tensor):
             args = (torch.ops.aten.alias.default(args[0]), *args[1:])
         return func(*args, **(kwargs or {}))

@@ -18,7 +18,7 @@ import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,7 +41,8 @@ class SwappedBody:
 
     module: torch.nn.Module
     kind: BodyKind
-    previous: Any
+    #: what the slot held: a body or forward, None, or the missing-slot marker
+    previous: object
 
 
 def swap_body(module: torch.nn.Module, body: Callable[..., Any]) -> SwappedBody:
@@ -65,7 +66,7 @@ def restore_body(swapped: SwappedBody) -> None:
     module = swapped.module
     if swapped.kind is BodyKind.NNSIGHT:
 
-        uninstall(module, swapped.previous)
+        uninstall(module, cast("Callable[..., Any] | None", swapped.previous))  # what install returned
     elif swapped.kind is BodyKind.ACCELERATE:
         module.__dict__["_old_forward"] = swapped.previous
     elif swapped.previous is _MISSING:
@@ -77,7 +78,7 @@ def restore_body(swapped: SwappedBody) -> None:
 class _Bound:
     """``body`` bound to a module by weak reference (the module owns this object)."""
 
-    def __init__(self, module: torch.nn.Module, body: Callable[..., Any], previous: Any = None):
+    def __init__(self, module: torch.nn.Module, body: Callable[..., Any], previous: Callable[..., Any] | None = None):
         import weakref
 
         self.module_ref = weakref.ref(module)

@@ -26,7 +26,7 @@ class NoSubmoduleRecompile:
     subtree once per ancestor. Children here are compiled when built, so the recursion is skipped.
     """
 
-    def _recompile_submodules(self) -> list[tuple[str, Any]]:
+    def _recompile_submodules(self) -> list[tuple[str, torch.fx.graph.PythonCode]]:
         return []
 
 
@@ -128,7 +128,7 @@ def fx_patches_confined(wait: contextlib.AbstractContextManager[object]) -> Iter
     patcher = torch.fx._symbolic_trace._Patcher
     patch, patch_method = patcher.__dict__["patch"], patcher.__dict__["patch_method"]
 
-    def confined(new_fn: Any, original: Any, waits: bool) -> Any:
+    def confined(new_fn: Callable[..., Any], original: Callable[..., Any], waits: bool) -> Callable[..., Any]:
         owner = threading.get_ident()
 
         @functools.wraps(new_fn)
@@ -141,14 +141,15 @@ def fx_patches_confined(wait: contextlib.AbstractContextManager[object]) -> Iter
             return original(*args, **kwargs)
         return dispatch
 
-    def confined_patch(self: Any, frame_dict: dict[str, Any], name: str, new_fn: Any,
+    def confined_patch(self: object, frame_dict: dict[str, Any], name: str, new_fn: Callable[..., Any],
                        deduplicate: bool = True) -> None:
         original = frame_dict.get(name, getattr(builtins, name, None))
         if callable(original):
             new_fn = confined(new_fn, original, waits=False)
         return patch(self, frame_dict, name, new_fn, deduplicate)
 
-    def confined_patch_method(self: Any, cls: type, name: str, new_fn: Any, deduplicate: bool = True) -> None:
+    def confined_patch_method(self: object, cls: type, name: str, new_fn: Callable[..., Any],
+                              deduplicate: bool = True) -> None:
         original = getattr(cls, name)
         new_fn = confined(new_fn, original, waits=issubclass(cls, torch.nn.Module) and name == "__call__")
         return patch_method(self, cls, name, new_fn, deduplicate)

@@ -7,22 +7,20 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 
-def parameters_of(module: torch.nn.Module) -> dict[str, Any]:
+def parameters_of(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
     """``module._parameters``: name -> Parameter or None, the live dict."""
     return module._parameters
 
 
-def buffers_of(module: torch.nn.Module) -> dict[str, Any]:
+def buffers_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """``module._buffers``: name -> Tensor or None, the live dict."""
     return module._buffers
 
 
-def modules_of(module: torch.nn.Module) -> dict[str, Any]:
+def modules_of(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
     """``module._modules``: name -> child module or None, the live dict."""
     return module._modules
 

@@ -12,7 +12,6 @@ the path first; with nnsight's own answer when it is not empty.
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 #: nnsight 0.8.1's preprocessor attributes and the pipeline flags saying a task loads them
 _FLAGS = {"tokenizer": "_load_tokenizer", "image_processor": "_load_image_processor",
@@ -33,7 +32,7 @@ class PreprocessorSources:
         return {attribute for attribute, flag in _FLAGS.items() if getattr(impl, flag, False)}
 
 
-def pipeline_class(task: str | None) -> Any:
+def pipeline_class(task: str | None) -> type | None:
     """The pipeline class of ``task`` (``"text-generation"``), imported from its dotted path when
     transformers gives one; ``None`` for an unknown task."""
     if task is None:

@@ -17,7 +17,7 @@ that call: ops and ``.source`` operations of one module are served in different 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from nnsight.intervention.source import State
@@ -55,13 +55,13 @@ class BridgedState(State):
     def body(self, value: Callable[..., Any]) -> None:
         _SLOT.__get__(self).nnsight = value
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         """Copies and pickles are nnsight's plain ``State`` (a copied module is not bridged)."""
         constructor, arguments, *rest = super().__reduce_ex__(protocol)
         return (constructor, (State, *arguments[1:]), *rest)
 
 
-def install(module: torch.nn.Module, body: Callable[..., Any]) -> Any:
+def install(module: torch.nn.Module, body: Callable[..., Any]) -> Callable[..., Any] | None:
     """Make the nnsight-wrapped ``module`` run ``body(module, *args, **kwargs)``; returns what
     :func:`uninstall` needs to put back."""
     state = module.__dict__[NNSIGHT_STATE]
@@ -74,7 +74,7 @@ def install(module: torch.nn.Module, body: Callable[..., Any]) -> Any:
     return None
 
 
-def uninstall(module: torch.nn.Module, previous: Any) -> None:
+def uninstall(module: torch.nn.Module, previous: Callable[..., Any] | None) -> None:
     """Undo :func:`install` (``previous`` as it returned)."""
     state = module.__dict__.get(NNSIGHT_STATE)
     if type(state) is not BridgedState:

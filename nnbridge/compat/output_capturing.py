@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
 _capturing: ModuleType | None
@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - older transformers, or none
     _capturing = None
 
 
-def _hook_code() -> Any:
+def _hook_code() -> CodeType | None:
     if _capturing is None:
         return None
     install = getattr(_capturing, "install_output_capuring_hook", None)  # sic, transformers 5.23's spelling
@@ -41,7 +41,7 @@ _HOOK_CODE = _hook_code()
 MODEL_STATE_ATTRIBUTES = frozenset({"_output_capturing_hooks_installed"})
 
 
-def is_output_capturing_hook(hook: Any) -> bool:
+def is_output_capturing_hook(hook: object) -> bool:
     """Whether ``hook`` is a forward hook transformers installed to capture outputs."""
     return _HOOK_CODE is not None and getattr(hook, "__code__", None) is _HOOK_CODE
 

@@ -8,6 +8,7 @@ namedtuple) and of types registered with a serialized name round-trip.
 from __future__ import annotations
 
 import importlib.metadata
+from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any
 
 from .pytree import pytree
@@ -43,14 +44,15 @@ def library_versions() -> dict[str, str]:
 class _MemoTyping:
     """``typing`` with ``get_type_hints`` memoised per class (every other name delegated)."""
 
-    def __init__(self, typing_module: Any):
+    def __init__(self, typing_module: ModuleType):
         self._typing = typing_module
-        self._hints: dict[Any, Any] = {}
+        self._hints: dict[object, dict[str, Any]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._typing, name)
 
-    def get_type_hints(self, cls: Any, globalns: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def get_type_hints(self, cls: object, globalns: dict[str, Any] | None = None, *args: Any, **kwargs: Any
+                       ) -> dict[str, Any]:
         if args or kwargs:
             return self._typing.get_type_hints(cls, globalns, *args, **kwargs)
         if cls not in self._hints:
@@ -62,7 +64,7 @@ class _MemoSympy:
     """``sympy`` with ``sympify(text, locals=...)`` memoised on the text and the locals (sympy
     expressions are immutable, so a shared result is safe); every other name delegated."""
 
-    def __init__(self, sympy_module: Any):
+    def __init__(self, sympy_module: ModuleType):
         self._sympy = sympy_module
         self._parsed: dict[Any, Any] = {}
 

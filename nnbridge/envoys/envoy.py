@@ -16,7 +16,7 @@ import torch
 
 from ..compat import nnsight_repr
 from ..compat.module_dicts import modules_of
-from ..bridge.in_place import bridge_of
+from ..bridge.in_place import Bridge, bridge_of
 from ..bridge.op_point import OpPoint, OpPointContainer
 
 
@@ -112,7 +112,7 @@ def tree_repr(envoy: nnsight.Envoy) -> str:
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
-def _opaque_reason(bridge: Any, path: str) -> str | None:
+def _opaque_reason(bridge: Bridge, path: str) -> str | None:
     fqn = path.partition(".")[2]
     for extraction in bridge.dispatcher.all_extractions():
         for opaque_path, reason in extraction.opaque.items():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import nnsight
 import torch
@@ -67,6 +67,7 @@ class _Bridged(_EnvoyBase):
     _nnbridge_warmed: set[Hashable]  # the non-forward calls already run once (see _nnbridge_prepare)
     _batcher_class: type  # nnsight's class attribute, shadowed per instance by scalar_safe_batcher's
 
+    # model: Any as nnsight takes it (a module, an nnsight envoy, a repo id for a lazy LanguageModel)
     def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(model, nnsight.Envoy):  # nnbridge.NNsight(nnsight.NNsight(m))
             model = model._module
@@ -85,7 +86,7 @@ class _Bridged(_EnvoyBase):
         # op values may be 0-d: served whole to every invoke (see compat.nnsight.scalar_safe_batcher)
         self.__dict__["_batcher_class"] = scalar_safe_batcher(type(self)._batcher_class)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         """A copy of the wrapper and of its model, as nnsight copies its wrappers (the envoy's
         ``__getstate__``/``__setstate__``). The model's copy is bridged again and has no op points
         until its first trace (see :mod:`nnbridge.bridge.copies`), so the copied envoy tree is
@@ -107,7 +108,7 @@ class _Bridged(_EnvoyBase):
             bridge(module)
         return module
 
-    def extract(self, *args: Any, **kwargs: Any) -> Any:
+    def extract(self, *args: Any, **kwargs: Any) -> Self:
         """Extract the model for this call (inputs as the model's forward takes them) so its op
         envoys exist before any trace. Returns ``self``.
 
