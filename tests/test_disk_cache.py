@@ -258,3 +258,29 @@ def test_opaque_child_programs_are_cached_too(cache_dir, exports, monkeypatch):
         patched = pg(x)
     with first.patch({"branchy.inner.output": ZeroPatch()}):
         assert torch.equal(patched, first(x))
+
+
+def test_entries_are_written_with_the_bytes_of_torch_export_save():
+    """compat.serialization.save_program skips torch's discarded canonical-form check only: the
+    bytes equal torch.export.save's, the program loads back equal, and the check is restored."""
+    import io
+
+    from torch._export.serde import serialize
+
+    from nnbridge.compat.serialization import load_program, save_program
+
+    model, ids = gpt2(), _ids()
+    from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+    register_cache_pytrees_for_model(model)
+    with torch.no_grad():
+        exported = torch.export.export(model, (ids,), {"use_cache": False}, strict=False)
+    check = serialize.canonicalize
+    ours, theirs = io.BytesIO(), io.BytesIO()
+    save_program(exported, ours)
+    assert serialize.canonicalize is check
+    torch.export.save(exported, theirs)
+    assert ours.getvalue() == theirs.getvalue()
+    ours.seek(0)
+    loaded = load_program(ours)
+    with torch.no_grad():
+        assert torch.equal(loaded.module()(ids, use_cache=False).logits, model(ids, use_cache=False).logits)

@@ -6,7 +6,8 @@ A *bundle* is one zip file:
   :func:`~.programs.model_fingerprint`, options, and one metadata entry per program record:
   NodePath, call fingerprint, dynamic flag, threaded state keys, stubs, shape guard, and which
   parameters and buffers were left out);
-- ``programs/<i>.pt2``: each exported program, written by ``torch.export.save`` with every
+- ``programs/<i>.pt2``: each exported program, written by ``torch.export.save`` (through
+  :func:`~nnbridge.compat.serialization.save_program`) with every
   parameter and persistent buffer of the model replaced by a meta tensor (no weights; no pickled
   code; non-persistent buffers, computed by the module, are written);
 - ``inputs.pt`` (``pg.save`` only): the example inputs' leaves, plain tensors and numbers written
@@ -38,7 +39,7 @@ from typing import IO, Any
 
 import torch
 
-from ..compat.serialization import library_versions, load_program
+from ..compat.serialization import library_versions, load_program, save_program
 from ..errors import SaveLoadError
 from .call_structure import ShapeGuard
 from .programs import ProgramRecord
@@ -124,7 +125,7 @@ def _save_without_weights(exported: torch.export.ExportedProgram, stream: IO[byt
                 swapped.append((store, name, value))
                 store[name] = meta
         try:
-            torch.export.save(exported, stream)
+            save_program(exported, stream)
         except Exception as error:  # noqa: BLE001 - reported with the cause
             raise SaveLoadError(f"torch.export.save could not serialise an exported program: {error}") from error
     finally:

@@ -87,6 +87,34 @@ class _MemoSympy:
 _MEMO: dict[str, Any] = {}
 
 
+def _unchecked_canonical_form(ep: Any, constants: Any = None) -> Any:
+    """Stands in for ``canonicalize`` while :func:`save_program` serialises: returns ``ep``
+    unchanged (the caller discards the result)."""
+    return ep
+
+
+def save_program(exported: torch.export.ExportedProgram, stream: IO[bytes]) -> None:
+    """``torch.export.save(exported, stream)``, writing the same bytes about twice as fast.
+
+    torch 2.13's ``ExportedProgramSerializer.serialize`` calls ``canonicalize`` on the serialised
+    program only to test that a canonical form exists ("Test canonical form is well defined"): it
+    deep-copies the whole serialised graph, sorts and renames the copy, and discards it; what is
+    written is the program as serialised (no load path canonicalizes). That check was ~60 % of
+    writing a 12-layer GPT-2 program (1.9 of 3.1 s under cProfile). For the duration the module's
+    ``canonicalize`` global is a function returning its argument; the bytes written are unchanged
+    (checked by tests/test_disk_cache.py). Another thread saving at the same time skips the check too.
+    """
+    import torch
+    from torch._export.serde import serialize
+
+    original = serialize.canonicalize
+    serialize.canonicalize = _unchecked_canonical_form
+    try:
+        torch.export.save(exported, stream)
+    finally:
+        serialize.canonicalize = original
+
+
 def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
     """``torch.export.load(stream)``, about twice as fast.
 
