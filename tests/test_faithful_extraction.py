@@ -9,14 +9,12 @@ and the RNG untouched.
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
 
 import nnbridge
 from nnbridge import ExtractionOptions, PatchableGraph
-from nnbridge.bridge.hierarchy import walk
 from nnbridge.bridge.in_place import bridge_of
 from nnbridge.compat.pytree import pytree
 from nnbridge.errors import ExtractionError, NNBridgeWarning
@@ -527,85 +525,3 @@ def test_module_returning_only_a_python_value_runs_its_own_code():
     assert model(torch.randn(5, 3)) == 3
     assert "no tensor operation" in _opaque(model)["<root>"]
     nnbridge.unbridge(model)
-
-
-# -- one export for modules changing grad mode (speculation, see CaptureWatch.watching) -----------
-class NoOpThenNoGrad(torch.nn.Module):
-    """Calls ``torch.enable_grad()`` (no change under grad) before a real ``no_grad`` change: the
-    speculating export let the first call through, so it is not the program the export after
-    reporting the module would make, and is repeated without speculating."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(3, 3)
-        self.b = torch.nn.Linear(3, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.enable_grad():
-            y = self.a(x)
-        with torch.no_grad():
-            z = self.b(x)
-        return y + z
-
-
-def _extraction_trace(model: torch.nn.Module, args: tuple, monkeypatch: pytest.MonkeyPatch, speculate: bool
-                      ) -> tuple[int, list[str], dict[str, str], list[str]]:
-    """Exports run, code of each exported program, opaque reasons and code of every graph of a
-    bridge of ``model`` (with or without grad-mode speculation), leaving the model unbridged."""
-    extraction = importlib.import_module("nnbridge.bridge.extraction")
-    real = extraction.export_module
-    programs: list[str] = []
-    exports = importlib.import_module("nnbridge.bridge.exporting")
-    real_export = exports.export
-
-    def counted_export(*a, **k):
-        exported = real_export(*a, **k)
-        if a[0].model is model:  # not the separate extractions of an opaque module's children
-            programs.append(exported.graph_module.code)
-        return exported
-
-    def export_module(*a, **k):
-        if not speculate:
-            k["speculated"] = None
-            a = a[:9]
-        return real(*a, **k)
-    with monkeypatch.context() as patched:
-        patched.setattr(extraction, "export_module", export_module)
-        patched.setattr(exports, "export", counted_export)
-        nnbridge.bridge(model, *args)
-    reasons = _opaque(model)
-    codes = [sub.code for _, _, _, sub in walk(bridge_of(model).dispatcher.all_extractions()[0].root)
-             if sub is not None and hasattr(sub, "code")]
-    nnbridge.unbridge(model)
-    return len(programs), programs, reasons, codes
-
-
-@pytest.mark.parametrize("make, args, halved", [
-    (lambda: _tiny_llama(), (torch.randint(0, 100, (1, 6)),), True),  # rotary_emb: @torch.no_grad
-    (lambda: Outer(NoGradInside()).eval(), (torch.randn(2, 3),), True),
-    (lambda: TwoNoGrad().eval(), (torch.randn(2, 3),), True),
-    (lambda: Outer(NoOpThenNoGrad()).eval(), (torch.randn(2, 3),), False),  # speculation void: exported again
-])
-def test_grad_mode_changes_are_frozen_in_the_same_export(make, args, halved, monkeypatch):
-    """Under grad, modules changing grad mode are found and frozen in one export: its program is
-    the second program of the two-export route, and the graphs, opaque modules, outputs and
-    gradients are those of that route (and equal eager's)."""
-    model = make()
-    old_count, old_programs, old_reasons, old_codes = _extraction_trace(model, args, monkeypatch, speculate=False)
-    new_count, new_programs, new_reasons, new_codes = _extraction_trace(model, args, monkeypatch, speculate=True)
-    assert old_count == 2 and new_count == (1 if halved else 3)  # void: the speculating export is wasted
-    assert new_programs[-1] == old_programs[-1]
-    assert new_reasons == old_reasons and new_reasons
-    assert new_codes == old_codes
-    _compare_backward(_Logits(model) if hasattr(model, "config") else model, *args)
-
-
-class _Logits(torch.nn.Module):
-    """A causal LM returning its logits tensor (for :func:`_compare_backward`)."""
-
-    def __init__(self, lm: torch.nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(ids).logits

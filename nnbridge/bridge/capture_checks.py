@@ -37,8 +37,8 @@ import torch
 from ..compat.module_dicts import buffers_of, parameters_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.nnsight import NNSIGHT_MODULE_ATTRIBUTES
-from ..compat.capture import (autograd_function_calls, grad_mode_calls, grad_mode_frozen, graph_break_calls,
-                              mode_regions, tensor_version)
+from ..compat.capture import (autograd_function_calls, grad_mode_frozen, graph_break_calls, mode_regions,
+                              tensor_version)
 from ..errors import ExtractionError, NNBridgeError
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
@@ -46,8 +46,6 @@ from ..errors import ExtractionError, NNBridgeError
 _INTERNAL = (frozenset(torch.nn.Module().__dict__) | {"forward", "node_path"} | NNSIGHT_MODULE_ATTRIBUTES
              | MODEL_STATE_ATTRIBUTES)
 _CONTAINERS = (list, dict, set)
-_GRAD = "grad mode (torch.no_grad/enable_grad)"
-_GRAD_MESSAGE = "changes {what} inside forward, which a graph cannot keep"
 
 
 class UnfaithfulCaptureError(NNBridgeError):
@@ -189,24 +187,11 @@ class CaptureWatch:
         self.functions: dict[str, str] = {}
         self.breaks: dict[str, str] = {}
         self.changes: dict[str, list[str]] = {}
-        #: with ``speculate``: modules found changing grad mode whose changes this export ignored
-        self.speculated: dict[str, UnfaithfulCaptureError] = {}
-        self._root_change = False  # a grad-mode change outside every submodule (speculation void)
-        self._pass_through: list[tuple[str, ...]] = []  # active stacks of grad-mode calls let through
-
-    def _new(self, fqn: str) -> bool:
-        return not any(fqn == k or fqn.startswith(f"{k}.") or not k for k in self.known)
 
     @contextlib.contextmanager
-    def watching(self, frozen: AbstractSet[str], speculate: bool = False) -> Iterator[None]:
+    def watching(self, frozen: AbstractSet[str]) -> Iterator[None]:
         """Watch the body (one export); module state is restored afterwards, also on error.
-        Grad-mode changes made while a ``frozen`` module runs are ignored.
-
-        With ``speculate``, a module found changing grad mode (a real change, in a submodule not
-        already known) is frozen from then on, as the next export would freeze it once
-        :meth:`faults` reported it, and listed in :attr:`speculated`: one export instead of two.
-        The program is the one that next export would make (the same grad-mode calls ignored) when
-        :meth:`speculation_holds`; otherwise export again without speculating."""
+        Grad-mode changes made while a ``frozen`` module runs are ignored."""
         outer = snapshot(self.modules, clone=False)
         inner: list[dict[str, ModuleState]] = []
 
@@ -232,14 +217,8 @@ class CaptureWatch:
             # (the shim only while needed: export records grad-mode changes through the original)
             # only while needed: export records no grad-mode change while the shim is in place, and
             # every module changing grad mode was found by the first export (without it)
-            grad_calls: contextlib.AbstractContextManager[Any]
-            if speculate:
-                grad_calls = grad_mode_calls(lambda enabled: self._speculate(frozen, enabled))
-            elif frozen:
-                grad_calls = grad_mode_frozen(lambda: any(p in frozen for p in self.active))
-            else:
-                grad_calls = contextlib.nullcontext()
-            with autograd_function_calls(on_apply), graph_break_calls(on_break), grad_calls:
+            with autograd_function_calls(on_apply), graph_break_calls(on_break), (grad_mode_frozen(lambda: any(p in frozen for p in self.active))
+                                                      if frozen else contextlib.nullcontext()):
                 yield
         finally:
             for handle in handles:
@@ -247,46 +226,18 @@ class CaptureWatch:
             for state in outer.values():
                 state.restore()
 
-    def _speculate(self, frozen: AbstractSet[str], enabled: bool) -> bool:
-        """Whether to ignore the grad-mode call ``torch._C._set_grad_enabled(enabled)`` made now
-        (``watching(..., speculate=True)``)."""
-        if not self.active:
-            return False  # torch.export's own code, around the model: as without speculating
-        if any(p in frozen or p in self.speculated for p in self.active):
-            return True  # as a frozen module's (``grad_mode_frozen``)
-        if enabled == torch.is_grad_enabled():
-            self._pass_through.append(tuple(self.active))
-            return False
-        fqn = self.active[-1]
-        if not self._new(fqn):
-            return False  # inside a module already opaque: recorded, and not reported (see faults)
-        if not fqn:
-            self._root_change = True  # the extracted module itself: reported by faults as before
-            return False
-        self.speculated[fqn] = UnfaithfulCaptureError(_GRAD_MESSAGE.format(what=_GRAD), grad_mode=True)
-        return True
-
-    def speculation_holds(self) -> bool:
-        """Whether the program of a speculating export is the one the export after
-        :meth:`faults` reported :attr:`speculated` would make: no grad-mode change of the extracted
-        module itself, and no call let through (a no-op) in a module found changing grad mode later
-        (that next export would ignore it)."""
-        return not self._root_change and not any(p in self.speculated for stack in self._pass_through for p in stack)
-
     def faults(self, exported: torch.export.ExportedProgram | None) -> list[tuple[str, UnfaithfulCaptureError]]:
         """Modules (paths) whose graph would differ from their eager code, with the reasons: every
-        module changing grad mode or autocast, else the first other fault found; [] if none.
-        Modules in :attr:`speculated` count as already known (their changes were ignored)."""
-        known = self.known | set(self.speculated)
-
+        module changing grad mode or autocast, else the first other fault found; [] if none."""
         def new(fqn: str) -> bool:
-            return not any(fqn == k or fqn.startswith(f"{k}.") or not k for k in known)
+            return not any(fqn == k or fqn.startswith(f"{k}.") or not k for k in self.known)
         found: dict[str, UnfaithfulCaptureError] = {}
         for path, kind in mode_regions(exported) if exported is not None else []:
             fqn = path.partition(".")[2] if path.startswith("model.") else ""
-            what = _GRAD if kind == "grad" else "autocast"
+            what = "grad mode (torch.no_grad/enable_grad)" if kind == "grad" else "autocast"
             if new(fqn) and fqn not in found:
-                found[fqn] = UnfaithfulCaptureError(_GRAD_MESSAGE.format(what=what), grad_mode=True)
+                found[fqn] = UnfaithfulCaptureError(f"changes {what} inside forward, which a graph cannot keep",
+                                                    grad_mode=True)
         if found:
             return list(found.items())
         for fqn, name in self.functions.items():

@@ -110,8 +110,7 @@ def caller_of(module: torch.nn.Module, fqn: str) -> str:
 
 def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
             calls: dict[str, list], dynamic: bool, grad_enabled: bool = False,
-            traced: AbstractSet[str] = frozenset(), frozen: AbstractSet[str] = frozenset(),
-            speculated: dict[str, UnfaithfulCaptureError] | None = None
+            traced: AbstractSet[str] = frozenset(), frozen: AbstractSet[str] = frozenset()
             ) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
     """Export once (dynamic, then static on failure); raise ModuleFailure naming the innermost
     module that was running when export failed.
@@ -123,15 +122,6 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     written. ``traced`` modules will be opaque although export traces them; inside ``frozen`` ones,
     grad-mode changes are ignored (see :mod:`.capture_checks`). Returns the program, whether it is dynamic, and the state keys of every threaded
     call (``{path: [keys per invocation]}``).
-
-    With ``speculated`` (a dict, filled in), modules found changing grad mode are frozen during
-    this same export (:meth:`.CaptureWatch.watching` with ``speculate``) instead of being reported
-    for another export: on return, and when a :class:`ModuleFailure` for other faults is raised,
-    ``speculated`` holds them (``{path: error}``); the caller treats them exactly as reported grad-mode
-    faults (traced, frozen, opaque). The program (or the failure) is the one the export after
-    reporting them would make; when that cannot be guaranteed the same attempt runs again without
-    speculating. One difference remains: an export that fails only while a grad-mode change is
-    recorded (not while it is ignored) no longer fails first.
     """
     wrapper = ExportRoot(module)
     flat = {fqn for fqn in stubs if any(state_keys(a, k) for a, k, _ in calls.get(fqn, []))}
@@ -174,42 +164,32 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
         last: BaseException | None = None
         states: dict[str, list[list[Key]]] = {}
         for use_dynamic in attempts:
-            # speculating first: see CaptureWatch.watching; again without when it does not hold
-            for speculating in ((True, False) if speculated is not None else (False,)):
-                active.clear()
-                collectors.clear()
-                stub_counters.clear()
-                # size-1 dimensions are specialised by export anyway (0/1 specialisation); leaving them
-                # out of the spec saves ~20 % of export time on GPT-2 (2.4 -> 2.0 s, 12 layers)
-                shapes = dynamic_shapes(args, kwargs) if use_dynamic else None
-                watch = CaptureWatch(list(named_real_modules(module)), active, set(stubs) | traced)
-                try:
-                    # non-strict export runs the module's Python code, which mutates a cache passed in
-                    # (with fake tensors): every attempt traces a fresh copy of the inputs
-                    # (a container's repeated entry: its owner is stubbed, see .module_tree)
-                    with states_returned(threaded) as states, watch.watching(frozen, speculating), \
-                            aliases_hidden(module, in_containers=True):
-                        exported = export(wrapper, copy_inputs((args, kwargs)), dynamic_shapes=shapes,
-                                          preserve_module_call_signature=fqns, grad_enabled=grad_enabled)
-                except Exception as error:  # noqa: BLE001 - any export failure means fallback
-                    if speculating and not watch.speculation_holds():
-                        continue
-                    if speculated is not None:  # the failure of the export that freezes them
-                        speculated.update(watch.speculated)
-                    last = error
-                    capturing = capturing_cause(error)
-                    if capturing is not None:  # trying static shapes would not help
-                        raise ModuleFailure(capturing.fqn, capturing, states) from error
-                    failing = active[-1] if active else ""
-                    break
-                if speculating and not watch.speculation_holds():
-                    continue
-                if speculated is not None:
-                    speculated.update(watch.speculated)
-                faults = watch.faults(exported)  # traced, but a graph would differ from the eager code
-                if faults:
-                    raise ModuleFailure(faults[0][0], faults[0][1], states, faults[1:])
-                return exported, use_dynamic, states
+            active.clear()
+            collectors.clear()
+            stub_counters.clear()
+            # size-1 dimensions are specialised by export anyway (0/1 specialisation); leaving them
+            # out of the spec saves ~20 % of export time on GPT-2 (2.4 -> 2.0 s, 12 layers)
+            shapes = dynamic_shapes(args, kwargs) if use_dynamic else None
+            watch = CaptureWatch(list(named_real_modules(module)), active, set(stubs) | traced)
+            try:
+                # non-strict export runs the module's Python code, which mutates a cache passed in
+                # (with fake tensors): every attempt traces a fresh copy of the inputs
+                # (a container's repeated entry: its owner is stubbed, see .module_tree)
+                with states_returned(threaded) as states, watch.watching(frozen), \
+                        aliases_hidden(module, in_containers=True):
+                    exported = export(wrapper, copy_inputs((args, kwargs)), dynamic_shapes=shapes,
+                                      preserve_module_call_signature=fqns, grad_enabled=grad_enabled)
+            except Exception as error:  # noqa: BLE001 - any export failure means fallback
+                last = error
+                capturing = capturing_cause(error)
+                if capturing is not None:  # trying static shapes would not help
+                    raise ModuleFailure(capturing.fqn, capturing, states) from error
+                failing = active[-1] if active else ""
+                continue
+            faults = watch.faults(exported)  # traced, but a graph would differ from the eager code
+            if faults:
+                raise ModuleFailure(faults[0][0], faults[0][1], states, faults[1:])
+            return exported, use_dynamic, states
         assert last is not None  # every attempt failed: each set ``last``
         raise ModuleFailure(failing, last, states)
     finally:

@@ -212,21 +212,10 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
             errors[caller] = cause
             calls = record_calls(module, set(stubs), args, kwargs)
             continue
-        # modules found changing grad mode are frozen in the same export (see export_module)
-        speculated: dict[str, UnfaithfulCaptureError] = {}
         try:
-            try:
-                exported, dynamic, states = export_module(module, args, kwargs,
-                                                    {f: r for f, r in stubs.items() if f not in traced}, calls,
-                                                    dynamic, ctx.grad_enabled, traced, frozen, speculated)
-            finally:
-                if speculated:  # as if an export had reported them (the handler below)
-                    for fqn, change in speculated.items():
-                        stubs[fqn] = describe_failure(change)
-                        errors[fqn] = change
-                        traced.add(fqn)
-                        frozen.add(fqn)
-                    calls = record_calls(module, set(stubs), args, kwargs)
+            exported, dynamic, states = export_module(module, args, kwargs,
+                                                {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic,
+                                                ctx.grad_enabled, traced, frozen)
             break
         except ModuleFailure as failure:
             fqn, error = failure.fqn, failure.error

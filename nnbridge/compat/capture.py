@@ -3,8 +3,7 @@
 - :func:`tensor_version`: a tensor's in-place version counter (private ``Tensor._version``).
 - :func:`autograd_function_calls`: report every custom ``torch.autograd.Function.apply`` while
   tracing; export inlines the Function's forward and drops its backward.
-- :func:`grad_mode_frozen`: ignore grad-mode changes while a given module is traced;
-  :func:`grad_mode_calls`: decide per call.
+- :func:`grad_mode_frozen`: ignore grad-mode changes while a given module is traced.
 - :func:`graph_break_calls`: report every ``torch._dynamo.graph_break()`` while tracing; non-strict
   export runs it as the no-op it is in eager code, so the module would silently become one graph.
 - :func:`mode_regions`: the grad-mode / autocast regions export recorded as higher-order ops
@@ -59,22 +58,11 @@ def grad_mode_frozen(when: Callable[[], bool]) -> Iterator[None]:
     grad-mode changes in the graph, so find them all (:func:`mode_regions`) before using this.
     Other threads' changes are never ignored.
     """
-    with grad_mode_calls(lambda enabled: when()):
-        yield
-
-
-@contextlib.contextmanager
-def grad_mode_calls(ignore: Callable[[bool], bool]) -> Iterator[None]:
-    """Ask ``ignore(enabled)`` on every grad-mode change (``torch._C._set_grad_enabled(enabled)``,
-    which ``torch.no_grad()``, ``torch.enable_grad()``, ``torch.set_grad_enabled`` and their
-    decorators end in, torch 2.0 - 2.13) made by this thread in the body; a true answer drops the
-    call (grad mode stays as it is and torch.export records nothing). Other threads' calls always
-    go through. :func:`grad_mode_frozen` is this with a fixed answer."""
     original = torch._C._set_grad_enabled
     thread = threading.get_ident()
 
     def set_grad_enabled(enabled: bool) -> None:  # torch._C._set_grad_enabled's signature
-        if threading.get_ident() != thread or not ignore(enabled):
+        if threading.get_ident() != thread or not when():
             original(enabled)
 
     torch._C._set_grad_enabled = set_grad_enabled
