@@ -73,8 +73,8 @@ def _aten(name: str) -> bool:
 
 def attribute_reads(codes: Iterable[types.CodeType], resolve: Callable[[str], object]) -> set[str]:
     """Every attribute name ``codes`` read (not method calls), the identifier segments of their
-    string constants and of the strings their names hold, and the method names of :data:`WHOLE_MODEL_METHODS` they call, following nested
-    code and the Python functions named in them (``resolve(name)``: the value of a global or
+    string constants and of the strings their names hold, and the method names of
+    :data:`WHOLE_MODEL_METHODS` they call, following nested code and the Python functions named in them (``resolve(name)``: the value of a global or
     local name, or None)."""
     found: set[str] = set()
     seen: set[int] = set()
@@ -84,30 +84,45 @@ def attribute_reads(codes: Iterable[types.CodeType], resolve: Callable[[str], ob
         if id(code) in seen:
             continue
         seen.add(id(code))
-        for instruction in dis.get_instructions(code):
-            name = instruction.argval
-            if instruction.opname in _LOAD_ATTRIBUTE and isinstance(name, str):
-                if _METHOD and instruction.opname == "LOAD_ATTR" and (instruction.arg or 0) & 1:
-                    if name in WHOLE_MODEL_METHODS:
-                        found.add(name)
-                    continue
-                found.add(name)
-            elif instruction.opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS:
-                found.add(name)
-            elif instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF") and isinstance(name, str):
-                value = resolve(name)
-                if isinstance(value, str):  # a path or name held in a variable (``model.get(path)``)
-                    found.update(_identifiers(value))
-                elif isinstance(value, types.FunctionType):
-                    stack.append(value.__code__)
-                elif isinstance(value, types.MethodType) and isinstance(value.__func__, types.FunctionType):
-                    stack.append(value.__func__.__code__)
-        for constant in code.co_consts:
-            if isinstance(constant, types.CodeType):
-                stack.append(constant)
-            elif isinstance(constant, str):
-                found.update(_identifiers(constant))
+        reads, loaded, nested = _code_reads(code)
+        found.update(reads)
+        stack.extend(nested)
+        for name in loaded:
+            value = resolve(name)
+            if isinstance(value, str):  # a path or name held in a variable (``model.get(path)``)
+                found.update(_identifiers(value))
+            elif isinstance(value, types.FunctionType):
+                stack.append(value.__code__)
+            elif isinstance(value, types.MethodType) and isinstance(value.__func__, types.FunctionType):
+                stack.append(value.__func__.__code__)
     return found
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], tuple[types.CodeType, ...]]:
+    """What one code object reads, by itself (cached: a trace's block is read once): its attribute
+    reads and string identifiers, the global/local names it loads, and its nested code."""
+    reads: set[str] = set()
+    loaded: set[str] = set()
+    for instruction in dis.get_instructions(code):
+        name = instruction.argval
+        if instruction.opname in _LOAD_ATTRIBUTE and isinstance(name, str):
+            if _METHOD and instruction.opname == "LOAD_ATTR" and (instruction.arg or 0) & 1:
+                if name in WHOLE_MODEL_METHODS:
+                    reads.add(name)
+                continue
+            reads.add(name)
+        elif instruction.opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS:
+            reads.add(name)
+        elif instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF") and isinstance(name, str):
+            loaded.add(name)
+    nested: list[types.CodeType] = []
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            nested.append(constant)
+        elif isinstance(constant, str):
+            reads.update(_identifiers(constant))
+    return frozenset(reads), frozenset(loaded), tuple(nested)
 
 
 def _identifiers(text: str) -> list[str]:
