@@ -219,3 +219,24 @@ def test_module_names_and_envoy_api_are_not_ops():
                                      "<body>", "exec")], lambda name: None)
     assert reads == {"transformer", "h", "attn", "c_attn", "output", "grad"}
     assert not any(may_be_op(name, frozenset(), forward_arguments(model)) for name in reads)
+
+
+def test_source_operations_are_not_ops():
+    """``envoy.source.<name>`` names nnsight ``.source`` operations (``split_1``: shaped like an op
+    name); with module reads only, the trace runs as in nnsight, ``.source`` touched first or not."""
+    code = compile("m.transformer.h[0].attn.source.split_1.output.save()", "<body>", "exec")
+    assert attribute_reads([code], lambda name: None) == {"transformer", "h", "attn", "source", "output"}
+    values = {}
+    for library in (nnbridge, nnsight):
+        model = language_model(library)
+        model.transformer.h[0].attn.source  # noqa: B018  (touched before the first trace)
+        with model.trace(PROMPTS[0]):
+            model.transformer.h[0].attn.c_attn.output = torch.zeros_like(model.transformer.h[0].attn.c_attn.output)
+            split = model.transformer.h[0].attn.source.split_1.output.save()
+            logits = model.lm_head.output.save()
+        values[library.__name__] = (split, logits)
+        if library is nnbridge:
+            assert _extractions(model._module) == 0
+    (split, logits), (split_ref, logits_ref) = values["nnbridge"], values["nnsight"]
+    assert torch.equal(logits, logits_ref) and all(torch.equal(a, b) for a, b in zip(split, split_ref))
+    assert all(torch.all(part == 0) for part in split)

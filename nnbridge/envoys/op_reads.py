@@ -104,15 +104,21 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
     reads and string identifiers, the global/local names it loads, and its nested code."""
     reads: set[str] = set()
     loaded: set[str] = set()
+    after_source = False
     for instruction in dis.get_instructions(code):
         name = instruction.argval
         if instruction.opname in _LOAD_ATTRIBUTE and isinstance(name, str):
             if _METHOD and instruction.opname == "LOAD_ATTR" and (instruction.arg or 0) & 1:
                 if name in WHOLE_MODEL_METHODS:
                     reads.add(name)
+                after_source = False
                 continue
-            reads.add(name)
-        elif instruction.opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS:
+            if not after_source:  # ``envoy.source.split_1``: an nnsight ``.source`` operation, not an op
+                reads.add(name)
+            after_source = instruction.opname == "LOAD_ATTR" and name == "source"
+            continue
+        after_source = False
+        if instruction.opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS:
             reads.add(name)
         elif instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF") and isinstance(name, str):
             loaded.add(name)
