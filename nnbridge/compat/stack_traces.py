@@ -14,6 +14,7 @@ nnbridge) are left out. The frames up to the innermost ``forward`` are exactly t
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sysconfig
 import threading
@@ -36,6 +37,7 @@ _STDLIB = _directory(sysconfig.get_paths()["stdlib"])
 _INSTALLED = tuple({_directory(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")})
 
 
+@functools.lru_cache(maxsize=4096)
 def _library_frame(filename: str) -> bool:
     """torch's, nnbridge's or the standard library's own code (site-packages lies inside the
     standard library's directory on most installs: installed packages are not library frames)."""
