@@ -19,7 +19,9 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import nnsight
 import torch
+from nnsight.intervention.interleaver import OutOfOrderError as OutOfOrderError  # re-exported for envoys
 
 from .nnsight_source import NNSIGHT_STATE
 from .nnsight_source import count_routes, wanted_below
@@ -81,6 +83,16 @@ def pending_workers(envoy: Any) -> tuple[list[types.CodeType] | None, Callable[[
     if not all(isinstance(code, types.CodeType) for code in codes):
         return None, resolve
     return [code for code in codes if isinstance(code, types.CodeType)], resolve
+
+
+@functools.cache
+def envoy_api() -> frozenset[str]:
+    """The attribute names of nnsight 0.8's envoy, trace and invoke classes (``output``, ``save``,
+    ``iter``, ``cache``...), and the envoy's ``input``/``inputs``/``output`` properties."""
+    from nnsight.intervention.tracer import InterleavingTracer, Invoker
+
+    names = set(dir(nnsight.Envoy)) | set(dir(InterleavingTracer)) | set(dir(Invoker))
+    return frozenset(names | {"input", "inputs", "output"})
 
 
 def repoint_envoys(envoy: Any, module: torch.nn.Module) -> None:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Self
 
 import nnsight
 import torch
-from nnsight.intervention.interleaver import OutOfOrderError
 from nnsight.modeling.language import LanguageModel as _NNsightLanguageModel
 from nnsight.modeling.transformers import TransformersModel as _NNsightTransformersModel
 
@@ -30,7 +29,7 @@ from ..bridge.call_structure import structure_key
 from ..bridge.in_place import Bridge, bridge, bridge_of
 from ..errors import NNBridgeError
 from ..compat.nnsight_loading import PreprocessorSources
-from ..compat.nnsight import (dispatch_if_lazy, mirror_envoys, pending_workers, repoint_envoys,
+from ..compat.nnsight import (OutOfOrderError, dispatch_if_lazy, mirror_envoys, pending_workers, repoint_envoys,
                               scalar_safe_batcher)
 from ..bridge.op_point import OpPoint, OpPointContainer
 from .envoy import BridgeEnvoy, tree_repr

@@ -40,8 +40,9 @@ import sys
 import types
 from collections.abc import Callable, Iterable
 
-import nnsight
 import torch
+
+from ..compat.nnsight import envoy_api
 
 #: Tensor attributes that are also ATen op names (``x.grad``, ``x.device``): read off values, not envoys.
 TENSOR_ATTRIBUTES = frozenset({"grad", "data", "device", "dtype", "shape", "real", "imag", "T", "mT", "H", "mH",
@@ -55,15 +56,6 @@ _NUMBERED = re.compile(r"(.*?)(_\d+)?")
 _INVOCATION = re.compile(r"invocation_\d+")
 _LOAD_ATTRIBUTE = frozenset({"LOAD_ATTR", "STORE_ATTR", "DELETE_ATTR"})
 _METHOD = sys.version_info >= (3, 12)  # LOAD_ATTR's low bit marks a method load from 3.12 on
-
-
-@functools.cache
-def envoy_api() -> frozenset[str]:
-    """The attribute names of nnsight's envoy and tracer classes (``output``, ``save``, ``iter``...)."""
-    from nnsight.intervention.tracer import InterleavingTracer, Invoker
-
-    names = set(dir(nnsight.Envoy)) | set(dir(InterleavingTracer)) | set(dir(Invoker))
-    return frozenset(names | {"input", "inputs", "output"})
 
 
 @functools.cache
