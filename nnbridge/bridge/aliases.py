@@ -66,19 +66,20 @@ def assigned_names(source_line: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in match.group("targets").split(",") if name.strip())
 
 
-def _frames(stack_trace: str | None) -> list[str]:
-    """A stack trace's frames (``File ..., line N, in f`` plus its source line), outermost first."""
+def stack_frames(stack_trace: str | None) -> list[str]:
+    """A node's ``stack_trace`` split into frames (``File ..., line N, in f`` plus its source
+    lines, each right-stripped), outermost first; ``[]`` for none."""
     frames: list[list[str]] = []
     for line in (stack_trace or "").rstrip().splitlines():
         if line.lstrip().startswith("File ") or not frames:
             frames.append([])
-        frames[-1].append(line.strip())
+        frames[-1].append(line.rstrip())
     return ["\n".join(frame) for frame in frames]
 
 
 def _source_line(frame: str) -> str:
     lines = frame.splitlines()
-    return lines[1] if len(lines) > 1 else ""
+    return lines[1].strip() if len(lines) > 1 else ""
 
 
 def _element_targets(run: list[Node], count: int) -> list[Node] | None:
@@ -162,7 +163,7 @@ def _first_frames(graph: GraphModuleBase) -> list[str]:
     if not isinstance(graph, CompiledGraphModule):
         return []
     for node in graph.graph.nodes:
-        frames = _frames(node.meta.get("stack_trace"))
+        frames = stack_frames(node.meta.get("stack_trace"))
         if node.op != "call_module" and frames and _source_line(frames[-1]):
             return frames
         if node.op == "call_module":
@@ -189,7 +190,7 @@ def aliases_of(graph: CompiledGraphModule) -> dict[str, str]:
     if meta.aliases is None:
         points = set(graph.point_names)
         nodes = [(name, node, _call_frames(graph, node) if node.op == "call_module"
-                  else _frames(node.meta.get("stack_trace"))) for name, node in graph.named_nodes()]
+                  else stack_frames(node.meta.get("stack_trace"))) for name, node in graph.named_nodes()]
         aliasable = {node for name, node, _ in nodes
                      if name in points and node.op in ("call_function", "call_method") and not node_meta(node).routed}
         reserved = {name for name, _, _ in nodes}

@@ -18,7 +18,7 @@ import torch
 from torch.fx.node import Argument, Node, map_arg
 
 from . import hierarchy
-from .aliases import aliases_by_node, aliases_of
+from .aliases import aliases_by_node, aliases_of, stack_frames
 from .summaries import describe, summary_children
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 
@@ -27,26 +27,16 @@ _T = TypeVar("_T")
 _NO_SOURCE = "<no source recorded for this node>"
 
 
-def _frames(stack_trace: str | None) -> list[str]:
-    """Split a node's ``stack_trace`` into frames (``File ..., line N, in f`` plus source lines)."""
-    frames: list[list[str]] = []
-    for line in (stack_trace or "").rstrip().splitlines():
-        if line.lstrip().startswith("File ") or not frames:
-            frames.append([])
-        frames[-1].append(line.rstrip())
-    return ["\n".join(frame) for frame in frames]
-
-
 def _last_frame(stack_trace: str | None) -> str:
     """The innermost frame of a stack trace: the source line(s) that produced a node."""
-    frames = _frames(stack_trace)
+    frames = stack_frames(stack_trace)
     return frames[-1] if frames else _NO_SOURCE
 
 
 def _through_forward(stack_trace: str | None) -> list[str]:
     """The frames of a stack trace down to the innermost ``forward`` (the frames of helper
     functions below it, see :mod:`nnbridge.compat.stack_traces`, left out)."""
-    frames = _frames(stack_trace)
+    frames = stack_frames(stack_trace)
     last = max((i for i, frame in enumerate(frames) if frame.splitlines()[0].rstrip().endswith(" in forward")),
                default=len(frames) - 1)
     return frames[:last + 1]
