@@ -34,6 +34,7 @@ from ..compat.nnsight import (OutOfOrderError, dispatch_if_lazy, mirror_envoys, 
 from ..bridge.op_point import OpPoint, OpPointContainer
 from .envoy import BridgeEnvoy, tree_repr
 from .op_reads import reads_ops
+from .remote import NNsightRequest, is_op_point
 
 #: The default ``envoys=`` mapping: op points get BridgeEnvoys, modules nnsight's own Envoy.
 OP_ENVOYS = {OpPoint: BridgeEnvoy, OpPointContainer: BridgeEnvoy}
@@ -149,6 +150,17 @@ class _Bridged(_EnvoyBase):
                 raise
         self._nnbridge_prepare(fn, call_args, call_kwargs)
         return super().interleave(fn, batcher=batcher)
+
+    def _remote_backend(self, remote: bool | str, blocking: bool, job_id: str | None, verbose: bool) -> Any:
+        """nnsight's backend for ``remote=`` (an NDIF server, or ``"local"``: nnsight's simulation of
+        one), wrapped so the request travels as a plain nnsight model's (see :mod:`.remote`)."""
+        backend = super()._remote_backend(remote, blocking, job_id, verbose)
+        module = self._module
+        state = bridge_of(module) if isinstance(module, torch.nn.Module) else None
+        known = [name for _, name in state.registered] if state is not None else []
+        names = {name.rpartition(".")[2] for name, sub in module.named_modules() if not is_op_point(sub)} \
+            if isinstance(module, torch.nn.Module) else set()
+        return NNsightRequest(backend, module, known, names)
 
     def _nnbridge_wants_ops(self, state: Bridge) -> bool:
         """Whether the run about to start must run the graphs: a worker may read an op envoy

@@ -165,8 +165,15 @@ def reads_ops(codes: Iterable[types.CodeType], resolve: Callable[[str], object],
               known_ops: Iterable[str]) -> bool:
     """Whether the trace bodies ``codes`` may read an op envoy of ``model`` whose registered op
     envoy names so far are ``known_ops`` (see the module docstring)."""
+    return bool(possible_ops(codes, resolve, model, known_ops))
+
+
+def possible_ops(codes: Iterable[types.CodeType], resolve: Callable[[str], object], model: torch.nn.Module,
+                 known_ops: Iterable[str]) -> list[str]:
+    """The names the trace bodies ``codes`` read that may be op envoys of ``model`` (see
+    :func:`reads_ops`), sorted."""
     reads = attribute_reads(codes, resolve)
     if not reads:
-        return False
+        return []
     known, arguments = frozenset(known_ops), forward_arguments(model)
-    return any(may_be_op(name, known, arguments) for name in reads)
+    return sorted(name for name in reads if may_be_op(name, known, arguments))
