@@ -25,7 +25,6 @@ import torch
 from nnsight.modeling.language import LanguageModel as _NNsightLanguageModel
 from nnsight.modeling.transformers import TransformersModel as _NNsightTransformersModel
 
-from ..bridge.call_structure import structure_key
 from ..bridge.in_place import Bridge, bridge, bridge_of
 from ..errors import NNBridgeError
 from ..compat.nnsight_loading import PreprocessorSources
@@ -175,8 +174,8 @@ class _Bridged(_EnvoyBase):
             state.dispatcher.lookup(tuple(args), dict(kwargs))
         else:
             key: Hashable = (getattr(target, "__name__", repr(target)),
-                             structure_key(state.dispatcher.flag_modules, tuple(args),
-                                           {k: v for k, v in kwargs.items() if k != "streamer"}))
+                             state.dispatcher.structure_key(tuple(args),
+                                                            {k: v for k, v in kwargs.items() if k != "streamer"}))
             if key not in self._nnbridge_warmed:
                 runner = getattr(module, getattr(target, "__name__", ""), None)
                 if callable(runner):
