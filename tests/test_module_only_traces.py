@@ -335,3 +335,22 @@ print("ok")
                             env={**__import__("os").environ})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_plain_call_outside_a_trace_runs_eagerly_unless_an_op_point_listens():
+    """``model(...)`` outside a trace is nnsight's plain module call: the model's own code, no
+    extraction; a hooked op point (which acts only in graphs) makes it run the graphs."""
+    bridged, reference, module = _pair(llama)
+    bridged.extract(IDS)
+    mask = torch.ones_like(IDS)
+    assert torch.equal(bridged(IDS, attention_mask=mask).logits, reference(IDS, attention_mask=mask).logits)
+    assert _extractions(module) == 1  # a new call structure, served eagerly
+    handle = module.get_submodule("model.layers.0.mlp.mul").register_forward_hook(
+        lambda m, args, out: torch.zeros_like(out))
+    hooked = bridged(IDS).logits
+    handle.remove()
+    _down_proj_input(reference._module, torch.zeros_like)
+    assert torch.equal(hooked, reference(IDS).logits)
+    bridged.eager_module_traces = False
+    bridged(IDS, attention_mask=mask)
+    assert _extractions(module) == 2

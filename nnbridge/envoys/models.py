@@ -55,7 +55,9 @@ class _Bridged(_EnvoyBase):
     Attributes:
         eager_module_traces: run a trace whose code names no op envoy (only module inputs and
             outputs: see :mod:`.op_reads`) on the model's own code, extracting nothing (default
-            True; class-wide, or per wrapper). False runs every trace on the graphs.
+            True; class-wide, or per wrapper). False runs every trace on the graphs. Also governs
+            a plain call of the wrapper outside a trace (``model(input_ids)``): with no patch or
+            torch hook on an op point it runs the model's own code, as nnsight does.
     """
 
     eager_module_traces: bool = True
@@ -98,6 +100,16 @@ class _Bridged(_EnvoyBase):
     def __repr__(self) -> str:
         """nnsight's printed tree, each module's ops on one line (see :func:`.envoy.tree_repr`)."""
         return tree_repr(self)
+
+    def __call__(self, *args: Any, hook: bool = False, **kwargs: Any) -> Any:
+        # outside a trace nnsight calls the module: nothing can read an op, so unless a patch or a
+        # torch hook listens on an op point the model's own code serves it (no extraction)
+        state = bridge_of(self._module)
+        if (state is not None and self.eager_module_traces and not self.interleaver.interleaving
+                and not state.listened()):
+            with state.running_eagerly():
+                return super().__call__(*args, hook=hook, **kwargs)
+        return super().__call__(*args, hook=hook, **kwargs)
 
     # -- extraction -----------------------------------------------------------------------------
     def _nnbridge_model(self) -> torch.nn.Module:
