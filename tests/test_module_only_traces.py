@@ -240,3 +240,117 @@ def test_source_operations_are_not_ops():
     (split, logits), (split_ref, logits_ref) = values["nnbridge"], values["nnsight"]
     assert torch.equal(logits, logits_ref) and all(torch.equal(a, b) for a, b in zip(split, split_ref))
     assert all(torch.all(part == 0) for part in split)
+
+
+class _Repeated(torch.nn.Module):
+    """Children named like ATen ops (``linear``) and a ModuleList: module reads, not op reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+    def forward(self, x):
+        for _ in range(3):
+            x = self.linear(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _repeated_pair():
+    torch.manual_seed(0)
+    model = _Repeated()
+    reference = copy.deepcopy(model)
+    return nnbridge.NNsight(model), nnsight.NNsight(reference), model
+
+
+def test_child_module_named_like_an_op_is_a_module_read():
+    """``model.linear`` is the child module (a module's op points never take a child's name), so
+    the trace runs eagerly with nnsight's numbers; ``model.linear.linear`` is the op inside it."""
+    bridged, reference, module = _repeated_pair()
+    x = torch.randn(1, 4)
+    values = []
+    for model in (bridged, reference):
+        with model.trace(x) as tracer:
+            seen = list().save()
+            for _ in tracer.iter[:3]:
+                seen.append(model.linear.output.clone())
+        with model.trace(x):
+            first = model.layers[0].output.save()
+            model.layers[1].output[:] = 0
+            out = model.output.save()
+        values.append((seen, first, out))
+    (seen, first, out), (seen_ref, first_ref, out_ref) = values
+    assert len(seen) == 3 and all(torch.equal(a, b) for a, b in zip(seen, seen_ref))
+    assert torch.equal(first, first_ref) and torch.equal(out, out_ref) and torch.all(out == 0)
+    assert _extractions(module) == 0
+    with bridged.trace(x):
+        op = bridged.linear.linear.output.save()
+    assert _extractions(module) == 1
+    assert torch.equal(op, torch.nn.functional.linear(x, module.linear.weight, module.linear.bias))
+
+
+def test_read_chains_follow_the_envoys_modules():
+    bridged, _, _ = _repeated_pair()
+    names = {"m": bridged}
+
+    def reads(source: str, resolve=names.get) -> set[str]:
+        return attribute_reads([compile(source, "<body>", "exec")], resolve)
+    assert reads("m.linear.output.clone().save(); m.layers[1].input.shape") == set()
+    assert reads("m.output.hidden_states") == set()  # a value's attribute, not an envoy's
+    assert reads("m.layers[0].linear.output") == {"linear", "output"}  # the op inside layers.0
+    assert reads("m.linear.source.linear_0.output") == {"source", "output"}
+    # nothing known about the root: every name counts
+    assert reads("m.linear.output", lambda name: None) == {"linear", "output"}
+    assert reads("m.output.hidden_states", lambda name: None) == {"output", "hidden_states"}
+    # an index past the list, or a root the block assigns, stops the walk: the rest counts
+    assert reads("m.layers[7].linear") == {"linear"}
+    assert reads("m = other\nm.linear.output") == {"linear", "output"}
+    # a helper's own argument is not the block's name
+    assert reads("def helper(m):\n    return m.linear.output\nhelper(m)") == {"linear", "output"}
+
+
+def test_module_only_trace_of_a_plain_model_imports_no_exporter():
+    """Registering transformers' cache pytrees imports torch._dynamo and transformers' exporters
+    (seconds): it waits for the first graph call, which an eager trace never makes."""
+    import subprocess
+    import sys
+    code = """
+import sys, torch, nnsight, nnbridge
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+x = torch.randn(2, 3)
+model = nnbridge.NNsight(net)
+with model.trace(x):
+    hidden = model[0].output.save()
+assert torch.equal(hidden, net[0](x))
+assert "transformers.exporters.exporter_dynamo" not in sys.modules
+with model.trace(x):
+    relu = model[1].relu.output.save()
+assert torch.equal(relu, torch.relu(net[0](x)))
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                            env={**__import__("os").environ})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_plain_call_outside_a_trace_runs_eagerly_unless_an_op_point_listens():
+    """``model(...)`` outside a trace is nnsight's plain module call: the model's own code, no
+    extraction; a hooked op point (which acts only in graphs) makes it run the graphs."""
+    bridged, reference, module = _pair(llama)
+    bridged.extract(IDS)
+    mask = torch.ones_like(IDS)
+    assert torch.equal(bridged(IDS, attention_mask=mask).logits, reference(IDS, attention_mask=mask).logits)
+    assert _extractions(module) == 1  # a new call structure, served eagerly
+    handle = module.get_submodule("model.layers.0.mlp.mul").register_forward_hook(
+        lambda m, args, out: torch.zeros_like(out))
+    hooked = bridged(IDS).logits
+    handle.remove()
+    _down_proj_input(reference._module, torch.zeros_like)
+    assert torch.equal(hooked, reference(IDS).logits)
+    bridged.eager_module_traces = False
+    bridged(IDS, attention_mask=mask)
+    assert _extractions(module) == 2

@@ -105,6 +105,8 @@ class GraphDispatcher(torch.nn.Module):
     history: list[Extraction | EvictedExtraction]
     #: whether the thrashing warning was given
     _warned: bool
+    #: whether transformers' ``Cache`` pytrees were registered (see :meth:`structure_key`)
+    _pytrees_registered: bool
     #: ``module`` and its submodules (op points excluded): whose train/eval flags key a call
     flag_modules: list[torch.nn.Module]
 
@@ -120,8 +122,10 @@ class GraphDispatcher(torch.nn.Module):
         self.__dict__["history"] = []
         self.__dict__["_warned"] = False
         self.__dict__["flag_modules"] = real_modules(module)
-        # structure keys flatten caches: register them before the first key is computed
-        register_cache_pytrees(module)
+        # structure keys flatten caches: :meth:`structure_key` registers them before the first key
+        # (not here: the registration imports torch._dynamo and transformers' exporters, seconds
+        # that a model only ever run eagerly, see .envoys.op_reads, never needs)
+        self.__dict__["_pytrees_registered"] = False
 
     def all_extractions(self) -> list[Extraction]:
         """Every extraction kept (not evicted), first one first."""
@@ -136,7 +140,7 @@ class GraphDispatcher(torch.nn.Module):
             key: its structure key (computed when None).
             reason: why (recorded in :attr:`history`; a failed guard's description).
         """
-        key = structure_key(self.flag_modules, args, kwargs) if key is None else key
+        key = self.structure_key(args, kwargs) if key is None else key
         extraction = extract(self.module, args, kwargs, self.options, path=self.path,
                              on_extraction=self.on_extraction)
         extraction.reason = reason
@@ -151,9 +155,18 @@ class GraphDispatcher(torch.nn.Module):
             callback(self, extraction)
         return extraction
 
+    def structure_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+        """The structure key of a call to this dispatcher's module (see
+        :func:`~.call_structure.structure_key`); transformers' ``Cache`` classes are registered as
+        pytrees before the first one, so a cache argument is keyed by its contents' structure."""
+        if not self._pytrees_registered:
+            register_cache_pytrees(self.module)
+            self.__dict__["_pytrees_registered"] = True
+        return structure_key(self.flag_modules, args, kwargs)
+
     def lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
         """The extraction serving this call, extracting one if no cached one's guards hold."""
-        key = structure_key(self.flag_modules, args, kwargs)
+        key = self.structure_key(args, kwargs)
         candidates = self.extractions.get(key)
         if candidates:
             tensors = tensor_leaves(args, kwargs)

@@ -142,3 +142,12 @@ def dispatch_if_lazy(model: Any) -> None:
 
         if detect_fake_mode() is None:
             model.dispatch()
+
+
+def envoy_module(value: object) -> torch.nn.Module | None:
+    """The module an nnsight envoy wraps (nnsight 0.8's ``Envoy._module``), or None when ``value``
+    is not an envoy."""
+    if not isinstance(value, nnsight.Envoy):
+        return None
+    module = value.__dict__.get("_module")
+    return module if isinstance(module, torch.nn.Module) else None

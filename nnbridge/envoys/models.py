@@ -25,7 +25,6 @@ import torch
 from nnsight.modeling.language import LanguageModel as _NNsightLanguageModel
 from nnsight.modeling.transformers import TransformersModel as _NNsightTransformersModel
 
-from ..bridge.call_structure import structure_key
 from ..bridge.in_place import Bridge, bridge, bridge_of
 from ..errors import NNBridgeError
 from ..compat.nnsight_loading import PreprocessorSources
@@ -57,7 +56,9 @@ class _Bridged(_EnvoyBase):
     Attributes:
         eager_module_traces: run a trace whose code names no op envoy (only module inputs and
             outputs: see :mod:`.op_reads`) on the model's own code, extracting nothing (default
-            True; class-wide, or per wrapper). False runs every trace on the graphs.
+            True; class-wide, or per wrapper). False runs every trace on the graphs. Also governs
+            a plain call of the wrapper outside a trace (``model(input_ids)``): with no patch or
+            torch hook on an op point it runs the model's own code, as nnsight does.
     """
 
     eager_module_traces: bool = True
@@ -100,6 +101,16 @@ class _Bridged(_EnvoyBase):
     def __repr__(self) -> str:
         """nnsight's printed tree, each module's ops on one line (see :func:`.envoy.tree_repr`)."""
         return tree_repr(self)
+
+    def __call__(self, *args: Any, hook: bool = False, **kwargs: Any) -> Any:
+        # outside a trace nnsight calls the module: nothing can read an op, so unless a patch or a
+        # torch hook listens on an op point the model's own code serves it (no extraction)
+        state = bridge_of(self._module)
+        if (state is not None and self.eager_module_traces and not self.interleaver.interleaving
+                and not state.listened()):
+            with state.running_eagerly():
+                return super().__call__(*args, hook=hook, **kwargs)
+        return super().__call__(*args, hook=hook, **kwargs)
 
     # -- extraction -----------------------------------------------------------------------------
     def _nnbridge_model(self) -> torch.nn.Module:
@@ -187,8 +198,8 @@ class _Bridged(_EnvoyBase):
             state.dispatcher.lookup(tuple(args), dict(kwargs))
         else:
             key: Hashable = (getattr(target, "__name__", repr(target)),
-                             structure_key(state.dispatcher.flag_modules, tuple(args),
-                                           {k: v for k, v in kwargs.items() if k != "streamer"}))
+                             state.dispatcher.structure_key(tuple(args),
+                                                            {k: v for k, v in kwargs.items() if k != "streamer"}))
             if key not in self._nnbridge_warmed:
                 runner = getattr(module, getattr(target, "__name__", ""), None)
                 if callable(runner):

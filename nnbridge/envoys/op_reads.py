@@ -42,7 +42,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..compat.nnsight import envoy_api
+from ..bridge.op_point import OpPoint, OpPointContainer
+from ..compat.module_dicts import modules_of
+from ..compat.nnsight import envoy_api, envoy_module
 
 #: Tensor attributes that are also ATen op names (``x.grad``, ``x.device``): read off values, not envoys.
 TENSOR_ATTRIBUTES = frozenset({"grad", "data", "device", "dtype", "shape", "real", "imag", "T", "mT", "H", "mH",
@@ -67,18 +69,29 @@ def attribute_reads(codes: Iterable[types.CodeType], resolve: Callable[[str], ob
     """Every attribute name ``codes`` read (not method calls), the identifier segments of their
     string constants and of the strings their names hold, and the method names of
     :data:`WHOLE_MODEL_METHODS` they call, following nested code and the Python functions named in them (``resolve(name)``: the value of a global or
-    local name, or None)."""
+    local name, or None).
+
+    A chain of reads from a name of a block in ``codes`` that the block never assigns
+    (``model.linear.output``) is followed through the modules of the envoy the name holds: the
+    names of child modules and what follows a module's ``output``/``input``/``inputs`` (values,
+    not envoys: ``.output.hidden_states``) are not reads of possible ops."""
     found: set[str] = set()
     seen: set[int] = set()
+    top = {id(code) for code in codes}
     stack = list(codes)
     while stack:
         code = stack.pop()
         if id(code) in seen:
             continue
         seen.add(id(code))
-        reads, loaded, nested = _code_reads(code)
+        reads, loaded, nested, chains, stored = _code_reads(code)
         found.update(reads)
         stack.extend(nested)
+        for root, chain in chains:
+            module = None
+            if root is not None and id(code) in top and root not in stored:
+                module = envoy_module(resolve(root))
+            found.update(_chain_reads(module, chain))
         for name in loaded:
             value = resolve(name)
             if isinstance(value, str):  # a path or name held in a variable (``model.get(path)``)
@@ -90,37 +103,111 @@ def attribute_reads(codes: Iterable[types.CodeType], resolve: Callable[[str], ob
     return found
 
 
+def _chain_reads(module: torch.nn.Module | None, chain: tuple[str | int, ...]) -> list[str]:
+    """The names of ``chain`` (attribute names and constant indices read one after the other from
+    a value) that may be op reads, given the module whose envoy the chain starts from (None: not
+    known, every name counts). Child modules (op points excepted) are followed; a module's
+    ``output``/``input``/``inputs`` ends the chain (a value follows); the name right after
+    ``.source`` is an nnsight source operation, not an op."""
+    names: list[str] = []
+    after_source = False
+    for position, element in enumerate(chain):
+        if module is not None:
+            if isinstance(element, int):
+                if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and -len(module) <= element < len(module):
+                    module = module[element]
+                    continue
+                module = None
+                continue
+            if element in _VALUE_PROPERTIES:
+                return names
+            if element in envoy_api():  # the envoy's own attribute, whatever the module's children
+                return names + _chain_reads(None, chain[position:])
+            child = modules_of(module).get(element)
+            if isinstance(child, torch.nn.Module) and not isinstance(child, (OpPoint, OpPointContainer)):
+                module = child
+                continue
+            module = None
+        if isinstance(element, int):
+            after_source = False
+            continue
+        if not after_source:
+            names.append(element)
+        after_source = element == "source"
+    return names
+
+
+#: An envoy's properties whose value is the module's value (a tensor, a tuple, a model output).
+_VALUE_PROPERTIES = frozenset({"output", "input", "inputs"})
+_ROOT_LOADS = frozenset({"LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST"})
+_STORES = frozenset({"STORE_NAME", "STORE_GLOBAL", "STORE_DEREF", "STORE_FAST", "DELETE_NAME", "DELETE_FAST",
+                     "DELETE_GLOBAL", "DELETE_DEREF"})
+Chain = tuple[str | None, tuple[str | int, ...]]
+
+
 @functools.lru_cache(maxsize=1024)
-def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], tuple[types.CodeType, ...]]:
-    """What one code object reads, by itself (cached: a trace's block is read once): its attribute
-    reads and string identifiers, the global/local names it loads, and its nested code."""
+def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], tuple[types.CodeType, ...],
+                                                tuple[Chain, ...], frozenset[str]]:
+    """What one code object reads, by itself (cached: a trace's block is read once): its string
+    identifiers and :data:`WHOLE_MODEL_METHODS` calls, the global/local names it loads, its nested
+    code, its attribute chains (``(root name or None, (attribute or constant index, ...))``:
+    ``model.h[0].attn.output`` is ``("model", ("h", 0, "attn", "output"))``) and the names it
+    assigns."""
     reads: set[str] = set()
     loaded: set[str] = set()
-    after_source = False
-    for instruction in dis.get_instructions(code):
-        name = instruction.argval
-        if instruction.opname in _LOAD_ATTRIBUTE and isinstance(name, str):
-            if _METHOD and instruction.opname == "LOAD_ATTR" and (instruction.arg or 0) & 1:
+    stored: set[str] = set()
+    chains: list[Chain] = []
+    root: str | None = None
+    chain: list[str | int] | None = None  # the chain being read, if any
+
+    def end() -> None:
+        nonlocal chain
+        if chain:
+            chains.append((root, tuple(chain)))
+        chain = None
+
+    instructions = list(dis.get_instructions(code))
+    for i, instruction in enumerate(instructions):
+        name, opname = instruction.argval, instruction.opname
+        if opname in _LOAD_ATTRIBUTE and isinstance(name, str):
+            method = (_METHOD and opname == "LOAD_ATTR" and bool((instruction.arg or 0) & 1))
+            if method:
                 if name in WHOLE_MODEL_METHODS:
                     reads.add(name)
-                after_source = False
+                end()
                 continue
-            if not after_source:  # ``envoy.source.split_1``: an nnsight ``.source`` operation, not an op
-                reads.add(name)
-            after_source = instruction.opname == "LOAD_ATTR" and name == "source"
+            if chain is None:
+                root, chain = None, []
+            chain.append(name)
+            if opname != "LOAD_ATTR":
+                end()
             continue
-        after_source = False
-        if instruction.opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS:
+        if (chain is not None and opname == "LOAD_CONST" and type(name) is int and i + 1 < len(instructions)
+                and instructions[i + 1].opname == "BINARY_SUBSCR"):
+            chain.append(name)
+            continue
+        if chain is not None and opname == "BINARY_SUBSCR" and chain and type(chain[-1]) is int \
+                and instructions[i - 1].opname == "LOAD_CONST":
+            continue
+        end()
+        if opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS:
             reads.add(name)
-        elif instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF") and isinstance(name, str):
-            loaded.add(name)
+        elif opname in _ROOT_LOADS and isinstance(name, str):
+            if opname != "LOAD_FAST":
+                loaded.add(name)
+            root, chain = name, []
+        elif opname in _STORES and isinstance(name, str):
+            stored.add(name)
+    end()
+    # a function's arguments and closure names are not the block's names resolve() sees
+    stored.update(code.co_varnames, code.co_cellvars, code.co_freevars)
     nested: list[types.CodeType] = []
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
             nested.append(constant)
         elif isinstance(constant, str):
             reads.update(_identifiers(constant))
-    return frozenset(reads), frozenset(loaded), tuple(nested)
+    return frozenset(reads), frozenset(loaded), tuple(nested), tuple(chains), frozenset(stored)
 
 
 def _identifiers(text: str) -> list[str]:
