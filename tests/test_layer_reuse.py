@@ -39,10 +39,11 @@ def _three_layers(factory):
 def _gemma3_three():
     """Tiny Gemma 3 with layers sliding, sliding, full (as ``utils.gemma3``, three layers)."""
     config = gemma3().config.to_dict()
+    config.pop("attn_implementation", None)
     config.update(num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     torch.manual_seed(0)
-    return Gemma3ForCausalLM(Gemma3TextConfig(**config)).eval()
+    return Gemma3ForCausalLM(Gemma3TextConfig(**config, attn_implementation="eager")).eval()
 
 
 MODELS = {
@@ -199,3 +200,28 @@ def test_in_place_op_point_hooks_per_layer():
     for a, b in zip(results["full"], results["reuse"]):
         assert torch.equal(a, b)
     assert not torch.equal(results["reuse"][1], results["reuse"][2])
+
+
+def test_nnsight_envoys_per_layer():
+    """nnsight envoys over a model bridged with reuse see and set each layer's own op values,
+    exactly as over a fully extracted one."""
+    ids = torch.randint(1, 100, (1, 6))
+    results = {}
+    for label, options in (("full", FULL), ("reuse", REUSE)):
+        model = _three_layers(gpt2)()
+        nnbridge.bridge(model, ids, use_cache=False, options=options)
+        roots = [e.root for e in bridge_of(model).dispatcher.all_extractions()]
+        reused = {name: m.graph_meta.reused_from for root in roots for name, m in root.named_modules()
+                  if isinstance(m, CompiledGraphModule) and m.graph_meta.reused_from}
+        wrapped = nnbridge.NNsight(model)
+        with wrapped.trace(ids, use_cache=False):
+            seen = [wrapped.transformer.h[i].attn.softmax.output.save() for i in range(3)]
+            wrapped.transformer.h[2].attn.softmax.output[:] = 0
+            logits = wrapped.lm_head.output.save()
+        results[label] = (seen, logits, reused)
+        nnbridge.unbridge(model)
+    (seen_full, logits_full, reused_full), (seen_reuse, logits_reuse, reused) = results["full"], results["reuse"]
+    assert reused_full == {} and reused == {"transformer.h.1": "transformer.h.0", "transformer.h.2": "transformer.h.0"}
+    for a, b in zip(seen_full, seen_reuse):
+        assert torch.equal(a, b)
+    assert torch.equal(logits_full, logits_reuse)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,8 @@ def same(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, functools.partial):  # transformers' activations: partial(gelu, approximate=...)
+        return same(a.func, b.func) and same(a.args, b.args) and same(a.keywords, b.keywords)
     to_dict = getattr(a, "to_dict", None)  # a transformers config
     if callable(to_dict) and type(a).__module__.startswith("transformers."):
         return same(to_dict(), b.to_dict())
