@@ -215,10 +215,12 @@ def test_nnsight_envoys_per_layer():
                   if isinstance(m, CompiledGraphModule) and m.graph_meta.reused_from}
         wrapped = nnbridge.NNsight(model)
         with wrapped.trace(ids, use_cache=False):
-            seen = [wrapped.transformer.h[i].attn.softmax.output.save() for i in range(3)]
+            seen_0 = wrapped.transformer.h[0].attn.softmax.output.save()
+            seen_1 = wrapped.transformer.h[1].attn.softmax.output.save()
+            seen_2 = wrapped.transformer.h[2].attn.softmax.output.save()
             wrapped.transformer.h[2].attn.softmax.output[:] = 0
             logits = wrapped.lm_head.output.save()
-        results[label] = (seen, logits, reused)
+        results[label] = ([seen_0, seen_1, seen_2], logits, reused)
         nnbridge.unbridge(model)
     (seen_full, logits_full, reused_full), (seen_reuse, logits_reuse, reused) = results["full"], results["reuse"]
     assert reused_full == {} and reused == {"transformer.h.1": "transformer.h.0", "transformer.h.2": "transformer.h.0"}
