@@ -227,3 +227,13 @@ def test_nnsight_envoys_per_layer():
     for a, b in zip(seen_full, seen_reuse):
         assert torch.equal(a, b)
     assert torch.equal(logits_full, logits_reuse)
+
+
+def test_other_sequence_length(case):
+    """Dynamic shapes: the reused graphs serve another length exactly, as the full ones do."""
+    model, ids, prefix, expected, node, full, reused = case
+    other = torch.randint(1, 100, (2, 11))
+    eager = model(other, use_cache=False).logits
+    assert torch.equal(full(other, use_cache=False).logits, eager)
+    assert torch.equal(reused(other, use_cache=False).logits, eager)
+    assert len(full.extractions) == len(reused.extractions)
