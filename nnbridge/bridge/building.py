@@ -29,6 +29,7 @@ from .metadata import node_meta, update_node_meta
 from .module_tree import safe_name
 from .opaque import opaque_module
 from .recording import record_calls
+from .reuse import ReuseFallback, ReusePlan, ReusedHolder, copy_graph, placeholder_signature
 from .state import Key
 from .state_graphs import argument_objects, forward_state_objects, read_states_back, write_states_back
 from .unused import keep_unused, registration_order
@@ -43,13 +44,16 @@ class GraphBuilder:
     def __init__(self, ctx: ExtractionContext, unflattened: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list],
                  input_spec: pytree.TreeSpec | None = None, states: dict[str, list[list[Key]]] | None = None,
                  constants: dict[tuple[str, int], dict[int, Any]] | None = None,
-                 example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})):
+                 example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}), reuse: ReusePlan | None = None):
         self.ctx, self.unflattened, self.stubs, self.calls = ctx, unflattened, stubs, calls
         self.input_spec = input_spec
         self.states = states or {}
         self.constants = constants or {}  # {(program path, invocation): {output leaf: value}}
         self.example = example  # the extracted call of the root (to record a fallback's calls)
         self.numbers: dict[Node, int] = {}  # {submodule call: its invocation}, see number_calls
+        self.reuse = reuse or ReusePlan()
+        # {(representative subtree path, invocation): (unflattened holder, pristine graph copy, its call numbers)}
+        self.pristine: dict[tuple[str, int], tuple[Any, Graph, dict[Node, int]]] = {}
 
     def number_calls(self, holder: torch.nn.Module) -> None:
         """Number every submodule call of the unflattened graphs, from the root graph ``holder``
@@ -73,6 +77,49 @@ class GraphBuilder:
             walk("", holder)
         except Exception:  # noqa: BLE001 - an unexpected structure: count while building instead
             self.numbers.clear()
+        self.keep_pristine()
+
+    def keep_pristine(self) -> None:
+        """Copy every graph of the representatives' subtrees before building changes them: each
+        sibling builds its own copy (see :mod:`.reuse`)."""
+        reps = self.reuse.representatives()
+        if not reps:
+            return
+        for fqn, sub in self.unflattened.named_modules(remove_duplicate=False):
+            path = fqn.removeprefix("model.")
+            if not fqn.startswith("model.") or not any(path == r or path.startswith(f"{r}.") for r in reps):
+                continue
+            if path in self.pristine_paths():
+                continue
+            for invocation, holder in enumerate(invocation_graphs(sub)):
+                graph = getattr(holder, "graph", None)
+                if isinstance(graph, Graph):
+                    copied, numbers = copy_graph(graph, self.numbers)
+                    self.pristine[(path, invocation)] = (holder, copied, numbers)
+
+    def pristine_paths(self) -> set[str]:
+        return {path for path, _ in self.pristine}
+
+    def reused_holder(self, fqn: str, source: str, invocation: int) -> tuple[Any, int]:
+        """A sibling's invocation module: a fresh copy of its representative's pristine graph
+        (:class:`~.reuse.ReusedHolder`); the copy's calls keep the representative's numbers. Also
+        how many leading extra inputs the representative's graph has that the sibling's call lacks."""
+        entry = self.pristine.get((source, invocation))
+        if entry is None:
+            raise ReuseFallback(f"no graph of '{source}' to build '{fqn}' from")
+        holder, graph, numbers = entry
+        extras = 0
+        if fqn in self.reuse.siblings:  # the sibling's own call must pass what the graph expects
+            stub = invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))[invocation]
+            mine, theirs = placeholder_signature(cast(Graph, stub.graph)), placeholder_signature(graph)
+            # the representative's leading extra inputs (a tensor unflatten passes for a symbolic
+            # size) must be unused once built (see child)
+            extras = len(theirs) - len(mine)
+            if extras < 0 or theirs[extras:] != mine:
+                raise ReuseFallback(f"'{fqn}' is called with other inputs than '{source}': {mine} vs {theirs}")
+        copied, copied_numbers = copy_graph(graph, numbers)
+        self.numbers.update(copied_numbers)
+        return ReusedHolder(copied, holder), extras
 
     def state_keys(self, fqn: str, invocation: int) -> list[Key]:
         """The state keys export recorded for this invocation ([] when it had no stateful argument)."""
@@ -93,9 +140,18 @@ class GraphBuilder:
                 return self.custom(fqn, module, invocation)
             return self.opaque(fqn, module, invocation, self.stubs[fqn])
         try:
+            source = self.reuse.source(fqn)
+            if source != fqn:
+                holder, extras = self.reused_holder(fqn, source, invocation)
+                cgm = self.build(fqn, module, holder, invocation, source)
+                if extras and not cgm.graph_meta.exact_signature:
+                    raise ReuseFallback(f"'{source}' reads {extras} value(s) from its caller that '{fqn}' is not passed")
+                if fqn in self.reuse.siblings:
+                    cgm.graph_meta.reused_from = self.ctx.full(source)
+                return cgm
             graphs = invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))
             return self.build(fqn, module, graphs[invocation], invocation)
-        except ExtractionError:
+        except (ExtractionError, ReuseFallback):
             raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
         except Exception as error:  # noqa: BLE001 - any other failure means fallback (or a loud error)
             if self.state_keys(fqn, invocation):  # an opaque module cannot hand its cache state back
@@ -125,11 +181,14 @@ class GraphBuilder:
             self.ctx.fail(fqn, reason, failed.error, fix=CUSTOM_FIX)
             return self.opaque(fqn, module, invocation, reason)
 
-    def build(self, fqn: str, module: torch.nn.Module, holder: torch.nn.Module,
-              invocation: int = 0) -> CompiledGraphModule:
-        graph = cast(Graph, holder.graph)  # an unflattened InterpreterModule's graph
+    def build(self, fqn: str, module: torch.nn.Module, holder: Any,
+              invocation: int = 0, source: str | None = None) -> CompiledGraphModule:
+        """``fqn``'s graph module from ``holder``'s graph (an unflattened InterpreterModule's, or
+        a :class:`~.reuse.ReusedHolder`'s copy of representative ``source``'s)."""
+        source = fqn if source is None else source
+        graph = cast(Graph, holder.graph)
         attrs = {str(n.target): resolve_attr(holder, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
-        restore_constant_outputs(graph, self.constants.get((f"model.{fqn}" if fqn else "model", invocation), {}))
+        restore_constant_outputs(graph, self.constants.get((f"model.{source}" if source else "model", invocation), {}))
         keys = self.state_keys(fqn, invocation)
         if keys:
             write_states_back(graph, attrs, keys)

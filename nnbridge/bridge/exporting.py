@@ -22,6 +22,7 @@ from .cleanup import plain_value
 from .kinds import StubKind
 from .module_tree import CONTAINERS, aliases_hidden, named_real_modules
 from .recording import copy_inputs, stub_output
+from .reuse import ReuseFallback, ReusePlan, reads_watched, sibling_stub
 from .state import Key, state_keys, states_returned
 from ..compat import export
 from ..compat.output_capturing import active_collector
@@ -92,6 +93,17 @@ def capturing_cause(error: BaseException | None) -> CapturingOutputs | None:
     return None
 
 
+def reuse_cause(error: BaseException | None) -> ReuseFallback | None:
+    """The :class:`~.reuse.ReuseFallback` behind ``error`` (export may wrap it), or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, ReuseFallback):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 class ModuleFailure(Exception):
     def __init__(self, fqn: str, error: BaseException, states: dict[str, list[list[Key]]],
                  more: Sequence[tuple[str, BaseException]] | None = None):
@@ -110,8 +122,8 @@ def caller_of(module: torch.nn.Module, fqn: str) -> str:
 
 def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
             calls: dict[str, list], dynamic: bool, grad_enabled: bool = False,
-            traced: AbstractSet[str] = frozenset(), frozen: AbstractSet[str] = frozenset()
-            ) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
+            traced: AbstractSet[str] = frozenset(), frozen: AbstractSet[str] = frozenset(),
+            reuse: ReusePlan | None = None) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
     """Export once (dynamic, then static on failure); raise ModuleFailure naming the innermost
     module that was running when export failed.
 
@@ -121,8 +133,10 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     keeps a flat signature, since its recorded output cannot carry the state it would have
     written. ``traced`` modules will be opaque although export traces them; inside ``frozen`` ones,
     grad-mode changes are ignored (see :mod:`.capture_checks`). Returns the program, whether it is dynamic, and the state keys of every threaded
-    call (``{path: [keys per invocation]}``).
+    call (``{path: [keys per invocation]}``). ``reuse``'s siblings are stubbed with outputs shaped
+    as their representative's (see :mod:`.reuse`); :class:`~.reuse.ReuseFallback` when unsafe.
     """
+    reuse = reuse or ReusePlan()
     wrapper = ExportRoot(module)
     flat = {fqn for fqn in stubs if any(state_keys(a, k) for a, k, _ in calls.get(fqn, []))}
     preserved = {n: m for n, m in named_real_modules(module) if not isinstance(m, CONTAINERS) and n not in flat}
@@ -159,6 +173,16 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
             stub_counters[_fqn] += 1
             return stub_output(a, k, _recorded[min(i, len(_recorded) - 1)][2])
         module.get_submodule(fqn).__dict__["forward"] = stub
+    seen: dict[str, tuple[Any, Any]] = {}  # {representative: (inputs, output)} while exporting
+
+    def saw(fqn: str) -> Callable[..., None]:
+        def hook(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            seen[fqn] = ((args, kwargs), output)
+        return hook
+    for rep in reuse.representatives():
+        handles.append(module.get_submodule(rep).register_forward_hook(saw(rep), with_kwargs=True))
+    for sibling, rep in reuse.siblings.items():
+        module.get_submodule(sibling).__dict__["forward"] = sibling_stub(sibling, rep, seen)
     try:
         attempts = [True, False] if dynamic else [False]
         last: BaseException | None = None
@@ -167,19 +191,27 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
             active.clear()
             collectors.clear()
             stub_counters.clear()
+            seen.clear()
             # size-1 dimensions are specialised by export anyway (0/1 specialisation); leaving them
             # out of the spec saves ~20 % of export time on GPT-2 (2.4 -> 2.0 s, 12 layers)
             shapes = dynamic_shapes(args, kwargs) if use_dynamic else None
-            watch = CaptureWatch(list(named_real_modules(module)), active, set(stubs) | traced)
+            watch = CaptureWatch(list(named_real_modules(module)), active, set(stubs) | traced | set(reuse.siblings))
             try:
                 # non-strict export runs the module's Python code, which mutates a cache passed in
                 # (with fake tensors): every attempt traces a fresh copy of the inputs
                 # (a container's repeated entry: its owner is stubbed, see .module_tree)
                 with states_returned(threaded) as states, watch.watching(frozen), \
-                        aliases_hidden(module, in_containers=True):
+                        aliases_hidden(module, in_containers=True), reads_watched(reuse.watched) as reads:
                     exported = export(wrapper, copy_inputs((args, kwargs)), dynamic_shapes=shapes,
                                       preserve_module_call_signature=fqns, grad_enabled=grad_enabled)
+                if reads:
+                    raise ReuseFallback(f"export read attributes that differ between siblings: {sorted(set(reads))}")
+            except ReuseFallback:
+                raise
             except Exception as error:  # noqa: BLE001 - any export failure means fallback
+                cause = reuse_cause(error)
+                if cause is not None:
+                    raise cause from error
                 last = error
                 capturing = capturing_cause(error)
                 if capturing is not None:  # trying static shapes would not help
@@ -195,7 +227,7 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     finally:
         for handle in handles:
             handle.remove()
-        for fqn in stubs:
+        for fqn in [*stubs, *reuse.siblings]:
             module.get_submodule(fqn).__dict__.pop("forward", None)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -49,6 +50,7 @@ from . import programs
 from .disk_cache import default_cache
 from .options import ExtractionOptions
 from .recording import record_calls
+from .reuse import ReuseFallback, ReusePlan, check_reused_export, confirm as confirm_reuse, plan as reuse_plan
 from .state import state_keys
 from ..compat import (cleared_module_state, constant_outputs, copy_spec, forget_export_state,
                       generated_code_released, invocation_graphs, offloaded_weights_loaded, register_cache_pytrees,
@@ -57,6 +59,8 @@ from ..compat.fx import fx_patches_confined
 from ..compat.output_capturing import collector_suspended
 from ..compat.pytree import pytree
 from ..errors import ExtractionError
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # annotations only: the dispatcher layer imports this module
     from .dispatcher import GraphDispatcher
@@ -140,7 +144,13 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             offloaded_weights_loaded(module), reserved_names_renamed(module) as renamed, aliases_hidden(module):
         ctx.renamed = renamed
         register_cache_pytrees(module)
-        root, guard = _extract_root(ctx, args, kwargs)
+        try:
+            root, guard = _extract_root(ctx, args, kwargs, reuse=options.reuse_layers)
+        except ReuseFallback as fallback:  # reuse turned out unsafe for this call: export every layer
+            logger.info("layer reuse fell back to per-layer export: %s", fallback)
+            ctx = ExtractionContext(module, options, path, ctx.on_extraction, child_dispatcher)
+            ctx.renamed = renamed
+            root, guard = _extract_root(ctx, args, kwargs, reuse=False)
     root.graph_meta.node_path = path  # for failure notes (see .failures)
     for sub_path, _, _, sub in walk(root):
         if sub is not None:
@@ -154,7 +164,7 @@ def _skip(ctx: ExtractionContext, module: torch.nn.Module) -> bool:
     return ctx.options.skip_compilation or type(module) in ctx.options.classes_to_skip_compiling
 
 
-def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, Any]
+def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, Any], reuse: bool = False
                   ) -> tuple[CompiledGraphModule | OpaqueGraphModule, ShapeGuard]:
     module = ctx.module
     static = ShapeGuard.static(tensor_leaves(args, kwargs))
@@ -190,12 +200,16 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     # a saved or cached export of this call (see .programs) replaces the loop below
     request = programs.ExportRequest(module, ctx.path, args, kwargs, ctx.options, ctx.grad_enabled)
     cache = default_cache()
-    record = programs.lookup(request, cache)
+    candidates = reuse_plan(module, set(stubs)) if reuse else ReusePlan()
+    # (a reused export is neither looked up nor stored: a record holds no reuse plan)
+    record = programs.lookup(request, cache) if not candidates.siblings else None
     if record is not None:
         stubs = dict(record.stubs)
         exported, dynamic, states = record.exported, record.dynamic, record.states
         errors = {fqn: programs.RecordedFailure(reason) for fqn, reason in stubs.items()}
-    calls = record_calls(module, set(stubs), args, kwargs) if stubs else {}
+    recorded = set(stubs) | set(candidates.siblings) | candidates.representatives()
+    calls = record_calls(module, recorded, args, kwargs) if recorded else {}
+    plan = confirm_reuse(module, candidates, calls)
     # a skipped module called with a cache is traced through (its new cache state must reach its
     # caller's graph) and only shown as opaque; the others are stubbed while exporting
     traced = {fqn for fqn in stubs if stubs[fqn] == StubKind.SKIPPED and any(state_keys(a, k) for a, k, _ in calls[fqn])}
@@ -215,7 +229,7 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         try:
             exported, dynamic, states = export_module(module, args, kwargs,
                                                 {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic,
-                                                ctx.grad_enabled, traced, frozen)
+                                                ctx.grad_enabled, traced, frozen, plan)
             break
         except ModuleFailure as failure:
             fqn, error = failure.fqn, failure.error
@@ -247,8 +261,10 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
             ctx.fail(fqn, reason, errors[fqn], fix=SharedModuleEntry.FIX if shared else None)
         elif reason == StubKind.SKIPPED:
             ctx.opaque[ctx.full(fqn)] = reason
+    if plan.siblings:
+        check_reused_export(plan, exported, stubs, states)
     guard = record.guard if record is not None else ShapeGuard.from_export(exported) if dynamic else static
-    if record is None:
+    if record is None and not plan.siblings:
         programs.store(request, programs.ProgramRecord(ctx.path, request.call_fingerprint(), exported, dynamic,
                                                        states, dict(stubs), guard), cache)
     bar.update()
@@ -266,10 +282,10 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
             ctx.fail("", reason, None)
             return opaque_module(ctx, "", module, args, kwargs, reason), static
         builder = GraphBuilder(ctx, unflattened, stubs, calls, input_spec, states, constant_outputs(exported),
-                           (args, kwargs))
+                           (args, kwargs), plan)
         builder.number_calls(holder)
         root = builder.build("", module, holder)
-    except ExtractionError:
+    except (ExtractionError, ReuseFallback):
         raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
     except Exception as error:  # noqa: BLE001
         bar.close()

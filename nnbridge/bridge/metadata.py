@@ -99,6 +99,8 @@ class GraphMeta:
         aliases: a compiled graph's ``{variable alias: canonical node name}`` (``attn_weights_2``:
             ``softmax``), computed on first use from the nodes' stack traces (:mod:`.aliases`);
             None until then.
+        reused_from: the NodePath of the representative layer whose graph this one was built
+            from (:mod:`.reuse`, ``ExtractionOptions.reuse_layers``); None when exported itself.
     """
 
     node_path: str = ""
@@ -111,3 +113,4 @@ class GraphMeta:
     argument_names: list[str] | None = None
     generated: dict[types.CodeType, _Generated] = field(default_factory=dict)
     aliases: dict[str, str] | None = None
+    reused_from: str | None = None

@@ -52,6 +52,12 @@ class ExtractionOptions:
             sizes, module state); the least recently used is evicted beyond it, and a warning
             (once) names the module and the failed guard when a module reaches it, as Dynamo's
             ``recompile_limit``. Default: ``8``.
+        reuse_layers: Export one representative of identical ``ModuleList`` entries (decoder layers
+            of one class, config and call) and build the others' graphs from its graph, each over
+            its own parameters, buffers and op points (prototype, see :mod:`nnbridge.bridge.reuse`).
+            Applies only to entries called once without a stateful argument (``use_cache=False``);
+            anything else, or any doubt found while exporting, means per-layer export.
+            Default: ``False``.
     """
 
     classes_to_skip_compiling: set[type[torch.nn.Module]] = field(default_factory=set)
@@ -66,6 +72,7 @@ class ExtractionOptions:
     dynamic_shapes: bool = True
     progress: bool = False
     recompile_limit: int = 8
+    reuse_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.allow_unused_submodules is None:  # graphpatch's default: lenient unless strict
