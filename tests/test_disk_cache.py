@@ -9,7 +9,9 @@ import textwrap
 
 import pytest
 import torch
-from utils import data_dependent, gpt2
+from types import SimpleNamespace
+
+from utils import data_dependent, gpt2, llama
 
 import nnbridge
 from nnbridge import PatchableGraph, ZeroPatch
@@ -95,6 +97,66 @@ def test_changed_config_misses(cache_dir, exports):
     pg = PatchableGraph(other, ids)
     assert exports[0] == 2 and len(_entries(cache_dir)) == 2
     assert torch.equal(pg(ids).logits, other(ids).logits)
+
+
+def test_attention_implementation_misses(cache_dir, exports):
+    """Llama with sdpa after Llama with eager attention (``config.to_json_string`` is the same for
+    both): the sdpa model is exported, not served eager's program; logits ``(1, 8, 100)`` equal
+    eager torch for each."""
+    ids = _ids()
+    counts = []
+    for attn in ("eager", "sdpa"):
+        model = llama(attn)
+        expected = model(ids).logits
+        pg = PatchableGraph(model, ids)
+        assert torch.equal(pg(ids).logits, expected)
+        assert any("scaled_dot_product" in op for op in pg.node_paths()) == (attn == "sdpa")
+        counts.append((exports[0], len(_entries(cache_dir))))
+    assert counts[0][0] >= 1 and counts[1] == (2 * counts[0][0], 2 * counts[0][1])  # nothing served
+
+
+class _Flagged(torch.nn.Module):
+    """A module's own config look-alike read in forward (not a transformers config)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(act="relu")
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.relu(h) if self.config.act == "relu" else torch.tanh(h)
+
+
+def test_changed_config_look_alike_misses(cache_dir, exports):
+    x = torch.randn(2, 4)
+    PatchableGraph(_Flagged(), x)
+    other = _Flagged()
+    other.config.act = "tanh"
+    pg = PatchableGraph(other, x)
+    assert exports[0] == 2 and len(_entries(cache_dir)) == 2
+    assert torch.equal(pg(x), torch.tanh(other.fc(x)))
+
+
+def test_class_without_source_is_never_cached(cache_dir, exports):
+    """A module class defined by ``exec`` (as in a notebook cell) has no source file to key its
+    programs by: nothing is stored or served, each extraction exports, outputs equal eager."""
+    namespace: dict = {"torch": torch}
+    exec(textwrap.dedent("""
+        class Cell(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(4, 4)
+
+            def forward(self, x):
+                return self.fc(x).relu()
+    """), namespace)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        model = namespace["Cell"]()
+        assert torch.equal(PatchableGraph(model, x)(x), model(x))
+    assert exports[0] == 2
+    assert not cache_dir.exists() or _entries(cache_dir) == []
 
 
 def test_changed_library_version_misses(cache_dir, exports, monkeypatch):

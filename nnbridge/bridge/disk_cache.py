@@ -16,7 +16,9 @@ module and call, see :mod:`.programs`) is one :mod:`.storage` bundle, ``<key>.nn
 - the call (:meth:`~.programs.ExportRequest.call_fingerprint`: argument structure, non-tensor
   values, tensor dtypes and sizes, grad mode, train/eval flags, autocast, export-relevant options).
 
-So a changed model source, library version, config or call misses. Entries hold no weights (the
+So a changed model source, library version, config (every value, the attention implementation
+included) or call misses; a model with a module class whose source file cannot be read (defined in
+a notebook cell or by ``exec``) is never served or stored. Entries hold no weights (the
 given module's tensors are put back) and no pickled code. Writes are atomic (temporary file, then
 rename). A corrupt or partial entry is deleted with an :class:`~nnbridge.errors.NNBridgeWarning`
 and the module is exported again; a failed write warns and extraction goes on. ``nnbridge cache
@@ -38,7 +40,7 @@ from typing import TypedDict
 
 from ..compat.serialization import library_versions
 from ..errors import SaveLoadError, warn
-from .programs import ExportRequest, ProgramRecord, model_fingerprint
+from .programs import ExportRequest, ProgramRecord, model_fingerprint, source_known
 from .storage import FORMAT_VERSION, read_bundle, write_bundle
 
 #: Environment variable naming nnbridge's cache directory (cache off when unset or empty).
@@ -105,6 +107,8 @@ class DiskCache:
     def lookup(self, request: ExportRequest) -> ProgramRecord | None:
         """The cached record, with ``request.module``'s tensors; None on a miss. A corrupt,
         partial or mismatching entry is deleted with a warning (a miss)."""
+        if not source_known(request.module):  # no code to key it by: never served
+            return None
         path = self.entry(request)
         if not path.is_file():
             return None
@@ -124,6 +128,8 @@ class DiskCache:
 
     def store(self, request: ExportRequest, record: ProgramRecord) -> None:
         """Write ``record`` as ``request``'s entry (atomically) unless it exists; a failed write warns."""
+        if not source_known(request.module):  # see lookup
+            return
         path = self.entry(request)
         if path.is_file():
             return

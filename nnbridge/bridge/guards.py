@@ -57,6 +57,30 @@ def _config_like(name: str, value: object) -> bool:
     return hasattr(value, "to_dict") or isinstance(value, types.SimpleNamespace) or name == "config"
 
 
+def config_values(config: Any) -> list[tuple[str, str]]:
+    """Every plain value of a config-like object (see :func:`_config_like`) and of the config-like
+    objects it holds, private ones included (``_attn_implementation_internal``), as sorted
+    ``(dotted name, repr)`` pairs: what :class:`StateGuard` guards of a config, for keys that must
+    tell two configs apart (the disk cache's, :func:`~.programs.model_fingerprint`)."""
+    found: list[tuple[str, str]] = []
+    seen: set[int] = set()
+
+    def walk(prefix: str, value: Any) -> None:
+        seen.add(id(value))
+        for name, item in vars(value).items():
+            if _plain(item) or (isinstance(item, list) and all(_plain(v) for v in item)):
+                found.append((f"{prefix}{name}", repr(item)))
+            elif _config_like(name, item) and id(item) not in seen:
+                walk(f"{prefix}{name}.", item)
+    walk("", config)
+    return sorted(found)
+
+
+def config_like(name: str, value: object) -> bool:
+    """Whether attribute ``name`` of a module holds a config-like object (see :func:`_config_like`)."""
+    return _config_like(name, value)
+
+
 class StateGuard:
     """The module state an extraction depends on (see the module docstring).
 

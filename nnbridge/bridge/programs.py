@@ -24,6 +24,7 @@ import contextvars
 import hashlib
 import inspect
 import json
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -34,6 +35,7 @@ from ..compat.pytree import pytree
 from .call_structure import ShapeGuard, structure_key
 from .options import ExtractionOptions
 from .state import Key
+from .guards import config_like, config_values
 from .module_tree import named_real_modules
 
 
@@ -112,9 +114,13 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     ``class``: the model's qualified class name. ``config``: sha256 of the transformers config
     (``config.to_json_string()``), or None. ``structure``: sha256 of every module's path, class (op
     points a bridge registered left out), train flag and plain attribute values (numbers, strings,
-    dtypes) and every parameter's and buffer's name, shape, dtype and requires_grad (weights' values
-    are not part of it).
-    ``source``: sha256 of the source files defining every module class in the tree.
+    dtypes), every plain value of the config-like objects it holds (private ones such as
+    ``_attn_implementation_internal`` included: :func:`~.guards.config_values`), and every
+    parameter's and buffer's name, shape, dtype and requires_grad (weights' values are not part of
+    it).
+    ``source``: sha256 of the source files defining every module class in the tree; a class whose
+    source file cannot be read (defined in a notebook cell or by ``exec``) gives
+    ``"unavailable:<class>"`` (see :func:`source_known`).
     """
     config = getattr(model, "config", None)
     config_hash = None
@@ -125,9 +131,13 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     for name, module in named_real_modules(model):  # a bridge's op points are not part of it
         classes[_qualname(type(module))] = type(module)
         plain = sorted((k, repr(v)) for k, v in vars(module).items() if isinstance(v, _PLAIN) and not k.startswith("__"))
+        # config objects (transformers' or look-alikes) with every plain value, private ones included:
+        # ``to_json_string`` leaves out the attention implementation, and a module's own config
+        # (``self.config = SimpleNamespace(...)``) is not the model's
+        configs = sorted((k, config_values(v)) for k, v in vars(module).items() if config_like(k, v))
         tensors = [(k, list(t.shape), str(t.dtype), t.requires_grad)
                    for k, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
-        entries.append([name, _qualname(type(module)), module.training, plain, tensors])
+        entries.append([name, _qualname(type(module)), module.training, plain, configs, tensors])
     return {"class": _qualname(type(model)), "config": config_hash, "structure": _digest(json.dumps(entries)),
             "source": _digest(json.dumps(sorted(_source_digest(c) for c in classes.values())))}
 
@@ -153,17 +163,30 @@ def _source_digest(cls: type) -> str:
     """sha256 of the file defining ``cls`` (``"builtin"`` when it has none), memoised per file."""
     try:
         filename = inspect.getsourcefile(cls)
-    except TypeError:
+    except (TypeError, OSError):
         filename = None
-    if filename is None:
-        return f"builtin:{_qualname(cls)}"
+    if filename is None or filename.startswith("<"):
+        # a Python class without a source file (``exec``, an interactive session) is unavailable;
+        # a class implemented in C has no Python source to change
+        python_class = any(isinstance(v, types.FunctionType) for v in vars(cls).values())
+        return f"{UNAVAILABLE}{_qualname(cls)}" if python_class else f"builtin:{_qualname(cls)}"
     if filename not in _SOURCE_DIGESTS:
         try:
             with open(filename, "rb") as handle:
                 _SOURCE_DIGESTS[filename] = hashlib.sha256(handle.read()).hexdigest()
         except OSError:
-            _SOURCE_DIGESTS[filename] = f"unreadable:{filename}"
+            _SOURCE_DIGESTS[filename] = f"{UNAVAILABLE}{filename}"
     return _SOURCE_DIGESTS[filename]
+
+
+#: Prefix of a class's source digest when its source cannot be read.
+UNAVAILABLE = "unavailable:"
+
+
+def source_known(model: torch.nn.Module) -> bool:
+    """Whether every module class in ``model`` has a readable source file (else a program of it
+    cannot be keyed by its code: the disk cache does not serve or store it)."""
+    return not any(_source_digest(type(m)).startswith(UNAVAILABLE) for _, m in named_real_modules(model))
 
 
 def forget_source_digests() -> None:
