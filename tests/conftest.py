@@ -1,12 +1,99 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# a developer's $NNBRIDGE_CACHE must not serve extractions to tests (test_disk_cache turns it on)
-os.environ["NNBRIDGE_EXTRACTION_CACHE"] = "0"
+
+# -- the extraction cache ---------------------------------------------------------------------------
+# A developer's $NNBRIDGE_CACHE must never serve extractions to tests. The tests share one disk
+# cache of their own instead, fresh for each run (a directory under pytest's base temp, the same
+# for every xdist worker of the run): a model and call exported by one test is loaded by the next.
+# A test that counts exports, tests caching or needs a cold extraction is marked
+# ``no_extraction_cache`` (a whole module with ``pytestmark``): it runs with the cache off.
+#
+# Where the developer keeps dequantized real models (nnbridge.models also caches in
+# $NNBRIDGE_CACHE), read before the variable is replaced.
+_WEIGHTS_CACHE = Path(os.environ.get("NNBRIDGE_CACHE") or Path.home() / ".cache" / "nnbridge")
+os.environ["NNBRIDGE_EXTRACTION_CACHE"] = "0"  # until pytest_configure has made the run's cache
+os.environ.pop("NNBRIDGE_CACHE", None)
+NO_CACHE_MARKER = "no_extraction_cache"
+
+
+def _run_cache(config: pytest.Config) -> Path:
+    """This run's cache directory (``$NNBRIDGE_CACHE`` of the tests): shared by the xdist workers,
+    whose base temps are ``<the controller's base temp>/popen-gwN``."""
+    base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    directory = base / "nnbridge-cache"
+    directory.mkdir(exist_ok=True)
+    # dequantized real models are not extractions: keep using the developer's copy when there is one
+    # (a link made by the controller, or by the first worker; the others find it)
+    for entry in ("SmolLM2-135M-Instruct",):
+        source, link = _WEIGHTS_CACHE / entry, directory / entry
+        if (source / "model.safetensors").exists() and not os.path.lexists(link):
+            try:
+                link.symlink_to(source, target_is_directory=True)
+            except FileExistsError:
+                pass
+    return directory
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own has made config._tmp_path_factory
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"{NO_CACHE_MARKER}: runs with the test run's extraction cache off "
+                                       "(the test counts exports, tests caching or needs a cold extraction)")
+    os.environ["NNBRIDGE_CACHE"] = str(_run_cache(config))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Cache on or off for ``item``, before any of its fixtures (module-scoped ones included) runs."""
+    if item.get_closest_marker(NO_CACHE_MARKER):
+        os.environ["NNBRIDGE_EXTRACTION_CACHE"] = "0"
+    else:
+        os.environ.pop("NNBRIDGE_EXTRACTION_CACHE", None)
+
+
+# -- xdist scheduling (``--dist loadscope``, see pyproject's addopts) ---------------------------------
+# One work unit per test file (module-scoped fixtures are built once), except:
+# - the corpus (test_corpus.py, a third of the tests, no module-scoped fixture) goes out one corpus
+#   entry at a time (its front-ends and modes together, so they share the entry's cached exports),
+#   which keeps both workers busy to the end;
+# - the files that load the real SmolLM2 run on one worker, one after the other: a first
+#   ``nnbridge.models.load_smollm2`` dequantizes into a fixed directory that two processes must not
+#   write at once.
+# Units go out largest first: the real-model files (a quarter of the suite's time), then by number of tests.
+_ONE_WORKER = {f"tests/{name}.py": "real-models" for name in ("test_integration", "test_readme", "test_notebooks")}
+_PER_ENTRY = "tests/test_corpus.py"
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            if file == _PER_ENTRY and "[" in nodeid:  # test_x[entry-front_end-mode]
+                return f"{file}::{nodeid.split('[', 1)[1].split('-', 1)[0]}"
+            return _ONE_WORKER.get(file, file)
+
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "_ordered", False):  # the first assignment: the queue is full
+                units = list(self.workqueue.items())
+                self.workqueue.clear()
+                for scope, work in sorted(units, key=lambda unit: (unit[0] not in _ONE_WORKER.values(), -len(unit[1]))):
+                    self.workqueue[scope] = work
+                self._ordered = True
+            super()._assign_work_unit(node)
+
+    return Scheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,8 @@ from nnbridge.bridge import bridge_of
 from nnbridge.bridge.state import assign_state
 from utils import assert_same, cached, gpt2, llama
 
+pytestmark = pytest.mark.no_extraction_cache  # nnbridge's cache key misses what tells these llama extractions apart (served another's program)
+
 MODELS = {"gpt2": gpt2, "llama": llama}
 
 

@@ -23,11 +23,13 @@ disk_cache = importlib.import_module("nnbridge.bridge.disk_cache")
 programs = importlib.import_module("nnbridge.bridge.programs")
 storage = importlib.import_module("nnbridge.bridge.storage")
 
+pytestmark = pytest.mark.no_extraction_cache  # each test counts exports in a cache of its own
+
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("NNBRIDGE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE")  # conftest turns it off for every other test
+    monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE", raising=False)  # the module runs with the run's cache off
     return tmp_path / "cache" / "extractions"
 
 

@@ -8,6 +8,10 @@ from nbclient import NotebookClient
 
 from utils import shared_dir
 
+# the kernels inherit the cache switch: off, as before (with the disk cache on, extracting a model
+# class defined in a notebook fails in nnbridge's source fingerprint: "source code not available")
+pytestmark = pytest.mark.no_extraction_cache
+
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 
 

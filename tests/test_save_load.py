@@ -17,6 +17,10 @@ from nnbridge.errors import NNBridgeWarning, SaveLoadError
 
 extraction = __import__("nnbridge.bridge.extraction", fromlist=["export_module"])
 
+# saves what a fresh torch.export made, and refuses export during loads: the run's cache must not
+# stand in for either
+pytestmark = pytest.mark.no_extraction_cache
+
 
 def _refuse_export(monkeypatch):
     """From now on, fail the test if torch.export runs (a load must not export)."""

@@ -91,6 +91,7 @@ def test_each_entry_is_its_own_invocation_for_patches():
     assert not torch.equal(patched, _made(Repeats)(x))
 
 
+@pytest.mark.no_extraction_cache  # a cached failure keeps the reason only, not the error's fix
 def test_error_option_names_the_module_the_cause_and_the_fix():
     model, x = _made(Outer), torch.randn(3, 4)
     with pytest.raises(ExtractionError) as raised:
