@@ -123,7 +123,7 @@ class GraphDispatcher(torch.nn.Module):
         self.__dict__["_warned"] = False
         self.__dict__["flag_modules"] = real_modules(module)
         # structure keys flatten caches: :meth:`structure_key` registers them before the first key
-        # (not here: the registration imports torch._dynamo and transformers' exporters, seconds
+        # (not here: the registration imports torch's Dynamo and transformers' exporters, seconds
         # that a model only ever run eagerly, see .envoys.op_reads, never needs)
         self.__dict__["_pytrees_registered"] = False
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence, Set as AbstractSet
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -82,22 +82,15 @@ class CapturingOutputs(Exception):
         self.fqn = fqn
 
 
-def capturing_cause(error: BaseException | None) -> CapturingOutputs | None:
-    """The :class:`CapturingOutputs` behind ``error`` (export may wrap it), or None."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, CapturingOutputs):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
+_E = TypeVar("_E", bound=BaseException)
 
 
-def reuse_cause(error: BaseException | None) -> ReuseFallback | None:
-    """The :class:`~.reuse.ReuseFallback` behind ``error`` (export may wrap it), or None."""
+def cause_of(error: BaseException | None, kind: type[_E]) -> _E | None:
+    """The exception of type ``kind`` behind ``error`` (itself, or along its causes and contexts:
+    export may wrap it), or None."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, ReuseFallback):
+        if isinstance(error, kind):
             return error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
@@ -209,11 +202,11 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
             except ReuseFallback:
                 raise
             except Exception as error:  # noqa: BLE001 - any export failure means fallback
-                cause = reuse_cause(error)
+                cause = cause_of(error, ReuseFallback)
                 if cause is not None:
                     raise cause from error
                 last = error
-                capturing = capturing_cause(error)
+                capturing = cause_of(error, CapturingOutputs)
                 if capturing is not None:  # trying static shapes would not help
                     raise ModuleFailure(capturing.fqn, capturing, states) from error
                 failing = active[-1] if active else ""
