@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -73,13 +75,31 @@ def load_smollm2(*, attn_implementation: str = "eager", dtype: torch.dtype = tor
             del config.quantization_config
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(quantized.state_dict())
-        tmp = cached.with_name(cached.name + ".partial")
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(cached)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{cached.name}.partial-", dir=cached.parent))
+        try:
+            plain.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        publish_directory(tmp, cached)
     tokenizer = AutoTokenizer.from_pretrained(cached)
     model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval(), tokenizer
+
+
+def publish_directory(written: Path, target: Path) -> None:
+    """Move the finished directory ``written`` to ``target`` in one step (a rename in the same
+    directory), so a reader never sees a partial copy. When another process published ``target``
+    first (two first calls at once), ``written`` is deleted and theirs is kept (same content)."""
+    try:
+        written.rename(target)
+    except OSError:
+        if not (target / "model.safetensors").exists():
+            shutil.rmtree(written, ignore_errors=True)
+            raise
+        shutil.rmtree(written, ignore_errors=True)
 
 
 def load_minilm(*, attn_implementation: str = "eager") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

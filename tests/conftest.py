@@ -59,15 +59,13 @@ def pytest_runtest_setup(item):
 
 
 # -- xdist scheduling (``--dist loadscope``, see pyproject's addopts) ---------------------------------
-# One work unit per test file (module-scoped fixtures are built once), except:
-# - the corpus (test_corpus.py, a third of the tests, no module-scoped fixture) goes out one corpus
-#   entry at a time (its front-ends and modes together, so they share the entry's cached exports),
-#   which keeps both workers busy to the end;
-# - the files that load the real SmolLM2 run on one worker, one after the other: a first
-#   ``nnbridge.models.load_smollm2`` dequantizes into a fixed directory that two processes must not
-#   write at once.
-# Units go out largest first: the real-model files (a quarter of the suite's time), then by number of tests.
-_ONE_WORKER = {f"tests/{name}.py": "real-models" for name in ("test_integration", "test_readme", "test_notebooks")}
+# One work unit per test file (module-scoped fixtures are built once), except the corpus
+# (test_corpus.py, a third of the tests, no module-scoped fixture), which goes out one corpus entry
+# at a time (its front-ends and modes together, so they share the entry's cached exports) and keeps
+# both workers busy to the end. Units go out largest first: the files that load the real models (a
+# quarter of the suite's time; two first ``load_smollm2`` calls at once are safe, see
+# ``nnbridge.models.publish_directory``), then by number of tests.
+_REAL_MODELS = {f"tests/{name}.py" for name in ("test_integration", "test_readme", "test_notebooks")}
 _PER_ENTRY = "tests/test_corpus.py"
 
 
@@ -82,13 +80,13 @@ def pytest_xdist_make_scheduler(config, log):
             file = nodeid.split("::", 1)[0]
             if file == _PER_ENTRY and "[" in nodeid:  # test_x[entry-front_end-mode]
                 return f"{file}::{nodeid.split('[', 1)[1].split('-', 1)[0]}"
-            return _ONE_WORKER.get(file, file)
+            return file
 
         def _assign_work_unit(self, node) -> None:
             if not getattr(self, "_ordered", False):  # the first assignment: the queue is full
                 units = list(self.workqueue.items())
                 self.workqueue.clear()
-                for scope, work in sorted(units, key=lambda unit: (unit[0] not in _ONE_WORKER.values(), -len(unit[1]))):
+                for scope, work in sorted(units, key=lambda unit: (unit[0] not in _REAL_MODELS, -len(unit[1]))):
                     self.workqueue[scope] = work
                 self._ordered = True
             super()._assign_work_unit(node)

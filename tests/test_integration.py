@@ -95,3 +95,27 @@ def test_smollm2_softmax_read_in_a_trace_equals_output_attentions():
                                       output_hidden_states=True)
     assert torch.equal(attn, reference.attentions[7]) and torch.equal(logits, reference.logits)
     assert torch.equal(layer, reference.hidden_states[8]), "a decoder layer's own output, cache threaded outside"
+
+
+def test_publishing_the_dequantized_copy_is_atomic_and_first_wins(tmp_path):
+    """Two processes dequantizing at once: each writes its own partial directory; the first rename
+    publishes, the second finds the copy in place and deletes its own; no partial directory stays."""
+    from nnbridge.models import publish_directory
+
+    target = tmp_path / "SmolLM2-135M-Instruct"
+    first, second = tmp_path / "partial-1", tmp_path / "partial-2"
+    for directory, content in ((first, b"first"), (second, b"second")):
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(content)
+    publish_directory(first, target)
+    publish_directory(second, target)
+    assert (target / "model.safetensors").read_bytes() == b"first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+    # a target that is there but unfinished is an error, and the partial copy is removed
+    broken, third = tmp_path / "broken", tmp_path / "partial-3"
+    (broken / "junk").mkdir(parents=True)
+    third.mkdir()
+    (third / "model.safetensors").write_bytes(b"third")
+    with pytest.raises(OSError):
+        publish_directory(third, broken)
+    assert not third.exists()
