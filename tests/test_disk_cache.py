@@ -161,6 +161,39 @@ def test_class_without_source_is_never_cached(cache_dir, exports):
     assert not cache_dir.exists() or _entries(cache_dir) == []
 
 
+def test_a_call_with_a_cache_argument_is_served_cleanly(cache_dir, exports):
+    """A decode step (``past_key_values=DynamicCache``) cached by one model is served to a fresh
+    one: no export, logits ``(1, 1, 100)`` and the cache equal eager, and nothing logged by torch's
+    loader (the example inputs, which held the cache object, are not written)."""
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+    ids, step = _ids(), torch.randint(0, 100, (1, 1))
+    results, logged = [], Records()
+    loader = logging.getLogger("torch._export.serde.serialize")
+    loader.addHandler(logged)
+    try:
+        for _ in range(2):
+            plain = gpt2()
+            with torch.no_grad():
+                expected = plain(step, past_key_values=plain(ids).past_key_values).logits
+            model = nnbridge.bridge(gpt2(), ids)
+            with torch.no_grad():
+                got = model(step, past_key_values=model(ids).past_key_values).logits
+            assert torch.equal(got, expected)
+            results.append(exports[0])
+    finally:
+        loader.removeHandler(logged)
+    assert results[1] == results[0]  # the fresh model's calls were all served
+    assert [r.msg for r in logged.records] == []  # no "Fallback to weights_only=False"
+
+
 def test_changed_library_version_misses(cache_dir, exports, monkeypatch):
     x = torch.randn(2, 3)
     PatchableGraph(_linear(), x)
@@ -339,9 +372,11 @@ def test_entries_are_written_with_the_bytes_of_torch_export_save():
     with torch.no_grad():
         exported = torch.export.export(model, (ids,), {"use_cache": False}, strict=False)
     check = serialize.canonicalize
+    examples = exported.example_inputs
     ours, theirs = io.BytesIO(), io.BytesIO()
     save_program(exported, ours)
-    assert serialize.canonicalize is check
+    assert serialize.canonicalize is check and exported.example_inputs is examples  # both restored
+    exported.example_inputs = None  # save_program leaves the example inputs out
     torch.export.save(exported, theirs)
     assert ours.getvalue() == theirs.getvalue()
     ours.seek(0)

@@ -103,16 +103,26 @@ def save_program(exported: torch.export.ExportedProgram, stream: IO[bytes]) -> N
     writing a 12-layer GPT-2 program (1.9 of 3.1 s under cProfile). For the duration the module's
     ``canonicalize`` global is a function returning its argument; the bytes written are unchanged
     (checked by tests/test_disk_cache.py). Another thread saving at the same time skips the check too.
+
+    The program's example inputs are left out (``ExportedProgram.example_inputs`` is None while it
+    is written, then restored): nothing that loads it needs them, and torch writes them with
+    ``torch.save``, so a call's transformers ``Cache`` argument would be a pickled object that
+    ``torch.load(weights_only=True)`` refuses. torch 2.13 then loads it with ``weights_only=False``
+    and logs a malformed warning (``deserialize_torch_artifact``), which a logging handler that
+    raises on errors (pytest's) turns into a failed load.
     """
     import torch
     from torch._export.serde import serialize
 
     original = serialize.canonicalize
+    examples = exported._example_inputs
     serialize.canonicalize = _unchecked_canonical_form
+    exported.example_inputs = None
     try:
         torch.export.save(exported, stream)
     finally:
         serialize.canonicalize = original
+        exported._example_inputs = examples
 
 
 def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
