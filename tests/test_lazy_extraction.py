@@ -342,3 +342,35 @@ def test_a_module_called_twice_per_forward_gets_the_whole_models_invocations():
         later = lazy.block.invocation_1.relu.output.save()
     assert _extracted(lazy)[""] == 1 and torch.equal(again, first)
     assert torch.equal(later, torch.relu(reference.block.linear(reference.block(x))))
+
+
+def test_a_cache_of_named_modules_runs_eagerly_with_nnsights_values():
+    lazy, _, reference = _wrappers()
+    caches = []
+    for wrapper in (lazy, reference):
+        with wrapper.trace(IDS) as tracer:
+            cache = tracer.cache(modules=[wrapper.transformer.h[0], wrapper.transformer.h[1].mlp])
+        caches.append(cache)
+    assert _extracted(lazy) == {}
+    mine, theirs = caches
+    assert sorted(mine.keys()) == sorted(theirs.keys()) and len(mine.keys()) == 2
+    for key in theirs.keys():
+        assert torch.equal(mine[key].output[0] if isinstance(mine[key].output, tuple) else mine[key].output,
+                           theirs[key].output[0] if isinstance(theirs[key].output, tuple) else theirs[key].output)
+
+
+def test_a_cache_of_an_op_extracts_its_module_and_a_held_op_the_whole_model():
+    lazy, whole, _ = _wrappers()
+    with lazy.trace(IDS) as tracer:
+        cache = tracer.cache(modules=[lazy.transformer.h[0].attn.softmax])
+    assert _extracted(lazy) == {"transformer.h.0.attn": 1}
+    with whole.trace(IDS):
+        expected = whole.transformer.h[0].attn.softmax.output.save()
+    assert torch.equal(cache["model.transformer.h.0.attn.softmax"].output, expected)
+    with lazy.trace(IDS):
+        lazy.transformer.h[1].attn.softmax.output.save()  # makes the op envoy
+    held = [lazy.transformer.h[1].attn.softmax]  # an op envoy in a variable: not placed by the code
+    with lazy.trace(IDS) as tracer:
+        cache = tracer.cache(modules=held)
+    assert _extracted(lazy)[""] == 1
+    assert "model.transformer.h.1.attn.softmax" in cache.keys()
