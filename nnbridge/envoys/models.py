@@ -7,10 +7,13 @@ runs, so ``model.transformer.h[0].attn.softmax.output`` works in that same trace
 with the same call structure reuse the extraction. ``model.extract(*inputs)`` does it up front.
 
 A trace whose workers read no op envoy (only module inputs and outputs: see :mod:`.op_reads`) runs
-the model's own code, as nnsight would, and extracts nothing.
+the model's own code, as nnsight would, and extracts nothing. A trace whose op reads are all read
+off modules its code names (:func:`.op_reads.op_owners`) extracts those modules alone
+(:meth:`~nnbridge.bridge.in_place.Bridge.lazily`, after one warm-up call that leaves buffers and
+random state as they were); the rest of the model runs its own code.
 
 Generation: the first ``generate`` trace of a call structure runs generation once beforehand
-(no grad, random state restored) so the prefill and decode steps are extracted before the trace
+(no grad, random state and buffers restored) so the prefill and decode steps are extracted before the trace
 body asks for their ops; a module's op envoys serve every step (``tracer.iter``).
 """
 
