@@ -374,3 +374,10 @@ def test_a_cache_of_an_op_extracts_its_module_and_a_held_op_the_whole_model():
         cache = tracer.cache(modules=held)
     assert _extracted(lazy)[""] == 1
     assert "model.transformer.h.1.attn.softmax" in cache.keys()
+
+
+def test_warm_up_outside_lazily_is_refused():
+    model = gpt2()
+    nnbridge.bridge(model)
+    with pytest.raises(NNBridgeError, match="only inside Bridge.lazily"):
+        bridge_of(model).warm_up(lambda: model(IDS))
