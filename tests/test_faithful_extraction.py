@@ -134,6 +134,38 @@ def test_llama_grad_mode_outputs_and_gradients_equal_eager():
     nnbridge.unbridge(model)
 
 
+@pytest.mark.no_extraction_cache  # counts exports
+@pytest.mark.parametrize("prescan", [True, False], ids=["found-eagerly", "found-by-export"])
+def test_a_module_changing_grad_mode_costs_one_export_when_found_eagerly(prescan, monkeypatch):
+    """An eager run finds the rotary embedding's ``@torch.no_grad()`` before exporting, so one
+    export suffices; without that run export finds it and exports again: the same graphs."""
+    from nnbridge.bridge import extraction
+
+    exports = [0]
+    real = extraction.export_module
+
+    def counted(*args, **kwargs):
+        exports[0] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(extraction, "export_module", counted)
+    if not prescan:
+        monkeypatch.setattr(extraction, "grad_mode_modules", lambda *args: [])
+    model = _tiny_llama()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (1, 6))
+    pg = PatchableGraph(model, ids)
+    assert exports[0] == (1 if prescan else 2)
+    assert list(pg.extractions[0].opaque) == ["model.rotary_emb"]
+    assert "grad mode" in pg.extractions[0].opaque["model.rotary_emb"]
+    logits = pg(ids).logits
+    expected = reference(ids).logits
+    assert torch.equal(logits, expected)
+    logits.sum().backward()
+    expected.sum().backward()
+    for name, grad in _grads(reference).items():
+        assert torch.equal(_grads(model)[name], grad), name
+
+
 def test_llama_no_grad_extraction_keeps_rotary_graph():
     model = _tiny_llama()
     reference = copy.deepcopy(model)

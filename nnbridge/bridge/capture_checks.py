@@ -37,7 +37,7 @@ import torch
 from ..compat.module_dicts import buffers_of, parameters_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.nnsight import NNSIGHT_MODULE_ATTRIBUTES
-from ..compat.capture import (autograd_function_calls, grad_mode_frozen, graph_break_calls, mode_regions,
+from ..compat.capture import (autograd_function_calls, grad_mode_changes, grad_mode_frozen, graph_break_calls, mode_regions,
                               tensor_version)
 from ..errors import ExtractionError, NNBridgeError
 
@@ -46,6 +46,10 @@ from ..errors import ExtractionError, NNBridgeError
 _INTERNAL = (frozenset(torch.nn.Module().__dict__) | {"forward", "node_path"} | NNSIGHT_MODULE_ATTRIBUTES
              | MODEL_STATE_ATTRIBUTES)
 _CONTAINERS = (list, dict, set)
+
+
+#: the reason of a module that changes grad mode (found by export's regions or by :func:`grad_mode_modules`)
+GRAD_MODE_REASON = "changes grad mode (torch.no_grad/enable_grad) inside forward, which a graph cannot keep"
 
 
 class UnfaithfulCaptureError(NNBridgeError):
@@ -234,10 +238,10 @@ class CaptureWatch:
         found: dict[str, UnfaithfulCaptureError] = {}
         for path, kind in mode_regions(exported) if exported is not None else []:
             fqn = path.partition(".")[2] if path.startswith("model.") else ""
-            what = "grad mode (torch.no_grad/enable_grad)" if kind == "grad" else "autocast"
+            reason = GRAD_MODE_REASON if kind == "grad" else \
+                "changes autocast inside forward, which a graph cannot keep"
             if new(fqn) and fqn not in found:
-                found[fqn] = UnfaithfulCaptureError(f"changes {what} inside forward, which a graph cannot keep",
-                                                    grad_mode=True)
+                found[fqn] = UnfaithfulCaptureError(reason, grad_mode=True)
         if found:
             return list(found.items())
         for fqn, name in self.functions.items():
@@ -254,3 +258,37 @@ class CaptureWatch:
                 return [(fqn, UnfaithfulCaptureError(
                     f"{', '.join(changed)} in forward, a Python side effect a graph does not repeat"))]
         return []
+
+
+def grad_mode_modules(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      grad_enabled: bool) -> list[str]:
+    """Paths of the submodules (the root left out) whose code changes grad mode in one eager run of
+    the call under ``grad_enabled`` (the module running when the mode changes): those export would
+    record grad-mode regions for (:meth:`CaptureWatch.faults`), found before exporting so that one
+    export traces through them (a Llama's rotary embedding is ``@torch.no_grad()``) instead of a
+    second one after the first found them. Module state and random state are put back after the
+    run (:func:`preserved_state`). [] when the eager run raises (export finds them then)."""
+    from .module_tree import named_real_modules
+    from .recording import observed_run
+    from .kinds import HookKind
+
+    active: list[str] = []
+    found: dict[str, None] = {}
+
+    def enter(fqn: str) -> Any:
+        return lambda mod, a, k: active.append(fqn)
+
+    def leave(mod: torch.nn.Module, a: Any, k: Any, out: Any) -> None:
+        active.pop()
+
+    def changed() -> None:
+        if active and active[-1]:
+            found.setdefault(active[-1])
+    hooks = [hook for fqn, sub in named_real_modules(module)
+             for hook in ((sub, HookKind.PRE, enter(fqn)), (sub, HookKind.POST, leave))]
+    try:
+        with preserved_state(list(named_real_modules(module))), grad_mode_changes(changed):
+            observed_run(module, args, kwargs, hooks, grad=grad_enabled)
+    except Exception:  # noqa: BLE001 - export reports what the eager run could not show
+        return []
+    return list(found)

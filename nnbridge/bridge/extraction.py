@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from .building import GraphBuilder
 from .call_structure import ShapeGuard, tensor_leaves
-from .capture_checks import UnfaithfulCaptureError, preserved_state
+from .capture_checks import GRAD_MODE_REASON, UnfaithfulCaptureError, grad_mode_modules, preserved_state
 from .context import ChildDispatcherFactory, Extraction, ExtractionContext, describe_failure
 from .custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
 from .graph_module import CompiledGraphModule, OpaqueGraphModule
@@ -216,6 +216,17 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     # caller's graph) and only shown as opaque; the others are stubbed while exporting
     traced = {fqn for fqn in stubs if stubs[fqn] == StubKind.SKIPPED and any(state_keys(a, k) for a, k, _ in calls[fqn])}
     frozen: set[str] = set()  # traced modules whose own grad-mode changes are ignored while exporting
+    if record is None:
+        # modules that change grad mode, found by an eager run: traced through with the change
+        # ignored from the first export on, as after an export found them (one export, not two)
+        for fqn in grad_mode_modules(module, args, kwargs, ctx.grad_enabled):
+            if fqn not in stubs:
+                grad_change = UnfaithfulCaptureError(GRAD_MODE_REASON, grad_mode=True)
+                stubs[fqn], errors[fqn] = describe_failure(grad_change), grad_change
+                traced.add(fqn)
+                frozen.add(fqn)
+        if frozen:
+            calls = record_calls(module, set(stubs), args, kwargs)
     while record is None:
         frozen_by = scalar_stub_caller(module, stubs, traced, calls)
         if frozen_by is not None:

@@ -4,6 +4,8 @@
 - :func:`autograd_function_calls`: report every custom ``torch.autograd.Function.apply`` while
   tracing; export inlines the Function's forward and drops its backward.
 - :func:`grad_mode_frozen`: ignore grad-mode changes while a given module is traced.
+- :func:`grad_mode_changes`: report every grad-mode change in an eager run (to find the modules
+  above before exporting).
 - :func:`graph_break_calls`: report every ``torch._dynamo.graph_break()`` while tracing; non-strict
   export runs it as the no-op it is in eager code, so the module would silently become one graph.
 - :func:`mode_regions`: the grad-mode / autocast regions export recorded as higher-order ops
@@ -46,6 +48,27 @@ def autograd_function_calls(on_apply: Callable[[type], None]) -> Iterator[None]:
         yield
     finally:
         setattr(function, "apply", original)
+
+
+@contextlib.contextmanager
+def grad_mode_changes(on_change: Callable[[], None]) -> Iterator[None]:
+    """Call ``on_change()`` before every grad-mode change in the body (``torch.no_grad()``,
+    ``torch.enable_grad()``, their decorators, ``torch.set_grad_enabled``: a call of
+    ``torch._C._set_grad_enabled`` with a value other than the current mode, torch 2.0 - 2.13),
+    in the thread that entered it; the change itself happens as usual."""
+    original = torch._C._set_grad_enabled
+    thread = threading.get_ident()
+
+    def set_grad_enabled(enabled: bool) -> None:  # torch._C._set_grad_enabled's signature
+        if threading.get_ident() == thread and bool(enabled) != torch.is_grad_enabled():
+            on_change()
+        original(enabled)
+
+    torch._C._set_grad_enabled = set_grad_enabled
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled = original
 
 
 @contextlib.contextmanager
