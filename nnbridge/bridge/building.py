@@ -29,7 +29,7 @@ from .metadata import node_meta, update_node_meta
 from .module_tree import safe_name
 from .opaque import opaque_module
 from .recording import record_calls
-from .reuse import ReuseFallback, ReusePlan, ReusedHolder, copy_graph, placeholder_signature
+from .reuse import ReuseFallback, ReusePlan, ReusedHolder, copy_graph, placeholder_signature, rebind_cache_state
 from .state import Key
 from .state_graphs import argument_objects, forward_state_objects, read_states_back, write_states_back
 from .unused import keep_unused, registration_order
@@ -114,8 +114,10 @@ class GraphBuilder:
             mine, theirs = placeholder_signature(cast(Graph, stub.graph)), placeholder_signature(graph)
             # the representative's leading extra inputs (a tensor unflatten passes for a symbolic
             # size) must be unused once built (see child)
+            # (the sibling's own leading extras, e.g. for a size its stub unified, are dropped by
+            # its caller, as the built graph takes exactly its module's arguments)
             extras = len(theirs) - len(mine)
-            if extras < 0 or theirs[extras:] != mine:
+            if theirs[max(extras, 0):] != mine[max(-extras, 0):]:
                 raise ReuseFallback(f"'{fqn}' is called with other inputs than '{source}': {mine} vs {theirs}")
         copied, copied_numbers = copy_graph(graph, numbers)
         self.numbers.update(copied_numbers)
@@ -123,7 +125,9 @@ class GraphBuilder:
 
     def state_keys(self, fqn: str, invocation: int) -> list[Key]:
         """The state keys export recorded for this invocation ([] when it had no stateful argument)."""
-        recorded = self.states.get(fqn, [])
+        recorded = self.states.get(fqn)
+        if recorded is None:  # a reused sibling's submodule, never traced: its representative's
+            recorded = self.states.get(self.reuse.source(fqn), [])
         return recorded[invocation] if invocation < len(recorded) else []
 
     def child(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
@@ -145,7 +149,11 @@ class GraphBuilder:
                 holder, extras = self.reused_holder(fqn, source, invocation)
                 cgm = self.build(fqn, module, holder, invocation, source)
                 if extras and not cgm.graph_meta.exact_signature:
-                    raise ReuseFallback(f"'{source}' reads {extras} value(s) from its caller that '{fqn}' is not passed")
+                    raise ReuseFallback(f"'{source}' and '{fqn}' are passed {abs(extras)} different value(s) by"
+                                        " their callers")
+                sibling = self.reuse.sibling_of(fqn)
+                if sibling in self.reuse.caches:
+                    rebind_cache_state(cgm, self.reuse.caches[sibling], fqn)
                 if fqn in self.reuse.siblings:
                     cgm.graph_meta.reused_from = self.ctx.full(source)
                 return cgm
