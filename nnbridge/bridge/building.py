@@ -10,6 +10,7 @@ and named (:mod:`.cleanup`), threads module state (:mod:`.state_graphs`), gets i
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any, cast
 
@@ -38,6 +39,13 @@ from ..compat.pytree import pytree
 from ..errors import ExtractionError
 
 
+_LIFTED = re.compile(r"lifted_tensor_(\d+)")
+
+
+def _number(name: str) -> int:
+    return int(name.rpartition("_")[2])
+
+
 class GraphBuilder:
     """Builds the mirror hierarchy from an unflattened export."""
 
@@ -54,6 +62,8 @@ class GraphBuilder:
         self.reuse = reuse or ReusePlan()
         # {(representative subtree path, invocation): (unflattened holder, pristine graph copy, its call numbers)}
         self.pristine: dict[tuple[str, int], tuple[Any, Graph, dict[Node, int]]] = {}
+        # {sibling: {representative's lifted constant: (the sibling's name for it, its value)}}
+        self.lifted: dict[str, dict[str, tuple[str, Any]]] = {}
 
     def number_calls(self, holder: torch.nn.Module) -> None:
         """Number every submodule call of the unflattened graphs, from the root graph ``holder``
@@ -122,6 +132,31 @@ class GraphBuilder:
         copied, copied_numbers = copy_graph(graph, numbers)
         self.numbers.update(copied_numbers)
         return ReusedHolder(copied, holder), extras
+
+    def own_constants(self, fqn: str, graph: Graph, attrs: dict[str, Any]) -> None:
+        """Give a reused graph the sibling's own lifted constants (the empty tensors a cache
+        layer starts from), under the names a full extraction gives them: export numbers them
+        per program (``lifted_tensor_2``), and the sibling's stub created its own, in the same
+        order as its representative. Names stay the representative's when the counts differ."""
+        sibling = self.reuse.sibling_of(fqn)
+        if sibling is None:
+            return
+        if sibling not in self.lifted:
+            rep = self.reuse.siblings[sibling]
+            theirs = sorted({str(n.target) for (path, _), (_, g, _) in self.pristine.items()
+                             if path == rep or path.startswith(f"{rep}.") for n in g.nodes
+                             if n.op == "get_attr" and _LIFTED.fullmatch(str(n.target))}, key=_number)
+            stub = invocation_graphs(self.unflattened.get_submodule(f"model.{sibling}"))[0]
+            mine = sorted({str(n.target) for n in cast(Graph, stub.graph).nodes
+                           if n.op == "get_attr" and _LIFTED.fullmatch(str(n.target))}, key=_number)
+            self.lifted[sibling] = ({t: (m, resolve_attr(stub, m)) for t, m in zip(theirs, mine)}
+                                   if len(theirs) == len(mine) else {})
+        renames = self.lifted[sibling]
+        for node in graph.nodes:
+            if node.op == "get_attr" and str(node.target) in renames:
+                name, value = renames[str(node.target)]
+                del attrs[str(node.target)]
+                node.target, attrs[name] = name, value
 
     def state_keys(self, fqn: str, invocation: int) -> list[Key]:
         """The state keys export recorded for this invocation ([] when it had no stateful argument)."""
@@ -196,6 +231,8 @@ class GraphBuilder:
         source = fqn if source is None else source
         graph = cast(Graph, holder.graph)
         attrs = {str(n.target): resolve_attr(holder, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
+        if source != fqn:
+            self.own_constants(fqn, graph, attrs)
         restore_constant_outputs(graph, self.constants.get((f"model.{source}" if source else "model", invocation), {}))
         keys = self.state_keys(fqn, invocation)
         if keys:

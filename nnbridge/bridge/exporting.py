@@ -176,7 +176,8 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
         return hook
     for rep in reuse.representatives():
         handles.append(module.get_submodule(rep).register_forward_hook(saw(rep), with_kwargs=True))
-    trace = CacheTrace()
+    reps = tuple(reuse.representatives())
+    trace = CacheTrace(rep_active=lambda: any(a == r or a.startswith(f"{r}.") for a in active for r in reps))
     indices = cache_indices(reuse, module)
     for sibling, rep in reuse.siblings.items():
         rep_modules = frozenset(id(sub) for _, sub in named_real_modules(module.get_submodule(rep)))
@@ -205,6 +206,7 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
                         (cache_updates_traced(trace) if reuse.caches else contextlib.nullcontext()):
                     exported = export(wrapper, copy_inputs((args, kwargs)), dynamic_shapes=shapes,
                                       preserve_module_call_signature=fqns, grad_enabled=grad_enabled)
+                reads += trace.uses
                 if reads:
                     raise ReuseFallback(f"export read attributes that differ between siblings: {sorted(set(reads))}")
             except ReuseFallback:

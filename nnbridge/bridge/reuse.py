@@ -378,6 +378,38 @@ class CacheTrace:
 
     uses: list[str] = field(default_factory=list)
     updates: list[tuple[int, Any, Any, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+    #: whether a representative's subtree is running (set by the exporter)
+    rep_active: Callable[[], bool] = lambda: False
+    #: depth of ``Cache.update`` calls running
+    updating: int = 0
+
+
+class _LayerState:
+    """A data descriptor standing in for a cache layer's ``keys`` / ``values`` instance attribute
+    while exporting (values are the instances' own): an access while a representative runs, other
+    than inside :func:`cache_updates_traced`'s ``Cache.update``, is recorded as a use of the cache
+    beyond its own layer (a constant ``cache.layers[0].keys`` would read the same path in
+    representative 0's graph as its own layer does, and must not be rebound)."""
+
+    def __init__(self, name: str, trace: CacheTrace):
+        self.name, self.trace = name, trace
+
+    def note(self) -> None:
+        if self.trace.updating == 0 and self.trace.rep_active():
+            self.trace.uses.append(f"a cache layer's {self.name} outside Cache.update")
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        self.note()
+        try:
+            return obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        self.note()
+        obj.__dict__[self.name] = value
 
 
 @contextlib.contextmanager
@@ -385,9 +417,11 @@ def cache_updates_traced(trace: CacheTrace) -> Iterator[None]:
     """For the body's duration, transformers' ``Cache.update(key_states, value_states, layer_idx)``
     accepts a :class:`CacheIndex` as ``layer_idx``: it runs with the real index and is recorded in
     ``trace.updates``, when the cache is a plain one whose layer exists already (no offloading, no
-    layer appended, ``update`` not overridden); otherwise the index counts as used."""
+    layer appended, ``update`` not overridden); otherwise the index counts as used. A cache layer's
+    ``keys`` or ``values`` touched while a representative runs (``trace.rep_active``) outside such
+    an update counts as a use too (see :class:`_LayerState`)."""
     try:
-        from transformers.cache_utils import Cache
+        from transformers.cache_utils import Cache, CacheLayerMixin
     except ImportError:  # pragma: no cover
         yield
         return
@@ -403,13 +437,22 @@ def cache_updates_traced(trace: CacheTrace) -> Iterator[None]:
             else:
                 trace.updates.append((id(layer_idx.owner), key_states, value_states, args, kwargs))
             layer_idx = index
-        return original(self, key_states, value_states, layer_idx, *args, **kwargs)
+        trace.updating += 1
+        try:
+            return original(self, key_states, value_states, layer_idx, *args, **kwargs)
+        finally:
+            trace.updating -= 1
 
+    names = [n for n in ("keys", "values") if n not in vars(CacheLayerMixin)]
     Cache.update = update  # type: ignore[method-assign]
+    for name in names:
+        setattr(CacheLayerMixin, name, _LayerState(name, trace))
     try:
         yield
     finally:
         Cache.update = original  # type: ignore[method-assign]
+        for name in names:
+            delattr(CacheLayerMixin, name)
 
 
 def cache_indices(plan: ReusePlan, module: torch.nn.Module) -> frozenset[tuple[int, str]]:
@@ -607,7 +650,13 @@ def sibling_stub(sibling: str, rep: str, seen: dict[str, tuple[Any, Any]], rebin
             for _, key_states, value_states, extra_args, extra_kwargs in updates:
                 if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves((extra_args, extra_kwargs))):
                     raise ReuseFallback(f"a cache update of '{rep}' takes tensors besides keys and values")
-                caches[0].update(zeros(key_states), zeros(value_states), rebinding.index, *extra_args, **extra_kwargs)
+                written = caches[0].update(zeros(key_states), zeros(value_states), rebinding.index,
+                                           *extra_args, **extra_kwargs)
+                # the output depends on what was written, as the real layer's does (else export drops
+                # the writes when nothing after reads them, and the caller's cache would lose them)
+                for t in pytree.tree_leaves(written):
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        dep = 0 * t.sum() if dep is None else dep + 0 * t.sum()
 
         def like(out: torch.Tensor) -> torch.Tensor:
             shape = str(tuple(out.shape))
