@@ -251,6 +251,39 @@ def test_cache_per_layer_patch_equal(cache_case):
     assert not torch.equal(b.past_key_values.layers[2].keys, model(ids).past_key_values.layers[2].keys)
 
 
+@pytest.mark.no_extraction_cache  # a cache of its own: exports are counted
+def test_cache_reuse_disk_cache_hit(tmp_path, monkeypatch):
+    """A second reused extraction of the same call is a disk-cache hit (no export) whose record
+    carries the reuse plan: the same graphs, reuse markers, outputs and cache; a full extraction
+    does not take the reused record (nor the reverse)."""
+    from nnbridge.bridge import extraction
+    monkeypatch.setenv("NNBRIDGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE", raising=False)
+    count = [0]
+    real = extraction.export_module
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(extraction, "export_module", counted)
+    factory, prefix, expected, node = MODELS["gpt2"]
+    model = factory()
+    ids = torch.randint(1, 100, (2, 7))
+    first = PatchableGraph(model, ids, options=REUSE)
+    second = PatchableGraph(model, ids, options=REUSE)
+    assert count[0] == 1
+    assert _reused(first) == _reused(second) == expected
+    a, b = _graphs(first), _graphs(second)
+    assert list(a) == list(b) and all(a[name].code == b[name].code for name in a)
+    eager = model(ids)
+    out = second(ids)
+    assert torch.equal(out.logits, eager.logits)
+    _assert_same_cache(out.past_key_values, eager.past_key_values)
+    full = PatchableGraph(model, ids, options=FULL)
+    assert count[0] == 2 and _reused(full) == {}
+    assert torch.equal(full(ids).logits, eager.logits)
+
+
 class _ToyLayer(torch.nn.Module):
     """A decoder-like layer: writes ``proj(x)`` to its cache layer and adds the mean of its
     cached keys. ``scaled`` multiplies by ``layer_idx + 1`` (a use of the index in arithmetic);

@@ -28,7 +28,7 @@ import functools
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import Graph, Node
@@ -605,7 +605,7 @@ def sibling_stub(sibling: str, rep: str, seen: dict[str, tuple[Any, Any]], rebin
             caches.append(cache)
             rep_output = rep_output[0]  # a threaded call returns (output, [new states]), see .state
         leaves, spec = pytree.tree_flatten(_without(args, kwargs, keys))
-        rep_leaves, rep_spec = pytree.tree_flatten(_without(*rep_inputs, keys))
+        rep_leaves, rep_spec = pytree.tree_flatten(_without(rep_inputs[0], rep_inputs[1], keys))
         if spec != rep_spec or len(leaves) != len(rep_leaves):
             raise ReuseFallback(f"'{sibling}' is called with another structure than '{rep}'")
         for mine, theirs in zip(leaves, rep_leaves):
@@ -753,7 +753,7 @@ def _sizes_only(read: Node) -> set[int]:
         only = all(u.op == "call_function" and str(getattr(u.target, "__name__", u.target)).startswith("sym_size")
                    for u in user.users)
         used[user.args[1]] = used.get(user.args[1], True) and only
-    return {k for k in range(len(read.args[2])) if used.get(k, True)}
+    return {k for k in range(len(cast(tuple, read.args[2]))) if used.get(k, True)}
 
 
 def rebind_cache_state(gm: torch.fx.GraphModule, rebinding: CacheRebinding, name: str) -> None:
