@@ -383,3 +383,51 @@ def test_entries_are_written_with_the_bytes_of_torch_export_save():
     loaded = load_program(ours)
     with torch.no_grad():
         assert torch.equal(loaded.module()(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
+_SECOND_PROCESS = """
+import torch, nnbridge
+from nnbridge.bridge import extraction
+from utils import gpt2
+count = [0]
+real = extraction.export_module
+def counted(*args, **kwargs):
+    count[0] += 1
+    return real(*args, **kwargs)
+extraction.export_module = counted
+model = gpt2()
+ids = torch.arange(8).reshape(1, 8)
+eager = model(ids).logits
+nnbridge.bridge(model, ids)
+assert torch.equal(model(ids).logits, eager)
+print("exports", count[0])
+"""
+
+
+def test_a_second_process_is_served_by_the_first_ones_entry(cache_dir):
+    """Two processes (other string-hash salts, as any two Python processes) share one entry: a
+    transformers model's ``generation_config`` holds a per-process hash, left out of the key."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    counts = []
+    for seed in ("1", "2"):
+        done = subprocess.run([sys.executable, "-c", _SECOND_PROCESS], env={**env, "PYTHONHASHSEED": seed},
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        counts.append(done.stdout.strip().splitlines()[-1])
+    assert counts == ["exports 1", "exports 0"]
+    assert len(_entries(cache_dir)) == 1
+
+
+def test_the_per_process_generation_config_hash_is_not_in_the_key():
+    model = gpt2()
+    before = programs.model_fingerprint(model)
+    model.generation_config._original_object_hash = 12345
+    assert programs.model_fingerprint(model) == before
+    model.generation_config.max_length = 7  # a real value still counts
+    assert programs.model_fingerprint(model) != before

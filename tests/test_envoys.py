@@ -350,6 +350,7 @@ def test_only_graphs_with_a_wanted_op_inside_pay_for_the_trace_checks(gpt2_model
     from nnbridge.bridge import bridge_of
 
     model, _ = gpt2_model
+    model.lazy_op_traces = False  # the whole model's graphs (lazily, h[0].attn alone would be)
     with model.trace(PROMPTS[0]):
         probs = model.transformer.h[0].attn.softmax.output.save()
     root = bridge_of(model._module).dispatcher.all_extractions()[-1].root

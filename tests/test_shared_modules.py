@@ -91,9 +91,15 @@ def test_each_entry_is_its_own_invocation_for_patches():
     assert not torch.equal(patched, _made(Repeats)(x))
 
 
-@pytest.mark.no_extraction_cache  # a cached failure keeps the reason only, not the error's fix
-def test_error_option_names_the_module_the_cause_and_the_fix():
+@pytest.mark.no_extraction_cache  # each case controls its own cache
+@pytest.mark.parametrize("cached", [False, True], ids=["fresh", "from-disk-cache"])
+def test_error_option_names_the_module_the_cause_and_the_fix(cached, tmp_path, monkeypatch):
     model, x = _made(Outer), torch.randn(3, 4)
+    if cached:  # a lenient extraction stored the export; the strict one is served from it
+        monkeypatch.setenv("NNBRIDGE_CACHE", str(tmp_path))
+        monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE", raising=False)
+        PatchableGraph(_made(Outer), x)
+        assert list(tmp_path.glob("extractions/*.nnbridge"))
     with pytest.raises(ExtractionError) as raised:
         PatchableGraph(model, x, options=ExtractionOptions(error_on_compilation_failure=True))
     message = str(raised.value)

@@ -136,8 +136,16 @@ def load_fixture(name: str) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str,
 
 
 def leaves(value: Any) -> list[Any]:
-    """Pytree leaves, looking into ModelOutput (a dict) too."""
-    return pytree.tree_leaves(value.to_tuple() if hasattr(value, "to_tuple") else value)
+    """Pytree leaves, looking into ModelOutput (a dict) too, and into transformers' caches (each
+    layer's keys and values), whether or not cache pytrees are registered in this process."""
+    from transformers.cache_utils import Cache
+
+    def expand(item: Any) -> Any:
+        if isinstance(item, Cache):
+            return [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in item.layers]
+        return item
+    value = value.to_tuple() if hasattr(value, "to_tuple") else value
+    return pytree.tree_leaves(pytree.tree_map(expand, value, is_leaf=lambda item: isinstance(item, Cache)))
 
 
 def assert_same(actual: Any, expected: Any) -> None:

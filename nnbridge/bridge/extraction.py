@@ -206,7 +206,9 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     if record is not None:
         stubs = dict(record.stubs)
         exported, dynamic, states = record.exported, record.dynamic, record.states
-        errors = {fqn: programs.RecordedFailure(reason) for fqn, reason in stubs.items()}
+        # a shared container entry's error (with its fix) is known again from the module itself
+        errors = {fqn: errors[fqn] if isinstance(errors.get(fqn), SharedModuleEntry) and str(errors[fqn]) == reason
+                  else programs.RecordedFailure(reason) for fqn, reason in stubs.items()}
     recorded = set(stubs) | set(candidates.siblings) | candidates.representatives()
     calls = record_calls(module, recorded, args, kwargs) if recorded else {}
     plan = confirm_reuse(module, candidates, calls)

@@ -57,6 +57,12 @@ def _config_like(name: str, value: object) -> bool:
     return hasattr(value, "to_dict") or isinstance(value, types.SimpleNamespace) or name == "config"
 
 
+#: config attributes whose value differs between processes for one config: transformers'
+#: ``GenerationConfig._original_object_hash`` is ``hash()`` of the config's fields, which Python
+#: salts per process for strings (a disk-cache key holding it never matched in a second process)
+PER_PROCESS_VALUES = frozenset({"_original_object_hash"})
+
+
 def config_values(config: Any) -> list[tuple[str, str]]:
     """Every plain value of a config-like object (see :func:`_config_like`) and of the config-like
     objects it holds, private ones included (``_attn_implementation_internal``), as sorted
@@ -68,6 +74,8 @@ def config_values(config: Any) -> list[tuple[str, str]]:
     def walk(prefix: str, value: Any) -> None:
         seen.add(id(value))
         for name, item in vars(value).items():
+            if name in PER_PROCESS_VALUES:
+                continue
             if _plain(item) or (isinstance(item, list) and all(_plain(v) for v in item)):
                 found.append((f"{prefix}{name}", repr(item)))
             elif _config_like(name, item) and id(item) not in seen:

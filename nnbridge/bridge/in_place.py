@@ -148,6 +148,11 @@ class Bridge:
         self.registered: list[tuple[torch.nn.Module, str]] = []
         self.depth = 0
         self.eager = 0  # > 0 while :meth:`running_eagerly`
+        #: ``{id: module}`` of the modules that run graphs while :meth:`lazily`, else None
+        self.lazy: dict[int, torch.nn.Module] | None = None
+        #: calls per lazy module in the current forward, and the modules seen called more than once
+        self.calls: Counter[int] = Counter()
+        self.repeated: set[int] = set()
         self.locked: list[tuple[torch.nn.Module, Callable[..., Any]]] = []  # locked ``_call_impl``s (see .locking)
 
     # -- running --------------------------------------------------------------------------------
@@ -164,6 +169,15 @@ class Bridge:
         if self.eager:
             return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
         graph = _pending().pop(id(module), None)
+        if graph is None and self.lazy is not None and self.depth == 0:
+            if id(module) not in self.lazy:
+                if module is self.model:  # a new forward (a generation step)
+                    self.calls.clear()
+                return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+            self.calls[id(module)] += 1
+            if self.calls[id(module)] > 1:  # whole-model extractions number its calls (invocation_<k>)
+                self.repeated.add(id(module))
+            graph = self._own_dispatcher(module).lookup(args, kwargs).root
         if graph is not None and not torch.compiler.is_dynamo_compiling() and not _state_specs_hold(graph, args, kwargs):
             # a state object (a ``Cache``) is not in the state the parent's extraction saw, e.g. an
             # earlier layer was skipped (nnsight ``.skip()``) and did not write its cache layer, as
@@ -216,6 +230,52 @@ class Bridge:
             yield
         finally:
             self.eager -= 1
+
+    @contextlib.contextmanager
+    def lazily(self, modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+        """Extract only ``modules`` for the body's duration: they run their own graphs (each
+        extracted per call structure by its own dispatcher, as a module called on its own), every
+        other module runs its own code, as in :meth:`running_eagerly` (issue "nnsight parity":
+        extract only the modules a trace reaches below the module level). ``modules`` must not
+        contain one another. Op points keep their names and identity across a lazy and a
+        whole-model extraction (points are shared by module, invocation and name).
+
+        Raises:
+            NNBridgeError: a patch or torch hook is on an op point (they need the whole model's
+                graphs: run it normally).
+        """
+        if self.listened():
+            raise NNBridgeError(f"cannot extract {type(self.model).__name__} lazily: op points have patches or"
+                                " torch hooks, which need the whole model's graphs; run it normally.")
+        chosen = {id(module): module for module in modules}
+        for module in chosen.values():
+            if id(module) not in self.swapped:
+                self.swap(module)
+        previous, self.lazy = self.lazy, chosen
+        try:
+            yield
+        finally:
+            self.lazy = previous
+
+    def lazy_allowed(self, modules: Iterable[torch.nn.Module]) -> bool:
+        """Whether :meth:`lazily` may serve ``modules``: none is called more than once per forward
+        (a whole-model extraction gives each call its own op points, ``invocation_<k>``; a module
+        extracted alone has one set for every call), as far as earlier runs tell."""
+        return not any(id(module) in self.repeated or "invocation_1" in modules_of(module) for module in modules)
+
+    def warm_up(self, run: Callable[[], Any]) -> None:
+        """While :meth:`lazily`: call ``run`` (a call of the model) once, which extracts the lazy
+        modules for its call structures (op envoys must exist before an nnsight trace starts) and
+        finds those called more than once per forward (see :meth:`lazy_allowed`). Random state
+        and every buffer's value are restored after (:func:`state_restored`).
+
+        Raises:
+            NNBridgeError: not inside :meth:`lazily` (an nnbridge bug).
+        """
+        if self.lazy is None:
+            raise NNBridgeError("Bridge.warm_up() runs only inside Bridge.lazily(); this is an nnbridge bug.")
+        with state_restored(self.model):
+            run()
 
     def _own_dispatcher(self, module: torch.nn.Module) -> GraphDispatcher:
         """``module``'s own dispatcher (made on first need, linked like the model's)."""
@@ -363,6 +423,25 @@ class Bridge:
         """Make every call of the model or of any of its modules, hooks included, hold the
         process-wide call lock (see :mod:`.locking`)."""
         self.locked = lock_calls(self.model.modules())
+
+
+@contextlib.contextmanager
+def state_restored(model: torch.nn.Module) -> Iterator[None]:
+    """Restore, after the body, torch's CPU random state and every buffer of ``model``: the same
+    tensor object under each name, holding its value from before (a warm-up run of the model must
+    leave no trace: BatchNorm statistics, counters)."""
+    buffers = [(module, name, tensor, tensor.detach().clone())
+               for module in model.modules() for name, tensor in buffers_of(module).items()
+               if tensor is not None and not tensor.is_meta]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for module, name, tensor, value in buffers:
+                    buffers_of(module)[name] = tensor
+                    if not torch.equal(tensor, value):
+                        tensor.copy_(value)
 
 
 def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOptions | None = None,

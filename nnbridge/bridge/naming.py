@@ -2,7 +2,9 @@
 
 - placeholders after the ``forward()`` arguments (``hidden_states``, ``attention_mask``;
   ``args_0``... for ``*args`` entries);
-- ``get_attr`` nodes after their attribute (``weight``, ``bias``);
+- ``get_attr`` nodes after their attribute (``weight``, ``bias``); the constants export lifts and
+  numbers across the whole model are numbered within the graph (``lifted_tensor_0``), so a module
+  extracted alone names them as in a whole-model extraction;
 - ops after the ATen op, numbered within the graph (``softmax``, ``add``, ``add_1``);
 - submodule calls after the child (``h_0``; ``linear_0``/``linear_1`` when called twice).
 
@@ -24,6 +26,10 @@ from torch.fx import Graph, Node
 
 from ..compat import rename_nodes
 from .metadata import update_node_meta
+
+
+#: export's names of the constants a forward creates (``torch.tensor(...)``), numbered model-wide
+_NUMBERED_CONSTANT = re.compile(r"(lifted_tensor|_tensor_constant)_?\d+")
 
 
 def op_base_name(node: Node) -> str:
@@ -87,7 +93,12 @@ def name_nodes(graph: Graph, forward: Callable[..., Any], call_names: dict[Node,
         if node.op == "call_module":
             names[node] = unique(call_names[node])
         elif node.op == "get_attr":
-            names[node] = unique(str(node.target).replace(".", "_"))
+            constant = _NUMBERED_CONSTANT.fullmatch(str(node.target))
+            if constant is not None:  # export numbers constants across the model: number them per graph
+                names[node] = unique(f"{constant.group(1)}_{counts[constant.group(1) + '#']}")
+                counts[constant.group(1) + "#"] += 1
+            else:
+                names[node] = unique(str(node.target).replace(".", "_"))
     for node in graph.nodes:
         if node in names:
             continue

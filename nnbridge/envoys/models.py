@@ -7,10 +7,13 @@ runs, so ``model.transformer.h[0].attn.softmax.output`` works in that same trace
 with the same call structure reuse the extraction. ``model.extract(*inputs)`` does it up front.
 
 A trace whose workers read no op envoy (only module inputs and outputs: see :mod:`.op_reads`) runs
-the model's own code, as nnsight would, and extracts nothing.
+the model's own code, as nnsight would, and extracts nothing. A trace whose op reads are all read
+off modules its code names (:func:`.op_reads.op_owners`) extracts those modules alone
+(:meth:`~nnbridge.bridge.in_place.Bridge.lazily`, after one warm-up call that leaves buffers and
+random state as they were); the rest of the model runs its own code.
 
 Generation: the first ``generate`` trace of a call structure runs generation once beforehand
-(no grad, random state restored) so the prefill and decode steps are extracted before the trace
+(no grad, random state and buffers restored) so the prefill and decode steps are extracted before the trace
 body asks for their ops; a module's op envoys serve every step (``tracer.iter``).
 """
 
@@ -25,14 +28,15 @@ import torch
 from nnsight.modeling.language import LanguageModel as _NNsightLanguageModel
 from nnsight.modeling.transformers import TransformersModel as _NNsightTransformersModel
 
-from ..bridge.in_place import Bridge, bridge, bridge_of
+from ..bridge.in_place import Bridge, bridge, bridge_of, state_restored
 from ..errors import NNBridgeError
+from ..compat.module_dicts import modules_of
 from ..compat.nnsight_loading import PreprocessorSources
 from ..compat.nnsight import (OutOfOrderError, dispatch_if_lazy, mirror_envoys, pending_workers, repoint_envoys,
                               scalar_safe_batcher)
 from ..bridge.op_point import OpPoint, OpPointContainer
 from .envoy import BridgeEnvoy, tree_repr
-from .op_reads import reads_ops
+from .op_reads import op_owners
 from .remote import NNsightRequest, is_op_point
 
 #: The default ``envoys=`` mapping: op points get BridgeEnvoys, modules nnsight's own Envoy.
@@ -59,9 +63,14 @@ class _Bridged(_EnvoyBase):
             True; class-wide, or per wrapper). False runs every trace on the graphs. Also governs
             a plain call of the wrapper outside a trace (``model(input_ids)``): with no patch or
             torch hook on an op point it runs the model's own code, as nnsight does.
+        lazy_op_traces: extract only the modules whose op envoys a trace reads, when the trace's
+            code names them off known modules (``model.transformer.h[0].attn.softmax``; see
+            :func:`.op_reads.op_owners`); the rest of the model runs its own code (default True;
+            needs ``eager_module_traces``). False extracts the whole model for any op read.
     """
 
     eager_module_traces: bool = True
+    lazy_op_traces: bool = True
 
     _module: torch.nn.Module  # nnsight's: the wrapped model
     # written through self.__dict__ (past nnsight.Envoy.__setattr__) in __init__:
@@ -151,7 +160,8 @@ class _Bridged(_EnvoyBase):
             call_args, call_kwargs = nnsight.util.apply(
                 (call_args, call_kwargs), lambda tensor: tensor.to(device), torch.Tensor)
         state = bridge_of(self._nnbridge_model())
-        if state is not None and self.eager_module_traces and not self._nnbridge_wants_ops(state):
+        owners = self._nnbridge_op_owners(state) if state is not None and self.eager_module_traces else None
+        if state is not None and owners == {}:
             # no worker reads an op: nnsight's hooks on the modules serve the trace (see .op_reads)
             try:
                 with state.running_eagerly():
@@ -159,6 +169,17 @@ class _Bridged(_EnvoyBase):
             except (AttributeError, OutOfOrderError) as error:
                 error.add_note(_EAGER_NOTE)
                 raise
+        if state is not None and owners and self.lazy_op_traces and not self._nnbridge_extracted(state, fn, call_args,
+                                                                                                 call_kwargs):
+            # workers read ops of known modules only: extract those modules alone
+            modules = _outermost([self._module.get_submodule(path) for path in owners])
+            if state.lazy_allowed(modules):
+                with state.lazily(modules):
+                    if self._nnbridge_prepare(fn, call_args, call_kwargs, owners) and state.lazy_allowed(modules):
+                        return super().interleave(fn, batcher=batcher)
+            # a name read is no op of those modules (misspelt, or named only in a whole-model
+            # extraction), or one is called several times per forward: the whole model's graphs
+            # serve the trace (and its error names a missing op)
         self._nnbridge_prepare(fn, call_args, call_kwargs)
         return super().interleave(fn, batcher=batcher)
 
@@ -173,40 +194,81 @@ class _Bridged(_EnvoyBase):
             if isinstance(module, torch.nn.Module) else set()
         return NNsightRequest(backend, module, known, names)
 
-    def _nnbridge_wants_ops(self, state: Bridge) -> bool:
-        """Whether the run about to start must run the graphs: a worker may read an op envoy
-        (:func:`.op_reads.reads_ops`), or a patch or torch hook is on an op point."""
+    def _nnbridge_op_owners(self, state: Bridge) -> dict[str, frozenset[str]] | None:
+        """Where the run about to start may read op envoys (:func:`.op_reads.op_owners`): ``{}``
+        none (the model's own code serves it), ``{module path: op names}`` only there, None
+        anywhere (or a patch or torch hook is on an op point: the whole model's graphs run)."""
         if state.listened():
-            return True
+            return None
         codes, resolve = pending_workers(self)
         if codes is None:
-            return True
-        return reads_ops(codes, resolve, self._module, (name for _, name in state.registered))
+            return None
+        return op_owners(codes, resolve, self._module, (name for _, name in state.registered))
 
-    def _nnbridge_prepare(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _nnbridge_forward_like(self, fn: Any) -> bool:
+        """Whether nnsight runs the module for this trace: the module, its forward, or the envoy's
+        own ``_call`` (TransformersModel tokenizes there, then calls the module with the same
+        kwargs); else a method such as ``generate``."""
+        module = self._module
+        target = getattr(module, fn) if isinstance(fn, str) else fn
+        return (target is self or target is module
+                or getattr(target, "__func__", None) in (type(module).__call__, type(module).forward)
+                or (getattr(target, "__self__", None) is self and getattr(target, "__name__", "") == "_call"))
+
+    def _nnbridge_extracted(self, state: Bridge, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the whole model is already extracted for this call (then its graphs serve the
+        trace, rather than extracting modules lazily): a forward of a call structure extracted
+        before, or any other method once the model has a whole-model extraction."""
+        if not self._nnbridge_forward_like(fn):
+            return bool(state.dispatcher.history)
+        return state.dispatcher.structure_key(tuple(args), dict(kwargs)) in state.dispatcher.extractions
+
+    def _nnbridge_prepare(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                          lazy: dict[str, frozenset[str]] | None = None) -> bool:
+        """Extract what the run about to start needs before its workers start (they may ask for
+        op envoys at once), and mirror the new op points as envoys. ``lazy``: the modules (paths)
+        extracted alone and the op names read off them (see :meth:`Bridge.lazily`). Returns
+        whether every op name in ``lazy`` is then an op of its module."""
         module = self._nnbridge_model()
         state = bridge_of(module)
         if state is None:
-            return
+            return True
         target = getattr(self._module, fn) if isinstance(fn, str) else fn
-        # what nnsight runs for a trace: the module, its forward, or the envoy's own ``_call``
-        # (TransformersModel tokenizes there, then calls the module with the same kwargs)
-        forward_like = (target is self or target is module
-                        or getattr(target, "__func__", None) in (type(module).__call__, type(module).forward)
-                        or (getattr(target, "__self__", None) is self and getattr(target, "__name__", "") == "_call"))
-        if forward_like:
-            state.dispatcher.lookup(tuple(args), dict(kwargs))
+        if self._nnbridge_forward_like(fn):
+            if lazy is None:
+                state.dispatcher.lookup(tuple(args), dict(kwargs))
+            elif not _all_known(module, lazy):
+                # an op read that is not an envoy yet: run the call up to the modules, once
+                copied = copy.deepcopy((tuple(args), dict(kwargs)))
+                state.warm_up(lambda: module(*copied[0], **copied[1]))
         else:
+            call_kwargs = {k: v for k, v in kwargs.items() if k != "streamer"}
             key: Hashable = (getattr(target, "__name__", repr(target)),
-                             state.dispatcher.structure_key(tuple(args),
-                                                            {k: v for k, v in kwargs.items() if k != "streamer"}))
+                             state.dispatcher.structure_key(tuple(args), call_kwargs),
+                             None if lazy is None else tuple(sorted(lazy)))
             if key not in self._nnbridge_warmed:
                 runner = getattr(module, getattr(target, "__name__", ""), None)
                 if callable(runner):
-                    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                        runner(*args, **{k: v for k, v in kwargs.items() if k != "streamer"})
+                    with torch.no_grad(), state_restored(module):
+                        runner(*args, **call_kwargs)
                 self._nnbridge_warmed.add(key)
         mirror_envoys(self.interleaver, state.registered)
+        return lazy is None or _all_known(module, lazy)
+
+
+def _all_known(model: torch.nn.Module, ops: dict[str, frozenset[str]]) -> bool:
+    """Whether every name of ``ops`` (``{module path: op names}``) is an op point of its module."""
+    return all(name in modules_of(model.get_submodule(path)) for path, names in ops.items() for name in names)
+
+
+def _outermost(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """``modules`` without those inside another of them (each module once)."""
+    inside = {id(sub) for module in modules for sub in module.modules() if sub is not module}
+    result: dict[int, torch.nn.Module] = {}
+    for module in modules:
+        if id(module) not in inside:
+            result.setdefault(id(module), module)
+    return list(result.values())
 
 
 class NNsight(_Bridged, nnsight.NNsight):

@@ -54,6 +54,8 @@ TENSOR_ATTRIBUTES = frozenset({"grad", "data", "device", "dtype", "shape", "real
 NODE_NAMES = frozenset({"getitem", "lifted_tensor", "_tensor_constant", "sym_size_int", "sym_numel", "sym_stride_int", "sym_storage_offset"})
 #: Tracer and envoy methods whose use makes a trace see every location, ops included (``tracer.cache()``).
 WHOLE_MODEL_METHODS = frozenset({"cache"})
+#: what :func:`attribute_reads` reports for an op envoy held in a name: a node name
+_HELD_OP = "getitem"
 _NUMBERED = re.compile(r"(.*?)(_\d+)?")
 _INVOCATION = re.compile(r"invocation_\d+")
 _LOAD_ATTRIBUTE = frozenset({"LOAD_ATTR", "STORE_ATTR", "DELETE_ATTR"})
@@ -75,7 +77,17 @@ def attribute_reads(codes: Iterable[types.CodeType], resolve: Callable[[str], ob
     (``model.linear.output``) is followed through the modules of the envoy the name holds: the
     names of child modules and what follows a module's ``output``/``input``/``inputs`` (values,
     not envoys: ``.output.hidden_states``) are not reads of possible ops."""
+    unowned, owned = _reads(codes, resolve)
+    return unowned | {name for _, name in owned}
+
+
+def _reads(codes: Iterable[types.CodeType], resolve: Callable[[str], object]
+           ) -> tuple[set[str], list[tuple[torch.nn.Module, str]]]:
+    """:func:`attribute_reads`, split: the names read off no known module, and ``(module, name)``
+    for the names of a chain read off ``module``'s envoy (``model.h[0].attn.softmax`` reads
+    ``softmax`` off ``h[0].attn``)."""
     found: set[str] = set()
+    owned: list[tuple[torch.nn.Module, str]] = []
     seen: set[int] = set()
     top = {id(code) for code in codes}
     stack = list(codes)
@@ -91,7 +103,11 @@ def attribute_reads(codes: Iterable[types.CodeType], resolve: Callable[[str], ob
             module = None
             if root is not None and id(code) in top and root not in stored:
                 module = envoy_module(resolve(root))
-            found.update(_chain_reads(module, chain))
+            owner, names = _chain_reads(module, chain)
+            if owner is None:
+                found.update(names)
+            else:
+                owned.extend((owner, name) for name in names)
         for name in loaded:
             value = resolve(name)
             if isinstance(value, str):  # a path or name held in a variable (``model.get(path)``)
@@ -100,16 +116,22 @@ def attribute_reads(codes: Iterable[types.CodeType], resolve: Callable[[str], ob
                 stack.append(value.__code__)
             elif isinstance(value, types.MethodType) and isinstance(value.__func__, types.FunctionType):
                 stack.append(value.__func__.__code__)
-    return found
+            elif any(isinstance(envoy_module(item), (OpPoint, OpPointContainer))
+                     for item in (value if isinstance(value, (list, tuple)) else (value,))):
+                found.add(_HELD_OP)  # an op envoy held in a variable (``tracer.cache(modules=ops)``)
+    return found, owned
 
 
-def _chain_reads(module: torch.nn.Module | None, chain: tuple[str | int, ...]) -> list[str]:
+def _chain_reads(module: torch.nn.Module | None, chain: tuple[str | int, ...]
+                 ) -> tuple[torch.nn.Module | None, list[str]]:
     """The names of ``chain`` (attribute names and constant indices read one after the other from
     a value) that may be op reads, given the module whose envoy the chain starts from (None: not
-    known, every name counts). Child modules (op points excepted) are followed; a module's
-    ``output``/``input``/``inputs`` ends the chain (a value follows); the name right after
-    ``.source`` is an nnsight source operation, not an op."""
+    known, every name counts), and the module they are read off (None: not known). Child modules
+    (op points excepted) are followed; a module's ``output``/``input``/``inputs`` ends the chain
+    (a value follows); the name right after ``.source`` is an nnsight source operation, not an
+    op."""
     names: list[str] = []
+    owner: torch.nn.Module | None = None
     after_source = False
     for position, element in enumerate(chain):
         if module is not None:
@@ -120,21 +142,21 @@ def _chain_reads(module: torch.nn.Module | None, chain: tuple[str | int, ...]) -
                 module = None
                 continue
             if element in _VALUE_PROPERTIES:
-                return names
+                return None, names
             if element in envoy_api():  # the envoy's own attribute, whatever the module's children
-                return names + _chain_reads(None, chain[position:])
+                return None, names + _chain_reads(None, chain[position:])[1]
             child = modules_of(module).get(element)
             if isinstance(child, torch.nn.Module) and not isinstance(child, (OpPoint, OpPointContainer)):
                 module = child
                 continue
-            module = None
+            owner, module = module, None
         if isinstance(element, int):
             after_source = False
             continue
         if not after_source:
             names.append(element)
         after_source = element == "source"
-    return names
+    return owner, names
 
 
 #: An envoy's properties whose value is the module's value (a tensor, a tuple, a model output).
@@ -172,7 +194,7 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
         if opname in _LOAD_ATTRIBUTE and isinstance(name, str):
             method = (_METHOD and opname == "LOAD_ATTR" and bool((instruction.arg or 0) & 1))
             if method:
-                if name in WHOLE_MODEL_METHODS:
+                if name in WHOLE_MODEL_METHODS and not _limited_to_modules(code, instructions, i):
                     reads.add(name)
                 end()
                 continue
@@ -190,7 +212,7 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
                 and instructions[i - 1].opname == "LOAD_CONST":
             continue
         end()
-        if opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS:
+        if opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS and not _limited_to_modules(code, instructions, i):
             reads.add(name)
         elif opname in _ROOT_LOADS and isinstance(name, str):
             if opname != "LOAD_FAST":
@@ -208,6 +230,39 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
         elif isinstance(constant, str):
             reads.update(_identifiers(constant))
     return frozenset(reads), frozenset(loaded), tuple(nested), tuple(chains), frozenset(stored)
+
+
+#: instructions that start a call's callable (a method load, or the NULL before a function)
+_CALL_STARTS = frozenset({"LOAD_METHOD", "PUSH_NULL"})
+
+
+def _limited_to_modules(code: types.CodeType, instructions: list[dis.Instruction], start: int) -> bool:
+    """Whether the method loaded at ``instructions[start]`` (``tracer.cache``) is called with a
+    ``modules=`` keyword (nnsight 0.8: then it caches those envoys only; what they are is read as
+    any other chain). False when the call cannot be found (a conservative answer)."""
+    depth = 0
+    for position in range(start + 1, len(instructions)):
+        instruction = instructions[position]
+        opname = instruction.opname
+        if opname in _CALL_STARTS or (opname == "LOAD_GLOBAL" and (instruction.arg or 0) & 1) or (
+                _METHOD and opname == "LOAD_ATTR" and (instruction.arg or 0) & 1):
+            depth += 1
+        elif opname in ("CALL", "CALL_KW"):
+            if depth:
+                depth -= 1
+                continue
+            names: object = None
+            for before in reversed(instructions[max(start, position - 3):position]):
+                if before.opname == "KW_NAMES" and before.arg is not None:
+                    names = code.co_consts[before.arg]
+                elif opname == "CALL_KW" and before.opname == "LOAD_CONST":
+                    names = before.argval
+                if names is not None:
+                    break
+            return isinstance(names, tuple) and "modules" in names
+        elif opname in ("CALL_FUNCTION_EX", "RETURN_VALUE", "RETURN_CONST"):
+            return False
+    return False
 
 
 def _identifiers(text: str) -> list[str]:
@@ -264,3 +319,29 @@ def possible_ops(codes: Iterable[types.CodeType], resolve: Callable[[str], objec
         return []
     known, arguments = frozenset(known_ops), forward_arguments(model)
     return sorted(name for name in reads if may_be_op(name, known, arguments))
+
+
+def op_owners(codes: Iterable[types.CodeType], resolve: Callable[[str], object], model: torch.nn.Module,
+              known_ops: Iterable[str]) -> dict[str, frozenset[str]] | None:
+    """Where the trace bodies ``codes`` may read op envoys, for extracting only there (see
+    :meth:`nnbridge.bridge.in_place.Bridge.lazily`): ``{path of a submodule of model: the possible
+    op names read off its envoy}`` (empty: no op read).
+
+    None when the whole model must be extracted: a possible op name is read off no module the test
+    can name (a string path, a loop variable, a name read in nested code, ``tracer.cache()``), off
+    the model itself, or is an invocation container (``invocation_1``: a module called several
+    times per forward numbers its calls only in a whole-model extraction)."""
+    unowned, owned = _reads(codes, resolve)
+    known, arguments = frozenset(known_ops), forward_arguments(model)
+    if any(may_be_op(name, known, arguments) for name in unowned):
+        return None
+    paths = {id(module): path for path, module in model.named_modules()}
+    result: dict[str, set[str]] = {}
+    for owner, name in owned:
+        if not may_be_op(name, known, arguments):
+            continue
+        path = paths.get(id(owner))
+        if not path or _INVOCATION.fullmatch(name):
+            return None
+        result.setdefault(path, set()).add(name)
+    return {path: frozenset(names) for path, names in result.items()}

@@ -1,0 +1,383 @@
+"""Lazy extraction (issue 12, "extract lazily, only the modules a trace actually reaches below the
+module level"): an nnsight trace whose code reads op envoys off known modules extracts those
+modules alone; the rest of the model runs its own code. Every value, write, gradient, name and
+side effect must equal a whole-model extraction (``lazy_op_traces = False``) and nnsight.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import nnsight
+import pytest
+import torch
+
+import nnbridge
+from nnbridge.bridge.in_place import bridge_of
+from nnbridge.envoys.op_reads import op_owners
+from nnbridge.errors import NNBridgeError
+from test_nnsight_parity2 import PROMPTS, language_model
+from utils import gpt2, llama
+
+IDS = torch.tensor([[5, 17, 42, 8, 99, 3, 61, 7]])
+
+
+def _wrappers(factory=gpt2):
+    """(lazy nnbridge wrapper, whole-model nnbridge wrapper, nnsight wrapper), each over its own
+    copy of one model."""
+    model = factory()
+    whole = nnbridge.NNsight(copy.deepcopy(model))
+    whole.lazy_op_traces = False
+    reference = nnsight.NNsight(copy.deepcopy(model))
+    return nnbridge.NNsight(model), whole, reference
+
+
+def _extracted(wrapper) -> dict[str, int]:
+    """``{dispatcher path ('' = the whole model): extractions made}``, dispatchers with none left out."""
+    state = bridge_of(wrapper._module)
+    return {d.path: len(d.history) for d in state.dispatchers.values() if d.history}
+
+
+def _op_names(module: torch.nn.Module) -> list[str]:
+    return sorted(name for name, sub in module.named_modules() if type(sub).__name__ == "OpPoint")
+
+
+def test_an_op_read_extracts_only_its_module():
+    lazy, whole, reference = _wrappers()
+    seen = {}
+    for wrapper in (lazy, whole):
+        with wrapper.trace(IDS):
+            seen[wrapper, "probs"] = wrapper.transformer.h[1].attn.softmax.output.save()
+            seen[wrapper, "hidden"] = wrapper.transformer.h[1].output[0].save()
+            seen[wrapper, "logits"] = wrapper.lm_head.output.save()
+    with reference.trace(IDS):
+        hidden = reference.transformer.h[1].output[0].save()
+        logits = reference.lm_head.output.save()
+    assert _extracted(lazy) == {"transformer.h.1.attn": 1}
+    assert _extracted(whole) == {"": 1}
+    assert torch.equal(seen[lazy, "probs"], seen[whole, "probs"])
+    assert torch.equal(seen[lazy, "hidden"], hidden) and torch.equal(seen[lazy, "logits"], logits)
+    assert torch.equal(seen[whole, "logits"], logits)
+
+
+def test_a_module_extracted_alone_has_the_whole_extractions_op_names_gpt2():
+    lazy, whole, _ = _wrappers(gpt2)
+    seen = {}
+    for wrapper in (lazy, whole):
+        with wrapper.trace(IDS):
+            seen[wrapper, "value"] = wrapper.transformer.h[1].add.output.save()
+    _same_names(seen, lazy, whole, "transformer.h.1")
+
+
+def test_a_module_extracted_alone_has_the_whole_extractions_op_names_llama():
+    lazy, whole, _ = _wrappers(llama)
+    seen = {}
+    for wrapper in (lazy, whole):
+        with wrapper.trace(IDS):
+            seen[wrapper, "value"] = wrapper.model.layers[1].add.output.save()
+    _same_names(seen, lazy, whole, "model.layers.1")
+
+
+def _same_names(seen, lazy, whole, layer: str) -> None:
+    assert _extracted(lazy) == {layer: 1}
+    names = _op_names(lazy._module.get_submodule(layer))
+    assert len(names) > 20 and names == _op_names(whole._module.get_submodule(layer))
+    assert torch.equal(seen[lazy, "value"], seen[whole, "value"])
+
+
+def test_writes_and_skips_equal_the_whole_model_gpt2():
+    lazy, whole, _ = _wrappers(gpt2)
+    seen = {}
+    for wrapper in (lazy, whole):
+        with wrapper.trace(IDS):
+            wrapper.transformer.h[0].attn.softmax.output[:] = 0
+            wrapper.transformer.h[1].skip(wrapper.transformer.h[1].input)
+            seen[wrapper, "logits"] = wrapper.lm_head.output.save()
+        with wrapper.trace(IDS):
+            seen[wrapper, "clean"] = wrapper.lm_head.output.save()
+    _same_logits(seen, lazy, whole, "transformer.h.0.attn")
+
+
+def test_writes_and_skips_equal_the_whole_model_llama():
+    lazy, whole, _ = _wrappers(llama)
+    seen = {}
+    for wrapper in (lazy, whole):
+        with wrapper.trace(IDS):
+            wrapper.model.layers[0].self_attn.softmax.output[:] = 0
+            wrapper.model.layers[1].skip(wrapper.model.layers[1].input)
+            seen[wrapper, "logits"] = wrapper.lm_head.output.save()
+        with wrapper.trace(IDS):
+            seen[wrapper, "clean"] = wrapper.lm_head.output.save()
+    _same_logits(seen, lazy, whole, "model.layers.0.self_attn")
+
+
+def _same_logits(seen, lazy, whole, attention: str) -> None:
+    assert set(_extracted(lazy)) == {attention}
+    assert torch.equal(seen[lazy, "logits"], seen[whole, "logits"])
+    assert torch.equal(seen[lazy, "clean"], seen[whole, "clean"])
+    assert not torch.equal(seen[lazy, "logits"], seen[lazy, "clean"])
+
+
+def test_op_gradient_equals_the_whole_model():
+    lazy, whole, _ = _wrappers()
+    seen = {}
+    for wrapper in (lazy, whole):
+        with wrapper.trace(IDS):
+            probs = wrapper.transformer.h[0].attn.softmax.output
+            loss = wrapper.lm_head.output.pow(2).mean()
+            with loss.backward():
+                seen[wrapper, "grad"] = probs.grad.save()
+    assert set(_extracted(lazy)) == {"transformer.h.0.attn"}
+    assert torch.equal(seen[lazy, "grad"], seen[whole, "grad"])
+
+
+def test_a_later_trace_extracts_the_next_module_only():
+    lazy, whole, _ = _wrappers()
+    with lazy.trace(IDS):
+        first = lazy.transformer.h[0].attn.softmax.output.save()
+    with lazy.trace(IDS):
+        again = lazy.transformer.h[0].attn.softmax.output.save()
+        second = lazy.transformer.h[1].mlp.act.mul.output.save()
+    with whole.trace(IDS):
+        first_ref = whole.transformer.h[0].attn.softmax.output.save()
+        second_ref = whole.transformer.h[1].mlp.act.mul.output.save()
+    assert _extracted(lazy) == {"transformer.h.0.attn": 1, "transformer.h.1.mlp.act": 1}
+    assert torch.equal(first, again) and torch.equal(first, first_ref) and torch.equal(second, second_ref)
+
+
+def test_a_whole_model_extraction_serves_later_traces():
+    lazy, _, _ = _wrappers()
+    lazy.extract(IDS)
+    with lazy.trace(IDS):
+        lazy.transformer.h[0].attn.softmax.output.save()
+    assert _extracted(lazy) == {"": 1}
+
+
+def test_generation_steps_equal_the_whole_model():
+    lazy, whole, reference = language_model(nnbridge), language_model(nnbridge), language_model(nnsight)
+    whole.lazy_op_traces = False
+    results = {}
+    for name, wrapper in (("lazy", lazy), ("whole", whole)):
+        with wrapper.generate(PROMPTS[0], max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
+            steps = list().save()
+            for _ in tracer.iter[0:3]:
+                steps.append(wrapper.transformer.h[0].attn.softmax.output)
+                wrapper.transformer.h[1].attn.softmax.output[:] = 0
+            tokens = tracer.result.save()
+        results[name] = (steps, tokens)
+    with reference.generate(PROMPTS[0], max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
+        clean = tracer.result.save()
+    assert set(_extracted(lazy)) == {"transformer.h.0.attn", "transformer.h.1.attn"}
+    (steps, tokens), (steps_whole, tokens_whole) = results["lazy"], results["whole"]
+    assert len(steps) == 3 and all(torch.equal(a, b) for a, b in zip(steps, steps_whole))
+    assert steps[1].shape[-2] == 1  # a decode step's
+    assert torch.equal(tokens, tokens_whole) and clean.shape == tokens.shape
+
+
+class _Stateful(torch.nn.Module):
+    """BatchNorm (statistics updated in train mode), dropout (random), a counter buffer, and a
+    block with ops: a warm-up run must leave none of them changed."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(6)
+        self.drop = torch.nn.Dropout(0.5)
+        self.block = _Block()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.block(self.drop(self.norm(x)))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x)) * 2
+
+
+def test_the_warm_up_run_leaves_no_trace():
+    torch.manual_seed(0)
+    model = _Stateful().train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 6)
+    lazy, plain = nnbridge.NNsight(model), nnsight.NNsight(reference)
+    torch.manual_seed(1)
+    with lazy.trace(x):
+        relu = lazy.block.relu.output.save()
+        out = lazy.output.save()
+    torch.manual_seed(1)
+    with plain.trace(x):
+        block_in = plain.block.input.save()
+        out_ref = plain.output.save()
+    assert _extracted(lazy) == {"block": 1}
+    assert torch.equal(out, out_ref) and torch.equal(relu * 2, out_ref)
+    assert torch.equal(relu, torch.relu(reference.block.linear(block_in)))
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, reference.get_buffer(name)), name
+    assert int(model.calls) == 1
+
+
+def test_a_cache_argument_is_updated_once():
+    from transformers import DynamicCache
+    lazy, _, reference = _wrappers()
+    seen = {}
+    caches = []
+    for wrapper in (lazy, reference):
+        cache = DynamicCache()
+        with wrapper.trace(IDS, past_key_values=cache, use_cache=True):
+            if wrapper is lazy:
+                wrapper.transformer.h[1].attn.softmax.output.save()
+            seen[wrapper, "logits"] = wrapper.lm_head.output.save()
+        caches.append(cache)
+    assert set(_extracted(lazy)) == {"transformer.h.1.attn"}
+    assert torch.equal(seen[lazy, "logits"], seen[reference, "logits"])
+    mine, theirs = caches
+    assert mine.get_seq_length() == theirs.get_seq_length() == IDS.shape[1]
+    for a, b in zip(mine.layers, theirs.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_reads_it_cannot_place_extract_the_whole_model():
+    lazy, whole, _ = _wrappers()
+    with lazy.trace(IDS):
+        values = list().save()
+        for layer in lazy.transformer.h:
+            values.append(layer.attn.softmax.output)
+    with whole.trace(IDS):
+        first = whole.transformer.h[0].attn.softmax.output.save()
+        second = whole.transformer.h[1].attn.softmax.output.save()
+    expected = [first, second]
+    assert _extracted(lazy) == {"": 1}
+    assert all(torch.equal(a, b) for a, b in zip(values, expected))
+
+
+def test_a_name_no_module_has_falls_back_to_the_whole_models_error():
+    lazy, whole, _ = _wrappers()
+    errors = []
+    for wrapper in (lazy, whole):
+        with pytest.raises(AttributeError) as raised:
+            with wrapper.trace(IDS):
+                wrapper.transformer.h[1].attn.softmax_9.output.save()
+        errors.append(str(raised.value))
+    assert _extracted(lazy)[""] == 1  # the whole model, after the lazy attempt found no such op
+    assert "softmax_9" in errors[0] and errors[0] == errors[1]
+
+
+def test_op_point_hooks_need_the_whole_model():
+    lazy, _, _ = _wrappers()
+    with lazy.trace(IDS):
+        lazy.transformer.h[0].attn.softmax.output.save()
+        clean = lazy.lm_head.output.save()
+    state = bridge_of(lazy._module)
+    handle = lazy._module.get_submodule("transformer.h.0.attn.softmax").register_forward_hook(
+        lambda module, args, output: output * 0)
+    try:
+        with pytest.raises(NNBridgeError, match="lazily"):
+            with state.lazily([lazy._module.transformer.h[0].attn]):
+                pass
+        with lazy.trace(IDS):
+            lazy.transformer.h[0].attn.softmax.output.save()
+            hooked = lazy.lm_head.output.save()
+        assert "" in _extracted(lazy)
+    finally:
+        handle.remove()
+    assert not torch.equal(hooked, clean)  # the hook zeroed layer 0's attention
+
+
+def test_lazy_op_traces_off_extracts_the_whole_model():
+    lazy, _, _ = _wrappers()
+    lazy.lazy_op_traces = False
+    with lazy.trace(IDS):
+        lazy.transformer.h[0].attn.softmax.output.save()
+    assert _extracted(lazy) == {"": 1}
+
+
+def _codes(text: str):
+    return [compile(text, "<trace>", "exec")]
+
+
+def test_op_owners_places_each_read():
+    model = gpt2()
+    envoy = nnsight.NNsight(model)
+
+    def owners(text):
+        return op_owners(_codes(text), lambda name: envoy if name == "model" else None, model, ())
+    assert owners("model.transformer.h[0].output.save()") == {}
+    assert owners("model.transformer.h[0].attn.softmax.output.save(); model.transformer.h[1].add.output") == {
+        "transformer.h.0.attn": frozenset({"softmax"}), "transformer.h.1": frozenset({"add"})}
+    assert owners("model.add.output") is None  # the model's own op
+    assert owners("for layer in model.transformer.h: layer.attn.softmax.output") is None
+    assert owners("model.get('transformer.h.0.attn.softmax')") is None  # a string path
+    assert owners("model.transformer.h[0].attn.invocation_1.softmax.output") is None
+    assert owners("tracer.cache()") is None
+
+
+class _Twice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Block()
+
+    def forward(self, x):
+        return self.block(self.block(x))
+
+
+def test_a_module_called_twice_per_forward_gets_the_whole_models_invocations():
+    torch.manual_seed(0)
+    model = _Twice()
+    reference = copy.deepcopy(model)
+    lazy = nnbridge.NNsight(model)
+    x = torch.randn(2, 6)
+    with lazy.trace(x):
+        first = lazy.block.relu.output.save()
+    assert "" in _extracted(lazy)  # found in the warm-up: the whole model's graphs served the trace
+    assert "invocation_1" in dict(model.block.named_children())
+    assert torch.equal(first, torch.relu(reference.block.linear(x)))
+    assert not bridge_of(model).lazy_allowed([model.block])
+    with lazy.trace(x):
+        again = lazy.block.relu.output.save()
+        later = lazy.block.invocation_1.relu.output.save()
+    assert _extracted(lazy)[""] == 1 and torch.equal(again, first)
+    assert torch.equal(later, torch.relu(reference.block.linear(reference.block(x))))
+
+
+def test_a_cache_of_named_modules_runs_eagerly_with_nnsights_values():
+    lazy, _, reference = _wrappers()
+    caches = []
+    for wrapper in (lazy, reference):
+        with wrapper.trace(IDS) as tracer:
+            cache = tracer.cache(modules=[wrapper.transformer.h[0], wrapper.transformer.h[1].mlp])
+        caches.append(cache)
+    assert _extracted(lazy) == {}
+    mine, theirs = caches
+    assert sorted(mine.keys()) == sorted(theirs.keys()) and len(mine.keys()) == 2
+    for key in theirs.keys():
+        assert torch.equal(mine[key].output[0] if isinstance(mine[key].output, tuple) else mine[key].output,
+                           theirs[key].output[0] if isinstance(theirs[key].output, tuple) else theirs[key].output)
+
+
+def test_a_cache_of_an_op_extracts_its_module_and_a_held_op_the_whole_model():
+    lazy, whole, _ = _wrappers()
+    with lazy.trace(IDS) as tracer:
+        cache = tracer.cache(modules=[lazy.transformer.h[0].attn.softmax])
+    assert _extracted(lazy) == {"transformer.h.0.attn": 1}
+    with whole.trace(IDS):
+        expected = whole.transformer.h[0].attn.softmax.output.save()
+    assert torch.equal(cache["model.transformer.h.0.attn.softmax"].output, expected)
+    with lazy.trace(IDS):
+        lazy.transformer.h[1].attn.softmax.output.save()  # makes the op envoy
+    held = [lazy.transformer.h[1].attn.softmax]  # an op envoy in a variable: not placed by the code
+    with lazy.trace(IDS) as tracer:
+        cache = tracer.cache(modules=held)
+    assert _extracted(lazy)[""] == 1
+    assert "model.transformer.h.1.attn.softmax" in cache.keys()
+
+
+def test_warm_up_outside_lazily_is_refused():
+    model = gpt2()
+    nnbridge.bridge(model)
+    with pytest.raises(NNBridgeError, match="only inside Bridge.lazily"):
+        bridge_of(model).warm_up(lambda: model(IDS))
