@@ -284,6 +284,31 @@ def test_cache_reuse_disk_cache_hit(tmp_path, monkeypatch):
     assert torch.equal(full(ids).logits, eager.logits)
 
 
+def test_bridged_in_place_with_cache_reuses_every_extraction():
+    """Bridged in place (each module gets its copy hook) with the default cache: the prefill and
+    a decode step's extraction both reuse, and the model's outputs and cache equal eager's."""
+    model = _three_layers(gpt2)()
+    ids, step = torch.randint(1, 100, (1, 6)), torch.randint(1, 100, (1, 1))
+    with torch.no_grad():
+        eager = model(ids)
+        eager_next = model(step, past_key_values=eager.past_key_values)
+    nnbridge.bridge(model, ids, options=REUSE)
+    try:
+        with torch.no_grad():
+            out = model(ids)
+            nxt = model(step, past_key_values=out.past_key_values)
+        roots = [e.root for e in bridge_of(model).dispatcher.all_extractions()]
+    finally:
+        nnbridge.unbridge(model)
+    assert torch.equal(out.logits, eager.logits) and torch.equal(nxt.logits, eager_next.logits)
+    _assert_same_cache(nxt.past_key_values, eager_next.past_key_values)
+    expected = {"transformer.h.1": "transformer.h.0", "transformer.h.2": "transformer.h.0"}
+    assert len(roots) >= 2
+    for root in roots:
+        assert {name: m.graph_meta.reused_from for name, m in root.named_modules()
+                if isinstance(m, CompiledGraphModule) and m.graph_meta.reused_from} == expected
+
+
 class _ToyLayer(torch.nn.Module):
     """A decoder-like layer: writes ``proj(x)`` to its cache layer and adds the mean of its
     cached keys. ``scaled`` multiplies by ``layer_idx + 1`` (a use of the index in arithmetic);

@@ -39,9 +39,9 @@ from ..compat.pytree import pytree
 from ..compat.symbolic import sizes_unified
 
 _PRIMITIVES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-#: nn.Module's own bookkeeping, and the call wrapper extraction installs on every module while it
-#: runs (``_call_impl``, see :mod:`.locking`)
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"_call_impl"}
+#: nn.Module's own bookkeeping, the call wrapper extraction installs on every module while it
+#: runs (``_call_impl``, see :mod:`.locking`) and a bridged module's copy hook (see :mod:`.copies`)
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"_call_impl", "__reduce_ex__"}
 _MISSING = object()
 
 
