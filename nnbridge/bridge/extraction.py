@@ -210,7 +210,9 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         errors = {fqn: errors[fqn] if isinstance(errors.get(fqn), SharedModuleEntry) and str(errors[fqn]) == reason
                   else programs.RecordedFailure(reason) for fqn, reason in stubs.items()}
     recorded = set(stubs) | set(candidates.siblings) | candidates.representatives()
-    calls = record_calls(module, recorded, args, kwargs) if recorded else {}
+    # (layers only compared for reuse keep their tensors shared: deep copies cost more than the run)
+    compared = (set(candidates.siblings) | candidates.representatives()) - set(stubs)
+    calls = record_calls(module, recorded, args, kwargs, shared=compared) if recorded else {}
     plan = confirm_reuse(module, candidates, calls)
     if record is not None and record.reuse != plan.siblings:
         # a record keeps the siblings its export stubbed; the plan is derived again for this call
