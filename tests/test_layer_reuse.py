@@ -22,7 +22,7 @@ from utils import gemma3, gpt2, llama
 
 # not strict: Llama's and Gemma's rotary embeddings change grad mode and are opaque either way
 REUSE = ExtractionOptions(reuse_layers=True)
-FULL = ExtractionOptions()
+FULL = ExtractionOptions(reuse_layers=False)
 
 
 def _three_layers(factory):

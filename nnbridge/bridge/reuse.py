@@ -14,10 +14,15 @@ buffers, op points), so its node names and NodePaths are those a full extraction
 
 Covered: siblings called once each, with the same call structure (equal non-tensor values, tensor
 leaves of equal shape, dtype, device and ``requires_grad``, the same symbolic shapes while
-exporting) and no stateful argument (a ``DynamicCache``: ``use_cache=False``); any doubt means
+exporting), and either no stateful argument or one transformers ``Cache`` (``DynamicCache``,
+``use_cache=True``) of which each sibling writes its own layer. For a cache, the differing int
+attribute (``layer_idx``) is read as a :class:`CacheIndex`, allowed only as ``Cache.update``'s
+layer index (:func:`cache_updates_traced`); the sibling's stub makes the same cache update on its
+own layer (:func:`sibling_stub`), and the sibling's graphs read and write their own layer with
+their own cache spec (:class:`CacheRebinding`, :func:`rebind_cache_state`). Any doubt means
 per-layer export. Example::
 
-    extract(model, (ids,), {"use_cache": False}, ExtractionOptions(reuse_layers=True), ...)
+    extract(model, (ids,), {}, ExtractionOptions(reuse_layers=True), ...)
 """
 
 from __future__ import annotations
