@@ -10,6 +10,7 @@ each kind) or reuse only within a kind (sliding, sliding, full).
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from utils import gemma3, gpt2, llama
 
 # not strict: Llama's and Gemma's rotary embeddings change grad mode and are opaque either way
 REUSE = ExtractionOptions(reuse_layers=True)
-FULL = ExtractionOptions()
+FULL = ExtractionOptions(reuse_layers=False)
 
 
 def _three_layers(factory):
@@ -153,13 +154,251 @@ def test_gemma3_alternating_falls_back(caplog):
     assert "fell back" in caplog.text
 
 
-def test_cache_argument_exports_every_layer():
-    """With ``use_cache`` on (a DynamicCache threads through every layer) nothing is reused."""
+# -- transformers' default DynamicCache (use_cache=True): each layer writes its own cache layer ------
+CACHE_MODELS = {name: MODELS[name] for name in ("gpt2", "llama")}
+
+
+def _reused_in(pg: PatchableGraph) -> list[dict[str, str]]:
+    """``{sibling: representative}`` of every extraction of ``pg`` (one per call structure)."""
+    return [{name: m.graph_meta.reused_from for name, m in e.root.named_modules()
+             if isinstance(m, CompiledGraphModule) and m.graph_meta.reused_from} for e in pg.extractions]
+
+
+def _assert_same_cache(actual, expected):
+    assert len(actual.layers) == len(expected.layers)
+    for i, (a, b) in enumerate(zip(actual.layers, expected.layers)):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), i
+
+
+def _code(gm) -> str:
+    """Generated code, lifted constants' numbering aside (export numbers them per program)."""
+    return re.sub(r"lifted_tensor_\d+", "lifted_tensor", gm.code)
+
+
+@pytest.fixture(params=list(CACHE_MODELS), scope="module")
+def cache_case(request):
+    factory, prefix, expected, node = CACHE_MODELS[request.param]
+    model = factory()
+    torch.manual_seed(1)
+    ids = torch.randint(1, 100, (2, 7))
+    full = PatchableGraph(model, ids, options=FULL)
+    reused = PatchableGraph(model, ids, options=REUSE)
+    return model, ids, prefix, expected, node, full, reused
+
+
+def test_cache_reuse_happens(cache_case):
+    """With the default cache one layer is exported: the others are built from it."""
+    model, ids, prefix, expected, node, full, reused = cache_case
+    assert _reused(reused) == expected and _reused(full) == {}
+
+
+def test_cache_same_graphs(cache_case):
+    model, ids, prefix, expected, node, full, reused = cache_case
+    assert full.node_paths() == reused.node_paths()
+    a, b = _graphs(full), _graphs(reused)
+    assert list(a) == list(b)
+    for name in a:
+        assert _code(a[name]) == _code(b[name]), name  # the cache layer index and spec are each layer's own
+
+
+def test_cache_outputs_and_decode_step_equal(cache_case):
+    """Prefill and a decode step with the returned cache: logits and every key/value tensor of
+    the cache equal a full extraction's and eager's; the decode step reuses too."""
+    model, ids, prefix, expected, node, full, reused = cache_case
+    eager = model(ids)
+    step = torch.randint(1, 100, (2, 1))
+    eager_next = model(step, past_key_values=eager.past_key_values)
+    for pg in (full, reused):
+        out = pg(ids)
+        assert torch.equal(out.logits, eager.logits)
+        _assert_same_cache(out.past_key_values, model(ids).past_key_values)
+        nxt = pg(step, past_key_values=out.past_key_values)
+        assert torch.equal(nxt.logits, eager_next.logits)
+        _assert_same_cache(nxt.past_key_values, eager_next.past_key_values)
+    assert len(reused.extractions) == len(full.extractions) == 2
+    assert all(r == expected for r in _reused_in(reused))
+
+
+def test_cache_grads_equal(cache_case):
+    model, ids, prefix, expected, node, full, reused = cache_case
+    grads = []
+    for run in (model, full, reused):
+        model.zero_grad(set_to_none=True)
+        out = run(ids)
+        (out.logits.pow(2).sum() + out.past_key_values.layers[-1].keys.pow(2).sum()).backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys() == grads[2].keys() and grads[0]
+    for k in grads[0]:
+        assert torch.equal(grads[0][k], grads[1][k]) and torch.equal(grads[1][k], grads[2][k]), k
+
+
+def test_cache_per_layer_patch_equal(cache_case):
+    """ZeroPatch on layer 1's softmax: logits, probed values and the cache equal a full extraction's."""
+    model, ids, prefix, expected, node, full, reused = cache_case
+    path = _node_path(prefix, 1, node)
+    results = []
+    for pg in (full, reused):
+        probe = ProbePatch()
+        with pg.patch({path: [probe, ZeroPatch()]}):
+            out = pg(ids)
+        results.append((out, probe.activation))
+    (a, probe_a), (b, probe_b) = results
+    assert torch.equal(a.logits, b.logits) and torch.equal(probe_a, probe_b)
+    _assert_same_cache(b.past_key_values, a.past_key_values)
+    assert not torch.equal(b.logits, model(ids).logits)  # the patch took effect
+    # layers after the patched one see its changed output: their cache entries differ from eager's
+    assert not torch.equal(b.past_key_values.layers[2].keys, model(ids).past_key_values.layers[2].keys)
+
+
+@pytest.mark.no_extraction_cache  # a cache of its own: exports are counted
+def test_cache_reuse_disk_cache_hit(tmp_path, monkeypatch):
+    """A second reused extraction of the same call is a disk-cache hit (no export) whose record
+    carries the reuse plan: the same graphs, reuse markers, outputs and cache; a full extraction
+    does not take the reused record (nor the reverse)."""
+    from nnbridge.bridge import extraction
+    monkeypatch.setenv("NNBRIDGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE", raising=False)
+    count = [0]
+    real = extraction.export_module
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(extraction, "export_module", counted)
+    factory, prefix, expected, node = MODELS["gpt2"]
+    model = factory()
+    ids = torch.randint(1, 100, (2, 7))
+    first = PatchableGraph(model, ids, options=REUSE)
+    second = PatchableGraph(model, ids, options=REUSE)
+    assert count[0] == 1
+    assert _reused(first) == _reused(second) == expected
+    a, b = _graphs(first), _graphs(second)
+    assert list(a) == list(b) and all(a[name].code == b[name].code for name in a)
+    eager = model(ids)
+    out = second(ids)
+    assert torch.equal(out.logits, eager.logits)
+    _assert_same_cache(out.past_key_values, eager.past_key_values)
+    full = PatchableGraph(model, ids, options=FULL)
+    assert count[0] == 2 and _reused(full) == {}
+    assert torch.equal(full(ids).logits, eager.logits)
+
+
+def test_bridged_in_place_with_cache_reuses_every_extraction():
+    """Bridged in place (each module gets its copy hook) with the default cache: the prefill and
+    a decode step's extraction both reuse, and the model's outputs and cache equal eager's."""
     model = _three_layers(gpt2)()
-    ids = torch.randint(1, 100, (1, 6))
-    pg = PatchableGraph(model, ids, options=REUSE)
-    assert _reused(pg) == {}
-    torch.testing.assert_close(pg(ids).logits, model(ids).logits, rtol=0, atol=0)
+    ids, step = torch.randint(1, 100, (1, 6)), torch.randint(1, 100, (1, 1))
+    with torch.no_grad():
+        eager = model(ids)
+        eager_next = model(step, past_key_values=eager.past_key_values)
+    nnbridge.bridge(model, ids, options=REUSE)
+    try:
+        with torch.no_grad():
+            out = model(ids)
+            nxt = model(step, past_key_values=out.past_key_values)
+        roots = [e.root for e in bridge_of(model).dispatcher.all_extractions()]
+    finally:
+        nnbridge.unbridge(model)
+    assert torch.equal(out.logits, eager.logits) and torch.equal(nxt.logits, eager_next.logits)
+    _assert_same_cache(nxt.past_key_values, eager_next.past_key_values)
+    expected = {"transformer.h.1": "transformer.h.0", "transformer.h.2": "transformer.h.0"}
+    assert len(roots) >= 2
+    for root in roots:
+        assert {name: m.graph_meta.reused_from for name, m in root.named_modules()
+                if isinstance(m, CompiledGraphModule) and m.graph_meta.reused_from} == expected
+
+
+class _ToyLayer(torch.nn.Module):
+    """A decoder-like layer: writes ``proj(x)`` to its cache layer and adds the mean of its
+    cached keys. ``scaled`` multiplies by ``layer_idx + 1`` (a use of the index in arithmetic);
+    ``peek`` also reads cache layer 0's keys (a constant index)."""
+
+    def __init__(self, layer_idx: int, scaled: bool = False, peek: bool = False):
+        super().__init__()
+        self.layer_idx, self.scaled, self.peek = layer_idx, scaled, peek
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, past_key_values):
+        k = self.proj(x).unsqueeze(1)  # (batch, 1, seq, 8)
+        keys, values = past_key_values.update(k, 2 * k, self.layer_idx)
+        out = x + keys.mean(-2) + values.mean(-2)
+        if self.peek:
+            out = out + past_key_values.layers[0].keys.mean(-2)
+        if self.scaled:
+            out = out * (self.layer_idx + 1)
+        return out
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self, **layer_options):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(_ToyLayer(i, **layer_options) for i in range(3))
+
+    def forward(self, x, past_key_values):
+        for layer in self.layers:
+            x = layer(x, past_key_values)
+        return x
+
+
+def _toy_cache(lengths=None):
+    from transformers import DynamicCache, GPT2Config
+    cache = DynamicCache(config=GPT2Config(n_layer=3))
+    torch.manual_seed(2)
+    for i, n in enumerate(lengths or []):
+        if n:
+            cache.update(torch.randn(2, 1, n, 8), torch.randn(2, 1, n, 8), i)
+    return cache
+
+
+def _toy_run(model, x, cache_factory, caplog):
+    """(eager output and cache, bridged output and cache, reuse plan, log) for one call."""
+    eager_cache, bridged_cache = cache_factory(), cache_factory()
+    eager = model(x, eager_cache)
+    with caplog.at_level(logging.INFO, logger="nnbridge.bridge.extraction"):
+        pg = PatchableGraph(model, x, cache_factory(), options=REUSE)
+    out = pg(x, bridged_cache)
+    assert torch.equal(out, eager)
+    _assert_same_cache(bridged_cache, eager_cache)
+    return _reused(pg), caplog.text
+
+
+def test_toy_cache_layers_reused(caplog):
+    x = torch.randn(2, 5, 8)
+    reused, log = _toy_run(_Toy(), x, _toy_cache, caplog)
+    assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
+    reused, log = _toy_run(_Toy(), x, lambda: _toy_cache([3, 3, 3]), caplog)  # a decode step
+    assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
+
+
+def test_cache_index_used_in_arithmetic_falls_back(caplog):
+    """``layer_idx + 1`` inside the layer: the index reaches the graph otherwise than through the
+    cache update, every layer is exported."""
+    reused, log = _toy_run(_Toy(scaled=True), torch.randn(2, 5, 8), _toy_cache, caplog)
+    assert reused == {} and "layer_idx (__add__)" in log
+
+
+def test_constant_cache_layer_read_falls_back(caplog):
+    """Reading ``cache.layers[0].keys`` in every layer: representative 0's graph reads the same
+    path as its own layer, which must not be rebound for the siblings."""
+    reused, log = _toy_run(_Toy(peek=True), torch.randn(2, 5, 8), lambda: _toy_cache([3, 3, 3]), caplog)
+    assert reused == {} and "outside Cache.update" in log
+
+
+def test_lazily_appended_cache_not_reused(caplog):
+    """A ``DynamicCache()`` without a config appends its layers as they are first written: each
+    layer sees a cache of another length, every layer is exported (exactly)."""
+    from transformers import DynamicCache
+    reused, log = _toy_run(_Toy(), torch.randn(2, 5, 8), DynamicCache, caplog)
+    assert reused == {}
+
+
+def test_cache_layers_in_other_states_not_reused(caplog):
+    """Cache layers of different lengths (layer 1 holds more tokens): the layers are not called
+    alike, so they are not reused, and the result is exact."""
+    reused, log = _toy_run(_Toy(), torch.randn(2, 5, 8), lambda: _toy_cache([3, 4, 3]), caplog)
+    assert "layers.1" not in reused
 
 
 def test_differing_attribute_read_falls_back(caplog):

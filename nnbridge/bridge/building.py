@@ -10,6 +10,7 @@ and named (:mod:`.cleanup`), threads module state (:mod:`.state_graphs`), gets i
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any, cast
 
@@ -29,13 +30,20 @@ from .metadata import node_meta, update_node_meta
 from .module_tree import safe_name
 from .opaque import opaque_module
 from .recording import record_calls
-from .reuse import ReuseFallback, ReusePlan, ReusedHolder, copy_graph, placeholder_signature
+from .reuse import ReuseFallback, ReusePlan, ReusedHolder, copy_graph, placeholder_signature, rebind_cache_state
 from .state import Key
 from .state_graphs import argument_objects, forward_state_objects, read_states_back, write_states_back
 from .unused import keep_unused, registration_order
 from ..compat import invocation_graphs
 from ..compat.pytree import pytree
 from ..errors import ExtractionError
+
+
+_LIFTED = re.compile(r"lifted_tensor_(\d+)")
+
+
+def _number(name: str) -> int:
+    return int(name.rpartition("_")[2])
 
 
 class GraphBuilder:
@@ -54,6 +62,8 @@ class GraphBuilder:
         self.reuse = reuse or ReusePlan()
         # {(representative subtree path, invocation): (unflattened holder, pristine graph copy, its call numbers)}
         self.pristine: dict[tuple[str, int], tuple[Any, Graph, dict[Node, int]]] = {}
+        # {sibling: {representative's lifted constant: (the sibling's name for it, its value)}}
+        self.lifted: dict[str, dict[str, tuple[str, Any]]] = {}
 
     def number_calls(self, holder: torch.nn.Module) -> None:
         """Number every submodule call of the unflattened graphs, from the root graph ``holder``
@@ -114,16 +124,45 @@ class GraphBuilder:
             mine, theirs = placeholder_signature(cast(Graph, stub.graph)), placeholder_signature(graph)
             # the representative's leading extra inputs (a tensor unflatten passes for a symbolic
             # size) must be unused once built (see child)
+            # (the sibling's own leading extras, e.g. for a size its stub unified, are dropped by
+            # its caller, as the built graph takes exactly its module's arguments)
             extras = len(theirs) - len(mine)
-            if extras < 0 or theirs[extras:] != mine:
+            if theirs[max(extras, 0):] != mine[max(-extras, 0):]:
                 raise ReuseFallback(f"'{fqn}' is called with other inputs than '{source}': {mine} vs {theirs}")
         copied, copied_numbers = copy_graph(graph, numbers)
         self.numbers.update(copied_numbers)
         return ReusedHolder(copied, holder), extras
 
+    def own_constants(self, fqn: str, graph: Graph, attrs: dict[str, Any]) -> None:
+        """Give a reused graph the sibling's own lifted constants (the empty tensors a cache
+        layer starts from), under the names a full extraction gives them: export numbers them
+        per program (``lifted_tensor_2``), and the sibling's stub created its own, in the same
+        order as its representative. Names stay the representative's when the counts differ."""
+        sibling = self.reuse.sibling_of(fqn)
+        if sibling is None:
+            return
+        if sibling not in self.lifted:
+            rep = self.reuse.siblings[sibling]
+            theirs = sorted({str(n.target) for (path, _), (_, g, _) in self.pristine.items()
+                             if path == rep or path.startswith(f"{rep}.") for n in g.nodes
+                             if n.op == "get_attr" and _LIFTED.fullmatch(str(n.target))}, key=_number)
+            stub = invocation_graphs(self.unflattened.get_submodule(f"model.{sibling}"))[0]
+            mine = sorted({str(n.target) for n in cast(Graph, stub.graph).nodes
+                           if n.op == "get_attr" and _LIFTED.fullmatch(str(n.target))}, key=_number)
+            self.lifted[sibling] = ({t: (m, resolve_attr(stub, m)) for t, m in zip(theirs, mine)}
+                                   if len(theirs) == len(mine) else {})
+        renames = self.lifted[sibling]
+        for node in graph.nodes:
+            if node.op == "get_attr" and str(node.target) in renames:
+                name, value = renames[str(node.target)]
+                del attrs[str(node.target)]
+                node.target, attrs[name] = name, value
+
     def state_keys(self, fqn: str, invocation: int) -> list[Key]:
         """The state keys export recorded for this invocation ([] when it had no stateful argument)."""
-        recorded = self.states.get(fqn, [])
+        recorded = self.states.get(fqn)
+        if recorded is None:  # a reused sibling's submodule, never traced: its representative's
+            recorded = self.states.get(self.reuse.source(fqn), [])
         return recorded[invocation] if invocation < len(recorded) else []
 
     def child(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
@@ -145,7 +184,11 @@ class GraphBuilder:
                 holder, extras = self.reused_holder(fqn, source, invocation)
                 cgm = self.build(fqn, module, holder, invocation, source)
                 if extras and not cgm.graph_meta.exact_signature:
-                    raise ReuseFallback(f"'{source}' reads {extras} value(s) from its caller that '{fqn}' is not passed")
+                    raise ReuseFallback(f"'{source}' and '{fqn}' are passed {abs(extras)} different value(s) by"
+                                        " their callers")
+                sibling = self.reuse.sibling_of(fqn)
+                if sibling in self.reuse.caches:
+                    rebind_cache_state(cgm, self.reuse.caches[sibling], fqn)
                 if fqn in self.reuse.siblings:
                     cgm.graph_meta.reused_from = self.ctx.full(source)
                 return cgm
@@ -188,6 +231,8 @@ class GraphBuilder:
         source = fqn if source is None else source
         graph = cast(Graph, holder.graph)
         attrs = {str(n.target): resolve_attr(holder, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
+        if source != fqn:
+            self.own_constants(fqn, graph, attrs)
         restore_constant_outputs(graph, self.constants.get((f"model.{source}" if source else "model", invocation), {}))
         keys = self.state_keys(fqn, invocation)
         if keys:

@@ -201,8 +201,8 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     request = programs.ExportRequest(module, ctx.path, args, kwargs, ctx.options, ctx.grad_enabled)
     cache = default_cache()
     candidates = reuse_plan(module, set(stubs)) if reuse else ReusePlan()
-    # (a reused export is neither looked up nor stored: a record holds no reuse plan)
-    record = programs.lookup(request, cache) if not candidates.siblings else None
+    record = programs.lookup(request, cache)
+    initial_stubs, initial_errors = dict(stubs), dict(errors)
     if record is not None:
         stubs = dict(record.stubs)
         exported, dynamic, states = record.exported, record.dynamic, record.states
@@ -210,8 +210,17 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         errors = {fqn: errors[fqn] if isinstance(errors.get(fqn), SharedModuleEntry) and str(errors[fqn]) == reason
                   else programs.RecordedFailure(reason) for fqn, reason in stubs.items()}
     recorded = set(stubs) | set(candidates.siblings) | candidates.representatives()
-    calls = record_calls(module, recorded, args, kwargs) if recorded else {}
+    # (layers only compared for reuse keep their tensors shared: deep copies cost more than the run)
+    compared = (set(candidates.siblings) | candidates.representatives()) - set(stubs)
+    calls = record_calls(module, recorded, args, kwargs, shared=compared) if recorded else {}
     plan = confirm_reuse(module, candidates, calls)
+    if record is not None and record.reuse != plan.siblings:
+        # a record keeps the siblings its export stubbed; the plan is derived again for this call
+        if record.reuse or not reuse:  # another plan than this call's: export again
+            record, stubs, errors = None, initial_stubs, initial_errors
+            calls = record_calls(module, recorded | set(stubs), args, kwargs) if recorded | set(stubs) else {}
+        else:  # the export fell back to per-layer export for this call before: so does this build
+            plan = ReusePlan()
     # a skipped module called with a cache is traced through (its new cache state must reach its
     # caller's graph) and only shown as opaque; the others are stubbed while exporting
     traced = {fqn for fqn in stubs if stubs[fqn] == StubKind.SKIPPED and any(state_keys(a, k) for a, k, _ in calls[fqn])}
@@ -277,9 +286,9 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     if plan.siblings:
         check_reused_export(plan, exported, stubs, states)
     guard = record.guard if record is not None else ShapeGuard.from_export(exported) if dynamic else static
-    if record is None and not plan.siblings:
+    if record is None:
         programs.store(request, programs.ProgramRecord(ctx.path, request.call_fingerprint(), exported, dynamic,
-                                                       states, dict(stubs), guard), cache)
+                                                       states, dict(stubs), guard, dict(plan.siblings)), cache)
     bar.update()
     bar.set_postfix_str("unflatten and build graphs")
     try:  # as graphpatch: any failure while compiling (unflattening, building) means fallback

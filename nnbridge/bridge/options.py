@@ -54,10 +54,12 @@ class ExtractionOptions:
             ``recompile_limit``. Default: ``8``.
         reuse_layers: Export one representative of identical ``ModuleList`` entries (decoder layers
             of one class, config and call) and build the others' graphs from its graph, each over
-            its own parameters, buffers and op points (prototype, see :mod:`nnbridge.bridge.reuse`).
-            Applies only to entries called once without a stateful argument (``use_cache=False``);
-            anything else, or any doubt found while exporting, means per-layer export.
-            Default: ``False``.
+            its own parameters, buffers and op points (see :mod:`nnbridge.bridge.reuse`). Applies
+            to entries called once each, without a stateful argument or with a transformers
+            ``DynamicCache`` of which each writes its own layer (``layer_idx``, the default
+            ``use_cache=True``); anything else, or any doubt found while exporting (an attribute
+            that differs between layers read otherwise than as the cache layer index, another cache
+            layer touched), means per-layer export, with the same graphs. Default: ``True``.
     """
 
     classes_to_skip_compiling: set[type[torch.nn.Module]] = field(default_factory=set)
@@ -72,7 +74,7 @@ class ExtractionOptions:
     dynamic_shapes: bool = True
     progress: bool = False
     recompile_limit: int = 8
-    reuse_layers: bool = False
+    reuse_layers: bool = True
 
     def __post_init__(self) -> None:
         if self.allow_unused_submodules is None:  # graphpatch's default: lenient unless strict

@@ -52,6 +52,10 @@ class ProgramRecord:
         states: ``{submodule path: [state keys per invocation]}`` threaded through calls.
         stubs: ``{submodule path: StubKind value or failure reason}`` stubbed while exporting.
         guard: the tensor sizes the program accepts.
+        reuse: ``{sibling: representative}`` of the layers the export stubbed because their
+            graphs are built from their representative's (see :mod:`.reuse`); ``{}`` for an
+            export of every layer. Extraction derives the plan again and uses the record only
+            when it is the same.
     """
 
     path: str
@@ -61,6 +65,7 @@ class ProgramRecord:
     states: dict[str, list[list[Key]]]
     stubs: dict[str, str]
     guard: ShapeGuard
+    reuse: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,6 +103,8 @@ def options_fingerprint(options: ExtractionOptions) -> dict[str, Any]:
         "custom_extraction_functions": sorted(_qualname(c) for c in options.custom_extraction_functions),
         "skip_compilation": options.skip_compilation,
         "dynamic_shapes": options.dynamic_shapes,
+        # (only when on: keys of entries recorded before the option existed stay valid)
+        **({"reuse_layers": True} if options.reuse_layers else {}),
     }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Set as AbstractSet
 from typing import Any
 
 import torch
@@ -51,18 +51,35 @@ def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             handle.remove()
 
 
+def shared_copy(value: Any) -> Any:
+    """A copy of ``value``'s containers and registered objects (a transformers cache, when its
+    pytree is registered), its tensors shared: enough to keep the state a call saw when the run
+    later replaces tensors (a cache's update) but never changes them in place. :func:`copy_inputs`
+    when an object would stay shared (an unregistered one may be mutated later)."""
+    leaves, spec = pytree.tree_flatten(value)
+    if any(not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device))
+           for leaf in leaves):
+        return copy_inputs(value)
+    return pytree.tree_unflatten(leaves, spec)
+
+
 def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
+                 kwargs: dict[str, Any], shared: AbstractSet[str] = frozenset()
+                 ) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
     """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules;
-    the inputs are copied before the call (a cache argument is updated by it)."""
+    the inputs are copied before the call (a cache argument is updated by it). Calls of ``shared``
+    modules (whose records are only compared, see :mod:`.reuse`) keep their tensors shared
+    (:func:`shared_copy`: deep copies of a decoder layer's inputs cost more than the run)."""
     calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = defaultdict(list)
     pending: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
 
     def before(fqn: str) -> Callable[..., None]:
-        return lambda mod, a, k: pending[fqn].append((copy_inputs(a), copy_inputs(k)))
+        copy = shared_copy if fqn in shared else copy_inputs
+        return lambda mod, a, k: pending[fqn].append((copy(a), copy(k)))
 
     def after(fqn: str) -> Callable[..., None]:
-        return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy_inputs(out)))
+        copy = shared_copy if fqn in shared else copy_inputs
+        return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy(out)))
     observed_run(module, args, kwargs, [(module.get_submodule(fqn), kind, hook(fqn))
                                         for fqn in fqns for kind, hook in ((HookKind.PRE, before), (HookKind.POST, after))])
     return calls

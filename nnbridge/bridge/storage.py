@@ -91,6 +91,7 @@ def write_bundle(target: str | os.PathLike[str] | IO[bytes], header: dict[str, A
                 "path": record.path, "call": record.call, "dynamic": record.dynamic, "states": record.states,
                 "stubs": {k: str(v) for k, v in record.stubs.items()},
                 "guard": {"dims": record.guard.dims, "code": record.guard.code}, "left_out": left_out,
+                "reuse": record.reuse,
             })
         if inputs is not None:
             buffer = io.BytesIO()
@@ -172,7 +173,7 @@ class Bundle:
         dims = [[d if isinstance(d, int) else (d[0], d[1], d[2]) for d in tensor] for tensor in entry["guard"]["dims"]]
         return ProgramRecord(path=entry["path"], call=entry["call"], exported=exported, dynamic=entry["dynamic"],
                              states=entry["states"], stubs=dict(entry["stubs"]),
-                             guard=ShapeGuard(dims, entry["guard"]["code"]))
+                             guard=ShapeGuard(dims, entry["guard"]["code"]), reuse=dict(entry.get("reuse", {})))
 
 
 def _own_tensor(source: str, module: torch.nn.Module, name: str, meta: torch.Tensor) -> torch.Tensor:

@@ -19,3 +19,13 @@ def symbolic_hint(size: torch.SymInt | int) -> int:
 def symbolic_expr(size: torch.SymInt | int) -> Any:
     """The sympy expression of a symbolic size (``SymInt.node.expr``), None for an ``int``."""
     return size.node.expr if isinstance(size, torch.SymInt) else None
+
+
+def sizes_unified(a: torch.SymInt | int, b: torch.SymInt | int) -> bool:
+    """While exporting: record that two sizes are equal (``torch._check(a == b)``: export then
+    treats them as one symbol, as it would had the traced code combined them), when their example
+    values are; False, recording nothing, when the example values differ."""
+    if symbolic_hint(a) != symbolic_hint(b):
+        return False
+    torch._check(a == b)
+    return True
