@@ -476,3 +476,18 @@ def test_other_sequence_length(case):
     assert torch.equal(full(other, use_cache=False).logits, eager)
     assert torch.equal(reused(other, use_cache=False).logits, eager)
     assert len(full.extractions) == len(reused.extractions)
+
+
+@pytest.mark.parametrize("factory", [gpt2, llama], ids=["gpt2", "llama"])
+def test_a_fallback_whose_per_layer_export_fails_too_goes_on(factory):
+    """``output_attentions=True``: the reusing export meets transformers' output collection and
+    falls back; the per-layer export then fails the same way (the model runs its own code, its
+    children are graphs), which must not be taken for the reuse fallback again."""
+    model, reference = factory(), factory()
+    ids = torch.randint(0, 100, (1, 8))
+    nnbridge.bridge(model, ids)
+    out = model(ids, output_attentions=True)
+    expected = reference(ids, output_attentions=True)
+    assert torch.equal(out.logits, expected.logits)
+    assert len(out.attentions) == len(expected.attentions)
+    assert all(torch.equal(a, b) for a, b in zip(out.attentions, expected.attentions))

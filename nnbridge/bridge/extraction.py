@@ -144,9 +144,14 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             offloaded_weights_loaded(module), reserved_names_renamed(module) as renamed, aliases_hidden(module):
         ctx.renamed = renamed
         register_cache_pytrees(module)
+        fallback: ReuseFallback | None = None
         try:
             root, guard = _extract_root(ctx, args, kwargs, reuse=options.reuse_layers)
-        except ReuseFallback as fallback:  # reuse turned out unsafe for this call: export every layer
+        except ReuseFallback as unsafe:  # reuse turned out unsafe for this call: export every layer
+            fallback = unsafe
+        if fallback is not None:
+            # outside the handler: the per-layer export's own failures must not carry the
+            # fallback as their context (export failures are searched for a ReuseFallback)
             logger.info("layer reuse fell back to per-layer export: %s", fallback)
             ctx = ExtractionContext(module, options, path, ctx.on_extraction, child_dispatcher)
             ctx.renamed = renamed
