@@ -485,7 +485,7 @@ def test_a_fallback_whose_per_layer_export_fails_too_goes_on(factory):
     children are graphs), which must not be taken for the reuse fallback again."""
     model, reference = factory(), factory()
     ids = torch.randint(0, 100, (1, 8))
-    nnbridge.bridge(model, ids)
+    nnbridge.bridge(model, ids, options=REUSE)
     out = model(ids, output_attentions=True)
     expected = reference(ids, output_attentions=True)
     assert torch.equal(out.logits, expected.logits)
