@@ -105,3 +105,18 @@ def options(request):
     if not hasattr(request, "param"):
         raise pytest.UsageError(f"{request.node.name} takes 'options': decorate it with @opaque_and_compiled")
     return request.param()
+
+
+@pytest.fixture
+def exports(monkeypatch):
+    """The number of torch.export runs extraction makes in the test (a list with one count)."""
+    from nnbridge.bridge import extraction
+
+    count = [0]
+    real = extraction.export_module
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(extraction, "export_module", counted)
+    return count

@@ -33,19 +33,6 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path / "cache" / "extractions"
 
 
-@pytest.fixture
-def exports(monkeypatch):
-    """The number of torch.export runs (a list with one count)."""
-    count = [0]
-    real = extraction.export_module
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return real(*args, **kwargs)
-    monkeypatch.setattr(extraction, "export_module", counted)
-    return count
-
-
 def _ids():
     return torch.randint(0, 100, (1, 8))
 

@@ -136,18 +136,11 @@ def test_llama_grad_mode_outputs_and_gradients_equal_eager():
 
 @pytest.mark.no_extraction_cache  # counts exports
 @pytest.mark.parametrize("prescan", [True, False], ids=["found-eagerly", "found-by-export"])
-def test_a_module_changing_grad_mode_costs_one_export_when_found_eagerly(prescan, monkeypatch):
+def test_a_module_changing_grad_mode_costs_one_export_when_found_eagerly(prescan, exports, monkeypatch):
     """An eager run finds the rotary embedding's ``@torch.no_grad()`` before exporting, so one
     export suffices; without that run export finds it and exports again: the same graphs."""
     from nnbridge.bridge import extraction
 
-    exports = [0]
-    real = extraction.export_module
-
-    def counted(*args, **kwargs):
-        exports[0] += 1
-        return real(*args, **kwargs)
-    monkeypatch.setattr(extraction, "export_module", counted)
     if not prescan:
         monkeypatch.setattr(extraction, "grad_mode_modules", lambda *args: [])
     model = _tiny_llama()

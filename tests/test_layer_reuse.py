@@ -252,20 +252,13 @@ def test_cache_per_layer_patch_equal(cache_case):
 
 
 @pytest.mark.no_extraction_cache  # a cache of its own: exports are counted
-def test_cache_reuse_disk_cache_hit(tmp_path, monkeypatch):
+def test_cache_reuse_disk_cache_hit(tmp_path, monkeypatch, exports):
     """A second reused extraction of the same call is a disk-cache hit (no export) whose record
     carries the reuse plan: the same graphs, reuse markers, outputs and cache; a full extraction
     does not take the reused record (nor the reverse)."""
-    from nnbridge.bridge import extraction
     monkeypatch.setenv("NNBRIDGE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE", raising=False)
-    count = [0]
-    real = extraction.export_module
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return real(*args, **kwargs)
-    monkeypatch.setattr(extraction, "export_module", counted)
+    count = exports
     factory, prefix, expected, node = MODELS["gpt2"]
     model = factory()
     ids = torch.randint(1, 100, (2, 7))

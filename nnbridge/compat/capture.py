@@ -51,48 +51,47 @@ def autograd_function_calls(on_apply: Callable[[type], None]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def grad_mode_changes(on_change: Callable[[], None]) -> Iterator[None]:
-    """Call ``on_change()`` before every grad-mode change in the body (``torch.no_grad()``,
-    ``torch.enable_grad()``, their decorators, ``torch.set_grad_enabled``: a call of
-    ``torch._C._set_grad_enabled`` with a value other than the current mode, torch 2.0 - 2.13),
-    in the thread that entered it; the change itself happens as usual."""
+def _grad_setter_replaced(setter: Callable[[Callable[[bool], None], bool], None]) -> Iterator[None]:
+    """Route every ``torch._C._set_grad_enabled(enabled)`` of the body's thread through
+    ``setter(original, enabled)``, which decides whether to call the original. Every grad-mode
+    change ends there (``torch.no_grad()``, ``torch.enable_grad()``, their decorators,
+    ``torch.set_grad_enabled``; torch 2.0 - 2.13). Restored on exit; other threads are untouched."""
     original = torch._C._set_grad_enabled
     thread = threading.get_ident()
 
     def set_grad_enabled(enabled: bool) -> None:  # torch._C._set_grad_enabled's signature
-        if threading.get_ident() == thread and bool(enabled) != torch.is_grad_enabled():
+        if threading.get_ident() != thread:
+            original(enabled)
+        else:
+            setter(original, enabled)
+
+    torch._C._set_grad_enabled = set_grad_enabled
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled = original
+
+
+def grad_mode_changes(on_change: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
+    """Call ``on_change()`` before every grad-mode change in the body (a call of
+    ``torch._C._set_grad_enabled`` with a value other than the current mode), in the thread that
+    entered it; the change itself happens as usual."""
+    def setter(original: Callable[[bool], None], enabled: bool) -> None:
+        if bool(enabled) != torch.is_grad_enabled():
             on_change()
         original(enabled)
-
-    torch._C._set_grad_enabled = set_grad_enabled
-    try:
-        yield
-    finally:
-        torch._C._set_grad_enabled = original
+    return _grad_setter_replaced(setter)
 
 
-@contextlib.contextmanager
-def grad_mode_frozen(when: Callable[[], bool]) -> Iterator[None]:
+def grad_mode_frozen(when: Callable[[], bool]) -> contextlib.AbstractContextManager[None]:
     """Ignore grad-mode changes (``torch.no_grad()``, ``torch.enable_grad()``, their decorators)
-    while ``when()`` is true, for the body's duration.
-
-    They all end in ``torch._C._set_grad_enabled`` (torch 2.0 - 2.13), which is replaced for the
-    body's duration and restored on exit. While it is replaced, torch.export no longer records
-    grad-mode changes in the graph, so find them all (:func:`mode_regions`) before using this.
-    Other threads' changes are never ignored.
-    """
-    original = torch._C._set_grad_enabled
-    thread = threading.get_ident()
-
-    def set_grad_enabled(enabled: bool) -> None:  # torch._C._set_grad_enabled's signature
-        if threading.get_ident() != thread or not when():
+    while ``when()`` is true, for the body's duration (see :func:`_grad_setter_replaced`). While
+    it is in place, torch.export no longer records grad-mode changes in the graph, so find them
+    all (:func:`mode_regions`) before using this. Other threads' changes are never ignored."""
+    def setter(original: Callable[[bool], None], enabled: bool) -> None:
+        if not when():
             original(enabled)
-
-    torch._C._set_grad_enabled = set_grad_enabled
-    try:
-        yield
-    finally:
-        torch._C._set_grad_enabled = original
+    return _grad_setter_replaced(setter)
 
 
 #: Global name, in ``torch._dynamo.decorators``, of the callback :func:`graph_break_calls` installs.
