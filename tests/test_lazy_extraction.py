@@ -381,3 +381,15 @@ def test_warm_up_outside_lazily_is_refused():
     nnbridge.bridge(model)
     with pytest.raises(NNBridgeError, match="only inside Bridge.lazily"):
         bridge_of(model).warm_up(lambda: model(IDS))
+
+
+def test_inputs_with_autograd_history_are_copied_for_the_warm_up():
+    lazy, whole, _ = _wrappers()
+    embeds = torch.nn.functional.embedding(IDS, whole._module.transformer.wte.weight) * 1.0  # a non-leaf
+    assert embeds.grad_fn is not None
+    seen = {}
+    for wrapper in (lazy, whole):
+        with wrapper.trace(inputs_embeds=embeds):
+            seen[wrapper] = wrapper.transformer.h[0].attn.softmax.output.save()
+    assert _extracted(lazy) == {"transformer.h.0.attn": 1}
+    assert torch.equal(seen[lazy], seen[whole])

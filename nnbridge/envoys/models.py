@@ -29,6 +29,7 @@ from nnsight.modeling.language import LanguageModel as _NNsightLanguageModel
 from nnsight.modeling.transformers import TransformersModel as _NNsightTransformersModel
 
 from ..bridge.in_place import Bridge, bridge, bridge_of, state_restored
+from ..bridge.recording import copy_inputs
 from ..errors import NNBridgeError
 from ..compat.module_dicts import modules_of
 from ..compat.nnsight_loading import PreprocessorSources
@@ -239,7 +240,7 @@ class _Bridged(_EnvoyBase):
                 state.dispatcher.lookup(tuple(args), dict(kwargs))
             elif not _all_known(module, lazy):
                 # an op read that is not an envoy yet: run the call up to the modules, once
-                copied = copy.deepcopy((tuple(args), dict(kwargs)))
+                copied = copy_inputs((tuple(args), dict(kwargs)))  # a cache argument is updated by a run
                 state.warm_up(lambda: module(*copied[0], **copied[1]))
         else:
             call_kwargs = {k: v for k, v in kwargs.items() if k != "streamer"}
