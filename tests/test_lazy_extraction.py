@@ -60,6 +60,8 @@ def test_an_op_read_extracts_only_its_module():
     assert torch.equal(seen[whole, "logits"], logits)
 
 
+# GPT-2 and Llama get twin tests, not one parametrized body: op_owners places reads by the module
+# chains the trace's code names, so each body must spell its model's paths out.
 def test_a_module_extracted_alone_has_the_whole_extractions_op_names_gpt2():
     lazy, whole, _ = _wrappers(gpt2)
     seen = {}

@@ -4,7 +4,7 @@ A trace whose workers only read and write module inputs and outputs (``model.tra
 needs no graph: nnsight's own hooks on the modules serve it, so :class:`~.models._Bridged` runs the
 model's own code for it and extracts nothing (issue: "for a trace that touches only module inputs
 and outputs, run the plain model"). A trace that may touch an op (``...attn.softmax.output``) is
-extracted first, as before.
+extracted first: only the modules its reads are placed on (:func:`op_owners`), else the whole model.
 
 The test reads the bytecode of every worker about to start (each invoke's body, and the model's
 stored edits), of the code nested in it and of the Python functions it names: every attribute it
@@ -303,17 +303,10 @@ def may_be_op(name: str, known_ops: frozenset[str], arguments: frozenset[str]) -
     return base in NODE_NAMES or base in arguments or name in arguments or _aten(base) or _aten(name)
 
 
-def reads_ops(codes: Iterable[types.CodeType], resolve: Callable[[str], object], model: torch.nn.Module,
-              known_ops: Iterable[str]) -> bool:
-    """Whether the trace bodies ``codes`` may read an op envoy of ``model`` whose registered op
-    envoy names so far are ``known_ops`` (see the module docstring)."""
-    return bool(possible_ops(codes, resolve, model, known_ops))
-
-
 def possible_ops(codes: Iterable[types.CodeType], resolve: Callable[[str], object], model: torch.nn.Module,
                  known_ops: Iterable[str]) -> list[str]:
-    """The names the trace bodies ``codes`` read that may be op envoys of ``model`` (see
-    :func:`reads_ops`), sorted."""
+    """The names the trace bodies ``codes`` read that may be op envoys of ``model`` whose
+    registered op envoy names so far are ``known_ops`` (see the module docstring), sorted."""
     reads = attribute_reads(codes, resolve)
     if not reads:
         return []
