@@ -19,7 +19,9 @@ NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 def test_notebook_runs(path, monkeypatch):
     notebook = nbformat.read(path, as_version=4)
     monkeypatch.setenv("NNBRIDGE_SHARED", str(shared_dir()))  # the kernel inherits it
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
+    # iopub_timeout: a cell's printed output can arrive seconds after its reply on a loaded
+    # machine; nbclient's default (4 s) then drops it (a missing "True" failed CI once)
+    NotebookClient(notebook, timeout=600, iopub_timeout=60, kernel_name="python3",
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
