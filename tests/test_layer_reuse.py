@@ -10,6 +10,7 @@ each kind) or reuse only within a kind (sliding, sliding, full).
 from __future__ import annotations
 
 import logging
+import operator
 import re
 
 import pytest
@@ -484,3 +485,60 @@ def test_a_fallback_whose_per_layer_export_fails_too_goes_on(factory):
     assert torch.equal(out.logits, expected.logits)
     assert len(out.attentions) == len(expected.attentions)
     assert all(torch.equal(a, b) for a, b in zip(out.attentions, expected.attentions))
+
+
+def test_decode_steps_of_a_deep_model_after_an_extraction_without_cache():
+    """A 12-layer Llama extracted with ``use_cache=False``, then prefill and decode steps with a
+    ``DynamicCache``. Export takes the cache length of a decode step from some layer's keys (here
+    layer 7's, not the representative's own); the siblings must take it from their own layer,
+    since the layers before them have already grown by the time they run. Before the fix, layers
+    from 7 on raised a shape error in ``repeat_kv`` (a size from a later layer could as well have
+    been silently wrong)."""
+    from transformers import DynamicCache
+    model = llama()
+    config = type(model.config)(**{**model.config.to_dict(), "num_hidden_layers": 12})
+    torch.manual_seed(0)
+    model = type(model)(config).eval()
+    torch.manual_seed(1)
+    ids = torch.randint(1, 100, (1, 7))
+    mask = torch.ones_like(ids)
+    pg = PatchableGraph(model, input_ids=ids, attention_mask=mask, use_cache=False, options=REUSE)
+    bridged_cache, eager_cache = DynamicCache(config=config), DynamicCache(config=config)
+    with torch.no_grad():
+        for step in range(3):
+            out = pg(input_ids=ids, attention_mask=mask, past_key_values=bridged_cache, use_cache=True)
+            expected = model(input_ids=ids, attention_mask=mask, past_key_values=eager_cache, use_cache=True)
+            assert torch.equal(out.logits, expected.logits), step
+            _assert_same_cache(bridged_cache, eager_cache)
+            ids = expected.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(ids)], 1)
+    layers = {f"model.layers.{i}": "model.layers.0" for i in range(1, 12)}
+    assert [{k: v for k, v in r.items() if k.startswith("model.layers.")} for r in _reused_in(pg)] == [layers] * 3
+
+
+def test_a_size_read_from_another_cache_layer_that_differs_falls_back():
+    """Rebinding a sibling's graph: a size the representative's graph takes from another cache
+    layer moves to the sibling's own layer only when, in the export, it equals the size of the
+    representative's own layer; otherwise the graph cannot be rebound (per-layer export)."""
+    from nnbridge.bridge.reuse import CacheRebinding, ReuseFallback, rebind_cache_state
+    from nnbridge.bridge.state import read_state
+
+    def graph(other_length: int) -> torch.fx.GraphModule:
+        g = torch.fx.Graph()
+        cache = g.placeholder("past_key_values")
+        read = g.call_function(read_state, (cache, None, (("layers", (0,), "keys"), ("layers", (3,), "keys"))))
+        own, other = (g.call_function(operator.getitem, (read, k)) for k in (0, 1))
+        own.meta["val"], other.meta["val"] = torch.empty(1, 2, 5, 4), torch.empty(1, 2, other_length, 4)
+        size = g.call_function(torch.ops.aten.sym_size.int, (other, 2))
+        g.output(g.call_function(operator.add, (size, own)))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    from transformers import DynamicCache
+    spec = torch.utils._pytree.tree_flatten(DynamicCache())[1]
+    rebinding = CacheRebinding(rep_index=0, index=2, rep_spec=spec, spec=spec)
+    same = graph(5)
+    rebind_cache_state(same, rebinding, "layers.2")
+    read = next(n for n in same.graph.nodes if n.target is read_state)
+    assert read.args[2] == (("layers", (2,), "keys"), ("layers", (2,), "keys"))
+    with pytest.raises(ReuseFallback, match=r"'layers.2' reads or writes a cache layer other than its own"):
+        rebind_cache_state(graph(6), rebinding, "layers.2")

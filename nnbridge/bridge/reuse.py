@@ -747,18 +747,40 @@ def _mentions(spec: Any, kind: type) -> bool:
     return isinstance(spec, pytree.TreeSpec) and (spec.type is kind or any(_mentions(c, kind) for c in spec.children()))
 
 
-def _sizes_only(read: Node) -> set[int]:
+def _sizes_only(read: Node) -> dict[int, list[Node]]:
     """Positions of a :func:`~.state.read_state` node's values that are unused or only give
-    symbolic sizes (``sym_size``): any tensor of that dimension gives the same size, as the
-    export's shape guards, checked before each call, make them equal."""
-    used: dict[int, bool] = {}
+    symbolic sizes (``sym_size``), each with its ``getitem`` nodes (none when unused)."""
+    getitems: dict[int, list[Node]] = {}
+    only: dict[int, bool] = {}
     for user in read.users:
         if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
-            return set()
-        only = all(u.op == "call_function" and str(getattr(u.target, "__name__", u.target)).startswith("sym_size")
-                   for u in user.users)
-        used[user.args[1]] = used.get(user.args[1], True) and only
-    return {k for k in range(len(cast(tuple, read.args[2]))) if used.get(k, True)}
+            return {}
+        k = user.args[1]
+        getitems.setdefault(k, []).append(user)
+        only[k] = only.get(k, True) and all(
+            u.op == "call_function" and str(getattr(u.target, "__name__", u.target)).startswith("sym_size")
+            for u in user.users)
+    return {k: getitems.get(k, []) for k in range(len(cast(tuple, read.args[2]))) if only.get(k, True)}
+
+
+def _same_sizes(read: Node, getitems: list[Node], own: int) -> bool:
+    """Whether every size read from ``getitems`` (values of another cache layer) equals, in the
+    representative's export, the size of the value at position ``own`` (its own layer's, read at
+    the same time), so the sibling may take it from its own layer. Sizes of other layers are equal
+    to the own layer's only when the call began (the export's guards); layers updated before this
+    one ran have grown since, so the other layer's size would be wrong for a later sibling."""
+    mine = [u for u in read.users if u.args[1] == own]
+    own_val = mine[0].meta.get("val") if mine else None
+    if not isinstance(own_val, torch.Tensor):
+        return not any(g.users for g in getitems)
+    for getitem in getitems:
+        for user in getitem.users:
+            dim = user.args[1] if len(user.args) > 1 else None
+            val = getitem.meta.get("val")
+            if not isinstance(dim, int) or not isinstance(val, torch.Tensor) or val.dim() != own_val.dim() \
+                    or str(val.shape[dim]) != str(own_val.shape[dim]):
+                return False
+    return True
 
 
 def rebind_cache_state(gm: torch.fx.GraphModule, rebinding: CacheRebinding, name: str) -> None:
@@ -786,16 +808,23 @@ def rebind_cache_state(gm: torch.fx.GraphModule, rebinding: CacheRebinding, name
             changed = True
         elif node.op == "call_function" and node.target in (read_state, write_state):
             positions = (2,) if node.target is read_state else (3,)
-            sizes_only = _sizes_only(node) if node.target is read_state else set()
+            sizes_only = _sizes_only(node) if node.target is read_state else {}
             new_args = list(node.args)
             for i in positions:
                 moved = []
-                for k, path in enumerate(node.args[i]):
+                paths = list(node.args[i])
+                for k, path in enumerate(paths):
                     if path and path[0] == "layers":
                         if len(path) >= 2 and path[1] == (rebinding.rep_index,):
                             path = ("layers", (rebinding.index,), *path[2:])
-                        elif k not in sizes_only:
-                            raise ReuseFallback(f"'{name}' reads or writes a cache layer other than its own: {path}")
+                        else:
+                            # a size taken from another layer: the sibling takes it from its own
+                            own = ("layers", (rebinding.rep_index,), *path[2:])
+                            if k not in sizes_only or own not in paths \
+                                    or not _same_sizes(node, sizes_only[k], paths.index(own)):
+                                raise ReuseFallback(f"'{name}' reads or writes a cache layer other than its own:"
+                                                    f" {path}")
+                            path = ("layers", (rebinding.index,), *path[2:])
                     moved.append(path)
                 new_args[i] = tuple(moved)
             if node.target is write_state and node.args[2]:

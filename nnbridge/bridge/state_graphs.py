@@ -473,7 +473,9 @@ def narrow_state_access(graph: Graph, attrs: dict[str, Any], threaded: list[tupl
                                                         tuple(paths[i] for i in indices)))
             with graph.inserting_after(read):
                 for k, user in enumerate(readers):
-                    user.replace_all_uses_with(graph.call_function(operator.getitem, (read, k)))
+                    value = graph.call_function(operator.getitem, (read, k))
+                    value.meta.update(user.meta)  # the leaf's example value (its symbolic sizes)
+                    user.replace_all_uses_with(value)
                     graph.erase_node(user)
         if not flatten.users:
             graph.erase_node(flatten)
