@@ -59,9 +59,7 @@ class ExtractionOptions:
             ``DynamicCache`` of which each writes its own layer (``layer_idx``, the default
             ``use_cache=True``); anything else, or any doubt found while exporting (an attribute
             that differs between layers read otherwise than as the cache layer index, another cache
-            layer touched), means per-layer export, with the same graphs. Default: ``False``:
-            SmolLM2's ``generate`` after a ``use_cache=False`` extraction fails in a decode step
-            with reuse on (a loud shape error, see the README), not yet understood.
+            layer touched), means per-layer export, with the same graphs. Default: ``True``.
     """
 
     classes_to_skip_compiling: set[type[torch.nn.Module]] = field(default_factory=set)
@@ -76,7 +74,7 @@ class ExtractionOptions:
     dynamic_shapes: bool = True
     progress: bool = False
     recompile_limit: int = 8
-    reuse_layers: bool = False
+    reuse_layers: bool = True
 
     def __post_init__(self) -> None:
         if self.allow_unused_submodules is None:  # graphpatch's default: lenient unless strict
