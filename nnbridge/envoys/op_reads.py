@@ -18,6 +18,12 @@ segments of every string constant and of every string a name in the body holds
   forward argument of one of the model's module classes (placeholders: ``hidden_states``), a name
   ending in ``_`` (``weight_``, ``output_``), ``getitem``/``sym_size_int``, or ``invocation_<k>``.
 
+A chain read through a ``for`` loop's variable over a module container (``for layer in
+model.transformer.h[2:5]``, also in ``enumerate``/``reversed``/``zip``) or through a computed index
+(``model.transformer.h[i]``, ``i`` a ``range`` counter or an int name) is read off every entry
+iterated (every entry for a computed index); a variable assigned again, read outside its loop, or a
+loop in nested code or a called function is not placed.
+
 It errs towards extracting: a name the test cannot rule out costs an extraction, never a result.
 A body that reaches an op only through code the test cannot see (a name built at run time) gets
 nnbridge's "ops are not known yet" ``AttributeError`` at that read (loud, never a wrong value);
@@ -547,8 +553,13 @@ def op_owners(codes: Iterable[types.CodeType], resolve: Callable[[str], object],
     :meth:`nnbridge.bridge.in_place.Bridge.lazily`): ``{path of a submodule of model: the possible
     op names read off its envoy}`` (empty: no op read).
 
+    A read through a loop variable or a computed index counts for every container entry it may
+    be (see :func:`_code_reads`): ``for layer in model.h: layer.attn.softmax`` gives
+    ``{"h.0.attn": {"softmax"}, "h.1.attn": {"softmax"}, ...}``.
+
     None when the whole model must be extracted: a possible op name is read off no module the test
-    can name (a string path, a loop variable, a name read in nested code, ``tracer.cache()``), off
+    can name (a string path, a loop variable it does not follow, a name read in nested code or a
+    called function, ``tracer.cache()``), off
     the model itself, or is an invocation container (``invocation_1``: a module called several
     times per forward numbers its calls only in a whole-model extraction)."""
     unowned, owned = _reads(codes, resolve)
