@@ -243,18 +243,92 @@ def test_a_cache_argument_is_updated_once():
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_reads_it_cannot_place_extract_the_whole_model():
+def test_a_loop_over_the_layers_extracts_each_layers_module():
     lazy, whole, _ = _wrappers()
+    seen = {}
+    for wrapper in (lazy, whole):
+        with wrapper.trace(IDS):
+            values = list().save()
+            for layer in wrapper.transformer.h:
+                values.append(layer.attn.softmax.output)
+        seen[wrapper] = values
+    assert _extracted(lazy) == {"transformer.h.0.attn": 1, "transformer.h.1.attn": 1}
+    assert len(seen[lazy]) == 2 and all(torch.equal(a, b) for a, b in zip(seen[lazy], seen[whole]))
+    assert not torch.equal(seen[lazy][0], seen[lazy][1])
+
+
+def test_enumerate_over_a_constant_slice_extracts_the_sliced_layers_only():
+    lazy, whole, reference = _wrappers()
+    seen = {}
+    for wrapper in (lazy, whole):
+        with wrapper.trace(IDS):
+            values = list().save()
+            for i, layer in enumerate(wrapper.transformer.h[1:]):
+                values.append((i, layer.mlp.act.mul.output))
+            seen[wrapper, "logits"] = wrapper.lm_head.output.save()
+        seen[wrapper] = values
+    with reference.trace(IDS):
+        logits = reference.lm_head.output.save()
+    assert _extracted(lazy) == {"transformer.h.1.mlp.act": 1}
+    [(index, value)] = seen[lazy]
+    assert index == 0 and torch.equal(value, seen[whole][0][1])
+    assert torch.equal(seen[lazy, "logits"], logits) and torch.equal(seen[whole, "logits"], logits)
+
+
+def test_a_variable_index_in_a_range_loop_extracts_every_layers_module():
+    lazy, whole, _ = _wrappers()
+    seen = {}
+    for wrapper in (lazy, whole):
+        with wrapper.trace(IDS):
+            values = list().save()
+            for i in range(len(wrapper.transformer.h)):
+                values.append(wrapper.transformer.h[i].add.output)
+        seen[wrapper] = values
+    assert _extracted(lazy) == {"transformer.h.0": 1, "transformer.h.1": 1}
+    assert len(seen[lazy]) == 2 and all(torch.equal(a, b) for a, b in zip(seen[lazy], seen[whole]))
+
+
+def _read_every_layer(wrapper):
+    values = []
+    for layer in wrapper.transformer.h:
+        values.append(layer.attn.softmax.output.save())
+    return values
+
+
+def test_a_loop_in_a_function_the_trace_calls_extracts_the_whole_model():
+    lazy, whole, _ = _wrappers()
+    seen = {}
+    for wrapper in (lazy, whole):
+        with wrapper.trace(IDS):
+            seen[wrapper] = _read_every_layer(wrapper)
+    assert _extracted(lazy) == {"": 1}  # op_owners places the trace body's own chains only
+    assert all(torch.equal(a, b) for a, b in zip(seen[lazy], seen[whole]))
+
+
+def test_loop_reads_it_cannot_place_extract_the_whole_model():
+    lazy, whole, _ = _wrappers()
+    names = ["attn.softmax", "mlp.act.mul"]
     with lazy.trace(IDS):
         values = list().save()
-        for layer in lazy.transformer.h:
-            values.append(layer.attn.softmax.output)
-    with whole.trace(IDS):
-        first = whole.transformer.h[0].attn.softmax.output.save()
-        second = whole.transformer.h[1].attn.softmax.output.save()
-    expected = [first, second]
+        for name in names:  # a path string held by a loop variable
+            values.append(lazy.transformer.h[0].get(name).output)
     assert _extracted(lazy) == {"": 1}
-    assert all(torch.equal(a, b) for a, b in zip(values, expected))
+    with whole.trace(IDS):
+        probs = whole.transformer.h[0].attn.softmax.output.save()
+        product = whole.transformer.h[0].mlp.act.mul.output.save()
+    assert len(values) == 2 and torch.equal(values[0], probs) and torch.equal(values[1], product)
+
+
+def test_a_reassigned_loop_variable_extracts_the_whole_model():
+    lazy, whole, _ = _wrappers()
+    with lazy.trace(IDS):
+        for layer in lazy.transformer.h[:1]:
+            layer = lazy.transformer.h[1]  # the read below is off layer 1, not the iterated layer 0
+            value = layer.attn.softmax.output.save()
+    with whole.trace(IDS):
+        expected = whole.transformer.h[1].attn.softmax.output.save()
+    assert _extracted(lazy) == {"": 1}
+    assert torch.equal(value, expected)
 
 
 def test_a_name_no_module_has_falls_back_to_the_whole_models_error():
@@ -312,7 +386,24 @@ def test_op_owners_places_each_read():
     assert owners("model.transformer.h[0].attn.softmax.output.save(); model.transformer.h[1].add.output") == {
         "transformer.h.0.attn": frozenset({"softmax"}), "transformer.h.1": frozenset({"add"})}
     assert owners("model.add.output") is None  # the model's own op
-    assert owners("for layer in model.transformer.h: layer.attn.softmax.output") is None
+    h0, h1 = "transformer.h.0", "transformer.h.1"
+    softmax = {f"{h0}.attn": frozenset({"softmax"}), f"{h1}.attn": frozenset({"softmax"})}
+    assert owners("for layer in model.transformer.h: layer.attn.softmax.output") == softmax
+    assert owners("for i in range(2): model.transformer.h[i].attn.softmax.output") == softmax
+    assert owners("for i in range(2): model.transformer.h[i + 1].attn.softmax.output") == softmax
+    assert owners("for _, layer in enumerate(model.transformer.h[:1], 1): layer.add.output") == {h0: frozenset({"add"})}
+    assert owners("for layer in reversed(model.transformer.h[-1:]): layer.add.output") == {h1: frozenset({"add"})}
+    assert owners("for a, b in zip(model.transformer.h[:1], model.transformer.h[1:]): a.add; b.attn.softmax") == {
+        h0: frozenset({"add"}), f"{h1}.attn": frozenset({"softmax"})}
+    assert owners("for layer in model.transformer.h: pass\nlayer.attn.softmax.output") is None  # after the loop
+    assert owners("for layer in model.transformer.h:\n layer = model.transformer.h[0]\n layer.add") is None
+    assert owners("for i in range(2):\n i = '1'\n model.transformer.h[i].add") is None
+    assert owners("range = reversed\nfor i in range(2): model.transformer.h[i].add") is None
+    assert owners("model.transformer.h[j].add") is None  # j: no value in scope
+    assert owners("for i in range(2): model.transformer.h[i:].add") is None  # a computed slice
+    assert owners("for layer in model.transformer: layer.add") is None  # not a container
+    assert owners("for layer in [model.transformer.h[0]]: layer.add") is None
+    assert owners("[layer.add for layer in model.transformer.h]") is None  # nested code
     assert owners("model.get('transformer.h.0.attn.softmax')") is None  # a string path
     assert owners("model.transformer.h[0].attn.invocation_1.softmax.output") is None
     assert owners("tracer.cache()") is None

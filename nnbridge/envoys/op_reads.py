@@ -18,6 +18,12 @@ segments of every string constant and of every string a name in the body holds
   forward argument of one of the model's module classes (placeholders: ``hidden_states``), a name
   ending in ``_`` (``weight_``, ``output_``), ``getitem``/``sym_size_int``, or ``invocation_<k>``.
 
+A chain read through a ``for`` loop's variable over a module container (``for layer in
+model.transformer.h[2:5]``, also in ``enumerate``/``reversed``/``zip``) or through a computed index
+(``model.transformer.h[i]``, ``i`` a ``range`` counter or an int name) is read off every entry
+iterated (every entry for a computed index); a variable assigned again, read outside its loop, or a
+loop in nested code or a called function is not placed.
+
 It errs towards extracting: a name the test cannot rule out costs an extraction, never a result.
 A body that reaches an op only through code the test cannot see (a name built at run time) gets
 nnbridge's "ops are not known yet" ``AttributeError`` at that read (loud, never a wrong value);
@@ -32,13 +38,16 @@ Example::
 
 from __future__ import annotations
 
+import builtins
 import dis
 import functools
 import inspect
 import re
 import sys
 import types
+from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import NamedTuple, cast
 
 import torch
 
@@ -99,19 +108,22 @@ def _reads(codes: Iterable[types.CodeType], resolve: Callable[[str], object]
         reads, loaded, nested, chains, stored = _code_reads(code)
         found.update(reads)
         stack.extend(nested)
-        for root, chain in chains:
+        for root, chain, assumed in chains:
             module = None
-            if root is not None and id(code) in top and root not in stored:
+            if root is not None and id(code) in top and root not in stored and all(
+                    name not in stored and _holds(name, resolve(name)) for name in assumed):
                 module = envoy_module(resolve(root))
-            owner, names = _chain_reads(module, chain)
-            if owner is None:
-                found.update(names)
-            else:
-                owned.extend((owner, name) for name in names)
+            for owner, names in _chain_reads(module, chain):
+                if owner is None:
+                    found.update(names)
+                else:
+                    owned.extend((owner, name) for name in names)
         for name in loaded:
             value = resolve(name)
             if isinstance(value, str):  # a path or name held in a variable (``model.get(path)``)
                 found.update(_identifiers(value))
+            elif isinstance(value, (list, tuple)) and value and all(isinstance(item, str) for item in value):
+                found.update(name for item in value for name in _identifiers(item))  # ``for path in paths``
             elif isinstance(value, types.FunctionType):
                 stack.append(value.__code__)
             elif isinstance(value, types.MethodType) and isinstance(value.__func__, types.FunctionType):
@@ -122,41 +134,75 @@ def _reads(codes: Iterable[types.CodeType], resolve: Callable[[str], object]
     return found, owned
 
 
-def _chain_reads(module: torch.nn.Module | None, chain: tuple[str | int, ...]
-                 ) -> tuple[torch.nn.Module | None, list[str]]:
-    """The names of ``chain`` (attribute names and constant indices read one after the other from
-    a value) that may be op reads, given the module whose envoy the chain starts from (None: not
-    known, every name counts), and the module they are read off (None: not known). Child modules
-    (op points excepted) are followed; a module's ``output``/``input``/``inputs`` ends the chain
-    (a value follows); the name right after ``.source`` is an nnsight source operation, not an
-    op."""
-    names: list[str] = []
-    owner: torch.nn.Module | None = None
-    after_source = False
+def _chain_reads(start: torch.nn.Module | None, chain: tuple[Element, ...]
+                 ) -> list[tuple[torch.nn.Module | None, list[str]]]:
+    """The names of ``chain`` (attribute names and indices read one after the other from a value)
+    that may be op reads, each with the module they are read off (None: not known), given the
+    module whose envoy the chain starts from (None: not known, every name counts). Child modules
+    (op points excepted) are followed; a constant index or slice of a container follows its
+    entries, an :class:`AnyIndex` fans out to every entry; a module's ``output``/``input``/
+    ``inputs`` ends the chain (a value follows)."""
+    here: torch.nn.Module | list[torch.nn.Module] | None = start  # a list: a slice of a container's entries
     for position, element in enumerate(chain):
-        if module is not None:
-            if isinstance(element, int):
-                if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and -len(module) <= element < len(module):
-                    module = module[element]
-                    continue
-                module = None
-                continue
-            if element in _VALUE_PROPERTIES:
-                return None, names
-            if element in envoy_api():  # the envoy's own attribute, whatever the module's children
-                return None, names + _chain_reads(None, chain[position:])[1]
-            child = modules_of(module).get(element)
-            if isinstance(child, torch.nn.Module) and not isinstance(child, (OpPoint, OpPointContainer)):
-                module = child
-                continue
-            owner, module = module, None
-        if isinstance(element, int):
+        if here is None:
+            return [(None, _names(chain[position:]))]
+        if not isinstance(element, str):
+            entries = here if isinstance(here, list) else _entries(here)
+            if entries is None:
+                here = None
+            elif isinstance(element, AnyIndex):
+                rest = chain[position + 1:]
+                return [read for entry in {id(e): e for e in entries}.values() for read in _chain_reads(entry, rest)]
+            elif isinstance(element, slice):
+                here = entries[element]
+            else:
+                here = entries[element] if -len(entries) <= element < len(entries) else None
+            continue
+        if isinstance(here, list) or element in envoy_api():  # a list's or the envoy's own attribute
+            return [] if element in _VALUE_PROPERTIES else [(None, _names(chain[position:]))]
+        child = modules_of(here).get(element)
+        if isinstance(child, torch.nn.Module) and not isinstance(child, (OpPoint, OpPointContainer)):
+            here = child
+            continue
+        return [(here, _names(chain[position:]))]
+    return []
+
+
+def _entries(module: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """The entries of a container module in the order its envoy indexes, slices and iterates them
+    (nnsight 0.8: the module's ``_modules``), or None: not a ModuleList/Sequential, or an entry is
+    empty or an op point (then the envoy's children are not the entries)."""
+    if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+        return None
+    entries = list(modules_of(module).values())
+    if not all(isinstance(entry, torch.nn.Module) and not isinstance(entry, (OpPoint, OpPointContainer))
+               for entry in entries):
+        return None
+    return cast("list[torch.nn.Module]", entries)
+
+
+def _names(chain: tuple[Element, ...]) -> list[str]:
+    """The attribute names of ``chain``, read off a value or a module's envoy, but the name right
+    after ``.source`` (an nnsight source operation, not an op)."""
+    names: list[str] = []
+    after_source = False
+    for element in chain:
+        if not isinstance(element, str):
             after_source = False
             continue
         if not after_source:
             names.append(element)
         after_source = element == "source"
-    return owner, names
+    return names
+
+
+def _holds(name: str, value: object) -> bool:
+    """Whether ``name`` holds, when the trace starts, what a placed chain assumed of it: one of
+    :data:`_ITERATION_BUILTINS`, not shadowed (``value``: the name's value in the trace's scope,
+    None when it has none), else an int (an index)."""
+    if name in _ITERATION_BUILTINS:
+        return value is None or value is getattr(builtins, name)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 #: An envoy's properties whose value is the module's value (a tensor, a tuple, a model output).
@@ -164,7 +210,36 @@ _VALUE_PROPERTIES = frozenset({"output", "input", "inputs"})
 _ROOT_LOADS = frozenset({"LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST"})
 _STORES = frozenset({"STORE_NAME", "STORE_GLOBAL", "STORE_DEREF", "STORE_FAST", "DELETE_NAME", "DELETE_FAST",
                      "DELETE_GLOBAL", "DELETE_DEREF"})
-Chain = tuple[str | None, tuple[str | int, ...]]
+#: the stores that bind a loop variable :func:`_code_reads` follows (not a closure cell or a global)
+_LOOP_STORES = frozenset({"STORE_NAME", "STORE_FAST"})
+#: builtins a placed ``for`` loop may iterate: their loop variables are entries of module containers or ints
+_ITERATION_BUILTINS = frozenset({"enumerate", "reversed", "zip", "range"})
+#: instructions an index expression (``h[i + 1]``) may consist of
+_INDEX_OPS = frozenset({"LOAD_CONST", "LOAD_NAME", "LOAD_FAST", "LOAD_GLOBAL", "BINARY_OP", "UNARY_NEGATIVE",
+                        "UNARY_INVERT", "BUILD_SLICE"})
+
+
+class AnyIndex:
+    """A chain element for an index the code computes (``h[i]``, ``h[i + 1]``) or the entry a
+    loop variable holds (``for layer in h``): any entry of the container."""
+
+    def __repr__(self) -> str:
+        return "AnyIndex()"
+
+
+_ANY = AnyIndex()
+Element = str | int | slice | AnyIndex
+#: ``(root name or None, elements, names whose values when the trace starts the chain assumes
+#: (see :func:`_holds`))``
+Chain = tuple[str | None, tuple[Element, ...], frozenset[str]]
+
+
+class _Binding(NamedTuple):
+    """What a ``for`` loop's variable holds in the loop's body (``body``: instruction offsets):
+    an entry of the container ``iterable`` reads, or an int (``iterable`` None)."""
+    iterable: Chain | None
+    assumed: frozenset[str]
+    body: range
 
 
 @functools.lru_cache(maxsize=1024)
@@ -172,55 +247,84 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
                                                 tuple[Chain, ...], frozenset[str]]:
     """What one code object reads, by itself (cached: a trace's block is read once): its string
     identifiers and :data:`WHOLE_MODEL_METHODS` calls, the global/local names it loads, its nested
-    code, its attribute chains (``(root name or None, (attribute or constant index, ...))``:
-    ``model.h[0].attn.output`` is ``("model", ("h", 0, "attn", "output"))``) and the names it
-    assigns."""
+    code, its attribute chains (``model.h[0].attn.output`` is ``("model", ("h", 0, "attn",
+    "output"), frozenset())``) and the names it assigns.
+
+    A ``for`` loop variable stored once, over a chain (``for layer in model.h[1:3]``, also wrapped
+    in ``enumerate``/``reversed``/``zip``), starts chains in the loop's body as the chain and
+    :class:`AnyIndex` (``layer.attn`` is ``model.h[1:3][any].attn``); an index computed from
+    names (``model.h[i]``) is :class:`AnyIndex`, the names that are not ``range``/``enumerate``
+    counters in their loop's body being assumed ints."""
     reads: set[str] = set()
     loaded: set[str] = set()
     stored: set[str] = set()
     chains: list[Chain] = []
+    instructions = list(dis.get_instructions(code))
+    stores = Counter(instruction.argval for instruction in instructions if instruction.opname in _STORES)
+    bindings: dict[str, _Binding] = {}
+    spans: dict[int, tuple[int, Chain]] = {}  # the last instruction of a chain: (its root's, the chain)
     root: str | None = None
-    chain: list[str | int] | None = None  # the chain being read, if any
+    chain: list[Element] | None = None  # the chain being read, if any
+    assumed: set[str] = set()
+    start = 0
 
-    def end() -> None:
+    def bound(name: str, offset: int) -> _Binding | None:
+        binding = bindings.get(name)
+        return binding if binding is not None and stores[name] == 1 and offset in binding.body else None
+
+    def end(last: int) -> None:
         nonlocal chain
         if chain:
-            chains.append((root, tuple(chain)))
+            read = (root, tuple(chain), frozenset(assumed))
+            chains.append(read)
+            spans[last] = (start, read)
         chain = None
 
-    instructions = list(dis.get_instructions(code))
-    for i, instruction in enumerate(instructions):
+    i = 0
+    while i < len(instructions):
+        instruction = instructions[i]
         name, opname = instruction.argval, instruction.opname
         if opname in _LOAD_ATTRIBUTE and isinstance(name, str):
             method = (_METHOD and opname == "LOAD_ATTR" and bool((instruction.arg or 0) & 1))
             if method:
                 if name in WHOLE_MODEL_METHODS and not _limited_to_modules(code, instructions, i):
                     reads.add(name)
-                end()
-                continue
-            if chain is None:
-                root, chain = None, []
-            chain.append(name)
-            if opname != "LOAD_ATTR":
-                end()
+                end(i - 1)
+            else:
+                if chain is None:
+                    root, chain, assumed, start = None, [], set(), i
+                chain.append(name)
+                if opname != "LOAD_ATTR":
+                    end(i)
+            i += 1
             continue
-        if (chain is not None and opname == "LOAD_CONST" and type(name) is int and i + 1 < len(instructions)
-                and instructions[i + 1].opname == "BINARY_SUBSCR"):
-            chain.append(name)
+        index = _index(instructions, i) if chain is not None else None
+        if chain is not None and index is not None:
+            element, names, i = index
+            loaded.update(names)
+            for index_name in names:
+                counter = bound(index_name, instruction.offset)
+                assumed.update({index_name} if counter is None or counter.iterable is not None else counter.assumed)
+            chain.append(element)
+            i += 1
             continue
-        if chain is not None and opname == "BINARY_SUBSCR" and chain and type(chain[-1]) is int \
-                and instructions[i - 1].opname == "LOAD_CONST":
-            continue
-        end()
+        end(i - 1)
+        if opname == "GET_ITER":
+            bindings.update(_loop_bindings(instructions, i, spans))
         if opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS and not _limited_to_modules(code, instructions, i):
             reads.add(name)
         elif opname in _ROOT_LOADS and isinstance(name, str):
             if opname != "LOAD_FAST":
                 loaded.add(name)
-            root, chain = name, []
+            binding = bound(name, instruction.offset)
+            root, chain, assumed, start = name, [], set(), i
+            if binding is not None and binding.iterable is not None:  # an entry of the container iterated
+                root, elements, iterated = binding.iterable
+                chain, assumed = [*elements, _ANY], set(iterated | binding.assumed)
         elif opname in _STORES and isinstance(name, str):
             stored.add(name)
-    end()
+        i += 1
+    end(len(instructions) - 1)
     # a function's arguments and closure names are not the block's names resolve() sees
     stored.update(code.co_varnames, code.co_cellvars, code.co_freevars)
     nested: list[types.CodeType] = []
@@ -230,6 +334,135 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
         elif isinstance(constant, str):
             reads.update(_identifiers(constant))
     return frozenset(reads), frozenset(loaded), tuple(nested), tuple(chains), frozenset(stored)
+
+
+def _index(instructions: list[dis.Instruction], start: int) -> tuple[Element, frozenset[str], int] | None:
+    """The index that ``instructions[start:]`` compute and subscript a value with: (a constant int
+    or slice, or :class:`AnyIndex` for one computed from names without calls; the names; the
+    position of the subscript), or None (not such an index)."""
+    depth = 0
+    names: set[str] = set()
+    constants: list[object] = []
+    for position in range(start, len(instructions)):
+        instruction = instructions[position]
+        if depth == 1 and instruction.opname == "BINARY_SUBSCR":
+            break
+        if instruction.opname not in _INDEX_OPS or (instruction.opname == "LOAD_GLOBAL" and (instruction.arg or 0) & 1):
+            return None
+        if instruction.opname == "LOAD_CONST":
+            constants.append(instruction.argval)
+        elif instruction.opname.startswith("LOAD_"):
+            names.add(instruction.argval)
+        elif names and instruction.opname == "BUILD_SLICE":
+            return None  # a slice with computed bounds: which entries it holds is not known
+        depth += dis.stack_effect(instruction.opcode, instruction.arg)
+        if depth <= 0:
+            return None
+    else:
+        return None
+    element: Element
+    if names:
+        element = _ANY
+    elif len(constants) == 1 and type(constants[0]) is int:
+        element = constants[0]
+    elif instructions[position - 1].opname == "BUILD_SLICE" and all(
+            value is None or type(value) is int for value in constants):
+        element = slice(*cast("list[int | None]", constants))
+    else:
+        return None
+    return element, frozenset(names), position
+
+
+def _loop_bindings(instructions: list[dis.Instruction], at: int, spans: dict[int, tuple[int, Chain]]
+                   ) -> dict[str, _Binding]:
+    """The variables of the ``for`` loop whose iterator ``instructions[at]`` (``GET_ITER``) makes,
+    by name (none when the loop is not one :func:`_code_reads` follows)."""
+    iterables = _iterated(instructions, at, spans)
+    targets = _loop_targets(instructions, at + 1)
+    if iterables is None or targets is None or len(targets) != len(iterables[1]):
+        return {}
+    body = range(instructions[at + 1].offset + 1, instructions[at + 1].argval)  # after FOR_ITER, to the loop's exit
+    return {target: _Binding(iterable, iterables[0], body) for target, iterable in zip(targets, iterables[1])}
+
+
+def _loop_targets(instructions: list[dis.Instruction], at: int) -> list[str] | None:
+    """The names the ``FOR_ITER`` at ``instructions[at]`` stores each item in (one, or several
+    unpacked), or None (another target: an attribute, a nested tuple, a closure cell)."""
+    if instructions[at].opname != "FOR_ITER":
+        return None
+    count, first = 1, at + 1
+    if instructions[first].opname == "UNPACK_SEQUENCE":
+        count, first = instructions[first].arg or 0, first + 1
+    stores = instructions[first:first + count]
+    if len(stores) != count or any(store.opname not in _LOOP_STORES for store in stores):
+        return None
+    return [store.argval for store in stores]
+
+
+def _iterated(instructions: list[dis.Instruction], at: int, spans: dict[int, tuple[int, Chain]]
+              ) -> tuple[frozenset[str], list[Chain | None]] | None:
+    """What the ``GET_ITER`` at ``instructions[at]`` iterates: (the builtins it assumes, for
+    each variable of an item, the chain whose entries it holds or None for an int): a chain
+    (``model.h``), ``enumerate``/``reversed``/``zip`` of chains, or ``range(...)``; else None."""
+    if at - 1 in spans:
+        chain = spans[at - 1][1]
+        return (frozenset(), [chain]) if chain[0] is not None else None
+    call = instructions[at - 1]
+    if call.opname != "CALL":
+        return None
+    last = at - 2 if instructions[at - 2].opname == "PRECALL" else at - 1  # the arguments end before it
+    callee = _callee(instructions, last, call.arg or 0)
+    if callee is None:
+        return None
+    function = instructions[callee].argval
+    assumed = frozenset({function})
+    if function == "range":
+        return assumed, [None]
+    if function == "enumerate" and call.arg == 2 and type(instructions[last - 1].argval) is int \
+            and instructions[last - 1].opname == "LOAD_CONST":
+        last -= 1  # enumerate(h, 1)
+    arguments = _chains_between(spans, callee + 1, last)
+    if arguments is None or any(argument[0] is None for argument in arguments):
+        return None
+    if function == "enumerate" and len(arguments) == 1:
+        return assumed, [None, arguments[0]]
+    if function == "reversed" and len(arguments) == 1 or function == "zip":
+        return assumed, list(arguments)
+    return None
+
+
+def _callee(instructions: list[dis.Instruction], last: int, count: int) -> int | None:
+    """The position of the load of the :data:`_ITERATION_BUILTINS` function a call takes its
+    ``count`` positional arguments to, the arguments being computed by ``instructions[:last]``
+    without jumps, or None."""
+    for candidate in range(last - 1, -1, -1):
+        instruction = instructions[candidate]
+        if instruction.opname not in ("LOAD_NAME", "LOAD_GLOBAL") or instruction.argval not in _ITERATION_BUILTINS:
+            continue
+        depth = 0
+        for argument in instructions[candidate + 1:last]:
+            if argument.opcode in dis.hasjrel or argument.opcode in dis.hasjabs or argument.opname == "KW_NAMES":
+                return None
+            depth += dis.stack_effect(argument.opcode, argument.arg if argument.opcode >= dis.HAVE_ARGUMENT else None)
+            if depth < 0:
+                break
+        else:
+            if depth == count:
+                return candidate
+    return None
+
+
+def _chains_between(spans: dict[int, tuple[int, Chain]], first: int, last: int) -> list[Chain] | None:
+    """The chains that ``instructions[first:last]`` read one after the other, exactly, or None."""
+    chains: list[Chain] = []
+    end = last - 1
+    while end >= first:
+        if end not in spans:
+            return None
+        start, chain = spans[end]
+        chains.append(chain)
+        end = start - 1
+    return chains[::-1] if end == first - 1 else None
 
 
 #: instructions that start a call's callable (a method load, or the NULL before a function)
@@ -320,8 +553,13 @@ def op_owners(codes: Iterable[types.CodeType], resolve: Callable[[str], object],
     :meth:`nnbridge.bridge.in_place.Bridge.lazily`): ``{path of a submodule of model: the possible
     op names read off its envoy}`` (empty: no op read).
 
+    A read through a loop variable or a computed index counts for every container entry it may
+    be (see :func:`_code_reads`): ``for layer in model.h: layer.attn.softmax`` gives
+    ``{"h.0.attn": {"softmax"}, "h.1.attn": {"softmax"}, ...}``.
+
     None when the whole model must be extracted: a possible op name is read off no module the test
-    can name (a string path, a loop variable, a name read in nested code, ``tracer.cache()``), off
+    can name (a string path, a loop variable it does not follow, a name read in nested code or a
+    called function, ``tracer.cache()``), off
     the model itself, or is an invocation container (``invocation_1``: a module called several
     times per forward numbers its calls only in a whole-model extraction)."""
     unowned, owned = _reads(codes, resolve)
