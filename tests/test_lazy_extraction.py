@@ -409,6 +409,22 @@ def test_op_owners_places_each_read():
     assert owners("tracer.cache()") is None
 
 
+def test_reads_in_more_than_two_layers_extract_the_whole_model():
+    """Reads in three of a container's entries: the whole model (its layers reused from one
+    export) costs less than three modules exported one by one."""
+    model = type(gpt2())(type(gpt2().config)(n_layer=3, n_embd=64, n_head=4, vocab_size=100)).eval()
+    envoy = nnsight.NNsight(model)
+
+    def owners(text):
+        return op_owners(_codes(text), lambda name: envoy if name == "model" else None, model, ())
+    assert owners("for layer in model.transformer.h: layer.attn.softmax.output") is None
+    assert owners("model.transformer.h[0].add; model.transformer.h[1].attn.softmax; model.transformer.h[2].add") is None
+    assert owners("for layer in model.transformer.h[1:]: layer.attn.softmax.output") == {
+        f"transformer.h.{i}.attn": frozenset({"softmax"}) for i in (1, 2)}
+    assert owners("model.transformer.h[2].attn.softmax; model.transformer.h[2].add") == {
+        "transformer.h.2.attn": frozenset({"softmax"}), "transformer.h.2": frozenset({"add"})}
+
+
 class _Twice(torch.nn.Module):
     def __init__(self):
         super().__init__()
