@@ -55,6 +55,7 @@ from .state import state_keys
 from ..compat import (cleared_module_state, constant_outputs, copy_spec, forget_export_state,
                       generated_code_released, invocation_graphs, offloaded_weights_loaded, register_cache_pytrees,
                       unflatten)
+from ..compat.allocator import release_free_heap
 from ..compat.fx import fx_patches_confined
 from ..compat.output_capturing import collector_suspended
 from ..compat.pytree import pytree
@@ -107,6 +108,7 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             return _extract(module, args, kwargs, options, path, on_extraction, child_dispatcher)
         finally:  # else torch's globals keep this trace, and through it the model, alive
             forget_export_state()
+            release_free_heap()  # the trace's freed memory back to the system (see compat.allocator)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
+from ..compat.allocator import release_free_heap
 from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat import SwappedBody, restore_body, swap_body
 from .failures import add_note
@@ -481,7 +482,8 @@ def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOption
 
 
 def unbridge(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`bridge`: forwards, ``_modules`` and ``named_modules()`` exactly as before.
+    """Undo :func:`bridge`: forwards, ``_modules`` and ``named_modules()`` exactly as before; the
+    graphs' memory goes back to the operating system (see :mod:`nnbridge.compat.allocator`).
 
     Raises:
         NNBridgeError: ``model`` is not bridged.
@@ -490,6 +492,8 @@ def unbridge(model: torch.nn.Module) -> torch.nn.Module:
     if state is None:
         raise NNBridgeError(f"{type(model).__name__} is not bridged; nothing to undo.")
     state.undo()
+    del state
+    release_free_heap()
     return model
 
 
