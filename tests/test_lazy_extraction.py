@@ -407,6 +407,11 @@ def test_op_owners_places_each_read():
     assert owners("model.get('transformer.h.0.attn.softmax')") is None  # a string path
     assert owners("model.transformer.h[0].attn.invocation_1.softmax.output") is None
     assert owners("tracer.cache()") is None
+    # a string used as a key of a module's value is not a name of an envoy (input_ids: a placeholder)
+    assert owners("x = invoker.inputs[1]['input_ids'].save()") == {}
+    assert owners("model.transformer.h[0].output['input_ids']") == {}
+    assert owners("model.transformer.h[0].attn['input_ids']") is None  # an envoy subscript: getattr
+    assert owners("x = invoker.inputs[1]['input_ids']; model.get('input_ids')") is None
 
 
 def test_reads_in_more_than_two_layers_extract_the_whole_model():

@@ -177,6 +177,23 @@ def test_generation_with_module_reads_runs_eagerly():
     assert all(torch.equal(a, b) for a, b in zip(steps, steps_ref))
 
 
+def test_reading_a_modules_input_by_key_runs_eagerly():
+    """``.inputs[1]["attention_mask"]``: a key of a value, though ``attention_mask`` is also the
+    name of a placeholder op (nnsight's ``test_invoker_input_ids`` reads ``invoker.inputs[1]
+    ["input_ids"]`` in nnsight 0.7)."""
+    model, reference = language_model(nnbridge), language_model(nnsight)
+    seen = {}
+    for name, wrapper in (("bridged", model), ("nnsight", reference)):
+        with wrapper.trace() as tracer:
+            with tracer.invoke(PROMPTS[0]):
+                mask = wrapper.transformer.inputs[1]["attention_mask"].save()
+            with tracer.invoke(PROMPTS[1]):
+                logits = wrapper.lm_head.output.save()
+        seen[name] = (mask, logits)
+    assert _extractions(model._module) == 0
+    assert all(torch.equal(a, b) for a, b in zip(seen["bridged"], seen["nnsight"]))
+
+
 def test_stored_edit_reading_an_op_runs_the_graphs():
     bridged, reference, module = _pair(llama)
     with bridged.edit(inplace=True):

@@ -9,7 +9,8 @@ extracted first: only the modules its reads are placed on (:func:`op_owners`), e
 The test reads the bytecode of every worker about to start (each invoke's body, and the model's
 stored edits), of the code nested in it and of the Python functions it names: every attribute it
 *reads* (``LOAD_ATTR``; method calls such as ``x.sum()`` are not envoy reads), and the identifier
-segments of every string constant and of every string a name in the body holds
+segments of every string constant (but one only ever used as a key of a module's value:
+``invoker.inputs[1]["input_ids"]``) and of every string a name in the body holds
 (``getattr(envoy, "softmax")``, ``model.get(path)``). A name counts as a possible op when:
 
 - it is one of the model's op envoy names already registered (exact, once anything was extracted);
@@ -267,6 +268,10 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
     chain: list[Element] | None = None  # the chain being read, if any
     assumed: set[str] = set()
     start = 0
+    # string constants only ever used as keys of a module's value (``invoker.inputs[1]["input_ids"]``,
+    # ``.output["logits"]``): not paths or names of envoys
+    value_keys: set[str] = set()
+    strings: set[str] = set()
 
     def bound(name: str, offset: int) -> _Binding | None:
         binding = bindings.get(name)
@@ -298,6 +303,11 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
                     end(i)
             i += 1
             continue
+        if opname == "LOAD_CONST" and isinstance(name, str):
+            value_key = (chain is not None and i + 1 < len(instructions)
+                         and instructions[i + 1].opname == "BINARY_SUBSCR"
+                         and any(element in _VALUE_PROPERTIES for element in chain if isinstance(element, str)))
+            (value_keys if value_key else strings).add(name)
         index = _index(instructions, i) if chain is not None else None
         if chain is not None and index is not None:
             element, names, i = index
@@ -331,7 +341,7 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
             nested.append(constant)
-        elif isinstance(constant, str):
+        elif isinstance(constant, str) and (constant in strings or constant not in value_keys):
             reads.update(_identifiers(constant))
     return frozenset(reads), frozenset(loaded), tuple(nested), tuple(chains), frozenset(stored)
 
