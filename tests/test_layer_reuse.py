@@ -542,3 +542,27 @@ def test_a_size_read_from_another_cache_layer_that_differs_falls_back():
     assert read.args[2] == (("layers", (2,), "keys"), ("layers", (2,), "keys"))
     with pytest.raises(ReuseFallback, match=r"'layers.2' reads or writes a cache layer other than its own"):
         rebind_cache_state(graph(6), rebinding, "layers.2")
+
+
+def test_layers_of_a_model_wrapped_by_nnsight_first_are_reused():
+    """The usual order: wrap (nnsight gives every module its own wrapping state), then trace.
+    That per-module state is not an attribute that differs between layers: the whole-model
+    extraction a ``tracer.cache()`` needs reuses layer 0, and the cache equals nnsight's."""
+    import nnsight
+    ids = torch.randint(1, 100, (1, 6))
+    model = _three_layers(gpt2)()
+    wrapped, reference = nnbridge.NNsight(model), nnsight.NNsight(_three_layers(gpt2)())
+    caches = []
+    for wrapper in (wrapped, reference):
+        with torch.no_grad(), wrapper.trace(ids) as tracer:
+            caches.append(tracer.cache())
+    reused = {name: m.graph_meta.reused_from for d in bridge_of(model).dispatchers.values()
+              for e in d.all_extractions() for name, m in e.root.named_modules()
+              if isinstance(m, CompiledGraphModule) and m.graph_meta.reused_from}
+    assert reused == {"transformer.h.1": "transformer.h.0", "transformer.h.2": "transformer.h.0"}
+    bridged_cache, nnsight_cache = caches
+    for i in range(3):
+        assert torch.equal(bridged_cache[f"model.transformer.h.{i}"].output[0],
+                           nnsight_cache[f"model.transformer.h.{i}"].output[0])
+    assert torch.equal(bridged_cache["model.lm_head"].output, nnsight_cache["model.lm_head"].output)
+    assert any(key.endswith("h.2.attn.softmax") for key in bridged_cache.keys())
