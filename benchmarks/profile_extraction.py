@@ -9,7 +9,7 @@ Usage (from the repository root; one model per process, so every run is cold)::
     options: --nograd (bridge under torch.no_grad), --nocache (extraction disk cache off),
              --json (one JSON line instead of the table),
              --no-use-cache (call with use_cache=False: no DynamicCache argument),
-             --reuse (ExtractionOptions(reuse_layers=True): one representative layer exported)
+             --no-reuse (ExtractionOptions(reuse_layers=False): every layer exported; reuse is the default)
 
 The extraction disk cache goes to a new temporary directory (so it is written, never read);
 SmolLM2's weights come from ``nnbridge.models.load_smollm2`` (its own cache). Phases are wrapped
@@ -137,9 +137,9 @@ def main() -> None:
     gc.callbacks.append(on_collect)
     cpu, start = time.process_time(), time.perf_counter()
     with torch.set_grad_enabled("--nograd" not in sys.argv):
-        # --no-use-cache: no DynamicCache argument; --reuse: one representative layer exported (layer reuse on)
+        # --no-use-cache: no DynamicCache argument; --no-reuse: every layer exported (layer reuse off)
         call_kwargs = {"use_cache": False} if "--no-use-cache" in sys.argv else {}
-        reuse_options = nnbridge.ExtractionOptions(reuse_layers=True) if "--reuse" in sys.argv else None
+        reuse_options = nnbridge.ExtractionOptions(reuse_layers=False) if "--no-reuse" in sys.argv else None
         in_place.bridge(model, ids, options=reuse_options, **call_kwargs)
         result = {"bridge": time.perf_counter() - start, "bridge cpu (process_time)": time.process_time() - cpu,
                   "garbage collection in bridge (overlaps)": collecting["total"],
