@@ -542,6 +542,13 @@ def test_a_size_read_from_another_cache_layer_that_differs_falls_back():
     assert read.args[2] == (("layers", (2,), "keys"), ("layers", (2,), "keys"))
     with pytest.raises(ReuseFallback, match=r"'layers.2' reads or writes a cache layer other than its own"):
         rebind_cache_state(graph(6), rebinding, "layers.2")
+    unused = graph(6)
+    size = next(n for n in unused.graph.nodes if n.target is torch.ops.aten.sym_size.int)
+    size.replace_all_uses_with(1)
+    unused.graph.erase_node(size)
+    rebind_cache_state(unused, rebinding, "layers.2")  # another layer read but unused: kept as it is
+    read = next(n for n in unused.graph.nodes if n.target is read_state)
+    assert read.args[2] == (("layers", (2,), "keys"), ("layers", (3,), "keys"))
 
 
 def test_layers_of_a_model_wrapped_by_nnsight_first_are_reused():

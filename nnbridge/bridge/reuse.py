@@ -775,7 +775,7 @@ def _same_sizes(read: Node, getitems: list[Node], own: int) -> bool:
     mine = [u for u in read.users if u.args[1] == own]
     own_val = mine[0].meta.get("val") if mine else None
     if not isinstance(own_val, torch.Tensor):
-        return not any(g.users for g in getitems)
+        return False
     for getitem in getitems:
         for user in getitem.users:
             dim = user.args[1] if len(user.args) > 1 else None
@@ -820,6 +820,8 @@ def rebind_cache_state(gm: torch.fx.GraphModule, rebinding: CacheRebinding, name
                     if path and path[0] == "layers":
                         if len(path) >= 2 and path[1] == (rebinding.rep_index,):
                             path = ("layers", (rebinding.index,), *path[2:])
+                        elif k in sizes_only and not any(getitem.users for getitem in sizes_only[k]):
+                            pass  # read but unused: the graph does not depend on it
                         else:
                             # a size taken from another layer: the sibling takes it from its own
                             own = ("layers", (rebinding.rep_index,), *path[2:])
