@@ -258,7 +258,6 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
     counters in their loop's body being assumed ints."""
     reads: set[str] = set()
     loaded: set[str] = set()
-    stored: set[str] = set()
     chains: list[Chain] = []
     instructions = list(dis.get_instructions(code))
     stores = Counter(instruction.argval for instruction in instructions if instruction.opname in _STORES)
@@ -331,12 +330,11 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
             if binding is not None and binding.iterable is not None:  # an entry of the container iterated
                 root, elements, iterated = binding.iterable
                 chain, assumed = [*elements, _ANY], set(iterated | binding.assumed)
-        elif opname in _STORES and isinstance(name, str):
-            stored.add(name)
         i += 1
     end(len(instructions) - 1)
-    # a function's arguments and closure names are not the block's names resolve() sees
-    stored.update(code.co_varnames, code.co_cellvars, code.co_freevars)
+    # the names it assigns; a function's arguments and closure names are not the block's names
+    # resolve() sees either
+    stored = set(stores) | set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
     nested: list[types.CodeType] = []
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
