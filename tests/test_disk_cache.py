@@ -62,6 +62,26 @@ def test_second_bridge_skips_export_and_equals_eager(cache_dir, exports, monkeyp
         assert torch.equal(reference(ids).logits, patched)
 
 
+def _untouched(model):
+    from nnbridge.bridge.in_place import bridge_of
+    root = bridge_of(model).dispatcher.all_extractions()[0].root
+    return {name: m.graph_meta.untouched for name, m in root.named_modules() if hasattr(m, "graph_meta")}
+
+
+def test_cache_hit_keeps_the_cache_layers_each_graph_never_touched(cache_dir, exports):
+    """What the state check before each call may leave out (see state.SpecCheck) is read back from
+    the entry, so a skipped layer does not extract later layers again after a cache hit either."""
+    ids = _ids()
+    first = gpt2()
+    nnbridge.bridge(first, ids)
+    model = gpt2()
+    nnbridge.bridge(model, ids)
+    assert exports[0] == 1  # the cache served it
+    fresh, cached = _untouched(first), _untouched(model)
+    assert cached == fresh
+    assert fresh["transformer.h.1.attn"] == {("layers", (0,))}  # its own layer 1 is compared
+
+
 def test_cache_hit_equals_fresh_extraction(cache_dir, monkeypatch, exports):
     ids = _ids()
     monkeypatch.delenv("NNBRIDGE_CACHE")

@@ -1,6 +1,8 @@
 """nnsight 0.8.1 parity (issue 12): trace bodies from nnsight's own tests (tests/test_lm.py,
 test_tiny.py, test_envoys.py, re-written here) give equal values under nnsight and nnbridge."""
 
+import copy
+
 import nnsight
 import pytest
 import torch
@@ -59,6 +61,87 @@ SKIPS = [basic_skip, multiple_skips, second_layer_skip, batched_skips, skip_afte
 @pytest.mark.parametrize("body", SKIPS, ids=lambda b: b.__name__)
 def test_skip_with_default_cache_equals_nnsight(kind, body):
     assert_same(body(wrap(nnbridge, kind)), body(wrap(nnsight, kind)))
+
+
+# -- .skip() in a trace that runs the graphs (every op cached) ----------------------------------
+def _extractions(model):
+    from nnbridge.bridge.in_place import bridge_of
+    state = bridge_of(model._module)
+    return 0 if state is None else sum(len(d.all_extractions()) for d in state.dispatchers.values())
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_skip_in_a_graph_run_equals_nnsight_and_keeps_the_graphs(kind):
+    """A skipped layer leaves its cache layer unwritten, as in eager; the later layers' graphs
+    never touched that layer while exported, so they still serve the call (no extraction)."""
+    def run(model, skipped):
+        with model.trace(PROMPTS[0]) as tracer:
+            tracer.cache()  # every module's and op's value: the graphs run
+            if skipped is not None:
+                layer(model, skipped).skip(layer(model, skipped).input)
+            after = layer(model, 1).output.save()
+            output = model.output.save()
+        return after, output
+
+    bridged, reference = wrap(nnbridge, kind), wrap(nnsight, kind)
+    assert_same(run(bridged, None), run(reference, None))
+    extractions = _extractions(bridged)
+    assert extractions >= 1
+    after, output = run(bridged, 0)
+    assert not output.past_key_values.layers[0].is_initialized  # as in eager: the skip wrote nothing
+    assert_same((after, output), run(reference, 0))
+    assert _extractions(bridged) == extractions
+
+
+class _ReadsFirstLayer(torch.nn.Module):
+    """An attention-like layer whose code reads another cache layer's state (baked into its graph)."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.layer_idx = index
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, past_key_values):
+        keys, values = past_key_values.update(self.proj(x)[:, None], x[:, None], self.layer_idx)
+        out = x + keys[:, 0, -x.shape[1]:] * values[:, 0, -x.shape[1]:]
+        if self.layer_idx > 0 and past_key_values.layers[0].is_initialized:
+            out = out * 2
+        return out
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        from transformers import PretrainedConfig
+        self.config = PretrainedConfig(num_hidden_layers=3)
+        self.layers = torch.nn.ModuleList(_ReadsFirstLayer(i) for i in range(3))
+
+    def forward(self, x):
+        from transformers.cache_utils import DynamicCache
+        cache = DynamicCache(config=self.config)
+        for block in self.layers:
+            x = block(x, past_key_values=cache)
+        return x
+
+
+def test_a_skip_of_a_cache_layer_a_graph_read_extracts_again_and_equals_nnsight():
+    """Layer 2's graph read layer 0's ``is_initialized`` while exported (a branch baked in): with
+    layer 0 skipped, its check compares layer 0 and fails, so it is extracted again, not run stale."""
+    def run(model):
+        with model.trace(torch.ones(2, 3, 4)) as tracer:
+            tracer.cache()
+            model.layers[0].skip(model.layers[0].input)
+            out = model.output.save()
+        return out
+
+    torch.manual_seed(0)
+    module = _Stack()
+    bridged, reference = nnbridge.NNsight(module), nnsight.NNsight(copy.deepcopy(module))
+    with bridged.trace(torch.ones(2, 3, 4)) as tracer:
+        tracer.cache()
+    extractions = _extractions(bridged)
+    assert_same(run(bridged), run(reference))
+    assert _extractions(bridged) > extractions
 
 
 # -- tracer.cache() with a single invoker (0-d op values: the norm) ------------------------------

@@ -31,7 +31,7 @@ from .module_tree import safe_name
 from .opaque import opaque_module
 from .recording import record_calls
 from .reuse import ReuseFallback, ReusePlan, ReusedHolder, copy_graph, placeholder_signature, rebind_cache_state
-from .state import Key
+from .state import Key, UntouchedLayers
 from .state_graphs import argument_objects, forward_state_objects, read_states_back, write_states_back
 from .unused import keep_unused, registration_order
 from ..compat import invocation_graphs
@@ -52,10 +52,12 @@ class GraphBuilder:
     def __init__(self, ctx: ExtractionContext, unflattened: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list],
                  input_spec: pytree.TreeSpec | None = None, states: dict[str, list[list[Key]]] | None = None,
                  constants: dict[tuple[str, int], dict[int, Any]] | None = None,
-                 example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}), reuse: ReusePlan | None = None):
+                 example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}), reuse: ReusePlan | None = None,
+                 untouched: dict[str, list[UntouchedLayers | None]] | None = None):
         self.ctx, self.unflattened, self.stubs, self.calls = ctx, unflattened, stubs, calls
         self.input_spec = input_spec
         self.states = states or {}
+        self.untouched = untouched or {}  # {path: [cache layers untouched per invocation]}, see .state
         self.constants = constants or {}  # {(program path, invocation): {output leaf: value}}
         self.example = example  # the extracted call of the root (to record a fallback's calls)
         self.numbers: dict[Node, int] = {}  # {submodule call: its invocation}, see number_calls
@@ -158,6 +160,11 @@ class GraphBuilder:
                 del attrs[str(node.target)]
                 node.target, attrs[name] = name, value
 
+    def untouched_layers(self, fqn: str, invocation: int) -> UntouchedLayers | None:
+        """The cache layers export recorded as untouched by this invocation's code (None: unknown)."""
+        recorded = self.untouched.get(fqn, [])
+        return recorded[invocation] if invocation < len(recorded) else None
+
     def state_keys(self, fqn: str, invocation: int) -> list[Key]:
         """The state keys export recorded for this invocation ([] when it had no stateful argument)."""
         recorded = self.states.get(fqn)
@@ -188,7 +195,14 @@ class GraphBuilder:
                                         " their callers")
                 sibling = self.reuse.sibling_of(fqn)
                 if sibling in self.reuse.caches:
-                    rebind_cache_state(cgm, self.reuse.caches[sibling], fqn)
+                    rebinding = self.reuse.caches[sibling]
+                    rebind_cache_state(cgm, rebinding, fqn)
+                    # the representative's untouched layers and the one its layer index selected,
+                    # but for the sibling's own
+                    untouched = self.untouched_layers(source, invocation)
+                    if untouched is not None:
+                        cgm.graph_meta.untouched = (untouched.paths | untouched.by_index) - {
+                            ("layers", (rebinding.index,))}
                 if fqn in self.reuse.siblings:
                     cgm.graph_meta.reused_from = self.ctx.full(source)
                 return cgm
@@ -294,6 +308,9 @@ class GraphBuilder:
                 root[target] = value if isinstance(value, torch.Tensor) else attrs[target]
         cgm = CompiledGraphModule({**root, **dict(children)}, graph, type(module))
         cgm.graph_meta.exact_signature = exact_signature
+        untouched = self.untouched_layers(fqn, invocation)
+        if source == fqn and untouched is not None:  # (a reused sibling's, see child)
+            cgm.graph_meta.untouched = untouched.paths
         retype_containers(cgm, [target for target, _ in children], renamed_template(module), multi)
         for target, tensor in root.items():
             if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):

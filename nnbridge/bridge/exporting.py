@@ -25,8 +25,8 @@ from .module_tree import CONTAINERS, aliases_hidden, named_real_modules
 from .recording import copy_inputs, stub_output
 from .reuse import (CacheTrace, ReuseFallback, ReusePlan, cache_indices, cache_updates_traced, reads_watched,
                     sibling_stub)
-from .state import Key, state_keys, states_returned
-from ..compat import export
+from .state import Key, UntouchedLayers, state_keys, states_returned
+from ..compat import cache_layers, export
 from ..compat.output_capturing import active_collector
 from ..compat.pytree import pytree
 
@@ -118,7 +118,8 @@ def caller_of(module: torch.nn.Module, fqn: str) -> str:
 def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
             calls: dict[str, list], dynamic: bool, grad_enabled: bool = False,
             traced: AbstractSet[str] = frozenset(), frozen: AbstractSet[str] = frozenset(),
-            reuse: ReusePlan | None = None) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
+            reuse: ReusePlan | None = None, untouched: dict[str, list[UntouchedLayers | None]] | None = None
+            ) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
     """Export once (dynamic, then static on failure); raise ModuleFailure naming the innermost
     module that was running when export failed.
 
@@ -130,6 +131,8 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     grad-mode changes are ignored (see :mod:`.capture_checks`). Returns the program, whether it is dynamic, and the state keys of every threaded
     call (``{path: [keys per invocation]}``). ``reuse``'s siblings are stubbed with outputs shaped
     as their representative's (see :mod:`.reuse`); :class:`~.reuse.ReuseFallback` when unsafe.
+    ``untouched``, when given, is filled with the cache layers each threaded call's code never
+    touched (see :func:`~.state.states_returned`), for the successful attempt.
     """
     reuse = reuse or ReusePlan()
     wrapper = ExportRoot(module)
@@ -193,6 +196,8 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
             stub_counters.clear()
             seen.clear()
             trace.updates.clear()
+            if untouched is not None:
+                untouched.clear()
             # size-1 dimensions are specialised by export anyway (0/1 specialisation); leaving them
             # out of the spec saves ~20 % of export time on GPT-2 (2.4 -> 2.0 s, 12 layers)
             shapes = dynamic_shapes(args, kwargs) if use_dynamic else None
@@ -201,7 +206,7 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
                 # non-strict export runs the module's Python code, which mutates a cache passed in
                 # (with fake tensors): every attempt traces a fresh copy of the inputs
                 # (a container's repeated entry: its owner is stubbed, see .module_tree)
-                with states_returned(threaded) as states, watch.watching(frozen), \
+                with cache_layers.layer_touches(), states_returned(threaded, untouched) as states, watch.watching(frozen), \
                         aliases_hidden(module, in_containers=True), reads_watched(reuse.watched, indices) as reads, \
                         (cache_updates_traced(trace) if reuse.caches else contextlib.nullcontext()):
                     exported = export(wrapper, copy_inputs((args, kwargs)), dynamic_shapes=shapes,

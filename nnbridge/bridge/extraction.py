@@ -213,6 +213,7 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     if record is not None:
         stubs = dict(record.stubs)
         exported, dynamic, states = record.exported, record.dynamic, record.states
+        untouched = record.untouched
         # a shared container entry's error (with its fix) is known again from the module itself
         errors = {fqn: errors[fqn] if isinstance(errors.get(fqn), SharedModuleEntry) and str(errors[fqn]) == reason
                   else programs.RecordedFailure(reason) for fqn, reason in stubs.items()}
@@ -243,6 +244,8 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
                 frozen.add(fqn)
         if frozen:
             calls = record_calls(module, set(stubs), args, kwargs)
+    if record is None:
+        untouched = {}
     while record is None:
         frozen_by = scalar_stub_caller(module, stubs, traced, calls)
         if frozen_by is not None:
@@ -258,7 +261,7 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         try:
             exported, dynamic, states = export_module(module, args, kwargs,
                                                 {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic,
-                                                ctx.grad_enabled, traced, frozen, plan)
+                                                ctx.grad_enabled, traced, frozen, plan, untouched)
             break
         except ModuleFailure as failure:
             fqn, error = failure.fqn, failure.error
@@ -295,7 +298,8 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     guard = record.guard if record is not None else ShapeGuard.from_export(exported) if dynamic else static
     if record is None:
         programs.store(request, programs.ProgramRecord(ctx.path, request.call_fingerprint(), exported, dynamic,
-                                                       states, dict(stubs), guard, dict(plan.siblings)), cache)
+                                                       states, dict(stubs), guard, dict(plan.siblings), untouched),
+                       cache)
     bar.update()
     bar.set_postfix_str("unflatten and build graphs")
     try:  # as graphpatch: any failure while compiling (unflattening, building) means fallback
@@ -311,7 +315,7 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
             ctx.fail("", reason, None)
             return opaque_module(ctx, "", module, args, kwargs, reason), static
         builder = GraphBuilder(ctx, unflattened, stubs, calls, input_spec, states, constant_outputs(exported),
-                           (args, kwargs), plan)
+                               (args, kwargs), plan, untouched)
         builder.number_calls(holder)
         root = builder.build("", module, holder)
     except (ExtractionError, ReuseFallback):

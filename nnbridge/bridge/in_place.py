@@ -75,12 +75,21 @@ def _pending() -> dict[int, AnyGraph]:
 def _state_specs_hold(graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether the state objects (custom pytree arguments such as a ``DynamicCache``) of a call
     have the pytree structure ``graph`` was extracted for (the spec of its input prologue or of its
-    :func:`~.state.read_state` / :func:`~.state.write_state` nodes; the graph's code assumes it).
+    :func:`~.state.read_state` / :func:`~.state.write_state` nodes; the graph's code assumes it,
+    except for cache layers it never touched, see :class:`~.state.SpecCheck`).
     Graphs without such arguments always hold (checked once per graph); structures that held are
     remembered (see :class:`~.state.SpecCheck`)."""
     checks = graph.graph_meta.state_specs
     if checks is None:
-        checks = graph.graph_meta.state_specs = [(where, SpecCheck(spec)) for where, spec in state_argument_specs(graph)]
+        specs = state_argument_specs(graph)
+        untouched = graph.graph_meta.untouched
+        # layers the graph's code never touched are compared by type only (see SpecCheck), when
+        # the graph has one state argument, read and written at known layers only
+        narrow = untouched is not None and len(specs) == 1 and specs[0][2] is not None
+        checks = graph.graph_meta.state_specs = [
+            (where, SpecCheck(spec, untouched - layers if narrow and untouched is not None and layers is not None
+                              else frozenset()))
+            for where, spec, layers in specs]
     if not checks:
         return True
     names = graph.graph_meta.argument_names

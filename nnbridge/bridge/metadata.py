@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # annotations only: these modules import this one
     from .dispatcher import GraphDispatcher
     from .failures import _Generated
     from .graph_module import CompiledGraphModule, OpaqueGraphModule
-    from .state import SpecCheck
+    from .state import Path, SpecCheck
 
 #: ``node.meta`` key of a node's :class:`NodeMeta`.
 NODE_META_KEY = "nnbridge"
@@ -99,6 +99,9 @@ class GraphMeta:
         aliases: a compiled graph's ``{variable alias: canonical node name}`` (``attn_weights_2``:
             ``softmax``), computed on first use from the nodes' stack traces (:mod:`.aliases`);
             None until then.
+        untouched: the paths of the cache layers of its state argument that its code never touched
+            while exported (:func:`~.state.states_returned`), compared by type only before each
+            call; None when unknown (every layer is compared).
         reused_from: the NodePath of the representative layer whose graph this one was built
             from (:mod:`.reuse`, ``ExtractionOptions.reuse_layers``); None when exported itself.
     """
@@ -114,3 +117,4 @@ class GraphMeta:
     generated: dict[types.CodeType, _Generated] = field(default_factory=dict)
     aliases: dict[str, str] | None = None
     reused_from: str | None = None
+    untouched: frozenset[Path] | None = None

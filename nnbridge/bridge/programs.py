@@ -34,7 +34,7 @@ import torch
 from ..compat.pytree import pytree
 from .call_structure import ShapeGuard, structure_key
 from .options import ExtractionOptions
-from .state import Key
+from .state import Key, UntouchedLayers
 from .guards import config_like, config_values
 from .module_tree import named_real_modules
 
@@ -56,6 +56,9 @@ class ProgramRecord:
             graphs are built from their representative's (see :mod:`.reuse`); ``{}`` for an
             export of every layer. Extraction derives the plan again and uses the record only
             when it is the same.
+        untouched: ``{submodule path: [per invocation: the cache layers its code never
+            touched, or None]}`` (see :func:`~.state.states_returned`); ``{}`` when unknown (a
+            record read from disk): every layer's state is then checked before each call.
     """
 
     path: str
@@ -66,6 +69,7 @@ class ProgramRecord:
     stubs: dict[str, str]
     guard: ShapeGuard
     reuse: dict[str, str] = field(default_factory=dict)
+    untouched: dict[str, list[UntouchedLayers | None]] = field(default_factory=dict)
 
 
 @dataclass

@@ -40,6 +40,7 @@ from torch.fx import Graph, Node
 
 from .module_tree import named_real_modules
 from .state import read_state, state_keys, write_state
+from ..compat import cache_layers
 from ..compat.nnsight_source import NNSIGHT_STATE
 from ..compat.pytree import pytree
 from ..compat.symbolic import sizes_unified
@@ -436,6 +437,7 @@ def cache_updates_traced(trace: CacheTrace) -> Iterator[None]:
     original = Cache.__dict__["update"]
 
     def update(self: Any, key_states: Any, value_states: Any, layer_idx: Any, *args: Any, **kwargs: Any) -> Any:
+        selected: Any = contextlib.nullcontext()
         if isinstance(layer_idx, CacheIndex):
             index = layer_idx.value
             layers = vars(self).get("layers")
@@ -444,10 +446,12 @@ def cache_updates_traced(trace: CacheTrace) -> Iterator[None]:
                 index = layer_idx.used("Cache.update of a cache that appends, offloads or overrides update")
             else:
                 trace.updates.append((id(layer_idx.owner), key_states, value_states, args, kwargs))
+                selected = cache_layers.selected_layer(index)  # a sibling's graph touches its own layer here
             layer_idx = index
         trace.updating += 1
         try:
-            return original(self, key_states, value_states, layer_idx, *args, **kwargs)
+            with selected:
+                return original(self, key_states, value_states, layer_idx, *args, **kwargs)
         finally:
             trace.updating -= 1
 

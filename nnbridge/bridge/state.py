@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from ..compat.pytree import pytree
 
-from ..compat import call_overridden
+from ..compat import cache_layers, call_overridden
 from .cleanup import plain_value
 from .locking import CALL_LOCK
 
@@ -87,8 +88,23 @@ def _assignable(old: object, new: object) -> bool:
     return isinstance(old, (list, dict)) or (hasattr(old, "__dict__") and not isinstance(old, type))
 
 
+@dataclass(frozen=True)
+class UntouchedLayers:
+    """The cache layers of a call's state argument that its code never touched while exported.
+
+    Attributes:
+        paths: paths of the layers it never touched (:data:`Path`: ``("layers", (3,))``).
+        by_index: paths of the layers it touched only inside a ``Cache.update`` whose layer its
+            layer index selected (its own layer: a reused sibling's graph touches its own instead).
+    """
+
+    paths: frozenset[Path]
+    by_index: frozenset[Path] = frozenset()
+
+
 @contextlib.contextmanager
-def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, list[list[Key]]]]:
+def states_returned(modules: dict[str, torch.nn.Module], untouched: dict[str, list[UntouchedLayers | None]] | None = None
+                    ) -> Iterator[dict[str, list[list[Key]]]]:
     """While exporting, make each call of ``modules`` with stateful arguments return its new states.
 
     Inside (after export's signature-preserving pre-hook rebuilt the arguments) the module's
@@ -100,6 +116,10 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
 
     Args:
         modules: ``{path: module}``; each module's forward is the class's or an instance override.
+        untouched: filled, when given, with ``{path: [per invocation: the cache layers of its one
+            state argument that its code never touched (:class:`UntouchedLayers`), or None]}``
+            (None: no state argument, several, or layers that cannot be watched; see
+            :mod:`nnbridge.compat.cache_layers`, which must be on around the export).
 
     Yields:
         ``{path: [state keys of each invocation, in call order]}`` (``[]`` for a call without
@@ -124,7 +144,16 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
                 else:
                     keywords[key] = copy
                 copies.append(copy)
-            return inner(*positional, **keywords), copies
+            if untouched is None or len(copies) != 1:
+                return inner(*positional, **keywords), copies
+            with cache_layers.scope(copies, plumbing=(__name__,)) as watched:
+                output = inner(*positional, **keywords)
+            if watched is not None:
+                by_index = {p for _, p in watched.by_index - watched.touched}
+                untouched[path][-1] = UntouchedLayers(
+                    frozenset(p for i, p in watched.paths.values() if (i, p) not in watched.touched) - by_index,
+                    frozenset(by_index))
+            return output, copies
 
         def call(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             with CALL_LOCK:  # replaces a locked call for the extraction's duration (see .locking)
@@ -133,6 +162,8 @@ def states_returned(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, l
         def threaded_call(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             keys = state_keys(args, kwargs)
             calls.setdefault(path, []).append(keys)
+            if untouched is not None:
+                untouched.setdefault(path, []).append(None)  # set by forward when its layers are watched
             if not keys:
                 return run(*args, **kwargs)
             output, copies = run(*args, **kwargs)
@@ -177,6 +208,23 @@ def _structure(value: Any) -> Any:
     return (kind, value)
 
 
+def _narrowed(value: Any, untouched: frozenset[Any], path: tuple[Any, ...] = ()) -> Any:
+    """:func:`_structure`, with the object at each path in ``untouched`` reduced to its type."""
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor
+    kind = type(value)
+    if path in untouched:
+        return (kind,)
+    if kind is list or kind is tuple:
+        return (kind, *(_narrowed(v, untouched, (*path, (i,))) for i, v in enumerate(value)))
+    if kind is dict:
+        return (kind, *value, *(_narrowed(v, untouched, (*path, (k,))) for k, v in value.items()))
+    state = getattr(value, "__dict__", None)
+    if state is not None and not isinstance(value, type):
+        return (kind, *state, *(_narrowed(v, untouched, (*path, k)) for k, v in state.items()))
+    return (kind, value)
+
+
 class SpecCheck:
     """Whether a state argument (a ``Cache``) has the pytree spec a graph was extracted for.
 
@@ -184,6 +232,12 @@ class SpecCheck:
     and non-tensor state, tensors abstracted) is remembered when it holds, so a later call with an
     object of a remembered structure is checked by one walk that builds no spec. At most
     :attr:`REMEMBERED` structures are kept.
+
+    With ``untouched`` (the paths of cache layers the graph's code never touched while it was
+    exported, and that the graph neither reads nor writes), those layers are compared by type
+    only: their state cannot have shaped the graph. So a layer an nnsight ``.skip()`` left
+    unwritten (as in eager) does not fail the check of every later layer's graph, and a check
+    costs one walk of the cache's top level plus the layers the graph depends on.
 
     Example::
 
@@ -194,11 +248,23 @@ class SpecCheck:
 
     REMEMBERED = 16
 
-    def __init__(self, spec: pytree.TreeSpec):
+    def __init__(self, spec: pytree.TreeSpec, untouched: frozenset[Path] = frozenset()):
         self.spec = spec
         self.held: set[Any] = set()
+        self.untouched = untouched
+        self.expected: Any = None
+        if untouched:
+            try:  # the narrowed structure of an object of the extracted spec (a round trip keeps it)
+                self.expected = _narrowed(pytree.tree_unflatten([torch.empty(0)] * spec.num_leaves, spec), untouched)
+            except Exception:  # noqa: BLE001 - an object that cannot be rebuilt: check in full
+                self.untouched = frozenset()
 
     def __call__(self, value: Any) -> bool:
+        if self.untouched:
+            try:
+                return bool(_narrowed(value, self.untouched) == self.expected)
+            except (TypeError, RecursionError):  # a value whose == raises, or a cycle: check in full
+                pass
         try:
             structure = _structure(value)
             if structure in self.held:

@@ -238,35 +238,48 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
     narrow_state_access(graph, attrs, threaded, arguments)
 
 
-def state_argument_specs(graph_module: torch.nn.Module) -> list[tuple[int | str, pytree.TreeSpec]]:
-    """``(position or keyword, spec)`` of each argument of a compiled graph that is a custom pytree
-    object (a ``Cache``) whose leaves the graph reads or writes, off its input prologue or its
-    :func:`read_state` and :func:`write_state` nodes; empty for other graphs."""
+def _layer(path: Path) -> Path:
+    """The part of ``path`` up to its first item step (``("layers", (3,), "keys")`` gives
+    ``("layers", (3,))``): the cache layer it is in; the whole path when it has no item step."""
+    for i, step in enumerate(path):
+        if isinstance(step, tuple):
+            return path[:i + 1]
+    return path
+
+
+def state_argument_specs(graph_module: torch.nn.Module
+                         ) -> list[tuple[int | str, pytree.TreeSpec, frozenset[Path] | None]]:
+    """``(position or keyword, spec, layers)`` of each argument of a compiled graph that is a custom
+    pytree object (a ``Cache``) whose leaves the graph reads or writes, off its input prologue or
+    its :func:`read_state` and :func:`write_state` nodes; empty for other graphs. ``layers`` are the
+    paths of the cache layers (:func:`_layer`) those nodes read or write, or None when the input
+    prologue flattens the whole object."""
     graph = getattr(graph_module, "graph", None)
     if not isinstance(graph, Graph):
         return []
-    found: list[tuple[int | str, pytree.TreeSpec]] = []
+    found: dict[tuple[int | str, pytree.TreeSpec], set[Path] | None] = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node in graph.nodes:
         if node.op == "call_function" and node.target in (read_state, write_state) and node.args[0] in placeholders:
             spec = getattr(graph_module, str(cast(Node, node.args[1]).target), None)
             where = placeholders.index(cast(Node, node.args[0]))
-            if isinstance(spec, pytree.TreeSpec) and (where, spec) not in found:
-                found.append((where, spec))
+            if isinstance(spec, pytree.TreeSpec):
+                paths = node.args[2] if node.target is read_state else (*node.args[2], *node.args[3])
+                layers = found.setdefault((where, spec), set())
+                if layers is not None:
+                    layers.update(_layer(path) for path in cast(tuple, paths))
     prologue = input_prologue(graph)
-    if prologue is None or not isinstance(prologue.args[1], Node):
-        return found
-    spec = getattr(graph_module, str(prologue.args[1].target), None)
-    if not isinstance(spec, pytree.TreeSpec) or spec.num_children != 2:
-        return found
-    pos_spec, kw_spec = spec.children()
-    for i, child in enumerate(pos_spec.children()):
-        if _custom(child):
-            found.append((i, child))
-    for key, child in zip(kw_spec.context, kw_spec.children()):
-        if _custom(child):
-            found.append((key, child))
-    return found
+    if prologue is not None and isinstance(prologue.args[1], Node):
+        spec = getattr(graph_module, str(prologue.args[1].target), None)
+        if isinstance(spec, pytree.TreeSpec) and spec.num_children == 2:
+            pos_spec, kw_spec = spec.children()
+            for i, child in enumerate(pos_spec.children()):
+                if _custom(child):
+                    found[(i, child)] = None
+            for key, child in zip(kw_spec.context, kw_spec.children()):
+                if _custom(child):
+                    found[(key, child)] = None
+    return [(where, spec, None if layers is None else frozenset(layers)) for (where, spec), layers in found.items()]
 
 
 class _Leaf:

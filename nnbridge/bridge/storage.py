@@ -4,8 +4,8 @@ A *bundle* is one zip file:
 
 - ``nnbridge.json``: the header (format version, library versions, the model fingerprint of
   :func:`~.programs.model_fingerprint`, options, and one metadata entry per program record:
-  NodePath, call fingerprint, dynamic flag, threaded state keys, stubs, shape guard, and which
-  parameters and buffers were left out);
+  NodePath, call fingerprint, dynamic flag, threaded state keys, stubs, shape guard, the cache
+  layers each threaded call's code never touched, and which parameters and buffers were left out);
 - ``programs/<i>.pt2``: each exported program, written by ``torch.export.save`` (through
   :func:`~nnbridge.compat.serialization.save_program`) with every
   parameter and persistent buffer of the model replaced by a meta tensor (no weights; no pickled
@@ -35,7 +35,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -43,6 +43,7 @@ from ..compat.serialization import library_versions, load_program, save_program
 from ..errors import SaveLoadError
 from .call_structure import ShapeGuard
 from .programs import ProgramRecord
+from .state import Path as StatePath, UntouchedLayers
 
 #: Version of the bundle layout; a bundle of another version is refused (explicit load) or a
 #: cache miss.
@@ -91,7 +92,7 @@ def write_bundle(target: str | os.PathLike[str] | IO[bytes], header: dict[str, A
                 "path": record.path, "call": record.call, "dynamic": record.dynamic, "states": record.states,
                 "stubs": {k: str(v) for k, v in record.stubs.items()},
                 "guard": {"dims": record.guard.dims, "code": record.guard.code}, "left_out": left_out,
-                "reuse": record.reuse,
+                "reuse": record.reuse, "untouched": _untouched_json(record.untouched),
             })
         if inputs is not None:
             buffer = io.BytesIO()
@@ -173,7 +174,26 @@ class Bundle:
         dims = [[d if isinstance(d, int) else (d[0], d[1], d[2]) for d in tensor] for tensor in entry["guard"]["dims"]]
         return ProgramRecord(path=entry["path"], call=entry["call"], exported=exported, dynamic=entry["dynamic"],
                              states=entry["states"], stubs=dict(entry["stubs"]),
-                             guard=ShapeGuard(dims, entry["guard"]["code"]), reuse=dict(entry.get("reuse", {})))
+                             guard=ShapeGuard(dims, entry["guard"]["code"]), reuse=dict(entry.get("reuse", {})),
+                             untouched=_untouched_from_json(entry.get("untouched", {})))
+
+
+def _untouched_json(untouched: dict[str, list[UntouchedLayers | None]]) -> dict[str, list[Any]]:
+    """:attr:`ProgramRecord.untouched` as JSON: a path's item steps ``(3,)`` become lists ``[3]``."""
+    def path(p: StatePath) -> list[Any]:
+        return [list(step) if isinstance(step, tuple) else step for step in p]
+    return {fqn: [None if u is None else {"paths": sorted(map(path, u.paths), key=repr),
+                                          "by_index": sorted(map(path, u.by_index), key=repr)} for u in per]
+            for fqn, per in untouched.items()}
+
+
+def _untouched_from_json(value: dict[str, list[Any]]) -> dict[str, list[UntouchedLayers | None]]:
+    """The inverse of :func:`_untouched_json` (an entry written before it was recorded: ``{}``)."""
+    def path(p: list[Any]) -> StatePath:
+        return cast(StatePath, tuple(tuple(step) if isinstance(step, list) else step for step in p))
+    return {fqn: [None if u is None else UntouchedLayers(frozenset(map(path, u["paths"])),
+                                                        frozenset(map(path, u["by_index"]))) for u in per]
+            for fqn, per in value.items()}
 
 
 def _own_tensor(source: str, module: torch.nn.Module, name: str, meta: torch.Tensor) -> torch.Tensor:
