@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import nnbridge
 from nnbridge import CompiledGraphModule
@@ -142,3 +143,71 @@ def test_spec_check_remembers_structures_and_still_refuses_other_ones():
     assert not check(cache)
     del cache.layers[2].dtype
     assert not check(cache)
+
+
+# -- the cache layers each graph compares before a call (what its code touched while exported) ---
+def _untouched(model):
+    root = bridge_of(model).dispatcher.all_extractions()[0].root
+    return {name: m.graph_meta.untouched for name, m in root.named_modules() if isinstance(m, CompiledGraphModule)}
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["reused", "every layer exported"])
+@pytest.mark.parametrize("name", MODELS)
+def test_each_attention_compares_its_own_cache_layer_and_what_its_code_touched(name, reuse):
+    """An attention's code touches its own cache layer (``Cache.update``); a decoder layer's code
+    touches none (export flattening the cache for the attention's call is not its code)."""
+    model = MODELS[name]()
+    ids = torch.randint(0, 100, (1, 5))
+    nnbridge.bridge(model, ids, options=nnbridge.ExtractionOptions(reuse_layers=reuse))
+    untouched = _untouched(model)
+    every = {("layers", (i,)) for i in range(3)}
+    for i, attention in enumerate(attentions(model)):
+        path = next(p for p, m in model.named_modules() if m is attention)
+        assert untouched[path] == every - {("layers", (i,))}
+        assert untouched[path.rpartition(".")[0]] == every  # the decoder layer (reused: as its representative)
+
+
+def test_spec_check_with_untouched_layers_compares_them_by_type_only():
+    model = tiny_gpt2()
+    nnbridge.bridge(model, torch.randint(0, 100, (1, 4)))  # registers the cache pytrees
+    with torch.no_grad():
+        cache = model(torch.randint(0, 100, (1, 4))).past_key_values
+    check = SpecCheck(pytree.tree_flatten(cache)[1], untouched=frozenset({("layers", (0,)), ("layers", (2,))}))
+    assert check(cache)
+    cache.layers[0].is_initialized = False
+    del cache.layers[2].dtype
+    assert check(cache)  # layers 0 and 2: type only
+    cache.layers[1].is_initialized = False
+    assert not check(cache)  # layer 1 is compared
+    cache.layers[1].is_initialized = True
+    cache.layers[0] = object()
+    assert not check(cache)  # another type
+    cache.layers[0] = cache.layers[1]
+    cache.layers.append(cache.layers[1])
+    assert not check(cache)  # another number of layers
+
+
+class Watching(DynamicLayer):
+    """A cache layer whose class defines ``__getattribute__`` (module level: the cache pytree
+    rebuilds it by its dotted path)."""
+
+    def __getattribute__(self, name):
+        return super().__getattribute__(name)
+
+
+def test_a_cache_layer_class_that_overrides_getattribute_is_compared_in_full():
+    """Touches of a layer whose class defines ``__getattribute__`` cannot be seen: nothing is
+    assumed untouched, and every layer is compared (as before a skip could be told apart)."""
+    model = tiny_gpt2()
+    ids = torch.randint(0, 100, (1, 5))
+    cache = DynamicCache()
+    cache.layers = [Watching() for _ in range(3)]
+    cache.layer_class_to_replicate = None
+    reference = copy.deepcopy(cache)
+    nnbridge.bridge(model, ids, past_key_values=cache, use_cache=True)
+    assert all(u is None for path, u in _untouched(model).items() if path.endswith("attn"))
+    plain, mine = tiny_gpt2(), copy.deepcopy(reference)
+    with torch.no_grad():
+        expected = plain(ids, past_key_values=reference, use_cache=True).logits
+        assert torch.equal(model(ids, past_key_values=mine, use_cache=True).logits, expected)
+    assert_same_cache(mine, reference)

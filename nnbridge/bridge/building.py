@@ -197,12 +197,13 @@ class GraphBuilder:
                 if sibling in self.reuse.caches:
                     rebinding = self.reuse.caches[sibling]
                     rebind_cache_state(cgm, rebinding, fqn)
-                    # the representative's untouched layers and the one its layer index selected,
-                    # but for the sibling's own
+                    # the representative's untouched layers, and the one its layer index selected;
+                    # the sibling's own is untouched as the representative's own was
                     untouched = self.untouched_layers(source, invocation)
                     if untouched is not None:
-                        cgm.graph_meta.untouched = (untouched.paths | untouched.by_index) - {
-                            ("layers", (rebinding.index,))}
+                        own, rep_own = ("layers", (rebinding.index,)), ("layers", (rebinding.rep_index,))
+                        paths = untouched.paths | untouched.by_index
+                        cgm.graph_meta.untouched = paths if rep_own in untouched.paths else paths - {own}
                 if fqn in self.reuse.siblings:
                     cgm.graph_meta.reused_from = self.ctx.full(source)
                 return cgm
