@@ -192,6 +192,25 @@ def test_iter_with_skip_equals_nnsight():
     assert_same(run(nnbridge), run(nnsight))
 
 
+def test_iter_with_skip_and_an_op_read_equals_nnsight():
+    """Each generation step skips layer 0 (its cache layer stays empty, as in eager) and reads an
+    op of layer 1, so layer 1's graph runs at every step."""
+    def run(library):
+        model = wrap(library, "gpt2")
+        with model.generate(PROMPTS[0], max_new_tokens=3, do_sample=False) as tracer:
+            logits, weights = nnsight.save([]), nnsight.save([])
+            for _ in tracer.iter[0:3]:
+                layer(model, 0).skip(layer(model, 0).input)
+                attention = layer(model, 1).attn
+                weights.append(attention.softmax.output if library is nnbridge
+                               else attention.source.attention_interface_1.output[1])
+                logits.append(head(model).output)
+            result = tracer.result.save()
+        return logits, weights, result
+
+    assert_same(run(nnbridge), run(nnsight))
+
+
 # -- a lazily built model (no dispatch=True: meta weights until the first trace) ----------------
 def test_first_trace_of_a_lazily_built_model_equals_nnsight(tmp_path):
     from test_envoys import tokenizer
