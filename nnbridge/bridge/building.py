@@ -251,7 +251,7 @@ class GraphBuilder:
         restore_constant_outputs(graph, self.constants.get((f"model.{source}" if source else "model", invocation), {}))
         keys = self.state_keys(fqn, invocation)
         if keys:
-            write_states_back(graph, attrs, keys)
+            write_states_back(graph, attrs, keys, self.ctx.full(fqn))
         arguments = argument_objects(graph, attrs)
         if fqn == "" and self.input_spec is not None:
             prologue = input_prologue(graph)

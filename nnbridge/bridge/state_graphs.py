@@ -23,7 +23,7 @@ from .cleanup import input_prologue, spec_node
 from .state import Key, Path, assign_state, read_state, write_state
 
 
-def write_states_back(graph: Graph, attrs: dict[str, Any], keys: list[Key]) -> None:
+def write_states_back(graph: Graph, attrs: dict[str, Any], keys: list[Key], path: str = "") -> None:
     """Rewrite a state module's raw unflattened graph, whose output is ``(output, [new states])``,
     to assign each new state to its argument (an :func:`assign_state` node) and return ``output``.
 
@@ -31,9 +31,13 @@ def write_states_back(graph: Graph, attrs: dict[str, Any], keys: list[Key]) -> N
         graph: the module's per-invocation graph, before :func:`~.cleanup.clean_graph`.
         attrs: ``{get_attr target: value}`` of the graph's owner (its ``_spec_N`` tree specs).
         keys: the invocation's state keys, as :func:`states_returned` recorded them.
+        path: the module's NodePath, for messages.
 
     Raises:
-        ExtractionError: the graph does not have the shape export gives a threaded module.
+        ExtractionError: the graph does not have the shape export gives a threaded module; or a
+            tensor the module writes into its state argument is read by nothing in the exported
+            program, so ``torch.export`` dropped it (the graph would leave ``None`` where eager
+            leaves the tensor).
     """
     output = next(n for n in graph.nodes if n.op == "output")
     value, prologue = output.args[0], input_prologue(graph)
@@ -52,6 +56,12 @@ def write_states_back(graph: Graph, attrs: dict[str, Any], keys: list[Key]) -> N
         start = out_spec.num_leaves
         for key, state_spec in zip(keys, states_spec.children()):
             part, start = leaves[start:start + state_spec.num_leaves], start + state_spec.num_leaves
+            if any(leaf is None for leaf in part):
+                raise ExtractionError(
+                    f"'{path or '<root>'}' writes a tensor into its state argument {key!r} (a transformers Cache)"
+                    " that nothing in the traced program reads afterwards, so torch.export dropped it: the"
+                    " graph would leave None where eager leaves the tensor. Return the cache from the model,"
+                    " or run this module eagerly (ExtractionOptions(classes_to_skip_compiling={...})).")
             new = graph.call_function(pytree.tree_unflatten, (part, spec_node(graph, attrs, state_spec, output)))
             graph.call_function(assign_state, (positional[key] if isinstance(key, int) else keywords[key], new))
     output.args = (result,)
