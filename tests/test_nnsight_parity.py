@@ -93,6 +93,46 @@ def test_a_skip_in_a_graph_run_equals_nnsight_and_keeps_the_graphs(kind):
     assert _extractions(bridged) == extractions
 
 
+@pytest.mark.parametrize("skipped", [[0], [1], [0, 2]], ids=lambda s: "skip " + "+".join(map(str, s)))
+def test_skips_in_a_graph_run_of_alternating_sliding_and_full_layers_equal_nnsight(skipped):
+    """Gemma 3 with sliding-window and full-attention layers alternating (cache layers of two
+    kinds, layers reused per kind): skipped layers leave their cache layers empty, as in eager."""
+    from utils import gemma3
+
+    ids = torch.randint(0, 100, (1, 7))
+
+    def run(model, skips):
+        with model.trace(ids) as tracer:
+            tracer.cache()
+            for i in skips:
+                model.model.layers[i].skip(model.model.layers[i].input)
+            last = model.model.layers[3].output.save()
+            output = model.output.save()
+        return last, output
+
+    module = gemma3(("sliding_attention", "full_attention") * 2)
+    bridged, reference = nnbridge.NNsight(module), nnsight.NNsight(copy.deepcopy(module))
+    assert_same(run(bridged, []), run(reference, []))
+    extractions = _extractions(bridged)
+    assert_same(run(bridged, skipped), run(reference, skipped))
+    assert _extractions(bridged) == extractions  # the graphs of the later layers served the call
+
+
+def test_batched_skips_in_a_graph_run_equal_nnsight():
+    def run(model):
+        with model.trace() as tracer:
+            with tracer.invoke(PROMPTS[0]):
+                tracer.cache()
+                layer(model, 0).skip(layer(model, 0).input)
+                first = head(model).output.save()
+            with tracer.invoke(PROMPTS[1]):
+                layer(model, 0).skip(layer(model, 0).input)  # a batched skip covers every row
+                second = layer(model, 1).output.save()
+        return first, second
+
+    assert_same(run(wrap(nnbridge, "gpt2")), run(wrap(nnsight, "gpt2")))
+
+
 class _ReadsFirstLayer(torch.nn.Module):
     """An attention-like layer whose code reads another cache layer's state (baked into its graph)."""
 

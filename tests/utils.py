@@ -54,12 +54,12 @@ def llama(attn="eager"):
 
 
 def gemma3(layer_types=("sliding_attention", "full_attention")):
-    """Tiny random Gemma 3 text model (2 layers, width 64, GQA 4/2, head_dim 16, sliding window 4,
+    """Tiny random Gemma 3 text model (one layer per layer type, default 2; width 64, GQA 4/2, head_dim 16, sliding window 4,
     vocab 100), eager attention, seeded, in eval mode. One sliding and one full-attention layer by
     default, so ``rotary_emb`` is called twice, once per layer type (a string argument)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     torch.manual_seed(0)
-    config = Gemma3TextConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    config = Gemma3TextConfig(num_hidden_layers=len(layer_types), hidden_size=64, intermediate_size=128, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=16, vocab_size=100, sliding_window=4,
                               layer_types=list(layer_types), attn_implementation="eager",
                               bos_token_id=0, eos_token_id=1, pad_token_id=0)
