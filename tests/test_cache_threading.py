@@ -14,6 +14,7 @@ from nnbridge import CompiledGraphModule
 from nnbridge.bridge import bridge_of
 from nnbridge.bridge.state import SpecCheck, assign_state, write_state
 from nnbridge.compat.pytree import pytree
+from utils import ToyCacheStack
 
 
 def tiny_gpt2():
@@ -213,40 +214,11 @@ def test_a_cache_layer_class_that_overrides_getattribute_is_compared_in_full():
     assert_same_cache(mine, reference)
 
 
-class _WritesUnusedValues(torch.nn.Module):
-    """Writes keys and values into its cache layer but reads only the keys back."""
-
-    def __init__(self, index):
-        super().__init__()
-        self.layer_idx = index
-        self.proj = torch.nn.Linear(4, 4)
-
-    def forward(self, x, past_key_values):
-        keys, _ = past_key_values.update(self.proj(x)[:, None], x[:, None], self.layer_idx)
-        return x + keys[:, 0, -x.shape[1]:]
-
-
-class _InternalCache(torch.nn.Module):
-    """Makes its own cache and returns only the hidden states: nothing reads the values written."""
-
-    def __init__(self):
-        super().__init__()
-        from transformers import PretrainedConfig
-        self.config = PretrainedConfig(num_hidden_layers=2)
-        self.layers = torch.nn.ModuleList(_WritesUnusedValues(i) for i in range(2))
-
-    def forward(self, x):
-        cache = DynamicCache(config=self.config)
-        for block in self.layers:
-            x = block(x, past_key_values=cache)
-        return x
-
-
 def test_a_cache_write_nothing_reads_is_refused_when_extracting():
     """torch.export drops a written tensor nothing reads; the graph would leave None in the cache
     where eager leaves the tensor, so extraction raises, naming the module."""
-    model = _InternalCache()
+    model = ToyCacheStack(2, use_values=False)
     with pytest.raises(nnbridge.ExtractionError, match=r"'layers\.0' writes a tensor into its state argument"):
         nnbridge.bridge(model, torch.ones(2, 3, 4))
     assert bridge_of(model) is None  # nothing left half-bridged
-    assert torch.equal(model(torch.ones(2, 3, 4)), _InternalCache.forward(model, torch.ones(2, 3, 4)))
+    assert torch.equal(model(torch.ones(2, 3, 4)), ToyCacheStack.forward(model, torch.ones(2, 3, 4)))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nnbridge
-from utils import assert_same, head, layer, PROMPTS, wrap
+from utils import assert_same, head, layer, PROMPTS, ToyCacheStack, wrap
 
 
 # -- .skip() with transformers' default cache (use_cache=True, DynamicCache) ---------------------
@@ -133,37 +133,6 @@ def test_batched_skips_in_a_graph_run_equal_nnsight():
     assert_same(run(wrap(nnbridge, "gpt2")), run(wrap(nnsight, "gpt2")))
 
 
-class _ReadsFirstLayer(torch.nn.Module):
-    """An attention-like layer whose code reads another cache layer's state (baked into its graph)."""
-
-    def __init__(self, index):
-        super().__init__()
-        self.layer_idx = index
-        self.proj = torch.nn.Linear(4, 4)
-
-    def forward(self, x, past_key_values):
-        keys, values = past_key_values.update(self.proj(x)[:, None], x[:, None], self.layer_idx)
-        out = x + keys[:, 0, -x.shape[1]:] * values[:, 0, -x.shape[1]:]
-        if self.layer_idx > 0 and past_key_values.layers[0].is_initialized:
-            out = out * 2
-        return out
-
-
-class _Stack(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        from transformers import PretrainedConfig
-        self.config = PretrainedConfig(num_hidden_layers=3)
-        self.layers = torch.nn.ModuleList(_ReadsFirstLayer(i) for i in range(3))
-
-    def forward(self, x):
-        from transformers.cache_utils import DynamicCache
-        cache = DynamicCache(config=self.config)
-        for block in self.layers:
-            x = block(x, past_key_values=cache)
-        return x
-
-
 def test_a_skip_of_a_cache_layer_a_graph_read_extracts_again_and_equals_nnsight():
     """Layer 2's graph read layer 0's ``is_initialized`` while exported (a branch baked in): with
     layer 0 skipped, its check compares layer 0 and fails, so it is extracted again, not run stale."""
@@ -175,7 +144,7 @@ def test_a_skip_of_a_cache_layer_a_graph_read_extracts_again_and_equals_nnsight(
         return out
 
     torch.manual_seed(0)
-    module = _Stack()
+    module = ToyCacheStack(reads_first=True)
     bridged, reference = nnbridge.NNsight(module), nnsight.NNsight(copy.deepcopy(module))
     with bridged.trace(torch.ones(2, 3, 4)) as tracer:
         tracer.cache()

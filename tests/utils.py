@@ -201,3 +201,40 @@ def head(model):
 def cached(cache):
     """The tensors a DynamicCache holds: each initialized layer's keys and values."""
     return [t for layer in cache.layers if layer.is_initialized for t in (layer.keys, layer.values)]
+
+
+# -- a toy decoder that makes its own transformers cache (test_cache_threading, test_nnsight_parity) --
+class ToyCacheLayer(torch.nn.Module):
+    """Writes keys and values into its cache layer (``Cache.update``, as an attention does).
+    ``use_values``: whether it reads the values back (else nothing reads them); ``reads_first``:
+    whether a later layer's code branches on cache layer 0's ``is_initialized``."""
+
+    def __init__(self, index, use_values=True, reads_first=False):
+        super().__init__()
+        self.layer_idx, self.use_values, self.reads_first = index, use_values, reads_first
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, past_key_values):
+        keys, values = past_key_values.update(self.proj(x)[:, None], x[:, None], self.layer_idx)
+        out = x + keys[:, 0, -x.shape[1]:] * (values[:, 0, -x.shape[1]:] if self.use_values else 1)
+        if self.reads_first and self.layer_idx > 0 and past_key_values.layers[0].is_initialized:
+            out = out * 2
+        return out
+
+
+class ToyCacheStack(torch.nn.Module):
+    """``layers`` :class:`ToyCacheLayer` s sharing a ``DynamicCache`` the forward makes; returns
+    only the hidden states. Input: ``(batch, seq, 4)``."""
+
+    def __init__(self, layers=3, **options):
+        super().__init__()
+        from transformers import PretrainedConfig
+        self.config = PretrainedConfig(num_hidden_layers=layers)
+        self.layers = torch.nn.ModuleList(ToyCacheLayer(i, **options) for i in range(layers))
+
+    def forward(self, x):
+        from transformers.cache_utils import DynamicCache
+        cache = DynamicCache(config=self.config)
+        for block in self.layers:
+            x = block(x, past_key_values=cache)
+        return x
