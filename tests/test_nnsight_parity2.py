@@ -125,15 +125,34 @@ def test_source_and_op_envoys_in_one_trace_on_different_calls():
     assert softmax.shape[-2] == 1 and torch.allclose(softmax.sum(-1), torch.ones(()))
 
 
-def test_source_and_op_envoys_in_the_same_call_are_refused_by_nnsight():
+@pytest.mark.parametrize("source_first", [True, False], ids=["source-first", "ops-first"])
+def test_source_and_op_envoys_in_the_same_call_are_refused_with_the_rule_and_the_fix(source_first):
     """A call runs either the graph (ops) or nnsight's instrumented forward (``.source``): asking
-    both of one call stops at nnsight's OutOfOrderError naming the op not reached."""
+    both of one call stops at nnsight's OutOfOrderError naming the location not reached, with a
+    note naming the module, the rule and the fix."""
     model = language_model(nnbridge)
-    with pytest.raises(OutOfOrderError,
-                       match="attn.softmax.output.i0"):
+    attn = model.transformer.h[0].attn
+    with pytest.raises(OutOfOrderError, match="attn.softmax.output.i0" if source_first
+                       else "attn.source.attention_interface_1.output.i0") as raised:
         with model.trace(PROMPTS[0]):
-            model.transformer.h[0].attn.source.attention_interface_1.output[0].save()
+            if source_first:
+                attn.source.attention_interface_1.output[0].save()
+                attn.softmax.output.save()
+            else:
+                attn.softmax.output.save()
+                attn.source.attention_interface_1.output[0].save()
+    note = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "'transformer.h.0.attn'" in note and "either its graph (ops) or nnsight's .source forward" in note
+    assert "different calls" in note
+
+
+def test_an_out_of_order_read_of_another_module_gets_no_source_note():
+    model = language_model(nnbridge)
+    with pytest.raises(OutOfOrderError) as raised:
+        with model.trace(PROMPTS[0]):
+            model.transformer.h[1].attn.softmax.output.save()
             model.transformer.h[0].attn.softmax.output.save()
+    assert not any("nnsight's .source forward" in note for note in getattr(raised.value, "__notes__", []))
 
 
 # -- op visits are counted even when no one waits at them (nnsight's occurrence per location) ------

@@ -96,6 +96,12 @@ def nnsight_body(module: torch.nn.Module) -> Callable[..., Any] | None:
     return body.nnsight if isinstance(body, _Bodies) else body
 
 
+def sourced(module: torch.nn.Module) -> bool:
+    """Whether nnsight's ``.source`` of ``module`` was touched (its instrumented forward exists)."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    return state is not None and bool(state.sourced)
+
+
 def source_body(module: torch.nn.Module) -> Callable[..., Any] | None:
     """nnsight's source-instrumented forward of ``module`` when the running trace waits at or
     caches one of its ``.source`` operations (``<path>.source.`` locations), else ``None``."""

@@ -20,6 +20,7 @@ body asks for their ops; a module's op envoys serve every step (``tracer.iter``)
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, Self
 
@@ -35,6 +36,7 @@ from ..compat.module_dicts import modules_of
 from ..compat.nnsight_loading import PreprocessorSources
 from ..compat.nnsight import (OutOfOrderError, dispatch_if_lazy, mirror_envoys, pending_workers, repoint_envoys,
                               scalar_safe_batcher)
+from ..compat.nnsight_source import sourced
 from ..bridge.op_point import OpPoint, OpPointContainer
 from .envoy import BridgeEnvoy, tree_repr
 from .op_reads import op_owners
@@ -53,6 +55,36 @@ else:
 _EAGER_NOTE = ("nnbridge ran this trace on the model's own code, without its graphs, because the trace's code"
                " names no op envoy. If it reaches an op through a name built at run time, set"
                " `model.eager_module_traces = False` to run every trace on the graphs.")
+
+
+_REQUESTED = re.compile(r"'([^']+)' was requested")
+
+
+def note_source_and_ops(error: BaseException, model: torch.nn.Module) -> None:
+    """Add a note to nnsight's ``OutOfOrderError`` when the location it names is an op of a module
+    whose ``.source`` was touched, or a ``.source`` operation of a module that has op points: one
+    call of a module runs either its graph (ops) or nnsight's instrumented forward (``.source``
+    operations), so a trace asking both of one call gets the error for whichever came second."""
+    found = _REQUESTED.search(str(error))
+    if found is None:
+        return
+    location = found.group(1).removeprefix("model.")
+    module_path, marker, _ = location.partition(".source.")
+    kind = "a .source operation"
+    if not marker:  # an op: <module>.<op>.<output|input|inputs>...
+        module_path, kind = ".".join(location.split(".")[:-3]), "an op"
+    try:
+        module = model.get_submodule(module_path)
+    except AttributeError:
+        return
+    if not (sourced(module) if kind == "an op"
+            else any(m is not None and is_op_point(m) for m in modules_of(module).values())):
+        return
+    error.add_note(
+        f"nnbridge: if this trace also reads {'ops' if kind != 'an op' else '.source operations'} of"
+        f" '{module_path}' in the same call: each call of a module runs either its graph (ops) or"
+        " nnsight's .source forward (.source operations), not both, so the one asked second is never"
+        " reached. Read them in different calls (separate traces, invokes or generation steps).")
 
 
 class _Bridged(_EnvoyBase):
@@ -177,12 +209,20 @@ class _Bridged(_EnvoyBase):
             if state.lazy_allowed(modules):
                 with state.lazily(modules):
                     if self._nnbridge_prepare(fn, call_args, call_kwargs, owners) and state.lazy_allowed(modules):
-                        return super().interleave(fn, batcher=batcher)
+                        try:
+                            return super().interleave(fn, batcher=batcher)
+                        except OutOfOrderError as error:
+                            note_source_and_ops(error, self._module)
+                            raise
             # a name read is no op of those modules (misspelt, or named only in a whole-model
             # extraction), or one is called several times per forward: the whole model's graphs
             # serve the trace (and its error names a missing op)
         self._nnbridge_prepare(fn, call_args, call_kwargs)
-        return super().interleave(fn, batcher=batcher)
+        try:
+            return super().interleave(fn, batcher=batcher)
+        except OutOfOrderError as error:
+            note_source_and_ops(error, self._module)
+            raise
 
     def _remote_backend(self, remote: bool | str, blocking: bool, job_id: str | None, verbose: bool) -> Any:
         """nnsight's backend for ``remote=`` (an NDIF server, or ``"local"``: nnsight's simulation of
