@@ -309,8 +309,8 @@ class GraphBuilder:
                 root[target] = value if isinstance(value, torch.Tensor) else attrs[target]
         cgm = CompiledGraphModule({**root, **dict(children)}, graph, type(module))
         cgm.graph_meta.exact_signature = exact_signature
-        untouched = self.untouched_layers(fqn, invocation)
-        if source == fqn and untouched is not None:  # (a reused sibling's, see child)
+        untouched = self.untouched_layers(fqn, invocation) if source == fqn else None  # (a reused sibling's: see child)
+        if untouched is not None:
             cgm.graph_meta.untouched = untouched.paths
         retype_containers(cgm, [target for target, _ in children], renamed_template(module), multi)
         for target, tensor in root.items():

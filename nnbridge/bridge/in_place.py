@@ -82,13 +82,11 @@ def _state_specs_hold(graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, 
     checks = graph.graph_meta.state_specs
     if checks is None:
         specs = state_argument_specs(graph)
-        untouched = graph.graph_meta.untouched
         # layers the graph's code never touched are compared by type only (see SpecCheck), when
         # the graph has one state argument, read and written at known layers only
-        narrow = untouched is not None and len(specs) == 1 and specs[0][2] is not None
+        untouched = graph.graph_meta.untouched if len(specs) == 1 else None
         checks = graph.graph_meta.state_specs = [
-            (where, SpecCheck(spec, untouched - layers if narrow and untouched is not None and layers is not None
-                              else frozenset()))
+            (where, SpecCheck(spec, frozenset() if untouched is None or layers is None else untouched - layers))
             for where, spec, layers in specs]
     if not checks:
         return True

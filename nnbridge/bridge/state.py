@@ -190,38 +190,24 @@ def states_returned(modules: dict[str, torch.nn.Module], untouched: dict[str, li
                 module.__dict__["forward"] = previous
 
 
-def _structure(value: Any) -> Any:
+def _structure(value: Any, untouched: frozenset[Any] = frozenset(), path: tuple[Any, ...] = ()) -> Any:
     """``value``'s type and non-tensor state, recursively through lists, tuples, dicts and object
-    attributes, with every tensor as ``torch.Tensor``: two objects with equal structures flatten
-    to equal pytree specs when their flatten reads only that state (as transformers' ``Cache``
-    pytree does: tensors become leaves, everything else the spec's context)."""
-    if isinstance(value, torch.Tensor):
-        return torch.Tensor
-    kind = type(value)
-    if kind is list or kind is tuple:
-        return (kind, *map(_structure, value))
-    if kind is dict:
-        return (kind, *value, *map(_structure, value.values()))
-    state = getattr(value, "__dict__", None)
-    if state is not None and not isinstance(value, type):
-        return (kind, *state, *map(_structure, state.values()))
-    return (kind, value)
-
-
-def _narrowed(value: Any, untouched: frozenset[Any], path: tuple[Any, ...] = ()) -> Any:
-    """:func:`_structure`, with the object at each path in ``untouched`` reduced to its type."""
+    attributes, with every tensor as ``torch.Tensor`` and the object at each path in ``untouched``
+    as its type alone: two objects with equal structures flatten to equal pytree specs when their
+    flatten reads only that state (as transformers' ``Cache`` pytree does: tensors become leaves,
+    everything else the spec's context), outside ``untouched``."""
     if isinstance(value, torch.Tensor):
         return torch.Tensor
     kind = type(value)
     if path in untouched:
         return (kind,)
     if kind is list or kind is tuple:
-        return (kind, *(_narrowed(v, untouched, (*path, (i,))) for i, v in enumerate(value)))
+        return (kind, *(_structure(v, untouched, (*path, (i,))) for i, v in enumerate(value)))
     if kind is dict:
-        return (kind, *value, *(_narrowed(v, untouched, (*path, (k,))) for k, v in value.items()))
+        return (kind, *value, *(_structure(v, untouched, (*path, (k,))) for k, v in value.items()))
     state = getattr(value, "__dict__", None)
     if state is not None and not isinstance(value, type):
-        return (kind, *state, *(_narrowed(v, untouched, (*path, k)) for k, v in state.items()))
+        return (kind, *state, *(_structure(v, untouched, (*path, k)) for k, v in state.items()))
     return (kind, value)
 
 
@@ -255,14 +241,14 @@ class SpecCheck:
         self.expected: Any = None
         if untouched:
             try:  # the narrowed structure of an object of the extracted spec (a round trip keeps it)
-                self.expected = _narrowed(pytree.tree_unflatten([torch.empty(0)] * spec.num_leaves, spec), untouched)
+                self.expected = _structure(pytree.tree_unflatten([torch.empty(0)] * spec.num_leaves, spec), untouched)
             except Exception:  # noqa: BLE001 - an object that cannot be rebuilt: check in full
                 self.untouched = frozenset()
 
     def __call__(self, value: Any) -> bool:
         if self.untouched:
             try:
-                return bool(_narrowed(value, self.untouched) == self.expected)
+                return bool(_structure(value, self.untouched) == self.expected)
             except (TypeError, RecursionError):  # a value whose == raises, or a cycle: check in full
                 pass
         try:

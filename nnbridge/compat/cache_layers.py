@@ -21,6 +21,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 try:
     from transformers.cache_utils import CacheLayerMixin
 except ImportError:  # pragma: no cover - transformers is a dependency
@@ -109,7 +111,7 @@ def layer_paths(value: Any, path: Path = (), seen: set[int] | None = None) -> It
     elif isinstance(value, dict):
         for key, item in value.items():
             yield from layer_paths(item, (*path, (key,)), seen)
-    elif hasattr(value, "__dict__") and not isinstance(value, type) and type(value).__module__.startswith("transformers"):
+    elif hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module, torch.Tensor)):
         for name, item in vars(value).items():
             yield from layer_paths(item, (*path, name), seen)
 
