@@ -209,15 +209,15 @@ class _Bridged(_EnvoyBase):
             if state.lazy_allowed(modules):
                 with state.lazily(modules):
                     if self._nnbridge_prepare(fn, call_args, call_kwargs, owners) and state.lazy_allowed(modules):
-                        try:
-                            return super().interleave(fn, batcher=batcher)
-                        except OutOfOrderError as error:
-                            note_source_and_ops(error, self._module)
-                            raise
+                        return self._nnbridge_interleave(fn, batcher)
             # a name read is no op of those modules (misspelt, or named only in a whole-model
             # extraction), or one is called several times per forward: the whole model's graphs
             # serve the trace (and its error names a missing op)
         self._nnbridge_prepare(fn, call_args, call_kwargs)
+        return self._nnbridge_interleave(fn, batcher)
+
+    def _nnbridge_interleave(self, fn: Any, batcher: Any) -> Any:
+        """nnsight's interleave on the graphs; an ``OutOfOrderError`` gets :func:`note_source_and_ops`'s note."""
         try:
             return super().interleave(fn, batcher=batcher)
         except OutOfOrderError as error:
