@@ -224,6 +224,20 @@ def test_other_library_versions_load_with_a_warning(tmp_path):
     assert torch.equal(loaded(x), model(x))
 
 
+def test_code_replaced_since_saving_loads_with_a_warning(tmp_path, monkeypatch):
+    """As a changed source file: an explicit load serves the saved graphs, and warns."""
+    from transformers.models.gpt2 import modeling_gpt2
+    ids = torch.randint(0, 100, (1, 8))
+    path = tmp_path / "pg.nnbridge"
+    PatchableGraph(gpt2(), ids).save(path)
+    saved = gpt2()
+    expected = saved(ids).logits
+    monkeypatch.setattr(modeling_gpt2.GPT2MLP, "forward", lambda self, h: self.c_proj(self.act(self.c_fc(h))) * 0.5)
+    with pytest.warns(NNBridgeWarning, match="replaced at run time"):
+        loaded = PatchableGraph.load(path, saved)
+    assert torch.equal(loaded(ids).logits, expected)  # the graphs of the code as saved
+
+
 def test_other_format_version_is_refused(tmp_path):
     model, x = _linear()
     path = tmp_path / "pg.nnbridge"

@@ -12,12 +12,14 @@ module and call, see :mod:`.programs`) is one :mod:`.storage` bundle, ``<key>.nn
   transformers and nnbridge versions;
 - the module's class, the hash of its transformers config (if any), the hash of its module tree
   (classes, train flags, plain attribute values, parameter and buffer names, shapes, dtypes) and
-  the hash of the source files of every module class in it (:func:`~.programs.model_fingerprint`);
+  the hash of the source files of every module class in it and the digest of the code its modules
+  reach, which sees methods and helpers replaced at run time (:func:`~.programs.model_fingerprint`,
+  :func:`~.code_identity.code_digest`);
 - the call (:meth:`~.programs.ExportRequest.call_fingerprint`: argument structure, non-tensor
   values, tensor dtypes and sizes, grad mode, train/eval flags, autocast, export-relevant options).
 
-So a changed model source, library version, config (every value, the attention implementation
-included) or call misses; a model with a module class whose source file cannot be read (defined in
+So a changed model source (or a method or helper function replaced at run time), library version,
+config (every value, the attention implementation included) or call misses; a model with a module class whose source file cannot be read (defined in
 a notebook cell or by ``exec``) is never served or stored. Entries hold no weights (the
 given module's tensors are put back) and no pickled code. Writes are atomic (temporary file, then
 rename). A corrupt or partial entry is deleted with an :class:`~nnbridge.errors.NNBridgeWarning`

@@ -53,6 +53,7 @@ from .examples import static_examples
 from .metadata import node_meta
 from .summaries import bind_inputs
 from .locking import CALL_LOCK, lock_calls, unlock_calls
+from .module_tree import refuse_instance_forwards
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
 
@@ -468,12 +469,14 @@ def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOption
 
     Raises:
         NNBridgeError: ``model`` is already bridged (call :func:`unbridge` first).
-        ExtractionError: extraction failed and ``options.error_on_compilation_failure`` is set.
+        ExtractionError: a module has a ``forward`` set on the instance (see
+            :func:`~.module_tree.refuse_instance_forwards`), nothing done; or extraction failed and ``options.error_on_compilation_failure`` is set.
             The model is left exactly as it was.
     """
     if BRIDGE_KEY in model.__dict__:
         raise NNBridgeError(f"{type(model).__name__} is already bridged; call nnbridge.unbridge(model) first"
                             " to bridge it again with other options.")
+    refuse_instance_forwards(model, "nnbridge.bridge")
     state = Bridge(model, options or ExtractionOptions())
     try:
         state.lock_calls()

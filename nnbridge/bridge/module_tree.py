@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import torch
 
+from ..compat import instance_forward
 from ..compat.module_dicts import modules_of
 from ..errors import ExtractionError
 from .graph_module import CompiledGraphModule
@@ -44,6 +45,27 @@ def named_real_modules(module: torch.nn.Module, prefix: str = "") -> Iterator[tu
     for name, child in module.named_children():
         if not isinstance(child, (OpPoint, OpPointContainer)):
             yield from named_real_modules(child, f"{prefix}.{name}" if prefix else name)
+
+
+def refuse_instance_forwards(module: torch.nn.Module, what: str) -> None:
+    """Raise before anything is extracted when a module of ``module``'s tree has a ``forward`` set
+    on the instance (``layer.mlp.forward = f``, see :func:`~nnbridge.compat.instance_forward`):
+    extraction and the eager fallback run a module's class forward, so its graphs would compute
+    what the class computes, not what the module computes (found: the bridged logits differed from
+    eager without an error).
+
+    Raises:
+        ExtractionError: names the module, the function and the fix.
+    """
+    for path, child in named_real_modules(module):
+        found = instance_forward(child)
+        if found is not None:
+            name = getattr(found, "__qualname__", None) or type(found).__name__
+            raise ExtractionError(
+                f"{what}: module '{path or '<root>'}' ({type(child).__name__}) has its own forward set on the instance"
+                f" ({name}); nnbridge runs the class's forward ({type(child).__name__}.forward), so its graphs would"
+                " not compute what the module computes. Put the function on a subclass instead (module.__class__ ="
+                " a subclass of its class defining forward), or remove it (del module.forward), then try again.")
 
 
 def safe_name(name: str) -> str:

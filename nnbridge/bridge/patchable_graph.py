@@ -28,7 +28,7 @@ from . import hierarchy, patch_state, varargs_paths
 from .dispatcher import GraphDispatcher, WeakCallback
 from .capture_checks import preserved_state
 from .extraction import Extraction
-from .module_tree import named_real_modules
+from .module_tree import named_real_modules, refuse_instance_forwards
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 from .in_place import bridge_of
 from .examples import describe_examples
@@ -142,7 +142,9 @@ class PatchableGraph(torch.nn.Module):
         **example_kwargs: example keyword inputs.
 
     Raises:
-        ExtractionError: extraction failed and ``error_on_compilation_failure`` is set.
+        ExtractionError: a module has a ``forward`` set on the instance (see
+            :func:`~.module_tree.refuse_instance_forwards`); or extraction failed and
+            ``error_on_compilation_failure`` is set.
     """
 
     # children, registered by nn.Module.__setattr__
@@ -190,6 +192,7 @@ class PatchableGraph(torch.nn.Module):
             self.__dict__["_modules_of_plain"] = None
             first = self._dispatcher.lookup(tuple(example_args), dict(example_kwargs))
         else:
+            refuse_instance_forwards(module, "PatchableGraph")
             self._dispatcher = GraphDispatcher(module, options or ExtractionOptions(),
                                                on_extraction=[self._apply_active])
             self.__dict__["_call"] = self._dispatcher

@@ -33,6 +33,7 @@ import torch
 
 from ..compat.pytree import pytree
 from .call_structure import ShapeGuard, structure_key
+from .code_identity import code_digest
 from .options import ExtractionOptions
 from .state import Key, UntouchedLayers
 from .guards import config_like, config_values
@@ -131,7 +132,9 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     it).
     ``source``: sha256 of the source files defining every module class in the tree; a class whose
     source file cannot be read (defined in a notebook cell or by ``exec``) gives
-    ``"unavailable:<class>"`` (see :func:`source_known`).
+    ``"unavailable:<class>"`` (see :func:`source_known`). ``code``: sha256 of the code the modules
+    reach, which sees methods and helper functions replaced at run time, that the source files do
+    not show (:func:`~.code_identity.code_digest`).
     """
     config = getattr(model, "config", None)
     config_hash = None
@@ -150,7 +153,8 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
                    for k, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
         entries.append([name, _qualname(type(module)), module.training, plain, configs, tensors])
     return {"class": _qualname(type(model)), "config": config_hash, "structure": _digest(json.dumps(entries)),
-            "source": _digest(json.dumps(sorted(_source_digest(c) for c in classes.values())))}
+            "source": _digest(json.dumps(sorted(_source_digest(c) for c in classes.values()))),
+            "code": code_digest(model)}
 
 
 def describe_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:

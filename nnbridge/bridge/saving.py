@@ -135,8 +135,11 @@ def load(cls: type[PatchableGraph], source: str | os.PathLike[str] | IO[bytes], 
                             " the PatchableGraph was made with.")
     versions = library_versions()
     stale = [f"{k} {header['versions'].get(k)} (now {v})" for k, v in versions.items() if header["versions"].get(k) != v]
-    if header["model"].get("source") != model_fingerprint(model)["source"]:
+    current = model_fingerprint(model)
+    if header["model"].get("source") != current["source"]:
         stale.append("the model's source files changed")
+    elif header["model"].get("code", current["code"]) != current["code"]:  # files saved before it was recorded have none
+        stale.append("functions the model runs were replaced at run time (a method or helper function assigned)")
     if stale:
         warn(f"PatchableGraph.load({bundle.source!r}): saved with {', '.join(stale)}; its graphs follow the code as it"
              " was when saved. Extract again (PatchableGraph(model, *inputs)) and save anew to follow the current code.")

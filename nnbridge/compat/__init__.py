@@ -23,6 +23,7 @@ from .hooks import has_module_hooks as has_module_hooks
 from .hooks import has_user_hooks as has_user_hooks
 from .forwards import SwappedBody as SwappedBody
 from .forwards import call_overridden as call_overridden
+from .forwards import instance_forward as instance_forward
 from .forwards import restore_body as restore_body
 from .forwards import swap_body as swap_body
 from .accelerate import offloaded_weights_loaded as offloaded_weights_loaded

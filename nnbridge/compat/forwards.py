@@ -61,6 +61,24 @@ def swap_body(module: torch.nn.Module, body: Callable[..., Any]) -> SwappedBody:
     return swapped
 
 
+def instance_forward(module: torch.nn.Module) -> Callable[..., Any] | None:
+    """The ``forward`` user code set on ``module`` itself (``module.forward = f``), or None when
+    its call runs its class's forward: no instance ``forward``, or only nnsight's, accelerate's or
+    a bridge's wrapper around the class's (accelerate's ``_old_forward`` is the class's bound
+    forward unless user code replaced it)."""
+    state = module.__dict__
+    if NNSIGHT_STATE in state:
+        return None
+    slot = state.get("forward")
+    if "_hf_hook" in state and "_old_forward" in state:
+        slot = state["_old_forward"]
+        if isinstance(slot, types.MethodType) and slot.__func__ is type(module).forward and slot.__self__ is module:
+            return None
+    if slot is None or isinstance(slot, _Bound):
+        return None
+    return cast("Callable[..., Any]", slot)
+
+
 def restore_body(swapped: SwappedBody) -> None:
     """Undo :func:`swap_body`."""
     module = swapped.module

@@ -1,0 +1,312 @@
+"""The code a model runs, as one digest: what the disk extraction cache keys on besides the source
+files of the module classes (:func:`~.programs.model_fingerprint`).
+
+A module class's source file does not show code replaced at run time, the usual way researchers
+change a model without editing transformers:
+
+- a method assigned to a class (``GPT2MLP.forward = scaled_forward``);
+- a helper replaced in its module (``modeling_gpt2.eager_attention_forward = my_attention``);
+- an entry of a registry of functions replaced (``ALL_ATTENTION_FUNCTIONS["sdpa"] = f``);
+- a function set on one instance (``model.transformer.h[0].mlp.forward = f``).
+
+A graph exported before such a change and served after it computes what the old code computed, so
+:func:`code_digest` covers them: starting from every module class of the tree (its own methods and
+those it inherits, ``torch.nn.Module``'s left out) and every function-valued instance attribute,
+it follows each function's closure cells, the decorated function under a wrapper
+(``__wrapped__``), and every global name its code (nested functions included) reads that holds a
+function, a class (its methods) or a dict/mapping of them, transitively. Each function counts by
+its qualified name, module and compiled code (bytecode, constants, names), so a replacement with
+other code changes the digest, and re-importing the same code does not.
+
+Not followed: the code of torch, the standard library and built-ins (their versions are part of
+the cache key; torch functions replaced on a class or in a module global *are* seen, as any
+function is), and a function reached only through an attribute chain
+(``torch.nn.functional.softmax = f`` changes nothing here). Example::
+
+    digest = code_digest(model)           # hex sha256
+    modeling_gpt2.eager_attention_forward = my_attention
+    assert code_digest(model) != digest
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import operator
+import sys
+import sysconfig
+import types
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .module_tree import named_real_modules
+
+#: Mappings with more entries than this are not read (a registry of functions is small).
+_MAPPING_LIMIT = 512
+#: Methods visited whether or not code reached names them: what calling a module runs.
+_ENTRY_POINTS = ("forward", "__call__")
+_CODE_HOLDERS = (types.FunctionType, types.MethodType, functools.partial)
+_STDLIB = sysconfig.get_paths()["stdlib"]
+#: A binding's value where the namespace must not hold the name.
+MISSING: Any = object()
+#: ``(where, namespace, name, value)``: ``namespace.get(name)`` was ``value`` when walked.
+Binding = tuple[str, Any, Any, Any]
+_FUNCTIONS: weakref.WeakKeyDictionary[types.FunctionType, tuple[types.CodeType, str]] = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=None)
+def _versioned(module_name: str | None) -> bool:
+    """Whether code of ``module_name`` is torch's, the standard library's or built in: versioned in
+    the cache key, not followed."""
+    if not module_name:
+        return True
+    top = module_name.split(".")[0]
+    if top in ("torch", "builtins") or top in sys.builtin_module_names:
+        return True
+    module = sys.modules.get(top)
+    path = getattr(module, "__file__", None) or ""
+    return bool(path) and path.startswith(_STDLIB) and "site-packages" not in path
+
+
+def _code_text(code: types.CodeType) -> Iterator[bytes]:
+    """What identifies compiled code: its qualified name, bytecode, names and constants (nested
+    code objects recursively)."""
+    yield code.co_qualname.encode()
+    yield code.co_code
+    yield repr(code.co_names).encode()
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _code_text(constant)
+        else:
+            yield repr(constant).encode()
+
+
+def _names(code: types.CodeType) -> Iterator[str]:
+    """Every name ``code`` (and code nested in it) may read as a global."""
+    yield from code.co_names
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _names(constant)
+
+
+def _function_digest(function: types.FunctionType) -> str:
+    """sha256 of one function's own code (memoised per function object and code object)."""
+    known = _FUNCTIONS.get(function)
+    if known is not None and known[0] is function.__code__:
+        return known[1]
+    digest = hashlib.sha256()
+    digest.update(f"{function.__module__}:{function.__qualname__}".encode())
+    for part in _code_text(function.__code__):
+        digest.update(part)
+    value = digest.hexdigest()
+    _FUNCTIONS[function] = (function.__code__, value)
+    return value
+
+
+class _Walk:
+    """One traversal (a worklist, so deep call chains need no recursion): ``entries`` are
+    ``(where, digest)`` in visiting order. A class's method is visited once some code reached
+    reads its name (``self._update_causal_mask(...)`` reads ``_update_causal_mask``), or at once
+    when it is an entry point (``forward``)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, str]] = []
+        #: ``(where, namespace, name, value)``: each lookup that found code, to check it again
+        #: (:func:`code_bindings`); ``value`` is :data:`MISSING` where a class earlier in an MRO
+        #: must not define the name
+        self.bindings: list[Binding] = []
+        self.seen: set[int] = set()
+        self.keep: list[Any] = []  # keeps visited objects alive, so ids stay unique
+        self.todo: list[tuple[str, Any, tuple[Binding, ...]]] = []
+        self.names: set[str] = set(_ENTRY_POINTS)
+        self.pending: dict[str, list[tuple[str, Any, tuple[Binding, ...]]]] = {}
+
+    def first_visit(self, value: Any) -> bool:
+        if id(value) in self.seen:
+            return False
+        self.seen.add(id(value))
+        self.keep.append(value)
+        return True
+
+    def run(self) -> None:
+        while self.todo:
+            where, value, bindings = self.todo.pop()
+            self.bindings.extend(bindings)
+            self.value(where, value)
+
+    def value(self, where: str, value: Any) -> None:
+        """Note ``value`` (reached as ``where``) and queue what its code reaches."""
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        elif isinstance(value, property):
+            self.todo.extend((f"{where}.{part}", getattr(value, part), ()) for part in ("fdel", "fset", "fget")
+                             if getattr(value, part) is not None)
+            return
+        elif isinstance(value, functools.partial):
+            self.todo.append((f"{where}.func", value.func, ()))
+            return
+        elif isinstance(value, types.MethodType):
+            value = value.__func__
+        if isinstance(value, types.FunctionType):
+            self.function(where, value)
+        elif isinstance(value, type):
+            self.cls(value)
+        elif isinstance(value, Mapping) and not _versioned(type(value).__module__):
+            self.mapping(where, value)
+
+    def function(self, where: str, function: types.FunctionType) -> None:
+        self.entries.append((where, _function_digest(function)))
+        if _versioned(function.__module__) or not self.first_visit(function):
+            return
+        found: list[tuple[str, Any, tuple[Binding, ...]]] = []
+        for cell in function.__closure__ or ():
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(content, _CODE_HOLDERS):
+                found.append((f"{function.__qualname__}.<closure>", content, ()))
+        wrapped = getattr(function, "__wrapped__", None)
+        if wrapped is not None:
+            found.append((f"{function.__qualname__}.__wrapped__", wrapped, ()))
+        namespace = function.__globals__
+        for name in dict.fromkeys(_names(function.__code__)):
+            if name not in self.names:
+                self.names.add(name)
+                found.extend(self.pending.pop(name, ()))
+            if name in namespace and isinstance(namespace[name], (*_CODE_HOLDERS, type, Mapping)):
+                where_found = f"{function.__module__}.{name}"
+                found.append((where_found, namespace[name], ((where_found, namespace, name, namespace[name]),)))
+        self.todo.extend(reversed(found))
+
+    def cls(self, cls: type, in_tree: bool = False) -> None:
+        """A class's methods, inherited ones included (``torch.nn.Module``'s and ``object``'s left
+        out); a torch or standard-library class only when it is a module class of the tree."""
+        if (not in_tree and _versioned(cls.__module__)) or not self.first_visit(cls):
+            return
+        resolved: set[str] = set()
+        for index, owner in enumerate(cls.__mro__):
+            if owner in (object, torch.nn.Module):
+                continue
+            for name, attribute in list(vars(owner).items()):
+                if isinstance(attribute, (*_CODE_HOLDERS, staticmethod, classmethod, property)):
+                    where = f"{owner.__qualname__}.{name}"
+                    bindings: tuple[Binding, ...] = ()
+                    if name not in resolved:  # what ``cls.name`` finds: no class before ``owner`` may define it
+                        resolved.add(name)
+                        bindings = (*((where, vars(c), name, MISSING) for c in cls.__mro__[:index]),
+                                    (where, vars(owner), name, attribute))
+                    entry = (where, attribute, bindings)
+                    if name in self.names:
+                        self.todo.append(entry)
+                    else:
+                        self.pending.setdefault(name, []).append(entry)
+
+    def mapping(self, where: str, mapping: Mapping[Any, Any]) -> None:
+        if not self.first_visit(mapping):
+            return
+        try:
+            items = list(dict.items(mapping) if isinstance(mapping, dict) else mapping.items())
+        except Exception:  # noqa: BLE001 - a mapping that cannot be listed counts by its type only
+            self.entries.append((where, type(mapping).__qualname__))
+            return
+        if len(items) <= _MAPPING_LIMIT:
+            self.todo.extend(reversed([(f"{where}[{key!r}]", value, ((f"{where}[{key!r}]", mapping, key, value),))
+                                       for key, value in items if isinstance(value, (*_CODE_HOLDERS, type))]))
+
+
+def _plumbing(value: Any) -> bool:
+    """A function nnbridge or nnsight set on a module instance (the bridge's forward and call
+    wrapper, nnsight's wrapping): their versions are part of the key, and a model's digest must not
+    depend on whether it is bridged or traced at the moment."""
+    while isinstance(value, (functools.partial, types.MethodType)):
+        value = value.func if isinstance(value, functools.partial) else value.__func__
+    module = getattr(value, "__module__", None) or ""
+    return module.split(".")[0] in ("nnbridge", "nnsight")
+
+
+def code_digest(model: torch.nn.Module) -> str:
+    """sha256 (hex) of the code ``model``'s modules reach (see the module docstring): module
+    classes with their inherited methods, function-valued instance attributes, and the functions,
+    classes and function registries their code reads as globals, transitively. Takes a few
+    milliseconds on a transformers model (measured in ``tests/test_code_identity.py``'s setting);
+    nothing is cached across calls but each function's own digest, so a replacement made since
+    the last call is seen."""
+    walk = _Walk()
+    for path, module in named_real_modules(model):
+        walk.cls(type(module), in_tree=True)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, _CODE_HOLDERS) and not _plumbing(value):
+                walk.todo.append((f"{path or '<root>'}.{name}", value, ()))
+        walk.run()
+    digest = hashlib.sha256()
+    for where, part in walk.entries:
+        digest.update(f"{where}={part};".encode())
+    return digest.hexdigest()
+
+
+def code_bindings(model: torch.nn.Module) -> list[Binding]:
+    """The lookups :func:`code_digest` walks that found code, as ``(where, namespace, name,
+    value)``: a module global, a class attribute (with :data:`MISSING` for the classes earlier in
+    its MRO), a registry entry. :func:`replaced` tells, in about 0.1 µs per binding, whether one
+    has changed since (a method or helper assigned anew)."""
+    walk = _Walk()
+    for _, module in named_real_modules(model):
+        walk.cls(type(module), in_tree=True)
+        walk.run()
+    unique: dict[tuple[int, Any], Binding] = {}
+    for binding in walk.bindings:
+        unique.setdefault((id(binding[1]), binding[2]), binding)
+    return list(unique.values())
+
+
+def replaced(bindings: list[Binding]) -> str | None:
+    """The first binding of :func:`code_bindings` whose namespace holds another value now, in
+    words (``"transformers.models.gpt2.modeling_gpt2.eager_attention_forward was replaced"``), or None."""
+    for where, namespace, name, value in bindings:
+        try:
+            current = namespace.get(name, MISSING)
+        except Exception:  # noqa: BLE001 - a registry that cannot be read has changed
+            current = None
+        if current is not value:
+            return f"{where} was {'defined on a subclass' if value is MISSING else 'replaced'}"
+    return None
+
+
+class CodeCheck:
+    """Whether the code lookups of :func:`code_bindings` still find what they found: grouped per
+    namespace, so a check is a few C-level calls per module file and class (about 10 µs for a
+    transformers model; measured in ``tests/test_code_identity.py``'s setting)."""
+
+    def __init__(self, bindings: list[Binding]):
+        self.bindings = bindings
+        groups: dict[int, tuple[Any, list[Any], list[Any], list[Any]]] = {}
+        for _, namespace, name, value in bindings:
+            group = groups.setdefault(id(namespace), (namespace, [], [], []))
+            if value is MISSING:
+                group[3].append(name)
+            else:
+                group[1].append(name)
+                group[2].append(value)
+        self._groups = [(namespace, operator.itemgetter(*names) if names else None, len(names), tuple(values),
+                         tuple(absent)) for namespace, names, values, absent in groups.values()]
+
+    def holds(self) -> bool:
+        try:
+            for namespace, getter, count, values, absent in self._groups:
+                if getter is not None:
+                    found = getter(namespace)
+                    if not all(map(operator.is_, found if count > 1 else (found,), values)):
+                        return False
+                if absent and any(map(namespace.__contains__, absent)):
+                    return False
+        except Exception:  # noqa: BLE001 - a name gone, or a registry that cannot be read: changed
+            return False
+        return True
+
+    def what_changed(self) -> str | None:
+        """The first lookup that finds something else now, in words; None when :meth:`holds`."""
+        return replaced(self.bindings)

@@ -1,0 +1,111 @@
+"""code_identity.code_digest: the code a model reaches, which the disk extraction cache keys on
+besides the module classes' source files. It stays the same for the same code (another instance,
+bridged, traced by nnsight) and changes when a method or helper is replaced at run time."""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gpt2 import modeling_gpt2
+
+from utils import gpt2, llama, wrap
+
+import nnbridge
+
+code_identity = importlib.import_module("nnbridge.bridge.code_identity")
+code_digest = code_identity.code_digest
+
+
+def _replacement(*args, **kwargs):
+    raise AssertionError("not called: only its identity matters here")
+
+
+@pytest.mark.parametrize("make", [gpt2, llama])
+def test_same_code_same_digest(make):
+    first, second = make(), make()
+    digest = code_digest(first)
+    assert code_digest(second) == digest
+    nnbridge.bridge(first, torch.randint(0, 100, (1, 8)))  # the bridge's own forwards do not count
+    assert code_digest(first) == digest
+    nnbridge.unbridge(first)
+    assert code_digest(first) == digest
+
+
+def test_nnsight_wrapping_leaves_the_digest_alone():
+    model = wrap(nnbridge, "gpt2")
+    module = model._module
+    digest = code_digest(module)
+    with model.trace("Hello world"):
+        model.transformer.h[0].output.save()
+    assert code_digest(module) == digest
+
+
+@pytest.mark.parametrize("replace", [
+    "class_method", "module_helper", "attention_registry", "cache_method", "instance_forward",
+])
+def test_a_replacement_changes_the_digest_and_restoring_restores_it(replace, monkeypatch):
+    model = gpt2()
+    digest = code_digest(model)
+    if replace == "class_method":
+        monkeypatch.setattr(modeling_gpt2.GPT2MLP, "forward", _replacement)
+    elif replace == "module_helper":
+        monkeypatch.setattr(modeling_gpt2, "eager_attention_forward", _replacement)
+    elif replace == "attention_registry":
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", _replacement)
+    elif replace == "cache_method":  # DynamicCache (named in GPT2Model.forward) .update (called by the attention)
+        monkeypatch.setattr(DynamicCache, "update", _replacement)
+    else:
+        model.transformer.h[1].mlp.forward = types.MethodType(_replacement, model.transformer.h[1].mlp)
+    assert code_digest(model) != digest
+    monkeypatch.undo()
+    if replace == "instance_forward":
+        del model.transformer.h[1].mlp.forward
+    assert code_digest(model) == digest
+
+
+class _Base(torch.nn.Module):
+    def scale(self, x):
+        return x * 2
+
+
+class _Child(_Base):
+    def forward(self, x):
+        return self.scale(x) + 1
+
+
+def test_an_inherited_method_the_forward_calls_counts(monkeypatch):
+    model = _Child()
+    digest = code_digest(model)
+    monkeypatch.setattr(_Base, "scale", _replacement)
+    assert code_digest(model) != digest
+    monkeypatch.undo()
+    monkeypatch.setattr(_Base, "unused", _replacement, raising=False)  # a method no code reached names
+    assert code_digest(model) == digest
+
+
+def test_a_replacement_with_the_same_code_keeps_the_digest(monkeypatch):
+    """Functions count by their code, not their identity: a module imported again (as a
+    notebook's autoreload does) gives the same digest."""
+    model = gpt2()
+    digest = code_digest(model)
+    original = modeling_gpt2.eager_attention_forward
+    copy = types.FunctionType(original.__code__, original.__globals__, original.__name__, original.__defaults__,
+                              original.__closure__)
+    copy.__qualname__, copy.__module__ = original.__qualname__, original.__module__
+    monkeypatch.setattr(modeling_gpt2, "eager_attention_forward", copy)
+    assert code_digest(model) == digest
+
+
+def test_functions_reached_through_helpers_count():
+    """A function called by a helper the forward calls (two global reads away) is reached."""
+    walk = code_identity._Walk()
+    walk.cls(type(llama().model.layers[0].self_attn), in_tree=True)
+    walk.run()
+    reached = {where for where, _ in walk.entries}
+    assert "transformers.models.llama.modeling_llama.eager_attention_forward" in reached
+    assert "transformers.models.llama.modeling_llama.repeat_kv" in reached  # called by eager_attention_forward
