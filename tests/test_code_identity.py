@@ -109,3 +109,65 @@ def test_functions_reached_through_helpers_count():
     reached = {where for where, _ in walk.entries}
     assert "transformers.models.llama.modeling_llama.eager_attention_forward" in reached
     assert "transformers.models.llama.modeling_llama.repeat_kv" in reached  # called by eager_attention_forward
+
+
+# -- the in-process guard (guards.StateGuard): code replaced after bridging re-extracts --------------
+def _doubled_queries(module, query, key, value, attention_mask, **kwargs):
+    return _EAGER_ATTENTION(module, query * 2.0, key, value, attention_mask, **kwargs)
+
+
+_EAGER_ATTENTION = modeling_gpt2.eager_attention_forward
+
+
+def _halved_mlp(self, hidden_states):
+    return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states)))) * 0.5
+
+
+@pytest.mark.parametrize("replace", ["module_helper", "class_method"])
+def test_code_replaced_after_bridging_re_extracts_and_equals_eager(replace, monkeypatch):
+    """Before, a bridged model kept running the graphs of the old code (silently not eager)."""
+    ids = torch.randint(0, 100, (1, 8))
+    model, reference = gpt2(), gpt2()
+    nnbridge.bridge(model, ids)
+    before = model(ids).logits
+    if replace == "module_helper":
+        monkeypatch.setattr(modeling_gpt2, "eager_attention_forward", _doubled_queries)
+        changed = "eager_attention_forward was replaced"
+    else:
+        monkeypatch.setattr(modeling_gpt2.GPT2MLP, "forward", _halved_mlp)
+        changed = "GPT2MLP.forward was replaced"
+    eager = reference(ids).logits
+    assert not torch.equal(eager, before)
+    assert torch.equal(model(ids).logits, eager)
+    history = nnbridge.explain(model)
+    assert changed in str(history) and "code the modules run changed" in str(history)
+    monkeypatch.undo()  # the first extraction holds again
+    assert torch.equal(model(ids).logits, before)
+
+
+def test_a_method_defined_on_a_subclass_over_an_inherited_one_re_extracts(monkeypatch):
+    x = torch.randn(2, 3)
+    model = _Child()
+    nnbridge.bridge(model, x)
+    assert torch.equal(model(x), x * 2 + 1)
+    monkeypatch.setattr(_Child, "scale", lambda self, x: x * 3, raising=False)  # shadows _Base.scale
+    assert torch.equal(model(x), x * 3 + 1)
+    assert "_Base.scale was defined on a subclass" in str(nnbridge.explain(model))
+
+
+def test_traces_and_generation_do_not_trip_the_code_guard():
+    """nnsight traces, .source, generation and a second call leave every lookup as it was: one
+    extraction per call structure, as before the guard."""
+    from nnbridge.bridge.in_place import bridge_of
+    model = wrap(nnbridge, "gpt2")
+    with model.trace("Hello world"):
+        model.transformer.h[0].attn.softmax.output.save()
+    with model.trace("Hello world"):
+        model.transformer.h[0].attn.source.attention_interface_0.output.save()
+    with model.generate("Hello", max_new_tokens=3):
+        model.transformer.h[1].attn.softmax.output.save()
+    with model.trace("Hello world"):
+        model.transformer.h[0].attn.softmax.output.save()
+    dispatcher = bridge_of(model._module).dispatcher
+    reasons = [str(e.reason) for e in dispatcher.history]
+    assert not any("code the modules run changed" in r for r in reasons), reasons

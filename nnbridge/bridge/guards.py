@@ -8,7 +8,11 @@ the state of the module tree it ran on, like Dynamo's guards on ``self``:
   (``config.output_hidden_states``, ``config.use_cache``), nested configs included;
 - the identity of every child module (a replaced or wrapped submodule, e.g. a LoRA wrapper);
 - the identity, dtype, device, shape and requires_grad of every parameter, buffer and plain tensor attribute
-  (``.double()``, ``.to(...)``, a re-assigned weight or mask).
+  (``.double()``, ``.to(...)``, a re-assigned weight or mask);
+- what the code's lookups find (:class:`~.code_identity.CodeCheck`): a method of a module class, a
+  helper function of a modeling file or an attention-registry entry assigned anew
+  (``modeling_gpt2.eager_attention_forward = f``) re-extracts, as Dynamo's guards on globals
+  recompile.
 
 :class:`StateGuard` snapshots all of it right after an extraction and :meth:`StateGuard.holds`
 compares it on every call: plain values and children with dict item-view comparisons (C speed),
@@ -31,6 +35,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from .code_identity import CodeCheck, code_bindings
 
 from ..compat.module_dicts import modules_of
 from ..compat import MODEL_STATE_ATTRIBUTES
@@ -136,6 +142,7 @@ class StateGuard:
                     self._add_tensor(where, state, name, value)
                 elif _config_like(name, value) and id(value) not in seen_configs:
                     self._add_config(f"{name} of {where}", value, seen_configs)
+        self._code = CodeCheck(code_bindings(root))
 
     @staticmethod
     def _walk(module: torch.nn.Module, where: str, opaque: set[int], skip: Callable[[torch.nn.Module], bool] | None
@@ -195,7 +202,9 @@ class StateGuard:
             if (current is not tensor or current.dtype != dtype or current.device != device or current.shape != shape
                     or current.requires_grad != requires_grad):
                 return False
-        return True
+        # torch.compile traces through this check: it guards on what it traces itself, and cannot
+        # trace the C-level lookups (code replaced after compiling is not seen there)
+        return torch.compiler.is_dynamo_compiling() or self._code.holds()
 
     def what_changed(self) -> str | None:
         """The first difference from the snapshot, in words; None when :meth:`holds`."""
@@ -228,14 +237,16 @@ class StateGuard:
         for where, live, size in self._sizes:
             if len(live) != size and self._size(live) != size:
                 return f"entries of {where} were added or removed ({size} -> {len(live)})"
-        return None
+        code = self._code.what_changed()
+        return None if code is None else f"code the modules run changed: {code}"
 
     def describe(self) -> list[str]:
         """What is guarded, one line per kind (for :func:`nnbridge.explain`)."""
         plain = sum(len(snapshot) for _, _, snapshot in self._plain)
         children = sum(len(snapshot) for _, _, snapshot in self._children)
         return [f"{plain} plain attribute values (modules and configs)", f"identity of {children} child modules",
-                f"identity, dtype, device, shape and requires_grad of {len(self._tensors)} tensors"]
+                f"identity, dtype, device, shape and requires_grad of {len(self._tensors)} tensors",
+                f"what {len(self._code.bindings)} lookups of methods, helper functions and registry entries find"]
 
 
 def _same(a: object, b: object) -> bool:
