@@ -339,3 +339,27 @@ def test_helper_frames_are_recorded_only_while_asked():
     assert inside["mul_1"].startswith(outside["mul_1"]), "torch's frames first, unchanged"
     assert outside["mul_1"].splitlines()[-1].strip() == "c = _helper(a)", "torch alone: the call site"
     assert inside["split"].splitlines()[-1].strip() == "a, b = h.split(2, dim=-1)", "Tensor.split (torch/_tensor.py) left out"
+
+
+def test_source_lines_read_lazily_give_the_same_stack_traces(monkeypatch):
+    """While exporting, frames' source lines are read only for the frames a node keeps
+    (compat.stack_traces._lazy_lines): every node's stack_trace equals torch's own reading, and
+    torch's function is back afterwards."""
+    import torch.utils._traceback as torch_traceback
+
+    from nnbridge.compat import stack_traces
+    from utils import gpt2
+
+    original = torch_traceback._extract_symbolized_tb
+
+    def traces():
+        with stack_traces.helper_frames_recorded():
+            assert torch_traceback._extract_symbolized_tb is not original or stack_traces._lazy_lines is original
+            exported = torch.export.export(gpt2(), (torch.randint(0, 100, (1, 8)),), strict=False)
+        return [node.meta.get("stack_trace") for node in exported.graph.nodes]
+
+    lazy = traces()
+    assert torch_traceback._extract_symbolized_tb is original
+    monkeypatch.setattr(stack_traces, "_lazy_lines", original)  # torch's own, eager line reading
+    eager = traces()
+    assert lazy == eager and sum(1 for t in lazy if t) > 20
