@@ -85,9 +85,11 @@ def test_cache_hit_keeps_the_cache_layers_each_graph_never_touched(cache_dir, ex
 def test_cache_hit_equals_fresh_extraction(cache_dir, monkeypatch, exports):
     ids = _ids()
     monkeypatch.delenv("NNBRIDGE_CACHE")
+    monkeypatch.setenv("NNBRIDGE_EXTRACTION_CACHE", "0")  # the process's memory cache off too
     fresh = PatchableGraph(gpt2(), ids)  # cache off
     assert not cache_dir.exists()
     monkeypatch.setenv("NNBRIDGE_CACHE", str(cache_dir.parent))
+    monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE")
     PatchableGraph(gpt2(), ids)  # fills the cache
     cached = PatchableGraph(gpt2(), ids)
     assert exports[0] == 2

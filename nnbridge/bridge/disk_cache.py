@@ -3,8 +3,9 @@
 On when the environment variable ``NNBRIDGE_CACHE`` names a directory (the one
 :mod:`nnbridge.models` caches dequantized weights in); entries go to its ``extractions/``
 subdirectory (created if needed). Off when ``NNBRIDGE_CACHE`` is unset or empty, so nothing is
-written unless asked, or when ``NNBRIDGE_EXTRACTION_CACHE=0`` (the test suite sets it, so a
-developer's cache cannot change what tests see). Each ``torch.export`` result (one per extracted
+written unless asked (extraction then consults the process's :mod:`.memory_cache`, same key),
+or when ``NNBRIDGE_EXTRACTION_CACHE=0`` (the test suite sets it, so a developer's cache cannot
+change what tests see). Each ``torch.export`` result (one per extracted
 module and call, see :mod:`.programs`) is one :mod:`.storage` bundle, ``<key>.nnbridge``, where
 ``key`` is a sha256 of:
 
@@ -73,6 +74,18 @@ def default_cache() -> DiskCache | None:
 RECORDING_VERSION = 2
 
 
+def request_key(request: ExportRequest) -> str:
+    """The cache key of ``request`` (hex sha256 of the format, recording and library versions, the
+    model's fingerprint and the call's; see the module docstring), computed once per request."""
+    if request.cache_key is None:
+        text = json.dumps({"format": FORMAT_VERSION, "recording": RECORDING_VERSION,
+                           "versions": library_versions(),
+                           "model": model_fingerprint(request.module), "call": request.call_fingerprint()},
+                          sort_keys=True)
+        request.cache_key = hashlib.sha256(text.encode()).hexdigest()
+    return request.cache_key
+
+
 class CacheInfo(TypedDict):
     """What :meth:`DiskCache.info` reports."""
 
@@ -93,14 +106,8 @@ class DiskCache:
         self.directory = Path(directory)
 
     def key(self, request: ExportRequest) -> str:
-        """The entry key of ``request`` (hex sha256; see module docstring)."""
-        if request.cache_key is None:
-            text = json.dumps({"format": FORMAT_VERSION, "recording": RECORDING_VERSION,
-                               "versions": library_versions(),
-                               "model": model_fingerprint(request.module), "call": request.call_fingerprint()},
-                              sort_keys=True)
-            request.cache_key = hashlib.sha256(text.encode()).hexdigest()
-        return request.cache_key
+        """The entry key of ``request`` (see :func:`request_key`)."""
+        return request_key(request)
 
     def entry(self, request: ExportRequest) -> Path:
         """The file of ``request``'s entry."""

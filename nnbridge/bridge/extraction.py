@@ -48,6 +48,7 @@ from .module_tree import (SharedModuleEntry, aliases_hidden, named_real_modules,
 from .opaque import opaque_module
 from . import programs
 from .disk_cache import default_cache
+from .memory_cache import PROGRAM_RECORD, memory_cache
 from .options import ExtractionOptions
 from .recording import record_calls
 from .reuse import ReuseFallback, ReusePlan, check_reused_export, confirm as confirm_reuse, plan as reuse_plan
@@ -206,7 +207,7 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     bar.set_postfix_str("torch.export")
     # a saved or cached export of this call (see .programs) replaces the loop below
     request = programs.ExportRequest(module, ctx.path, args, kwargs, ctx.options, ctx.grad_enabled)
-    cache = default_cache()
+    cache = default_cache() or memory_cache()  # the disk cache, else the process's (see .memory_cache)
     candidates = reuse_plan(module, set(stubs)) if reuse else ReusePlan()
     record = programs.lookup(request, cache)
     initial_stubs, initial_errors = dict(stubs), dict(errors)
@@ -297,9 +298,9 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         check_reused_export(plan, exported, stubs, states)
     guard = record.guard if record is not None else ShapeGuard.from_export(exported) if dynamic else static
     if record is None:
-        programs.store(request, programs.ProgramRecord(ctx.path, request.call_fingerprint(), exported, dynamic,
-                                                       states, dict(stubs), guard, dict(plan.siblings), untouched),
-                       cache)
+        record = programs.ProgramRecord(ctx.path, request.call_fingerprint(), exported, dynamic, states, dict(stubs),
+                                        guard, dict(plan.siblings), untouched)
+        programs.store(request, record, cache)
     bar.update()
     bar.set_postfix_str("unflatten and build graphs")
     try:  # as graphpatch: any failure while compiling (unflattening, building) means fallback
@@ -318,6 +319,8 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
                                (args, kwargs), plan, untouched)
         builder.number_calls(holder)
         root = builder.build("", module, holder)
+        # the record lives as long as its graphs: the process's memory cache refers to it weakly
+        root.__dict__[PROGRAM_RECORD] = record
     except (ExtractionError, ReuseFallback):
         raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
     except Exception as error:  # noqa: BLE001
