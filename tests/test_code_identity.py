@@ -10,10 +10,9 @@ import types
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2 import modeling_gpt2
 
-from utils import gpt2, llama, wrap
+from utils import gpt2, llama, replace_gpt2_code, wrap
 
 import nnbridge
 
@@ -51,12 +50,8 @@ def test_nnsight_wrapping_leaves_the_digest_alone():
 def test_a_replacement_changes_the_digest_and_restoring_restores_it(replace, monkeypatch):
     model = gpt2()
     digest = code_digest(model)
-    if replace == "class_method":
-        monkeypatch.setattr(modeling_gpt2.GPT2MLP, "forward", _replacement)
-    elif replace == "module_helper":
-        monkeypatch.setattr(modeling_gpt2, "eager_attention_forward", _replacement)
-    elif replace == "attention_registry":
-        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", _replacement)
+    if replace in ("class_method", "module_helper", "attention_registry"):
+        replace_gpt2_code(monkeypatch, replace)
     elif replace == "cache_method":  # DynamicCache (named in GPT2Model.forward) .update (called by the attention)
         monkeypatch.setattr(DynamicCache, "update", _replacement)
     else:
@@ -112,17 +107,6 @@ def test_functions_reached_through_helpers_count():
 
 
 # -- the in-process guard (guards.StateGuard): code replaced after bridging re-extracts --------------
-def _doubled_queries(module, query, key, value, attention_mask, **kwargs):
-    return _EAGER_ATTENTION(module, query * 2.0, key, value, attention_mask, **kwargs)
-
-
-_EAGER_ATTENTION = modeling_gpt2.eager_attention_forward
-
-
-def _halved_mlp(self, hidden_states):
-    return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states)))) * 0.5
-
-
 @pytest.mark.parametrize("replace", ["module_helper", "class_method"])
 def test_code_replaced_after_bridging_re_extracts_and_equals_eager(replace, monkeypatch):
     """Before, a bridged model kept running the graphs of the old code (silently not eager)."""
@@ -130,12 +114,8 @@ def test_code_replaced_after_bridging_re_extracts_and_equals_eager(replace, monk
     model, reference = gpt2(), gpt2()
     nnbridge.bridge(model, ids)
     before = model(ids).logits
-    if replace == "module_helper":
-        monkeypatch.setattr(modeling_gpt2, "eager_attention_forward", _doubled_queries)
-        changed = "eager_attention_forward was replaced"
-    else:
-        monkeypatch.setattr(modeling_gpt2.GPT2MLP, "forward", _halved_mlp)
-        changed = "GPT2MLP.forward was replaced"
+    replace_gpt2_code(monkeypatch, replace)
+    changed = "eager_attention_forward was replaced" if replace == "module_helper" else "GPT2MLP.forward was replaced"
     eager = reference(ids).logits
     assert not torch.equal(eager, before)
     assert torch.equal(model(ids).logits, eager)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from types import SimpleNamespace
 
-from utils import data_dependent, gpt2, llama
+from utils import data_dependent, gpt2, llama, replace_gpt2_code
 
 import nnbridge
 from nnbridge import PatchableGraph, ZeroPatch
@@ -247,41 +247,18 @@ def test_changed_model_source_misses(cache_dir, exports, tmp_path, monkeypatch):
     assert exports[0] == 2
 
 
-def _halved_mlp(self, hidden_states):
-    return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states)))) * 0.5
-
-
-def _doubled_queries(module, query, key, value, attention_mask, **kwargs):
-    return _EAGER_ATTENTION(module, query * 2.0, key, value, attention_mask, **kwargs)
-
-
-def _doubled_queries_sdpa(module, query, key, value, attention_mask, **kwargs):
-    return _SDPA_ATTENTION(module, query * 2.0, key, value, attention_mask, **kwargs)
-
-
-_EAGER_ATTENTION = importlib.import_module("transformers.models.gpt2.modeling_gpt2").eager_attention_forward
-_SDPA_ATTENTION = importlib.import_module("transformers.integrations.sdpa_attention").sdpa_attention_forward
-
-
 @pytest.mark.parametrize("replace", ["class_method", "module_helper", "attention_registry"])
 def test_code_replaced_at_run_time_misses_and_equals_eager(cache_dir, exports, monkeypatch, replace):
     """A method or helper replaced at run time (the source files unchanged) is not served the graph
     of the old code: the cache misses and the bridged model equals eager with the new code. Before,
     the entry was served and the numbers silently differed."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.gpt2 import modeling_gpt2
     ids = _ids()
     attn = "sdpa" if replace == "attention_registry" else "eager"
     nnbridge.bridge(gpt2(attn), ids)
     assert exports[0] == 1 and len(_entries(cache_dir)) == 1
     model = gpt2(attn)
     before = model(ids).logits
-    if replace == "class_method":
-        monkeypatch.setattr(modeling_gpt2.GPT2MLP, "forward", _halved_mlp)
-    elif replace == "module_helper":
-        monkeypatch.setattr(modeling_gpt2, "eager_attention_forward", _doubled_queries)
-    elif replace == "attention_registry":
-        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", _doubled_queries_sdpa)
+    replace_gpt2_code(monkeypatch, replace)
     eager = model(ids).logits
     assert not torch.equal(eager, before)  # the replacement changes the numbers
     nnbridge.bridge(model, ids)

@@ -553,29 +553,25 @@ def test_module_returning_only_a_python_value_runs_its_own_code():
 
 
 # -- a forward set on a module instance ------------------------------------------------------------
-def _halved_mlp(self, hidden_states):
-    return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states)))) * 0.5
-
-
 @pytest.mark.parametrize("front", ["bridge", "patchable_graph"])
 def test_a_forward_set_on_an_instance_is_refused_and_nothing_is_left_bridged(front):
     """Extraction and the eager fallback run a module's class forward: with ``module.forward = f``
     the bridged logits differed from eager without an error. Now refused before anything is done,
     naming the module and the fix; after the fix (a subclass) the bridged model equals eager."""
-    from utils import gpt2
+    from utils import gpt2, halved_mlp
     ids = torch.randint(0, 100, (1, 8))
     model = gpt2()
     mlp = model.transformer.h[1].mlp
-    mlp.forward = _halved_mlp.__get__(mlp)
+    mlp.forward = halved_mlp.__get__(mlp)
     eager = model(ids).logits
     make = (lambda: nnbridge.bridge(model, ids)) if front == "bridge" else (lambda: PatchableGraph(model, ids))
     with pytest.raises(ExtractionError, match=r"module 'transformer.h.1.mlp' \(GPT2MLP\) has its own forward set on"
-                                              r" the instance \(_halved_mlp\).*subclass"):
+                                              r" the instance \(halved_mlp\).*subclass"):
         make()
-    assert bridge_of(model) is None and vars(mlp)["forward"].__func__ is _halved_mlp
+    assert bridge_of(model) is None and vars(mlp)["forward"].__func__ is halved_mlp
     assert torch.equal(model(ids).logits, eager)
     del mlp.forward
-    mlp.__class__ = type("HalvedMLP", (type(mlp),), {"forward": _halved_mlp})  # the fix the message gives
+    mlp.__class__ = type("HalvedMLP", (type(mlp),), {"forward": halved_mlp})  # the fix the message gives
     assert torch.equal(model(ids).logits, eager)
     result = make()
     assert torch.equal((model if front == "bridge" else result)(ids).logits, eager)
@@ -584,14 +580,14 @@ def test_a_forward_set_on_an_instance_is_refused_and_nothing_is_left_bridged(fro
 def test_wrappers_around_the_class_forward_are_not_instance_forwards():
     """nnsight's, accelerate's and a bridge's own wrappers run the class's forward: not refused."""
     from nnbridge.compat import instance_forward
-    from utils import gpt2
+    from utils import gpt2, halved_mlp
     model = gpt2()
     mlp = model.transformer.h[0].mlp
     assert instance_forward(mlp) is None
     mlp.__dict__["_hf_hook"], mlp.__dict__["_old_forward"] = object(), mlp.forward  # accelerate's layout
     mlp.__dict__["forward"] = lambda *a, **k: mlp._old_forward(*a, **k)
     assert instance_forward(mlp) is None
-    mlp.__dict__["_old_forward"] = _halved_mlp.__get__(mlp)  # user code replaced what accelerate wraps
+    mlp.__dict__["_old_forward"] = halved_mlp.__get__(mlp)  # user code replaced what accelerate wraps
     assert instance_forward(mlp) is not None
     for key in ("_hf_hook", "_old_forward", "forward"):
         del mlp.__dict__[key]

@@ -10,9 +10,8 @@ import weakref
 
 import pytest
 import torch
-from transformers.models.gpt2 import modeling_gpt2
 
-from utils import gpt2, llama, layer, wrap
+from utils import gpt2, llama, replace_gpt2_code, wrap
 
 import nnbridge
 from nnbridge import PatchableGraph, ZeroPatch
@@ -78,8 +77,7 @@ def test_code_replaced_between_instances_misses_and_equals_eager(exports, monkey
     ids = _ids()
     first = gpt2()
     nnbridge.bridge(first, ids)
-    monkeypatch.setattr(modeling_gpt2.GPT2MLP, "forward",
-                        lambda self, h: self.dropout(self.c_proj(self.act(self.c_fc(h)))) * 0.5)
+    replace_gpt2_code(monkeypatch, "class_method")
     second = gpt2()
     eager = second(ids).logits
     made = exports[0]  # (first may have been served by an earlier test's live model)

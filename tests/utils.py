@@ -238,3 +238,39 @@ class ToyCacheStack(torch.nn.Module):
         for block in self.layers:
             x = block(x, past_key_values=cache)
         return x
+
+
+# -- GPT-2 code replaced at run time (the code digest, the guard on code, the caches' keys) -----------
+def halved_mlp(self, hidden_states):
+    """A GPT2MLP forward whose output is half the real one's."""
+    return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states)))) * 0.5
+
+
+def doubled_queries(module, query, key, value, attention_mask, **kwargs):
+    """GPT-2's eager attention with doubled queries."""
+    return _GPT2_EAGER_ATTENTION(module, query * 2.0, key, value, attention_mask, **kwargs)
+
+
+def doubled_queries_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention with doubled queries."""
+    return _SDPA_ATTENTION(module, query * 2.0, key, value, attention_mask, **kwargs)
+
+
+def replace_gpt2_code(monkeypatch, kind):
+    """Replace one piece of the code GPT-2 runs, through ``monkeypatch`` (undone after the test):
+    ``class_method`` (GPT2MLP.forward), ``module_helper`` (modeling_gpt2.eager_attention_forward)
+    or ``attention_registry`` (ALL_ATTENTION_FUNCTIONS["sdpa"]; call the model with sdpa)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.gpt2 import modeling_gpt2
+    if kind == "class_method":
+        monkeypatch.setattr(modeling_gpt2.GPT2MLP, "forward", halved_mlp)
+    elif kind == "module_helper":
+        monkeypatch.setattr(modeling_gpt2, "eager_attention_forward", doubled_queries)
+    elif kind == "attention_registry":
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", doubled_queries_sdpa)
+    else:
+        raise ValueError(kind)
+
+
+_GPT2_EAGER_ATTENTION = importlib.import_module("transformers.models.gpt2.modeling_gpt2").eager_attention_forward
+_SDPA_ATTENTION = importlib.import_module("transformers.integrations.sdpa_attention").sdpa_attention_forward

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 import threading
@@ -36,7 +37,9 @@ class MemoryCache:
 
     def __init__(self) -> None:
         self._live: dict[str, list[weakref.ref[ProgramRecord]]] = {}
-        self._lock = threading.Lock()
+        # reentrant: a weak reference's callback (:meth:`_drop`) may run in a garbage collection
+        # that an allocation made while the lock is held triggers
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         """The number of records kept (of modules still alive)."""
@@ -59,7 +62,7 @@ class MemoryCache:
         with self._lock:
             entries = self._live.setdefault(key, [])
             if not any(ref() is record for ref in entries):
-                entries.append(weakref.ref(record, lambda ref, key=key: self._drop(key, ref)))
+                entries.append(weakref.ref(record, functools.partial(self._drop, key)))
 
     def lookup(self, request: ExportRequest) -> ProgramRecord | None:
         """A live module's record for ``request``'s key, bound to ``request.module``; else None."""
