@@ -228,13 +228,9 @@ def _plumbing(value: Any) -> bool:
     return module.split(".")[0] in ("nnbridge", "nnsight")
 
 
-def code_digest(model: torch.nn.Module) -> str:
-    """sha256 (hex) of the code ``model``'s modules reach (see the module docstring): module
-    classes with their inherited methods, function-valued instance attributes, and the functions,
-    classes and function registries their code reads as globals, transitively. Takes a few
-    milliseconds on a transformers model (measured in ``tests/test_code_identity.py``'s setting);
-    nothing is cached across calls but each function's own digest, so a replacement made since
-    the last call is seen."""
+def _walked(model: torch.nn.Module) -> _Walk:
+    """One walk from every module class of ``model``'s tree and every function-valued instance
+    attribute (the bridge's and nnsight's own left out, see :func:`_plumbing`)."""
     walk = _Walk()
     for path, module in named_real_modules(model):
         walk.cls(type(module), in_tree=True)
@@ -242,8 +238,18 @@ def code_digest(model: torch.nn.Module) -> str:
             if isinstance(value, _CODE_HOLDERS) and not _plumbing(value):
                 walk.todo.append((f"{path or '<root>'}.{name}", value, ()))
         walk.run()
+    return walk
+
+
+def code_digest(model: torch.nn.Module) -> str:
+    """sha256 (hex) of the code ``model``'s modules reach (see the module docstring): module
+    classes with their inherited methods, function-valued instance attributes, and the functions,
+    classes and function registries their code reads as globals, transitively. 1.4-5 ms on the
+    tests' tiny GPT-2 and Llama (timed in a loop; the classes, not the depth, set the cost).
+    Nothing is kept across calls but each function's own digest, so a replacement made since the
+    last call is seen."""
     digest = hashlib.sha256()
-    for where, part in walk.entries:
+    for where, part in _walked(model).entries:
         digest.update(f"{where}={part};".encode())
     return digest.hexdigest()
 
@@ -251,14 +257,10 @@ def code_digest(model: torch.nn.Module) -> str:
 def code_bindings(model: torch.nn.Module) -> list[Binding]:
     """The lookups :func:`code_digest` walks that found code, as ``(where, namespace, name,
     value)``: a module global, a class attribute (with :data:`MISSING` for the classes earlier in
-    its MRO), a registry entry. :func:`replaced` tells, in about 0.1 µs per binding, whether one
+    its MRO), a registry entry; each namespace and name once. :class:`CodeCheck` tells whether one
     has changed since (a method or helper assigned anew)."""
-    walk = _Walk()
-    for _, module in named_real_modules(model):
-        walk.cls(type(module), in_tree=True)
-        walk.run()
     unique: dict[tuple[int, Any], Binding] = {}
-    for binding in walk.bindings:
+    for binding in _walked(model).bindings:
         unique.setdefault((id(binding[1]), binding[2]), binding)
     return list(unique.values())
 
@@ -278,8 +280,8 @@ def replaced(bindings: list[Binding]) -> str | None:
 
 class CodeCheck:
     """Whether the code lookups of :func:`code_bindings` still find what they found: grouped per
-    namespace, so a check is a few C-level calls per module file and class (about 10 µs for a
-    transformers model; measured in ``tests/test_code_identity.py``'s setting)."""
+    namespace, so a check is a few C-level calls per module file and class (GPT-2: 302 lookups in
+    202 namespaces, 48 µs per check, timed in a loop of 1000)."""
 
     def __init__(self, bindings: list[Binding]):
         self.bindings = bindings

@@ -20,8 +20,9 @@ module and call, see :mod:`.programs`) is one :mod:`.storage` bundle, ``<key>.nn
   values, tensor dtypes and sizes, grad mode, train/eval flags, autocast, export-relevant options).
 
 So a changed model source (or a method or helper function replaced at run time), library version,
-config (every value, the attention implementation included) or call misses; a model with a module class whose source file cannot be read (defined in
-a notebook cell or by ``exec``) is never served or stored. Entries hold no weights (the
+config (every value, the attention implementation included) or call misses; a model with a module
+class whose source file cannot be read (defined in a notebook cell or by ``exec``) is never served
+or stored. Entries hold no weights (the
 given module's tensors are put back) and no pickled code. Writes are atomic (temporary file, then
 rename). A corrupt or partial entry is deleted with an :class:`~nnbridge.errors.NNBridgeWarning`
 and the module is exported again; a failed write warns and extraction goes on. ``nnbridge cache

@@ -36,10 +36,9 @@ from typing import Any
 
 import torch
 
-from .code_identity import CodeCheck, code_bindings
-
 from ..compat.module_dicts import modules_of
 from ..compat import MODEL_STATE_ATTRIBUTES
+from .code_identity import CodeCheck, code_bindings
 
 #: ``module.__dict__`` keys that are torch's or another library's bookkeeping, never read by a forward.
 _IGNORED = frozenset({"_is_full_backward_hook", "_compiled_call_impl"}) | MODEL_STATE_ATTRIBUTES

@@ -123,7 +123,8 @@ def load(cls: type[PatchableGraph], source: str | os.PathLike[str] | IO[bytes], 
     header = bundle.header
     if header.get("kind") != KIND:
         raise SaveLoadError(f"{bundle.source} is a {header.get('kind')!r} file, not one written by pg.save().")
-    difference = describe_difference(header["model"], model_fingerprint(model))
+    current = model_fingerprint(model)
+    difference = describe_difference(header["model"], current)
     if difference is not None:
         raise SaveLoadError(f"PatchableGraph.load({bundle.source!r}): {difference}; load with the model the file was"
                             " saved from (same class, config and modules).")
@@ -135,7 +136,6 @@ def load(cls: type[PatchableGraph], source: str | os.PathLike[str] | IO[bytes], 
                             " the PatchableGraph was made with.")
     versions = library_versions()
     stale = [f"{k} {header['versions'].get(k)} (now {v})" for k, v in versions.items() if header["versions"].get(k) != v]
-    current = model_fingerprint(model)
     if header["model"].get("source") != current["source"]:
         stale.append("the model's source files changed")
     elif header["model"].get("code", current["code"]) != current["code"]:  # files saved before it was recorded have none
