@@ -11,7 +11,10 @@ as in a plain script). Bodies:
   cache          tracer.cache() over the whole model (nnbridge: modules and ops)
   session        a session of two traces, each saving h[0].output
 Columns: "first" is the first trace of a fresh wrapper (nnbridge extracts there: export and
-unflatten of the call structures it meets), median of --first fresh wrappers; "repeat" is the
+unflatten of the call structures it meets), median of --first fresh wrappers, cold: the script sets
+NNBRIDGE_EXTRACTION_CACHE=0 unless it is set already (with =1 and no NNBRIDGE_CACHE, a fresh
+wrapper is served by the process's memory cache while an earlier one is alive, see
+nnbridge/bridge/memory_cache.py); "repeat" is the
 median of --repeats later calls on one wrapper. Libraries alternate call by call (interleaved),
 so machine drift hits both alike. Ratio = nnbridge / nnsight.
 Usage: python benchmarks/bench_nnsight_suite.py [--large] [--repeats N] [--first N]
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -104,6 +108,7 @@ def timed(fn: Any, model: Any) -> float:
 
 
 def main() -> None:
+    os.environ.setdefault("NNBRIDGE_EXTRACTION_CACHE", "0")  # "first" is a cold extraction (see docstring)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--large", action="store_true")
     parser.add_argument("--repeats", type=int, default=10)
