@@ -470,7 +470,8 @@ def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOption
     Raises:
         NNBridgeError: ``model`` is already bridged (call :func:`unbridge` first).
         ExtractionError: a module has a ``forward`` set on the instance (see
-            :func:`~.module_tree.refuse_instance_forwards`), nothing done; or extraction failed and ``options.error_on_compilation_failure`` is set.
+            :func:`~.module_tree.refuse_instance_forwards`), nothing done; or extraction failed
+            and ``options.error_on_compilation_failure`` is set.
             The model is left exactly as it was.
     """
     if BRIDGE_KEY in model.__dict__:
