@@ -7,6 +7,19 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# -- threads per xdist worker ------------------------------------------------------------------------
+# Each worker's torch would start one intra-op thread per core, so two workers on a 2-core machine
+# run four busy threads on two cores. Measured: two processes each running 40 forwards of an
+# 8-layer Llama (width 512, 64 tokens) took 2.09 / 2.30 s with two threads each and 1.49 / 1.49 s
+# with one (0.96 s alone); test_ioi_demo took 124 s in the full run and 23 s alone. So a worker gets
+# its share of the cores; OMP_NUM_THREADS carries it to the processes tests start (notebook kernels,
+# second processes, the fresh-venv demo). Results do not depend on it: every test compares runs made
+# in its own process.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    torch.set_num_threads(_share)
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+
 # -- the extraction cache ---------------------------------------------------------------------------
 # A developer's $NNBRIDGE_CACHE must never serve extractions to tests. The tests share one disk
 # cache of their own instead, fresh for each run (a directory under pytest's base temp, the same
