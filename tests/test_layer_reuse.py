@@ -573,3 +573,27 @@ def test_layers_of_a_model_wrapped_by_nnsight_first_are_reused():
                            nnsight_cache[f"model.transformer.h.{i}"].output[0])
     assert torch.equal(bridged_cache["model.lm_head"].output, nnsight_cache["model.lm_head"].output)
     assert any(key.endswith("h.2.attn.softmax") for key in bridged_cache.keys())
+
+
+def test_sibling_zeros_is_one_node_depending_on_every_input_and_passes_no_gradient():
+    """The stand-in values of a sibling stub: zeros of the asked size and dtype, one export node
+    that takes every input (so export keeps what only siblings read), no gradient through it."""
+    from nnbridge.bridge.reuse import sibling_zeros
+
+    class Stub(torch.nn.Module):
+        def forward(self, x, mask):
+            return sibling_zeros([x, mask], [x.shape[0], x.shape[1] + 1], torch.float64)
+
+    x, mask = torch.randn(2, 5, requires_grad=True), torch.ones(5, dtype=torch.bool)
+    made = Stub()(x, mask)
+    assert torch.equal(made, torch.zeros(2, 6, dtype=torch.float64)) and made.device == x.device
+    assert made.requires_grad
+    (made.sum() + x.sum()).backward()
+    assert torch.equal(x.grad, torch.ones_like(x)), "no gradient flows through the stand-in"
+    exported = torch.export.export(Stub(), (x.detach(), mask), strict=False,
+                                   dynamic_shapes=({0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}, None))
+    [node] = [n for n in exported.graph.nodes if n.op == "call_function" and n.target is sibling_zeros._opoverload]
+    assert [str(a) for a in node.args[0]] == ["x", "mask"]
+    # the two size reads, the size arithmetic (+ 1) and the node itself
+    assert len([n for n in exported.graph.nodes if n.op == "call_function"]) == 4
+    assert torch.equal(exported.module()(torch.ones(3, 7), mask), torch.zeros(3, 8, dtype=torch.float64))
