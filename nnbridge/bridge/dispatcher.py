@@ -33,6 +33,7 @@ from . import extraction as _extraction
 from .extraction import Extraction
 from .module_tree import real_modules
 from .failures import add_note
+from .graph_module import code_generation_deferred
 from .guards import StateGuard
 from .locking import CALL_LOCK
 from .op_point import OpPoint, OpPointContainer
@@ -141,18 +142,20 @@ class GraphDispatcher(torch.nn.Module):
             reason: why (recorded in :attr:`history`; a failed guard's description).
         """
         key = self.structure_key(args, kwargs) if key is None else key
-        extraction = extract(self.module, args, kwargs, self.options, path=self.path,
-                             on_extraction=self.on_extraction)
-        extraction.reason = reason
-        extraction.state = StateGuard(self.module, opaque=self._opaque_ids(extraction), skip=_nnbridge_child,
-                                      path=self.path)
-        self.extractions.setdefault(key, []).append(extraction)
-        self._recency[id(extraction)] = (key, extraction)
-        self.history.append(extraction)
-        self.__dict__["flag_modules"] = real_modules(self.module)  # children may have been replaced
-        self._evict()
-        for callback in list(self.on_extraction):
-            callback(self, extraction)
+        # each graph's code is generated once, after the callbacks (an in-place bridge's link) edited it
+        with code_generation_deferred():
+            extraction = extract(self.module, args, kwargs, self.options, path=self.path,
+                                 on_extraction=self.on_extraction)
+            extraction.reason = reason
+            extraction.state = StateGuard(self.module, opaque=self._opaque_ids(extraction), skip=_nnbridge_child,
+                                          path=self.path)
+            self.extractions.setdefault(key, []).append(extraction)
+            self._recency[id(extraction)] = (key, extraction)
+            self.history.append(extraction)
+            self.__dict__["flag_modules"] = real_modules(self.module)  # children may have been replaced
+            self._evict()
+            for callback in list(self.on_extraction):
+                callback(self, extraction)
         return extraction
 
     def structure_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:

@@ -13,6 +13,7 @@ Every kind keeps one :class:`~nnbridge.bridge.op_point.OpPoint` per node, keyed 
 from __future__ import annotations
 
 import abc
+import contextlib
 import inspect
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -210,13 +211,45 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
     # -- routing --------------------------------------------------------------------------------
     def recompile(self) -> PythonCode:
         """Regenerate the plain code from ``self.graph`` and re-apply routing (after graph edits).
-        The generated source leaves fx's cache and ``linecache`` with the code."""
+        The generated source leaves fx's cache and ``linecache`` with the code.
+
+        Inside :func:`code_generation_deferred` the code is generated later instead (returns None):
+        on the module's first call, when ``code`` is read, or when the deferral ends.
+        """
+        if _deferred is not None:
+            self._defer_code()
+            return cast(PythonCode, None)
+        return self._generate_code()
+
+    def _generate_code(self) -> PythonCode:
+        if _deferred is not None:
+            _deferred.pop(id(self), None)
         with generated_code_released():
             code = super().recompile()
         keep_tracebacks(self)
         if "_forward_cache" in self.__dict__:
             self._reset_routing()
         return code
+
+    def _defer_code(self) -> None:
+        assert _deferred is not None
+        pending = id(self) in _deferred
+        _deferred[id(self)] = self
+        type(self).forward = _generate_then_forward
+        # a routed forward compiled from the graph before this edit must not run
+        if "_forward_cache" in self.__dict__ and not (pending and not self._routed):
+            self._reset_routing()
+
+    def generate_pending_code(self) -> None:
+        """Generate the code now if its generation is deferred (see :func:`code_generation_deferred`)."""
+        if "_code" not in self.__dict__ or (_deferred is not None and id(self) in _deferred):
+            self._generate_code()
+
+    @property
+    def code(self) -> str:
+        """The generated Python code of ``self.graph`` (generated first if deferred)."""
+        self.generate_pending_code()
+        return super().code
 
     def _reset_routing(self) -> None:
         names = [name for name, node in self.named_nodes() if node.op != "call_module" and not self._plumbing(node)]
@@ -286,6 +319,53 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         forward = forward_from_source(code.src, code.globals)
         register(self, forward, graph, code)
         return forward
+
+
+#: the graph modules whose code generation waits, inside :func:`code_generation_deferred`
+#: (``{id: module}``); None outside it
+_deferred: dict[int, CompiledGraphModule] | None = None
+
+
+def _generate_then_forward(self: CompiledGraphModule, *args: Any, **kwargs: Any) -> Any:
+    """A deferred graph module's ``forward``: generate its code, then run it."""
+    self.generate_pending_code()
+    return type(self).forward(self, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def code_generation_deferred() -> Iterator[None]:
+    """Within: a :class:`CompiledGraphModule` built or recompiled generates its Python code when
+    first needed (its first call, reading ``code``) or when the body ends, once, instead of at each
+    ``recompile``. An in-place bridge rewrites every new graph right after extraction (call sites,
+    live tensor reads) and recompiles it, so each graph's code was generated twice: fx's code
+    generation took 0.37 s of SmolLM2-135M's 5.5 s ``bridge()`` (395 graphs). On exit every graph
+    still waiting generates its code, also when the body raised (then quietly: the body's error is
+    the one raised). Re-entrant (an inner one leaves it to the outer one); used under nnbridge's
+    call lock (:meth:`~.dispatcher.GraphDispatcher.add_extraction`), so the state is process-wide.
+    """
+    global _deferred
+    if _deferred is not None:
+        yield
+        return
+    _deferred = {}
+    try:
+        yield
+    except BaseException:
+        _generate_waiting(quiet=True)
+        raise
+    _generate_waiting(quiet=False)
+
+
+def _generate_waiting(quiet: bool) -> None:
+    global _deferred
+    waiting = list((_deferred or {}).values())
+    _deferred = None
+    for module in waiting:
+        try:
+            module._generate_code()
+        except Exception:  # noqa: BLE001 - only while another error propagates
+            if not quiet:
+                raise
 
 
 class MultiplyInvokedModule(torch.nn.ModuleList):

@@ -1,0 +1,122 @@
+"""Code generation of graph modules deferred while a dispatcher adds an extraction
+(:func:`nnbridge.bridge.graph_module.code_generation_deferred`): every graph's code is generated
+once, after the in-place bridge's edits, and a graph that waits for its code still runs, and shows,
+its current graph."""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+
+import pytest
+import torch
+
+import nnbridge
+from nnbridge.bridge.in_place import bridge_of
+from nnbridge import AddPatch, CompiledGraphModule, PatchableGraph
+from nnbridge.bridge import graph_module
+from nnbridge.bridge.graph_module import code_generation_deferred
+from utils import gpt2
+
+
+def _graphs(root):
+    return [m for m in root.modules() if isinstance(m, CompiledGraphModule)]
+
+
+@pytest.mark.no_extraction_cache
+def test_bridging_generates_each_graphs_code_once_and_equals_eager(monkeypatch):
+    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits
+    generated: Counter[int] = Counter()
+    real = CompiledGraphModule._generate_code
+
+    def counting(self):
+        generated[id(self)] += 1
+        return real(self)
+    monkeypatch.setattr(CompiledGraphModule, "_generate_code", counting)
+    nnbridge.bridge(model, ids)
+    graphs = _graphs(bridge_of(model).dispatcher.all_extractions()[0].root)
+    assert len(graphs) > 20 and all(generated[id(g)] == 1 for g in graphs), "once each, after the bridge's edits"
+    assert graph_module._deferred is None
+    assert all("_nnbridge_call_" in g.code or not any(n.op == "call_module" for n in g.graph.nodes) for g in graphs)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+
+
+def _ln_f(pg):
+    [ln] = [g for g in _graphs(pg) if g.graph_meta.node_path == "transformer.ln_f"]
+    return ln
+
+
+def _negated_output(gm):
+    """Edit ``gm``'s graph: its output is negated."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    value = output.args[0]
+    with gm.graph.inserting_before(output):
+        negated = gm.graph.call_function(operator.neg, (value,))
+    output.args = (negated,)
+
+
+def test_a_graph_waiting_for_its_code_runs_and_shows_its_current_graph():
+    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
+    pg = PatchableGraph(model, ids)
+    ln = _ln_f(pg)
+    x = torch.randn(1, 6, ln.weight.shape[0])
+    with torch.no_grad():
+        before = ln(x)
+    with code_generation_deferred():
+        _negated_output(ln)
+        ln.recompile()
+        assert id(ln) in graph_module._deferred
+        with torch.no_grad():
+            assert torch.equal(ln(x), -before), "the first call generates the code of the edited graph"
+        assert id(ln) not in graph_module._deferred
+        _negated_output(ln)
+        ln.recompile()
+        assert "neg_1" in ln.code and id(ln) not in graph_module._deferred, "reading code generates it"
+    with torch.no_grad():
+        assert torch.equal(ln(x), before)
+
+
+def test_a_routed_forward_of_the_graph_before_an_edit_does_not_run():
+    """A patch routes the output through its op point; an edit under deferral must not leave the
+    routed code of the old graph in place."""
+    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
+    pg = PatchableGraph(model, ids)
+    ln = _ln_f(pg)
+    x = torch.randn(1, 6, ln.weight.shape[0])
+    with torch.no_grad():
+        before = ln(x)
+    with torch.no_grad(), pg.patch({"transformer.ln_f.output": AddPatch(value=1.0)}):
+        assert torch.equal(ln(x), before + 1.0)
+        with code_generation_deferred():
+            _negated_output(ln)
+            ln.recompile()
+            assert torch.equal(ln(x), -before + 1.0), "still patched, through the new graph's code"
+    with torch.no_grad():
+        with code_generation_deferred():
+            with pg.patch({"transformer.ln_f.output": AddPatch(value=1.0)}):
+                assert torch.equal(ln(x), -before + 1.0)
+                _negated_output(ln)
+                ln.recompile()
+            # the patch's end switches back to the unrouted forward: the new graph's, not the old one
+            assert torch.equal(ln(x), before)
+        assert "neg_1" in ln.code
+
+
+def test_graphs_waiting_when_the_body_raises_get_their_code_and_the_error_propagates():
+    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
+    pg = PatchableGraph(model, ids)
+    ln = _ln_f(pg)
+    x = torch.randn(1, 6, ln.weight.shape[0])
+    with torch.no_grad():
+        before = ln(x)
+    with pytest.raises(RuntimeError, match="the body's error"):
+        with code_generation_deferred():
+            _negated_output(ln)
+            ln.recompile()
+            raise RuntimeError("the body's error")
+    assert graph_module._deferred is None and "neg" in ln.__dict__["_code"]
+    with torch.no_grad():
+        assert torch.equal(ln(x), -before)
