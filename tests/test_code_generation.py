@@ -49,6 +49,15 @@ def _ln_f(pg):
     return ln
 
 
+def _final_norm():
+    """A GPT-2 PatchableGraph, its final layer norm's graph, an input and the graph's output for it."""
+    pg = PatchableGraph(gpt2(), torch.randint(0, 100, (1, 6)))
+    ln = _ln_f(pg)
+    x = torch.randn(1, 6, ln.weight.shape[0])
+    with torch.no_grad():
+        return pg, ln, x, ln(x)
+
+
 def _negated_output(gm):
     """Edit ``gm``'s graph: its output is negated."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -59,12 +68,7 @@ def _negated_output(gm):
 
 
 def test_a_graph_waiting_for_its_code_runs_and_shows_its_current_graph():
-    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
-    pg = PatchableGraph(model, ids)
-    ln = _ln_f(pg)
-    x = torch.randn(1, 6, ln.weight.shape[0])
-    with torch.no_grad():
-        before = ln(x)
+    pg, ln, x, before = _final_norm()
     with code_generation_deferred():
         _negated_output(ln)
         ln.recompile()
@@ -82,12 +86,7 @@ def test_a_graph_waiting_for_its_code_runs_and_shows_its_current_graph():
 def test_a_routed_forward_of_the_graph_before_an_edit_does_not_run():
     """A patch routes the output through its op point; an edit under deferral must not leave the
     routed code of the old graph in place."""
-    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
-    pg = PatchableGraph(model, ids)
-    ln = _ln_f(pg)
-    x = torch.randn(1, 6, ln.weight.shape[0])
-    with torch.no_grad():
-        before = ln(x)
+    pg, ln, x, before = _final_norm()
     with torch.no_grad(), pg.patch({"transformer.ln_f.output": AddPatch(value=1.0)}):
         assert torch.equal(ln(x), before + 1.0)
         with code_generation_deferred():
@@ -106,12 +105,7 @@ def test_a_routed_forward_of_the_graph_before_an_edit_does_not_run():
 
 
 def test_graphs_waiting_when_the_body_raises_get_their_code_and_the_error_propagates():
-    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
-    pg = PatchableGraph(model, ids)
-    ln = _ln_f(pg)
-    x = torch.randn(1, 6, ln.weight.shape[0])
-    with torch.no_grad():
-        before = ln(x)
+    pg, ln, x, before = _final_norm()
     with pytest.raises(RuntimeError, match="the body's error"):
         with code_generation_deferred():
             _negated_output(ln)

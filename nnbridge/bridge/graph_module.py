@@ -327,8 +327,8 @@ _deferred: dict[int, CompiledGraphModule] | None = None
 
 
 def _generate_then_forward(self: CompiledGraphModule, *args: Any, **kwargs: Any) -> Any:
-    """A deferred graph module's ``forward``: generate its code, then run it."""
-    self.generate_pending_code()
+    """A deferred graph module's ``forward``: generate its code (which replaces this forward), then run it."""
+    self._generate_code()
     return type(self).forward(self, *args, **kwargs)
 
 
