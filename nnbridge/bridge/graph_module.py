@@ -233,11 +233,9 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
 
     def _defer_code(self) -> None:
         assert _deferred is not None
-        pending = id(self) in _deferred
         _deferred[id(self)] = self
         type(self).forward = _generate_then_forward
-        # a routed forward compiled from the graph before this edit must not run
-        if "_forward_cache" in self.__dict__ and not (pending and not self._routed):
+        if "_forward_cache" in self.__dict__:  # no forward compiled from the graph before this edit may run
             self._reset_routing()
 
     def generate_pending_code(self) -> None:
