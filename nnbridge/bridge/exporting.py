@@ -206,11 +206,12 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
                 # non-strict export runs the module's Python code, which mutates a cache passed in
                 # (with fake tensors): every attempt traces a fresh copy of the inputs
                 # (a container's repeated entry: its owner is stubbed, see .module_tree)
+                inputs = copy_inputs((args, kwargs))
                 with cache_layers.layer_touches(), states_returned(threaded, untouched) as states, watch.watching(frozen), \
                         aliases_hidden(module, in_containers=True), reads_watched(reuse.watched, indices) as reads, \
                         (cache_updates_traced(trace) if reuse.caches else contextlib.nullcontext()):
-                    exported = export(wrapper, copy_inputs((args, kwargs)), dynamic_shapes=shapes,
-                                      preserve_module_call_signature=fqns, grad_enabled=grad_enabled)
+                    exported = export(wrapper, inputs, dynamic_shapes=shapes, preserve_module_call_signature=fqns,
+                                      grad_enabled=grad_enabled, duck_sized=custom_pytree_leaves(*inputs))
                 reads += trace.uses
                 if reads:
                     raise ReuseFallback(f"export read attributes that differ between siblings: {sorted(set(reads))}")
@@ -245,6 +246,14 @@ def _dim_spec(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         return {i: torch.export.Dim.AUTO for i in range(leaf.dim()) if leaf.shape[i] > 1}
     return None
+
+
+def custom_pytree_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors inside the call's custom pytree arguments (transformers ``Cache`` objects):
+    exported with duck-sized dimensions (see :mod:`nnbridge.compat.duck_sizing`: a cache of many
+    layers otherwise brings two tensors' worth of symbols per layer into every export)."""
+    return [leaf for value in (*args, *kwargs.values()) if not plain_value(value)
+            for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 def dynamic_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.fx import _lazy_graph_module
 
+from .duck_sizing import duck_sized as duck_sized_dims
 from .pytree import pytree
 from .stack_traces import helper_frames_recorded
 from .tracepoints import string_arguments_traced
@@ -92,8 +93,8 @@ class _DistinctConversions(torch.overrides.TorchFunctionMode):
 
 
 def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: Any,
-           preserve_module_call_signature: tuple[str, ...], grad_enabled: bool = False
-           ) -> torch.export.ExportedProgram:
+           preserve_module_call_signature: tuple[str, ...], grad_enabled: bool = False,
+           duck_sized: Collection[torch.Tensor] = ()) -> torch.export.ExportedProgram:
     """``torch.export.export(strict=False)`` under the grad mode of the call being extracted (a
     ``torch.is_grad_enabled()`` branch takes the same side as eager; under ``torch.no_grad()``,
     ``@torch.no_grad`` rotary-embedding code is inlined instead of becoming a higher-order op), with
@@ -103,10 +104,13 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: An
     The graph modules export makes are torch's lazy ones (``_use_lazy_graph_module``, as Inductor
     uses them): export's passes regenerate the whole program's Python code after each change, and
     a lazy module generates it once, when it is first called or its code read. Measured (warm
-    process, ``bridge()``): SmolLM2-135M 6.0 -> 4.6 s, GPT-2 12x768 1.77 -> 1.50 s."""
+    process, ``bridge()``): SmolLM2-135M 6.0 -> 4.6 s, GPT-2 12x768 1.77 -> 1.50 s.
+
+    ``duck_sized``: input tensors (leaves of ``args``) whose dynamic dimensions of equal size share
+    one symbol (see :mod:`.duck_sizing`); only used with ``dynamic_shapes``."""
     with no_partial_graph_on_stderr(), quiet_torch_export(), torch.set_grad_enabled(grad_enabled), \
             _DistinctConversions(), shape_envs_released(), string_arguments_traced(), helper_frames_recorded(), \
-            _lazy_graph_module._use_lazy_graph_module(True):
+            _lazy_graph_module._use_lazy_graph_module(True), duck_sized_dims(duck_sized if dynamic_shapes else ()):
         return torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes,
                                    preserve_module_call_signature=preserve_module_call_signature)
 
