@@ -218,7 +218,8 @@ class Bridge:
     def listened(self) -> bool:
         """Whether a patch listener or a torch hook is on any of the model's op points (then a
         call must run the graphs: :meth:`running_eagerly` would skip them)."""
-        return any(point.listened for point in self.points.values())
+        # OpPoint.listened, read off the instance dicts: hundreds of points are checked before every trace
+        return any(point._listeners or point._hooked for point in self.points.values())
 
     @contextlib.contextmanager
     def running_eagerly(self) -> Iterator[None]:
