@@ -18,10 +18,14 @@ value is the string itself.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+from torch.fx import Node
 from torch.fx.experimental import proxy_tensor
+from torch.fx.proxy import TracerBase
 
 
 @contextlib.contextmanager
@@ -40,3 +44,56 @@ def string_arguments_traced() -> Iterator[None]:
         yield
     finally:
         proxy_tensor.extract_val = original
+
+
+def _tracepoint_node(target: Any, args: tuple[Any, ...]) -> bool:
+    """An ``_export_tracepoint`` call, or a ``getitem`` of one's outputs."""
+    tracepoint = torch.ops.higher_order._export_tracepoint
+    if target is tracepoint:
+        return True
+    return target is operator.getitem and bool(args) and isinstance(args[0], Node) and args[0].target is tracepoint
+
+
+@contextlib.contextmanager
+def tracepoint_bookkeeping_skipped() -> Iterator[None]:
+    """While the body runs, the nodes of ``_export_tracepoint`` calls and of the ``getitem``\\ s of
+    their outputs get no recorded stack trace (``TracerBase.create_node``) and no ``tensor_meta``
+    (``proxy_tensor.set_meta``; their ``val`` is recorded as before). Restored afterwards, also on
+    error.
+
+    torch 2.13's export passes every leaf of a preserved module's inputs and outputs through a
+    tracepoint, so a transformers ``Cache`` handed to each decoder layer and attention makes one
+    tracepoint output per cache tensor at each boundary (SmolLM2-135M's decode step: 30 layers,
+    60 cache tensors, ~7,000 outputs). Each captured a Python stack and computed symbolic
+    contiguity for every memory format; ``CollectTracepointsPass`` then removes these nodes,
+    replacing each ``getitem`` by the tracepoint's input, and reads only their ``nn_module_stack``
+    (kept) and their inputs' ``val``. Under pyinstrument, that bookkeeping was ~5 s of a 23 s
+    ``generate`` of three tokens.
+    """
+    original_meta = proxy_tensor.set_meta
+    original_node = TracerBase.create_node
+
+    def set_meta(proxy: Any, val: Any) -> Any:
+        node = proxy.node
+        if node.op == "call_function" and _tracepoint_node(node.target, node.args):
+            node.meta["val"] = proxy_tensor.extract_val(val)
+            return proxy
+        return original_meta(proxy, val)
+
+    def create_node(self: TracerBase, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    name: str | None = None, type_expr: Any | None = None) -> Node:
+        if kind == "call_function" and self.record_stack_traces and _tracepoint_node(target, args):
+            self.record_stack_traces = False
+            try:
+                return original_node(self, kind, target, args, kwargs, name, type_expr)
+            finally:
+                self.record_stack_traces = True
+        return original_node(self, kind, target, args, kwargs, name, type_expr)
+
+    proxy_tensor.set_meta = set_meta
+    TracerBase.create_node = create_node  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        proxy_tensor.set_meta = original_meta
+        TracerBase.create_node = original_node  # type: ignore[method-assign]
