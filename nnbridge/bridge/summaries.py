@@ -22,7 +22,7 @@ from torch.fx import Interpreter, Node
 from torch.fx.node import Argument, Target, map_aggregate
 
 from ..compat.pytree import fx_pytree, pytree
-from ..compat.symbolic import symbolic_hint
+from ..compat.symbolic import has_hint, symbolic_hint
 from .metadata import node_meta, update_node_meta
 
 if TYPE_CHECKING:
@@ -93,8 +93,11 @@ def incomplete(summary: object) -> bool:
     return False
 
 
-def _size(value: torch.Tensor) -> torch.Size:
-    """The example's concrete sizes of a (fake) tensor whose dimensions may be symbolic."""
+def _size(value: torch.Tensor) -> torch.Size | None:
+    """The example's concrete sizes of a (fake) tensor whose dimensions may be symbolic; None when
+    one is data-dependent (an unbacked size, such as ``nonzero``'s, has no example value)."""
+    if any(isinstance(s, torch.SymInt) and not has_hint(s) for s in value.shape):
+        return None
     return torch.Size(symbolic_hint(s) for s in value.shape)
 
 
@@ -107,7 +110,10 @@ def _from_val(value: Any) -> Any:
     if isinstance(value, (torch.SymFloat, float)):
         return "float"
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
-        return type(value)(_size(v) for v in value) if type(value) in (tuple, list) else [_size(v) for v in value]
+        sizes = [_size(v) for v in value]
+        if any(size is None for size in sizes):
+            return None
+        return type(value)(sizes) if type(value) in (tuple, list) else sizes
     return None
 
 

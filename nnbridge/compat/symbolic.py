@@ -16,6 +16,11 @@ def symbolic_hint(size: torch.SymInt | int) -> int:
     return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
 
 
+def has_hint(size: torch.SymInt | int) -> bool:
+    """Whether a size has an example value (an unbacked, data-dependent size has none)."""
+    return not isinstance(size, torch.SymInt) or size.node.hint is not None
+
+
 def symbolic_expr(size: torch.SymInt | int) -> Any:
     """The sympy expression of a symbolic size (``SymInt.node.expr``), None for an ``int``."""
     return size.node.expr if isinstance(size, torch.SymInt) else None
