@@ -20,6 +20,7 @@ import torch
 from torch.fx import _lazy_graph_module
 
 from .duck_sizing import duck_sized as duck_sized_dims
+from .fake_tensors import fake_tensor_cache_off
 from .pytree import pytree
 from .stack_traces import helper_frames_recorded
 from .tracepoints import string_arguments_traced, tracepoint_bookkeeping_skipped
@@ -111,7 +112,7 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: An
     one symbol (see :mod:`.duck_sizing`); only used with ``dynamic_shapes``."""
     with no_partial_graph_on_stderr(), quiet_torch_export(), torch.set_grad_enabled(grad_enabled), \
             _DistinctConversions(), shape_envs_released(), string_arguments_traced(), helper_frames_recorded(), \
-            tracepoint_bookkeeping_skipped(), unbacked_bindings_pass_narrowed(), \
+            tracepoint_bookkeeping_skipped(), unbacked_bindings_pass_narrowed(), fake_tensor_cache_off(), \
             _lazy_graph_module._use_lazy_graph_module(True), duck_sized_dims(duck_sized if dynamic_shapes else ()):
         return torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes,
                                    preserve_module_call_signature=preserve_module_call_signature)
