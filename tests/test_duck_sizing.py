@@ -89,3 +89,29 @@ def test_cache_layers_of_unequal_length_extract_again_and_equal_eager():
     assert len(dispatcher.history) == 2
     assert_same(module(x, past_key_values=filled_cache([7, 4], seed=3)),
                 eager(x, past_key_values=filled_cache([7, 4], seed=3)))
+
+
+def test_a_cache_length_equal_to_the_head_size_shares_its_symbol_and_stays_exact():
+    """Duck sizing also unifies sizes that are equal by coincidence (16 positions, head size 16):
+    the head size is specialised, so that first extraction serves only that length; a new length
+    extracts again, and every call equals eager."""
+    model = llama()
+    model.config.num_hidden_layers = 4
+    layer = model.model.layers[1]
+    eager = copy.deepcopy(layer)
+
+    def call(length, seed):
+        hidden = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(seed))
+        positions = torch.tensor([[length]])
+        return (hidden,), {"position_embeddings": model.model.rotary_emb(hidden, positions), "use_cache": True,
+                           "past_key_values": filled_cache([length] * 3, heads=2, head_dim=16, seed=seed),
+                           "position_ids": positions}
+    args, kwargs = call(16, 0)
+    nnbridge.bridge(layer, *args, **kwargs)
+    extractions = []
+    for length, seed in ((16, 1), (17, 2), (2, 3), (9, 4)):
+        (args, kwargs), (eager_args, eager_kwargs) = call(length, seed), call(length, seed)
+        assert_same(layer(*args, **kwargs), eager(*eager_args, **eager_kwargs))
+        assert_same(cached(kwargs["past_key_values"]), cached(eager_kwargs["past_key_values"]))
+        extractions.append(len(bridge_of(layer).dispatcher.history))
+    assert extractions == [1, 2, 2, 2], "17 positions extract again; later lengths share that dynamic extraction"
