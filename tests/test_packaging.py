@@ -29,8 +29,10 @@ def test_fresh_venv_without_extras_runs_the_demo_command_and_imports_the_loader(
     # nothing of this checkout or of the test run's interpreter may leak in
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(PYTHONNOUSERSITE="1", PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
-    _run([python, "-m", "pip", "install", "--quiet", "torch==2.13.0"], tmp_path, env)
-    _run([python, "-m", "pip", "install", "--quiet", "-e", REPO], tmp_path, env)  # no extras
+    # --no-compile: byte-compiling every installed file (torch's thousands) took most of the time;
+    # the modules this test imports are compiled as they are imported
+    _run([python, "-m", "pip", "install", "--quiet", "--no-compile", "torch==2.13.0"], tmp_path, env)
+    _run([python, "-m", "pip", "install", "--quiet", "--no-compile", "-e", REPO], tmp_path, env)  # no extras
 
     usage = _run([bindir / "nnbridge", "demo", "--help"], tmp_path, env)
     assert usage.startswith("usage: nnbridge demo")
