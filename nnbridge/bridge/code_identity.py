@@ -293,17 +293,26 @@ class CodeCheck:
             else:
                 group[1].append(name)
                 group[2].append(value)
-        self._groups = [(namespace, operator.itemgetter(*names) if names else None, len(names), tuple(values),
-                         tuple(absent)) for namespace, names, values, absent in groups.values()]
+        # one-name namespaces (most of them) are looked up together in one C-level ``map``
+        singles = [(namespace, names[0], values[0]) for namespace, names, values, _ in groups.values()
+                   if len(names) == 1]
+        self._single_namespaces = [namespace for namespace, _, _ in singles]
+        self._single_names = [name for _, name, _ in singles]
+        self._single_values = [value for _, _, value in singles]
+        self._groups = [(namespace, operator.itemgetter(*names), tuple(values))
+                        for namespace, names, values, _ in groups.values() if len(names) > 1]
+        self._absent = [(namespace, tuple(absent)) for namespace, _, _, absent in groups.values() if absent]
 
     def holds(self) -> bool:
         try:
-            for namespace, getter, count, values, absent in self._groups:
-                if getter is not None:
-                    found = getter(namespace)
-                    if not all(map(operator.is_, found if count > 1 else (found,), values)):
-                        return False
-                if absent and any(map(namespace.__contains__, absent)):
+            if not all(map(operator.is_, map(operator.getitem, self._single_namespaces, self._single_names),
+                           self._single_values)):
+                return False
+            for namespace, getter, values in self._groups:
+                if not all(map(operator.is_, getter(namespace), values)):
+                    return False
+            for namespace, absent in self._absent:
+                if any(map(namespace.__contains__, absent)):
                     return False
         except Exception:  # noqa: BLE001 - a name gone, or a registry that cannot be read: changed
             return False

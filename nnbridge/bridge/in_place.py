@@ -40,7 +40,7 @@ import torch
 
 from ..compat.allocator import release_free_heap
 from ..compat.module_dicts import buffers_of, modules_of, parameters_of
-from ..compat import SwappedBody, restore_body, swap_body
+from ..compat import DirectCall, SwappedBody, restore_body, swap_body
 from .failures import add_note
 from ..errors import NNBridgeError
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
@@ -52,7 +52,7 @@ from .graph_module import CompiledGraphModule, OpaqueGraphModule
 from .examples import static_examples
 from .metadata import node_meta
 from .summaries import bind_inputs
-from .locking import CALL_LOCK, lock_calls, unlock_calls
+from .locking import CALL_LOCK, lock_calls, locked_call, unlock_calls
 from .module_tree import refuse_instance_forwards
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
@@ -107,14 +107,20 @@ def _state_specs_hold(graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, 
 
 class _CallSite:
     """What a parent graph calls instead of a child graph: the user's module itself (so its hooks
-    and wrappers run), told which graph its body should run for this call."""
+    and wrappers run), told which graph its body should run for this call. When the module's call
+    would only run its body (no hook, no wrapper: see :class:`~nnbridge.compat.DirectCall`), the
+    body runs that graph directly, without ``nn.Module.__call__``'s frames."""
 
-    __slots__ = ("module", "graph")
+    __slots__ = ("module", "graph", "bridge", "direct")
 
-    def __init__(self, module: torch.nn.Module, graph: AnyGraph):
-        self.module, self.graph = module, graph
+    def __init__(self, module: torch.nn.Module, graph: AnyGraph, bridge: Bridge):
+        self.module, self.graph, self.bridge = module, graph, bridge
+        self.direct = DirectCall(module, bridge.body, locked_call)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # (torch.compile traces the normal call: the check first, so Dynamo never traces DirectCall)
+        if not torch.compiler.is_dynamo_compiling() and self.direct():
+            return self.bridge.chosen(self.module, self.graph, args, kwargs)
         pending, key = _pending(), id(self.module)
         pending[key] = self.graph
         try:
@@ -187,6 +193,18 @@ class Bridge:
             if self.calls[id(module)] > 1:  # whole-model extractions number its calls (invocation_<k>)
                 self.repeated.add(id(module))
             graph = self._own_dispatcher(module).lookup(args, kwargs).root
+        return self._run(module, graph, args, kwargs)
+
+    def chosen(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What :meth:`body` runs for a call whose caller's graph chose ``graph`` (a call site
+        calling the body directly, see :class:`_CallSite`)."""
+        with CALL_LOCK:
+            if self.eager:
+                return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+            return self._run(module, graph, args, kwargs)
+
+    def _run(self, module: torch.nn.Module, graph: AnyGraph | None, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
         if graph is not None and not torch.compiler.is_dynamo_compiling() and not _state_specs_hold(graph, args, kwargs):
             # a state object (a ``Cache``) is not in the state the parent's extraction saw, e.g. an
             # earlier layer was skipped (nnsight ``.skip()``) and did not write its cache layer, as
@@ -325,7 +343,7 @@ class Bridge:
                 children[node_meta(node).name] = child_graph
                 self._link(child_graph, child_module, invocations)
                 site = f"_nnbridge_call_{i}"
-                graph.add_call_site(site, _CallSite(child_module, child_graph))
+                graph.add_call_site(site, _CallSite(child_module, child_graph, self))
                 node.target = site
             graph.graph_meta.graph_children = children
             self._read_tensors_live(graph, module)

@@ -21,6 +21,7 @@ from .fx import keep_tracebacks as keep_tracebacks
 from .hooks import cleared_module_state as cleared_module_state
 from .hooks import has_module_hooks as has_module_hooks
 from .hooks import has_user_hooks as has_user_hooks
+from .forwards import DirectCall as DirectCall
 from .forwards import SwappedBody as SwappedBody
 from .forwards import call_overridden as call_overridden
 from .forwards import instance_forward as instance_forward

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from torch.nn.modules import module as _module_impl
 
 from .nnsight_source import NNSIGHT_STATE, install, uninstall
 
@@ -131,3 +132,63 @@ def call_overridden(module: torch.nn.Module, around: Callable[..., Any] | None) 
         return
     run = types.MethodType(type(module)._call_impl, module)
     module.__dict__["_call_impl"] = functools.partial(around, run)
+
+
+_MODULE_CALL = torch.nn.Module.__call__
+_CALL_IMPL = torch.nn.Module._call_impl
+_HOOK_NAMES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+class DirectCall:
+    """Whether ``module(*args, **kwargs)`` would, right now, do nothing but run
+    ``around(run, ...)`` and then the swapped body ``body(module, *args, **kwargs)``: so a caller
+    that holds what ``around`` takes (a lock) may call the body itself and skip five Python frames
+    of ``nn.Module.__call__`` (measured: about 9 µs of a 16 µs bridged module call).
+
+    That is the case (torch 2.13's ``_wrapped_call_impl``/``_call_impl``) when the class keeps
+    ``nn.Module.__call__``, the module is not ``module.compile()``'d, no TorchScript trace runs, no
+    forward, pre-forward, backward or backward-pre hook is registered on it or globally, its
+    ``_call_impl`` override is ``around`` bound to the class's ``_call_impl`` (see
+    :func:`call_overridden`) and its ``forward`` slot is the :class:`_Bound` of ``body`` that
+    :func:`swap_body` installed. Each is checked on every call (a hook registered later, an
+    nnsight or accelerate wrapper, a replaced ``forward``: the normal call runs).
+
+    Example::
+
+        direct = DirectCall(module, bridge.body, locked_call)
+        if direct():
+            bridge.body(module, x)      # what module(x) would run
+    """
+
+    __slots__ = ("module", "body", "around", "_impl", "_forward")
+
+    def __init__(self, module: torch.nn.Module, body: Callable[..., Any], around: Callable[..., Any]):
+        self.module, self.body, self.around = module, body, around
+        # the ``_call_impl`` override and ``forward`` slot last verified (none yet: no module holds
+        # this marker, so the first call verifies)
+        self._impl: object = _MISSING
+        self._forward: object = _MISSING
+
+    def __call__(self) -> bool:
+        module = self.module
+        state = module.__dict__
+        if (state.get("_call_impl") is not self._impl or state.get("forward") is not self._forward) \
+                and not self._verify(state):
+            return False
+        if any(map(state.get, _HOOK_NAMES)) or state.get("_compiled_call_impl") is not None:
+            return False
+        hooks = _module_impl
+        return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
+                    or hooks._global_backward_pre_hooks or type(module).__call__ is not _MODULE_CALL
+                    or torch._C._get_tracing_state())
+
+    def _verify(self, state: dict[str, Any]) -> bool:
+        impl, forward = state.get("_call_impl"), state.get("forward")
+        if not (isinstance(impl, functools.partial) and impl.func is self.around and len(impl.args) == 1
+                and not impl.keywords and getattr(impl.args[0], "__func__", None) is _CALL_IMPL
+                and getattr(impl.args[0], "__self__", None) is self.module):
+            return False
+        if not (type(forward) is _Bound and forward.module_ref() is self.module and forward.body == self.body):
+            return False
+        self._impl, self._forward = impl, forward
+        return True
