@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import operator
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -229,6 +229,7 @@ class StateGuard:
     def _tensors_hold(self) -> bool:
         """Every guarded tensor is still the one in its store, with its dtype, device, shape and
         requires_grad (``module.to(...)`` changes a parameter in place)."""
+        current: Iterable[Any]
         if self._dict_stores:
             current = map(dict.get, self._stores, self._names)
         else:
