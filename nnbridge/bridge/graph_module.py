@@ -108,15 +108,24 @@ class GraphModuleBase(abc.ABC):
     def example(self, name: str) -> Any:
         """The summary of node ``name``'s value on the example call (``torch.Size`` for a tensor,
         see :mod:`.summaries`); None when none was recorded."""
+        self.examples_due()
         return self.graph_meta.examples.get(name)
 
     def set_examples(self, examples: dict[str, Any]) -> None:
         """Store ``{node name: summary}`` recorded on the example call."""
+        self.examples_due()
         self.graph_meta.examples.update(examples)
 
     def recorded_examples(self) -> dict[str, Any]:
         """``{node name: summary}`` of every node with a recorded example."""
+        self.examples_due()
         return dict(self.graph_meta.examples)
+
+    def examples_due(self) -> None:
+        """Compute the example summaries still owed to this graph (see :attr:`GraphMeta.examples_due`)."""
+        due = self.graph_meta.examples_due
+        if due is not None:
+            due()
 
     @abc.abstractmethod
     def refresh_routing(self) -> None:
@@ -169,17 +178,20 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
 
     def example(self, name: str) -> Any:
         """As :meth:`GraphModuleBase.example`; a compiled graph keeps summaries on its nodes."""
+        self.examples_due()
         try:
             return node_meta(self.node(name)).example
         except KeyError:
             return None
 
     def set_examples(self, examples: dict[str, Any]) -> None:
+        self.examples_due()
         for name, node in self.named_nodes():
             if name in examples:
                 update_node_meta(node, example=examples[name])
 
     def recorded_examples(self) -> dict[str, Any]:
+        self.examples_due()
         return {name: node_meta(node).example for name, node in self.named_nodes()
                 if node_meta(node).example is not None}
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, cast
@@ -161,6 +162,9 @@ class Bridge:
         self.swapped: dict[int, SwappedBody] = {}
         self.points: dict[tuple[int, int, str], OpPoint] = {}
         self.registered: list[tuple[torch.nn.Module, str]] = []
+        #: ``(root graph, {placeholder: summary})`` of linked extractions whose example summaries
+        #: are not computed yet (see :meth:`examples_due`)
+        self.owed_examples: list[tuple[weakref.ref[AnyGraph], dict[str, Any]]] = []
         self.depth = 0
         self.eager = 0  # > 0 while :meth:`running_eagerly`
         #: ``{id: module}`` of the modules that run graphs while :meth:`lazily`, else None
@@ -321,13 +325,25 @@ class Bridge:
     def link(self, extraction: Extraction, module: torch.nn.Module) -> None:
         """Rewire an extraction so its graphs call the user's modules and share op points."""
         if extraction.example is not None:  # shapes for printing op points (no run needed)
-            args, kwargs = extraction.example
+            args, kwargs = extraction.example  # summaries (``torch.Size``), not the call's values
             inputs = bind_inputs(extraction.root, list(args), kwargs)
-            if inputs is not None:
-                static_examples(extraction.root, inputs)
+            if inputs is not None:  # (weakly: an evicted extraction is freed, see GraphDispatcher._evict)
+                self.owed_examples = [(root, owed) for root, owed in self.owed_examples if root() is not None]
+                self.owed_examples.append((weakref.ref(extraction.root), inputs))
         self._link(extraction.root, module, Counter())
 
+    def examples_due(self) -> None:
+        """Compute the example summaries of the extractions linked so far, in link order (as if
+        each had been computed when linked): on the first read of any graph's examples, since they
+        only describe shapes for printing (GPT-2 12x768: 0.17 s of a 1.8 s ``bridge()``)."""
+        while self.owed_examples:
+            root, inputs = self.owed_examples.pop(0)
+            graph = root()
+            if graph is not None:
+                static_examples(graph, inputs)
+
     def _link(self, graph: AnyGraph, module: torch.nn.Module, invocations: Counter[int]) -> None:
+        graph.graph_meta.examples_due = self.examples_due
         invocation = invocations[id(module)]
         invocations[id(module)] += 1
         if id(module) not in self.swapped:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +105,9 @@ class GraphMeta:
             call; None when unknown (every layer is compared).
         reused_from: the NodePath of the representative layer whose graph this one was built
             from (:mod:`.reuse`, ``ExtractionOptions.reuse_layers``); None when exported itself.
+        examples_due: computes example summaries still owed to this graph (an in-place bridge
+            computes them on first read, see :meth:`~.in_place.Bridge.examples_due`); None when
+            nothing is owed.
     """
 
     node_path: str = ""
@@ -118,3 +122,4 @@ class GraphMeta:
     aliases: dict[str, str] | None = None
     reused_from: str | None = None
     untouched: frozenset[Path] | None = None
+    examples_due: Callable[[], None] | None = None
