@@ -230,6 +230,8 @@ class Bridge:
             Bridge.count_unrouted(module, graph.op_points_made())
             if source is not None:  # the trace wants this call's nnsight ``.source`` operations
                 return source(module, *args, **kwargs)
+            if isinstance(graph, CompiledGraphModule) and not torch.compiler.is_dynamo_compiling():
+                return graph.fast_forward()(graph, *args, **kwargs)  # (Dynamo traces the plain code)
             return graph.forward(*args, **kwargs)
         except BaseException as error:
             add_note(error)
