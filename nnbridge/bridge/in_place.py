@@ -337,7 +337,8 @@ class Bridge:
     def examples_due(self) -> None:
         """Compute the example summaries of the extractions linked so far, in link order (as if
         each had been computed when linked): on the first read of any graph's examples, since they
-        only describe shapes for printing (GPT-2 12x768: 0.17 s of a 1.8 s ``bridge()``)."""
+        only describe shapes for printing (SmolLM2 served by the disk cache: 9 % of ``bridge()``
+        under a profiler)."""
         while self.owed_examples:
             root, inputs = self.owed_examples.pop(0)
             graph = root()
