@@ -209,7 +209,8 @@ class Bridge:
 
     def _run(self, module: torch.nn.Module, graph: AnyGraph | None, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
-        if graph is not None and not torch.compiler.is_dynamo_compiling() and not _state_specs_hold(graph, args, kwargs):
+        compiling = torch.compiler.is_dynamo_compiling()  # Dynamo traces the plain checks and code
+        if graph is not None and not compiling and not _state_specs_hold(graph, args, kwargs):
             # a state object (a ``Cache``) is not in the state the parent's extraction saw, e.g. an
             # earlier layer was skipped (nnsight ``.skip()``) and did not write its cache layer, as
             # in eager: this call gets its own extraction, for the state it really receives
@@ -230,8 +231,8 @@ class Bridge:
             Bridge.count_unrouted(module, graph.op_points_made())
             if source is not None:  # the trace wants this call's nnsight ``.source`` operations
                 return source(module, *args, **kwargs)
-            if isinstance(graph, CompiledGraphModule) and not torch.compiler.is_dynamo_compiling():
-                return graph.fast_forward()(graph, *args, **kwargs)  # (Dynamo traces the plain code)
+            if isinstance(graph, CompiledGraphModule) and not compiling:
+                return graph.fast_forward()(graph, *args, **kwargs)
             return graph.forward(*args, **kwargs)
         except BaseException as error:
             add_note(error)
