@@ -262,14 +262,17 @@ def test_code_replaced_at_run_time_misses_and_equals_eager(cache_dir, exports, m
     eager = model(ids).logits
     assert not torch.equal(eager, before)  # the replacement changes the numbers
     nnbridge.bridge(model, ids)
-    assert exports[0] == 2  # missed
+    # missed; a replaced sdpa function also makes the mask-building module opaque (see
+    # test_mask_skips): its children are exported one by one
+    assert exports[0] == 2 if replace != "attention_registry" else exports[0] > 2
     assert torch.equal(model(ids).logits, eager)
     nnbridge.unbridge(model)
+    exported = exports[0]
     monkeypatch.undo()  # the cache variable too: set it again, the original code hits again
     monkeypatch.setenv("NNBRIDGE_CACHE", str(cache_dir.parent))
     monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE", raising=False)
     nnbridge.bridge(gpt2(attn), ids)
-    assert exports[0] == 2
+    assert exports[0] == exported
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])

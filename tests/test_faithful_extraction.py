@@ -15,6 +15,7 @@ import torch
 
 import nnbridge
 from nnbridge import ExtractionOptions, PatchableGraph
+from nnbridge.bridge.capture_checks import EagerFindings
 from nnbridge.bridge.in_place import bridge_of
 from nnbridge.compat.pytree import pytree
 from nnbridge.errors import ExtractionError, NNBridgeWarning
@@ -142,7 +143,7 @@ def test_a_module_changing_grad_mode_costs_one_export_when_found_eagerly(prescan
     from nnbridge.bridge import extraction
 
     if not prescan:
-        monkeypatch.setattr(extraction, "grad_mode_modules", lambda *args: [])
+        monkeypatch.setattr(extraction, "eager_findings", lambda *args: EagerFindings([], []))
     model = _tiny_llama()
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 100, (1, 6))

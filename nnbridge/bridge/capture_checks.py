@@ -8,6 +8,9 @@ A graph replays the tensor operations of one traced call. It does not replay:
 - custom ``torch.autograd.Function``s: export inlines their forward and loses their backward;
 - Dynamo's ``graph_break()``: the author asked for the code around it not to be one graph
   (graphpatch made such a module opaque; non-strict export would run it as a no-op);
+- transformers skipping its sdpa attention mask in eager code, which a traced call builds: equal
+  for transformers' own sdpa, not for an attention function registered in its place
+  (:mod:`nnbridge.compat.mask_skips`; found by :func:`eager_findings`);
 - Python side effects on module state: an attribute set in forward (``self.calls += 1``, a tensor
   cached on ``self``), a list/dict/set attribute mutated (``self.seen.append(x)``), a buffer
   re-assigned (``self.ema = 0.9 * self.ema + ...``; in-place buffer updates are replayed).
@@ -30,10 +33,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Set as AbstractSet
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from ..compat.mask_skips import mask_skips as mask_skips_seen
 from ..compat.module_dicts import buffers_of, parameters_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.nnsight import NNSIGHT_MODULE_ATTRIBUTES
@@ -48,8 +52,23 @@ _INTERNAL = (frozenset(torch.nn.Module().__dict__) | {"forward", "node_path"} | 
 _CONTAINERS = (list, dict, set)
 
 
-#: the reason of a module that changes grad mode (found by export's regions or by :func:`grad_mode_modules`)
+#: the reason of a module that changes grad mode (found by export's regions or by :func:`eager_findings`)
 GRAD_MODE_REASON = "changes grad mode (torch.no_grad/enable_grad) inside forward, which a graph cannot keep"
+
+
+def mask_skip_reason(replaced: dict[str, str]) -> str:
+    """The reason of a module in which transformers skipped an sdpa mask in eager code while an
+    attention function other than transformers' own is registered for it (``replaced``: see
+    :func:`nnbridge.compat.mask_skips.replaced_sdpa_functions`)."""
+    functions = ", ".join(f"{function} (as {name!r})" for name, function in sorted(replaced.items()))
+    return (f"transformers passes no sdpa mask here in eager code but an explicit one when traced, and {functions}"
+            " is not transformers' sdpa function, so a graph could compute other numbers")
+
+
+#: What to do about :func:`mask_skip_reason`.
+MASK_SKIP_FIX = ("Register the attention function under a name of its own (AttentionInterface.register('my_attention',"
+                 " f) and attn_implementation='my_attention': transformers then builds no mask, traced or not), or"
+                 " use transformers' sdpa.")
 
 
 class UnfaithfulCaptureError(NNBridgeError):
@@ -58,11 +77,13 @@ class UnfaithfulCaptureError(NNBridgeError):
     Attributes:
         grad_mode: the forward changes grad mode or autocast (export must ignore those changes to
             trace through it).
+        fix: what the user can do to have the module extracted (None: the default advice).
     """
 
-    def __init__(self, message: str, grad_mode: bool = False):
+    def __init__(self, message: str, grad_mode: bool = False, fix: str | None = None):
         super().__init__(message)
         self.grad_mode = grad_mode
+        self.fix = fix
 
 
 def _copy_container(value: Any) -> Any:
@@ -260,20 +281,39 @@ class CaptureWatch:
         return []
 
 
-def grad_mode_modules(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      grad_enabled: bool) -> list[str]:
-    """Paths of the submodules (the root left out) whose code changes grad mode in one eager run of
-    the call under ``grad_enabled`` (the module running when the mode changes): those export would
-    record grad-mode regions for (:meth:`CaptureWatch.faults`), found before exporting so that one
-    export traces through them (a Llama's rotary embedding is ``@torch.no_grad()``) instead of a
-    second one after the first found them. Module state and random state are put back after the
-    run (:func:`preserved_state`). [] when the eager run raises (export finds them then)."""
+class EagerFindings(NamedTuple):
+    """What one eager run of a call shows before exporting it (:func:`eager_findings`).
+
+    Attributes:
+        grad_mode: paths of the submodules (the root left out) whose code changed grad mode.
+        mask_skips: paths of the modules (the root ``""`` included) running when transformers
+            skipped building an sdpa attention mask (see :mod:`nnbridge.compat.mask_skips`).
+    """
+
+    grad_mode: list[str]
+    mask_skips: list[str]
+
+
+def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   grad_enabled: bool) -> EagerFindings:
+    """One eager run of the call under ``grad_enabled``, watching which module runs when:
+
+    - the grad mode changes: export would record grad-mode regions for that module
+      (:meth:`CaptureWatch.faults`); found before exporting, one export traces through it (a
+      Llama's rotary embedding is ``@torch.no_grad()``) instead of a second one after the first
+      found it;
+    - transformers skips building an sdpa attention mask, which a graph would build (see
+      :mod:`nnbridge.compat.mask_skips`).
+
+    Module state and random state are put back after the run (:func:`preserved_state`). Both
+    lists are empty when the eager run raises (export reports what the run could not show)."""
     from .module_tree import named_real_modules
     from .recording import observed_run
     from .kinds import HookKind
 
     active: list[str] = []
-    found: dict[str, None] = {}
+    grad_mode: dict[str, None] = {}
+    mask_skips: dict[str, None] = {}
 
     def enter(fqn: str) -> Any:
         return lambda mod, a, k: active.append(fqn)
@@ -283,12 +323,15 @@ def grad_mode_modules(module: torch.nn.Module, args: tuple[Any, ...], kwargs: di
 
     def changed() -> None:
         if active and active[-1]:
-            found.setdefault(active[-1])
+            grad_mode.setdefault(active[-1])
+
+    def skipped() -> None:
+        mask_skips.setdefault(active[-1] if active else "")
     hooks = [hook for fqn, sub in named_real_modules(module)
              for hook in ((sub, HookKind.PRE, enter(fqn)), (sub, HookKind.POST, leave))]
     try:
-        with preserved_state(list(named_real_modules(module))), grad_mode_changes(changed):
+        with preserved_state(list(named_real_modules(module))), grad_mode_changes(changed), mask_skips_seen(skipped):
             observed_run(module, args, kwargs, hooks, grad=grad_enabled)
     except Exception:  # noqa: BLE001 - export reports what the eager run could not show
-        return []
-    return list(found)
+        return EagerFindings([], [])
+    return EagerFindings(list(grad_mode), list(mask_skips))

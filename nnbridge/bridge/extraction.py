@@ -34,7 +34,8 @@ from tqdm.auto import tqdm
 
 from .building import GraphBuilder
 from .call_structure import ShapeGuard, tensor_leaves
-from .capture_checks import GRAD_MODE_REASON, UnfaithfulCaptureError, grad_mode_modules, preserved_state
+from .capture_checks import (GRAD_MODE_REASON, MASK_SKIP_FIX, UnfaithfulCaptureError, eager_findings,
+                             mask_skip_reason, preserved_state)
 from .context import ChildDispatcherFactory, Extraction, ExtractionContext, describe_failure
 from .custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
 from .graph_module import CompiledGraphModule, OpaqueGraphModule
@@ -58,6 +59,7 @@ from ..compat import (cleared_module_state, constant_outputs, copy_spec, forget_
                       unflatten)
 from ..compat.allocator import release_free_heap
 from ..compat.fx import fx_patches_confined
+from ..compat.mask_skips import replaced_sdpa_functions
 from ..compat.output_capturing import collector_suspended
 from ..compat.pytree import pytree
 from ..errors import ExtractionError
@@ -235,15 +237,29 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     traced = {fqn for fqn in stubs if stubs[fqn] == StubKind.SKIPPED and any(state_keys(a, k) for a, k, _ in calls[fqn])}
     frozen: set[str] = set()  # traced modules whose own grad-mode changes are ignored while exporting
     if record is None:
+        found, known = eager_findings(module, args, kwargs, ctx.grad_enabled), len(stubs)
         # modules that change grad mode, found by an eager run: traced through with the change
         # ignored from the first export on, as after an export found them (one export, not two)
-        for fqn in grad_mode_modules(module, args, kwargs, ctx.grad_enabled):
+        for fqn in found.grad_mode:
             if fqn not in stubs:
                 grad_change = UnfaithfulCaptureError(GRAD_MODE_REASON, grad_mode=True)
                 stubs[fqn], errors[fqn] = describe_failure(grad_change), grad_change
                 traced.add(fqn)
                 frozen.add(fqn)
-        if frozen:
+        # modules in which transformers skipped an sdpa mask that a graph would build, while another
+        # attention function than transformers' stands for sdpa: traced through, shown opaque (their
+        # own code runs, passing no mask as in eager)
+        replaced = replaced_sdpa_functions(module) if found.mask_skips else {}
+        for fqn in found.mask_skips if replaced else ():
+            skip = UnfaithfulCaptureError(mask_skip_reason(replaced), fix=MASK_SKIP_FIX)
+            if fqn == "":
+                bar.close()
+                ctx.fail("", describe_failure(skip), skip, fix=MASK_SKIP_FIX)
+                return opaque_module(ctx, "", module, args, kwargs, describe_failure(skip)), static
+            if fqn not in stubs:
+                stubs[fqn], errors[fqn] = describe_failure(skip), skip
+                traced.add(fqn)
+        if len(stubs) > known:
             calls = record_calls(module, set(stubs), args, kwargs)
     if record is None:
         untouched = {}
@@ -291,7 +307,7 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     for fqn, reason in stubs.items():
         if reason not in (StubKind.CUSTOM, StubKind.SKIPPED):
             shared = isinstance(errors[fqn], SharedModuleEntry)
-            ctx.fail(fqn, reason, errors[fqn], fix=SharedModuleEntry.FIX if shared else None)
+            ctx.fail(fqn, reason, errors[fqn], fix=SharedModuleEntry.FIX if shared else getattr(errors[fqn], "fix", None))
         elif reason == StubKind.SKIPPED:
             ctx.opaque[ctx.full(fqn)] = reason
     if plan.siblings:
