@@ -9,6 +9,7 @@ and the RNG untouched.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -342,8 +343,41 @@ class Cacher(torch.nn.Module):
         return out
 
 
+class Accumulator(torch.nn.Module):
+    """Writes a plain tensor attribute (not a buffer) in place: before, the graph silently skipped
+    the write and extraction's own eager runs left it written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.total = torch.zeros(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.total.add_(y.sum(0))
+        return y + self.total
+
+
+class ConfigScaler(torch.nn.Module):
+    """Sets a value on its config-like object in forward (``self.config.scale = ...``): before, the
+    graph kept the value of the extracted call, silently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.config = types.SimpleNamespace(scale=1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.config.scale = self.config.scale * 2
+        return self.lin(x) * self.config.scale
+
+
+SIDE_EFFECTS = [(Counter, "calls"), (Appender, "seen"), (Cacher, "last"), (Accumulator, "total"),
+                (ConfigScaler, "config")]
+
+
 @pytest.mark.parametrize("front", ["bridge", "pg"])
-@pytest.mark.parametrize("inner, attribute", [(Counter, "calls"), (Appender, "seen"), (Cacher, "last")])
+@pytest.mark.parametrize("inner, attribute", SIDE_EFFECTS)
 def test_python_side_effects_make_module_opaque(inner, attribute, front):
     model = Outer(inner()).eval()
     x = torch.randn(2, 3)
@@ -355,8 +389,31 @@ def test_python_side_effects_make_module_opaque(inner, attribute, front):
         assert all(torch.equal(a, b) for a, b in zip(model.inner.seen, reference.inner.seen))
     if attribute == "calls":
         assert model.inner.calls == reference.inner.calls == 3
+    if attribute == "total":
+        assert torch.equal(model.inner.total, reference.inner.total)
+    if attribute == "config":
+        assert model.inner.config.scale == reference.inner.config.scale == 8.0
     if front == "bridge":
         nnbridge.unbridge(model)
+
+
+@pytest.mark.parametrize("inner, attribute", SIDE_EFFECTS)
+def test_extraction_leaves_side_effect_state_untouched(inner, attribute):
+    """Extraction's eager runs and its trace put every attribute back: a plain tensor written in
+    place gets its values back, a config-like object its values."""
+    model = Outer(inner()).eval()
+    before = copy.deepcopy(model.inner.__dict__[attribute])
+    nnbridge.bridge(model, torch.randn(2, 3))
+    after = model.inner.__dict__[attribute]
+    if isinstance(before, torch.Tensor):
+        assert torch.equal(after, before)
+    elif isinstance(before, types.SimpleNamespace):
+        assert vars(after) == vars(before)
+    elif isinstance(before, list):
+        assert after == before == []
+    else:
+        assert after == before
+    nnbridge.unbridge(model)
 
 
 def test_side_effect_honours_error_option():

@@ -13,20 +13,23 @@ A graph replays the tensor operations of one traced call. It does not replay:
   (:mod:`nnbridge.compat.mask_skips`; found by :func:`eager_findings`);
 - Python side effects on module state: an attribute set in forward (``self.calls += 1``, a tensor
   cached on ``self``), a list/dict/set attribute mutated (``self.seen.append(x)``), a buffer
-  re-assigned (``self.ema = 0.9 * self.ema + ...``; in-place buffer updates are replayed).
+  re-assigned (``self.ema = 0.9 * self.ema + ...``; in-place buffer updates are replayed), a plain
+  tensor attribute (not a parameter or buffer) written in place (``self.total.add_(x)``), a value
+  set on a config-like attribute (``self.config.scale = 2``).
 
-:class:`CaptureWatch` notices these while exporting and names the module at fault; extraction
-then makes that module opaque (its original code runs eagerly), like a module export cannot trace.
+:class:`CaptureWatch` notices these while exporting and names the module at fault (for state, the
+module holding it); extraction then makes that module opaque (its original code runs eagerly), like
+a module export cannot trace.
 
 What cannot be detected: writes to globals, closures or objects not reachable from a module's own
-``__dict__`` (a list held by a helper object, ``self.config.x = ...``), changes inside nested
-containers (a list inside a dict attribute), mutating an element of a list in place, printing and
-other I/O, and in-place writes to tensors that are not parameters or buffers (a plain tensor
-attribute written with ``add_``). Such modules are extracted as graphs and the effect does not
-happen when the graph runs.
+``__dict__`` (a list held by a helper object), changes inside nested containers (a list inside a
+dict attribute, a tensor inside a list), mutating an element of a list in place, printing and
+other I/O. Such modules are extracted as graphs and the effect does not happen when the graph runs.
+A module writing another module's attribute makes the holder opaque, not the writer.
 
 :func:`preserved_state` keeps extraction's own eager runs (observed runs of opaque modules,
-example recording) from changing parameters, buffers, module attributes or the CPU RNG.
+example recording) from changing parameters, buffers, module attributes (plain tensor attributes'
+values and config-like objects' values included) or the CPU RNG.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..compat.mask_skips import mask_skips as mask_skips_seen
+from .guards import config_like
 from ..compat.module_dicts import buffers_of, parameters_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.nnsight import NNSIGHT_MODULE_ATTRIBUTES
@@ -103,6 +107,11 @@ class ModuleState:
                             else None) for n, b in buffers_of(module).items()}
         self.attributes = {k: (v, _copy_container(v)) for k, v in module.__dict__.items()
                            if k not in _INTERNAL and not isinstance(v, torch.nn.Module)}
+        # plain tensor attributes (not parameters or buffers) and config-like objects: their
+        # contents, which in-place writes (``self.acc.add_(x)``, ``self.config.scale = 2``) change
+        self.tensors = {k: (v, tensor_version(v), v.detach().clone() if clone else None)
+                        for k, (v, _) in self.attributes.items() if isinstance(v, torch.Tensor)}
+        self.configs = {k: (v, dict(vars(v))) for k, (v, _) in self.attributes.items() if config_like(k, v)}
 
     def changes(self) -> list[str]:
         """What changed since the snapshot, one phrase per attribute (``"sets attribute 'calls'"``)."""
@@ -124,6 +133,12 @@ class ModuleState:
                 found.append(f"sets attribute '{name}'")
             elif copied is not None and not _same_container(value, copied):
                 found.append(f"mutates attribute '{name}' ({type(value).__name__})")
+        for name, (tensor, version, _) in self.tensors.items():
+            if current.get(name) is tensor and tensor_version(tensor) != version:
+                found.append(f"writes its tensor attribute '{name}' in place")
+        for name, (config, values) in self.configs.items():
+            if current.get(name) is config and not _same_container(vars(config), values):
+                found.append(f"sets a value of its config-like attribute '{name}'")
         return found
 
     def restore(self) -> list[str]:
@@ -155,6 +170,14 @@ class ModuleState:
             if copied is not None and not _same_container(value, copied):
                 value.clear()
                 value.update(copied) if not isinstance(value, list) else value.extend(copied)
+        for name, (tensor, version, copy) in self.tensors.items():
+            if copy is not None and (tensor_version(tensor) != version or not torch.equal(tensor, copy)):
+                with torch.no_grad():
+                    tensor.copy_(copy)
+        for name, (config, values) in self.configs.items():
+            if not _same_container(vars(config), values):
+                vars(config).clear()
+                vars(config).update(values)
         return lost
 
 
