@@ -372,8 +372,22 @@ class ConfigScaler(torch.nn.Module):
         return self.lin(x) * self.config.scale
 
 
+class Slots(torch.nn.Module):
+    """Writes a tensor held in a list attribute in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.slots = [torch.zeros(3)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.slots[0].add_(y.sum(0))
+        return y + self.slots[0]
+
+
 SIDE_EFFECTS = [(Counter, "calls"), (Appender, "seen"), (Cacher, "last"), (Accumulator, "total"),
-                (ConfigScaler, "config")]
+                (ConfigScaler, "config"), (Slots, "slots")]
 
 
 @pytest.mark.parametrize("front", ["bridge", "pg"])
@@ -391,6 +405,8 @@ def test_python_side_effects_make_module_opaque(inner, attribute, front):
         assert model.inner.calls == reference.inner.calls == 3
     if attribute == "total":
         assert torch.equal(model.inner.total, reference.inner.total)
+    if attribute == "slots":
+        assert torch.equal(model.inner.slots[0], reference.inner.slots[0])
     if attribute == "config":
         assert model.inner.config.scale == reference.inner.config.scale == 8.0
     if front == "bridge":
@@ -409,6 +425,8 @@ def test_extraction_leaves_side_effect_state_untouched(inner, attribute):
         assert torch.equal(after, before)
     elif isinstance(before, types.SimpleNamespace):
         assert vars(after) == vars(before)
+    elif isinstance(before, list) and before:
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     elif isinstance(before, list):
         assert after == before == []
     else:

@@ -14,8 +14,9 @@ A graph replays the tensor operations of one traced call. It does not replay:
 - Python side effects on module state: an attribute set in forward (``self.calls += 1``, a tensor
   cached on ``self``), a list/dict/set attribute mutated (``self.seen.append(x)``), a buffer
   re-assigned (``self.ema = 0.9 * self.ema + ...``; in-place buffer updates are replayed), a plain
-  tensor attribute (not a parameter or buffer) written in place (``self.total.add_(x)``), a value
-  set on a config-like attribute (``self.config.scale = 2``).
+  tensor attribute (not a parameter or buffer), or a tensor directly inside a list/tuple/dict
+  attribute, written in place (``self.total.add_(x)``, ``self.slots[0].add_(x)``), a value set on
+  a config-like attribute (``self.config.scale = 2``).
 
 :class:`CaptureWatch` notices these while exporting and names the module at fault (for state, the
 module holding it); extraction then makes that module opaque (its original code runs eagerly), like
@@ -23,7 +24,7 @@ a module export cannot trace.
 
 What cannot be detected: writes to globals, closures or objects not reachable from a module's own
 ``__dict__`` (a list held by a helper object), changes inside nested containers (a list inside a
-dict attribute, a tensor inside a list), mutating an element of a list in place, printing and
+dict attribute, a tensor two levels down), mutating an element of a list in place, printing and
 other I/O. Such modules are extracted as graphs and the effect does not happen when the graph runs.
 A module writing another module's attribute makes the holder opaque, not the writer.
 
@@ -111,6 +112,9 @@ class ModuleState:
         # contents, which in-place writes (``self.acc.add_(x)``, ``self.config.scale = 2``) change
         self.tensors = {k: (v, tensor_version(v), v.detach().clone() if clone else None)
                         for k, (v, _) in self.attributes.items() if isinstance(v, torch.Tensor)}
+        # tensors one level inside list/tuple/dict attributes (``self.slots[0].add_(x)``)
+        self.held = {(k, i): (t, tensor_version(t), t.detach().clone() if clone else None)
+                     for k, (v, _) in self.attributes.items() for i, t in _held_tensors(v)}
         self.configs = {k: (v, dict(vars(v))) for k, (v, _) in self.attributes.items() if config_like(k, v)}
 
     def changes(self) -> list[str]:
@@ -139,6 +143,10 @@ class ModuleState:
         for name, (config, values) in self.configs.items():
             if current.get(name) is config and not _same_container(vars(config), values):
                 found.append(f"sets a value of its config-like attribute '{name}'")
+        for (name, _), (tensor, version, _) in self.held.items():
+            if tensor_version(tensor) != version:
+                found.append(f"writes a tensor held in its attribute '{name}' in place")
+                break
         return found
 
     def restore(self) -> list[str]:
@@ -178,7 +186,20 @@ class ModuleState:
             if not _same_container(vars(config), values):
                 vars(config).clear()
                 vars(config).update(values)
+        for tensor, version, copy in self.held.values():
+            if copy is not None and (tensor_version(tensor) != version or not torch.equal(tensor, copy)):
+                with torch.no_grad():
+                    tensor.copy_(copy)
         return lost
+
+
+def _held_tensors(value: Any) -> list[tuple[Any, torch.Tensor]]:
+    """``(index or key, tensor)`` for the tensors directly inside a list, tuple or dict."""
+    if type(value) in (list, tuple):
+        return [(i, t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
+    if type(value) is dict:
+        return [(k, t) for k, t in value.items() if isinstance(t, torch.Tensor)]
+    return []
 
 
 def _same_container(value: Any, copied: Any) -> bool:

@@ -9,14 +9,21 @@ change a model without editing transformers:
 - an entry of a registry of functions replaced (``ALL_ATTENTION_FUNCTIONS["sdpa"] = f``);
 - a function set on one instance (``model.transformer.h[0].mlp.forward = f``).
 
+A graph also bakes in the plain values (``SCALE = 2.0``, a flag, a string) and tensors its code
+reads as module globals; a value assigned anew, or a global tensor written in place, changes what
+eager code computes.
+
 A graph exported before such a change and served after it computes what the old code computed, so
 :func:`code_digest` covers them: starting from every module class of the tree (its own methods and
 those it inherits, ``torch.nn.Module``'s left out) and every function-valued instance attribute,
 it follows each function's closure cells, the decorated function under a wrapper
 (``__wrapped__``), and every global name its code (nested functions included) reads that holds a
-function, a class (its methods) or a dict/mapping of them, transitively. Each function counts by
-its qualified name, module and compiled code (bytecode, constants, names), so a replacement with
-other code changes the digest, and re-importing the same code does not.
+function, a class (its methods) or a dict/mapping of them, transitively, and every global it reads
+that holds a plain value (by ``repr``) or a tensor (by dtype, shape and a hash of its values). Each
+function counts by its qualified name, module and compiled code (bytecode, constants, names), so a
+replacement with other code changes the digest, and re-importing the same code does not.
+:class:`CodeCheck` tells the same changes apart within a process (by identity, and for global
+tensors by version), so a bridged model extracts again instead of running the old graph.
 
 Not followed: the code of torch, the standard library and built-ins (their versions are part of
 the cache key; torch functions replaced on a class or in a module global *are* seen, as any
@@ -43,7 +50,10 @@ from typing import Any
 import torch
 
 from .module_tree import named_real_modules
+from ..compat.capture import tensor_version
 
+#: Types of the plain global values code reads that count by their value (``repr``).
+_PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device})
 #: Mappings with more entries than this are not read (a registry of functions is small).
 _MAPPING_LIMIT = 512
 #: Methods visited whether or not code reached names them: what calling a module runs.
@@ -104,6 +114,24 @@ def _function_digest(function: types.FunctionType) -> str:
     value = digest.hexdigest()
     _FUNCTIONS[function] = (function.__code__, value)
     return value
+
+
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    """dtype, shape and sha256 of a global tensor's values; one too large to hash (over
+    :data:`_HASH_LIMIT` bytes) or without readable values counts by its identity (never the same
+    in another process: the disk cache misses)."""
+    head = f"tensor {tensor.dtype} {tuple(tensor.shape)}"
+    try:
+        if tensor.numel() * tensor.element_size() > _HASH_LIMIT:
+            raise ValueError("too large")
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    except Exception:  # noqa: BLE001 - a tensor whose values cannot be read here
+        return f"{head} id {id(tensor)}"
+    return f"{head} {hashlib.sha256(data).hexdigest()}"
+
+
+#: Global tensors larger than this (bytes) are not hashed (see :func:`_tensor_digest`).
+_HASH_LIMIT = 1 << 24
 
 
 class _Walk:
@@ -180,6 +208,18 @@ class _Walk:
             if name in namespace and isinstance(namespace[name], (*_CODE_HOLDERS, type, Mapping)):
                 where_found = f"{function.__module__}.{name}"
                 found.append((where_found, namespace[name], ((where_found, namespace, name, namespace[name]),)))
+            elif name in namespace and type(namespace[name]) in _PLAIN:
+                # a plain global (``SCALE = 2.0``, a flag) a graph bakes in: its value is part of
+                # the digest, and assigning it anew fails the check (re-extraction)
+                where_found = f"{function.__module__}.{name}"
+                self.entries.append((where_found, repr(namespace[name])))
+                self.bindings.append((where_found, namespace, name, namespace[name]))
+            elif name in namespace and isinstance(namespace[name], torch.Tensor):
+                # a global tensor a graph bakes in as a constant: its values are part of the digest,
+                # and assigning it anew or writing it in place fails the check (see CodeCheck)
+                where_found = f"{function.__module__}.{name}"
+                self.entries.append((where_found, _tensor_digest(namespace[name])))
+                self.bindings.append((where_found, namespace, name, namespace[name]))
         self.todo.extend(reversed(found))
 
     def cls(self, cls: type, in_tree: bool = False) -> None:
@@ -302,8 +342,13 @@ class CodeCheck:
         self._groups = [(namespace, operator.itemgetter(*names), tuple(values))
                         for namespace, names, values, _ in groups.values() if len(names) > 1]
         self._absent = [(namespace, tuple(absent)) for namespace, _, _, absent in groups.values() if absent]
+        # global tensors: their version now (an in-place write changes what a graph baked in)
+        self._tensors = [value for _, _, _, value in bindings if isinstance(value, torch.Tensor)]
+        self._versions = [tensor_version(t) for t in self._tensors]
 
     def holds(self) -> bool:
+        if self._tensors and list(map(tensor_version, self._tensors)) != self._versions:
+            return False
         try:
             if not all(map(operator.is_, map(operator.getitem, self._single_namespaces, self._single_names),
                            self._single_values)):
@@ -320,4 +365,8 @@ class CodeCheck:
 
     def what_changed(self) -> str | None:
         """The first lookup that finds something else now, in words; None when :meth:`holds`."""
+        for tensor, version in zip(self._tensors, self._versions):
+            if tensor_version(tensor) != version:
+                where = next(w for w, _, _, value in self.bindings if value is tensor)
+                return f"{where} was written in place"
         return replaced(self.bindings)

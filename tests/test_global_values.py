@@ -1,0 +1,91 @@
+"""Module globals a graph bakes in: a plain value (``SCALE = 2.0``, a flag) or a tensor read by a
+module's code. Changing one after bridging changes what eager code computes; before, the bridged
+model kept running the old graph, silently. Now the code guard fails and the module is extracted
+again (in-process), and the disk cache's code digest tells the values apart (across processes).
+Every test compares with an untouched copy run eagerly (``torch.equal``)."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+
+import nnbridge
+from nnbridge.bridge.code_identity import code_digest
+from nnbridge.bridge.in_place import bridge_of
+
+SCALE = 2.0
+NEGATE = False
+WEIGHTS = torch.ones(3)
+_THIS = sys.modules[__name__]
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) * SCALE * WEIGHTS
+        return -y if NEGATE else y
+
+
+class Outer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Scaled()
+        self.out = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(x))
+
+
+def _model() -> Outer:
+    torch.manual_seed(0)
+    return Outer().eval()
+
+
+@pytest.fixture
+def weights(monkeypatch):
+    """A fresh global tensor for the test (written in place by some tests)."""
+    monkeypatch.setattr(_THIS, "WEIGHTS", torch.ones(3))
+
+
+CHANGES = {
+    "float assigned": lambda monkeypatch: monkeypatch.setattr(_THIS, "SCALE", 3.0),
+    "flag assigned": lambda monkeypatch: monkeypatch.setattr(_THIS, "NEGATE", True),
+    "tensor assigned": lambda monkeypatch: monkeypatch.setattr(_THIS, "WEIGHTS", torch.full((3,), 0.5)),
+    "tensor written in place": lambda monkeypatch: WEIGHTS.mul_(4),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_changed_global_extracts_again_and_equals_eager(change, weights, monkeypatch):
+    model = _model()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3)
+    nnbridge.bridge(model, x)
+    assert torch.equal(model(x), reference(x))
+    CHANGES[change](monkeypatch)
+    got, expected = model(x), reference(x)
+    assert torch.equal(got, expected)
+    extractions = bridge_of(model).dispatcher.all_extractions()
+    assert len(extractions) == 2
+    name = {"float assigned": "SCALE", "flag assigned": "NEGATE"}.get(change, "WEIGHTS")
+    assert name in extractions[-1].reason
+    if change == "tensor written in place":
+        assert "written in place" in extractions[-1].reason
+    assert torch.equal(model(x), reference(x)) and len(bridge_of(model).dispatcher.all_extractions()) == 2
+    nnbridge.unbridge(model)
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_the_code_digest_tells_changed_globals_apart(change, weights, monkeypatch):
+    """What keys the disk cache: a changed global value is another digest, an unchanged one the same."""
+    model = _model()
+    before = code_digest(model)
+    assert code_digest(model) == before
+    CHANGES[change](monkeypatch)
+    assert code_digest(model) != before
