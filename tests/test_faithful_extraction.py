@@ -413,6 +413,41 @@ def test_python_side_effects_make_module_opaque(inner, attribute, front):
         nnbridge.unbridge(model)
 
 
+class CountingChild(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class CountsItsChild(torch.nn.Module):
+    """Sets its child's attribute and reads it (``self.child.calls += 1``): the child holds the
+    state, the parent's code writes it, so the parent runs its own code. Before, only the child was
+    made opaque and the parent's graph kept the count of the extracted call, silently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = CountingChild()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.child.calls += 1
+        return self.child(x) * self.child.calls
+
+
+def test_the_module_writing_another_modules_state_is_the_one_made_opaque():
+    """(In place only: a PatchableGraph's opaque module calls its children through dispatchers,
+    which do not hold the children's attributes: ``self.child.calls`` raises AttributeError there.)"""
+    model = Outer(CountsItsChild()).eval()
+    reference, reasons = _three_calls(model, torch.randn(2, 3), "bridge")
+    assert set(reasons) == {"inner"}
+    assert "'inner.child'" in reasons["inner"] and "calls" in reasons["inner"]
+    assert model.inner.child.calls == reference.inner.child.calls == 3
+    nnbridge.unbridge(model)
+
+
 @pytest.mark.parametrize("inner, attribute", SIDE_EFFECTS)
 def test_extraction_leaves_side_effect_state_untouched(inner, attribute):
     """Extraction's eager runs and its trace put every attribute back: a plain tensor written in

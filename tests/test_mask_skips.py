@@ -47,6 +47,16 @@ def _opaque(model: torch.nn.Module) -> dict[str, str]:
     return reasons
 
 
+def _stays_one_graph_and_equals_eager(model: LlamaForCausalLM) -> None:
+    """Bridged on an unpadded call, ``model.model`` is a graph and the logits equal an untouched copy's."""
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (1, 6))
+    nnbridge.bridge(model, ids)
+    assert "model" not in _opaque(model)
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+    nnbridge.unbridge(model)
+
+
 @pytest.fixture
 def replaced(monkeypatch):
     """``noncausal_sdpa`` registered as ``"sdpa"`` for the test (transformers' registry put back after)."""
@@ -91,13 +101,7 @@ def test_layers_of_the_opaque_model_stay_patchable(replaced):
 
 def test_stock_sdpa_is_extracted_as_a_graph():
     """transformers' own sdpa is equal with the explicit mask: the model stays one graph."""
-    model = _llama()
-    reference = copy.deepcopy(model)
-    ids = torch.randint(0, 100, (1, 6))
-    nnbridge.bridge(model, ids)
-    assert "model" not in _opaque(model)
-    assert torch.equal(model(ids).logits, reference(ids).logits)
-    nnbridge.unbridge(model)
+    _stays_one_graph_and_equals_eager(_llama())
 
 
 def test_padded_call_builds_the_mask_in_eager_too_and_stays_a_graph(replaced):
@@ -118,12 +122,7 @@ def test_function_under_its_own_name_is_extracted_and_equals_eager(monkeypatch):
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "noncausal", noncausal_sdpa)
     model = _llama()
     model.config._attn_implementation = "noncausal"
-    reference = copy.deepcopy(model)
-    ids = torch.randint(0, 100, (1, 6))
-    nnbridge.bridge(model, ids)
-    assert "model" not in _opaque(model)
-    assert torch.equal(model(ids).logits, reference(ids).logits)
-    nnbridge.unbridge(model)
+    _stays_one_graph_and_equals_eager(model)
 
 
 def test_root_that_builds_the_mask_is_opaque_and_equals_eager(replaced):

@@ -18,15 +18,15 @@ A graph replays the tensor operations of one traced call. It does not replay:
   attribute, written in place (``self.total.add_(x)``, ``self.slots[0].add_(x)``), a value set on
   a config-like attribute (``self.config.scale = 2``).
 
-:class:`CaptureWatch` notices these while exporting and names the module at fault (for state, the
-module holding it); extraction then makes that module opaque (its original code runs eagerly), like
-a module export cannot trace.
+:class:`CaptureWatch` notices these while exporting and names the module at fault; extraction
+then makes that module opaque (its original code runs eagerly), like a module export cannot trace.
 
 What cannot be detected: writes to globals, closures or objects not reachable from a module's own
 ``__dict__`` (a list held by a helper object), changes inside nested containers (a list inside a
 dict attribute, a tensor two levels down), mutating an element of a list in place, printing and
 other I/O. Such modules are extracted as graphs and the effect does not happen when the graph runs.
-A module writing another module's attribute makes the holder opaque, not the writer.
+A side effect on one module's state made by an enclosing module's code (``self.child.n += 1``)
+makes the writer opaque (:func:`state_writer` finds it by one more eager run).
 
 :func:`preserved_state` keeps extraction's own eager runs (observed runs of opaque modules,
 example recording) from changing parameters, buffers, module attributes (plain tensor attributes'
@@ -83,12 +83,15 @@ class UnfaithfulCaptureError(NNBridgeError):
         grad_mode: the forward changes grad mode or autocast (export must ignore those changes to
             trace through it).
         fix: what the user can do to have the module extracted (None: the default advice).
+        holder: for a side effect on module state, the path of the module holding that state
+            (the writer may be an enclosing module: see :func:`state_writer`); else None.
     """
 
-    def __init__(self, message: str, grad_mode: bool = False, fix: str | None = None):
+    def __init__(self, message: str, grad_mode: bool = False, fix: str | None = None, holder: str | None = None):
         super().__init__(message)
         self.grad_mode = grad_mode
         self.fix = fix
+        self.holder = holder
 
 
 def _copy_container(value: Any) -> Any:
@@ -321,8 +324,48 @@ class CaptureWatch:
         for fqn, changed in self.changes.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(
-                    f"{', '.join(changed)} in forward, a Python side effect a graph does not repeat"))]
+                    f"{', '.join(changed)} in forward, a Python side effect a graph does not repeat", holder=fqn))]
         return []
+
+
+def state_writer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], holder: str,
+                 grad_enabled: bool) -> str:
+    """The path of the module whose own code changed ``holder``'s state (see :meth:`ModuleState.changes`)
+    in one eager run of the call: the module running between the two module-call boundaries across
+    which the state changed (``holder`` itself, or an enclosing module writing its child's
+    attribute, ``self.child.n += 1``). ``holder`` when the run shows no change or raises. Module
+    state and random state are put back after the run (:func:`preserved_state`)."""
+    from .module_tree import named_real_modules
+    from .recording import observed_run
+    from .kinds import HookKind
+
+    modules = list(named_real_modules(module))
+    target = dict(modules)[holder]
+    active: list[str] = []
+    state = [ModuleState(target, clone=False)]
+    writers: list[str] = []
+
+    def check() -> None:  # the code run since the last boundary is the innermost active module's
+        if not writers and state[0].changes():
+            writers.append(active[-1] if active else "")
+        state[0] = ModuleState(target, clone=False)
+
+    def enter(fqn: str) -> Any:
+        def pre(mod: torch.nn.Module, a: Any, k: Any) -> None:
+            check()
+            active.append(fqn)
+        return pre
+
+    def leave(mod: torch.nn.Module, a: Any, k: Any, out: Any) -> None:
+        check()
+        active.pop()
+    hooks = [hook for fqn, sub in modules for hook in ((sub, HookKind.PRE, enter(fqn)), (sub, HookKind.POST, leave))]
+    try:
+        with preserved_state(modules):
+            observed_run(module, args, kwargs, hooks, grad=grad_enabled)
+    except Exception:  # noqa: BLE001 - the holder, as export found it
+        return holder
+    return writers[0] if writers else holder
 
 
 class EagerFindings(NamedTuple):

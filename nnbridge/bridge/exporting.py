@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .capture_checks import CaptureWatch, UnfaithfulCaptureError
+from .capture_checks import CaptureWatch, UnfaithfulCaptureError, state_writer
 from .cleanup import plain_value
 from .kinds import StubKind
 from .module_tree import CONTAINERS, aliases_hidden, named_real_modules
@@ -105,6 +105,19 @@ class ModuleFailure(Exception):
         super().__init__(fqn)
         self.fqn, self.error, self.states = fqn, error, states
         self.more: Sequence[tuple[str, BaseException]] = more or []  # further modules at fault found by the same export
+
+
+def _writer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], fqn: str,
+            error: UnfaithfulCaptureError, grad_enabled: bool) -> tuple[str, UnfaithfulCaptureError]:
+    """A side effect on ``fqn``'s state is the fault of the module whose code made it (an enclosing
+    module writing its child's attribute: its graph would bake the value in); others stay as found."""
+    if error.holder is None:
+        return fqn, error
+    writer = state_writer(module, args, kwargs, error.holder, grad_enabled)
+    if writer == fqn:
+        return fqn, error
+    where = f"'{fqn}'" if fqn else "the root module"
+    return writer, UnfaithfulCaptureError(f"changes the state of {where}: {error}", holder=error.holder)
 
 
 def caller_of(module: torch.nn.Module, fqn: str) -> str:
@@ -229,6 +242,7 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
                 continue
             faults = watch.faults(exported)  # traced, but a graph would differ from the eager code
             if faults:
+                faults = [_writer(module, args, kwargs, fqn, error, grad_enabled) for fqn, error in faults]
                 raise ModuleFailure(faults[0][0], faults[0][1], states, faults[1:])
             return exported, use_dynamic, states
         assert last is not None  # every attempt failed: each set ``last``
