@@ -38,7 +38,7 @@ def assert_outputs_equal(got, want):
 
 
 # -- item 10: output_attentions / output_hidden_states ------------------------------------------------
-@pytest.mark.no_extraction_cache  # nnbridge's cache key misses the config flags these set (served the wrong program)
+@pytest.mark.no_extraction_cache  # each case extracts for itself (the key tells the config flags apart now)
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("capture", CAPTURE, ids=lambda c: "+".join(c))
 @pytest.mark.parametrize("name", list(MODELS))

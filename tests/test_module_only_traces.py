@@ -205,7 +205,7 @@ def test_stored_edit_reading_an_op_runs_the_graphs():
     assert torch.equal(out, reference._module(IDS).logits)
 
 
-@pytest.mark.no_extraction_cache  # nnbridge's cache key misses attn_implementation: llama-sdpa got llama's program
+@pytest.mark.no_extraction_cache  # each case extracts for itself (the key tells sdpa and eager apart now)
 @pytest.mark.parametrize("factory", [gpt2, llama, lambda: llama("sdpa"), gemma3], ids=["gpt2", "llama", "llama-sdpa",
                                                                                     "gemma3"])
 def test_every_op_envoy_name_counts_as_a_possible_op(factory):

@@ -8,8 +8,9 @@ from nbclient import NotebookClient
 
 from utils import shared_dir
 
-# the kernels inherit the cache switch: off, as before (with the disk cache on, extracting a model
-# class defined in a notebook fails in nnbridge's source fingerprint: "source code not available")
+# the kernels inherit the cache switch: off, so each notebook extracts for itself (a model class
+# defined in a notebook cell has no source file and is never cached anyway: see
+# test_disk_cache.test_class_without_source_is_never_cached; with the cache on they pass and take as long)
 pytestmark = pytest.mark.no_extraction_cache
 
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))

@@ -6,7 +6,9 @@ import torch
 from nnbridge import CompiledGraphModule, PatchableGraph, ProbePatch, ZeroPatch
 from utils import EXTRACTION_MODES, assert_same, gpt2, graph_modules, llama, padded_batch
 
-pytestmark = pytest.mark.no_extraction_cache  # nnbridge's cache key misses attn_implementation: llama sdpa was served llama eager's program
+# cache off: each test extracts for itself, whatever order xdist runs the files in (the key tells sdpa and
+# eager apart now, see test_disk_cache.test_attention_implementation_misses)
+pytestmark = pytest.mark.no_extraction_cache
 
 
 MODELS = {"gpt2-eager": lambda: gpt2("eager"), "gpt2-sdpa": lambda: gpt2("sdpa"),
