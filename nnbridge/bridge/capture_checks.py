@@ -36,7 +36,7 @@ values and config-like objects' values included) or the CPU RNG.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Set as AbstractSet
+from collections.abc import Callable, Iterator, Sequence, Set as AbstractSet
 from typing import Any, NamedTuple
 
 import torch
@@ -328,6 +328,41 @@ class CaptureWatch:
         return []
 
 
+def _run_with_call_stack(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         grad_enabled: bool, active: list[str], watches: Sequence[contextlib.AbstractContextManager[Any]],
+                         boundary: Callable[[], None] | None = None) -> bool:
+    """One eager run of the call under ``grad_enabled`` with ``watches`` entered, keeping ``active``
+    the stack of the running modules' paths (the root is ``""``) and calling ``boundary()`` at every
+    module-call boundary, before the stack changes. Module state and random state are put back
+    after the run (:func:`preserved_state`). False when the run raised."""
+    from .module_tree import named_real_modules
+    from .recording import observed_run
+    from .kinds import HookKind
+
+    modules = list(named_real_modules(module))
+
+    def enter(fqn: str) -> Any:
+        def pre(mod: torch.nn.Module, a: Any, k: Any) -> None:
+            if boundary is not None:
+                boundary()
+            active.append(fqn)
+        return pre
+
+    def leave(mod: torch.nn.Module, a: Any, k: Any, out: Any) -> None:
+        if boundary is not None:
+            boundary()
+        active.pop()
+    hooks = [hook for fqn, sub in modules for hook in ((sub, HookKind.PRE, enter(fqn)), (sub, HookKind.POST, leave))]
+    try:
+        with preserved_state(modules), contextlib.ExitStack() as stack:
+            for watch in watches:
+                stack.enter_context(watch)
+            observed_run(module, args, kwargs, hooks, grad=grad_enabled)
+    except Exception:  # noqa: BLE001 - the callers fall back to what export finds
+        return False
+    return True
+
+
 def state_writer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], holder: str,
                  grad_enabled: bool) -> str:
     """The path of the module whose own code changed ``holder``'s state (see :meth:`ModuleState.changes`)
@@ -336,11 +371,8 @@ def state_writer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     attribute, ``self.child.n += 1``). ``holder`` when the run shows no change or raises. Module
     state and random state are put back after the run (:func:`preserved_state`)."""
     from .module_tree import named_real_modules
-    from .recording import observed_run
-    from .kinds import HookKind
 
-    modules = list(named_real_modules(module))
-    target = dict(modules)[holder]
+    target = dict(named_real_modules(module))[holder]  # (paths as export's watch named them)
     active: list[str] = []
     state = [ModuleState(target, clone=False)]
     writers: list[str] = []
@@ -349,21 +381,7 @@ def state_writer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         if not writers and state[0].changes():
             writers.append(active[-1] if active else "")
         state[0] = ModuleState(target, clone=False)
-
-    def enter(fqn: str) -> Any:
-        def pre(mod: torch.nn.Module, a: Any, k: Any) -> None:
-            check()
-            active.append(fqn)
-        return pre
-
-    def leave(mod: torch.nn.Module, a: Any, k: Any, out: Any) -> None:
-        check()
-        active.pop()
-    hooks = [hook for fqn, sub in modules for hook in ((sub, HookKind.PRE, enter(fqn)), (sub, HookKind.POST, leave))]
-    try:
-        with preserved_state(modules):
-            observed_run(module, args, kwargs, hooks, grad=grad_enabled)
-    except Exception:  # noqa: BLE001 - the holder, as export found it
+    if not _run_with_call_stack(module, args, kwargs, grad_enabled, active, (), boundary=check):
         return holder
     return writers[0] if writers else holder
 
@@ -394,19 +412,9 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
 
     Module state and random state are put back after the run (:func:`preserved_state`). Both
     lists are empty when the eager run raises (export reports what the run could not show)."""
-    from .module_tree import named_real_modules
-    from .recording import observed_run
-    from .kinds import HookKind
-
     active: list[str] = []
     grad_mode: dict[str, None] = {}
     mask_skips: dict[str, None] = {}
-
-    def enter(fqn: str) -> Any:
-        return lambda mod, a, k: active.append(fqn)
-
-    def leave(mod: torch.nn.Module, a: Any, k: Any, out: Any) -> None:
-        active.pop()
 
     def changed() -> None:
         if active and active[-1]:
@@ -414,11 +422,7 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
 
     def skipped() -> None:
         mask_skips.setdefault(active[-1] if active else "")
-    hooks = [hook for fqn, sub in named_real_modules(module)
-             for hook in ((sub, HookKind.PRE, enter(fqn)), (sub, HookKind.POST, leave))]
-    try:
-        with preserved_state(list(named_real_modules(module))), grad_mode_changes(changed), mask_skips_seen(skipped):
-            observed_run(module, args, kwargs, hooks, grad=grad_enabled)
-    except Exception:  # noqa: BLE001 - export reports what the eager run could not show
+    if not _run_with_call_stack(module, args, kwargs, grad_enabled, active,
+                                (grad_mode_changes(changed), mask_skips_seen(skipped))):
         return EagerFindings([], [])
     return EagerFindings(list(grad_mode), list(mask_skips))
