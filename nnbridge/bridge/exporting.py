@@ -25,7 +25,7 @@ from .module_tree import CONTAINERS, aliases_hidden, named_real_modules
 from .recording import copy_inputs, stub_output
 from .reuse import (CacheTrace, ReuseFallback, ReusePlan, cache_indices, cache_updates_traced, reads_watched,
                     sibling_stub)
-from .state import Key, UntouchedLayers, state_keys, states_returned
+from .state import Key, UntouchedLayers, argument, state_keys, states_returned
 from ..compat import cache_layers, export
 from ..compat.output_capturing import active_collector
 from ..compat.pytree import pytree
@@ -33,14 +33,25 @@ from ..compat.pytree import pytree
 
 class ExportRoot(torch.nn.Module):
     """Export root whose child ``model`` is the user's module, so the module's own call signature
-    is preserved like every other submodule's."""
+    is preserved like every other submodule's. When the module is called with stateful arguments
+    (a transformers Cache), the root returns ``(output, [tensors each argument holds after the
+    call])``: the state the module wrote stays live in the program (only the module's own graph is
+    built, so the extra outputs change nothing else)."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self.model = module
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.model(*args, **kwargs)
+        output = self.model(*args, **kwargs)
+        keys = state_keys(args, kwargs)
+        if not keys:
+            return output
+        # the state the module wrote into its stateful arguments (see .state) is an output of the
+        # program too: export would drop a tensor the module only stores (a sliding-window cache
+        # layer's truncated keys), leaving None where eager leaves the tensor
+        written = [pytree.tree_leaves(argument(args, kwargs, key)) for key in keys]
+        return output, [[leaf for leaf in leaves if isinstance(leaf, torch.Tensor)] for leaves in written]
 
 
 SCALARS = (bool, int, float, complex, str)
