@@ -111,13 +111,12 @@ class ModuleState:
                             else None) for n, b in buffers_of(module).items()}
         self.attributes = {k: (v, _copy_container(v)) for k, v in module.__dict__.items()
                            if k not in _INTERNAL and not isinstance(v, torch.nn.Module)}
-        # plain tensor attributes (not parameters or buffers) and config-like objects: their
-        # contents, which in-place writes (``self.acc.add_(x)``, ``self.config.scale = 2``) change
-        self.tensors = {k: (v, tensor_version(v), v.detach().clone() if clone else None)
-                        for k, (v, _) in self.attributes.items() if isinstance(v, torch.Tensor)}
-        # tensors one level inside list/tuple/dict attributes (``self.slots[0].add_(x)``)
-        self.held = {(k, i): (t, tensor_version(t), t.detach().clone() if clone else None)
-                     for k, (v, _) in self.attributes.items() for i, t in _held_tensors(v)}
+        # plain tensor attributes (not parameters or buffers; index None) and tensors one level
+        # inside list/tuple/dict attributes (their index or key), and config-like objects: their
+        # contents, which in-place writes (``self.acc.add_(x)``, ``self.slots[0].add_(x)``,
+        # ``self.config.scale = 2``) change
+        self.tensors = {(k, i): (t, tensor_version(t), t.detach().clone() if clone else None)
+                        for k, (v, _) in self.attributes.items() for i, t in _held_tensors(v)}
         self.configs = {k: (v, dict(vars(v))) for k, (v, _) in self.attributes.items() if config_like(k, v)}
 
     def changes(self) -> list[str]:
@@ -140,16 +139,18 @@ class ModuleState:
                 found.append(f"sets attribute '{name}'")
             elif copied is not None and not _same_container(value, copied):
                 found.append(f"mutates attribute '{name}' ({type(value).__name__})")
-        for name, (tensor, version, _) in self.tensors.items():
-            if current.get(name) is tensor and tensor_version(tensor) != version:
+        held: set[str] = set()
+        for (name, index), (tensor, version, _) in self.tensors.items():
+            if tensor_version(tensor) == version:
+                continue
+            if index is None and current.get(name) is tensor:
                 found.append(f"writes its tensor attribute '{name}' in place")
+            elif index is not None and name not in held:
+                held.add(name)
+                found.append(f"writes a tensor held in its attribute '{name}' in place")
         for name, (config, values) in self.configs.items():
             if current.get(name) is config and not _same_container(vars(config), values):
                 found.append(f"sets a value of its config-like attribute '{name}'")
-        for (name, _), (tensor, version, _) in self.held.items():
-            if tensor_version(tensor) != version:
-                found.append(f"writes a tensor held in its attribute '{name}' in place")
-                break
         return found
 
     def restore(self) -> list[str]:
@@ -181,23 +182,22 @@ class ModuleState:
             if copied is not None and not _same_container(value, copied):
                 value.clear()
                 value.update(copied) if not isinstance(value, list) else value.extend(copied)
-        for name, (tensor, version, copy) in self.tensors.items():
+        for tensor, version, copy in self.tensors.values():
             if copy is not None and (tensor_version(tensor) != version or not torch.equal(tensor, copy)):
                 with torch.no_grad():
                     tensor.copy_(copy)
-        for name, (config, values) in self.configs.items():
+        for config, values in self.configs.values():
             if not _same_container(vars(config), values):
                 vars(config).clear()
                 vars(config).update(values)
-        for tensor, version, copy in self.held.values():
-            if copy is not None and (tensor_version(tensor) != version or not torch.equal(tensor, copy)):
-                with torch.no_grad():
-                    tensor.copy_(copy)
         return lost
 
 
 def _held_tensors(value: Any) -> list[tuple[Any, torch.Tensor]]:
-    """``(index or key, tensor)`` for the tensors directly inside a list, tuple or dict."""
+    """``(None, value)`` for a tensor, ``(index or key, tensor)`` for the tensors directly inside a
+    list, tuple or dict; [] otherwise."""
+    if isinstance(value, torch.Tensor):
+        return [(None, value)]
     if type(value) in (list, tuple):
         return [(i, t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
     if type(value) is dict:
