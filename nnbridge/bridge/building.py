@@ -53,8 +53,12 @@ class GraphBuilder:
                  input_spec: pytree.TreeSpec | None = None, states: dict[str, list[list[Key]]] | None = None,
                  constants: dict[tuple[str, int], dict[int, Any]] | None = None,
                  example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}), reuse: ReusePlan | None = None,
-                 untouched: dict[str, list[UntouchedLayers | None]] | None = None):
+                 untouched: dict[str, list[UntouchedLayers | None]] | None = None,
+                 holders: dict[str, list[Any]] | None = None):
         self.ctx, self.unflattened, self.stubs, self.calls = ctx, unflattened, stubs, calls
+        # {submodule path: its invocation holders}, in place of the unflattened program's (copies of
+        # a representative's pristine graphs, see .sibling_roots); None: the program's own
+        self.holders = holders
         self.input_spec = input_spec
         self.states = states or {}
         self.untouched = untouched or {}  # {path: [cache layers untouched per invocation]}, see .state
@@ -67,7 +71,14 @@ class GraphBuilder:
         # {sibling: {representative's lifted constant: (the sibling's name for it, its value)}}
         self.lifted: dict[str, dict[str, tuple[str, Any]]] = {}
 
-    def number_calls(self, holder: torch.nn.Module) -> None:
+    def invocations(self, fqn: str) -> list[Any]:
+        """The holders of submodule ``fqn``'s invocation graphs (unflattened modules, or
+        :class:`~.reuse.ReusedHolder` copies), in call order."""
+        if self.holders is not None:
+            return self.holders[fqn]
+        return invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))
+
+    def number_calls(self, holder: Any) -> None:
         """Number every submodule call of the unflattened graphs, from the root graph ``holder``
         down, before any graph is built: invocation ``k`` of a module is its ``k``-th call in
         the program, also when an earlier caller's graph is dead code or fell back to opaque
@@ -84,7 +95,7 @@ class GraphBuilder:
                 self.numbers[node] = invocation = counts[child_fqn]
                 counts[child_fqn] += 1
                 if child_fqn not in self.stubs:
-                    walk(child_fqn, invocation_graphs(self.unflattened.get_submodule(f"model.{child_fqn}"))[invocation])
+                    walk(child_fqn, self.invocations(child_fqn)[invocation])
         try:
             walk("", holder)
         except Exception:  # noqa: BLE001 - an unexpected structure: count while building instead
@@ -122,7 +133,7 @@ class GraphBuilder:
         holder, graph, numbers = entry
         extras = 0
         if fqn in self.reuse.siblings:  # the sibling's own call must pass what the graph expects
-            stub = invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))[invocation]
+            stub = self.invocations(fqn)[invocation]
             mine, theirs = placeholder_signature(cast(Graph, stub.graph)), placeholder_signature(graph)
             # the representative's leading extra inputs (a tensor unflatten passes for a symbolic
             # size) must be unused once built (see child)
@@ -148,7 +159,7 @@ class GraphBuilder:
             theirs = sorted({str(n.target) for (path, _), (_, g, _) in self.pristine.items()
                              if path == rep or path.startswith(f"{rep}.") for n in g.nodes
                              if n.op == "get_attr" and _LIFTED.fullmatch(str(n.target))}, key=_number)
-            stub = invocation_graphs(self.unflattened.get_submodule(f"model.{sibling}"))[0]
+            stub = self.invocations(sibling)[0]
             mine = sorted({str(n.target) for n in cast(Graph, stub.graph).nodes
                            if n.op == "get_attr" and _LIFTED.fullmatch(str(n.target))}, key=_number)
             self.lifted[sibling] = ({t: (m, resolve_attr(stub, m)) for t, m in zip(theirs, mine)}
@@ -207,7 +218,7 @@ class GraphBuilder:
                 if fqn in self.reuse.siblings:
                     cgm.graph_meta.reused_from = self.ctx.full(source)
                 return cgm
-            graphs = invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))
+            graphs = self.invocations(fqn)
             return self.build(fqn, module, graphs[invocation], invocation)
         except (ExtractionError, ReuseFallback):
             raise  # deliberate and loud (a malformed custom graph; a failure under the error option)

@@ -22,6 +22,7 @@ from .call_structure import ShapeGuard
 from .graph_module import CompiledGraphModule, OpaqueGraphModule
 from .guards import StateGuard
 from .options import ExtractionOptions
+from .sibling_roots import RootWatch, SharedRoot, SiblingLink
 from ..errors import ExtractionError, NNBridgeWarning, warn
 
 if TYPE_CHECKING:  # annotations only: the dispatcher layer imports this module
@@ -46,6 +47,8 @@ class Extraction:
         state: the module state it bakes in (:class:`~nnbridge.bridge.guards.StateGuard`), set by
             the dispatcher that made it.
         reason: why it was made: ``"first call"``, or the guard that failed for the call.
+        shared: set when it is a representative's whose siblings may build their graphs from it
+            (:class:`~.sibling_roots.SharedRoot`, see :mod:`.sibling_roots`).
     """
 
     root: CompiledGraphModule | OpaqueGraphModule
@@ -54,6 +57,7 @@ class Extraction:
     example: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     state: StateGuard | None = None
     reason: str = "first call"
+    shared: SharedRoot | None = None
 
 
 class ChildDispatcher(Protocol):
@@ -61,6 +65,10 @@ class ChildDispatcher(Protocol):
     (:class:`~nnbridge.bridge.dispatcher.GraphDispatcher`)."""
 
     def add_extraction(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction: ...
+
+    def pair(self, watch: RootWatch | None, sibling: SiblingLink | None) -> None:
+        """Make it a representative whose export is watched, or a sibling of another dispatcher
+        (see :mod:`.sibling_roots`), for its next extractions."""
 
 
 #: ``(child module, its NodePath) -> ChildDispatcher``: supplied by the dispatcher layer, so

@@ -38,6 +38,7 @@ from .guards import StateGuard
 from .locking import CALL_LOCK
 from .op_point import OpPoint, OpPointContainer
 from .options import ExtractionOptions
+from .sibling_roots import RootWatch, SiblingLink
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,10 @@ class GraphDispatcher(torch.nn.Module):
     _pytrees_registered: bool
     #: ``module`` and its submodules (op points excluded): whose train/eval flags key a call
     flag_modules: list[torch.nn.Module]
+    #: set when ``module`` is the representative of its siblings (see :mod:`.sibling_roots`)
+    watch: RootWatch | None
+    #: set when ``module`` is a sibling: its extractions are built from its representative's when they fit
+    sibling: SiblingLink | None
 
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, *, path: str = "",
                  on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None):
@@ -127,6 +132,15 @@ class GraphDispatcher(torch.nn.Module):
         # (not here: the registration imports torch's Dynamo and transformers' exporters, seconds
         # that a model only ever run eagerly, see .envoys.op_reads, never needs)
         self.__dict__["_pytrees_registered"] = False
+        self.__dict__["watch"] = None
+        self.__dict__["sibling"] = None
+
+    def pair(self, watch: RootWatch | None, sibling: SiblingLink | None) -> None:
+        """Make ``module`` the representative of its siblings (its exports watch ``watch``'s
+        attributes) or a sibling (``sibling``: its extractions are built from one of its
+        representative's dispatcher's when that fits the call; see :mod:`.sibling_roots`)."""
+        self.__dict__["watch"] = watch
+        self.__dict__["sibling"] = sibling
 
     def all_extractions(self) -> list[Extraction]:
         """Every extraction kept (not evicted), first one first."""
@@ -144,8 +158,10 @@ class GraphDispatcher(torch.nn.Module):
         key = self.structure_key(args, kwargs) if key is None else key
         # each graph's code is generated once, after the callbacks (an in-place bridge's link) edited it
         with code_generation_deferred():
-            extraction = extract(self.module, args, kwargs, self.options, path=self.path,
-                                 on_extraction=self.on_extraction)
+            extraction = self._from_representative(args, kwargs)
+            if extraction is None:
+                extraction = extract(self.module, args, kwargs, self.options, path=self.path,
+                                     on_extraction=self.on_extraction, watch=self.watch)
             extraction.reason = reason
             extraction.state = StateGuard(self.module, opaque=self._opaque_ids(extraction), skip=_nnbridge_child,
                                           path=self.path)
@@ -157,6 +173,24 @@ class GraphDispatcher(torch.nn.Module):
             for callback in list(self.on_extraction):
                 callback(self, extraction)
         return extraction
+
+    def _from_representative(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction | None:
+        """An extraction built from one of the representative's that serves this call (the most
+        recently used first), or None (see :mod:`.sibling_roots`)."""
+        if self.sibling is None:
+            return None
+        representative = cast(GraphDispatcher, self.sibling.representative)
+        for _, candidate in reversed(representative._recency.values()):
+            if candidate.shared is not None:
+                extraction = _extraction.extract_sibling(
+                    self.module, args, kwargs, self.options, candidate.shared, self.sibling.index,
+                    child_dispatcher=self._child_dispatcher, path=self.path, on_extraction=self.on_extraction)
+                if extraction is not None:
+                    return extraction
+        return None
+
+    def _child_dispatcher(self, child: torch.nn.Module, child_path: str) -> GraphDispatcher:
+        return GraphDispatcher(child, self.options, path=child_path, on_extraction=self.on_extraction)
 
     def structure_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         """The structure key of a call to this dispatcher's module (see
@@ -254,7 +288,8 @@ class GraphDispatcher(torch.nn.Module):
 
 def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             options: ExtractionOptions | None = None, *, path: str = "",
-            on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None) -> Extraction:
+            on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None,
+            watch: RootWatch | None = None) -> Extraction:
     """Extract ``module`` for the call ``module(*args, **kwargs)``; the children of its opaque
     modules are called through :class:`GraphDispatcher`\\ s (extracted per call structure).
 
@@ -270,4 +305,4 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     def child_dispatcher(child: torch.nn.Module, child_path: str) -> GraphDispatcher:
         return GraphDispatcher(child, options, path=child_path, on_extraction=callbacks)
     return _extraction.extract(module, args, kwargs, options, child_dispatcher=child_dispatcher, path=path,
-                               on_extraction=callbacks)
+                               on_extraction=callbacks, watch=watch)

@@ -23,6 +23,7 @@ from .cleanup import plain_value
 from .kinds import StubKind
 from .module_tree import CONTAINERS, aliases_hidden, named_real_modules
 from .recording import copy_inputs, stub_output
+from .sibling_roots import RootWatch
 from .reuse import (CacheTrace, ReuseFallback, ReusePlan, cache_indices, cache_updates_traced, reads_watched,
                     sibling_stub)
 from .state import Key, UntouchedLayers, argument, state_keys, states_returned
@@ -142,7 +143,8 @@ def caller_of(module: torch.nn.Module, fqn: str) -> str:
 def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
             calls: dict[str, list], dynamic: bool, grad_enabled: bool = False,
             traced: AbstractSet[str] = frozenset(), frozen: AbstractSet[str] = frozenset(),
-            reuse: ReusePlan | None = None, untouched: dict[str, list[UntouchedLayers | None]] | None = None
+            reuse: ReusePlan | None = None, untouched: dict[str, list[UntouchedLayers | None]] | None = None,
+            root_watch: RootWatch | None = None, watch_reads: list[str] | None = None
             ) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
     """Export once (dynamic, then static on failure); raise ModuleFailure naming the innermost
     module that was running when export failed.
@@ -156,7 +158,11 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     call (``{path: [keys per invocation]}``). ``reuse``'s siblings are stubbed with outputs shaped
     as their representative's (see :mod:`.reuse`); :class:`~.reuse.ReuseFallback` when unsafe.
     ``untouched``, when given, is filled with the cache layers each threaded call's code never
-    touched (see :func:`~.state.states_returned`), for the successful attempt.
+    touched (see :func:`~.state.states_returned`), for the successful attempt. ``root_watch`` (the
+    module is the representative of its siblings, see :mod:`.sibling_roots`) watches its attributes
+    that differ between them: their reads, and touches of cache layers other than its own, are put
+    in ``watch_reads`` (not raised: they only make the program unshareable); with ``reuse``
+    siblings of its own, any read raises :class:`~.reuse.ReuseFallback` as without ``root_watch``.
     """
     reuse = reuse or ReusePlan()
     wrapper = ExportRoot(module)
@@ -204,8 +210,10 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     for rep in reuse.representatives():
         handles.append(module.get_submodule(rep).register_forward_hook(saw(rep), with_kwargs=True))
     reps = tuple(reuse.representatives())
-    trace = CacheTrace(rep_active=lambda: any(a == r or a.startswith(f"{r}.") for a in active for r in reps))
-    indices = cache_indices(reuse, module)
+    trace = CacheTrace(rep_active=lambda: bool(root_watch and root_watch.indices)
+                       or any(a == r or a.startswith(f"{r}.") for a in active for r in reps))
+    indices = cache_indices(reuse, module) | (root_watch.indices if root_watch is not None else frozenset())
+    watched = [*reuse.watched, *(root_watch.watched if root_watch is not None else ())]
     for sibling, rep in reuse.siblings.items():
         rep_modules = frozenset(id(sub) for _, sub in named_real_modules(module.get_submodule(rep)))
         module.get_submodule(sibling).__dict__["forward"] = sibling_stub(sibling, rep, seen, reuse.caches.get(sibling),
@@ -220,6 +228,8 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
             stub_counters.clear()
             seen.clear()
             trace.updates.clear()
+            if watch_reads is not None:
+                watch_reads.clear()
             if untouched is not None:
                 untouched.clear()
             # size-1 dimensions are specialised by export anyway (0/1 specialisation); leaving them
@@ -232,12 +242,14 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
                 # (a container's repeated entry: its owner is stubbed, see .module_tree)
                 inputs = copy_inputs((args, kwargs))
                 with cache_layers.layer_touches(), states_returned(threaded, untouched) as states, watch.watching(frozen), \
-                        aliases_hidden(module, in_containers=True), reads_watched(reuse.watched, indices) as reads, \
-                        (cache_updates_traced(trace) if reuse.caches else contextlib.nullcontext()):
+                        aliases_hidden(module, in_containers=True), reads_watched(watched, indices) as reads, \
+                        (cache_updates_traced(trace) if reuse.caches or indices else contextlib.nullcontext()):
                     exported = export(wrapper, inputs, dynamic_shapes=shapes, preserve_module_call_signature=fqns,
                                       grad_enabled=grad_enabled, duck_sized=custom_pytree_leaves(*inputs))
                 reads += trace.uses
-                if reads:
+                if reads and root_watch is not None and watch_reads is not None and not reuse.siblings:
+                    watch_reads[:] = sorted(set(reads))
+                elif reads:
                     raise ReuseFallback(f"export read attributes that differ between siblings: {sorted(set(reads))}")
             except ReuseFallback:
                 raise

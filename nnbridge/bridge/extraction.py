@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 from collections.abc import Callable, Iterator
@@ -52,7 +53,9 @@ from .disk_cache import default_cache
 from .memory_cache import PROGRAM_RECORD, memory_cache
 from .options import ExtractionOptions
 from .recording import record_calls
-from .reuse import ReuseFallback, ReusePlan, check_reused_export, confirm as confirm_reuse, plan as reuse_plan
+from . import sibling_roots
+from .sibling_roots import CallShape, RootWatch, SharedRoot
+from .reuse import ReuseFallback, ReusePlan, check_reused_export, rebind_cache_state, confirm as confirm_reuse, plan as reuse_plan
 from .state import state_keys
 from ..compat import (cleared_module_state, constant_outputs, copy_spec, forget_export_state,
                       generated_code_released, invocation_graphs, offloaded_weights_loaded, register_cache_pytrees,
@@ -72,7 +75,8 @@ if TYPE_CHECKING:  # annotations only: the dispatcher layer imports this module
 
 def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             options: ExtractionOptions | None = None, *, child_dispatcher: ChildDispatcherFactory, path: str = "",
-            on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None) -> Extraction:
+            on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None,
+            watch: RootWatch | None = None) -> Extraction:
     """Extract ``module`` for the call ``module(*args, **kwargs)``.
 
     The module is left exactly as it was: its hooks and instance ``forward`` overrides are cleared
@@ -88,6 +92,10 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             (``GraphDispatcher``; :func:`nnbridge.bridge.dispatcher.extract` passes it).
         path: NodePath prefix for messages (when extracting a child of an opaque module).
         on_extraction: callbacks run on every later extraction made by dispatchers in this tree.
+        watch: ``module`` is the representative of its siblings (see :mod:`.sibling_roots`): its
+            export watches the attributes that differ between them, and the result is
+            :attr:`Extraction.shared` when they may build their graphs from it (with
+            ``options.reuse_layers``).
 
     Returns:
         An :class:`Extraction`.
@@ -108,7 +116,7 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     with CALL_LOCK, fx_patches_confined(CALL_LOCK), locked_calls(module.modules()), collector_suspended(), \
             generated_code_released(), garbage_collection_paused():
         try:
-            return _extract(module, args, kwargs, options, path, on_extraction, child_dispatcher)
+            return _extract(module, args, kwargs, options, path, on_extraction, child_dispatcher, watch)
         finally:  # else torch's globals keep this trace, and through it the model, alive
             forget_export_state()
             release_free_heap()  # the trace's freed memory back to the system (see compat.allocator)
@@ -140,7 +148,7 @@ def garbage_collection_paused() -> Iterator[None]:
 def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              options: ExtractionOptions | None, path: str,
              on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None,
-             child_dispatcher: ChildDispatcherFactory) -> Extraction:
+             child_dispatcher: ChildDispatcherFactory, watch: RootWatch | None = None) -> Extraction:
     options = options or ExtractionOptions()
     ctx = ExtractionContext(module, options, path, on_extraction if on_extraction is not None else [], child_dispatcher)
     # extraction's eager runs must not consume random numbers (dropout in train mode) nor change
@@ -151,7 +159,8 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         register_cache_pytrees(module)
         fallback: ReuseFallback | None = None
         try:
-            root, guard = _extract_root(ctx, args, kwargs, reuse=options.reuse_layers)
+            root, guard = _extract_root(ctx, args, kwargs, reuse=options.reuse_layers,
+                                        watch=watch if options.reuse_layers else None)
         except ReuseFallback as unsafe:  # reuse turned out unsafe for this call: export every layer
             fallback = unsafe
         if fallback is not None:
@@ -166,16 +175,94 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         if sub is not None:
             sub.graph_meta.node_path = f"{path}.{sub_path}" if path else sub_path
 
-    return Extraction(root, guard, ctx.opaque, (tuple(summarize(a) for a in args),
-                                                {k: summarize(v) for k, v in kwargs.items()}))
+    extraction = Extraction(root, guard, ctx.opaque, (tuple(summarize(a) for a in args),
+                                                      {k: summarize(v) for k, v in kwargs.items()}))
+    if watch is not None and fallback is None and options.reuse_layers:
+        extraction.shared = _shared_root(extraction, args, kwargs, watch, path)
+    return extraction
+
+
+def _shared_root(extraction: Extraction, args: tuple[Any, ...], kwargs: dict[str, Any], watch: RootWatch, path: str
+                 ) -> SharedRoot | None:
+    """What siblings need to build their graphs from a representative's extraction, when they may:
+    one graph hierarchy (nothing opaque), exported with nothing watched read (see
+    :mod:`.sibling_roots`)."""
+    record = extraction.root.__dict__.get(PROGRAM_RECORD)
+    if not isinstance(extraction.root, CompiledGraphModule) or extraction.opaque or record is None \
+            or record.watched != [] or record.stubs:
+        return None
+    shape = CallShape.of(args, kwargs, watch.index)
+    return SharedRoot(record, shape, watch.index, path) if shape is not None else None
+
+
+def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], options: ExtractionOptions,
+                    source: SharedRoot, index: int | None, *, child_dispatcher: ChildDispatcherFactory, path: str = "",
+                    on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None
+                    ) -> Extraction | None:
+    """Extract ``module`` for the call ``module(*args, **kwargs)`` from a sibling's program, without
+    exporting: its graphs are built from ``source``'s over ``module`` (its parameters, buffers and op
+    points), reading and writing its own cache layer ``index`` (see :mod:`.sibling_roots`).
+
+    Args:
+        module: a sibling of the module ``source`` was extracted from (see
+            :func:`.sibling_roots.plan_siblings`); not modified.
+        args, kwargs: the call.
+        options: :class:`ExtractionOptions` (as for :func:`extract`).
+        source: the representative's :attr:`Extraction.shared`.
+        index: ``module``'s cache layer index (None when it has none).
+        child_dispatcher, path, on_extraction: as for :func:`extract`.
+
+    Returns:
+        An :class:`Extraction` equal to the one :func:`extract` gives (graph code, NodePaths,
+        outputs), or None when the call is not one ``source``'s graphs serve (another call
+        structure; graphs that touch the cache otherwise than through their own layer; any failure
+        while building): :func:`extract` must be used. Never raises for those.
+    """
+    shape = CallShape.of(args, kwargs, index)
+    if shape is None or not shape.matches(source.shape):
+        return None
+    quiet = dataclasses.replace(options, warn_on_compilation_failure=False, error_on_compilation_failure=False)
+    with CALL_LOCK, generated_code_released(), cleared_module_state(module), offloaded_weights_loaded(module), \
+            reserved_names_renamed(module) as renamed, aliases_hidden(module):
+        ctx = ExtractionContext(module, quiet, path, on_extraction if on_extraction is not None else [],
+                                child_dispatcher)
+        ctx.renamed = renamed
+        record = source.record
+        rebound = sibling_roots.rebinding(shape, source, index)
+        try:
+            holders = source.holders()
+            holder = holders[""][0]
+            builder = GraphBuilder(ctx, torch.nn.Module(), {}, {}, copy_spec(pytree.tree_flatten((args, kwargs))[1]),
+                                   record.states, constant_outputs(record.exported), (args, kwargs), ReusePlan(),
+                                   sibling_roots.untouched_rebound(record.untouched, rebound), holders)
+            builder.number_calls(holder)
+            root = builder.build("", module, holder)
+            if ctx.opaque:
+                raise ReuseFallback(f"a graph of '{source.path}' could not be built here: {ctx.opaque}")
+            graphs = [("", root), *((sub_path, sub) for sub_path, _, _, sub in walk(root)
+                                    if isinstance(sub, CompiledGraphModule))]
+            if rebound is not None:
+                for sub_path, graph in graphs:
+                    rebind_cache_state(graph, rebound, ctx.full(sub_path) or "<root>")
+        except Exception as error:  # noqa: BLE001 - the sibling is exported itself (as before this existed)
+            logger.info("'%s' is extracted itself, not from '%s': %s", path, source.path, describe_failure(error))
+            return None
+    root.graph_meta.node_path = path
+    for sub_path, _, _, sub in walk(root):
+        if sub is not None:
+            sub.graph_meta.node_path = f"{path}.{sub_path}" if path else sub_path
+    root.graph_meta.reused_from = source.path
+    root.__dict__[PROGRAM_RECORD] = record
+    guard = sibling_roots.sibling_guard(record.guard, source.shape, shape, tensor_leaves(args, kwargs))
+    return Extraction(root, guard, {}, (tuple(summarize(a) for a in args), {k: summarize(v) for k, v in kwargs.items()}))
 
 
 def _skip(ctx: ExtractionContext, module: torch.nn.Module) -> bool:
     return ctx.options.skip_compilation or type(module) in ctx.options.classes_to_skip_compiling
 
 
-def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, Any], reuse: bool = False
-                  ) -> tuple[CompiledGraphModule | OpaqueGraphModule, ShapeGuard]:
+def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, Any], reuse: bool = False,
+                  watch: RootWatch | None = None) -> tuple[CompiledGraphModule | OpaqueGraphModule, ShapeGuard]:
     module = ctx.module
     static = ShapeGuard.static(tensor_leaves(args, kwargs))
     if type(module) in ctx.options.custom_extraction_functions:
@@ -263,6 +350,7 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
             calls = record_calls(module, set(stubs), args, kwargs)
     if record is None:
         untouched = {}
+    watch_reads: list[str] | None = [] if watch is not None else None
     while record is None:
         frozen_by = scalar_stub_caller(module, stubs, traced, calls)
         if frozen_by is not None:
@@ -278,7 +366,7 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         try:
             exported, dynamic, states = export_module(module, args, kwargs,
                                                 {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic,
-                                                ctx.grad_enabled, traced, frozen, plan, untouched)
+                                                ctx.grad_enabled, traced, frozen, plan, untouched, watch, watch_reads)
             break
         except ModuleFailure as failure:
             fqn, error = failure.fqn, failure.error
@@ -310,12 +398,13 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
             ctx.fail(fqn, reason, errors[fqn], fix=SharedModuleEntry.FIX if shared else getattr(errors[fqn], "fix", None))
         elif reason == StubKind.SKIPPED:
             ctx.opaque[ctx.full(fqn)] = reason
+    plan = plan.outside(stubs)
     if plan.siblings:
         check_reused_export(plan, exported, stubs, states)
     guard = record.guard if record is not None else ShapeGuard.from_export(exported) if dynamic else static
     if record is None:
         record = programs.ProgramRecord(ctx.path, request.call_fingerprint(), exported, dynamic, states, dict(stubs),
-                                        guard, dict(plan.siblings), untouched)
+                                        guard, dict(plan.siblings), untouched, watch_reads)
         programs.store(request, record, cache)
     bar.update()
     bar.set_postfix_str("unflatten and build graphs")

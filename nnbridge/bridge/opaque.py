@@ -21,6 +21,7 @@ from .graph_module import MultiplyInvokedModule, OpaqueGraphModule
 from .kinds import HookKind
 from .module_tree import direct_callees, safe_name
 from .recording import copy_inputs, observed_run
+from .sibling_roots import SiblingLink, SiblingPlan, plan_siblings
 from .unused import unused_module
 from ..compat.module_dicts import modules_of
 
@@ -80,6 +81,12 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
     shown = torch.nn.Module()
     swapped = torch.nn.Module()
     dispatchers: dict[str, ChildDispatcher] = {}
+    # ModuleList entries called once each: siblings build their graphs from their representative's
+    # export (see .sibling_roots)
+    pairing = plan_siblings(module, {name for name, calls in captured.items() if len(calls) == 1
+                                     and names_of[id(module.get_submodule(name))] == 1}) \
+        if ctx.options.reuse_layers else SiblingPlan()
+    by_name: dict[str, ChildDispatcher] = {}
     routers: list[InvocationRouter] = []
     template = renamed_template(module)
     for name, child in callees:
@@ -97,6 +104,12 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
             dispatcher = ctx.child_dispatcher(child, f"{child_path}_{index}" if several else child_path)
             # a GraphDispatcher (see ChildDispatcher): the original code calls it in the child's place
             assert isinstance(dispatcher, torch.nn.Module), type(dispatcher)
+            if not several:
+                by_name[name] = dispatcher
+                rep_name, sibling_index = pairing.siblings.get(name, (None, None))
+                if name in pairing.watches or rep_name in by_name:
+                    dispatcher.pair(pairing.watches.get(name),
+                                    SiblingLink(by_name[rep_name], sibling_index) if rep_name in by_name else None)
             extraction = dispatcher.add_extraction(a, k)
             ctx.opaque.update(extraction.opaque)
             invocations.append((dispatcher, extraction.root))

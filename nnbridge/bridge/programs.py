@@ -60,6 +60,10 @@ class ProgramRecord:
         untouched: ``{submodule path: [per invocation: the cache layers its code never
             touched, or None]}`` (see :func:`~.state.states_returned`); ``{}`` when unknown (a
             record read from disk): every layer's state is then checked before each call.
+        watched: for a module exported as the representative of its siblings (see
+            :mod:`.sibling_roots`): the reads of attributes that differ between them (and touches of
+            other cache layers) the export saw, ``[]`` when none (its siblings may then build their
+            graphs from this program); None when not watched.
     """
 
     path: str
@@ -71,6 +75,7 @@ class ProgramRecord:
     guard: ShapeGuard
     reuse: dict[str, str] = field(default_factory=dict)
     untouched: dict[str, list[UntouchedLayers | None]] = field(default_factory=dict)
+    watched: list[str] | None = None
 
 
 @dataclass

@@ -108,6 +108,19 @@ class ReusePlan:
         """The sibling whose subtree holds ``fqn`` (None outside siblings)."""
         return next((s for s in self.siblings if fqn == s or fqn.startswith(f"{s}.")), None)
 
+    def outside(self, stubs: dict[str, str]) -> ReusePlan:
+        """The plan without the siblings inside (or equal to) a stubbed module: no graph of theirs
+        is built from this export (an opaque module's children are extracted through their own
+        dispatchers; a stubbed module is opaque), and their call signatures are missing from it
+        (kept, they made extraction start again without reuse). A sibling whose representative
+        alone is stubbed stays: its graph would be the stub's (see :func:`check_reused_export`)."""
+        def inside(path: str) -> bool:
+            return any(path == s or path.startswith(f"{s}.") for s in stubs)
+        kept = {s: r for s, r in self.siblings.items() if not inside(s)}
+        if kept == self.siblings:
+            return self
+        return ReusePlan(kept, self.watched, {s: c for s, c in self.caches.items() if s in kept}, self.distinct)
+
     def covers(self, fqn: str) -> bool:
         """Whether ``fqn`` is in (or is) a representative's or a sibling's subtree."""
         return any(fqn == root or fqn.startswith(f"{root}.")
@@ -216,7 +229,7 @@ def plan(module: torch.nn.Module, excluded: set[str]) -> ReusePlan:
     return result
 
 
-def _leaf_key(leaf: Any) -> Any:
+def leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad, leaf.layout)
     return ("value", leaf)
@@ -231,14 +244,14 @@ def _same_call(a: Any, b: Any) -> bool:
         if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
             return False
         if isinstance(x, torch.Tensor):
-            if _leaf_key(x) != _leaf_key(y):
+            if leaf_key(x) != leaf_key(y):
                 return False
         elif not same(x, y):
             return False
     return True
 
 
-def _cache_index(plan: ReusePlan, entry: str) -> int | None:
+def cache_index(plan: ReusePlan, entry: str) -> int | None:
     """The one int value of ``entry``'s attributes that differ between siblings (``layer_idx`` of
     the layer and of its attention), or None when there is not exactly one."""
     values = {v for v in plan.distinct.get(entry, {}).values() if type(v) is int}
@@ -246,13 +259,13 @@ def _cache_index(plan: ReusePlan, entry: str) -> int | None:
     return next(iter(values)) if len(values) == 1 and kinds == {int} else None
 
 
-def _layer_key(layer: Any) -> Any:
+def layer_key(layer: Any) -> Any:
     """A cache layer's state, tensors as their shape, dtype and device (two layers with equal keys
     flatten to equal specs and leaves of equal shapes)."""
     state = getattr(layer, "__dict__", None)
     if state is None:
         return None
-    return (type(layer), tuple((k, _leaf_key(v) if isinstance(v, torch.Tensor) else ("value", _state_value(v)))
+    return (type(layer), tuple((k, leaf_key(v) if isinstance(v, torch.Tensor) else ("value", _state_value(v)))
                                for k, v in sorted(state.items())))
 
 
@@ -262,7 +275,7 @@ def _state_value(value: Any) -> Any:
     return value
 
 
-def _is_cache(value: Any) -> bool:
+def is_cache(value: Any) -> bool:
     """A transformers ``Cache`` whose layers are a list of layer objects (``DynamicCache``)."""
     try:
         from transformers.cache_utils import Cache
@@ -283,7 +296,7 @@ def _same_cache_call(call: tuple[Any, Any], rep_call: tuple[Any, Any], index: in
         return None
     key = keys[0]
     cache, rep_cache = (a[key], ra[key]) if isinstance(key, int) else (k[key], rk[key])
-    if type(cache) is not type(rep_cache) or not _is_cache(cache):
+    if type(cache) is not type(rep_cache) or not is_cache(cache):
         return None
     layers, rep_layers = vars(cache)["layers"], vars(rep_cache)["layers"]
     if len(layers) != len(rep_layers) or index >= len(layers) or rep_index >= len(rep_layers):
@@ -292,7 +305,7 @@ def _same_cache_call(call: tuple[Any, Any], rep_call: tuple[Any, Any], index: in
     rep_settings = {n: v for n, v in vars(rep_cache).items() if n != "layers"}
     if settings.keys() != rep_settings.keys() or not all(same(settings[n], rep_settings[n]) for n in settings):
         return None
-    if _layer_key(layers[index]) != _layer_key(rep_layers[rep_index]):
+    if layer_key(layers[index]) != layer_key(rep_layers[rep_index]):
         return None
 
     def without(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -319,7 +332,7 @@ def confirm(module: torch.nn.Module, candidates: ReusePlan, calls: dict[str, lis
         if not _same_call(out, rout):
             continue
         if state_keys(a, k) or state_keys(ra, rk):
-            index, rep_index = _cache_index(candidates, sibling), _cache_index(candidates, rep)
+            index, rep_index = cache_index(candidates, sibling), cache_index(candidates, rep)
             if index is None or rep_index is None:
                 continue
             specs = _same_cache_call((a, k), (ra, rk), index, rep_index)
@@ -636,7 +649,7 @@ def sibling_stub(sibling: str, rep: str, seen: dict[str, tuple[Any, Any]], rebin
             key = keys[0]
             cache = args[key] if isinstance(key, int) else kwargs[key]
             rep_cache = rep_inputs[0][key] if isinstance(key, int) else rep_inputs[1][key]
-            if (type(cache) is not type(rep_cache) or not _is_cache(cache)
+            if (type(cache) is not type(rep_cache) or not is_cache(cache)
                     or len(cache.layers) != len(rep_cache.layers) or rebinding.index >= len(cache.layers)
                     or not _same_traced_layer(cache.layers[rebinding.index],
                                               rep_cache.layers[rebinding.rep_index])):

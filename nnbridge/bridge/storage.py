@@ -92,7 +92,7 @@ def write_bundle(target: str | os.PathLike[str] | IO[bytes], header: dict[str, A
                 "path": record.path, "call": record.call, "dynamic": record.dynamic, "states": record.states,
                 "stubs": {k: str(v) for k, v in record.stubs.items()},
                 "guard": {"dims": record.guard.dims, "code": record.guard.code}, "left_out": left_out,
-                "reuse": record.reuse, "untouched": _untouched_json(record.untouched),
+                "reuse": record.reuse, "untouched": _untouched_json(record.untouched), "watched": record.watched,
             })
         if inputs is not None:
             buffer = io.BytesIO()
@@ -175,7 +175,8 @@ class Bundle:
         return ProgramRecord(path=entry["path"], call=entry["call"], exported=exported, dynamic=entry["dynamic"],
                              states=entry["states"], stubs=dict(entry["stubs"]),
                              guard=ShapeGuard(dims, entry["guard"]["code"]), reuse=dict(entry.get("reuse", {})),
-                             untouched=_untouched_from_json(entry.get("untouched", {})))
+                             untouched=_untouched_from_json(entry.get("untouched", {})),
+                             watched=entry.get("watched"))
 
 
 def _untouched_json(untouched: dict[str, list[UntouchedLayers | None]]) -> dict[str, list[Any]]:

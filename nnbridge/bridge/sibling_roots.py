@@ -1,0 +1,270 @@
+"""Sibling roots: the layers an opaque module calls, exported once per group of identical siblings.
+
+A module that runs its own code (opaque: transformers' output capturing with
+``output_attentions=True``, a grad-mode change, ...) has each child it calls extracted on its own,
+as the root of its own export, through its own dispatcher (see :mod:`.opaque`). Layer reuse inside
+one export (:mod:`.reuse`) cannot pair them, so 30 decoder layers meant 30 exports. Here the same
+pairing is made across their dispatchers (``ExtractionOptions.reuse_layers``):
+
+- :func:`plan_siblings` pairs the entries of one ``ModuleList`` the opaque module called once each,
+  as :func:`.reuse.plan` does (same classes, shapes and attributes except those that differ between
+  all of them, such as ``layer_idx``);
+- the representative (the first entry) is exported with those attributes watched
+  (:class:`RootWatch`, :func:`.reuse.reads_watched`; its cache layer index read as a
+  :class:`~.reuse.CacheIndex`): reading one other than as ``Cache.update``'s layer index, or
+  touching another cache layer, makes the export unshareable (recorded in
+  :attr:`.programs.ProgramRecord.watched`), never different;
+- a sibling called the same way as the representative (:class:`CallShape`: the same structure,
+  non-tensor values and tensor dtypes and ranks; a transformers ``Cache`` whose own layer is in the
+  state the representative's own layer was) builds its graphs from the representative's program
+  over its own module (its parameters, buffers and op points) and reads and writes its own cache
+  layer (:func:`.reuse.rebind_cache_state`); its shape guard is the representative's for the
+  tensors the graphs read (:func:`sibling_guard`).
+
+Anything else means the sibling is exported itself, as before. Example::
+
+    model(ids, output_attentions=True)   # model.model opaque: layers 1..29 built from layer 0's export
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import Graph
+
+from .call_structure import ShapeGuard
+from .reuse import (CacheRebinding, ReusedHolder, copy_graph, cache_index, is_cache, layer_key, leaf_key, plan as reuse_plan,
+                    same)
+from .state import UntouchedLayers, state_keys
+from ..compat import invocation_graphs, unflatten
+from ..compat.pytree import pytree
+
+
+@dataclass(frozen=True)
+class RootWatch:
+    """What a representative's export watches.
+
+    Attributes:
+        watched: ``[(module of its subtree, attribute)]`` whose values differ between the siblings.
+        indices: ``(id(module), attribute)`` of those holding its cache layer index.
+        index: its cache layer index (its one differing int value; None when there is not one).
+    """
+
+    watched: tuple[tuple[torch.nn.Module, str], ...]
+    indices: frozenset[tuple[int, str]]
+    index: int | None
+
+
+@dataclass(frozen=True)
+class SiblingLink:
+    """How a sibling's dispatcher finds its representative.
+
+    Attributes:
+        representative: the representative's dispatcher (a ``GraphDispatcher``).
+        index: the sibling's cache layer index (None when there is not one).
+    """
+
+    representative: Any
+    index: int | None
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """What a call must share with the representative's for a sibling's graphs to be built from it.
+
+    Attributes:
+        key: the position or keyword of its one transformers ``Cache`` argument (None: no state).
+        spec: the pytree spec of the call with the cache replaced by None.
+        leaves: its leaves: tensors as ``(shape, dtype, device, requires_grad, layout)`` keys, other
+            values as themselves (compared with :func:`.reuse.same`).
+        cache: ``(type, settings, number of layers, own layer's state)`` of the cache, or None.
+        cache_spec: the cache's pytree spec (None without a cache).
+        plain: positions, among the call's tensors in pytree order, of those outside the cache.
+        own: positions of its own cache layer's tensors.
+        count: how many tensors the call has (in the cache or not).
+    """
+
+    key: Any
+    spec: Any
+    leaves: tuple[Any, ...]
+    cache: tuple[Any, ...] | None
+    cache_spec: Any
+    plain: tuple[int, ...]
+    own: tuple[int, ...]
+    count: int
+
+    @classmethod
+    def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any], index: int | None) -> CallShape | None:
+        """The shape of ``module(*args, **kwargs)`` for cache layer ``index``; None when it has state
+        other than one transformers ``Cache`` (with a list of layers, ``index`` among them)."""
+        keys = state_keys(args, kwargs)
+        if len(keys) > 1:
+            return None
+        key = keys[0] if keys else None
+        cache = None
+        if key is not None:
+            cache = args[key] if isinstance(key, int) else kwargs[key]
+            if not is_cache(cache) or index is None or index >= len(vars(cache)["layers"]):
+                return None
+            if isinstance(key, int):
+                args = (*args[:key], None, *args[key + 1:])
+            else:
+                kwargs = {**kwargs, key: None}
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        described = tuple(("tensor", leaf_key(leaf)) if isinstance(leaf, torch.Tensor) else ("value", leaf)
+                          for leaf in leaves)
+        if cache is None:
+            return cls(None, spec, described, None, None, tuple(range(len(tensors))), (), len(tensors))
+        layers = vars(cache)["layers"]
+        cache_leaves, cache_spec = pytree.tree_flatten(cache)
+        cache_ids = {id(leaf) for leaf in cache_leaves if isinstance(leaf, torch.Tensor)}
+        own_ids = [id(v) for v in vars(layers[index]).values() if isinstance(v, torch.Tensor)]
+        # positions in the whole call's tensors (the order of its shape guard): the cache's
+        # tensors are where the cache argument is, in its own flattening order
+        whole = [leaf for leaf in pytree.tree_leaves(_put(args, kwargs, key, cache)) if isinstance(leaf, torch.Tensor)]
+        plain = tuple(i for i, t in enumerate(whole) if id(t) not in cache_ids)
+        own = tuple(i for i, t in enumerate(whole) if id(t) in own_ids)
+        if len(plain) != len(tensors) or len(own) != len(own_ids):
+            return None  # a tensor both in and outside the cache: no position mapping
+        settings = tuple(sorted((n, v) for n, v in vars(cache).items() if n != "layers"))
+        return cls(key, spec, described, (type(cache), settings, len(layers), layer_key(layers[index])), cache_spec,
+                   plain, own, len(whole))
+
+    def matches(self, rep: CallShape) -> bool:
+        """Whether a sibling called with this shape may take graphs built for ``rep``'s call."""
+        if (self.key, self.spec, len(self.leaves), len(self.plain), len(self.own)) != \
+                (rep.key, rep.spec, len(rep.leaves), len(rep.plain), len(rep.own)):
+            return False
+        for (kind, value), (rep_kind, rep_value) in zip(self.leaves, rep.leaves):
+            if kind != rep_kind or (kind == "tensor" and value != rep_value) or (kind == "value" and not same(value, rep_value)):
+                return False
+        if (self.cache is None) != (rep.cache is None):
+            return False
+        if self.cache is None or rep.cache is None:
+            return True
+        kind, settings, layers, own = self.cache
+        rep_kind, rep_settings, rep_layers, rep_own = rep.cache
+        return (kind is rep_kind and layers == rep_layers and own == rep_own
+                and [n for n, _ in settings] == [n for n, _ in rep_settings]
+                and all(same(v, rv) for (_, v), (_, rv) in zip(settings, rep_settings)))
+
+
+def _put(args: tuple[Any, ...], kwargs: dict[str, Any], key: Any, value: Any) -> tuple[Any, Any]:
+    if isinstance(key, int):
+        return (*args[:key], value, *args[key + 1:]), kwargs
+    return args, {**kwargs, key: value}
+
+
+@dataclass
+class SharedRoot:
+    """A representative's extraction that siblings may build their graphs from.
+
+    Attributes:
+        record: its program record (:class:`~.programs.ProgramRecord`).
+        shape: the :class:`CallShape` of the call it was extracted for.
+        index: its cache layer index (None when it has none).
+        path: its NodePath (shown as ``graph_meta.reused_from`` of the siblings' roots).
+        pristine: ``{submodule path ("" for the root): [(unflattened holder, its graph) per
+            invocation]}`` of one unflattening of the program that is never built (see
+            :meth:`holders`); made by the first sibling.
+    """
+
+    record: Any
+    shape: CallShape
+    index: int | None
+    path: str
+    pristine: dict[str, list[tuple[Any, Graph | None]]] | None = None
+
+    def holders(self) -> dict[str, list[Any]]:
+        """Fresh copies of the program's unflattened graphs for one sibling to build (building
+        changes them): ``{submodule path: [holder per invocation]}``, each a
+        :class:`~.reuse.ReusedHolder` (attributes looked up on the unflattened module) or, for a
+        module without a graph, the unflattened module itself. Unflattening once and copying
+        costs ~3 ms per decoder layer, unflattening again ~30 ms (SmolLM2, measured)."""
+        if self.pristine is None:
+            unflattened = unflatten(self.record.exported)
+            pristine: dict[str, list[tuple[Any, Graph | None]]] = {}
+            for name, sub in unflattened.named_modules(remove_duplicate=False):
+                if name == "model" or name.startswith("model."):
+                    pristine[name.removeprefix("model").removeprefix(".")] = [
+                        (holder, getattr(holder, "graph", None) if isinstance(getattr(holder, "graph", None), Graph)
+                         else None) for holder in invocation_graphs(sub)]
+            self.pristine = pristine
+        return {path: [ReusedHolder(copy_graph(graph, {})[0], holder) if graph is not None else holder
+                       for holder, graph in per] for path, per in self.pristine.items()}
+
+
+@dataclass
+class SiblingPlan:
+    """:func:`plan_siblings`' answer: ``{representative name: RootWatch}`` and ``{sibling name:
+    (representative name, cache layer index)}`` (names as the opaque module's callees)."""
+
+    watches: dict[str, RootWatch] = field(default_factory=dict)
+    siblings: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+
+
+def plan_siblings(module: torch.nn.Module, called_once: set[str]) -> SiblingPlan:
+    """Pair the ``ModuleList`` entries among ``module``'s callees that its code called once each
+    (``called_once``: paths such as ``layers.3``), as :func:`.reuse.plan` pairs them in one export."""
+    candidates = reuse_plan(module, set())
+    result = SiblingPlan()
+    pairs = {s: r for s, r in candidates.siblings.items() if s in called_once and r in called_once}
+    for rep in set(pairs.values()):
+        rep_module = module.get_submodule(rep)
+        subtree = {id(sub) for sub in rep_module.modules()}
+        index = cache_index(candidates, rep)
+        indices = frozenset((id(rep_module.get_submodule(path) if path else rep_module), name)
+                            for (path, name), value in candidates.distinct.get(rep, {}).items()
+                            if type(value) is int and value == index)
+        result.watches[rep] = RootWatch(tuple((m, n) for m, n in candidates.watched if id(m) in subtree), indices, index)
+    for sibling, rep in pairs.items():
+        result.siblings[sibling] = (rep, cache_index(candidates, sibling))
+    return result
+
+
+def rebinding(shape: CallShape, rep: SharedRoot, index: int | None) -> CacheRebinding | None:
+    """How a sibling's graphs differ from the representative's (None without a cache)."""
+    if shape.cache is None or rep.index is None or index is None:
+        return None
+    return CacheRebinding(rep.index, index, rep.shape.cache_spec, shape.cache_spec)
+
+
+def sibling_guard(rep_guard: ShapeGuard, rep: CallShape, shape: CallShape, tensors: list[torch.Tensor]) -> ShapeGuard:
+    """The sizes a sibling's graphs accept: the representative's guard for the tensors they read
+    (those outside the cache, and its own cache layer's, in place of the representative's own);
+    any size for the cache's other layers, which they do not read (see
+    :func:`.reuse.rebind_cache_state`). Exactly the call's sizes when export added guards of its
+    own (they address the representative's call) or the positions do not map."""
+    if rep_guard.code or len(rep_guard.dims) != rep.count or len(tensors) != shape.count:
+        return ShapeGuard.static(tensors)
+    mapped: dict[int, int] = {**dict(zip(shape.plain, rep.plain)), **dict(zip(shape.own, rep.own))}
+    free = itertools.count()
+    dims: list[list[int | tuple[str, int, int | None]]] = []
+    for position, tensor in enumerate(tensors):
+        if position in mapped:
+            dims.append(list(rep_guard.dims[mapped[position]]))
+        else:
+            dims.append([(f"_other_layer_{next(free)}", 0, None) for _ in range(tensor.dim())])
+    return ShapeGuard(dims)
+
+
+def untouched_rebound(untouched: dict[str, list[UntouchedLayers | None]], rebound: CacheRebinding | None
+                      ) -> dict[str, list[UntouchedLayers | None]]:
+    """The representative's untouched cache layers (see :func:`~.state.states_returned`) as the
+    sibling's: the layer its index selected is untouched by the sibling, whose own is not (unless
+    the representative's own was), as in :meth:`.building.GraphBuilder.child`."""
+    if rebound is None:
+        return untouched
+    own, rep_own = ("layers", (rebound.index,)), ("layers", (rebound.rep_index,))
+
+    def moved(layers: UntouchedLayers | None) -> UntouchedLayers | None:
+        if layers is None:
+            return None
+        paths = layers.paths | layers.by_index
+        return UntouchedLayers(paths if rep_own in layers.paths else paths - {own})
+    return {path: [moved(layers) for layers in per] for path, per in untouched.items()}
+
