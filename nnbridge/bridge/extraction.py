@@ -241,9 +241,11 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
                 raise ReuseFallback(f"a graph of '{source.path}' could not be built here: {ctx.opaque}")
             graphs = [("", root), *((sub_path, sub) for sub_path, _, _, sub in walk(root)
                                     if isinstance(sub, CompiledGraphModule))]
-            if rebound is not None:
-                for sub_path, graph in graphs:
-                    rebind_cache_state(graph, rebound, ctx.full(sub_path) or "<root>")
+            call_spec = sibling_roots.prologue_rebound(root.graph, source.shape, shape)
+            for sub_path, graph in graphs:
+                if rebound is not None:
+                    rebind_cache_state(graph, rebound, ctx.full(sub_path) or "<root>", call_spec if graph is root else None)
+            root.recompile()
         except Exception as error:  # noqa: BLE001 - the sibling is exported itself (as before this existed)
             logger.info("'%s' is extracted itself, not from '%s': %s", path, source.path, describe_failure(error))
             return None
