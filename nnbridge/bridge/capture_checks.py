@@ -42,7 +42,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ..compat.mask_skips import mask_skips as mask_skips_seen
+from ..compat.output_capturing import active_collector
 from .guards import config_like
+from .state import state_keys
 from ..compat.module_dicts import buffers_of, parameters_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.nnsight import NNSIGHT_MODULE_ATTRIBUTES
@@ -330,10 +332,12 @@ class CaptureWatch:
 
 def _run_with_call_stack(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                          grad_enabled: bool, active: list[str], watches: Sequence[contextlib.AbstractContextManager[Any]],
-                         boundary: Callable[[], None] | None = None) -> bool:
+                         boundary: Callable[[], None] | None = None,
+                         entering: Callable[[str, Any, Any], None] | None = None) -> bool:
     """One eager run of the call under ``grad_enabled`` with ``watches`` entered, keeping ``active``
     the stack of the running modules' paths (the root is ``""``) and calling ``boundary()`` at every
-    module-call boundary, before the stack changes. Module state and random state are put back
+    module-call boundary, before the stack changes, and ``entering(path, args, kwargs)`` as a
+    module is entered (``active`` still its caller's). Module state and random state are put back
     after the run (:func:`preserved_state`). False when the run raised."""
     from .module_tree import named_real_modules
     from .recording import observed_run
@@ -345,6 +349,8 @@ def _run_with_call_stack(module: torch.nn.Module, args: tuple[Any, ...], kwargs:
         def pre(mod: torch.nn.Module, a: Any, k: Any) -> None:
             if boundary is not None:
                 boundary()
+            if entering is not None:
+                entering(fqn, a, k)
             active.append(fqn)
         return pre
 
@@ -393,10 +399,17 @@ class EagerFindings(NamedTuple):
         grad_mode: paths of the submodules (the root left out) whose code changed grad mode.
         mask_skips: paths of the modules (the root ``""`` included) running when transformers
             skipped building an sdpa attention mask (see :mod:`nnbridge.compat.mask_skips`).
+        capturing: paths of the submodules (the root left out) whose code collects its
+            submodules' outputs with transformers' hooks (``output_attentions=True``, see
+            :mod:`nnbridge.compat.output_capturing`): as export finds them, a child entered
+            while another collector is active than when the module itself was entered. Only
+            those called without a stateful argument (a stub could not write its state: export
+            finds the others, and makes their caller opaque).
     """
 
     grad_mode: list[str]
     mask_skips: list[str]
+    capturing: list[str] = []
 
 
 def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -408,13 +421,28 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
       Llama's rotary embedding is ``@torch.no_grad()``) instead of a second one after the first
       found it;
     - transformers skips building an sdpa attention mask, which a graph would build (see
-      :mod:`nnbridge.compat.mask_skips`).
+      :mod:`nnbridge.compat.mask_skips`);
+    - transformers starts collecting submodules' outputs with hooks (found before exporting, the
+      module is stubbed from the first export on instead of after it failed).
 
-    Module state and random state are put back after the run (:func:`preserved_state`). Both
+    Module state and random state are put back after the run (:func:`preserved_state`). The
     lists are empty when the eager run raises (export reports what the run could not show)."""
     active: list[str] = []
     grad_mode: dict[str, None] = {}
     mask_skips: dict[str, None] = {}
+    capturing: dict[str, None] = {}
+    collectors: list[Any] = []  # the collector active when the module at each depth was entered
+    stateful: set[str] = set()  # modules entered with a stateful argument
+
+    def entering(fqn: str, a: Any, k: Any) -> None:
+        collector, depth = active_collector(), len(active)
+        if collector is not None and depth and collectors[depth - 1] is not collector and active[-1] \
+                and active[-1] not in stateful:
+            capturing.setdefault(active[-1])
+        del collectors[depth:]
+        collectors.append(collector)
+        if state_keys(a, k):
+            stateful.add(fqn)
 
     def changed() -> None:
         if active and active[-1]:
@@ -423,6 +451,6 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     def skipped() -> None:
         mask_skips.setdefault(active[-1] if active else "")
     if not _run_with_call_stack(module, args, kwargs, grad_enabled, active,
-                                (grad_mode_changes(changed), mask_skips_seen(skipped))):
+                                (grad_mode_changes(changed), mask_skips_seen(skipped)), entering=entering):
         return EagerFindings([], [])
-    return EagerFindings(list(grad_mode), list(mask_skips))
+    return EagerFindings(list(grad_mode), list(mask_skips), list(capturing))

@@ -40,7 +40,7 @@ from .capture_checks import (GRAD_MODE_REASON, MASK_SKIP_FIX, UnfaithfulCaptureE
 from .context import ChildDispatcherFactory, Extraction, ExtractionContext, describe_failure
 from .custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
 from .graph_module import CompiledGraphModule, OpaqueGraphModule
-from .exporting import ModuleFailure, caller_of, export_module, scalar_stub_caller
+from .exporting import CapturingOutputs, ModuleFailure, caller_of, export_module, scalar_stub_caller
 from .hierarchy import walk
 from .summaries import summarize
 from .kinds import StubKind
@@ -335,6 +335,12 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
                 stubs[fqn], errors[fqn] = describe_failure(grad_change), grad_change
                 traced.add(fqn)
                 frozen.add(fqn)
+        # modules whose code collects submodules' outputs with transformers' hooks: stubbed from the
+        # first export on (export would fail on them, one export later)
+        for fqn in found.capturing:
+            if fqn not in stubs:
+                capturing = CapturingOutputs(fqn)
+                stubs[fqn], errors[fqn] = describe_failure(capturing), capturing
         # modules in which transformers skipped an sdpa mask that a graph would build, while another
         # attention function than transformers' stands for sdpa: traced through, shown opaque (their
         # own code runs, passing no mask as in eager)

@@ -605,8 +605,9 @@ def sibling_zeros(inputs: list[torch.Tensor], size: list[int], dtype: torch.dtyp
     export records as depending on every tensor of ``inputs``: one graph node, where
     ``new_zeros`` plus ``0 * t.sum()`` for each input took three per input (with 29 sibling stubs,
     SmolLM2's export spent 1.1 s of 6.6 s in them; see :func:`sibling_stub`). Only sibling stubs
-    call it, while exporting; their graphs are replaced by their representative's, so it never
-    runs in a graph nnbridge calls. Gradients: none (``None`` for every input)."""
+    and stubbed modules (:func:`~.recording.stub_output`) call it, while exporting; their graphs
+    are replaced by their representative's or by opaque modules, so it never runs in a graph
+    nnbridge calls. Gradients: none (``None`` for every input)."""
     return inputs[0].new_zeros(size, dtype=dtype)
 
 
