@@ -399,12 +399,13 @@ class EagerFindings(NamedTuple):
         grad_mode: paths of the submodules (the root left out) whose code changed grad mode.
         mask_skips: paths of the modules (the root ``""`` included) running when transformers
             skipped building an sdpa attention mask (see :mod:`nnbridge.compat.mask_skips`).
-        capturing: paths of the submodules (the root left out) whose code collects its
-            submodules' outputs with transformers' hooks (``output_attentions=True``, see
-            :mod:`nnbridge.compat.output_capturing`): as export finds them, a child entered
-            while another collector is active than when the module itself was entered. Only
-            those called without a stateful argument (a stub could not write its state: export
-            finds the others, and makes their caller opaque).
+        capturing: paths of the modules (the root ``""`` included) to run opaque because their
+            code, or the code of a module they call with a stateful argument, collects submodules'
+            outputs with transformers' hooks (``output_attentions=True``, see
+            :mod:`nnbridge.compat.output_capturing`): as export finds them (a child entered while
+            another collector is active than when the module itself was entered), and as it then
+            moves up from a module called with a stateful argument (a stub could not write its
+            state) to its caller.
     """
 
     grad_mode: list[str]
@@ -436,9 +437,11 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
 
     def entering(fqn: str, a: Any, k: Any) -> None:
         collector, depth = active_collector(), len(active)
-        if collector is not None and depth and collectors[depth - 1] is not collector and active[-1] \
-                and active[-1] not in stateful:
-            capturing.setdefault(active[-1])
+        if collector is not None and depth and collectors[depth - 1] is not collector:
+            opaque = depth - 1
+            while opaque > 0 and active[opaque] in stateful:
+                opaque -= 1
+            capturing.setdefault(active[opaque])
         del collectors[depth:]
         collectors.append(collector)
         if state_keys(a, k):

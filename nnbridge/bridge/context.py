@@ -66,6 +66,9 @@ class ChildDispatcher(Protocol):
 
     def add_extraction(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction: ...
 
+    def lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
+        """The extraction serving this call: a kept one whose guards hold, else a new one."""
+
     def pair(self, watch: RootWatch | None, sibling: SiblingLink | None) -> None:
         """Make it a representative whose export is watched, or a sibling of another dispatcher
         (see :mod:`.sibling_roots`), for its next extractions."""

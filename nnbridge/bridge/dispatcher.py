@@ -115,6 +115,10 @@ class GraphDispatcher(torch.nn.Module):
     watch: RootWatch | None
     #: set when ``module`` is a sibling: its extractions are built from its representative's when they fit
     sibling: SiblingLink | None
+    #: NodePath -> the dispatcher of a child of an opaque module in its extractions, kept across
+    #: extractions: a later extraction whose opaque module calls the child alike is served by the
+    #: child's extractions (their guards hold), not extracted again
+    kept_children: dict[str, GraphDispatcher]
 
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, *, path: str = "",
                  on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None):
@@ -134,6 +138,7 @@ class GraphDispatcher(torch.nn.Module):
         self.__dict__["_pytrees_registered"] = False
         self.__dict__["watch"] = None
         self.__dict__["sibling"] = None
+        self.__dict__["kept_children"] = {}
 
     def pair(self, watch: RootWatch | None, sibling: SiblingLink | None) -> None:
         """Make ``module`` the representative of its siblings (its exports watch ``watch``'s
@@ -161,7 +166,7 @@ class GraphDispatcher(torch.nn.Module):
             extraction = self._from_representative(args, kwargs)
             if extraction is None:
                 extraction = extract(self.module, args, kwargs, self.options, path=self.path,
-                                     on_extraction=self.on_extraction, watch=self.watch)
+                                     on_extraction=self.on_extraction, watch=self.watch, children=self.kept_children)
             extraction.reason = reason
             extraction.state = StateGuard(self.module, opaque=self._opaque_ids(extraction), skip=_nnbridge_child,
                                           path=self.path)
@@ -184,13 +189,11 @@ class GraphDispatcher(torch.nn.Module):
             if candidate.shared is not None:
                 extraction = _extraction.extract_sibling(
                     self.module, args, kwargs, self.options, candidate.shared, self.sibling.index,
-                    child_dispatcher=self._child_dispatcher, path=self.path, on_extraction=self.on_extraction)
+                    child_dispatcher=_child_dispatchers(self.options, self.on_extraction, self.kept_children),
+                    path=self.path, on_extraction=self.on_extraction)
                 if extraction is not None:
                     return extraction
         return None
-
-    def _child_dispatcher(self, child: torch.nn.Module, child_path: str) -> GraphDispatcher:
-        return GraphDispatcher(child, self.options, path=child_path, on_extraction=self.on_extraction)
 
     def structure_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         """The structure key of a call to this dispatcher's module (see
@@ -289,20 +292,34 @@ class GraphDispatcher(torch.nn.Module):
 def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             options: ExtractionOptions | None = None, *, path: str = "",
             on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None,
-            watch: RootWatch | None = None) -> Extraction:
+            watch: RootWatch | None = None, children: dict[str, GraphDispatcher] | None = None) -> Extraction:
     """Extract ``module`` for the call ``module(*args, **kwargs)``; the children of its opaque
     modules are called through :class:`GraphDispatcher`\\ s (extracted per call structure).
 
     As :func:`nnbridge.bridge.extraction.extract` (arguments, result and errors), which this wires
-    to the dispatcher layer. Example::
+    to the dispatcher layer; ``children`` (:attr:`GraphDispatcher.kept_children`) keeps the children's
+    dispatchers for later extractions. Example::
 
         extraction = extract(model, (input_ids,), {})
         extraction.root.transformer.h[0].attn      # CompiledGraphModule
     """
     options = options or ExtractionOptions()
     callbacks = on_extraction if on_extraction is not None else []
-
-    def child_dispatcher(child: torch.nn.Module, child_path: str) -> GraphDispatcher:
-        return GraphDispatcher(child, options, path=child_path, on_extraction=callbacks)
-    return _extraction.extract(module, args, kwargs, options, child_dispatcher=child_dispatcher, path=path,
+    return _extraction.extract(module, args, kwargs, options,
+                               child_dispatcher=_child_dispatchers(options, callbacks, children), path=path,
                                on_extraction=callbacks, watch=watch)
+
+
+def _child_dispatchers(options: ExtractionOptions, callbacks: list[Callable[[GraphDispatcher, Extraction], None]],
+                       children: dict[str, GraphDispatcher] | None) -> Callable[[torch.nn.Module, str], GraphDispatcher]:
+    """The factory of an opaque module's children's dispatchers: the one ``children`` keeps for the
+    child's NodePath when it dispatches that module object, else a new one (kept there)."""
+    def child_dispatcher(child: torch.nn.Module, child_path: str) -> GraphDispatcher:
+        known = children.get(child_path) if children is not None else None
+        if known is not None and known.module is child:
+            return known
+        made = GraphDispatcher(child, options, path=child_path, on_extraction=callbacks)
+        if children is not None:
+            children[child_path] = made
+        return made
+    return child_dispatcher

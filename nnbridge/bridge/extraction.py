@@ -192,7 +192,8 @@ def _shared_root(extraction: Extraction, args: tuple[Any, ...], kwargs: dict[str
             or record.watched != [] or record.stubs:
         return None
     shape = CallShape.of(args, kwargs, watch.index)
-    return SharedRoot(record, shape, watch.index, path) if shape is not None else None
+    spec = copy_spec(pytree.tree_flatten((args, kwargs))[1])
+    return SharedRoot(record, shape, watch.index, path, spec) if shape is not None else None
 
 
 def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], options: ExtractionOptions,
@@ -221,6 +222,10 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
     shape = CallShape.of(args, kwargs, index)
     if shape is None or not shape.matches(source.shape):
         return None
+    guard = sibling_roots.sibling_guard(source.record.guard, source.shape, shape, tensor_leaves(args, kwargs),
+                                        (args, kwargs))
+    if guard is None:  # the representative's program does not serve these sizes
+        return None
     quiet = dataclasses.replace(options, warn_on_compilation_failure=False, error_on_compilation_failure=False)
     with CALL_LOCK, generated_code_released(), cleared_module_state(module), offloaded_weights_loaded(module), \
             reserved_names_renamed(module) as renamed, aliases_hidden(module):
@@ -232,7 +237,7 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
         try:
             holders = source.holders()
             holder = holders[""][0]
-            builder = GraphBuilder(ctx, torch.nn.Module(), {}, {}, copy_spec(pytree.tree_flatten((args, kwargs))[1]),
+            builder = GraphBuilder(ctx, torch.nn.Module(), {}, {}, source.input_spec,
                                    record.states, constant_outputs(record.exported), (args, kwargs), ReusePlan(),
                                    sibling_roots.untouched_rebound(record.untouched, rebound), holders)
             builder.number_calls(holder)
@@ -241,7 +246,8 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
                 raise ReuseFallback(f"a graph of '{source.path}' could not be built here: {ctx.opaque}")
             graphs = [("", root), *((sub_path, sub) for sub_path, _, _, sub in walk(root)
                                     if isinstance(sub, CompiledGraphModule))]
-            call_spec = sibling_roots.prologue_rebound(root.graph, source.shape, shape)
+            call_spec = sibling_roots.prologue_rebound(root, source.shape, shape,
+                                                       copy_spec(pytree.tree_flatten((args, kwargs))[1]))
             for sub_path, graph in graphs:
                 if rebound is not None:
                     rebind_cache_state(graph, rebound, ctx.full(sub_path) or "<root>", call_spec if graph is root else None)
@@ -255,7 +261,6 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
             sub.graph_meta.node_path = f"{path}.{sub_path}" if path else sub_path
     root.graph_meta.reused_from = source.path
     root.__dict__[PROGRAM_RECORD] = record
-    guard = sibling_roots.sibling_guard(record.guard, source.shape, shape, tensor_leaves(args, kwargs))
     return Extraction(root, guard, {}, (tuple(summarize(a) for a in args), {k: summarize(v) for k, v in kwargs.items()}))
 
 
@@ -338,8 +343,12 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         # modules whose code collects submodules' outputs with transformers' hooks: stubbed from the
         # first export on (export would fail on them, one export later)
         for fqn in found.capturing:
+            capturing = CapturingOutputs(fqn)
+            if fqn == "":
+                bar.close()
+                ctx.fail("", describe_failure(capturing), capturing)
+                return opaque_module(ctx, "", module, args, kwargs, describe_failure(capturing)), static
             if fqn not in stubs:
-                capturing = CapturingOutputs(fqn)
                 stubs[fqn], errors[fqn] = describe_failure(capturing), capturing
         # modules in which transformers skipped an sdpa mask that a graph would build, while another
         # attention function than transformers' stands for sdpa: traced through, shown opaque (their

@@ -110,7 +110,8 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
                 if name in pairing.watches or rep_name in by_name:
                     dispatcher.pair(pairing.watches.get(name),
                                     SiblingLink(by_name[rep_name], sibling_index) if rep_name in by_name else None)
-            extraction = dispatcher.add_extraction(a, k)
+            # (a dispatcher kept from an earlier extraction serves a call alike with what it has)
+            extraction = dispatcher.lookup(a, k)
             ctx.opaque.update(extraction.opaque)
             invocations.append((dispatcher, extraction.root))
             dispatchers[f"{safe.replace('.', '_')}_{index}" if several else safe.replace(".", "_")] = dispatcher

@@ -38,8 +38,8 @@ from torch.fx import Graph, Node
 
 from .call_structure import ShapeGuard
 from .cleanup import input_prologue
-from .reuse import (CacheRebinding, ReuseFallback, ReusedHolder, copy_graph, cache_index, is_cache, layer_key, leaf_key, plan as reuse_plan,
-                    same)
+from .reuse import (CacheRebinding, ReuseFallback, ReusedHolder, cache_index, copy_graph, is_cache, layer_key,
+                    plan as reuse_plan, same)
 from .state import UntouchedLayers, state_keys
 from ..compat import invocation_graphs, unflatten
 from ..compat.pytree import pytree
@@ -80,8 +80,9 @@ class CallShape:
     Attributes:
         key: the position or keyword of its one transformers ``Cache`` argument (None: no state).
         spec: the pytree spec of the call with the cache replaced by None.
-        leaves: its leaves: tensors as ``(shape, dtype, device, requires_grad, layout)`` keys, other
-            values as themselves (compared with :func:`.reuse.same`).
+        leaves: its leaves: tensors as ``(rank, dtype, device, requires_grad, layout)`` keys (their
+            sizes are the shape guard's, see :func:`sibling_guard`), other values as themselves
+            (compared with :func:`.reuse.same`).
         cache: ``(type, settings, number of layers, own layer's state)`` of the cache, or None.
         cache_spec: the cache's pytree spec (None without a cache).
         plain: positions, among the call's tensors in pytree order, of those outside the cache.
@@ -89,6 +90,7 @@ class CallShape:
         count: how many tensors the call has (in the cache or not).
         leaf_plain, leaf_own: as ``plain`` and ``own``, among all the call's leaves (the order of
             a root graph's input prologue, see :func:`prologue_rebound`).
+        sizes: every tensor's sizes, in the order of the call's tensors.
     """
 
     key: Any
@@ -101,6 +103,7 @@ class CallShape:
     count: int
     leaf_plain: tuple[int, ...]
     leaf_own: tuple[int, ...]
+    sizes: tuple[tuple[int, ...], ...]
 
     @classmethod
     def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any], index: int | None) -> CallShape | None:
@@ -121,11 +124,11 @@ class CallShape:
                 kwargs = {**kwargs, key: None}
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        described = tuple(("tensor", leaf_key(leaf)) if isinstance(leaf, torch.Tensor) else ("value", leaf)
+        described = tuple(("tensor", _sizeless(leaf)) if isinstance(leaf, torch.Tensor) else ("value", leaf)
                           for leaf in leaves)
         if cache is None:
             return cls(None, spec, described, None, None, tuple(range(len(tensors))), (), len(tensors),
-                       tuple(range(len(leaves))), ())
+                       tuple(range(len(leaves))), (), tuple(tuple(t.shape) for t in tensors))
         layers = vars(cache)["layers"]
         cache_leaves, cache_spec = pytree.tree_flatten(cache)
         cache_ids = {id(leaf) for leaf in cache_leaves if isinstance(leaf, torch.Tensor)}
@@ -141,8 +144,10 @@ class CallShape:
         if len(plain) != len(tensors) or len(own) != len(own_ids):
             return None  # a tensor both in and outside the cache: no position mapping
         settings = tuple(sorted((n, v) for n, v in vars(cache).items() if n != "layers"))
-        return cls(key, spec, described, (type(cache), settings, len(layers), layer_key(layers[index])), cache_spec,
-                   plain, own, len(whole), leaf_plain, leaf_own)
+        own_layer = tuple((n, _sizeless(v) if isinstance(v, torch.Tensor) else v)
+                          for n, v in layer_key(layers[index])[1]) if layer_key(layers[index]) else None
+        return cls(key, spec, described, (type(cache), settings, len(layers), type(layers[index]), own_layer),
+                   cache_spec, plain, own, len(whole), leaf_plain, leaf_own, tuple(tuple(t.shape) for t in whole))
 
     def matches(self, rep: CallShape) -> bool:
         """Whether a sibling called with this shape may take graphs built for ``rep``'s call."""
@@ -157,11 +162,15 @@ class CallShape:
             return False
         if self.cache is None or rep.cache is None:
             return True
-        kind, settings, layers, own = self.cache
-        rep_kind, rep_settings, rep_layers, rep_own = rep.cache
-        return (kind is rep_kind and layers == rep_layers and own == rep_own
+        kind, settings, layers, own_type, own = self.cache
+        rep_kind, rep_settings, rep_layers, rep_own_type, rep_own = rep.cache
+        return (kind is rep_kind and layers == rep_layers and own_type is rep_own_type and own == rep_own
                 and [n for n, _ in settings] == [n for n, _ in rep_settings]
                 and all(same(v, rv) for (_, v), (_, rv) in zip(settings, rep_settings)))
+
+
+def _sizeless(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (tensor.dim(), tensor.dtype, tensor.device, tensor.requires_grad, tensor.layout)
 
 
 def _put(args: tuple[Any, ...], kwargs: dict[str, Any], key: Any, value: Any) -> tuple[Any, Any]:
@@ -179,6 +188,8 @@ class SharedRoot:
         shape: the :class:`CallShape` of the call it was extracted for.
         index: its cache layer index (None when it has none).
         path: its NodePath (shown as ``graph_meta.reused_from`` of the siblings' roots).
+        input_spec: the pytree spec of its call (a sibling's graphs are built with it, so their
+            inputs are cleaned as the representative's were; see :func:`prologue_rebound`).
         pristine: ``{submodule path ("" for the root): [(unflattened holder, its graph) per
             invocation]}`` of one unflattening of the program that is never built (see
             :meth:`holders`); made by the first sibling.
@@ -188,6 +199,7 @@ class SharedRoot:
     shape: CallShape
     index: int | None
     path: str
+    input_spec: Any
     pristine: dict[str, list[tuple[Any, Graph | None]]] | None = None
 
     def holders(self) -> dict[str, list[Any]]:
@@ -244,21 +256,26 @@ def rebinding(shape: CallShape, rep: SharedRoot, index: int | None) -> CacheRebi
     return CacheRebinding(rep.index, index, rep.shape.cache_spec, shape.cache_spec)
 
 
-def prologue_rebound(graph: Graph, rep: CallShape, shape: CallShape) -> Node | None:
-    """Make a sibling's root graph take its inputs from the sibling's call: its input prologue
-    (``tree_flatten_spec`` of the call, see :func:`.cleanup.input_prologue`, flattened with the
-    sibling's own spec) picks the leaves the representative's picked, at their positions in the
-    sibling's call (its own cache layer's where the representative's own layer's were: the cache's
-    other layers shift every later position). Returns the prologue's spec node (the call's own
-    spec, not the cache's: see :func:`.reuse.rebind_cache_state`), or None without a prologue.
+def prologue_rebound(gm: torch.fx.GraphModule, rep: CallShape, shape: CallShape, spec: Any) -> Node | None:
+    """Make a sibling's root graph take its inputs from the sibling's call, when building (with
+    the representative's input spec) left an input prologue (``tree_flatten_spec`` of the call,
+    see :func:`.cleanup.input_prologue`): it flattens the call with ``spec`` (the sibling's) and
+    picks the leaves the representative's picked, at their positions in the sibling's call (its
+    own cache layer's where the representative's own layer's were: the cache's other layers shift
+    every later position). Returns the prologue's spec node (the call's own spec, not the cache's:
+    see :func:`.reuse.rebind_cache_state`), or None without a prologue.
 
     Raises:
         ReuseFallback: the graph picks a leaf of another cache layer, or uses the flattened
             inputs otherwise than by picking leaves.
     """
-    prologue = input_prologue(graph)
+    prologue = input_prologue(gm.graph)
     if prologue is None:
         return None
+    spec_node = prologue.args[1]
+    if not isinstance(spec_node, Node) or spec_node.op != "get_attr":
+        raise ReuseFallback("its root graph's input prologue has no spec of its own")
+    setattr(gm, str(spec_node.target), spec)
     moved = {**dict(zip(rep.leaf_plain, shape.leaf_plain)), **dict(zip(rep.leaf_own, shape.leaf_own))}
     for user in list(prologue.users):
         if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
@@ -266,19 +283,24 @@ def prologue_rebound(graph: Graph, rep: CallShape, shape: CallShape) -> Node | N
         if user.args[1] not in moved:
             raise ReuseFallback(f"its root graph reads input leaf {user.args[1]}, of another cache layer")
         user.args = (user.args[0], moved[user.args[1]])
-    spec = prologue.args[1]
-    return spec if isinstance(spec, Node) else None
+    return spec_node
 
 
-def sibling_guard(rep_guard: ShapeGuard, rep: CallShape, shape: CallShape, tensors: list[torch.Tensor]) -> ShapeGuard:
-    """The sizes a sibling's graphs accept: the representative's guard for the tensors they read
-    (those outside the cache, and its own cache layer's, in place of the representative's own);
-    any size for the cache's other layers, which they do not read (see
-    :func:`.reuse.rebind_cache_state`). Exactly the call's sizes when export added guards of its
-    own (they address the representative's call) or the positions do not map."""
-    if rep_guard.code or len(rep_guard.dims) != rep.count or len(tensors) != shape.count:
-        return ShapeGuard.static(tensors)
+def sibling_guard(rep_guard: ShapeGuard, rep: CallShape, shape: CallShape, tensors: list[torch.Tensor],
+                  call: tuple[tuple[Any, ...], dict[str, Any]]) -> ShapeGuard | None:
+    """The sizes a sibling's graphs accept, or None when they do not accept its call's: the
+    representative's guard for the tensors they read (those outside the cache, and its own cache
+    layer's, in place of the representative's own), any size for the cache's other layers, which
+    they do not read (see :func:`.reuse.rebind_cache_state`), and export's own guards (they address
+    the call by argument, as alike for both). When those guards address the cache, whose layers
+    differ, only the representative's own sizes are accepted, and only when the sibling's call has
+    them (exactly its call's sizes)."""
     mapped: dict[int, int] = {**dict(zip(shape.plain, rep.plain)), **dict(zip(shape.own, rep.own))}
+    if len(rep_guard.dims) != rep.count or len(tensors) != shape.count:
+        return None
+    if shape.key is not None and any(_mentions_argument(code, shape.key) for code in rep_guard.code):
+        same_sizes = all(tuple(tensors[mine].shape) == rep.sizes[theirs] for mine, theirs in mapped.items())
+        return ShapeGuard.static(tensors) if same_sizes else None
     free = itertools.count()
     dims: list[list[int | tuple[str, int, int | None]]] = []
     for position, tensor in enumerate(tensors):
@@ -286,7 +308,13 @@ def sibling_guard(rep_guard: ShapeGuard, rep: CallShape, shape: CallShape, tenso
             dims.append(list(rep_guard.dims[mapped[position]]))
         else:
             dims.append([(f"_other_layer_{next(free)}", 0, None) for _ in range(tensor.dim())])
-    return ShapeGuard(dims)
+    guard = ShapeGuard(dims, rep_guard.code)
+    return guard if guard.matches(tensors, call) else None
+
+
+def _mentions_argument(code: str, key: Any) -> bool:
+    """Whether an export guard expression (over ``L['args']`` and ``L['kwargs']``) reads argument ``key``."""
+    return f"L['args'][{key}]" in code if isinstance(key, int) else f"['{key}']" in code
 
 
 def untouched_rebound(untouched: dict[str, list[UntouchedLayers | None]], rebound: CacheRebinding | None

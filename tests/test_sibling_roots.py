@@ -1,0 +1,442 @@
+"""Sibling roots (issue 13): the layers an opaque module calls are exported once per group of siblings.
+
+transformers' output capturing (``output_attentions=True``) makes the decoder stack opaque, so each
+decoder layer is extracted as the root of its own export, through its own dispatcher: SmolLM2 took
+30 exports (18 s). Now the first layer is exported with the attributes that differ between the
+layers watched, and the others build their graphs from its program over their own parameters and
+cache layer (see ``nnbridge.bridge.sibling_roots``). Every model runs three ways: eager (an
+untouched copy), bridged with reuse, bridged without (``reuse_layers=False``, a full extraction);
+outputs, attentions, caches, gradients, graph code, NodePaths and per-layer patches must be equal
+(``torch.equal``). A layer whose graph would depend on what differs between the siblings (its
+index in arithmetic, another cache layer) is exported itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import nnbridge
+from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph
+from nnbridge.bridge import extraction as extraction_module
+from nnbridge.bridge.hierarchy import walk
+from nnbridge.bridge.in_place import bridge_of
+from nnbridge.errors import ExtractionError
+from utils import gemma3, gpt2, llama
+
+pytestmark = pytest.mark.no_extraction_cache  # exports are counted: each test extracts anew
+
+REUSE = ExtractionOptions(reuse_layers=True)
+FULL = ExtractionOptions(reuse_layers=False)
+
+
+def _three(factory):
+    def make():
+        config = factory().config
+        config.num_hidden_layers = 3
+        if hasattr(config, "n_layer"):
+            config.n_layer = 3
+        torch.manual_seed(0)
+        return type(factory())(config).eval()
+    return make
+
+
+MODELS = {  # (factory, {sibling: representative} expected, the layers' path, the class of a layer)
+    "gpt2": (_three(gpt2), {"transformer.h.1": "transformer.h.0", "transformer.h.2": "transformer.h.0"},
+             "transformer.h", "GPT2Block"),
+    "llama": (_three(llama), {"model.layers.1": "model.layers.0", "model.layers.2": "model.layers.0"},
+              "model.layers", "LlamaDecoderLayer"),
+    # alternating layer kinds (sliding window, full attention): reused within each kind
+    "gemma3": (lambda: gemma3(("sliding_attention", "sliding_attention", "full_attention", "full_attention")),
+               {"model.layers.1": "model.layers.0", "model.layers.3": "model.layers.2"}, "model.layers",
+               "Gemma3DecoderLayer"),
+}
+
+
+@pytest.fixture
+def exported(monkeypatch):
+    """The class names of the modules torch.export runs on, in order."""
+    names: list[str] = []
+    real = extraction_module.export_module
+
+    def counted(module, *args, **kwargs):
+        names.append(type(module).__name__)
+        return real(module, *args, **kwargs)
+    monkeypatch.setattr(extraction_module, "export_module", counted)
+    return names
+
+
+def _dispatchers(root):
+    """Every child dispatcher of an opaque module in ``root``'s hierarchy: ``{path: dispatcher}``."""
+    found = {}
+    for module in [root, *(sub for _, _, _, sub in walk(root) if sub is not None)]:
+        for dispatcher in (getattr(module.graph_meta, "child_dispatchers", None) or {}).values():
+            found[dispatcher.path] = dispatcher
+            for extraction in dispatcher.all_extractions():
+                found.update(_dispatchers(extraction.root))
+    return found
+
+
+def _sibling_roots(model) -> dict[str, str]:
+    """``{layer path: representative path}`` of the layers built from a representative's program."""
+    reused = {}
+    for extraction in bridge_of(model).dispatcher.all_extractions():
+        for path, dispatcher in _dispatchers(extraction.root).items():
+            for child in dispatcher.all_extractions():
+                if child.root.graph_meta.reused_from:
+                    reused[path] = child.root.graph_meta.reused_from
+    return reused
+
+
+def _layer_roots(model) -> dict[str, CompiledGraphModule]:
+    """The most recent extraction's root graph of every layer extracted through a dispatcher."""
+    roots = {}
+    for extraction in bridge_of(model).dispatcher.all_extractions():
+        for path, dispatcher in _dispatchers(extraction.root).items():
+            if dispatcher.all_extractions():
+                roots[path] = dispatcher.all_extractions()[-1].root
+    return roots
+
+
+def _bridged(factory, options, ids):
+    model = factory()
+    nnbridge.bridge(model, ids, options=options)
+    return model
+
+
+def _assert_outputs_equal(out, ref):
+    assert torch.equal(out.logits, ref.logits)
+    for name in ("attentions", "hidden_states"):
+        mine, theirs = getattr(out, name), getattr(ref, name)
+        assert (mine is None) == (theirs is None), name
+        if mine is not None:
+            assert len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs)), name
+    if ref.past_key_values is not None:
+        for a, b in zip(out.past_key_values.layers, ref.past_key_values.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_layers_are_built_from_their_representative(name, exported):
+    """One export per group of sibling layers (the root is exported once: its decoder stack is
+    found collecting outputs before exporting); the full extraction exports every layer."""
+    factory, expected, _, layer_class = MODELS[name]
+    ids = torch.randint(1, 100, (1, 6))
+    model = _bridged(factory, REUSE, ids)
+    exported.clear()
+    model(ids, output_attentions=True)
+    assert _sibling_roots(model) == expected
+    layers = len(model.get_submodule(MODELS[name][2]))
+    assert exported.count(layer_class) == layers - len(expected)
+    assert exported.count(type(model).__name__) == 1
+    full = _bridged(factory, FULL, ids)
+    exported.clear()
+    full(ids, output_attentions=True)
+    assert _sibling_roots(full) == {} and exported.count(layer_class) == layers
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("use_cache", [False, True], ids=["no_cache", "cache"])
+def test_outputs_attentions_hidden_states_and_cache_equal_eager_and_full(name, use_cache):
+    factory, *_ = MODELS[name]
+    ids = torch.randint(1, 100, (2, 7))
+    eager = factory()
+    kwargs = dict(output_attentions=True, output_hidden_states=True, use_cache=use_cache)
+    ref = eager(ids, **kwargs)
+    for options in (REUSE, FULL):
+        _assert_outputs_equal(_bridged(factory, options, ids)(ids, **kwargs), ref)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_graph_code_and_node_paths_equal_a_full_extraction(name):
+    """The same modules, NodePaths and node names; the same code, but for Gemma 3's state reads: a
+    sliding layer reads its own window tensor where the full extraction also read layer 0's (unused)."""
+    factory, expected, *_ = MODELS[name]
+    ids = torch.randint(1, 100, (1, 6))
+    reused, full = _bridged(factory, REUSE, ids), _bridged(factory, FULL, ids)
+    reused(ids, output_attentions=True)
+    full(ids, output_attentions=True)
+    mine, theirs = _layer_roots(reused), _layer_roots(full)
+    assert mine.keys() == theirs.keys() and set(expected) <= mine.keys()
+    for path in mine:
+        a, b = dict(mine[path].named_modules()), dict(theirs[path].named_modules())
+        assert list(a) == list(b), path
+        for sub in a:
+            if isinstance(a[sub], CompiledGraphModule):
+                assert [n.name for n in a[sub].graph.nodes] == [n.name for n in b[sub].graph.nodes], (path, sub)
+                assert a[sub].graph_meta.node_path == b[sub].graph_meta.node_path, (path, sub)
+                assert a[sub].code == b[sub].code or (name == "gemma3" and "read_state" in a[sub].code), (path, sub)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_gradients_equal_eager(name):
+    factory, *_ = MODELS[name]
+    ids = torch.randint(1, 100, (1, 6))
+    eager = factory()
+    model = _bridged(factory, REUSE, ids)
+    grads = []
+    for m in (eager, model):
+        out = m(ids, output_attentions=True, use_cache=False)
+        (out.logits.square().sum() + sum(a.square().sum() for a in out.attentions)).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
+    assert _sibling_roots(model)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_per_layer_op_hooks_equal_a_full_extraction(name):
+    """A torch hook on layer k's softmax op point changes the output exactly as on a full
+    extraction; each layer's op point is its own."""
+    factory, expected, layers, _ = MODELS[name]
+    ids = torch.randint(1, 100, (1, 6))
+    softmax = "attn.softmax" if name == "gpt2" else "self_attn.softmax"
+    results = {}
+    for label, options in (("full", FULL), ("reuse", REUSE)):
+        model = _bridged(factory, options, ids)
+        plain = model(ids, output_attentions=True).logits
+        per_layer = []
+        for i in range(3):
+            point = model.get_submodule(f"{layers}.{i}.{softmax}")
+            handle = point.register_forward_hook(lambda module, args, output: output * 0.5)
+            try:
+                patched = model(ids, output_attentions=True)
+            finally:
+                handle.remove()
+            assert not torch.equal(patched.logits, plain)
+            per_layer.append((patched.logits, patched.attentions))
+        assert _sibling_roots(model) == ({} if label == "full" else expected)
+        results[label] = per_layer
+    for (a, att_a), (b, att_b) in zip(results["full"], results["reuse"]):
+        assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(att_a, att_b))
+    assert not torch.equal(results["reuse"][1][0], results["reuse"][2][0])
+
+
+def test_nnsight_envoys_per_layer_equal_a_full_extraction():
+    ids = torch.randint(1, 100, (1, 6))
+    results = {}
+    for label, options in (("full", FULL), ("reuse", REUSE)):
+        model = _bridged(MODELS["llama"][0], options, ids)
+        wrapped = nnbridge.NNsight(model)
+        with wrapped.trace(ids, output_attentions=True):
+            seen_0 = wrapped.model.layers[0].self_attn.softmax.output.save()
+            seen_1 = wrapped.model.layers[1].self_attn.softmax.output.save()
+            seen_2 = wrapped.model.layers[2].self_attn.softmax.output.save()
+            wrapped.model.layers[2].self_attn.softmax.output[:] = 0
+            logits = wrapped.lm_head.output.save()
+        results[label] = ([seen_0, seen_1, seen_2], logits, _sibling_roots(model))
+    (seen_full, logits_full, reused_full), (seen, logits, reused) = results["full"], results["reuse"]
+    assert reused_full == {} and reused == MODELS["llama"][1]
+    assert all(torch.equal(a, b) for a, b in zip(seen_full, seen))
+    assert not torch.equal(seen[0], seen[1])
+    assert torch.equal(logits_full, logits)
+    eager = MODELS["llama"][0]()
+    assert not torch.equal(logits, eager(ids).logits)  # the patch took effect
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_decode_steps_and_another_length_equal_eager(name):
+    """A decode step with the prefill's cache, and another prompt length: equal to eager."""
+    factory, expected, *_ = MODELS[name]
+    ids, step, other = torch.randint(1, 100, (1, 6)), torch.randint(1, 100, (1, 1)), torch.randint(1, 100, (1, 9))
+    eager = factory()
+    model = _bridged(factory, REUSE, ids)
+    with torch.no_grad():
+        for m in (eager, model):
+            first = m(ids, output_attentions=True)
+            m.__dict__["_results"] = (first, m(step, past_key_values=first.past_key_values, output_attentions=True),
+                                      m(other, output_attentions=True))
+    for mine, theirs in zip(model.__dict__.pop("_results"), eager.__dict__.pop("_results")):
+        _assert_outputs_equal(mine, theirs)
+    assert _sibling_roots(model) == expected
+
+
+def test_output_capturing_found_before_exporting_names_the_module_under_the_error_option():
+    """The decoder stack collecting outputs is found by extraction's eager run: the same opaque
+    reason as export gave, and, with ``error_on_compilation_failure``, an error naming it (nothing
+    left bridged)."""
+    ids = torch.randint(1, 100, (1, 6))
+    model = _bridged(MODELS["gpt2"][0], REUSE, ids)
+    model(ids, output_attentions=True)
+    reasons = {}
+    for extraction in bridge_of(model).dispatcher.all_extractions():
+        reasons.update(extraction.opaque)
+    assert reasons == {"transformer": "CapturingOutputs: transformers collects outputs of its submodules with hooks"
+                                      " here (output_attentions or output_hidden_states); the module runs its own code"
+                                      " and its children are graphs"}
+    strict = MODELS["gpt2"][0]()
+    with pytest.raises(ExtractionError, match="'transformer'.*collects outputs"):
+        nnbridge.bridge(strict, ids, output_attentions=True, options=ExtractionOptions(error_on_compilation_failure=True))
+    assert bridge_of(strict) is None
+
+
+# -- toy layers: what must not be reused -----------------------------------------------------------
+class _ToyLayer(torch.nn.Module):
+    """Writes ``proj(x)`` to its cache layer and adds the mean of its cached keys and values.
+    ``scaled``: multiplies by ``layer_idx + 1``; ``peek``: also reads cache layer 0's keys."""
+
+    def __init__(self, layer_idx: int, scaled: bool = False, peek: bool = False):
+        super().__init__()
+        self.layer_idx, self.scaled, self.peek = layer_idx, scaled, peek
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, past_key_values):
+        k = self.proj(x).unsqueeze(1)
+        keys, values = past_key_values.update(k, 2 * k, self.layer_idx)
+        out = x + keys.mean(-2) + values.mean(-2)
+        if self.peek:
+            out = out + past_key_values.layers[0].keys.mean(-2)
+        if self.scaled:
+            out = out * (self.layer_idx + 1)
+        return out
+
+
+class _ToyStack(torch.nn.Module):
+    """Three :class:`_ToyLayer` s; skipped (opaque), so each layer is extracted as its own root."""
+
+    def __init__(self, **layer_options):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 8)  # every layer's input requires grad alike (the call structure)
+        self.layers = torch.nn.ModuleList(_ToyLayer(i, **layer_options) for i in range(3))
+
+    def forward(self, x, past_key_values):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x, past_key_values)
+        return x
+
+
+class _PlainLayer(torch.nn.Module):
+    def __init__(self, index: int, scaled: bool):
+        super().__init__()
+        self.index, self.scaled = index, scaled
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x)) * (self.index + 1 if self.scaled else 1)
+
+
+class _PlainStack(torch.nn.Module):
+    def __init__(self, scaled: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 8)  # every layer's input requires grad alike (the call structure)
+        self.layers = torch.nn.ModuleList(_PlainLayer(i, scaled) for i in range(3))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _toy_cache(lengths=None):
+    from transformers import DynamicCache, GPT2Config
+    cache = DynamicCache(config=GPT2Config(n_layer=3))
+    torch.manual_seed(2)
+    for i, n in enumerate(lengths or []):
+        if n:
+            cache.update(torch.randn(2, 1, n, 8), torch.randn(2, 1, n, 8), i)
+    return cache
+
+
+def _skipped(model) -> ExtractionOptions:
+    return ExtractionOptions(reuse_layers=True, classes_to_skip_compiling={type(model)})
+
+
+def _toy_run(model, x, cache_factory, caplog):
+    """The layers reused for one call of the skipped stack (its output and cache equal eager's)."""
+    eager_cache, bridged_cache = cache_factory(), cache_factory()
+    eager = copy.deepcopy(model)(x, eager_cache)
+    with caplog.at_level(logging.INFO, logger="nnbridge.bridge.extraction"):
+        nnbridge.bridge(model, x, cache_factory(), options=_skipped(model))
+        out = model(x, bridged_cache)
+    assert torch.equal(out, eager)
+    for a, b in zip(bridged_cache.layers, eager_cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    return _sibling_roots(model), caplog.text
+
+
+def test_toy_cache_layers_reused_in_prefill_and_decode(caplog):
+    x = torch.randn(2, 5, 8)
+    assert _toy_run(_ToyStack(), x, _toy_cache, caplog)[0] == {"layers.1": "layers.0", "layers.2": "layers.0"}
+    reused, log = _toy_run(_ToyStack(), x, lambda: _toy_cache([3, 3, 3]), caplog)
+    assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
+
+
+def test_cache_index_in_arithmetic_makes_every_layer_export_itself(caplog, exported):
+    reused, log = _toy_run(_ToyStack(scaled=True), torch.randn(2, 5, 8), _toy_cache, caplog)
+    assert reused == {} and exported.count("_ToyLayer") == 3
+
+
+def test_another_cache_layer_read_makes_every_layer_export_itself(caplog):
+    reused, log = _toy_run(_ToyStack(peek=True), torch.randn(2, 5, 8), lambda: _toy_cache([3, 3, 3]), caplog)
+    assert reused == {}
+
+
+def test_cache_layers_in_other_states_are_not_reused(caplog):
+    """Layer 1 holds more tokens than layer 0 did: it is not called alike, it exports itself."""
+    reused, log = _toy_run(_ToyStack(), torch.randn(2, 5, 8), lambda: _toy_cache([3, 4, 3]), caplog)
+    assert "layers.1" not in reused and reused.get("layers.2") == "layers.0"
+
+
+def test_lazily_appended_cache_is_not_reused(caplog):
+    from transformers import DynamicCache
+    assert _toy_run(_ToyStack(), torch.randn(2, 5, 8), DynamicCache, caplog)[0] == {}
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["same", "index_read"])
+def test_layers_without_state(scaled, exported):
+    """Without a cache: siblings reuse unless a layer reads its differing ``index``; exact either
+    way, at the extracted length and another one."""
+    model = _PlainStack(scaled)
+    eager = copy.deepcopy(model)
+    x, other = torch.randn(2, 5, 8), torch.randn(3, 7, 8)
+    nnbridge.bridge(model, x, options=_skipped(model))
+    assert torch.equal(model(x), eager(x)) and torch.equal(model(other), eager(other))
+    assert _sibling_roots(model) == ({} if scaled else {"layers.1": "layers.0", "layers.2": "layers.0"})
+    assert exported.count("_PlainLayer") == (3 if scaled else 1)
+
+
+def test_a_new_length_reuses_the_siblings_extractions(exported):
+    """A sibling's shape guard is its representative's: the opaque stack's dispatchers serve
+    another length without extracting again."""
+    model = _PlainStack()
+    x = torch.randn(2, 5, 8)
+    nnbridge.bridge(model, x, options=_skipped(model))
+    exported.clear()
+    model(torch.randn(3, 9, 8))
+    assert exported == []
+    for path, dispatcher in _dispatchers(bridge_of(model).dispatcher.all_extractions()[0].root).items():
+        assert len(dispatcher.history) == 1, path
+
+
+def test_disk_cache_second_bridge_builds_siblings_without_exporting(tmp_path, monkeypatch, exported):
+    """The representative's program record keeps what its watched export read (nothing): a second
+    bridge served by the disk cache builds the siblings from it, with no export."""
+    monkeypatch.setenv("NNBRIDGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE", raising=False)
+    ids = torch.randint(1, 100, (1, 6))
+    factory, expected, _, layer_class = MODELS["llama"]
+    first = _bridged(factory, REUSE, ids)
+    first(ids, output_attentions=True)
+    assert exported.count(layer_class) == 1
+    second = _bridged(factory, REUSE, ids)
+    exported.clear()
+    out = second(ids, output_attentions=True)
+    # (the rotary embedding, opaque, is exported again: no program is kept for an opaque root)
+    assert layer_class not in exported and "LlamaForCausalLM" not in exported
+    assert _sibling_roots(second) == expected
+    _assert_outputs_equal(out, factory()(ids, output_attentions=True))
+
+
+def test_reuse_layers_off_exports_every_layer(exported):
+    model = _PlainStack()
+    x = torch.randn(2, 5, 8)
+    nnbridge.bridge(model, x, options=ExtractionOptions(reuse_layers=False, classes_to_skip_compiling={_PlainStack}))
+    assert _sibling_roots(model) == {} and exported.count("_PlainLayer") == 3
