@@ -27,7 +27,7 @@ import dataclasses
 import gc
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from torch.fx import Graph
@@ -304,16 +304,23 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     # a saved or cached export of this call (see .programs) replaces the loop below
     request = programs.ExportRequest(module, ctx.path, args, kwargs, ctx.options, ctx.grad_enabled)
     cache = default_cache() or memory_cache()  # the disk cache, else the process's (see .memory_cache)
-    candidates = reuse_plan(module, set(stubs)) if reuse else ReusePlan()
     record = programs.lookup(request, cache)
     initial_stubs, initial_errors = dict(stubs), dict(errors)
-    if record is not None:
+    eager: _EagerStubs | None = None
+    if record is None:  # an eager run finds modules to stub before the calls are recorded (one recording)
+        eager = _eager_stubs(ctx, module, args, kwargs, stubs, errors)
+        if eager.root is not None:
+            bar.close()
+            return _opaque_root(ctx, module, args, kwargs, eager.root), static
+    else:
         stubs = dict(record.stubs)
         exported, dynamic, states = record.exported, record.dynamic, record.states
         untouched = record.untouched
         # a shared container entry's error (with its fix) is known again from the module itself
         errors = {fqn: errors[fqn] if isinstance(errors.get(fqn), SharedModuleEntry) and str(errors[fqn]) == reason
                   else programs.RecordedFailure(reason) for fqn, reason in stubs.items()}
+    # (a record's plan is derived again from the module as it was derived before its export)
+    candidates = reuse_plan(module, set(stubs if record is None else initial_stubs)) if reuse else ReusePlan()
     recorded = set(stubs) | set(candidates.siblings) | candidates.representatives()
     # (layers only compared for reuse keep their tensors shared: deep copies cost more than the run)
     compared = (set(candidates.siblings) | candidates.representatives()) - set(stubs)
@@ -323,48 +330,19 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         # a record keeps the siblings its export stubbed; the plan is derived again for this call
         if record.reuse or not reuse:  # another plan than this call's: export again
             record, stubs, errors = None, initial_stubs, initial_errors
+            eager = _eager_stubs(ctx, module, args, kwargs, stubs, errors)
+            if eager.root is not None:
+                bar.close()
+                return _opaque_root(ctx, module, args, kwargs, eager.root), static
             calls = record_calls(module, recorded | set(stubs), args, kwargs) if recorded | set(stubs) else {}
         else:  # the export fell back to per-layer export for this call before: so does this build
             plan = ReusePlan()
     # a skipped module called with a cache is traced through (its new cache state must reach its
     # caller's graph) and only shown as opaque; the others are stubbed while exporting
     traced = {fqn for fqn in stubs if stubs[fqn] == StubKind.SKIPPED and any(state_keys(a, k) for a, k, _ in calls[fqn])}
-    frozen: set[str] = set()  # traced modules whose own grad-mode changes are ignored while exporting
-    if record is None:
-        found, known = eager_findings(module, args, kwargs, ctx.grad_enabled), len(stubs)
-        # modules that change grad mode, found by an eager run: traced through with the change
-        # ignored from the first export on, as after an export found them (one export, not two)
-        for fqn in found.grad_mode:
-            if fqn not in stubs:
-                grad_change = UnfaithfulCaptureError(GRAD_MODE_REASON, grad_mode=True)
-                stubs[fqn], errors[fqn] = describe_failure(grad_change), grad_change
-                traced.add(fqn)
-                frozen.add(fqn)
-        # modules whose code collects submodules' outputs with transformers' hooks: stubbed from the
-        # first export on (export would fail on them, one export later)
-        for fqn in found.capturing:
-            capturing = CapturingOutputs(fqn)
-            if fqn == "":
-                bar.close()
-                ctx.fail("", describe_failure(capturing), capturing)
-                return opaque_module(ctx, "", module, args, kwargs, describe_failure(capturing)), static
-            if fqn not in stubs:
-                stubs[fqn], errors[fqn] = describe_failure(capturing), capturing
-        # modules in which transformers skipped an sdpa mask that a graph would build, while another
-        # attention function than transformers' stands for sdpa: traced through, shown opaque (their
-        # own code runs, passing no mask as in eager)
-        replaced = replaced_sdpa_functions(module) if found.mask_skips else {}
-        for fqn in found.mask_skips if replaced else ():
-            skip = UnfaithfulCaptureError(mask_skip_reason(replaced), fix=MASK_SKIP_FIX)
-            if fqn == "":
-                bar.close()
-                ctx.fail("", describe_failure(skip), skip, fix=MASK_SKIP_FIX)
-                return opaque_module(ctx, "", module, args, kwargs, describe_failure(skip)), static
-            if fqn not in stubs:
-                stubs[fqn], errors[fqn] = describe_failure(skip), skip
-                traced.add(fqn)
-        if len(stubs) > known:
-            calls = record_calls(module, set(stubs), args, kwargs)
+    # traced modules whose own grad-mode changes are ignored while exporting
+    frozen: set[str] = set(eager.frozen) if eager is not None else set()
+    traced |= eager.traced if eager is not None else set()
     if record is None:
         untouched = {}
     watch_reads: list[str] | None = [] if watch is not None else None
@@ -453,3 +431,56 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     bar.update()
     bar.close()
     return root, guard
+
+
+class _EagerStubs(NamedTuple):
+    """What :func:`_eager_stubs` added: modules traced through though shown opaque, those of them
+    whose grad-mode changes are ignored, and why the root itself is opaque (reason, error, fix) or None."""
+
+    traced: set[str]
+    frozen: set[str]
+    root: tuple[str, BaseException, str | None] | None
+
+
+def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 stubs: dict[str, str], errors: dict[str, BaseException]) -> _EagerStubs:
+    """Stub (in ``stubs`` and ``errors``) what one eager run of the call finds (see
+    :func:`.capture_checks.eager_findings`), before the first export instead of after it failed."""
+    found = eager_findings(module, args, kwargs, ctx.grad_enabled)
+    traced: set[str] = set()
+    frozen: set[str] = set()
+    # modules that change grad mode: traced through with the change ignored from the first export
+    # on, as after an export found them (one export, not two)
+    for fqn in found.grad_mode:
+        if fqn not in stubs:
+            grad_change = UnfaithfulCaptureError(GRAD_MODE_REASON, grad_mode=True)
+            stubs[fqn], errors[fqn] = describe_failure(grad_change), grad_change
+            traced.add(fqn)
+            frozen.add(fqn)
+    # modules whose code collects submodules' outputs with transformers' hooks: stubbed from the
+    # first export on (export would fail on them, one export later)
+    for fqn in found.capturing:
+        capturing = CapturingOutputs(fqn)
+        if fqn == "":
+            return _EagerStubs(traced, frozen, (describe_failure(capturing), capturing, None))
+        if fqn not in stubs:
+            stubs[fqn], errors[fqn] = describe_failure(capturing), capturing
+    # modules in which transformers skipped an sdpa mask that a graph would build, while another
+    # attention function than transformers' stands for sdpa: traced through, shown opaque (their
+    # own code runs, passing no mask as in eager)
+    replaced = replaced_sdpa_functions(module) if found.mask_skips else {}
+    for fqn in found.mask_skips if replaced else ():
+        skip = UnfaithfulCaptureError(mask_skip_reason(replaced), fix=MASK_SKIP_FIX)
+        if fqn == "":
+            return _EagerStubs(traced, frozen, (describe_failure(skip), skip, MASK_SKIP_FIX))
+        if fqn not in stubs:
+            stubs[fqn], errors[fqn] = describe_failure(skip), skip
+            traced.add(fqn)
+    return _EagerStubs(traced, frozen, None)
+
+
+def _opaque_root(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 root: tuple[str, BaseException, str | None]) -> OpaqueGraphModule:
+    reason, error, fix = root
+    ctx.fail("", reason, error, fix=fix)
+    return opaque_module(ctx, "", module, args, kwargs, reason)
