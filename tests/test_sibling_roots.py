@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,48 +120,61 @@ def _assert_outputs_equal(out, ref):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_layers_are_built_from_their_representative(name, exported):
+@pytest.fixture(scope="module", params=list(MODELS))
+def case(request):
+    """One model bridged with reuse and without (each called once with ``output_attentions=True``,
+    ``output_hidden_states=True`` and the default cache, the class names torch.export ran on
+    recorded), and an untouched copy with its output for that call."""
+    name = request.param
+    factory, expected, layers, layer_class = MODELS[name]
+    torch.manual_seed(1)
+    ids = torch.randint(1, 100, (2, 7))
+    kwargs = dict(output_attentions=True, output_hidden_states=True)
+    names: list[str] = []
+    real = extraction_module.export_module
+
+    def counted(module, *args, **kw):
+        names.append(type(module).__name__)
+        return real(module, *args, **kw)
+    runs = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(extraction_module, "export_module", counted)
+        for label, options in (("reuse", REUSE), ("full", FULL)):
+            model = _bridged(factory, options, ids)
+            names.clear()
+            out = model(ids, **kwargs)
+            runs[label] = (model, out, list(names))
+    eager = factory()
+    return SimpleNamespace(name=name, ids=ids, kwargs=kwargs, expected=expected, layers=layers,
+                           layer_class=layer_class, eager=eager, ref=eager(ids, **kwargs), reuse=runs["reuse"],
+                           full=runs["full"])
+
+
+def test_layers_are_built_from_their_representative(case):
     """One export per group of sibling layers (the root is exported once: its decoder stack is
     found collecting outputs before exporting); the full extraction exports every layer."""
-    factory, expected, _, layer_class = MODELS[name]
-    ids = torch.randint(1, 100, (1, 6))
-    model = _bridged(factory, REUSE, ids)
-    exported.clear()
-    model(ids, output_attentions=True)
-    assert _sibling_roots(model) == expected
-    layers = len(model.get_submodule(MODELS[name][2]))
-    assert exported.count(layer_class) == layers - len(expected)
+    (model, _, exported), (full, _, full_exported) = case.reuse, case.full
+    assert _sibling_roots(model) == case.expected and _sibling_roots(full) == {}
+    layers = len(model.get_submodule(case.layers))
+    assert exported.count(case.layer_class) == layers - len(case.expected)
     assert exported.count(type(model).__name__) == 1
-    full = _bridged(factory, FULL, ids)
-    exported.clear()
-    full(ids, output_attentions=True)
-    assert _sibling_roots(full) == {} and exported.count(layer_class) == layers
+    assert full_exported.count(case.layer_class) == layers
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("use_cache", [False, True], ids=["no_cache", "cache"])
-def test_outputs_attentions_hidden_states_and_cache_equal_eager_and_full(name, use_cache):
-    factory, *_ = MODELS[name]
-    ids = torch.randint(1, 100, (2, 7))
-    eager = factory()
-    kwargs = dict(output_attentions=True, output_hidden_states=True, use_cache=use_cache)
-    ref = eager(ids, **kwargs)
-    for options in (REUSE, FULL):
-        _assert_outputs_equal(_bridged(factory, options, ids)(ids, **kwargs), ref)
+def test_outputs_attentions_hidden_states_and_cache_equal_eager_and_full(case):
+    for _, out, _ in (case.reuse, case.full):
+        _assert_outputs_equal(out, case.ref)
+    no_cache = dict(case.kwargs, use_cache=False)
+    ref = case.eager(case.ids, **no_cache)
+    for model, _, _ in (case.reuse, case.full):
+        _assert_outputs_equal(model(case.ids, **no_cache), ref)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_graph_code_and_node_paths_equal_a_full_extraction(name):
+def test_graph_code_and_node_paths_equal_a_full_extraction(case):
     """The same modules, NodePaths and node names; the same code, but for Gemma 3's state reads: a
     sliding layer reads its own window tensor where the full extraction also read layer 0's (unused)."""
-    factory, expected, *_ = MODELS[name]
-    ids = torch.randint(1, 100, (1, 6))
-    reused, full = _bridged(factory, REUSE, ids), _bridged(factory, FULL, ids)
-    reused(ids, output_attentions=True)
-    full(ids, output_attentions=True)
-    mine, theirs = _layer_roots(reused), _layer_roots(full)
-    assert mine.keys() == theirs.keys() and set(expected) <= mine.keys()
+    mine, theirs = _layer_roots(case.reuse[0]), _layer_roots(case.full[0])
+    assert mine.keys() == theirs.keys() and set(case.expected) <= mine.keys()
     for path in mine:
         a, b = dict(mine[path].named_modules()), dict(theirs[path].named_modules())
         assert list(a) == list(b), path
@@ -168,52 +182,60 @@ def test_graph_code_and_node_paths_equal_a_full_extraction(name):
             if isinstance(a[sub], CompiledGraphModule):
                 assert [n.name for n in a[sub].graph.nodes] == [n.name for n in b[sub].graph.nodes], (path, sub)
                 assert a[sub].graph_meta.node_path == b[sub].graph_meta.node_path, (path, sub)
-                assert a[sub].code == b[sub].code or (name == "gemma3" and "read_state" in a[sub].code), (path, sub)
+                assert a[sub].code == b[sub].code or (case.name == "gemma3" and "read_state" in a[sub].code), \
+                    (path, sub)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_gradients_equal_eager(name):
-    factory, *_ = MODELS[name]
-    ids = torch.randint(1, 100, (1, 6))
-    eager = factory()
-    model = _bridged(factory, REUSE, ids)
+def test_gradients_equal_eager(case):
+    model, eager = case.reuse[0], case.eager
     grads = []
     for m in (eager, model):
-        out = m(ids, output_attentions=True, use_cache=False)
+        m.zero_grad(set_to_none=True)
+        out = m(case.ids, output_attentions=True, use_cache=False)
         (out.logits.square().sum() + sum(a.square().sum() for a in out.attentions)).backward()
         grads.append({n: p.grad for n, p in m.named_parameters()})
+        m.zero_grad(set_to_none=True)
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
-        assert torch.equal(grads[0][n], grads[1][n]), n
-    assert _sibling_roots(model)
+        assert (grads[0][n] is None) == (grads[1][n] is None), n
+        assert grads[0][n] is None or torch.equal(grads[0][n], grads[1][n]), n
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_per_layer_op_hooks_equal_a_full_extraction(name):
+def test_per_layer_op_hooks_equal_a_full_extraction(case):
     """A torch hook on layer k's softmax op point changes the output exactly as on a full
     extraction; each layer's op point is its own."""
-    factory, expected, layers, _ = MODELS[name]
-    ids = torch.randint(1, 100, (1, 6))
-    softmax = "attn.softmax" if name == "gpt2" else "self_attn.softmax"
+    softmax = "attn.softmax" if case.name == "gpt2" else "self_attn.softmax"
     results = {}
-    for label, options in (("full", FULL), ("reuse", REUSE)):
-        model = _bridged(factory, options, ids)
-        plain = model(ids, output_attentions=True).logits
+    for label, (model, _, _) in (("full", case.full), ("reuse", case.reuse)):
+        plain = model(case.ids, output_attentions=True).logits
         per_layer = []
-        for i in range(3):
-            point = model.get_submodule(f"{layers}.{i}.{softmax}")
+        for i in range(len(model.get_submodule(case.layers))):
+            point = model.get_submodule(f"{case.layers}.{i}.{softmax}")
             handle = point.register_forward_hook(lambda module, args, output: output * 0.5)
             try:
-                patched = model(ids, output_attentions=True)
+                patched = model(case.ids, output_attentions=True)
             finally:
                 handle.remove()
             assert not torch.equal(patched.logits, plain)
             per_layer.append((patched.logits, patched.attentions))
-        assert _sibling_roots(model) == ({} if label == "full" else expected)
         results[label] = per_layer
     for (a, att_a), (b, att_b) in zip(results["full"], results["reuse"]):
         assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(att_a, att_b))
     assert not torch.equal(results["reuse"][1][0], results["reuse"][2][0])
+
+
+def test_decode_steps_and_another_length_equal_eager(case):
+    """A decode step with the prefill's cache, and another prompt length: equal to eager."""
+    ids, step, other = case.ids, torch.randint(1, 100, (2, 1)), torch.randint(1, 100, (2, 10))
+    results = []
+    with torch.no_grad():
+        for m in (case.eager, case.reuse[0]):
+            first = m(ids, output_attentions=True)
+            results.append((first, m(step, past_key_values=first.past_key_values, output_attentions=True),
+                            m(other, output_attentions=True)))
+    for mine, theirs in zip(results[1], results[0]):
+        _assert_outputs_equal(mine, theirs)
+    assert _sibling_roots(case.reuse[0]) == case.expected
 
 
 def test_nnsight_envoys_per_layer_equal_a_full_extraction():
@@ -380,7 +402,8 @@ def test_another_cache_layer_read_makes_every_layer_export_itself(caplog):
 
 
 def test_cache_layers_in_other_states_are_not_reused(caplog):
-    """Layer 1 holds more tokens than layer 0 did: it is not called alike, it exports itself."""
+    """Layer 1 holds more tokens than layer 0 did, and export's guards address the cache: the
+    representative's program is not known to serve its sizes, it exports itself."""
     reused, log = _toy_run(_ToyStack(), torch.randn(2, 5, 8), lambda: _toy_cache([3, 4, 3]), caplog)
     assert "layers.1" not in reused and reused.get("layers.2") == "layers.0"
 
@@ -401,6 +424,40 @@ def test_layers_without_state(scaled, exported):
     assert torch.equal(model(x), eager(x)) and torch.equal(model(other), eager(other))
     assert _sibling_roots(model) == ({} if scaled else {"layers.1": "layers.0", "layers.2": "layers.0"})
     assert exported.count("_PlainLayer") == (3 if scaled else 1)
+
+
+class _FlagLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, flip=False):
+        return -self.proj(x) if flip else self.proj(x)
+
+
+class _FlagStack(torch.nn.Module):
+    """Layer 1 is called with ``flip=True``, the others with the default: a graph specialises on it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 8)
+        self.layers = torch.nn.ModuleList(_FlagLayer() for _ in range(3))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, flip=i == 1)
+        return x
+
+
+def test_a_sibling_called_with_another_value_exports_itself():
+    model = _FlagStack()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 5, 8)
+    nnbridge.bridge(model, x, options=_skipped(model))
+    assert torch.equal(model(x), eager(x))
+    assert _sibling_roots(model) == {"layers.2": "layers.0"}
 
 
 def test_a_new_length_reuses_the_siblings_extractions(exported):

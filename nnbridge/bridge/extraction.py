@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from .building import GraphBuilder
 from .call_structure import ShapeGuard, tensor_leaves
+from .cleanup import input_prologue
 from .capture_checks import (GRAD_MODE_REASON, MASK_SKIP_FIX, UnfaithfulCaptureError, eager_findings,
                              mask_skip_reason, preserved_state)
 from .context import ChildDispatcherFactory, Extraction, ExtractionContext, describe_failure
@@ -246,12 +247,11 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
                 raise ReuseFallback(f"a graph of '{source.path}' could not be built here: {ctx.opaque}")
             graphs = [("", root), *((sub_path, sub) for sub_path, _, _, sub in walk(root)
                                     if isinstance(sub, CompiledGraphModule))]
-            call_spec = sibling_roots.prologue_rebound(root, source.shape, shape,
-                                                       copy_spec(pytree.tree_flatten((args, kwargs))[1]))
+            if input_prologue(root.graph) is not None:  # it would flatten the call with the representative's spec
+                raise ReuseFallback("its root graph takes its inputs flattened")
             for sub_path, graph in graphs:
                 if rebound is not None:
-                    rebind_cache_state(graph, rebound, ctx.full(sub_path) or "<root>", call_spec if graph is root else None)
-            root.recompile()
+                    rebind_cache_state(graph, rebound, ctx.full(sub_path) or "<root>")
         except Exception as error:  # noqa: BLE001 - the sibling is exported itself (as before this existed)
             logger.info("'%s' is extracted itself, not from '%s': %s", path, source.path, describe_failure(error))
             return None

@@ -826,14 +826,11 @@ def _same_sizes(read: Node, getitems: list[Node], own: int) -> bool:
     return True
 
 
-def rebind_cache_state(gm: torch.fx.GraphModule, rebinding: CacheRebinding, name: str, call_spec: Node | None = None
-                       ) -> None:
+def rebind_cache_state(gm: torch.fx.GraphModule, rebinding: CacheRebinding, name: str) -> None:
     """Make a sibling's graph module (built from its representative's graph) read and write its own
     cache layer: the state paths of its :func:`~.state.read_state` / :func:`~.state.write_state`
     nodes move from layer ``rep_index`` to ``index``, and their cache spec (checked before each
-    call) becomes the sibling's. Recompiles ``gm``. ``call_spec``: the get_attr node of a root
-    graph's input prologue, which holds the sibling's own call spec already (see
-    :func:`.sibling_roots.prologue_rebound`).
+    call) becomes the sibling's. Recompiles ``gm``.
 
     Raises:
         ReuseFallback: the graph touches the cache otherwise (a whole-cache flatten or assignment,
@@ -845,7 +842,7 @@ def rebind_cache_state(gm: torch.fx.GraphModule, rebinding: CacheRebinding, name
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = getattr(gm, str(node.target), None)
-            if node is call_spec or not _mentions(value, kind):
+            if not _mentions(value, kind):
                 continue
             if value != rebinding.rep_spec or any(
                     user.target not in (read_state, write_state) or user.args[1] is not node for user in node.users):

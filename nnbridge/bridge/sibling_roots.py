@@ -29,16 +29,14 @@ Anything else means the sibling is exported itself, as before. Example::
 from __future__ import annotations
 
 import itertools
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Graph
 
 from .call_structure import ShapeGuard
-from .cleanup import input_prologue
-from .reuse import (CacheRebinding, ReuseFallback, ReusedHolder, cache_index, copy_graph, is_cache, layer_key,
+from .reuse import (CacheRebinding, ReusedHolder, cache_index, copy_graph, is_cache, layer_key,
                     plan as reuse_plan, same)
 from .state import UntouchedLayers, state_keys
 from ..compat import invocation_graphs, unflatten
@@ -88,8 +86,6 @@ class CallShape:
         plain: positions, among the call's tensors in pytree order, of those outside the cache.
         own: positions of its own cache layer's tensors.
         count: how many tensors the call has (in the cache or not).
-        leaf_plain, leaf_own: as ``plain`` and ``own``, among all the call's leaves (the order of
-            a root graph's input prologue, see :func:`prologue_rebound`).
         sizes: every tensor's sizes, in the order of the call's tensors.
     """
 
@@ -101,8 +97,6 @@ class CallShape:
     plain: tuple[int, ...]
     own: tuple[int, ...]
     count: int
-    leaf_plain: tuple[int, ...]
-    leaf_own: tuple[int, ...]
     sizes: tuple[tuple[int, ...], ...]
 
     @classmethod
@@ -128,32 +122,28 @@ class CallShape:
                           for leaf in leaves)
         if cache is None:
             return cls(None, spec, described, None, None, tuple(range(len(tensors))), (), len(tensors),
-                       tuple(range(len(leaves))), (), tuple(tuple(t.shape) for t in tensors))
+                       tuple(tuple(t.shape) for t in tensors))
         layers = vars(cache)["layers"]
         cache_leaves, cache_spec = pytree.tree_flatten(cache)
         cache_ids = {id(leaf) for leaf in cache_leaves if isinstance(leaf, torch.Tensor)}
         own_ids = [id(v) for v in vars(layers[index]).values() if isinstance(v, torch.Tensor)]
         # positions in the whole call's tensors (the order of its shape guard): the cache's
         # tensors are where the cache argument is, in its own flattening order
-        every = pytree.tree_leaves(_put(args, kwargs, key, cache))
-        whole = [leaf for leaf in every if isinstance(leaf, torch.Tensor)]
+        whole = [leaf for leaf in pytree.tree_leaves(_put(args, kwargs, key, cache)) if isinstance(leaf, torch.Tensor)]
         plain = tuple(i for i, t in enumerate(whole) if id(t) not in cache_ids)
         own = tuple(i for i, t in enumerate(whole) if id(t) in own_ids)
-        leaf_plain = tuple(i for i, v in enumerate(every) if not (isinstance(v, torch.Tensor) and id(v) in cache_ids))
-        leaf_own = tuple(i for i, v in enumerate(every) if isinstance(v, torch.Tensor) and id(v) in own_ids)
         if len(plain) != len(tensors) or len(own) != len(own_ids):
             return None  # a tensor both in and outside the cache: no position mapping
         settings = tuple(sorted((n, v) for n, v in vars(cache).items() if n != "layers"))
         own_layer = tuple((n, _sizeless(v) if isinstance(v, torch.Tensor) else v)
                           for n, v in layer_key(layers[index])[1]) if layer_key(layers[index]) else None
         return cls(key, spec, described, (type(cache), settings, len(layers), type(layers[index]), own_layer),
-                   cache_spec, plain, own, len(whole), leaf_plain, leaf_own, tuple(tuple(t.shape) for t in whole))
+                   cache_spec, plain, own, len(whole), tuple(tuple(t.shape) for t in whole))
 
     def matches(self, rep: CallShape) -> bool:
         """Whether a sibling called with this shape may take graphs built for ``rep``'s call."""
-        if (self.key, self.spec, len(self.leaves), len(self.plain), len(self.own), len(self.leaf_plain),
-                len(self.leaf_own)) != (rep.key, rep.spec, len(rep.leaves), len(rep.plain), len(rep.own),
-                                        len(rep.leaf_plain), len(rep.leaf_own)):
+        if (self.key, self.spec, len(self.leaves), len(self.plain), len(self.own)) != \
+                (rep.key, rep.spec, len(rep.leaves), len(rep.plain), len(rep.own)):
             return False
         for (kind, value), (rep_kind, rep_value) in zip(self.leaves, rep.leaves):
             if kind != rep_kind or (kind == "tensor" and value != rep_value) or (kind == "value" and not same(value, rep_value)):
@@ -188,8 +178,10 @@ class SharedRoot:
         shape: the :class:`CallShape` of the call it was extracted for.
         index: its cache layer index (None when it has none).
         path: its NodePath (shown as ``graph_meta.reused_from`` of the siblings' roots).
-        input_spec: the pytree spec of its call (a sibling's graphs are built with it, so their
-            inputs are cleaned as the representative's were; see :func:`prologue_rebound`).
+        input_spec: the pytree spec of its call: a sibling's graphs are built with it, so their
+            inputs are cleaned as the representative's were (the root graph takes its module's
+            arguments; flattened with the sibling's spec, the cache's other layers would shift
+            the positions of later leaves).
         pristine: ``{submodule path ("" for the root): [(unflattened holder, its graph) per
             invocation]}`` of one unflattening of the program that is never built (see
             :meth:`holders`); made by the first sibling.
@@ -254,36 +246,6 @@ def rebinding(shape: CallShape, rep: SharedRoot, index: int | None) -> CacheRebi
     if shape.cache is None or rep.index is None or index is None:
         return None
     return CacheRebinding(rep.index, index, rep.shape.cache_spec, shape.cache_spec)
-
-
-def prologue_rebound(gm: torch.fx.GraphModule, rep: CallShape, shape: CallShape, spec: Any) -> Node | None:
-    """Make a sibling's root graph take its inputs from the sibling's call, when building (with
-    the representative's input spec) left an input prologue (``tree_flatten_spec`` of the call,
-    see :func:`.cleanup.input_prologue`): it flattens the call with ``spec`` (the sibling's) and
-    picks the leaves the representative's picked, at their positions in the sibling's call (its
-    own cache layer's where the representative's own layer's were: the cache's other layers shift
-    every later position). Returns the prologue's spec node (the call's own spec, not the cache's:
-    see :func:`.reuse.rebind_cache_state`), or None without a prologue.
-
-    Raises:
-        ReuseFallback: the graph picks a leaf of another cache layer, or uses the flattened
-            inputs otherwise than by picking leaves.
-    """
-    prologue = input_prologue(gm.graph)
-    if prologue is None:
-        return None
-    spec_node = prologue.args[1]
-    if not isinstance(spec_node, Node) or spec_node.op != "get_attr":
-        raise ReuseFallback("its root graph's input prologue has no spec of its own")
-    setattr(gm, str(spec_node.target), spec)
-    moved = {**dict(zip(rep.leaf_plain, shape.leaf_plain)), **dict(zip(rep.leaf_own, shape.leaf_own))}
-    for user in list(prologue.users):
-        if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
-            raise ReuseFallback("its root graph uses its flattened inputs otherwise than by picking leaves")
-        if user.args[1] not in moved:
-            raise ReuseFallback(f"its root graph reads input leaf {user.args[1]}, of another cache layer")
-        user.args = (user.args[0], moved[user.args[1]])
-    return spec_node
 
 
 def sibling_guard(rep_guard: ShapeGuard, rep: CallShape, shape: CallShape, tensors: list[torch.Tensor],
