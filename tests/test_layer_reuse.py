@@ -19,7 +19,7 @@ import torch
 import nnbridge
 from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph, ProbePatch, ZeroPatch
 from nnbridge.bridge.in_place import bridge_of
-from utils import gemma3, gpt2, llama
+from utils import ToyIndexedLayer, gemma3, gpt2, llama, toy_layer_cache
 
 # not strict: Llama's and Gemma's rotary embeddings change grad mode and are opaque either way
 REUSE = ExtractionOptions(reuse_layers=True)
@@ -303,47 +303,16 @@ def test_bridged_in_place_with_cache_reuses_every_extraction():
                 if isinstance(m, CompiledGraphModule) and m.graph_meta.reused_from} == expected
 
 
-class _ToyLayer(torch.nn.Module):
-    """A decoder-like layer: writes ``proj(x)`` to its cache layer and adds the mean of its
-    cached keys. ``scaled`` multiplies by ``layer_idx + 1`` (a use of the index in arithmetic);
-    ``peek`` also reads cache layer 0's keys (a constant index)."""
-
-    def __init__(self, layer_idx: int, scaled: bool = False, peek: bool = False):
-        super().__init__()
-        self.layer_idx, self.scaled, self.peek = layer_idx, scaled, peek
-        self.proj = torch.nn.Linear(8, 8)
-
-    def forward(self, x, past_key_values):
-        k = self.proj(x).unsqueeze(1)  # (batch, 1, seq, 8)
-        keys, values = past_key_values.update(k, 2 * k, self.layer_idx)
-        out = x + keys.mean(-2) + values.mean(-2)
-        if self.peek:
-            out = out + past_key_values.layers[0].keys.mean(-2)
-        if self.scaled:
-            out = out * (self.layer_idx + 1)
-        return out
-
-
 class _Toy(torch.nn.Module):
     def __init__(self, **layer_options):
         super().__init__()
         torch.manual_seed(0)
-        self.layers = torch.nn.ModuleList(_ToyLayer(i, **layer_options) for i in range(3))
+        self.layers = torch.nn.ModuleList(ToyIndexedLayer(i, **layer_options) for i in range(3))
 
     def forward(self, x, past_key_values):
         for layer in self.layers:
             x = layer(x, past_key_values)
         return x
-
-
-def _toy_cache(lengths=None):
-    from transformers import DynamicCache, GPT2Config
-    cache = DynamicCache(config=GPT2Config(n_layer=3))
-    torch.manual_seed(2)
-    for i, n in enumerate(lengths or []):
-        if n:
-            cache.update(torch.randn(2, 1, n, 8), torch.randn(2, 1, n, 8), i)
-    return cache
 
 
 def _toy_run(model, x, cache_factory, caplog):
@@ -360,23 +329,23 @@ def _toy_run(model, x, cache_factory, caplog):
 
 def test_toy_cache_layers_reused(caplog):
     x = torch.randn(2, 5, 8)
-    reused, log = _toy_run(_Toy(), x, _toy_cache, caplog)
+    reused, log = _toy_run(_Toy(), x, toy_layer_cache, caplog)
     assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
-    reused, log = _toy_run(_Toy(), x, lambda: _toy_cache([3, 3, 3]), caplog)  # a decode step
+    reused, log = _toy_run(_Toy(), x, lambda: toy_layer_cache([3, 3, 3]), caplog)  # a decode step
     assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
 
 
 def test_cache_index_used_in_arithmetic_falls_back(caplog):
     """``layer_idx + 1`` inside the layer: the index reaches the graph otherwise than through the
     cache update, every layer is exported."""
-    reused, log = _toy_run(_Toy(scaled=True), torch.randn(2, 5, 8), _toy_cache, caplog)
+    reused, log = _toy_run(_Toy(scaled=True), torch.randn(2, 5, 8), toy_layer_cache, caplog)
     assert reused == {} and "layer_idx (__add__)" in log
 
 
 def test_constant_cache_layer_read_falls_back(caplog):
     """Reading ``cache.layers[0].keys`` in every layer: representative 0's graph reads the same
     path as its own layer, which must not be rebound for the siblings."""
-    reused, log = _toy_run(_Toy(peek=True), torch.randn(2, 5, 8), lambda: _toy_cache([3, 3, 3]), caplog)
+    reused, log = _toy_run(_Toy(peek=True), torch.randn(2, 5, 8), lambda: toy_layer_cache([3, 3, 3]), caplog)
     assert reused == {} and "outside Cache.update" in log
 
 
@@ -391,7 +360,7 @@ def test_lazily_appended_cache_not_reused(caplog):
 def test_cache_layers_in_other_states_not_reused(caplog):
     """Cache layers of different lengths (layer 1 holds more tokens): the layers are not called
     alike, so they are not reused, and the result is exact."""
-    reused, log = _toy_run(_Toy(), torch.randn(2, 5, 8), lambda: _toy_cache([3, 4, 3]), caplog)
+    reused, log = _toy_run(_Toy(), torch.randn(2, 5, 8), lambda: toy_layer_cache([3, 4, 3]), caplog)
     assert "layers.1" not in reused
 
 

@@ -26,7 +26,7 @@ from nnbridge.bridge import extraction as extraction_module
 from nnbridge.bridge.hierarchy import walk
 from nnbridge.bridge.in_place import bridge_of
 from nnbridge.errors import ExtractionError
-from utils import gemma3, gpt2, llama
+from utils import ToyIndexedLayer, gemma3, gpt2, llama, toy_layer_cache
 
 pytestmark = pytest.mark.no_extraction_cache  # exports are counted: each test extracts anew
 
@@ -297,34 +297,14 @@ def test_output_capturing_found_before_exporting_names_the_module_under_the_erro
 
 
 # -- toy layers: what must not be reused -----------------------------------------------------------
-class _ToyLayer(torch.nn.Module):
-    """Writes ``proj(x)`` to its cache layer and adds the mean of its cached keys and values.
-    ``scaled``: multiplies by ``layer_idx + 1``; ``peek``: also reads cache layer 0's keys."""
-
-    def __init__(self, layer_idx: int, scaled: bool = False, peek: bool = False):
-        super().__init__()
-        self.layer_idx, self.scaled, self.peek = layer_idx, scaled, peek
-        self.proj = torch.nn.Linear(8, 8)
-
-    def forward(self, x, past_key_values):
-        k = self.proj(x).unsqueeze(1)
-        keys, values = past_key_values.update(k, 2 * k, self.layer_idx)
-        out = x + keys.mean(-2) + values.mean(-2)
-        if self.peek:
-            out = out + past_key_values.layers[0].keys.mean(-2)
-        if self.scaled:
-            out = out * (self.layer_idx + 1)
-        return out
-
-
 class _ToyStack(torch.nn.Module):
-    """Three :class:`_ToyLayer` s; skipped (opaque), so each layer is extracted as its own root."""
+    """Three :class:`~utils.ToyIndexedLayer` s; skipped (opaque), so each layer is extracted as its own root."""
 
     def __init__(self, **layer_options):
         super().__init__()
         torch.manual_seed(0)
         self.inp = torch.nn.Linear(8, 8)  # every layer's input requires grad alike (the call structure)
-        self.layers = torch.nn.ModuleList(_ToyLayer(i, **layer_options) for i in range(3))
+        self.layers = torch.nn.ModuleList(ToyIndexedLayer(i, **layer_options) for i in range(3))
 
     def forward(self, x, past_key_values):
         x = self.inp(x)
@@ -357,16 +337,6 @@ class _PlainStack(torch.nn.Module):
         return x
 
 
-def _toy_cache(lengths=None):
-    from transformers import DynamicCache, GPT2Config
-    cache = DynamicCache(config=GPT2Config(n_layer=3))
-    torch.manual_seed(2)
-    for i, n in enumerate(lengths or []):
-        if n:
-            cache.update(torch.randn(2, 1, n, 8), torch.randn(2, 1, n, 8), i)
-    return cache
-
-
 def _skipped(model) -> ExtractionOptions:
     return ExtractionOptions(reuse_layers=True, classes_to_skip_compiling={type(model)})
 
@@ -386,25 +356,25 @@ def _toy_run(model, x, cache_factory, caplog):
 
 def test_toy_cache_layers_reused_in_prefill_and_decode(caplog):
     x = torch.randn(2, 5, 8)
-    assert _toy_run(_ToyStack(), x, _toy_cache, caplog)[0] == {"layers.1": "layers.0", "layers.2": "layers.0"}
-    reused, log = _toy_run(_ToyStack(), x, lambda: _toy_cache([3, 3, 3]), caplog)
+    assert _toy_run(_ToyStack(), x, toy_layer_cache, caplog)[0] == {"layers.1": "layers.0", "layers.2": "layers.0"}
+    reused, log = _toy_run(_ToyStack(), x, lambda: toy_layer_cache([3, 3, 3]), caplog)
     assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
 
 
 def test_cache_index_in_arithmetic_makes_every_layer_export_itself(caplog, exported):
-    reused, log = _toy_run(_ToyStack(scaled=True), torch.randn(2, 5, 8), _toy_cache, caplog)
-    assert reused == {} and exported.count("_ToyLayer") == 3
+    reused, log = _toy_run(_ToyStack(scaled=True), torch.randn(2, 5, 8), toy_layer_cache, caplog)
+    assert reused == {} and exported.count("ToyIndexedLayer") == 3
 
 
 def test_another_cache_layer_read_makes_every_layer_export_itself(caplog):
-    reused, log = _toy_run(_ToyStack(peek=True), torch.randn(2, 5, 8), lambda: _toy_cache([3, 3, 3]), caplog)
+    reused, log = _toy_run(_ToyStack(peek=True), torch.randn(2, 5, 8), lambda: toy_layer_cache([3, 3, 3]), caplog)
     assert reused == {}
 
 
 def test_cache_layers_in_other_states_are_not_reused(caplog):
     """Layer 1 holds more tokens than layer 0 did, and export's guards address the cache: the
     representative's program is not known to serve its sizes, it exports itself."""
-    reused, log = _toy_run(_ToyStack(), torch.randn(2, 5, 8), lambda: _toy_cache([3, 4, 3]), caplog)
+    reused, log = _toy_run(_ToyStack(), torch.randn(2, 5, 8), lambda: toy_layer_cache([3, 4, 3]), caplog)
     assert "layers.1" not in reused and reused.get("layers.2") == "layers.0"
 
 

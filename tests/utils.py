@@ -274,3 +274,37 @@ def replace_gpt2_code(monkeypatch, kind):
 
 _GPT2_EAGER_ATTENTION = importlib.import_module("transformers.models.gpt2.modeling_gpt2").eager_attention_forward
 _SDPA_ATTENTION = importlib.import_module("transformers.integrations.sdpa_attention").sdpa_attention_forward
+
+
+# -- a toy layer indexed by its cache layer (test_layer_reuse, test_sibling_roots) -------------------
+class ToyIndexedLayer(torch.nn.Module):
+    """A decoder-like layer: writes ``proj(x)`` to its cache layer ``layer_idx`` and adds the mean
+    of its cached keys and values. ``scaled`` multiplies by ``layer_idx + 1`` (a use of the index
+    in arithmetic); ``peek`` also reads cache layer 0's keys (a constant index)."""
+
+    def __init__(self, layer_idx: int, scaled: bool = False, peek: bool = False):
+        super().__init__()
+        self.layer_idx, self.scaled, self.peek = layer_idx, scaled, peek
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, past_key_values):
+        k = self.proj(x).unsqueeze(1)  # (batch, 1, seq, 8)
+        keys, values = past_key_values.update(k, 2 * k, self.layer_idx)
+        out = x + keys.mean(-2) + values.mean(-2)
+        if self.peek:
+            out = out + past_key_values.layers[0].keys.mean(-2)
+        if self.scaled:
+            out = out * (self.layer_idx + 1)
+        return out
+
+
+def toy_layer_cache(lengths=None):
+    """A 3-layer ``DynamicCache`` for :class:`ToyIndexedLayer` s, layer ``i`` holding ``lengths[i]``
+    random tokens (none: empty)."""
+    from transformers import DynamicCache, GPT2Config
+    cache = DynamicCache(config=GPT2Config(n_layer=3))
+    torch.manual_seed(2)
+    for i, n in enumerate(lengths or []):
+        if n:
+            cache.update(torch.randn(2, 1, n, 8), torch.randn(2, 1, n, 8), i)
+    return cache
