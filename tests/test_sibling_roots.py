@@ -430,6 +430,26 @@ def test_a_sibling_called_with_another_value_exports_itself():
     assert _sibling_roots(model) == {"layers.2": "layers.0"}
 
 
+def test_a_sibling_changed_after_bridging_exports_itself():
+    """Layer 2 made to scale its output after bridging: its guard fails, and its new extraction is
+    its own (it is no longer its representative's sibling), not one built from layer 0's program."""
+    model = _PlainStack()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 5, 8)
+    nnbridge.bridge(model, x, options=_skipped(model))
+    assert torch.equal(model(x), eager(x))
+    for m in (model, eager):
+        m.layers[2].scaled = True
+    assert torch.equal(model(x), eager(x))
+    assert _sibling_roots(model).get("layers.2") is None or len(_dispatchers(
+        bridge_of(model).dispatcher.all_extractions()[-1].root)["layers.2"].history) == 2
+    # every layer changed: layer 1 must not be built from layer 0's extraction made before the change
+    for m in (model, eager):
+        for layer in m.layers:
+            layer.scaled = True
+    assert torch.equal(model(x), eager(x))
+
+
 def test_a_new_length_reuses_the_siblings_extractions(exported):
     """A sibling's shape guard is its representative's: the opaque stack's dispatchers serve
     another length without extracting again."""

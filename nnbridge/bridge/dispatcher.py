@@ -182,11 +182,12 @@ class GraphDispatcher(torch.nn.Module):
     def _from_representative(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction | None:
         """An extraction built from one of the representative's that serves this call (the most
         recently used first), or None (see :mod:`.sibling_roots`)."""
-        if self.sibling is None:
+        if self.sibling is None or not self.sibling.alike(self.module):
             return None
         representative = cast(GraphDispatcher, self.sibling.representative)
         for _, candidate in reversed(representative._recency.values()):
-            if candidate.shared is not None:
+            # (its state guard: the representative is as it was exported)
+            if candidate.shared is not None and candidate.state is not None and candidate.state.holds():
                 extraction = _extraction.extract_sibling(
                     self.module, args, kwargs, self.options, candidate.shared, self.sibling.index,
                     child_dispatcher=_child_dispatchers(self.options, self.on_extraction, self.kept_children),

@@ -83,8 +83,9 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
     dispatchers: dict[str, ChildDispatcher] = {}
     # ModuleList entries called once each: siblings build their graphs from their representative's
     # export (see .sibling_roots)
+    callee = dict(callees)
     pairing = plan_siblings(module, {name for name, calls in captured.items() if len(calls) == 1
-                                     and names_of[id(module.get_submodule(name))] == 1}) \
+                                     and names_of[id(callee[name])] == 1}) \
         if ctx.options.reuse_layers else SiblingPlan()
     by_name: dict[str, ChildDispatcher] = {}
     routers: list[InvocationRouter] = []
@@ -104,12 +105,13 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
             dispatcher = ctx.child_dispatcher(child, f"{child_path}_{index}" if several else child_path)
             # a GraphDispatcher (see ChildDispatcher): the original code calls it in the child's place
             assert isinstance(dispatcher, torch.nn.Module), type(dispatcher)
+            # (every time: a dispatcher kept from an earlier extraction may have been paired otherwise)
+            rep_name, sibling_index, distinct = pairing.siblings.get(name, (None, None, frozenset())) \
+                if not several else (None, None, frozenset())
+            dispatcher.pair(pairing.watches.get(name) if not several else None,
+                            SiblingLink(by_name[rep_name], sibling_index, distinct) if rep_name in by_name else None)
             if not several:
                 by_name[name] = dispatcher
-                rep_name, sibling_index = pairing.siblings.get(name, (None, None))
-                if name in pairing.watches or rep_name in by_name:
-                    dispatcher.pair(pairing.watches.get(name),
-                                    SiblingLink(by_name[rep_name], sibling_index) if rep_name in by_name else None)
             # (a dispatcher kept from an earlier extraction serves a call alike with what it has)
             extraction = dispatcher.lookup(a, k)
             ctx.opaque.update(extraction.opaque)

@@ -36,8 +36,9 @@ import torch
 from torch.fx import Graph
 
 from .call_structure import ShapeGuard
-from .reuse import (CacheRebinding, ReusedHolder, cache_index, copy_graph, is_cache, layer_key,
-                    plan as reuse_plan, same)
+from .code_identity import _plumbing
+from .reuse import (CacheRebinding, ReusedHolder, _attributes, _structure, cache_index, copy_graph, is_cache,
+                    layer_key, plan as reuse_plan, same)
 from .state import UntouchedLayers, state_keys
 from ..compat import invocation_graphs, unflatten
 from ..compat.pytree import pytree
@@ -65,10 +66,35 @@ class SiblingLink:
     Attributes:
         representative: the representative's dispatcher (a ``GraphDispatcher``).
         index: the sibling's cache layer index (None when there is not one).
+        distinct: ``(subtree path, attribute)`` of the attributes that may differ between them
+            (``layer_idx``; the representative's export watched them).
     """
 
     representative: Any
     index: int | None
+    distinct: frozenset[tuple[str, str]] = frozenset()
+
+    def alike(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` is still its representative's sibling, as :func:`plan_siblings` found
+        (checked again at each extraction: either module may have been changed since): the same
+        classes, parameter and buffer shapes, and attribute values but for :attr:`distinct`."""
+        (mine, structure), (theirs, rep_structure) = _profile(module), _profile(self.representative.module)
+        if structure is None or structure != rep_structure or mine.keys() != theirs.keys():
+            return False
+        return all(same(mine[k], theirs[k]) for k in mine if k not in self.distinct)
+
+
+def _profile(module: torch.nn.Module) -> tuple[dict[tuple[str, str], Any], Any]:
+    """``module``'s attributes and structure as :func:`.reuse.plan` compares them, without what a
+    bridge or nnsight set on it (an in-place bridge overrides ``forward`` on the modules it linked,
+    the representative's first)."""
+    attributes = {k: v for k, v in _attributes(module).items() if not _plumbing(v)}
+    structure = _structure(module)
+    if structure is None:
+        return attributes, None
+    own = {path: {name for (p, name) in attributes if p == path} for path, *_ in structure}
+    return attributes, tuple((path, kind, params, buffers, tuple(n for n in names if n in own[path]), rest)
+                             for path, kind, params, buffers, names, rest in structure)
 
 
 @dataclass(frozen=True)
@@ -216,10 +242,11 @@ class SharedRoot:
 @dataclass
 class SiblingPlan:
     """:func:`plan_siblings`' answer: ``{representative name: RootWatch}`` and ``{sibling name:
-    (representative name, cache layer index)}`` (names as the opaque module's callees)."""
+    (representative name, cache layer index, attributes that differ)}`` (names as the opaque
+    module's callees; see :class:`SiblingLink`)."""
 
     watches: dict[str, RootWatch] = field(default_factory=dict)
-    siblings: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    siblings: dict[str, tuple[str, int | None, frozenset[tuple[str, str]]]] = field(default_factory=dict)
 
 
 def plan_siblings(module: torch.nn.Module, called_once: set[str]) -> SiblingPlan:
@@ -237,7 +264,8 @@ def plan_siblings(module: torch.nn.Module, called_once: set[str]) -> SiblingPlan
                             if type(value) is int and value == index)
         result.watches[rep] = RootWatch(tuple((m, n) for m, n in candidates.watched if id(m) in subtree), indices, index)
     for sibling, rep in pairs.items():
-        result.siblings[sibling] = (rep, cache_index(candidates, sibling))
+        result.siblings[sibling] = (rep, cache_index(candidates, sibling),
+                                    frozenset(candidates.distinct.get(sibling, {})))
     return result
 
 
