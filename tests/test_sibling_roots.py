@@ -487,3 +487,46 @@ def test_reuse_layers_off_exports_every_layer(exported):
     x = torch.randn(2, 5, 8)
     nnbridge.bridge(model, x, options=ExtractionOptions(reuse_layers=False, classes_to_skip_compiling={_PlainStack}))
     assert _sibling_roots(model) == {} and exported.count("_PlainLayer") == 3
+
+
+@pytest.mark.parametrize("output_attentions", [False, True], ids=["one_export", "sibling_roots"])
+def test_a_layer_in_train_mode_among_layers_in_eval_mode_is_not_reused(output_attentions):
+    """GPT-2 with dropout, layer 2 alone in train mode: layer reuse inside one export and across
+    dispatchers both export it itself (its graph keeps its dropout); the same random numbers give
+    the same logits as eager. Both reused layer 0's graph, without dropout, before."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=100, attn_implementation="eager",
+                                       resid_pdrop=0.5, attn_pdrop=0.5, embd_pdrop=0.0)).eval()
+    model.transformer.h[2].train()
+    eager = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (1, 6))
+    nnbridge.bridge(model, ids, use_cache=False, options=REUSE)
+    results = []
+    for m in (model, eager):
+        torch.manual_seed(1)
+        results.append(m(ids, use_cache=False, output_attentions=output_attentions).logits)
+    assert torch.equal(results[0], results[1])
+    reused = _sibling_roots(model) if output_attentions else {
+        name: m.graph_meta.reused_from for e in bridge_of(model).dispatcher.all_extractions()
+        for name, m in e.root.named_modules() if isinstance(m, CompiledGraphModule) and m.graph_meta.reused_from}
+    assert reused == {"transformer.h.1": "transformer.h.0"}
+
+
+def test_a_representative_extracted_in_another_grad_mode_serves_no_sibling():
+    """Graphs bake in the grad mode they were exported under: a sibling is built from a
+    representative's extraction only in the same grad mode (and autocast state)."""
+    model = _PlainStack().requires_grad_(False)  # the same inputs in both modes: only the mode differs
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        nnbridge.bridge(model, x, options=_skipped(model))
+    children = _dispatchers(bridge_of(model).dispatcher.all_extractions()[0].root)
+    rep, sibling = children["layers.0"], children["layers.1"]
+    shared = rep.all_extractions()[0].shared
+    assert shared is not None
+    call = ((model.inp(x),), {})
+    build = lambda: extraction_module.extract_sibling(  # noqa: E731
+        sibling.module, *call, REUSE, shared, None, child_dispatcher=lambda child, path: None, path="layers.1")
+    with torch.no_grad():
+        assert build() is not None
+    assert build() is None

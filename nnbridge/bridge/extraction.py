@@ -194,7 +194,7 @@ def _shared_root(extraction: Extraction, args: tuple[Any, ...], kwargs: dict[str
         return None
     shape = CallShape.of(args, kwargs, watch.index)
     spec = copy_spec(pytree.tree_flatten((args, kwargs))[1])
-    return SharedRoot(record, shape, watch.index, path, spec) if shape is not None else None
+    return SharedRoot(record, shape, watch.index, path, sibling_roots.call_mode(), spec) if shape is not None else None
 
 
 def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], options: ExtractionOptions,
@@ -221,7 +221,7 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
         while building): :func:`extract` must be used. Never raises for those.
     """
     shape = CallShape.of(args, kwargs, index)
-    if shape is None or not shape.matches(source.shape):
+    if shape is None or not shape.matches(source.shape) or sibling_roots.call_mode() != source.mode:
         return None
     guard = sibling_roots.sibling_guard(source.record.guard, source.shape, shape, tensor_leaves(args, kwargs),
                                         (args, kwargs))

@@ -151,8 +151,10 @@ def same(a: Any, b: Any) -> bool:
 
 
 def _structure(entry: torch.nn.Module) -> tuple[Any, ...] | None:
-    """Module classes, parameters and buffers of ``entry``'s subtree; None when it holds a plain
-    tensor attribute (export would bake it in)."""
+    """Module classes, train/eval flags, parameters and buffers of ``entry``'s subtree; None when it
+    holds a plain tensor attribute (export would bake it in). (The flags are not among the
+    attributes compared: one layer in train mode among layers in eval mode kept its
+    representative's graph without dropout, silently.)"""
     parts: list[Any] = []
     for path, sub in named_real_modules(entry):
         params = tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad, type(p))
@@ -161,7 +163,8 @@ def _structure(entry: torch.nn.Module) -> tuple[Any, ...] | None:
         names = tuple(sorted(k for k in vars(sub) if k not in _MODULE_INTERNALS))
         if any(isinstance(vars(sub)[k], torch.Tensor) for k in names):
             return None
-        parts.append((path, type(sub), params, buffers, names, tuple(sub.__dict__.get("_non_persistent_buffers_set", ()))))
+        parts.append((path, type(sub), params, buffers, names, tuple(sub.__dict__.get("_non_persistent_buffers_set", ())),
+                      sub.training))
     return tuple(parts)
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.fx import Graph
 
-from .call_structure import ShapeGuard
+from .call_structure import ShapeGuard, autocast_state
 from .code_identity import _plumbing
 from .reuse import (CacheRebinding, ReusedHolder, _attributes, _structure, cache_index, copy_graph, is_cache,
                     layer_key, plan as reuse_plan, same)
@@ -93,8 +93,8 @@ def _profile(module: torch.nn.Module) -> tuple[dict[tuple[str, str], Any], Any]:
     if structure is None:
         return attributes, None
     own = {path: {name for (p, name) in attributes if p == path} for path, *_ in structure}
-    return attributes, tuple((path, kind, params, buffers, tuple(n for n in names if n in own[path]), rest)
-                             for path, kind, params, buffers, names, rest in structure)
+    return attributes, tuple((path, kind, params, buffers, tuple(n for n in names if n in own[path]), *rest)
+                             for path, kind, params, buffers, names, *rest in structure)
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,11 @@ class CallShape:
                 and all(same(v, rv) for (_, v), (_, rv) in zip(settings, rep_settings)))
 
 
+def call_mode() -> tuple[Any, ...]:
+    """Grad mode and autocast state now: graphs bake in what they were exported under."""
+    return torch.is_grad_enabled(), autocast_state()
+
+
 def _sizeless(tensor: torch.Tensor) -> tuple[Any, ...]:
     return (tensor.dim(), tensor.dtype, tensor.device, tensor.requires_grad, tensor.layout)
 
@@ -204,6 +209,7 @@ class SharedRoot:
         shape: the :class:`CallShape` of the call it was extracted for.
         index: its cache layer index (None when it has none).
         path: its NodePath (shown as ``graph_meta.reused_from`` of the siblings' roots).
+        mode: grad mode and autocast state of its export (see :func:`call_mode`).
         input_spec: the pytree spec of its call: a sibling's graphs are built with it, so their
             inputs are cleaned as the representative's were (the root graph takes its module's
             arguments; flattened with the sibling's spec, the cache's other layers would shift
@@ -217,6 +223,7 @@ class SharedRoot:
     shape: CallShape
     index: int | None
     path: str
+    mode: Any
     input_spec: Any
     pristine: dict[str, list[tuple[Any, Graph | None]]] | None = None
 
