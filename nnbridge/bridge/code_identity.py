@@ -258,7 +258,7 @@ class _Walk:
                                        for key, value in items if isinstance(value, (*_CODE_HOLDERS, type))]))
 
 
-def _plumbing(value: Any) -> bool:
+def is_plumbing(value: Any) -> bool:
     """A function nnbridge or nnsight set on a module instance (the bridge's forward and call
     wrapper, nnsight's wrapping): their versions are part of the key, and a model's digest must not
     depend on whether it is bridged or traced at the moment."""
@@ -270,12 +270,12 @@ def _plumbing(value: Any) -> bool:
 
 def _walked(model: torch.nn.Module) -> _Walk:
     """One walk from every module class of ``model``'s tree and every function-valued instance
-    attribute (the bridge's and nnsight's own left out, see :func:`_plumbing`)."""
+    attribute (the bridge's and nnsight's own left out, see :func:`is_plumbing`)."""
     walk = _Walk()
     for path, module in named_real_modules(model):
         walk.cls(type(module), in_tree=True)
         for name, value in list(vars(module).items()):
-            if isinstance(value, _CODE_HOLDERS) and not _plumbing(value):
+            if isinstance(value, _CODE_HOLDERS) and not is_plumbing(value):
                 walk.todo.append((f"{path or '<root>'}.{name}", value, ()))
         walk.run()
     return walk

@@ -150,7 +150,7 @@ def same(a: Any, b: Any) -> bool:
     return False
 
 
-def _structure(entry: torch.nn.Module) -> tuple[Any, ...] | None:
+def entry_structure(entry: torch.nn.Module) -> tuple[Any, ...] | None:
     """Module classes, train/eval flags, parameters and buffers of ``entry``'s subtree; None when it
     holds a plain tensor attribute (export would bake it in). (The flags are not among the
     attributes compared: one layer in train mode among layers in eval mode kept its
@@ -179,7 +179,9 @@ def _value(sub: torch.nn.Module, value: Any) -> Any:
     return value
 
 
-def _attributes(entry: torch.nn.Module) -> dict[tuple[str, str], Any]:
+def entry_attributes(entry: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    """The instance attributes of ``entry``'s subtree (nn.Module's bookkeeping and the extraction's
+    own left out): ``{(subtree path, name): value}``, methods bound to their own module compared by function."""
     return {(path, k): _value(sub, v) for path, sub in named_real_modules(entry) for k, v in vars(sub).items()
             if k not in _MODULE_INTERNALS}
 
@@ -201,13 +203,13 @@ def plan(module: torch.nn.Module, excluded: set[str]) -> ReusePlan:
         for path, child in entries:
             if ids.count(id(child)) > 1:
                 continue  # a shared entry
-            key = _structure(child)
+            key = entry_structure(child)
             if key is not None:
                 by_structure.setdefault(key, []).append((path, child))
         for group in by_structure.values():
             if len(group) < 2:
                 continue
-            values = [_attributes(child) for _, child in group]
+            values = [entry_attributes(child) for _, child in group]
             distinct = {k for k in values[0]
                         if all(not same(values[i][k], values[j][k])
                                for i in range(len(group)) for j in range(i + 1, len(group)))}

@@ -36,9 +36,9 @@ import torch
 from torch.fx import Graph
 
 from .call_structure import ShapeGuard, autocast_state
-from .code_identity import _plumbing
-from .reuse import (CacheRebinding, ReusedHolder, _attributes, _structure, cache_index, copy_graph, is_cache,
-                    layer_key, plan as reuse_plan, same)
+from .code_identity import is_plumbing
+from .reuse import (CacheRebinding, ReusedHolder, cache_index, copy_graph, entry_attributes, entry_structure,
+                    is_cache, layer_key, plan as reuse_plan, same)
 from .state import UntouchedLayers, state_keys
 from ..compat import invocation_graphs, unflatten
 from ..compat.pytree import pytree
@@ -88,8 +88,8 @@ def _profile(module: torch.nn.Module) -> tuple[dict[tuple[str, str], Any], Any]:
     """``module``'s attributes and structure as :func:`.reuse.plan` compares them, without what a
     bridge or nnsight set on it (an in-place bridge overrides ``forward`` on the modules it linked,
     the representative's first)."""
-    attributes = {k: v for k, v in _attributes(module).items() if not _plumbing(v)}
-    structure = _structure(module)
+    attributes = {k: v for k, v in entry_attributes(module).items() if not is_plumbing(v)}
+    structure = entry_structure(module)
     if structure is None:
         return attributes, None
     own = {path: {name for (p, name) in attributes if p == path} for path, *_ in structure}
