@@ -212,9 +212,7 @@ class GraphBuilder:
                     # the sibling's own is untouched as the representative's own was
                     untouched = self.untouched_layers(source, invocation)
                     if untouched is not None:
-                        own, rep_own = ("layers", (rebinding.index,)), ("layers", (rebinding.rep_index,))
-                        paths = untouched.paths | untouched.by_index
-                        cgm.graph_meta.untouched = paths if rep_own in untouched.paths else paths - {own}
+                        cgm.graph_meta.untouched = rebinding.untouched(untouched)
                 if fqn in self.reuse.siblings:
                     cgm.graph_meta.reused_from = self.ctx.full(source)
                 return cgm

@@ -39,7 +39,7 @@ import torch
 from torch.fx import Graph, Node
 
 from .module_tree import named_real_modules
-from .state import read_state, state_keys, write_state
+from .state import Path, UntouchedLayers, read_state, state_keys, write_state
 from ..compat import cache_layers
 from ..compat.nnsight_source import NNSIGHT_STATE
 from ..compat.pytree import pytree
@@ -75,6 +75,14 @@ class CacheRebinding:
     index: int
     rep_spec: Any
     spec: Any
+
+    def untouched(self, layers: UntouchedLayers) -> frozenset[Path]:
+        """The cache layers the sibling's graph never touches, from its representative's
+        (:class:`~.state.UntouchedLayers`): the one the representative's layer index selected is
+        untouched by the sibling, whose own is untouched only if the representative's own was."""
+        own, rep_own = ("layers", (self.index,)), ("layers", (self.rep_index,))
+        paths = layers.paths | layers.by_index
+        return paths if rep_own in layers.paths else paths - {own}
 
 
 @dataclass

@@ -107,7 +107,9 @@ class CallShape:
         leaves: its leaves: tensors as ``(rank, dtype, device, requires_grad, layout)`` keys (their
             sizes are the shape guard's, see :func:`sibling_guard`), other values as themselves
             (compared with :func:`.reuse.same`).
-        cache: ``(type, settings, number of layers, own layer's state)`` of the cache, or None.
+        cache: ``(type, settings, number of layers, own layer's state)`` of the cache, or None; the
+            own layer's state is :func:`.reuse.layer_key`'s, its tensors' sizes included (its
+            layer must be in the state the representative's was, as in one export's reuse).
         cache_spec: the cache's pytree spec (None without a cache).
         plain: positions, among the call's tensors in pytree order, of those outside the cache.
         own: positions of its own cache layer's tensors.
@@ -161,9 +163,7 @@ class CallShape:
         if len(plain) != len(tensors) or len(own) != len(own_ids):
             return None  # a tensor both in and outside the cache: no position mapping
         settings = tuple(sorted((n, v) for n, v in vars(cache).items() if n != "layers"))
-        own_layer = tuple((n, _sizeless(v) if isinstance(v, torch.Tensor) else v)
-                          for n, v in layer_key(layers[index])[1]) if layer_key(layers[index]) else None
-        return cls(key, spec, described, (type(cache), settings, len(layers), type(layers[index]), own_layer),
+        return cls(key, spec, described, (type(cache), settings, len(layers), layer_key(layers[index])),
                    cache_spec, plain, own, len(whole), tuple(tuple(t.shape) for t in whole))
 
     def matches(self, rep: CallShape) -> bool:
@@ -178,9 +178,9 @@ class CallShape:
             return False
         if self.cache is None or rep.cache is None:
             return True
-        kind, settings, layers, own_type, own = self.cache
-        rep_kind, rep_settings, rep_layers, rep_own_type, rep_own = rep.cache
-        return (kind is rep_kind and layers == rep_layers and own_type is rep_own_type and own == rep_own
+        kind, settings, layers, own = self.cache
+        rep_kind, rep_settings, rep_layers, rep_own = rep.cache
+        return (kind is rep_kind and layers == rep_layers and own == rep_own
                 and [n for n, _ in settings] == [n for n, _ in rep_settings]
                 and all(same(v, rv) for (_, v), (_, rv) in zip(settings, rep_settings)))
 
@@ -318,15 +318,9 @@ def untouched_rebound(untouched: dict[str, list[UntouchedLayers | None]], reboun
                       ) -> dict[str, list[UntouchedLayers | None]]:
     """The representative's untouched cache layers (see :func:`~.state.states_returned`) as the
     sibling's: the layer its index selected is untouched by the sibling, whose own is not (unless
-    the representative's own was), as in :meth:`.building.GraphBuilder.child`."""
+    the representative's own was; see :meth:`.reuse.CacheRebinding.untouched`)."""
     if rebound is None:
         return untouched
-    own, rep_own = ("layers", (rebound.index,)), ("layers", (rebound.rep_index,))
-
-    def moved(layers: UntouchedLayers | None) -> UntouchedLayers | None:
-        if layers is None:
-            return None
-        paths = layers.paths | layers.by_index
-        return UntouchedLayers(paths if rep_own in layers.paths else paths - {own})
-    return {path: [moved(layers) for layers in per] for path, per in untouched.items()}
+    return {path: [UntouchedLayers(rebound.untouched(layers)) if layers is not None else None for layers in per]
+            for path, per in untouched.items()}
 
