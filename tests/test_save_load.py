@@ -224,6 +224,36 @@ def test_other_library_versions_load_with_a_warning(tmp_path):
     assert torch.equal(loaded(x), model(x))
 
 
+def test_a_load_in_another_grad_mode_warns_naming_what_was_exported_anew(tmp_path):
+    """The saved programs were exported with grad: a load under ``no_grad`` exports anew (another
+    call) and says so; the loaded graphs equal the model."""
+    model, x = _linear()
+    path = tmp_path / "pg.nnbridge"
+    PatchableGraph(model, x).save(path)
+    with torch.no_grad():
+        with pytest.warns(NNBridgeWarning, match=r"no saved program matched the call of \['<root>'\]"):
+            loaded = PatchableGraph.load(path, model)
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_a_module_run_eagerly_as_a_whole_is_not_reported_missing(tmp_path, monkeypatch):
+    """Llama with ``output_attentions``: the decoder stack is opaque and its ``torch.no_grad``
+    rotary embedding runs eagerly as a whole, so no program of it is saved; the load finds every
+    program it needs, exports nothing and does not warn (the test suite turns warnings into errors)."""
+    model = llama()
+    ids = _ids()
+    pg = PatchableGraph(model, ids, use_cache=False, output_attentions=True)
+    assert "model.rotary_emb" in [p for extraction in pg.extractions for p in extraction.opaque] or \
+        type(pg._graph_module.model.rotary_emb).__name__ == "OpaqueGraphModule"
+    pg.save(tmp_path / "pg.nnbridge")
+    _refuse_export(monkeypatch)
+    loaded = PatchableGraph.load(tmp_path / "pg.nnbridge", llama())
+    out = loaded(ids, use_cache=False, output_attentions=True)
+    expected = llama()(ids, use_cache=False, output_attentions=True)
+    assert torch.equal(out.logits, expected.logits)
+    assert all(torch.equal(a, b) for a, b in zip(out.attentions, expected.attentions, strict=True))
+
+
 def test_code_replaced_since_saving_loads_with_a_warning(tmp_path, monkeypatch):
     """As a changed source file: an explicit load serves the saved graphs, and warns."""
     from transformers.models.gpt2 import modeling_gpt2

@@ -396,7 +396,8 @@ class EagerFindings(NamedTuple):
     """What one eager run of a call shows before exporting it (:func:`eager_findings`).
 
     Attributes:
-        grad_mode: paths of the submodules (the root left out) whose code changed grad mode.
+        grad_mode: paths of the modules (the root ``""`` included: it runs eagerly, there is no
+            caller's graph to trace it into) whose code changed grad mode.
         mask_skips: paths of the modules (the root ``""`` included) running when transformers
             skipped building an sdpa attention mask (see :mod:`nnbridge.compat.mask_skips`).
         capturing: paths of the modules (the root ``""`` included) to run opaque because their
@@ -448,7 +449,7 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
             stateful.add(fqn)
 
     def changed() -> None:
-        if active and active[-1]:
+        if active:
             grad_mode.setdefault(active[-1])
 
     def skipped() -> None:

@@ -27,6 +27,7 @@ from ..errors import NNBridgeError, NodePathError, PatchError, PatchMapError
 from . import hierarchy, patch_state, varargs_paths
 from .dispatcher import GraphDispatcher, WeakCallback
 from .capture_checks import preserved_state
+from .capture_forwarding import forward_capturing_hooks
 from .extraction import Extraction
 from .module_tree import named_real_modules, refuse_instance_forwards
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
@@ -426,7 +427,11 @@ class PatchableGraph(torch.nn.Module):
     def _apply_active(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
         """A new extraction: it shares the op points made so far on the first extraction (torch
         hooks on op points, see :meth:`op_point`); while patch contexts are open, its op points not
-        yet listened get the open contexts' listeners (a shared point has them already)."""
+        yet listened get the open contexts' listeners (a shared point has them already). Over a
+        plain model its graphs also run transformers' output-capturing hooks of the modules they
+        stand in for (:mod:`.capture_forwarding`)."""
+        if self._modules_of_plain is not None:
+            forward_capturing_hooks(extraction.root, dispatcher.module)
         self._share_made_points(dispatcher, extraction)
         if not self._active:
             return

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.pytree import pytree
 from .call_structure import ShapeGuard, structure_key
 from .code_identity import code_digest
@@ -134,7 +135,8 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     dtypes), every plain value of the config-like objects it holds (private ones such as
     ``_attn_implementation_internal`` included: :func:`~.guards.config_values`), and every
     parameter's and buffer's name, shape, dtype and requires_grad (weights' values are not part of
-    it).
+    it; nor are the flags transformers sets on first use, ``MODEL_STATE_ATTRIBUTES``: a model saved
+    after an ``output_attentions`` call loads into a fresh one).
     ``source``: sha256 of the source files defining every module class in the tree; a class whose
     source file cannot be read (defined in a notebook cell or by ``exec``) gives
     ``"unavailable:<class>"`` (see :func:`source_known`). ``code``: sha256 of the code the modules
@@ -149,7 +151,8 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     classes: dict[str, type] = {}
     for name, module in named_real_modules(model):  # a bridge's op points are not part of it
         classes[_qualname(type(module))] = type(module)
-        plain = sorted((k, repr(v)) for k, v in vars(module).items() if isinstance(v, _PLAIN) and not k.startswith("__"))
+        plain = sorted((k, repr(v)) for k, v in vars(module).items()
+                       if isinstance(v, _PLAIN) and not k.startswith("__") and k not in MODEL_STATE_ATTRIBUTES)
         # config objects (transformers' or look-alikes) with every plain value, private ones included:
         # ``to_json_string`` leaves out the attention implementation, and a module's own config
         # (``self.config = SimpleNamespace(...)``) is not the model's

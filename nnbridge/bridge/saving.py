@@ -91,22 +91,33 @@ def save(pg: PatchableGraph, target: str | os.PathLike[str] | IO[bytes]) -> None
 
 class BundleSource:
     """The records of a bundle, as a program source (see :mod:`.programs`): a request is served
-    by the record of the same NodePath and call fingerprint."""
+    by the record of the same NodePath and call fingerprint.
+
+    Attributes:
+        missed: the NodePaths (``"<root>"`` for the root) that found no record here and were then
+            exported anew; a miss whose module then runs eagerly as a whole (an opaque root, such
+            as a ``torch.no_grad``-decorated rotary embedding) has no program to save or load, and
+            is not one.
+    """
 
     def __init__(self, bundle: Bundle):
         self.bundle = bundle
         self.index = {(e["path"], e["call"]): i for i, e in enumerate(bundle.header["records"])}
         self.missed: list[str] = []
+        self._looked_up: set[tuple[str, str]] = set()  # (path, call fingerprint) of misses
 
     def lookup(self, request: ExportRequest) -> ProgramRecord | None:
-        index = self.index.get((request.path, request.call_fingerprint()))
+        key = (request.path, request.call_fingerprint())
+        index = self.index.get(key)
         if index is None:
-            self.missed.append(request.path or "<root>")
+            self._looked_up.add(key)
             return None
         return self.bundle.record(index, request.module)
 
     def store(self, request: ExportRequest, record: ProgramRecord) -> None:
-        return None
+        """A record extraction just exported: a miss here if this source was asked for it."""
+        if (request.path, request.call_fingerprint()) in self._looked_up:
+            self.missed.append(request.path or "<root>")
 
 
 def load(cls: type[PatchableGraph], source: str | os.PathLike[str] | IO[bytes], model: torch.nn.Module,

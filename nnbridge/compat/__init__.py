@@ -19,6 +19,7 @@ from .fx import generated_code_released as generated_code_released
 from .fx import generated_line_map as generated_line_map
 from .fx import keep_tracebacks as keep_tracebacks
 from .hooks import cleared_module_state as cleared_module_state
+from .hooks import capturing_hooks as capturing_hooks
 from .hooks import has_module_hooks as has_module_hooks
 from .hooks import has_user_hooks as has_user_hooks
 from .forwards import DirectCall as DirectCall

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.nn.modules import module as _module_impl
@@ -104,3 +105,10 @@ def has_user_hooks(module: torch.nn.Module) -> bool:
         if hooks and any(not is_output_capturing_hook(h) for h in hooks.values()):
             return True
     return False
+
+
+def capturing_hooks(module: torch.nn.Module) -> list[Callable[[torch.nn.Module, tuple[Any, ...], Any], Any]]:
+    """transformers' output-capturing forward hooks on ``module`` (``hook(module, args, output)``,
+    registered without kwargs), in registration order; empty when none are installed (yet)."""
+    hooks = module.__dict__.get("_forward_hooks") or {}
+    return [hook for hook in hooks.values() if is_output_capturing_hook(hook)]
