@@ -224,8 +224,8 @@ def test_per_layer_op_hooks_equal_a_full_extraction(case):
     assert not torch.equal(results["reuse"][1][0], results["reuse"][2][0])
 
 
-def test_decode_steps_and_another_length_equal_eager(case):
-    """A decode step with the prefill's cache, and another prompt length: equal to eager."""
+def test_a_decode_step_and_another_length_of_each_case_equal_eager(case):
+    """A decode step with the prefill's cache, and another prompt length, batch of 2: equal to eager."""
     ids, step, other = case.ids, torch.randint(1, 100, (2, 1)), torch.randint(1, 100, (2, 10))
     results = []
     with torch.no_grad():
@@ -274,6 +274,36 @@ def test_decode_steps_and_another_length_equal_eager(name):
                                       m(other, output_attentions=True))
     for mine, theirs in zip(model.__dict__.pop("_results"), eager.__dict__.pop("_results")):
         _assert_outputs_equal(mine, theirs)
+    assert _sibling_roots(model) == expected
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_decode_steps_after_the_first_export_nothing_and_equal_eager(name, exported):
+    """Decoding with ``output_attentions=True``: the first decode step exports each group's
+    representative once (a new call structure: a filled cache); the later steps, with a longer cache
+    and attention mask each (a size export derives from the cache's: ``past + 1``), are served by
+    those extractions, the siblings' included (their guards address their own cache layer), with
+    no export; every step equals eager. Gemma 3's sliding-window cache layers hold an int that
+    grows each step (``cumulative_length``), part of every call's structure, so each of its steps
+    exports the representatives again (one export per group, not per layer)."""
+    factory, expected, path, layer_class = MODELS[name]
+    ids = torch.randint(1, 100, (1, 6))
+    eager = factory()
+    model = _bridged(factory, REUSE, ids)
+    caches = {}
+    per_step = []
+    with torch.no_grad():
+        for step in range(4):
+            tokens = ids if step == 0 else torch.randint(1, 100, (1, 1))
+            before = len(exported)
+            mine = model(tokens, past_key_values=caches.get("mine"), output_attentions=True)
+            theirs = eager(tokens, past_key_values=caches.get("theirs"), output_attentions=True)
+            per_step.append(exported[before:].count(layer_class))
+            caches = {"mine": mine.past_key_values, "theirs": theirs.past_key_values}
+            _assert_outputs_equal(mine, theirs)
+    representatives = len(set(expected.values()))
+    later = [representatives] * 2 if name == "gemma3" else [0, 0]
+    assert per_step[1:] == [representatives, *later], per_step
     assert _sibling_roots(model) == expected
 
 
@@ -371,11 +401,20 @@ def test_another_cache_layer_read_makes_every_layer_export_itself(caplog):
     assert reused == {}
 
 
-def test_cache_layers_in_other_states_are_not_reused(caplog):
-    """Layer 1 holds more tokens than layer 0 did, and export's guards address the cache: the
-    representative's program is not known to serve its sizes, it exports itself."""
+def test_cache_layers_of_other_lengths_are_reused(caplog):
+    """Layer 1 holds more tokens than layer 0 did: the representative's dynamic guard, its code
+    rewritten to address layer 1's own cache tensors, accepts them (outputs and cache equal eager)."""
     reused, log = _toy_run(_ToyStack(), torch.randn(2, 5, 8), lambda: toy_layer_cache([3, 4, 3]), caplog)
-    assert "layers.1" not in reused and reused.get("layers.2") == "layers.0"
+    assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
+
+
+@pytest.mark.parametrize("lengths", [[3, 0, 3], [1, 4, 1]], ids=["empty_layer", "static_length"])
+def test_cache_layers_the_representatives_graph_does_not_serve_are_not_reused(lengths, caplog):
+    """Layer 1 empty while layer 0 held tokens (another state: its graph would differ), or layer 0
+    held one token (a size-1 dimension export specialises) and layer 1 holds 4: layer 1 exports
+    itself, layer 2 (as layer 0) is reused; outputs and cache equal eager."""
+    reused, log = _toy_run(_ToyStack(), torch.randn(2, 5, 8), lambda: toy_layer_cache(lengths), caplog)
+    assert reused == {"layers.2": "layers.0"}, log
 
 
 def test_lazily_appended_cache_is_not_reused(caplog):

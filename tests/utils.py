@@ -308,3 +308,18 @@ def toy_layer_cache(lengths=None):
         if n:
             cache.update(torch.randn(2, 1, n, 8), torch.randn(2, 1, n, 8), i)
     return cache
+
+
+class PastPlusNew(torch.nn.Module):
+    """A cache-like concatenation: the mask's length is the past's plus one (``past + 1``), a size
+    export derives from another input's."""
+
+    def forward(self, past, new, mask):
+        return torch.cat([past, new], dim=1) * mask[..., None]
+
+
+def past_plus_new(length, mask_length=None):
+    """Inputs of :class:`PastPlusNew`: past ``(2, length, 4)``, new ``(2, 1, 4)``, mask ``(2, length + 1)``
+    (or ``(2, mask_length)``)."""
+    return (torch.randn(2, length, 4), torch.randn(2, 1, 4),
+            torch.randn(2, length + 1 if mask_length is None else mask_length))

@@ -21,6 +21,10 @@ from ..compat.symbolic import symbolic_expr, symbolic_hint
 
 from ..compat import compile_guards, export_guards, guard_view
 
+#: One dimension's rule in a :class:`ShapeGuard`: a static size, ``(symbol, low, high)``, or
+#: ``(symbol, low, high, coefficient, offset)`` (a size derived from a symbol).
+DimRule = int | tuple[str, int, int | None] | tuple[str, int, int | None, int, int]
+
 #: Device types whose autocast state is part of a call's structure.
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -77,12 +81,15 @@ class ShapeGuard:
     """Tensor sizes an extraction is valid for.
 
     Args:
-        dims: per tensor input (pytree order), per dimension either an ``int`` (static size) or
-            ``(symbol, low, high)`` (dynamic size; ``high`` may be ``None`` for unbounded). Dimensions
-            sharing a symbol must be equal at call time.
+        dims: per tensor input (pytree order), per dimension an ``int`` (static size),
+            ``(symbol, low, high)`` (dynamic size; ``high`` may be ``None`` for unbounded), or
+            ``(symbol, low, high, coefficient, offset)``: a size export derived from a symbol, which
+            must be ``coefficient * symbol + offset`` (a decoder layer's attention mask over the
+            cache and the new tokens: ``past + 1`` during decoding). ``low``/``high`` bound the
+            symbol. Dimensions sharing a symbol must be equal at call time.
     """
 
-    def __init__(self, dims: list[list[int | tuple[str, int, int | None]]], code: list[str] | None = None):
+    def __init__(self, dims: list[list[DimRule]], code: list[str] | None = None):
         self.dims = dims
         self.code = list(code or [])
         self._check = compile_guards(self.code) if self.code else None
@@ -96,28 +103,33 @@ class ShapeGuard:
     def from_export(cls, exported: torch.export.ExportedProgram) -> ShapeGuard:
         """Read the dynamic dimensions and their ranges off an exported program's user inputs."""
         user_inputs = set(exported.graph_signature.user_inputs)
-        dims: list[list[int | tuple[str, int, int | None]]] = []
+        dims: list[list[DimRule]] = []
         for node in exported.graph.nodes:
             if node.op != "placeholder" or node.name not in user_inputs:
                 continue
             value = node.meta.get("val")
             if not isinstance(value, torch.Tensor):
                 continue
-            tensor_dims: list[int | tuple[str, int, int | None]] = []
+            tensor_dims: list[DimRule] = []
             for size in value.shape:
                 if isinstance(size, int):
                     tensor_dims.append(size)
                     continue
                 expr = symbolic_expr(size)
-                bounds = exported.range_constraints.get(expr)
-                if bounds is None or not expr.is_Symbol:
+                affine = _affine(expr)
+                bounds = exported.range_constraints.get(affine[0]) if affine is not None else None
+                if bounds is None:  # another expression of symbols: the example's size only
                     tensor_dims.append(symbolic_hint(size))
                     continue
                 try:
                     high: int | None = int(bounds.upper)
                 except (TypeError, ValueError, AttributeError, OverflowError):
                     high = None  # unbounded (torch's int_oo)
-                tensor_dims.append((str(expr), int(bounds.lower), high))
+                symbol, coefficient, offset = affine
+                if (coefficient, offset) == (1, 0):
+                    tensor_dims.append((str(symbol), int(bounds.lower), high))
+                else:
+                    tensor_dims.append((str(symbol), int(bounds.lower), high, coefficient, offset))
             dims.append(tensor_dims)
         return cls(dims, export_guards(exported))
 
@@ -134,6 +146,7 @@ class ShapeGuard:
         if self._check is not None and (call is None or not self._check_call(call)):
             return False
         symbols: dict[str, int] = {}
+        derived: list[tuple[int, tuple[Any, ...]]] = []
         for tensor, dims in zip(tensors, self.dims):
             shape = tensor.shape
             if len(shape) != len(dims):
@@ -143,11 +156,20 @@ class ShapeGuard:
                     if size != rule:
                         return False
                     continue
-                symbol, low, high = rule
+                if len(rule) == 5:  # after every plain symbol is bound
+                    derived.append((size, rule))
+                    continue
+                symbol, low, high = rule[:3]
                 if size < low or (high is not None and size > high):
                     return False
                 if symbols.setdefault(symbol, size) != size:
                     return False
+        for size, (symbol, low, high, coefficient, offset) in derived:
+            value, remainder = divmod(size - offset, coefficient)
+            if remainder or value < low or (high is not None and value > high):
+                return False
+            if symbols.setdefault(symbol, value) != value:
+                return False
         return True
 
     def _check_call(self, call: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
@@ -166,10 +188,29 @@ class ShapeGuard:
             for d, (size, rule) in enumerate(zip(tensor.shape, dims)):
                 if isinstance(rule, int) and size != rule:
                     return f"tensor {i} has size {size} in dimension {d}; the graph is specialised to {rule}"
-                if not isinstance(rule, int) and (size < rule[1] or (rule[2] is not None and size > rule[2])):
+                if not isinstance(rule, int) and len(rule) == 3 and (
+                        size < rule[1] or (rule[2] is not None and size > rule[2])):
                     return f"tensor {i} has size {size} in dimension {d}, outside [{rule[1]}, {rule[2]}]"
         if self._check is not None:
             failing = [code for code in self.code if not ShapeGuard([], [code])._check_call(call)]
             if failing:
                 return f"export's shape guard {failing[0]!r} does not hold"
-        return "dynamic dimensions that were equal differ"
+        return "dynamic dimensions that were equal (or derived from one another) differ"
+
+
+def _affine(expr: Any) -> tuple[Any, int, int] | None:
+    """``(symbol, coefficient, offset)`` when the sympy expression ``expr`` is
+    ``coefficient * symbol + offset`` with integer coefficient (not 0) and offset; else None."""
+    if expr is None:
+        return None
+    if expr.is_Symbol:
+        return expr, 1, 0
+    free = expr.free_symbols
+    if len(free) != 1:
+        return None
+    (symbol,) = free
+    coefficient, offset = expr.coeff(symbol), expr.subs(symbol, 0)
+    if not (coefficient.is_Integer and offset.is_Integer) or coefficient == 0 or (
+            (coefficient * symbol + offset - expr).expand() != 0):
+        return None
+    return symbol, int(coefficient), int(offset)

@@ -29,13 +29,14 @@ Anything else means the sibling is exported itself, as before. Example::
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.fx import Graph
 
-from .call_structure import ShapeGuard, autocast_state
+from .call_structure import DimRule, ShapeGuard, autocast_state
 from .code_identity import is_plumbing
 from .reuse import (CacheRebinding, ReusedHolder, cache_index, copy_graph, entry_attributes, entry_structure,
                     is_cache, layer_key, plan as reuse_plan, same)
@@ -108,11 +109,14 @@ class CallShape:
             sizes are the shape guard's, see :func:`sibling_guard`), other values as themselves
             (compared with :func:`.reuse.same`).
         cache: ``(type, settings, number of layers, own layer's state)`` of the cache, or None; the
-            own layer's state is :func:`.reuse.layer_key`'s, its tensors' sizes included (its
-            layer must be in the state the representative's was, as in one export's reuse).
+            own layer's state is :func:`.reuse.layer_key`'s with its tensors' sizes left out (its
+            layer must be in the state the representative's was; the sizes are the shape guard's,
+            so a decode step's longer layers are accepted as the representative's own would be).
         cache_spec: the cache's pytree spec (None without a cache).
         plain: positions, among the call's tensors in pytree order, of those outside the cache.
         own: positions of its own cache layer's tensors.
+        own_keys: their keys among the cache's flattened children (how export's guard code
+            addresses them: ``L['kwargs']['past_key_values'][4]``).
         count: how many tensors the call has (in the cache or not).
         sizes: every tensor's sizes, in the order of the call's tensors.
     """
@@ -126,6 +130,7 @@ class CallShape:
     own: tuple[int, ...]
     count: int
     sizes: tuple[tuple[int, ...], ...]
+    own_keys: tuple[Any, ...] = ()
 
     @classmethod
     def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any], index: int | None) -> CallShape | None:
@@ -163,8 +168,10 @@ class CallShape:
         if len(plain) != len(tensors) or len(own) != len(own_ids):
             return None  # a tensor both in and outside the cache: no position mapping
         settings = tuple(sorted((n, v) for n, v in vars(cache).items() if n != "layers"))
-        return cls(key, spec, described, (type(cache), settings, len(layers), layer_key(layers[index])),
-                   cache_spec, plain, own, len(whole), tuple(tuple(t.shape) for t in whole))
+        own_keys = tuple(_first_key(path) for path, leaf in pytree.tree_flatten_with_path(cache)[0]
+                         if isinstance(leaf, torch.Tensor) and id(leaf) in own_ids)
+        return cls(key, spec, described, (type(cache), settings, len(layers), _sizeless_layer(layers[index])),
+                   cache_spec, plain, own, len(whole), tuple(tuple(t.shape) for t in whole), own_keys)
 
     def matches(self, rep: CallShape) -> bool:
         """Whether a sibling called with this shape may take graphs built for ``rep``'s call."""
@@ -192,6 +199,23 @@ def call_mode() -> tuple[Any, ...]:
 
 def _sizeless(tensor: torch.Tensor) -> tuple[Any, ...]:
     return (tensor.dim(), tensor.dtype, tensor.device, tensor.requires_grad, tensor.layout)
+
+
+def _sizeless_layer(layer: Any) -> Any:
+    """:func:`.reuse.layer_key` of a cache layer, its tensors without their sizes."""
+    key = layer_key(layer)
+    if key is None:
+        return None
+    kind, entries = key
+    tensors = {name: value for name, value in vars(layer).items() if isinstance(value, torch.Tensor)}
+    return kind, tuple((name, ("tensor", _sizeless(tensors[name])) if name in tensors else value)
+                       for name, value in entries)
+
+
+def _first_key(path: tuple[Any, ...]) -> Any:
+    """The first key of a pytree key path (the child of the flattened object holding the leaf)."""
+    entry = path[0] if path else None
+    return getattr(entry, "idx", getattr(entry, "key", getattr(entry, "name", None)))
 
 
 def _put(args: tuple[Any, ...], kwargs: dict[str, Any], key: Any, value: Any) -> tuple[Any, Any]:
@@ -290,23 +314,45 @@ def sibling_guard(rep_guard: ShapeGuard, rep: CallShape, shape: CallShape, tenso
     layer's, in place of the representative's own), any size for the cache's other layers, which
     they do not read (see :func:`.reuse.rebind_cache_state`), and export's own guards (they address
     the call by argument, as alike for both). When those guards address the cache, whose layers
-    differ, only the representative's own sizes are accepted, and only when the sibling's call has
-    them (exactly its call's sizes)."""
+    differ, they are rewritten to address the sibling's own layer where they address the
+    representative's (its other layers are left as they are: conditions on the call the sibling's
+    graphs do not read); when that cannot be done, only the representative's own sizes are
+    accepted, and only when the sibling's call has them (exactly its call's sizes)."""
     mapped: dict[int, int] = {**dict(zip(shape.plain, rep.plain)), **dict(zip(shape.own, rep.own))}
     if len(rep_guard.dims) != rep.count or len(tensors) != shape.count:
         return None
-    if shape.key is not None and any(_mentions_argument(code, shape.key) for code in rep_guard.code):
-        same_sizes = all(tuple(tensors[mine].shape) == rep.sizes[theirs] for mine, theirs in mapped.items())
-        return ShapeGuard.static(tensors) if same_sizes else None
+    code = rep_guard.code
+    if shape.key is not None and any(_mentions_argument(line, shape.key) for line in code):
+        remapped = _own_layer_guards(code, shape.key, rep.own_keys, shape.own_keys)
+        if remapped is None:
+            same_sizes = all(tuple(tensors[mine].shape) == rep.sizes[theirs] for mine, theirs in mapped.items())
+            return ShapeGuard.static(tensors) if same_sizes else None
+        code = remapped
     free = itertools.count()
-    dims: list[list[int | tuple[str, int, int | None]]] = []
+    dims: list[list[DimRule]] = []
     for position, tensor in enumerate(tensors):
         if position in mapped:
             dims.append(list(rep_guard.dims[mapped[position]]))
         else:
             dims.append([(f"_other_layer_{next(free)}", 0, None) for _ in range(tensor.dim())])
-    guard = ShapeGuard(dims, rep_guard.code)
+    guard = ShapeGuard(dims, code)
     return guard if guard.matches(tensors, call) else None
+
+
+def _own_layer_guards(code: list[str], key: Any, rep_keys: tuple[Any, ...], keys: tuple[Any, ...]) -> list[str] | None:
+    """Export's guard code with the representative's own cache layer's children (``rep_keys``,
+    under argument ``key``) replaced by the sibling's (``keys``); None when the keys are not ints
+    of equal number."""
+    if len(rep_keys) != len(keys) or not all(type(k) is int for k in (*rep_keys, *keys)):
+        return None
+    prefix = re.escape(f"L['args'][{key}]" if isinstance(key, int) else f"L['kwargs'][{key!r}]")
+    renamed = dict(zip(rep_keys, keys))
+    child = re.compile("(" + prefix + r"\[)(\d+)(\])")
+
+    def replace(match: re.Match[str]) -> str:
+        index = int(match.group(2))
+        return f"{match.group(1)}{renamed.get(index, index)}{match.group(3)}"
+    return [child.sub(replace, line) for line in code]
 
 
 def _mentions_argument(code: str, key: Any) -> bool:

@@ -45,9 +45,13 @@ from .call_structure import ShapeGuard
 from .programs import ProgramRecord
 from .state import Path as StatePath, UntouchedLayers
 
-#: Version of the bundle layout; a bundle of another version is refused (explicit load) or a
-#: cache miss.
-FORMAT_VERSION = 1
+#: Version of the bundle layout written; a bundle of a version not in :data:`READABLE_FORMATS` is
+#: refused (explicit load) or a cache miss. 2: shape guards may hold derived dimensions
+#: (``(symbol, low, high, coefficient, offset)``, see :class:`~.call_structure.ShapeGuard`), which
+#: a format-1 reader would take for plain symbols.
+FORMAT_VERSION = 2
+#: Versions this nnbridge reads (format 1 is format 2 without derived dimensions).
+READABLE_FORMATS = (1, 2)
 HEADER_NAME = "nnbridge.json"
 INPUTS_NAME = "inputs.pt"
 
@@ -171,7 +175,7 @@ class Bundle:
         for section, name in entry["left_out"]:
             store = exported.state_dict if section == "state_dict" else exported.constants
             store[name] = _own_tensor(self.source, module, name, store[name])
-        dims = [[d if isinstance(d, int) else (d[0], d[1], d[2]) for d in tensor] for tensor in entry["guard"]["dims"]]
+        dims = [[d if isinstance(d, int) else tuple(d) for d in tensor] for tensor in entry["guard"]["dims"]]
         return ProgramRecord(path=entry["path"], call=entry["call"], exported=exported, dynamic=entry["dynamic"],
                              states=entry["states"], stubs=dict(entry["stubs"]),
                              guard=ShapeGuard(dims, entry["guard"]["code"]), reuse=dict(entry.get("reuse", {})),
@@ -225,9 +229,10 @@ def read_bundle(source: str | os.PathLike[str] | IO[bytes]) -> Bundle:
     try:
         with zipfile.ZipFile(source) as archive:
             header = json.loads(archive.read(HEADER_NAME))
-            if header.get("format") != FORMAT_VERSION:
+            if header.get("format") not in READABLE_FORMATS:
                 raise SaveLoadError(f"{name} was written in nnbridge format {header.get('format')!r}; this nnbridge"
-                                    f" reads format {FORMAT_VERSION}. Extract the model again and save it anew.")
+                                    f" reads formats {', '.join(map(str, READABLE_FORMATS))}. Extract the model"
+                                    " again and save it anew.")
             programs = [archive.read(_program_name(i)) for i in range(len(header["records"]))]
             inputs = None
             if INPUTS_NAME in archive.namelist():
