@@ -79,3 +79,76 @@ def test_opaque_invocations_survive_torch_save_and_pg_save(tmp_path):
         with loaded.patch({"linear_1.output": ZeroPatch()}):
             assert torch.equal(loaded(x), reference(x))
         handle.remove()
+
+
+# -- sizes: an opaque module runs its own code, so one extraction may serve any sizes ----------------
+OPAQUE = ExtractionOptions(skip_compilation=True)
+
+
+class PerRow(nn.Module):
+    """Calls ``linear`` once per row: how many invocations depends on the batch size."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.stack([self.linear(row) for row in x])
+
+
+class LongOnly(nn.Module):
+    """Calls ``extra`` only for sequences longer than 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.extra = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return self.extra(y) if x.shape[0] > 4 else y
+
+
+def _seeded(cls):
+    torch.manual_seed(0)
+    return cls().eval()
+
+
+def test_an_opaque_module_calling_each_child_once_serves_other_sizes():
+    model = _seeded(LongOnly)  # longer than 4 rows: each child called once
+    pg = PatchableGraph(model, torch.randn(6, 4), options=OPAQUE)
+    for rows in (5, 9, 30):
+        x = torch.randn(rows, 4)
+        assert torch.equal(pg(x), _seeded(LongOnly)(x))
+    assert len(pg.extractions) == 1
+
+
+def test_a_child_called_per_row_is_extracted_again_for_another_batch_size():
+    """Two rows extracted ``linear_0``, ``linear_1``; three rows are another call (three
+    invocations, not the third routed to ``linear_1``), so a patch on ``linear_1`` applies to the
+    second call only."""
+    model = _seeded(PerRow)
+    pg = PatchableGraph(model, torch.randn(2, 4), options=OPAQUE)
+    x = torch.randn(3, 4)
+    reference = _seeded(PerRow)
+    handle = _zero_call(reference, 1)
+    expected = reference(x)
+    handle.remove()
+    with pg.patch({"linear_1.output": ZeroPatch()}):
+        assert torch.equal(pg(x), expected)
+    assert len(pg.extractions) == 2
+    assert torch.equal(pg(x[:2]), _seeded(PerRow)(x[:2]))
+
+
+def test_a_child_the_extracted_call_left_uncalled_is_extracted_when_another_size_calls_it():
+    """Three rows left ``extra`` uncalled (kept as an unused module); six rows call it: a new
+    extraction, in which a patch on ``extra.output`` applies (not the uncalled module's)."""
+    model = _seeded(LongOnly)
+    pg = PatchableGraph(model, torch.randn(3, 4), options=OPAQUE)
+    x = torch.randn(6, 4)
+    reference = _seeded(LongOnly)
+    handle = reference.extra.register_forward_hook(lambda module, args, output: torch.zeros_like(output))
+    expected = reference(x)
+    handle.remove()
+    with pg.patch({"extra.output": ZeroPatch()}):
+        assert torch.equal(pg(x), expected)
+    assert len(pg.extractions) == 2

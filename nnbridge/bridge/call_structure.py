@@ -100,6 +100,13 @@ class ShapeGuard:
         return cls([list(t.shape) for t in tensors])
 
     @classmethod
+    def any_size(cls, tensors: list[torch.Tensor]) -> ShapeGuard:
+        """A guard accepting any sizes of tensors of the ranks of ``tensors`` (each dimension a
+        symbol of its own): for an opaque module, whose own code runs and whose children's
+        dispatchers guard their graphs' sizes themselves."""
+        return cls([[(f"_any_{i}_{d}", 0, None) for d in range(t.dim())] for i, t in enumerate(tensors)])
+
+    @classmethod
     def from_export(cls, exported: torch.export.ExportedProgram) -> ShapeGuard:
         """Read the dynamic dimensions and their ranges off an exported program's user inputs."""
         user_inputs = set(exported.graph_signature.user_inputs)

@@ -171,6 +171,10 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             ctx = ExtractionContext(module, options, path, ctx.on_extraction, child_dispatcher)
             ctx.renamed = renamed
             root, guard = _extract_root(ctx, args, kwargs, reuse=False)
+    if isinstance(root, OpaqueGraphModule) and root.serves_any_size:
+        # its own code runs (no graph is specialised to the call's sizes) and the children it calls
+        # are looked up per call by their own dispatchers: any sizes of the call's ranks
+        guard = ShapeGuard.any_size(tensor_leaves(args, kwargs))
     root.graph_meta.node_path = path  # for failure notes (see .failures)
     for sub_path, _, _, sub in walk(root):
         if sub is not None:

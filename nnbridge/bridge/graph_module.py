@@ -416,6 +416,9 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
 
     original: torch.nn.Module
     reason: str
+    #: whether a call of other sizes (same ranks) runs as the extracted one did: set by
+    #: :func:`~.opaque.opaque_module` when the code called each child once and every child
+    serves_any_size: bool
     _callees: dict[str, torch.nn.Module | None]
     _routers: list[InvocationRouter]
     _signature: inspect.Signature
@@ -435,6 +438,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
             self.add_module(name, child)
         self.__dict__["_callees"] = dict(callees)
         self.__dict__["_routers"] = list(routers or [])
+        self.__dict__["serves_any_size"] = False
         signature = inspect.signature(type(module).forward)
         params = list(signature.parameters.values())[1:]
         self.__dict__["_signature"] = signature.replace(parameters=params)

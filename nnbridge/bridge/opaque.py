@@ -126,6 +126,11 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
             routers.append(router)
             attach(swapped, original_name, router, module)
     opaque = OpaqueGraphModule(module, reason, dict(modules_of(shown)), dict(modules_of(swapped)), routers)
+    # each child called, once: the children's dispatchers guard their graphs' sizes, so a call of
+    # other sizes is served alike. A child called several times has a graph per invocation, and an
+    # uncalled one runs as itself (a patch on its nodes would not apply): another size could call
+    # them another number of times
+    opaque.__dict__["serves_any_size"] = not routers and all(name in captured for name, _ in callees)
     # the dispatcher layer's factory makes GraphDispatchers (see ChildDispatcherFactory)
     opaque.graph_meta.child_dispatchers = cast("dict[str, GraphDispatcher]", dispatchers)
     return opaque
