@@ -5,6 +5,7 @@ must reach those new graphs. Both failed before: the first patched call returned
 output, and nested opaque children (GPT-2's ``transformer.h_1.mlp``) had no example summaries,
 so ``pg.graph`` showed their values as ``None`` and refused digs (``inner.foos|sub_0``)."""
 
+import pytest
 import torch
 
 from nnbridge import ExtractionOptions, PatchableGraph, ZeroPatch
@@ -51,3 +52,71 @@ def test_children_of_an_opaque_module_extract_once_for_the_calls_they_get():
     history = nnbridge.explain(model, ids, output_attentions=True).history
     layers = [(path, reason) for path, reason in history if path.startswith("model.layers")]
     assert layers == [("model.layers.0", "first call"), ("model.layers.1", "first call")], history
+
+
+# -- what an opaque module's code finds in its children's place --------------------------------------
+class _Child(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.scale = 2.0
+        # names a dispatcher has too: the child's own values must be read
+        self.module, self.options, self.path = "child's module", "child's options", "child's path"
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class _ReadsChild(torch.nn.Module):
+    """Reads a child's plain attributes and a grandchild's parameter, checks its class."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = _Child()
+
+    def forward(self, x):
+        y = self.child(x)
+        assert isinstance(self.child, _Child)
+        assert (self.child.module, self.child.options, self.child.path) == (
+            "child's module", "child's options", "child's path")
+        return y * self.child.scale + self.child.lin.weight.sum()
+
+
+class _WritesChild(_ReadsChild):
+    """Counts its calls on the child (a side effect: it runs opaque in every mode)."""
+
+    def forward(self, x):
+        self.child.scale = self.child.scale + 1.0
+        return self.child(x)
+
+
+def _pair(cls):
+    torch.manual_seed(0)
+    model = cls().eval()
+    torch.manual_seed(0)
+    return model, cls().eval()
+
+
+@pytest.mark.parametrize("options", [OPAQUE, ExtractionOptions()], ids=["skipped", "compiled"])
+def test_an_opaque_module_reads_its_childrens_attributes(options):
+    """Before, the code found the child's dispatcher in its place: AttributeError on ``scale``."""
+    model, reference = _pair(_ReadsChild)
+    x = torch.randn(2, 3)
+    pg = PatchableGraph(model, x, options=options)
+    assert torch.equal(pg(x), reference(x))
+    with pg.patch({"child.lin.output": ZeroPatch()}):
+        patched = pg(x)
+    handle = reference.child.lin.register_forward_hook(lambda module, args, output: torch.zeros_like(output))
+    assert torch.equal(patched, reference(x))
+    handle.remove()
+
+
+def test_an_opaque_module_writes_its_childs_attribute_as_eager():
+    model, reference = _pair(_WritesChild)
+    x = torch.randn(2, 3)
+    pg = PatchableGraph(model, x, options=OPAQUE)
+    assert model.child.scale == 2.0  # extraction's runs put the attribute back
+    for _ in range(3):
+        assert torch.equal(pg(x), reference(x))
+        assert model.child.scale == reference.child.scale
+    assert model.child.scale == 5.0

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import wrapt
 
 from .assembly import attach, renamed_template
 from .context import ChildDispatcher, ExtractionContext
@@ -27,6 +28,27 @@ from ..compat.module_dicts import modules_of
 
 if TYPE_CHECKING:  # annotations only: the dispatcher layer imports this module
     from .dispatcher import GraphDispatcher
+
+
+class ChildCall(wrapt.ObjectProxy):
+    """What an opaque module's code finds in a child's place while it runs: the child itself for
+    every attribute read, write and delete (``self.child.scale``, ``self.child.lin.weight``,
+    ``self.child.calls += 1`` reach the child, as in eager), and ``isinstance`` checks; a call goes
+    to ``call`` (the child's dispatcher, or an :class:`InvocationRouter`), which runs its graphs.
+    A ``wrapt.ObjectProxy``: a dispatcher in the child's place did not have the child's attributes.
+    """
+
+    def __init__(self, child: torch.nn.Module, call: torch.nn.Module):
+        super().__init__(child)
+        self._self_call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_call(*args, **kwargs)
+
+
+def _in_place_of(child: torch.nn.Module, call: torch.nn.Module) -> torch.nn.Module:
+    """A :class:`ChildCall`, typed as the module it stands for (``isinstance`` sees the child's class)."""
+    return cast(torch.nn.Module, ChildCall(child, call))
 
 
 class InvocationRouter(torch.nn.Module):
@@ -119,12 +141,12 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
             dispatchers[f"{safe.replace('.', '_')}_{index}" if several else safe.replace(".", "_")] = dispatcher
         if len(invocations) == 1:
             attach(shown, safe, invocations[0][1], template)
-            attach(swapped, original_name, invocations[0][0], module)
+            attach(swapped, original_name, _in_place_of(child, invocations[0][0]), module)
         else:
             attach(shown, safe, MultiplyInvokedModule([root for _, root in invocations]), template)
             router = InvocationRouter([dispatcher for dispatcher, _ in invocations])
             routers.append(router)
-            attach(swapped, original_name, router, module)
+            attach(swapped, original_name, _in_place_of(child, router), module)
     opaque = OpaqueGraphModule(module, reason, dict(modules_of(shown)), dict(modules_of(swapped)), routers)
     # each child called, once: the children's dispatchers guard their graphs' sizes, so a call of
     # other sizes is served alike. A child called several times has a graph per invocation, and an
