@@ -117,7 +117,10 @@ class GraphDispatcher(torch.nn.Module):
     sibling: SiblingLink | None
     #: NodePath -> the dispatcher of a child of an opaque module in its extractions, kept across
     #: extractions: a later extraction whose opaque module calls the child alike is served by the
-    #: child's extractions (their guards hold), not extracted again
+    #: child's extractions (their guards hold), not extracted again. One dict for the whole tree
+    #: of child dispatchers below a dispatcher (keys are full NodePaths): a decoder layer called by
+    #: the stack extracted as a stub of the root's graph (prefill) and by the stack extracted on its
+    #: own under an opaque root (a decode step) keeps one dispatcher
     kept_children: dict[str, GraphDispatcher]
 
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, *, path: str = "",
@@ -314,7 +317,8 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 def _child_dispatchers(options: ExtractionOptions, callbacks: list[Callable[[GraphDispatcher, Extraction], None]],
                        children: dict[str, GraphDispatcher] | None) -> Callable[[torch.nn.Module, str], GraphDispatcher]:
     """The factory of an opaque module's children's dispatchers: the one ``children`` keeps for the
-    child's NodePath when it dispatches that module object, else a new one (kept there)."""
+    child's NodePath when it dispatches that module object, else a new one (kept there, and
+    keeping its own children there too)."""
     def child_dispatcher(child: torch.nn.Module, child_path: str) -> GraphDispatcher:
         known = children.get(child_path) if children is not None else None
         if known is not None and known.module is child:
@@ -322,5 +326,6 @@ def _child_dispatchers(options: ExtractionOptions, callbacks: list[Callable[[Gra
         made = GraphDispatcher(child, options, path=child_path, on_extraction=callbacks)
         if children is not None:
             children[child_path] = made
+            made.__dict__["kept_children"] = children  # shared down the tree
         return made
     return child_dispatcher
