@@ -285,7 +285,8 @@ def test_decode_steps_after_the_first_export_nothing_and_equal_eager(name, expor
     those extractions, the siblings' included (their guards address their own cache layer), with
     no export; every step equals eager. Gemma 3's sliding-window cache layers hold an int that
     grows each step (``cumulative_length``), part of every call's structure, so each of its steps
-    exports the representatives again (one export per group, not per layer)."""
+    exports the representatives again (one export per group, not per layer), and its layers'
+    prefill graphs are specialised to the prompt's length (a new prompt exports them again)."""
     factory, expected, path, layer_class = MODELS[name]
     ids = torch.randint(1, 100, (1, 6))
     eager = factory()
