@@ -119,3 +119,17 @@ def test_a_loaded_patchable_graph_captures_outputs():
     buffer.seek(0)
     loaded = PatchableGraph.load(buffer, llama())
     assert_same_outputs(loaded(ids, use_cache=False, **CAPTURE), reference(ids, use_cache=False, **CAPTURE))
+
+
+def test_generate_returns_the_attentions_and_hidden_states_of_every_step():
+    model, reference = llama(), llama()
+    ids = torch.randint(1, 100, (1, 5))
+    pg = PatchableGraph(model, ids)
+    kwargs = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, **CAPTURE)
+    out, expected = pg.generate(ids, **kwargs), reference.generate(ids, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    for name in ("attentions", "hidden_states"):
+        steps, expected_steps = getattr(out, name), getattr(expected, name)
+        assert len(steps) == len(expected_steps) == 4
+        for step, expected_step in zip(steps, expected_steps):
+            assert same(step, expected_step), name
