@@ -166,7 +166,7 @@ class ShapeGuard:
                 if len(rule) == 5:  # after every plain symbol is bound
                     derived.append((size, rule))
                     continue
-                symbol, low, high = rule[:3]
+                symbol, low, high = rule
                 if size < low or (high is not None and size > high):
                     return False
                 if symbols.setdefault(symbol, size) != size:

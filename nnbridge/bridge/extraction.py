@@ -456,11 +456,10 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
     # modules that change grad mode: traced through with the change ignored from the first export
     # on, as after an export found them (one export, not two)
     for fqn in found.grad_mode:
+        grad_change = UnfaithfulCaptureError(GRAD_MODE_REASON, grad_mode=True)
         if fqn == "":  # no caller's graph to trace it into: the module runs eagerly, as after its export failed
-            grad_change = UnfaithfulCaptureError(GRAD_MODE_REASON, grad_mode=True)
             return _EagerStubs(traced, frozen, (describe_failure(grad_change), grad_change, None))
         if fqn not in stubs:
-            grad_change = UnfaithfulCaptureError(GRAD_MODE_REASON, grad_mode=True)
             stubs[fqn], errors[fqn] = describe_failure(grad_change), grad_change
             traced.add(fqn)
             frozen.add(fqn)

@@ -412,12 +412,13 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         callees: ``{child name: module called in its place}`` while the original code runs.
         routers: the callees that count their calls per run (``restart()`` before each run): a
             child called several times, one graph per invocation (see :mod:`.opaque`).
+        serves_any_size: see the attribute.
     """
 
     original: torch.nn.Module
     reason: str
-    #: whether a call of other sizes (same ranks) runs as the extracted one did: set by
-    #: :func:`~.opaque.opaque_module` when the code called each child once and every child
+    #: whether a call of other sizes (same ranks) runs as the extracted one did (see
+    #: :func:`~.opaque.opaque_module`: its code called each child, once)
     serves_any_size: bool
     _callees: dict[str, torch.nn.Module | None]
     _routers: list[InvocationRouter]
@@ -425,7 +426,8 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
     _tensor_names: list[str]
 
     def __init__(self, module: torch.nn.Module, reason: str, children: Mapping[str, torch.nn.Module | None],
-                 callees: Mapping[str, torch.nn.Module | None], routers: list[InvocationRouter] | None = None):
+                 callees: Mapping[str, torch.nn.Module | None], routers: list[InvocationRouter] | None = None,
+                 serves_any_size: bool = False):
         super().__init__()
         self._init_meta(type(module))
         self.__dict__["original"] = module
@@ -438,7 +440,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
             self.add_module(name, child)
         self.__dict__["_callees"] = dict(callees)
         self.__dict__["_routers"] = list(routers or [])
-        self.__dict__["serves_any_size"] = False
+        self.__dict__["serves_any_size"] = serves_any_size
         signature = inspect.signature(type(module).forward)
         params = list(signature.parameters.values())[1:]
         self.__dict__["_signature"] = signature.replace(parameters=params)

@@ -147,12 +147,13 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
             router = InvocationRouter([dispatcher for dispatcher, _ in invocations])
             routers.append(router)
             attach(swapped, original_name, _in_place_of(child, router), module)
-    opaque = OpaqueGraphModule(module, reason, dict(modules_of(shown)), dict(modules_of(swapped)), routers)
     # each child called, once: the children's dispatchers guard their graphs' sizes, so a call of
     # other sizes is served alike. A child called several times has a graph per invocation, and an
     # uncalled one runs as itself (a patch on its nodes would not apply): another size could call
     # them another number of times
-    opaque.__dict__["serves_any_size"] = not routers and all(name in captured for name, _ in callees)
+    any_size = not routers and all(name in captured for name, _ in callees)
+    opaque = OpaqueGraphModule(module, reason, dict(modules_of(shown)), dict(modules_of(swapped)), routers,
+                               serves_any_size=any_size)
     # the dispatcher layer's factory makes GraphDispatchers (see ChildDispatcherFactory)
     opaque.graph_meta.child_dispatchers = cast("dict[str, GraphDispatcher]", dispatchers)
     return opaque
