@@ -14,7 +14,7 @@ from nnbridge import CompiledGraphModule
 from nnbridge.bridge import bridge_of
 from nnbridge.bridge.state import SpecCheck, assign_state, write_state
 from nnbridge.compat.pytree import pytree
-from utils import ToyCacheStack
+from utils import CACHE_KWARG, ToyCacheStack
 
 
 def tiny_gpt2():
@@ -51,7 +51,8 @@ def assert_same_cache(got, want):
         assert type(mine) is type(theirs)
         assert vars(mine).keys() == vars(theirs).keys()
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
-        assert (mine.is_initialized, mine.dtype, mine.device) == (theirs.is_initialized, theirs.dtype, theirs.device)
+        assert (mine.is_initialized, mine.keys.dtype, mine.device) == (theirs.is_initialized, theirs.keys.dtype,
+                                                                         theirs.device)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -86,13 +87,13 @@ def test_each_attention_call_changes_only_its_own_cache_layer(name):
 
     def before(index):
         def hook(module, args, kwargs):
-            cache = kwargs["past_key_values"]
+            cache = kwargs[CACHE_KWARG]
             snapshots[index] = [dict(vars(layer)) for layer in cache.layers]
         return hook
 
     def after(index):
         def hook(module, args, kwargs, output):
-            cache = kwargs["past_key_values"]
+            cache = kwargs[CACHE_KWARG]
             now = [vars(layer) for layer in cache.layers]
             touched = [i for i, (old, new) in enumerate(zip(snapshots[index], now))
                        if old.keys() != new.keys() or any(old[k] is not new[k] for k in old)]
@@ -142,7 +143,7 @@ def test_spec_check_remembers_structures_and_still_refuses_other_ones():
     assert check(other) and len(check.held) == 1  # same structure, other tensors
     cache.layers[1].is_initialized = False
     assert not check(cache)
-    del cache.layers[2].dtype
+    del cache.layers[2].device
     assert not check(cache)
 
 
@@ -176,7 +177,7 @@ def test_spec_check_with_untouched_layers_compares_them_by_type_only():
     check = SpecCheck(pytree.tree_flatten(cache)[1], untouched=frozenset({("layers", (0,)), ("layers", (2,))}))
     assert check(cache)
     cache.layers[0].is_initialized = False
-    del cache.layers[2].dtype
+    del cache.layers[2].device
     assert check(cache)  # layers 0 and 2: type only
     cache.layers[1].is_initialized = False
     assert not check(cache)  # layer 1 is compared

@@ -10,7 +10,7 @@ import nnbridge
 from nnbridge import ExtractionOptions, PatchableGraph, ProbePatch
 from nnbridge.bridge import bridge_of
 from nnbridge.bridge.state import assign_state
-from utils import assert_same, cached, gpt2, llama
+from utils import CACHE_KWARG, assert_same, cached, gpt2, llama
 
 # cache off: each test extracts for itself, whatever order xdist runs the files in (the key tells these
 # llama extractions apart: with the cache on all tests passed, 2026-11-24)
@@ -85,7 +85,7 @@ def test_one_cache_object_flows_through_a_forward(name):
         layers = model.transformer.h if name == "gpt2" else model.model.layers
         seen = []
         handles = [layer.register_forward_pre_hook(
-            lambda m, a, k: seen.append(k.get("past_key_values", a[1] if len(a) > 1 else None)), with_kwargs=True)
+            lambda m, a, k: seen.append(k.get(CACHE_KWARG, a[1] if len(a) > 1 else None)), with_kwargs=True)
             for layer in layers]
         output = model(ids)
         for h in handles:
@@ -93,18 +93,19 @@ def test_one_cache_object_flows_through_a_forward(name):
         assert len(seen) == 2 and all(cache is output.past_key_values for cache in seen), f"bridged={bridged}"
 
 
+@pytest.mark.parametrize("keyword", sorted({"past_key_values", CACHE_KWARG}))  # 5.24 adds ``cache=``
 @pytest.mark.parametrize("name", list(MODELS))
-def test_cache_passed_in_is_updated_in_place_over_decode_steps(name):
+def test_cache_passed_in_is_updated_in_place_over_decode_steps(name, keyword):
     prompt, steps = torch.randint(1, 100, (1, 5)), torch.randint(1, 100, (3, 1, 1))
     results = []
     for bridged in (False, True):
         model = MODELS[name]()
         if bridged:
-            nnbridge.bridge(model, prompt, past_key_values=DynamicCache(config=model.config), use_cache=True)
+            nnbridge.bridge(model, prompt, **{keyword: DynamicCache(config=model.config)}, use_cache=True)
         cache = DynamicCache(config=model.config)
-        logits = [model(prompt, past_key_values=cache, use_cache=True).logits]
+        logits = [model(prompt, **{keyword: cache}, use_cache=True).logits]
         for token in steps:
-            output = model(token, past_key_values=cache, use_cache=True)
+            output = model(token, **{keyword: cache}, use_cache=True)
             assert output.past_key_values is cache, f"bridged={bridged}: the caller's object is the output"
             logits.append(output.logits)
         results.append((logits, cached(cache)))

@@ -20,6 +20,7 @@ from nnbridge.bridge.capture_checks import EagerFindings
 from nnbridge.bridge.in_place import bridge_of
 from nnbridge.compat.pytree import pytree
 from nnbridge.errors import ExtractionError, NNBridgeWarning
+from utils import no_grad_rotary
 
 
 def _opaque(model: torch.nn.Module) -> dict[str, str]:
@@ -111,11 +112,12 @@ def test_grad_mode_change_honours_error_and_warn_options():
 
 
 def _tiny_llama() -> torch.nn.Module:
+    """A tiny Llama whose rotary embedding changes grad mode (``@torch.no_grad()``, as transformers < 5.24's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=100, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return LlamaForCausalLM(config).eval()
+    return no_grad_rotary(LlamaForCausalLM(config).eval())
 
 
 def test_llama_grad_mode_outputs_and_gradients_equal_eager():

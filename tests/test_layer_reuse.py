@@ -15,13 +15,14 @@ import re
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
 
 import nnbridge
 from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph, ProbePatch, ZeroPatch
 from nnbridge.bridge.in_place import bridge_of
 from utils import ToyIndexedLayer, gemma3, gpt2, llama, toy_layer_cache
 
-# not strict: Llama's and Gemma's rotary embeddings change grad mode and are opaque either way
+# not strict: Llama's and Gemma's rotary embeddings change grad mode (transformers < 5.24) and are opaque either way
 REUSE = ExtractionOptions(reuse_layers=True)
 FULL = ExtractionOptions(reuse_layers=False)
 
@@ -333,6 +334,41 @@ def test_toy_cache_layers_reused(caplog):
     assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
     reused, log = _toy_run(_Toy(), x, lambda: toy_layer_cache([3, 3, 3]), caplog)  # a decode step
     assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
+
+
+def test_a_cache_update_taking_an_input_tensor_is_reused(caplog):
+    """An update taking one of the layer's inputs besides keys and values (transformers 5.24 passes
+    the attention's ``position_ids``): each sibling's update takes its own input, exactly."""
+    reused, log = _toy_run(_Toy(extra="input"), torch.randn(2, 5, 8), toy_layer_cache, caplog)
+    assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
+
+
+class SeenLayer(DynamicLayer):
+    """A cache layer whose update adds the ``seen`` tensor it is given to the keys (module level:
+    the cache pytree rebuilds it by its dotted path)."""
+
+    def update(self, key_states, value_states, *args, kwargs=None, **more):
+        return super().update(key_states + kwargs["seen"].unsqueeze(1), value_states, *args, **more)
+
+
+def test_a_cache_layer_using_the_input_an_update_takes_sees_each_layers_own(caplog):
+    """A cache layer whose update uses the extra tensor: each sibling's graph, copied from its
+    representative's, writes with its own input (outputs and cache equal eager)."""
+    def seen_cache():
+        cache = toy_layer_cache()
+        cache.layers = [SeenLayer() for _ in cache.layers]
+        return cache
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, 8)
+    reused, log = _toy_run(_Toy(extra="input"), x, seen_cache, caplog)
+    assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
+
+
+def test_a_cache_update_taking_a_computed_tensor_falls_back(caplog):
+    """An update taking a tensor the layer computed: a sibling's stub cannot make it, so every
+    layer is exported (exactly)."""
+    reused, log = _toy_run(_Toy(extra="computed"), torch.randn(2, 5, 8), toy_layer_cache, caplog)
+    assert reused == {} and "takes tensors besides keys, values and its inputs" in log
 
 
 def test_cache_index_used_in_arithmetic_falls_back(caplog):

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 import nnbridge
 from nnbridge import PatchableGraph
-from utils import assert_same, cached, gemma3
+from utils import CACHE_KWARG, assert_same, cached, gemma3
 
 
 def _ids() -> torch.Tensor:
@@ -49,10 +49,10 @@ def test_sliding_layer_as_root_writes_its_cache_as_eager():
 
     def call(module):
         cache = DynamicCache(config=model.config)
-        return module(*args, **{**kwargs, "past_key_values": cache}), cache
+        return module(*args, **{**kwargs, CACHE_KWARG: cache}), cache
     reference = copy.deepcopy(layer)
     with torch.no_grad():
-        pg = PatchableGraph(layer, *args, **{**kwargs, "past_key_values": DynamicCache(config=model.config)})
+        pg = PatchableGraph(layer, *args, **{**kwargs, CACHE_KWARG: DynamicCache(config=model.config)})
         (got, got_cache), (want, want_cache) = call(pg), call(reference)
     assert_same(got, want)
     assert_same(cached(got_cache), cached(want_cache))

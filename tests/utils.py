@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import subprocess
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils import _pytree as pytree
+import transformers
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from fixtures.data_dependent_module import DataDependentModule
@@ -33,6 +35,30 @@ FIXTURES = [
     "data_dependent_module.DataDependentModule",
     "protected_names_module.ProtectedNamesModule",
 ]
+
+
+# -- transformers versions: 5.24 renamed ``past_key_values`` to ``cache`` and dropped ``@torch.no_grad``
+# from the rotary embeddings' forward (the suite runs on 5.23 and 5.24) ------------------------------
+_TRANSFORMERS = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+CACHE_KWARG = "cache" if _TRANSFORMERS >= (5, 24) else "past_key_values"
+"""The keyword transformers' models pass a ``Cache`` to their decoder layers and attentions by."""
+ROTARY_UNDER_NO_GRAD = _TRANSFORMERS < (5, 24)
+"""Whether transformers' rotary embeddings run their ``forward`` under ``@torch.no_grad()``."""
+
+
+@functools.cache
+def _no_grad_class(cls: type) -> type:
+    return type(cls.__name__, (cls,), {"forward": torch.no_grad()(cls.forward), "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def no_grad_rotary(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every ``rotary_emb`` module's ``forward`` under ``@torch.no_grad()``, as in
+    transformers 5.23 and older: a real module that changes grad mode, on every supported version."""
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] == "rotary_emb":
+            module.__class__ = _no_grad_class(type(module))
+    return model
 
 
 # -- model factories: every test file builds its models here ------------------------------------
@@ -280,16 +306,19 @@ _SDPA_ATTENTION = importlib.import_module("transformers.integrations.sdpa_attent
 class ToyIndexedLayer(torch.nn.Module):
     """A decoder-like layer: writes ``proj(x)`` to its cache layer ``layer_idx`` and adds the mean
     of its cached keys and values. ``scaled`` multiplies by ``layer_idx + 1`` (a use of the index
-    in arithmetic); ``peek`` also reads cache layer 0's keys (a constant index)."""
+    in arithmetic); ``peek`` also reads cache layer 0's keys (a constant index); ``extra`` passes
+    the update one more tensor, ``"input"`` (``x``, as transformers 5.24 passes ``position_ids``)
+    or ``"computed"`` (``proj(x)``)."""
 
-    def __init__(self, layer_idx: int, scaled: bool = False, peek: bool = False):
+    def __init__(self, layer_idx: int, scaled: bool = False, peek: bool = False, extra: str | None = None):
         super().__init__()
-        self.layer_idx, self.scaled, self.peek = layer_idx, scaled, peek
+        self.layer_idx, self.scaled, self.peek, self.extra = layer_idx, scaled, peek, extra
         self.proj = torch.nn.Linear(8, 8)
 
     def forward(self, x, past_key_values):
         k = self.proj(x).unsqueeze(1)  # (batch, 1, seq, 8)
-        keys, values = past_key_values.update(k, 2 * k, self.layer_idx)
+        more = {} if self.extra is None else {"kwargs": {"seen": x if self.extra == "input" else k}}
+        keys, values = past_key_values.update(k, 2 * k, self.layer_idx, **more)
         out = x + keys.mean(-2) + values.mean(-2)
         if self.peek:
             out = out + past_key_values.layers[0].keys.mean(-2)

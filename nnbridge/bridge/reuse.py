@@ -61,7 +61,8 @@ class ReuseFallback(Exception):
 @dataclass(frozen=True)
 class CacheRebinding:
     """How a sibling's graphs differ from its representative's when both are called with a
-    transformers ``Cache`` (``past_key_values``) and each writes its own cache layer.
+    transformers ``Cache`` (``past_key_values``, ``cache`` from 5.24) and each writes its own
+    cache layer.
 
     Attributes:
         rep_index, index: the cache layer index (``layer_idx``) of the representative and of the
@@ -647,9 +648,11 @@ def sibling_stub(sibling: str, rep: str, seen: dict[str, tuple[Any, Any]], rebin
     (``rebinding``) the stub also makes the cache updates the representative made
     (``trace.updates`` of the modules ``rep_modules``) on its own cache layer, with zeros of the
     same shapes, so later layers and the model's output see the cache state the real layer
-    would leave. Raises :class:`ReuseFallback` when the sibling's inputs differ from the
-    representative's (symbolic shapes, dtypes, values, its cache layer's state) or an output's
-    shape cannot be taken from an input."""
+    would leave; a tensor an update takes besides keys and values (transformers 5.24 passes the
+    attention's ``position_ids``) must be one of the representative's inputs, and the sibling's
+    update takes its own input in its place. Raises :class:`ReuseFallback` when the sibling's
+    inputs differ from the representative's (symbolic shapes, dtypes, values, its cache layer's
+    state), an update takes another tensor, or an output's shape cannot be taken from an input."""
     def stub(*args: Any, **kwargs: Any) -> Any:
         if rep not in seen:
             raise ReuseFallback(f"'{sibling}' ran before '{rep}'")
@@ -711,9 +714,15 @@ def sibling_stub(sibling: str, rep: str, seen: dict[str, tuple[Any, Any]], rebin
         if caches:
             assert rebinding is not None and trace is not None
             updates = [u for u in trace.updates if u[0] in rep_modules]
+            own = {id(theirs): mine for mine, theirs in zip(tensors, rep_tensors)}
+
+            def own_input(value: torch.Tensor) -> torch.Tensor:
+                # transformers >= 5.24 passes the attention's kwargs (position_ids) to the update
+                if id(value) not in own:
+                    raise ReuseFallback(f"a cache update of '{rep}' takes tensors besides keys, values and its inputs")
+                return own[id(value)]
             for _, key_states, value_states, extra_args, extra_kwargs in updates:
-                if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves((extra_args, extra_kwargs))):
-                    raise ReuseFallback(f"a cache update of '{rep}' takes tensors besides keys and values")
+                extra_args, extra_kwargs = pytree.tree_map_only(torch.Tensor, own_input, (extra_args, extra_kwargs))
                 written = caches[0].update(zeros(key_states), zeros(value_states), rebinding.index,
                                            *extra_args, **extra_kwargs)
                 # the output depends on what was written, as the real layer's does (else export drops
