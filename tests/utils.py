@@ -308,7 +308,7 @@ class ToyIndexedLayer(torch.nn.Module):
     of its cached keys and values. ``scaled`` multiplies by ``layer_idx + 1`` (a use of the index
     in arithmetic); ``peek`` also reads cache layer 0's keys (a constant index); ``extra`` passes
     the update one more tensor, ``"input"`` (``x``, as transformers 5.24 passes ``position_ids``)
-    or ``"computed"`` (``proj(x)``)."""
+    or ``"computed"`` (the keys it computed)."""
 
     def __init__(self, layer_idx: int, scaled: bool = False, peek: bool = False, extra: str | None = None):
         super().__init__()

@@ -1,8 +1,9 @@
 """Stateful call arguments: objects a module mutates in place, such as transformers' ``Cache``.
 
 A decoder layer called with ``past_key_values=cache`` (``cache=cache`` from transformers 5.24)
-appends to ``cache`` and returns only its hidden states. ``torch.export`` with a preserved call signature hands the module a *rebuilt* copy
-of each pytree argument, so the update would never reach the caller, and
+appends to ``cache`` and returns only its hidden states. ``torch.export`` with a preserved call
+signature hands the module a *rebuilt* copy of each pytree argument, so the update would never
+reach the caller, and
 ``torch.export.unflatten`` cannot thread it either. While exporting, each such call is therefore
 rewritten (see :func:`states_returned`) so that the module returns ``(output, [new states])``
 and its caller copies the new states into its own objects. The extracted graphs keep eager's

@@ -1,7 +1,7 @@
 """transformers' sdpa attention masks, which transformers builds differently when traced.
 
-transformers 5.x (``transformers.masking_utils``, verified on 5.23 and 5.24) skips building the attention
-mask in eager code when SDPA's ``is_causal`` can stand for it (no padding, a full causal or
+transformers 5.x (``transformers.masking_utils``, verified on 5.23 and 5.24) skips building the
+attention mask in eager code when SDPA's ``is_causal`` can stand for it (no padding, a full causal or
 bidirectional mask): ``sdpa_mask`` returns None and the attention function gets
 ``attention_mask=None``. Under tracing (``torch.export``, which extraction uses) the skip is never
 taken, as the padding mask's values cannot be read: the graph builds the explicit mask and passes

@@ -1,7 +1,7 @@
 """transformers' hook-based output capturing (``output_attentions=True``, ``output_hidden_states=True``).
 
-transformers 5.x (``transformers.utils.output_capturing``, verified on 5.23 and 5.24) collects attention
-weights and hidden states with forward hooks it installs lazily on the attention and decoder-layer
+transformers 5.x (``transformers.utils.output_capturing``, verified on 5.23 and 5.24) collects
+attention weights and hidden states with forward hooks it installs lazily on the attention and decoder-layer
 modules; a model's decorated ``forward`` activates a collector (a ``ContextVar`` holding
 ``{"attentions": [], ...}``) for the duration of its body, and the hooks append to it. The hooks
 are part of the model's behaviour, not the user's: extraction keeps them in place, and a module
