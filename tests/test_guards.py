@@ -154,6 +154,40 @@ def test_autocast_state_is_guarded():
     assert [e.reason for e in pg._dispatcher.history][1:] == ["autocast state changed", "autocast state changed"]
 
 
+class DefaultDtypeReader(nn.Module):
+    """Branches on ``torch.get_default_dtype()`` and makes a tensor in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        made = torch.ones(4)  # in the default dtype
+        scale = 2.0 if torch.get_default_dtype() == torch.float32 else 5.0
+        return (self.lin(x) * scale).to(made.dtype) + made
+
+
+@pytest.mark.parametrize("front", ["bridge", "patchable_graph"])
+def test_default_dtype_is_part_of_the_call_structure(front):
+    """Extracted under float32, called under ``torch.set_default_dtype(torch.float64)``: as eager
+    (before, the graph kept float32's branch and dtype, silently)."""
+    torch.manual_seed(0)
+    model = DefaultDtypeReader().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    run = nnbridge.bridge(model, x) if front == "bridge" else PatchableGraph(model, x)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got, want = run(x), reference(x)
+    finally:
+        torch.set_default_dtype(previous)
+    assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
+    assert torch.equal(run(x), reference(x)), "back under float32"
+    dispatcher = bridge_of(model).dispatcher if front == "bridge" else run._dispatcher
+    assert [e.reason for e in dispatcher.history][1:] == ["default dtype changed (torch.float32 -> torch.float64)"]
+
+
 def test_grad_mode_is_part_of_the_call_structure():
     torch.manual_seed(0)
     model = Stack().eval()

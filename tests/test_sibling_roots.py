@@ -578,3 +578,26 @@ def test_a_representative_extracted_in_another_grad_mode_serves_no_sibling():
     with torch.no_grad():
         assert build() is not None
     assert build() is None
+
+
+def test_a_representative_extracted_under_another_default_dtype_serves_no_sibling():
+    """The same for the default dtype (``torch.set_default_dtype``), which graphs bake in too."""
+    model = _PlainStack().requires_grad_(False)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        nnbridge.bridge(model, x, options=_skipped(model))
+    children = _dispatchers(bridge_of(model).dispatcher.all_extractions()[0].root)
+    rep, sibling = children["layers.0"], children["layers.1"]
+    shared = rep.all_extractions()[0].shared
+    assert shared is not None
+    call = ((model.inp(x),), {})
+    build = lambda: extraction_module.extract_sibling(  # noqa: E731
+        sibling.module, *call, REUSE, shared, None, child_dispatcher=lambda child, path: None, path="layers.1")
+    with torch.no_grad():
+        assert build() is not None
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert build() is None
+        finally:
+            torch.set_default_dtype(previous)

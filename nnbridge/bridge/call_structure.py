@@ -3,7 +3,9 @@
 A graph is specialised to the structure of the call it was exported from: which positional and
 keyword arguments were passed, their non-tensor values, tensor dtypes, devices, ranks and
 ``requires_grad``, the
-train/eval flags, grad mode and autocast state. :func:`structure_key` captures that as a hashable
+train/eval flags, grad mode, autocast state and the default dtype (as Dynamo's global-state guard:
+code may branch on ``torch.get_default_dtype()`` or create tensors in it, and a graph keeps what it
+saw). :func:`structure_key` captures that as a hashable
 key; :class:`ShapeGuard` records which tensor dimensions export kept dynamic (``Dim.AUTO``), their
 allowed ranges, and the shape guards export recorded (``x.size()[1] % 2 == 0``). The module state a
 graph bakes in (attribute values, children, parameter dtypes) is guarded by
@@ -48,7 +50,7 @@ def structure_key(modules: list[torch.nn.Module], args: tuple[Any, ...], kwargs:
     """
     leaves, spec = pytree.tree_flatten((args, kwargs))
     return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves), tuple(m.training for m in modules),
-            torch.is_grad_enabled(), autocast_state())
+            torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype())
 
 
 def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
@@ -61,11 +63,13 @@ def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 def describe_key_change(old: Hashable, new: Hashable) -> str:
     """Which part of a call's structure differs between two :func:`structure_key` values."""
     names = ("argument structure", "non-tensor values, tensor dtypes/devices/ranks/requires_grad", "train/eval flags",
-             "grad mode", "autocast state")
+             "grad mode", "autocast state", "default dtype")
     for name, a, b in zip(names, old, new):  # type: ignore[call-overload]
         if a != b:
             if name == "grad mode":
                 return f"grad mode changed ({'enabled' if a else 'disabled'} -> {'enabled' if b else 'disabled'})"
+            if name == "default dtype":
+                return f"default dtype changed ({a} -> {b})"
             if name == "train/eval flags":
                 return "train/eval mode of a module changed"
             return f"{name} changed"

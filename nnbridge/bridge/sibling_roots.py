@@ -193,8 +193,9 @@ class CallShape:
 
 
 def call_mode() -> tuple[Any, ...]:
-    """Grad mode and autocast state now: graphs bake in what they were exported under."""
-    return torch.is_grad_enabled(), autocast_state()
+    """Grad mode, autocast state and default dtype now: graphs bake in what they were exported
+    under (as in :func:`~.call_structure.structure_key`)."""
+    return torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype()
 
 
 def _sizeless(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -233,7 +234,7 @@ class SharedRoot:
         shape: the :class:`CallShape` of the call it was extracted for.
         index: its cache layer index (None when it has none).
         path: its NodePath (shown as ``graph_meta.reused_from`` of the siblings' roots).
-        mode: grad mode and autocast state of its export (see :func:`call_mode`).
+        mode: grad mode, autocast state and default dtype of its export (see :func:`call_mode`).
         input_spec: the pytree spec of its call: a sibling's graphs are built with it, so their
             inputs are cleaned as the representative's were (the root graph takes its module's
             arguments; flattened with the sibling's spec, the cache's other layers would shift
