@@ -706,3 +706,77 @@ def test_wrappers_around_the_class_forward_are_not_instance_forwards():
         del mlp.__dict__[key]
     nnbridge.bridge(model, torch.randint(0, 100, (1, 8)))
     assert all(instance_forward(m) is None for m in model.modules())
+
+
+# -- strides and storage offsets: torch 2.13's unflatten turns them into the tensor itself -------
+class StrideReader(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * x.stride(0)
+
+
+class OffsetReader(StrideReader):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (x.storage_offset() + 1)
+
+
+LAYOUT_READERS = {"stride": (StrideReader, lambda n: torch.randn(n, 8)[:, :3]),
+                  "storage offset": (OffsetReader, lambda n: torch.randn(n + 2, 3)[2:])}
+
+
+@pytest.mark.parametrize("front", ["bridge", "patchable_graph"])
+@pytest.mark.parametrize("case", list(LAYOUT_READERS))
+def test_a_module_reading_a_stride_or_storage_offset_runs_eagerly(case, front):
+    """``x.stride(0)`` of a sliced input (before: the graph multiplied by ``x`` itself, silently):
+    that module runs its code, its parent stays a graph; outputs and gradients equal eager."""
+    reader, make = LAYOUT_READERS[case]
+    torch.manual_seed(0)
+    model = Outer(reader())
+    reference = copy.deepcopy(model)
+    x = make(4)
+    if front == "bridge":
+        run = nnbridge.bridge(model, x)
+        reasons = _opaque(model)
+    else:
+        run = PatchableGraph(model, x)
+        reasons = dict(run.extractions[0].opaque)
+    assert list(reasons) == ["inner"] and case in reasons["inner"] and "unflatten" in reasons["inner"]
+    for call in (x, make(6)):
+        out, expected = run(call), reference(call)
+        assert torch.equal(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+    for name, grad in _grads(reference).items():
+        assert torch.equal(_grads(model)[name], grad), name
+
+
+def test_a_stride_read_honours_the_error_option():
+    with pytest.raises(ExtractionError, match=r"'inner'.*stride"):
+        PatchableGraph(Outer(StrideReader()), torch.randn(4, 8)[:, :3],
+                       options=ExtractionOptions(error_on_compilation_failure=True))
+
+
+class TwoReaders(torch.nn.Module):
+    """Two children reading the same input's stride: export may read it once for both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = StrideReader(), StrideReader()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+def test_stride_reads_shared_by_two_modules_run_eagerly_where_they_are_used():
+    torch.manual_seed(0)
+    model = TwoReaders()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)[:, :3]
+    nnbridge.bridge(model, x)
+    reasons = _opaque(model)
+    assert reasons and all("stride" in reason for reason in reasons.values()), reasons
+    for call in (x, torch.randn(5, 16)[:, :3]):
+        assert torch.equal(model(call), reference(call))

@@ -2,6 +2,7 @@
 extracts again, so edits after bridging, dtype changes, autocast and shape-dependent branches give
 eager's numbers through bridge, PatchableGraph and nnbridge.NNsight."""
 
+import contextlib
 import copy
 import gc
 import warnings
@@ -186,6 +187,47 @@ def test_default_dtype_is_part_of_the_call_structure(front):
     assert torch.equal(run(x), reference(x)), "back under float32"
     dispatcher = bridge_of(model).dispatcher if front == "bridge" else run._dispatcher
     assert [e.reason for e in dispatcher.history][1:] == ["default dtype changed (torch.float32 -> torch.float64)"]
+
+
+class FlagReader(nn.Module):
+    """Branches on inference mode and deterministic algorithms."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        scale = 1.0 + torch.is_inference_mode_enabled() + 2 * torch.are_deterministic_algorithms_enabled()
+        return self.lin(x) * scale
+
+
+@contextlib.contextmanager
+def _deterministic():
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("front", ["bridge", "patchable_graph"])
+@pytest.mark.parametrize("case", ["inference mode", "deterministic algorithms"])
+def test_inference_mode_and_deterministic_algorithms_are_part_of_the_call_structure(front, case):
+    """Extracted under ``torch.no_grad()``, then called under ``torch.inference_mode()`` or with
+    deterministic algorithms: as eager (before, the graph kept the branch it was exported with,
+    silently)."""
+    torch.manual_seed(0)
+    model = FlagReader().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        run = nnbridge.bridge(model, x) if front == "bridge" else PatchableGraph(model, x)
+    context = {"inference mode": torch.inference_mode, "deterministic algorithms": _deterministic}[case]
+    with torch.no_grad(), context():
+        got, want = run(x), reference(x)
+    assert torch.equal(got, want)
+    dispatcher = bridge_of(model).dispatcher if front == "bridge" else run._dispatcher
+    assert [e.reason for e in dispatcher.history][1:] == ["inference mode or deterministic algorithms changed"]
 
 
 def test_grad_mode_is_part_of_the_call_structure():

@@ -2,12 +2,11 @@
 
 A graph is specialised to the structure of the call it was exported from: which positional and
 keyword arguments were passed, their non-tensor values, tensor dtypes, devices, ranks and
-``requires_grad``, the
-train/eval flags, grad mode, autocast state and the default dtype (as Dynamo's global-state guard:
-code may branch on ``torch.get_default_dtype()`` or create tensors in it, and a graph keeps what it
-saw). :func:`structure_key` captures that as a hashable
-key; :class:`ShapeGuard` records which tensor dimensions export kept dynamic (``Dim.AUTO``), their
-allowed ranges, and the shape guards export recorded (``x.size()[1] % 2 == 0``). The module state a
+``requires_grad``, the train/eval flags, grad mode, autocast state, the default dtype, inference
+mode and deterministic algorithms (as Dynamo's global-state guard: code may branch on
+``torch.get_default_dtype()`` or create tensors in it, and a graph keeps what it saw).
+:func:`structure_key` captures that as a hashable key; :class:`ShapeGuard` records which tensor
+dimensions export kept dynamic (``Dim.AUTO``), their allowed ranges, and the shape guards export recorded (``x.size()[1] % 2 == 0``). The module state a
 graph bakes in (attribute values, children, parameter dtypes) is guarded by
 :class:`~nnbridge.bridge.guards.StateGuard`.
 """
@@ -50,7 +49,16 @@ def structure_key(modules: list[torch.nn.Module], args: tuple[Any, ...], kwargs:
     """
     leaves, spec = pytree.tree_flatten((args, kwargs))
     return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves), tuple(m.training for m in modules),
-            torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype())
+            torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype(), global_flags())
+
+
+def global_flags() -> tuple[bool, bool, bool]:
+    """Inference mode and deterministic algorithms (``torch.use_deterministic_algorithms``, with
+    its ``warn_only``): code may branch on them, and a graph keeps the branch it was exported with."""
+    if torch.compiler.is_dynamo_compiling():  # Dynamo cannot trace these queries (it guards global state itself)
+        return (False, False, False)
+    return (torch.is_inference_mode_enabled(), torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled())
 
 
 def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
@@ -63,7 +71,7 @@ def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 def describe_key_change(old: Hashable, new: Hashable) -> str:
     """Which part of a call's structure differs between two :func:`structure_key` values."""
     names = ("argument structure", "non-tensor values, tensor dtypes/devices/ranks/requires_grad", "train/eval flags",
-             "grad mode", "autocast state", "default dtype")
+             "grad mode", "autocast state", "default dtype", "inference mode or deterministic algorithms")
     for name, a, b in zip(names, old, new):  # type: ignore[call-overload]
         if a != b:
             if name == "grad mode":

@@ -48,8 +48,8 @@ from .state import state_keys
 from ..compat.module_dicts import buffers_of, parameters_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.nnsight import NNSIGHT_MODULE_ATTRIBUTES
-from ..compat.capture import (autograd_function_calls, grad_mode_changes, grad_mode_frozen, graph_break_calls, mode_regions,
-                              tensor_version)
+from ..compat.capture import (autograd_function_calls, grad_mode_changes, grad_mode_frozen, graph_break_calls, layout_reads,
+                              mode_regions, tensor_version)
 from ..errors import ExtractionError, NNBridgeError
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
@@ -312,6 +312,14 @@ class CaptureWatch:
                 "changes autocast inside forward, which a graph cannot keep"
             if new(fqn) and fqn not in found:
                 found[fqn] = UnfaithfulCaptureError(reason, grad_mode=True)
+        if found:
+            return list(found.items())
+        for path, name in layout_reads(exported) if exported is not None else []:
+            fqn = path.partition(".")[2] if path.startswith("model.") else ""
+            if new(fqn) and fqn not in found:
+                found[fqn] = UnfaithfulCaptureError(
+                    f"reads a tensor's {'stride' if name == 'sym_stride' else 'storage offset'} as a symbol, which"
+                    " torch.export.unflatten (torch 2.13) turns into the tensor itself in the graph")
         if found:
             return list(found.items())
         for fqn, name in self.functions.items():

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.fx import Graph
 
-from .call_structure import DimRule, ShapeGuard, autocast_state
+from .call_structure import DimRule, ShapeGuard, autocast_state, global_flags
 from .code_identity import is_plumbing
 from .reuse import (CacheRebinding, ReusedHolder, cache_index, copy_graph, entry_attributes, entry_structure,
                     is_cache, layer_key, plan as reuse_plan, same)
@@ -193,9 +193,9 @@ class CallShape:
 
 
 def call_mode() -> tuple[Any, ...]:
-    """Grad mode, autocast state and default dtype now: graphs bake in what they were exported
-    under (as in :func:`~.call_structure.structure_key`)."""
-    return torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype()
+    """Grad mode, autocast state, default dtype, inference mode and deterministic algorithms now:
+    graphs bake in what they were exported under (as in :func:`~.call_structure.structure_key`)."""
+    return torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype(), global_flags()
 
 
 def _sizeless(tensor: torch.Tensor) -> tuple[Any, ...]:

@@ -144,6 +144,43 @@ def _mode_targets() -> dict[object, str]:
     return targets
 
 
+def layout_reads(exported: torch.export.ExportedProgram) -> list[tuple[str, str]]:
+    """``[(module path, op name)]`` for every stride or storage offset of a tensor export kept as a
+    symbol (``x.stride(0)``, ``x.storage_offset()`` of a non-contiguous or offset input).
+
+    torch 2.13's ``torch.export.unflatten`` hands a preserved-signature submodule the tensor itself
+    where such a symbol is used (checked on plain torch: ``lin(x) * x.stride(0)`` unflattens to
+    ``lin(x) * x``), so a graph of that module would compute something else than its code, silently.
+    The path is the innermost module holding every use of the symbol (export hoists the read
+    itself to the graph's inputs, outside any module; ``@k`` suffixes removed).
+    """
+    targets = {torch.ops.aten.sym_stride.int: "sym_stride", torch.ops.aten.sym_storage_offset.default: "sym_storage_offset"}
+    found = []
+    for node in exported.graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        try:
+            name = targets.get(node.target)
+        except TypeError:  # unhashable target
+            name = None
+        if name is not None:
+            paths = [_innermost(user) for user in node.users] or [_innermost(node)]
+            common = paths[0].split(".") if paths[0] else []
+            for path in paths[1:]:
+                parts = path.split(".") if path else []
+                while common != parts[:len(common)]:
+                    common.pop()
+            found.append((".".join(common), name))
+    return found
+
+
+def _innermost(node: torch.fx.Node) -> str:
+    """The innermost module of ``node``'s ``nn_module_stack`` (``@k`` removed); "" when none."""
+    stack = [entry for entry in node.meta.get("nn_module_stack", {}).values()
+             if not str(entry[0]).startswith("_empty_nn_module_stack")]
+    return str(stack[-1][0]).split("@")[0] if stack else ""
+
+
 def mode_regions(exported: torch.export.ExportedProgram) -> list[tuple[str, str]]:
     """``[(module path, "grad" | "autocast")]`` for every grad-mode or autocast change export kept.
 
