@@ -6,8 +6,8 @@ keyword arguments were passed, their non-tensor values, tensor dtypes, devices, 
 mode and deterministic algorithms (as Dynamo's global-state guard: code may branch on
 ``torch.get_default_dtype()`` or create tensors in it, and a graph keeps what it saw).
 :func:`structure_key` captures that as a hashable key; :class:`ShapeGuard` records which tensor
-dimensions export kept dynamic (``Dim.AUTO``), their allowed ranges, and the shape guards export recorded (``x.size()[1] % 2 == 0``). The module state a
-graph bakes in (attribute values, children, parameter dtypes) is guarded by
+dimensions export kept dynamic (``Dim.AUTO``), their allowed ranges, and the shape guards export
+recorded (``x.size()[1] % 2 == 0``). The module state a graph bakes in (attribute values, children, parameter dtypes) is guarded by
 :class:`~nnbridge.bridge.guards.StateGuard`.
 """
 

@@ -234,7 +234,8 @@ class SharedRoot:
         shape: the :class:`CallShape` of the call it was extracted for.
         index: its cache layer index (None when it has none).
         path: its NodePath (shown as ``graph_meta.reused_from`` of the siblings' roots).
-        mode: grad mode, autocast state and default dtype of its export (see :func:`call_mode`).
+        mode: grad mode, autocast state, default dtype, inference mode and deterministic
+            algorithms of its export (see :func:`call_mode`).
         input_spec: the pytree spec of its call: a sibling's graphs are built with it, so their
             inputs are cleaned as the representative's were (the root graph takes its module's
             arguments; flattened with the sibling's spec, the cache's other layers would shift
