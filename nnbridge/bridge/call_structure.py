@@ -7,8 +7,8 @@ mode and deterministic algorithms (as Dynamo's global-state guard: code may bran
 ``torch.get_default_dtype()`` or create tensors in it, and a graph keeps what it saw).
 :func:`structure_key` captures that as a hashable key; :class:`ShapeGuard` records which tensor
 dimensions export kept dynamic (``Dim.AUTO``), their allowed ranges, and the shape guards export
-recorded (``x.size()[1] % 2 == 0``). The module state a graph bakes in (attribute values, children, parameter dtypes) is guarded by
-:class:`~nnbridge.bridge.guards.StateGuard`.
+recorded (``x.size()[1] % 2 == 0``). The module state a graph bakes in (attribute values,
+children, parameter dtypes) is guarded by :class:`~nnbridge.bridge.guards.StateGuard`.
 """
 
 from __future__ import annotations
