@@ -561,9 +561,9 @@ def test_a_layer_in_train_mode_among_layers_in_eval_mode_is_not_reused(output_at
     assert reused == {"transformer.h.1": "transformer.h.0"}
 
 
-def test_a_representative_extracted_in_another_grad_mode_serves_no_sibling():
-    """Graphs bake in the grad mode they were exported under: a sibling is built from a
-    representative's extraction only in the same grad mode (and autocast state)."""
+def _sibling_builder():
+    """A stack bridged under ``torch.no_grad()`` and a function building layer 1 from layer 0's
+    extraction for the same call (None: refused)."""
     model = _PlainStack().requires_grad_(False)  # the same inputs in both modes: only the mode differs
     x = torch.randn(2, 5, 8)
     with torch.no_grad():
@@ -573,8 +573,14 @@ def test_a_representative_extracted_in_another_grad_mode_serves_no_sibling():
     shared = rep.all_extractions()[0].shared
     assert shared is not None
     call = ((model.inp(x),), {})
-    build = lambda: extraction_module.extract_sibling(  # noqa: E731
+    return lambda: extraction_module.extract_sibling(
         sibling.module, *call, REUSE, shared, None, child_dispatcher=lambda child, path: None, path="layers.1")
+
+
+def test_a_representative_extracted_in_another_grad_mode_serves_no_sibling():
+    """Graphs bake in the grad mode they were exported under: a sibling is built from a
+    representative's extraction only in the same grad mode (and autocast state)."""
+    build = _sibling_builder()
     with torch.no_grad():
         assert build() is not None
     assert build() is None
@@ -582,17 +588,7 @@ def test_a_representative_extracted_in_another_grad_mode_serves_no_sibling():
 
 def test_a_representative_extracted_under_another_default_dtype_serves_no_sibling():
     """The same for the default dtype (``torch.set_default_dtype``), which graphs bake in too."""
-    model = _PlainStack().requires_grad_(False)
-    x = torch.randn(2, 5, 8)
-    with torch.no_grad():
-        nnbridge.bridge(model, x, options=_skipped(model))
-    children = _dispatchers(bridge_of(model).dispatcher.all_extractions()[0].root)
-    rep, sibling = children["layers.0"], children["layers.1"]
-    shared = rep.all_extractions()[0].shared
-    assert shared is not None
-    call = ((model.inp(x),), {})
-    build = lambda: extraction_module.extract_sibling(  # noqa: E731
-        sibling.module, *call, REUSE, shared, None, child_dispatcher=lambda child, path: None, path="layers.1")
+    build = _sibling_builder()
     with torch.no_grad():
         assert build() is not None
         previous = torch.get_default_dtype()

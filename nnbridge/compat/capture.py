@@ -154,24 +154,31 @@ def layout_reads(exported: torch.export.ExportedProgram) -> list[tuple[str, str]
     The path is the innermost module holding every use of the symbol (export hoists the read
     itself to the graph's inputs, outside any module; ``@k`` suffixes removed).
     """
-    targets = {torch.ops.aten.sym_stride.int: "sym_stride", torch.ops.aten.sym_storage_offset.default: "sym_storage_offset"}
+    targets: dict[object, str] = {torch.ops.aten.sym_stride.int: "sym_stride",
+                                  torch.ops.aten.sym_storage_offset.default: "sym_storage_offset"}
     found = []
+    for node, name in _calls_to(exported, targets):
+        paths = [_innermost(user) for user in node.users] or [_innermost(node)]
+        common = paths[0].split(".") if paths[0] else []
+        for path in paths[1:]:
+            parts = path.split(".") if path else []
+            while common != parts[:len(common)]:
+                common.pop()
+        found.append((".".join(common), name))
+    return found
+
+
+def _calls_to(exported: torch.export.ExportedProgram, targets: dict[object, str]) -> Iterator[tuple[torch.fx.Node, str]]:
+    """``(node, targets[node.target])`` for each call of one of ``targets`` in ``exported``'s graph."""
     for node in exported.graph_module.graph.nodes:
         if node.op != "call_function":
             continue
         try:
-            name = targets.get(node.target)
+            kind = targets.get(node.target)
         except TypeError:  # unhashable target
-            name = None
-        if name is not None:
-            paths = [_innermost(user) for user in node.users] or [_innermost(node)]
-            common = paths[0].split(".") if paths[0] else []
-            for path in paths[1:]:
-                parts = path.split(".") if path else []
-                while common != parts[:len(common)]:
-                    common.pop()
-            found.append((".".join(common), name))
-    return found
+            kind = None
+        if kind is not None:
+            yield node, kind
 
 
 def _innermost(node: torch.fx.Node) -> str:
@@ -188,17 +195,8 @@ def mode_regions(exported: torch.export.ExportedProgram) -> list[tuple[str, str]
     (``model.model.rotary_emb``; invocation suffixes ``@1`` removed); ``""`` when export recorded
     no module.
     """
-    targets = _mode_targets()
     found = []
-    for node in exported.graph_module.graph.nodes:
-        if node.op != "call_function":
-            continue
-        try:
-            kind = targets.get(node.target)
-        except TypeError:  # unhashable target
-            kind = None
-        if kind is None:
-            continue
+    for node, kind in _calls_to(exported, _mode_targets()):
         stack = list(node.meta.get("nn_module_stack", {}).values())
         path = str(stack[-1][0]).split("@")[0] if stack else ""
         found.append((path, kind))
