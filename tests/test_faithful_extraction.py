@@ -9,8 +9,10 @@ and the RNG untouched.
 from __future__ import annotations
 
 import copy
+import random
 import types
 
+import numpy
 import pytest
 import torch
 
@@ -780,3 +782,47 @@ def test_stride_reads_shared_by_two_modules_run_eagerly_where_they_are_used():
     assert reasons and all("stride" in reason for reason in reasons.values()), reasons
     for call in (x, torch.randn(5, 16)[:, :3]):
         assert torch.equal(model(call), reference(call))
+
+
+# -- Python's and numpy's RNGs: their draws are Python numbers a graph would keep ------------------
+class PythonDraw(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * random.random()
+
+
+class NumpyDraw(PythonDraw):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * float(numpy.random.rand())
+
+
+def _seed() -> None:
+    random.seed(0)
+    numpy.random.seed(0)
+
+
+@pytest.mark.parametrize("front", ["bridge", "patchable_graph"])
+@pytest.mark.parametrize("drawer", [PythonDraw, NumpyDraw], ids=["python random", "numpy random"])
+def test_a_module_drawing_from_python_or_numpy_random_runs_eagerly(drawer, front):
+    """Each call draws anew, as eager (before, the graph kept the number drawn while extracting),
+    and extracting draws nothing from the caller's RNGs: the draws after it follow eager's."""
+    torch.manual_seed(0)
+    model = Outer(drawer())
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3)
+    _seed()
+    if front == "bridge":
+        run = nnbridge.bridge(model, x)
+        reasons = _opaque(model)
+    else:
+        run = PatchableGraph(model, x)
+        reasons = dict(run.extractions[0].opaque)
+    got = [run(x) for _ in range(2)], random.random(), float(numpy.random.rand())
+    _seed()
+    want = [reference(x) for _ in range(2)], random.random(), float(numpy.random.rand())
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])) and got[1:] == want[1:]
+    assert not torch.equal(got[0][0], got[0][1]), "two calls, two draws"
+    assert list(reasons) == ["inner"] and "random" in reasons["inner"]

@@ -36,6 +36,8 @@ values and config-like objects' values included) or the CPU RNG.
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 from collections.abc import Callable, Iterator, Sequence, Set as AbstractSet
 from typing import Any, NamedTuple
 
@@ -225,22 +227,37 @@ def snapshot(modules: list[tuple[str, torch.nn.Module]], clone: bool) -> dict[st
 @contextlib.contextmanager
 def preserved_state(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[None]:
     """Run the body (extraction's eager runs) and put every parameter, buffer, module attribute,
-    ``training`` flag and the CPU RNG back as they were, also when the body raises.
+    ``training`` flag, the CPU RNG and the Python and numpy RNGs back as they were, also when the
+    body raises.
 
     Raises:
         ExtractionError: a parameter was changed in place by the body (its old values are lost).
     """
     states = snapshot(modules, clone=True)
+    numpy = sys.modules.get("numpy")
+    python_rng, numpy_rng = random.getstate(), (numpy.random.get_state() if numpy is not None else None)
     with torch.random.fork_rng(devices=[]):
         try:
             yield
         finally:
+            random.setstate(python_rng)
+            if numpy is not None:
+                numpy.random.set_state(numpy_rng)
             lost = [f"{path}.{name}" if path else name for path, state in states.items() for name in state.restore()]
     if lost:
         raise ExtractionError(
             f"Parameters {lost} were changed in place while nnbridge ran the model to extract it (a forward"
             " that writes its own parameters). nnbridge cannot restore them; run extraction on a copy, or"
             " add the module's class to ExtractionOptions.classes_to_skip_compiling.")
+
+
+def python_rng_states() -> tuple[Any, Any]:
+    """The state of Python's ``random`` module and, when imported, numpy's global ``RandomState``:
+    values drawn from them in forward are Python numbers a graph would keep (torch's own RNG is
+    traced as ops)."""
+    numpy = sys.modules.get("numpy")
+    state = numpy.random.get_state() if numpy is not None else None
+    return random.getstate(), (None if state is None else (state[0], tuple(state[1].tolist()), *state[2:]))
 
 
 class CaptureWatch:
@@ -261,6 +278,7 @@ class CaptureWatch:
         self.functions: dict[str, str] = {}
         self.breaks: dict[str, str] = {}
         self.changes: dict[str, list[str]] = {}
+        self.draws: dict[str, str] = {}
 
     @contextlib.contextmanager
     def watching(self, frozen: AbstractSet[str]) -> Iterator[None]:
@@ -287,6 +305,21 @@ class CaptureWatch:
                     self.changes.setdefault(path, changed)
         root = self.modules[0][1]
         handles = [root.register_forward_pre_hook(before), root.register_forward_hook(after)]
+        rng_stack: list[tuple[Any, Any]] = []
+
+        def rng_before(mod: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            rng_stack.append(python_rng_states())
+
+        def rng_after(path: str) -> Callable[..., None]:
+            def hook(mod: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+                saved, now = rng_stack.pop(), python_rng_states()
+                for which, old, new in zip(("Python's random module", "numpy.random"), saved, now):
+                    if old != new:
+                        self.draws.setdefault(path, which)
+                rng_stack[:] = [now] * len(rng_stack)  # the draw is this module's, not its callers'
+            return hook
+        for path, sub in self.modules:
+            handles += [sub.register_forward_pre_hook(rng_before), sub.register_forward_hook(rng_after(path))]
         try:
             # (the shim only while needed: export records grad-mode changes through the original)
             # only while needed: export records no grad-mode change while the shim is in place, and
@@ -331,6 +364,10 @@ class CaptureWatch:
                 return [(fqn, UnfaithfulCaptureError(
                     f"calls Dynamo's graph_break({msg!r}) in forward; as graphpatch, nnbridge keeps"
                     " such a module opaque"))]
+        for fqn, which in self.draws.items():
+            if new(fqn):
+                return [(fqn, UnfaithfulCaptureError(
+                    f"draws from {which} in forward: a graph would keep the values drawn while it was extracted"))]
         for fqn, changed in self.changes.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(
