@@ -7,8 +7,10 @@ side effect must equal a whole-model extraction (``lazy_op_traces = False``) and
 from __future__ import annotations
 
 import copy
+import random
 
 import nnsight
+import numpy
 import pytest
 import torch
 
@@ -221,6 +223,32 @@ def test_the_warm_up_run_leaves_no_trace():
     for name, buffer in model.named_buffers():
         assert torch.equal(buffer, reference.get_buffer(name)), name
     assert int(model.calls) == 1
+
+
+class _Drawing(_Stateful):
+    """Also draws from Python's and numpy's RNGs in forward."""
+
+    def forward(self, x):
+        return super().forward(x) * (1 + random.random() + float(numpy.random.rand()))
+
+
+def test_the_warm_up_run_draws_nothing_from_python_or_numpy_rngs():
+    torch.manual_seed(0)
+    model = _Drawing().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 6)
+    lazy, plain = nnbridge.NNsight(model), nnsight.NNsight(reference)
+    results = []
+    for wrapper in (lazy, plain):
+        random.seed(3)
+        numpy.random.seed(3)
+        with wrapper.trace(x):
+            if wrapper is lazy:
+                wrapper.block.relu.output.save()
+            out = wrapper.output.save()
+        results.append((out, random.random(), float(numpy.random.rand())))
+    assert _extracted(lazy) == {"block": 1}
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1:] == results[1][1:]
 
 
 def test_a_cache_argument_is_updated_once():

@@ -225,6 +225,21 @@ def snapshot(modules: list[tuple[str, torch.nn.Module]], clone: bool) -> dict[st
 
 
 @contextlib.contextmanager
+def python_rngs_kept() -> Iterator[None]:
+    """Put Python's ``random`` and numpy's global RNG (when numpy is imported) back as they were
+    after the body, also when it raises: extraction's runs and warm-ups draw nothing from the
+    caller's RNGs (as ``torch.random.fork_rng`` for torch's)."""
+    numpy = sys.modules.get("numpy")
+    python_rng, numpy_rng = random.getstate(), (numpy.random.get_state() if numpy is not None else None)
+    try:
+        yield
+    finally:
+        random.setstate(python_rng)
+        if numpy is not None:
+            numpy.random.set_state(numpy_rng)
+
+
+@contextlib.contextmanager
 def preserved_state(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[None]:
     """Run the body (extraction's eager runs) and put every parameter, buffer, module attribute,
     ``training`` flag, the CPU RNG and the Python and numpy RNGs back as they were, also when the
@@ -234,15 +249,10 @@ def preserved_state(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[None
         ExtractionError: a parameter was changed in place by the body (its old values are lost).
     """
     states = snapshot(modules, clone=True)
-    numpy = sys.modules.get("numpy")
-    python_rng, numpy_rng = random.getstate(), (numpy.random.get_state() if numpy is not None else None)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), python_rngs_kept():
         try:
             yield
         finally:
-            random.setstate(python_rng)
-            if numpy is not None:
-                numpy.random.set_state(numpy_rng)
             lost = [f"{path}.{name}" if path else name for path, state in states.items() for name in state.restore()]
     if lost:
         raise ExtractionError(

@@ -45,6 +45,7 @@ from ..compat import DirectCall, SwappedBody, restore_body, swap_body
 from .failures import add_note
 from ..errors import NNBridgeError
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
+from .capture_checks import python_rngs_kept
 from .dispatcher import GraphDispatcher
 from .extraction import Extraction
 from .state import SpecCheck
@@ -475,13 +476,13 @@ class Bridge:
 
 @contextlib.contextmanager
 def state_restored(model: torch.nn.Module) -> Iterator[None]:
-    """Restore, after the body, torch's CPU random state and every buffer of ``model``: the same
-    tensor object under each name, holding its value from before (a warm-up run of the model must
-    leave no trace: BatchNorm statistics, counters)."""
+    """Restore, after the body, torch's CPU random state, Python's and numpy's RNGs and every buffer
+    of ``model``: the same tensor object under each name, holding its value from before (a warm-up
+    run of the model must leave no trace: BatchNorm statistics, counters, draws)."""
     buffers = [(module, name, tensor, tensor.detach().clone())
                for module in model.modules() for name, tensor in buffers_of(module).items()
                if tensor is not None and not tensor.is_meta]
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), python_rngs_kept():
         try:
             yield
         finally:
