@@ -16,7 +16,12 @@ A graph replays the tensor operations of one traced call. It does not replay:
   re-assigned (``self.ema = 0.9 * self.ema + ...``; in-place buffer updates are replayed), a plain
   tensor attribute (not a parameter or buffer), or a tensor directly inside a list/tuple/dict
   attribute, written in place (``self.total.add_(x)``, ``self.slots[0].add_(x)``), a value set on
-  a config-like attribute (``self.config.scale = 2``).
+  a config-like attribute (``self.config.scale = 2``);
+- draws from Python's ``random`` module or numpy's global RNG (``random.random()``): Python
+  numbers the graph would keep from the traced call (found by comparing both RNGs' states around
+  each module's call while exporting);
+- reads of a stride or storage offset that export keeps as a symbol: torch 2.13's unflatten puts
+  the tensor itself where the symbol is used (:func:`nnbridge.compat.capture.layout_reads`).
 
 :class:`CaptureWatch` notices these while exporting and names the module at fault; extraction
 then makes that module opaque (its original code runs eagerly), like a module export cannot trace.
@@ -30,7 +35,7 @@ makes the writer opaque (:func:`state_writer` finds it by one more eager run).
 
 :func:`preserved_state` keeps extraction's own eager runs (observed runs of opaque modules,
 example recording) from changing parameters, buffers, module attributes (plain tensor attributes'
-values and config-like objects' values included) or the CPU RNG.
+values and config-like objects' values included), the CPU RNG or Python's and numpy's RNGs.
 """
 
 from __future__ import annotations
