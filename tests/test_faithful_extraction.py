@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import random
 import types
+from typing import Any
 
 import numpy
 import pytest
@@ -725,6 +726,15 @@ class OffsetReader(StrideReader):
         return self.lin(x) * (x.storage_offset() + 1)
 
 
+def _extracted(front: str, model: torch.nn.Module, x: torch.Tensor) -> tuple[Any, dict[str, str]]:
+    """``model`` bridged in place or wrapped in a ``PatchableGraph`` (``front``), and its opaque
+    modules' reasons."""
+    if front == "bridge":
+        return nnbridge.bridge(model, x), _opaque(model)
+    pg = PatchableGraph(model, x)
+    return pg, dict(pg.extractions[0].opaque)
+
+
 LAYOUT_READERS = {"stride": (StrideReader, lambda n: torch.randn(n, 8)[:, :3]),
                   "storage offset": (OffsetReader, lambda n: torch.randn(n + 2, 3)[2:])}
 
@@ -739,12 +749,7 @@ def test_a_module_reading_a_stride_or_storage_offset_runs_eagerly(case, front):
     model = Outer(reader())
     reference = copy.deepcopy(model)
     x = make(4)
-    if front == "bridge":
-        run = nnbridge.bridge(model, x)
-        reasons = _opaque(model)
-    else:
-        run = PatchableGraph(model, x)
-        reasons = dict(run.extractions[0].opaque)
+    run, reasons = _extracted(front, model, x)
     assert list(reasons) == ["inner"] and case in reasons["inner"] and "unflatten" in reasons["inner"]
     for call in (x, make(6)):
         out, expected = run(call), reference(call)
@@ -814,12 +819,7 @@ def test_a_module_drawing_from_python_or_numpy_random_runs_eagerly(drawer, front
     reference = copy.deepcopy(model)
     x = torch.randn(2, 3)
     _seed()
-    if front == "bridge":
-        run = nnbridge.bridge(model, x)
-        reasons = _opaque(model)
-    else:
-        run = PatchableGraph(model, x)
-        reasons = dict(run.extractions[0].opaque)
+    run, reasons = _extracted(front, model, x)
     got = [run(x) for _ in range(2)], random.random(), float(numpy.random.rand())
     _seed()
     want = [reference(x) for _ in range(2)], random.random(), float(numpy.random.rand())
