@@ -197,7 +197,5 @@ def mode_regions(exported: torch.export.ExportedProgram) -> list[tuple[str, str]
     """
     found = []
     for node, kind in _calls_to(exported, _mode_targets()):
-        stack = list(node.meta.get("nn_module_stack", {}).values())
-        path = str(stack[-1][0]).split("@")[0] if stack else ""
-        found.append((path, kind))
+        found.append((_innermost(node), kind))
     return found
