@@ -110,6 +110,28 @@ def test_changed_config_misses(cache_dir, exports):
     assert torch.equal(pg(ids).logits, other(ids).logits)
 
 
+def _untied(model):
+    """``model`` with its own ``lm_head`` weight, no longer the embedding's (GPT-2 ties them)."""
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 2)
+    return model
+
+
+@pytest.mark.parametrize("first_tied", [True, False])
+def test_changed_weight_tying_misses_and_equals_eager(cache_dir, exports, first_tied):
+    """torch.export gives tied weights one placeholder: a program exported with ``lm_head`` tied
+    to the embedding, served to a model whose ``lm_head`` has its own weight, computed with the
+    embedding (logits differed from eager without an error)."""
+    ids = _ids()
+    first, second = gpt2(), _untied(gpt2())
+    if not first_tied:
+        first, second = second, first
+    PatchableGraph(first, ids)
+    assert (second.lm_head.weight is second.transformer.wte.weight) is not first_tied
+    pg = PatchableGraph(second, ids)
+    assert exports[0] == 2 and len(_entries(cache_dir)) == 2
+    assert torch.equal(pg(ids).logits, second(ids).logits)
+
+
 def test_attention_implementation_misses(cache_dir, exports):
     """Llama with sdpa after Llama with eager attention (``config.to_json_string`` is the same for
     both): the sdpa model is exported, not served eager's program; logits ``(1, 8, 100)`` equal

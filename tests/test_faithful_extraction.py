@@ -693,6 +693,29 @@ def test_a_forward_set_on_an_instance_is_refused_and_nothing_is_left_bridged(fro
     assert torch.equal((model if front == "bridge" else result)(ids).logits, eager)
 
 
+@pytest.mark.parametrize("call", ["forward", "generate"])
+def test_a_forward_set_on_an_instance_after_a_patchable_graph_was_built_is_refused(call):
+    """A PatchableGraph over a plain model runs its graphs, not the modules: a ``forward`` set on
+    one of them afterwards was skipped, and the logits differed from eager without an error. Now
+    each call refuses, naming the module; removing the forward makes it equal eager again. (A
+    bridged model runs the new forward: tests/test_code_identity.py.)"""
+    from utils import gpt2, halved_mlp
+    ids = torch.randint(0, 100, (1, 8))
+    model = gpt2()
+    pg = PatchableGraph(model, ids)
+    mlp = model.transformer.h[1].mlp
+    mlp.forward = halved_mlp.__get__(mlp)
+    run = (lambda: pg(ids).logits) if call == "forward" else (
+        lambda: pg.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0))
+    with pytest.raises(ExtractionError, match=r"module 'transformer.h.1.mlp' \(GPT2MLP\) has its own forward set on"
+                                              r" the instance \(halved_mlp\) since the PatchableGraph was built"):
+        run()
+    del mlp.forward
+    expected = model(ids).logits if call == "forward" else model.generate(ids, max_new_tokens=2, do_sample=False,
+                                                                           pad_token_id=0)
+    assert torch.equal(run(), expected)
+
+
 def test_wrappers_around_the_class_forward_are_not_instance_forwards():
     """nnsight's, accelerate's and a bridge's own wrappers run the class's forward: not refused."""
     from nnbridge.compat import instance_forward

@@ -86,6 +86,30 @@ def test_code_replaced_between_instances_misses_and_equals_eager(exports, monkey
     assert torch.equal(second(ids).logits, eager)
 
 
+def test_weights_tied_differently_miss_and_equal_eager(exports):
+    """A second instance whose ``lm_head`` weight is no longer the embedding's is not served the
+    tied program (see test_disk_cache's tying test); nor is a PatchableGraph over a model whose
+    tied weight is re-assigned after its first extraction (the guard sees the new tensor; the
+    re-extraction must not be served the tied program either)."""
+    ids = _ids()
+    first = gpt2()
+    nnbridge.bridge(first, ids)
+    made = exports[0]
+    second = gpt2()
+    second.lm_head.weight = torch.nn.Parameter(second.lm_head.weight.detach() * 2)
+    eager = second(ids).logits
+    nnbridge.bridge(second, ids)
+    assert exports[0] == made + 1
+    assert torch.equal(second(ids).logits, eager)
+    model = gpt2()
+    pg = PatchableGraph(model, ids)
+    pg(ids)
+    model.transformer.wte.weight = torch.nn.Parameter(model.transformer.wte.weight.detach() * 2)
+    assert model.lm_head.weight is not model.transformer.wte.weight
+    eager = model(ids).logits
+    assert torch.equal(pg(ids).logits, eager)
+
+
 def test_switched_off(exports, monkeypatch):
     monkeypatch.setenv("NNBRIDGE_EXTRACTION_CACHE", "0")
     assert memory_cache.memory_cache() is None

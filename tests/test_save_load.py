@@ -173,6 +173,18 @@ def test_load_with_another_module_tree_names_the_difference(tmp_path):
         PatchableGraph.load(tmp_path / "pg.nnbridge", other)
 
 
+def test_load_into_a_model_with_other_weight_tying_is_refused(tmp_path):
+    """A program saved with ``lm_head`` tied to the embedding would compute with the embedding in
+    a model whose ``lm_head`` has its own weight (one placeholder for both): refused by name."""
+    model, ids = gpt2(), _ids()
+    PatchableGraph(model, ids).save(tmp_path / "pg.nnbridge")
+    other = gpt2()
+    other.lm_head.weight = torch.nn.Parameter(other.lm_head.weight.detach() * 2)
+    with pytest.raises(SaveLoadError, match="module tree differs.*one tensor, as tied weights are"):
+        PatchableGraph.load(tmp_path / "pg.nnbridge", other)
+    assert torch.equal(PatchableGraph.load(tmp_path / "pg.nnbridge", gpt2())(ids).logits, gpt2()(ids).logits)
+
+
 def test_load_with_other_options_is_refused(tmp_path):
     model, x = _linear()
     PatchableGraph(model, x).save(tmp_path / "pg.nnbridge")

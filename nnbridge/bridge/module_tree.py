@@ -12,7 +12,7 @@ one module object (:func:`aliases_hidden`) for the duration of an export. Exampl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 import torch
@@ -47,25 +47,28 @@ def named_real_modules(module: torch.nn.Module, prefix: str = "") -> Iterator[tu
             yield from named_real_modules(child, f"{prefix}.{name}" if prefix else name)
 
 
-def refuse_instance_forwards(module: torch.nn.Module, what: str) -> None:
-    """Raise before anything is extracted when a module of ``module``'s tree has a ``forward`` set
-    on the instance (``layer.mlp.forward = f``, see :func:`~nnbridge.compat.instance_forward`):
-    extraction and the eager fallback run a module's class forward, so its graphs would compute
-    what the class computes, not what the module computes (found: the bridged logits differed from
-    eager without an error).
+def refuse_instance_forwards(module: torch.nn.Module, what: str,
+                             modules: Iterable[tuple[str, torch.nn.Module]] | None = None, *, since: str = "") -> None:
+    """Raise when a module of ``module``'s tree (or of ``modules``, its ``(path, module)`` pairs)
+    has a ``forward`` set on the instance (``layer.mlp.forward = f``, see
+    :func:`~nnbridge.compat.instance_forward`): extraction and the eager fallback run a module's
+    class forward, so its graphs would compute what the class computes, not what the module
+    computes (found: the bridged logits differed from eager without an error). Called before
+    anything is extracted, and by a PatchableGraph over a plain model on every call (``since``
+    then says the forward was set after it was built).
 
     Raises:
         ExtractionError: names the module, the function and the fix.
     """
-    for path, child in named_real_modules(module):
+    for path, child in named_real_modules(module) if modules is None else modules:
         found = instance_forward(child)
         if found is not None:
             name = getattr(found, "__qualname__", None) or type(found).__name__
             raise ExtractionError(
                 f"{what}: module '{path or '<root>'}' ({type(child).__name__}) has its own forward set on the instance"
-                f" ({name}); nnbridge runs the class's forward ({type(child).__name__}.forward), so its graphs would"
-                " not compute what the module computes. Put the function on a subclass instead (module.__class__ ="
-                " a subclass of its class defining forward), or remove it (del module.forward), then try again.")
+                f" ({name}){since}; nnbridge runs the class's forward ({type(child).__name__}.forward), so its graphs"
+                " would not compute what the module computes. Put the function on a subclass instead (module.__class__"
+                " = a subclass of its class defining forward), or remove it (del module.forward), then try again.")
 
 
 def safe_name(name: str) -> str:

@@ -248,14 +248,17 @@ class PatchableGraph(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         plain = self._modules_of_plain
         if plain is not None:
-            self._refuse_user_hooks(plain)
+            self._refuse_skipped_calls(plain)
         with sources_active(*self.__dict__.get("_sources", ())):  # a loaded pg's file (see .saving)
             return self._call(*args, **kwargs)
 
-    def _refuse_user_hooks(self, plain: list[tuple[str, torch.nn.Module]]) -> None:
+    def _refuse_skipped_calls(self, plain: list[tuple[str, torch.nn.Module]]) -> None:
         """Over a plain (unbridged) model the graphs replace the model's modules (``plain``: its
-        ``(path, module)`` pairs), so torch hooks on those modules would not run (as in graphpatch):
-        refuse rather than silently skip them."""
+        ``(path, module)`` pairs), so torch hooks on those modules would not run (as in graphpatch),
+        nor a ``forward`` set on one of them after the PatchableGraph was built: refuse rather than
+        silently skip them (see :func:`~.module_tree.refuse_instance_forwards`)."""
+        refuse_instance_forwards(self._dispatcher.module, "PatchableGraph", plain,
+                                 since=" since the PatchableGraph was built")
         hooked = [path or "<root>" for path, module in plain if has_user_hooks(module)]
         if hooked:
             raise NNBridgeError(
@@ -308,7 +311,7 @@ class PatchableGraph(torch.nn.Module):
                 " GenerationMixin); call the PatchableGraph in a loop instead.")
         plain = self._modules_of_plain
         if plain is not None:
-            self._refuse_user_hooks(plain)
+            self._refuse_skipped_calls(plain)
         own = getattr(module, "generation_config", None)
         if "generation_config" not in kwargs and self.generation_config is not None and (
                 own is None or self.generation_config.to_dict() != own.to_dict()):  # changed on pg

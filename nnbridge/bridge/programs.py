@@ -134,9 +134,10 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     points a bridge registered left out), train flag and plain attribute values (numbers, strings,
     dtypes), every plain value of the config-like objects it holds (private ones such as
     ``_attn_implementation_internal`` included: :func:`~.guards.config_values`), and every
-    parameter's and buffer's name, shape, dtype and requires_grad (weights' values are not part of
-    it; nor are the flags transformers sets on first use, ``MODEL_STATE_ATTRIBUTES``: a model saved
-    after an ``output_attentions`` call loads into a fresh one).
+    parameter's and buffer's name, shape, dtype and requires_grad, and which of them are one tensor
+    (tied weights). Weights' values are not part of it; nor are the flags transformers sets on
+    first use (``MODEL_STATE_ATTRIBUTES``: a model saved after an ``output_attentions`` call loads
+    into a fresh one).
     ``source``: sha256 of the source files defining every module class in the tree; a class whose
     source file cannot be read (defined in a notebook cell or by ``exec``) gives
     ``"unavailable:<class>"`` (see :func:`source_known`). ``code``: sha256 of the code the modules
@@ -149,6 +150,7 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
         config_hash = _digest(config.to_json_string(use_diff=False))
     entries: list[Any] = []
     classes: dict[str, type] = {}
+    owners: dict[int, str] = {}  # id of each parameter and buffer -> the first path holding it
     for name, module in named_real_modules(model):  # a bridge's op points are not part of it
         classes[_qualname(type(module))] = type(module)
         plain = sorted((k, repr(v)) for k, v in vars(module).items()
@@ -157,12 +159,26 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
         # ``to_json_string`` leaves out the attention implementation, and a module's own config
         # (``self.config = SimpleNamespace(...)``) is not the model's
         configs = sorted((k, config_values(v)) for k, v in vars(module).items() if config_like(k, v))
-        tensors = [(k, list(t.shape), str(t.dtype), t.requires_grad)
+        tensors = [_tensor_entry(owners, f"{name}.{k}" if name else k, k, t)
                    for k, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
         entries.append([name, _qualname(type(module)), module.training, plain, configs, tensors])
     return {"class": _qualname(type(model)), "config": config_hash, "structure": _digest(json.dumps(entries)),
             "source": _digest(json.dumps(sorted(_source_digest(c) for c in classes.values()))),
             "code": code_digest(model)}
+
+
+def _tensor_entry(owners: dict[int, str], path: str, name: str, tensor: torch.Tensor) -> list[Any]:
+    """A parameter's or buffer's part of :func:`model_fingerprint`: name, shape, dtype and
+    requires_grad, and for a tensor an earlier path already holds (tied weights:
+    ``lm_head.weight is transformer.wte.weight``) that path. ``torch.export`` gives tied tensors
+    one placeholder, so a program exported with ``lm_head`` tied, bound to a model whose
+    ``lm_head.weight`` is its own, would compute with the embedding: found as a memory-cache hit
+    whose logits differed from eager without an error."""
+    entry: list[Any] = [name, list(tensor.shape), str(tensor.dtype), tensor.requires_grad]
+    first = owners.setdefault(id(tensor), path)
+    if first != path:
+        entry.append(first)
+    return entry
 
 
 def describe_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
@@ -174,8 +190,8 @@ def describe_difference(saved: dict[str, Any], current: dict[str, Any]) -> str |
     if saved.get("config") != current.get("config"):
         return "the model's config differs from the saved model's"
     if saved.get("structure") != current.get("structure"):
-        return ("the module tree differs (a module, train/eval flag, attribute value, or a parameter's or buffer's"
-                " name, shape, dtype or requires_grad)")
+        return ("the module tree differs (a module, train/eval flag, attribute value, a parameter's or buffer's"
+                " name, shape, dtype or requires_grad, or which of them are one tensor, as tied weights are)")
     return None
 
 
