@@ -420,3 +420,29 @@ def test_size_guard_counts_again_when_a_dict_holding_op_points_grows():
     model.add_module("extra", nn.Linear(4, 4))
     assert not guard.holds()
     assert guard.what_changed() == "entries of <root> were added or removed (1 -> 4)"
+
+
+def test_functional_call_with_other_tensors_equals_eager():
+    """``torch.func.functional_call`` swaps plain tensors into the parameter slots for one call:
+    the guard sees them re-assigned and extracts again (building the opaque stand-in of a module
+    whose parameter slot held a plain tensor raised ``TypeError`` from ``register_parameter``).
+    Outputs and gradients equal eager's; after the call the model is served by its first
+    extraction again."""
+    ids = torch.randint(0, 100, (1, 8))
+    model, reference = gpt2(), gpt2()
+    nnbridge.bridge(model, ids)
+    first = len(bridge_of(model).dispatcher.all_extractions())
+    swapped = {name: (p.detach() * 1.5).requires_grad_() for name, p in model.named_parameters()}
+    expected = {name: t.detach().clone().requires_grad_() for name, t in swapped.items()}
+    out = torch.func.functional_call(model, swapped, (ids,)).logits
+    eager = torch.func.functional_call(reference, expected, (ids,)).logits
+    assert torch.equal(out, eager) and not torch.equal(out, reference(ids).logits)
+    out.sum().backward()
+    eager.sum().backward()
+    for name in swapped:
+        assert torch.equal(swapped[name].grad, expected[name].grad), name
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert all(p.grad is None for p in model.parameters())
+    extractions = len(bridge_of(model).dispatcher.all_extractions())
+    model(ids)
+    assert len(bridge_of(model).dispatcher.all_extractions()) == extractions > first

@@ -433,7 +433,8 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         self.__dict__["original"] = module
         self.reason = reason
         for name, tensor in module.named_parameters(recurse=False):
-            self.register_parameter(name, tensor)
+            # as the module holds it: ``torch.func.functional_call`` puts plain tensors there
+            self._parameters[name] = tensor
         for name, buffer in module.named_buffers(recurse=False):
             self.register_buffer(name, buffer)
         for name, child in children.items():
