@@ -110,6 +110,32 @@ def test_changed_config_misses(cache_dir, exports):
     assert torch.equal(pg(ids).logits, other(ids).logits)
 
 
+class _Offsets(torch.nn.Module):
+    """A list attribute read in forward."""
+
+    def __init__(self, offsets):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.offsets = offsets
+
+    def forward(self, x):
+        return self.lin(x) + self.offsets[1]
+
+
+def test_changed_container_attribute_misses(cache_dir, exports):
+    """The module-tree hash holds lists and dicts of plain values: a model that differs only in
+    ``self.offsets`` was served the first one's program (its constant)."""
+    x = torch.randn(2, 4)
+    PatchableGraph(_Offsets([0.0, 1.0]), x)
+    other = _Offsets([0.0, 5.0])
+    pg = PatchableGraph(other, x)
+    assert exports[0] == 2 and len(_entries(cache_dir)) == 2
+    assert torch.equal(pg(x), other(x))
+    PatchableGraph(_Offsets([0.0, 5.0]), x)
+    assert exports[0] == 2
+
+
 def _untied(model):
     """``model`` with its own ``lm_head`` weight, no longer the embedding's (GPT-2 ties them)."""
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 2)
@@ -455,6 +481,7 @@ def counted(*args, **kwargs):
     return real(*args, **kwargs)
 extraction.export_module = counted
 model = gpt2()
+model.transformer.h[0].tags = {f"tag{i}" for i in range(16)}  # a set of strings repr's in a per-process order
 ids = torch.arange(8).reshape(1, 8)
 eager = model(ids).logits
 nnbridge.bridge(model, ids)
@@ -465,7 +492,8 @@ print("exports", count[0])
 
 def test_a_second_process_is_served_by_the_first_ones_entry(cache_dir):
     """Two processes (other string-hash salts, as any two Python processes) share one entry: a
-    transformers model's ``generation_config`` holds a per-process hash, left out of the key."""
+    transformers model's ``generation_config`` holds a per-process hash, left out of the key, and
+    a set attribute is keyed by its sorted elements."""
     import os
     import subprocess
     import sys

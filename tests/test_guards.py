@@ -5,6 +5,7 @@ eager's numbers through bridge, PatchableGraph and nnbridge.NNsight."""
 import contextlib
 import copy
 import gc
+import types
 import warnings
 import weakref
 
@@ -100,6 +101,69 @@ def test_edits_after_extraction_are_honoured(edit):
         EDITS[edit](reference)
         assert not torch.equal(reference(x), before), "the edit changes eager's output"
         assert torch.equal(run(x), reference(x)), f"{name}: {edit} ignored"
+
+
+class Containers(nn.Module):
+    """Plain values in containers read in forward: a list and a dict attribute, and a list and a
+    dict of a ``config`` (as transformers' ``config.layer_types`` and ``config.rope_parameters``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.offsets = [0.0, 1.0]
+        self.options = {"relu": True}
+        self.config = types.SimpleNamespace(scales=[1.0, 2.0], flags={"negate": False})
+
+    def forward(self, x):
+        y = self.lin(x) * self.config.scales[1] + self.offsets[1]
+        if self.options["relu"]:
+            y = torch.relu(y)
+        return -y if self.config.flags["negate"] else y
+
+
+CONTAINER_EDITS = {
+    "list_written": lambda m: m.offsets.__setitem__(1, 3.0),
+    "list_reassigned": lambda m: setattr(m, "offsets", [0.0, 4.0]),
+    "dict_written": lambda m: m.options.__setitem__("relu", False),
+    "config_list_written": lambda m: m.config.scales.__setitem__(1, 5.0),
+    "config_list_reassigned": lambda m: setattr(m.config, "scales", [1.0, 7.0]),
+    "config_dict_written": lambda m: m.config.flags.__setitem__("negate", True),
+}
+
+
+def _containers():
+    torch.manual_seed(0)
+    return Containers().eval()
+
+
+@pytest.mark.parametrize("edit", list(CONTAINER_EDITS))
+def test_container_values_written_after_extraction_are_honoured(edit):
+    """Lists and dicts of plain values were not guarded: after ``m.offsets[1] = 3.0`` (or a new
+    list, or a config's list or dict written) every front-end kept the extracted values, and its
+    output differed from eager without an error."""
+    x = torch.randn(3, 4)
+    for name, run, target, reference in _front_ends(_containers, x):
+        before = run(x)
+        assert torch.equal(before, reference(x)), name
+        CONTAINER_EDITS[edit](target)
+        CONTAINER_EDITS[edit](reference)
+        assert not torch.equal(reference(x), before), "the edit changes eager's output"
+        assert torch.equal(run(x), reference(x)), f"{name}: {edit} ignored"
+
+
+def test_a_hook_registered_later_does_not_extract_again():
+    """nn.Module's own dicts (``_forward_hooks``...) are not guarded as values: registering a
+    hook on a bridged module runs it, without a new extraction."""
+    x = torch.randn(3, 4)
+    model = nnbridge.bridge(_containers(), x)
+    model(x)
+    extractions = len(bridge_of(model).dispatcher.all_extractions())
+    handle = model.lin.register_forward_hook(lambda module, args, out: out * 2)
+    reference = _containers()
+    reference.lin.register_forward_hook(lambda module, args, out: out * 2)
+    assert torch.equal(model(x), reference(x))
+    assert len(bridge_of(model).dispatcher.all_extractions()) == extractions
+    handle.remove()
 
 
 def test_config_flags_after_bridging():

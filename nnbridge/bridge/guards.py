@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import enum
 import operator
 import types
@@ -42,19 +43,61 @@ from ..compat.module_dicts import modules_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from .code_identity import CodeCheck, code_bindings
 
-#: ``module.__dict__`` keys that are torch's or another library's bookkeeping, never read by a forward.
-_IGNORED = frozenset({"_is_full_backward_hook", "_compiled_call_impl"}) | MODEL_STATE_ATTRIBUTES
+#: ``module.__dict__`` keys that are torch's or another library's bookkeeping, never read by a
+#: forward: ``nn.Module``'s own slots (hook dicts, ``_parameters``...; ``training`` is guarded),
+#: guarded by kind below, never compared as values (a hook registered later must not re-extract).
+_IGNORED = (frozenset({"_is_full_backward_hook", "_compiled_call_impl"}) | MODEL_STATE_ATTRIBUTES
+            | (frozenset(vars(torch.nn.Module())) - {"training"}))
 _PLAIN_TYPES = (int, float, bool, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
+#: the most scalars a container value may hold to be guarded (a larger one is not compared on each call)
+MAX_PLAIN_ITEMS = 1024
 _CONTAINER_TYPES = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 _TENSOR_PROPERTIES = operator.attrgetter("dtype", "device", "shape", "requires_grad")
 
 
 def _plain(value: object) -> bool:
+    """Whether ``value`` is a plain value: a scalar of :data:`_PLAIN_TYPES`, or a tuple, list,
+    set or dict (any depth) of them holding at most :data:`MAX_PLAIN_ITEMS` scalars
+    (``self.window_sizes = [4, 8]``, ``config.layer_types``, ``config.rope_parameters``)."""
     if isinstance(value, _PLAIN_TYPES):
         return True
-    if isinstance(value, (tuple, frozenset)):
-        return all(_plain(v) for v in value)
-    return False
+    budget = [MAX_PLAIN_ITEMS]
+
+    def walk(item: object) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return False
+        if isinstance(item, _PLAIN_TYPES):
+            return True
+        if isinstance(item, (tuple, list, set, frozenset)):
+            return all(map(walk, item))
+        if isinstance(item, dict):
+            return all(walk(k) and walk(v) for k, v in item.items())
+        return False
+    return walk(value)
+
+
+def plain_value(value: object) -> bool:
+    """Whether ``value`` is guarded as a value (see :func:`_plain`)."""
+    return _plain(value)
+
+
+def _snapshot(value: object) -> object:
+    """``value`` as guarded: a container is copied, so that writing into it (``m.sizes[1] = 3``,
+    ``config.rope_parameters["factor"] = 2.0``) is seen as a change."""
+    return value if isinstance(value, _PLAIN_TYPES) else copy.deepcopy(value)
+
+
+def canonical_repr(value: object) -> str:
+    """``repr(value)`` of a plain value with set elements sorted: a set of strings repr's in an
+    order that differs between processes (string hashes are salted), and keys made of it must not."""
+    if isinstance(value, (set, frozenset)):
+        return f"{type(value).__name__}({sorted(map(canonical_repr, value))})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{canonical_repr(k)}: {canonical_repr(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__}([{', '.join(map(canonical_repr, value))}])"
+    return repr(value)
 
 
 def _config_like(name: str, value: object) -> bool:
@@ -84,8 +127,8 @@ def config_values(config: Any) -> list[tuple[str, str]]:
         for name, item in vars(value).items():
             if name in PER_PROCESS_VALUES:
                 continue
-            if _plain(item) or (isinstance(item, list) and all(_plain(v) for v in item)):
-                found.append((f"{prefix}{name}", repr(item)))
+            if _plain(item):
+                found.append((f"{prefix}{name}", canonical_repr(item)))
             elif _config_like(name, item) and id(item) not in seen:
                 walk(f"{prefix}{name}.", item)
     walk("", config)
@@ -126,7 +169,8 @@ class StateGuard:
             if id(module) in opaque:
                 continue
             state = module.__dict__  # (its size is not guarded: nnsight and others add entries)
-            self._plain.append((where, state, {k: v for k, v in state.items() if k not in _IGNORED and _plain(v)}))
+            self._plain.append((where, state, {k: _snapshot(v) for k, v in state.items()
+                                               if k not in _IGNORED and _plain(v)}))
             for store_name in ("_parameters", "_buffers"):
                 store = state.get(store_name)
                 if store is None:
@@ -187,7 +231,7 @@ class StateGuard:
         state = vars(config)
         self._sizes.append((f"{where} ({type(config).__name__})", state, len(state)))
         self._plain.append((f"{where} ({type(config).__name__})", state,
-                            {k: v for k, v in state.items() if _plain(v)}))
+                            {k: _snapshot(v) for k, v in state.items() if _plain(v)}))
         for name, value in state.items():
             if _config_like(name, value) and id(value) not in seen:
                 self._add_config(f"{name} of {where}", value, seen)

@@ -37,7 +37,7 @@ from .call_structure import ShapeGuard, structure_key
 from .code_identity import code_digest
 from .options import ExtractionOptions
 from .state import Key, UntouchedLayers
-from .guards import config_like, config_values
+from .guards import canonical_repr, config_like, config_values, plain_value
 from .module_tree import named_real_modules
 
 
@@ -123,7 +123,8 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+#: ``nn.Module``'s own slots (hook dicts, ``_parameters``...): not attribute values of the model
+_MODULE_SLOTS = frozenset(vars(torch.nn.Module())) - {"training"}
 
 
 def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
@@ -132,7 +133,8 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     ``class``: the model's qualified class name. ``config``: sha256 of the transformers config
     (``config.to_json_string()``), or None. ``structure``: sha256 of every module's path, class (op
     points a bridge registered left out), train flag and plain attribute values (numbers, strings,
-    dtypes), every plain value of the config-like objects it holds (private ones such as
+    dtypes, and lists, tuples, sets and dicts of them: :func:`~.guards.plain_value`), every plain
+    value of the config-like objects it holds (private ones such as
     ``_attn_implementation_internal`` included: :func:`~.guards.config_values`), and every
     parameter's and buffer's name, shape, dtype and requires_grad, and which of them are one tensor
     (tied weights). Weights' values are not part of it; nor are the flags transformers sets on
@@ -153,8 +155,9 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     owners: dict[int, str] = {}  # id of each parameter and buffer -> the first path holding it
     for name, module in named_real_modules(model):  # a bridge's op points are not part of it
         classes[_qualname(type(module))] = type(module)
-        plain = sorted((k, repr(v)) for k, v in vars(module).items()
-                       if isinstance(v, _PLAIN) and not k.startswith("__") and k not in MODEL_STATE_ATTRIBUTES)
+        plain = sorted((k, canonical_repr(v)) for k, v in vars(module).items()
+                       if plain_value(v) and not k.startswith("__") and k not in MODEL_STATE_ATTRIBUTES
+                       and k not in _MODULE_SLOTS)
         # config objects (transformers' or look-alikes) with every plain value, private ones included:
         # ``to_json_string`` leaves out the attention implementation, and a module's own config
         # (``self.config = SimpleNamespace(...)``) is not the model's
