@@ -4,6 +4,7 @@ deleted with a warning and rebuilt; ``nnbridge cache info|clear``."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import textwrap
 
@@ -133,6 +134,34 @@ def test_changed_container_attribute_misses(cache_dir, exports):
     assert exports[0] == 2 and len(_entries(cache_dir)) == 2
     assert torch.equal(pg(x), other(x))
     PatchableGraph(_Offsets([0.0, 5.0]), x)
+    assert exports[0] == 2
+
+
+class _Activated(torch.nn.Module):
+    """A built-in and a partial held as instance attributes."""
+
+    def __init__(self, act, slope):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.act = act
+        self.leaky = functools.partial(torch.nn.functional.leaky_relu, negative_slope=slope)
+
+    def forward(self, x):
+        return self.leaky(self.act(self.lin(x)) - 0.3)
+
+
+@pytest.mark.parametrize("other", [(torch.tanh, 0.1), (torch.relu, 0.5)], ids=["builtin", "partial_argument"])
+def test_changed_function_attribute_misses(cache_dir, exports, other):
+    """The code digest holds built-ins held as attributes (by name) and a partial's plain
+    arguments: a model holding ``torch.tanh`` was served the program of one holding ``relu``."""
+    x = torch.randn(2, 4)
+    PatchableGraph(_Activated(torch.relu, 0.1), x)
+    model = _Activated(*other)
+    pg = PatchableGraph(model, x)
+    assert exports[0] == 2 and len(_entries(cache_dir)) == 2
+    assert torch.equal(pg(x), model(x))
+    PatchableGraph(_Activated(*other), x)
     assert exports[0] == 2
 
 

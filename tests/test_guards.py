@@ -4,6 +4,7 @@ eager's numbers through bridge, PatchableGraph and nnbridge.NNsight."""
 
 import contextlib
 import copy
+import functools
 import gc
 import types
 import warnings
@@ -11,6 +12,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import nnbridge
@@ -147,6 +149,55 @@ def test_container_values_written_after_extraction_are_honoured(edit):
         assert torch.equal(before, reference(x)), name
         CONTAINER_EDITS[edit](target)
         CONTAINER_EDITS[edit](reference)
+        assert not torch.equal(reference(x), before), "the edit changes eager's output"
+        assert torch.equal(run(x), reference(x)), f"{name}: {edit} ignored"
+
+
+def _shifted_gelu(x):
+    return F.gelu(x) - 0.1
+
+
+class Callables(nn.Module):
+    """Functions held as instance attributes and called in forward: a built-in, a
+    ``functools.partial`` and a Python function (``self.act = F.gelu`` style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fn = torch.relu
+        self.leaky = functools.partial(F.leaky_relu, negative_slope=0.1)
+        self.post = _shifted_gelu
+
+    def forward(self, x):
+        return self.post(self.leaky(self.fn(self.lin(x)) - 0.3))
+
+
+CALLABLE_EDITS = {
+    "builtin_reassigned": lambda m: setattr(m, "fn", torch.tanh),
+    "partial_reassigned": lambda m: setattr(m, "leaky", functools.partial(F.leaky_relu, negative_slope=0.5)),
+    "partial_keywords_written": lambda m: m.leaky.keywords.__setitem__("negative_slope", 0.7),
+    "function_reassigned": lambda m: setattr(m, "post", torch.sigmoid),
+    "lambda_assigned": lambda m: setattr(m, "post", lambda x: x * 2),
+}
+
+
+def _callables():
+    torch.manual_seed(0)
+    return Callables().eval()
+
+
+@pytest.mark.parametrize("edit", list(CALLABLE_EDITS))
+def test_function_attributes_assigned_after_extraction_are_honoured(edit):
+    """A function held by a module (not a child module) was not guarded: after ``m.fn =
+    torch.tanh`` the graphs kept calling ``relu``, and the output differed from eager without an
+    error. Now a function, method, built-in or partial assigned anew (or a partial's keywords
+    written) extracts again."""
+    x = torch.randn(3, 4)
+    for name, run, target, reference in _front_ends(_callables, x):
+        before = run(x)
+        assert torch.equal(before, reference(x)), name
+        CALLABLE_EDITS[edit](target)
+        CALLABLE_EDITS[edit](reference)
         assert not torch.equal(reference(x), before), "the edit changes eager's output"
         assert torch.equal(run(x), reference(x)), f"{name}: {edit} ignored"
 

@@ -7,7 +7,9 @@ change a model without editing transformers:
 - a method assigned to a class (``GPT2MLP.forward = scaled_forward``);
 - a helper replaced in its module (``modeling_gpt2.eager_attention_forward = my_attention``);
 - an entry of a registry of functions replaced (``ALL_ATTENTION_FUNCTIONS["sdpa"] = f``);
-- a function set on one instance (``model.transformer.h[0].mlp.forward = f``).
+- a function set on one instance (``model.transformer.h[0].mlp.forward = f``), or held by one as
+  an attribute its forward calls (``self.act = torch.relu``, a ``functools.partial``: built-ins
+  count by name, a partial also by its plain arguments).
 
 A graph also bakes in the plain values (``SCALE = 2.0``, a flag, a string) and tensors its code
 reads as module globals; a value assigned anew, or a global tensor written in place, changes what
@@ -51,6 +53,7 @@ import torch
 
 from .module_tree import named_real_modules
 from ..compat.capture import tensor_version
+from .plain_values import canonical_repr, plain_value
 
 #: Types of the plain global values code reads that count by their value (``repr``).
 _PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device})
@@ -268,17 +271,55 @@ def is_plumbing(value: Any) -> bool:
     return module.split(".")[0] in ("nnbridge", "nnsight")
 
 
+#: Built-in callables an instance attribute may hold (``self.act = torch.relu``): they count by name.
+_BUILTINS = (types.BuiltinFunctionType, types.BuiltinMethodType)
+#: Instance attributes whose function other checks follow, so they are no binding (only part of
+#: the digest): a module's call and its body (:func:`~nnbridge.compat.instance_forward`,
+#: ``.locking``); accelerate's wrapped forward.
+_CALL_SLOTS = frozenset({"forward", "_call_impl", "_old_forward"})
+
+
+def _builtin_name(value: Any) -> str:
+    return f"{getattr(value, '__module__', None)}.{getattr(value, '__qualname__', None) or value!r}"
+
+
 def _walked(model: torch.nn.Module) -> _Walk:
     """One walk from every module class of ``model``'s tree and every function-valued instance
-    attribute (the bridge's and nnsight's own left out, see :func:`is_plumbing`)."""
+    attribute (the bridge's and nnsight's own left out, see :func:`is_plumbing`). An instance
+    attribute holding a function, method, ``functools.partial`` (with its plain arguments) or
+    built-in (``self.act = torch.relu``) is a binding too: assigning another one re-extracts
+    (before, the graphs kept calling the old one, silently)."""
     walk = _Walk()
     for path, module in named_real_modules(model):
         walk.cls(type(module), in_tree=True)
-        for name, value in list(vars(module).items()):
-            if isinstance(value, _CODE_HOLDERS) and not is_plumbing(value):
-                walk.todo.append((f"{path or '<root>'}.{name}", value, ()))
+        state = vars(module)
+        for name, value in list(state.items()):
+            if not isinstance(value, (*_CODE_HOLDERS, *_BUILTINS)) or is_plumbing(value):
+                continue
+            where = f"{path or '<root>'}.{name}"
+            if name in _CALL_SLOTS:  # in the digest; a change is found by other checks
+                walk.todo.append((where, value, ()))
+                continue
+            binding = (where, state, name, value)
+            if isinstance(value, _BUILTINS):
+                walk.entries.append((where, _builtin_name(value)))
+                walk.bindings.append(binding)
+                continue
+            if isinstance(value, functools.partial):
+                walk.entries.append((f"{where}.arguments", partial_arguments(value)))
+                if isinstance(value.func, _BUILTINS):
+                    walk.entries.append((f"{where}.func", _builtin_name(value.func)))
+            walk.todo.append((where, value, (binding,)))
         walk.run()
     return walk
+
+
+def partial_arguments(value: functools.partial) -> str:
+    """The arguments a ``functools.partial`` binds, as text: their ``repr`` when all are plain
+    values, else their types (a partial binding objects counts by its function only)."""
+    bound = (value.args, value.keywords)
+    return canonical_repr(bound) if plain_value(bound) else repr([type(v).__qualname__ for v in
+                                                                  (*value.args, *value.keywords.values())])
 
 
 def code_digest(model: torch.nn.Module) -> str:

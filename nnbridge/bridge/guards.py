@@ -30,8 +30,7 @@ Example::
 
 from __future__ import annotations
 
-import copy
-import enum
+import functools
 import operator
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -41,63 +40,16 @@ import torch
 
 from ..compat.module_dicts import modules_of
 from ..compat import MODEL_STATE_ATTRIBUTES
-from .code_identity import CodeCheck, code_bindings
+from .code_identity import CodeCheck, code_bindings, is_plumbing
+from .plain_values import canonical_repr, plain_value, snapshot as plain_snapshot
 
 #: ``module.__dict__`` keys that are torch's or another library's bookkeeping, never read by a
 #: forward: ``nn.Module``'s own slots (hook dicts, ``_parameters``...; ``training`` is guarded),
 #: guarded by kind below, never compared as values (a hook registered later must not re-extract).
 _IGNORED = (frozenset({"_is_full_backward_hook", "_compiled_call_impl"}) | MODEL_STATE_ATTRIBUTES
             | (frozenset(vars(torch.nn.Module())) - {"training"}))
-_PLAIN_TYPES = (int, float, bool, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
-#: the most scalars a container value may hold to be guarded (a larger one is not compared on each call)
-MAX_PLAIN_ITEMS = 1024
 _CONTAINER_TYPES = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 _TENSOR_PROPERTIES = operator.attrgetter("dtype", "device", "shape", "requires_grad")
-
-
-def _plain(value: object) -> bool:
-    """Whether ``value`` is a plain value: a scalar of :data:`_PLAIN_TYPES`, or a tuple, list,
-    set or dict (any depth) of them holding at most :data:`MAX_PLAIN_ITEMS` scalars
-    (``self.window_sizes = [4, 8]``, ``config.layer_types``, ``config.rope_parameters``)."""
-    if isinstance(value, _PLAIN_TYPES):
-        return True
-    budget = [MAX_PLAIN_ITEMS]
-
-    def walk(item: object) -> bool:
-        budget[0] -= 1
-        if budget[0] < 0:
-            return False
-        if isinstance(item, _PLAIN_TYPES):
-            return True
-        if isinstance(item, (tuple, list, set, frozenset)):
-            return all(map(walk, item))
-        if isinstance(item, dict):
-            return all(walk(k) and walk(v) for k, v in item.items())
-        return False
-    return walk(value)
-
-
-def plain_value(value: object) -> bool:
-    """Whether ``value`` is guarded as a value (see :func:`_plain`)."""
-    return _plain(value)
-
-
-def _snapshot(value: object) -> object:
-    """``value`` as guarded: a container is copied, so that writing into it (``m.sizes[1] = 3``,
-    ``config.rope_parameters["factor"] = 2.0``) is seen as a change."""
-    return value if isinstance(value, _PLAIN_TYPES) else copy.deepcopy(value)
-
-
-def canonical_repr(value: object) -> str:
-    """``repr(value)`` of a plain value with set elements sorted: a set of strings repr's in an
-    order that differs between processes (string hashes are salted), and keys made of it must not."""
-    if isinstance(value, (set, frozenset)):
-        return f"{type(value).__name__}({sorted(map(canonical_repr, value))})"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{canonical_repr(k)}: {canonical_repr(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
-        return f"{type(value).__name__}([{', '.join(map(canonical_repr, value))}])"
-    return repr(value)
 
 
 def _config_like(name: str, value: object) -> bool:
@@ -127,7 +79,7 @@ def config_values(config: Any) -> list[tuple[str, str]]:
         for name, item in vars(value).items():
             if name in PER_PROCESS_VALUES:
                 continue
-            if _plain(item):
+            if plain_value(item):
                 found.append((f"{prefix}{name}", canonical_repr(item)))
             elif _config_like(name, item) and id(item) not in seen:
                 walk(f"{prefix}{name}.", item)
@@ -138,6 +90,34 @@ def config_values(config: Any) -> list[tuple[str, str]]:
 def config_like(name: str, value: object) -> bool:
     """Whether attribute ``name`` of a module holds a config-like object (see :func:`_config_like`)."""
     return _config_like(name, value)
+
+
+class _PartialArguments:
+    """A ``functools.partial`` instance attribute as guarded: equal to a partial of the same
+    function with equal arguments, so writing into its ``keywords`` (or assigning a partial with
+    other arguments) is a change. (The function itself is a binding of :class:`CodeCheck`.)"""
+
+    __slots__ = ("func", "args", "keywords")
+    __hash__ = None  # type: ignore[assignment]
+
+    @staticmethod
+    def applies(value: object) -> bool:
+        return isinstance(value, functools.partial) and not is_plumbing(value)
+
+    def __init__(self, value: functools.partial[Any]):
+        self.func, self.args, self.keywords = value.func, value.args, dict(value.keywords)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _PartialArguments):
+            other_func, other_args, other_keywords = other.func, other.args, other.keywords
+        elif isinstance(other, functools.partial):
+            other_func, other_args, other_keywords = other.func, other.args, other.keywords
+        else:
+            return False
+        return other_func is self.func and _same(other_args, self.args) and _same(other_keywords, self.keywords)
+
+    def __repr__(self) -> str:
+        return f"functools.partial({self.func!r}, *{self.args!r}, **{self.keywords!r})"
 
 
 class StateGuard:
@@ -169,8 +149,9 @@ class StateGuard:
             if id(module) in opaque:
                 continue
             state = module.__dict__  # (its size is not guarded: nnsight and others add entries)
-            self._plain.append((where, state, {k: _snapshot(v) for k, v in state.items()
-                                               if k not in _IGNORED and _plain(v)}))
+            self._plain.append((where, state, {k: plain_snapshot(v) if plain_value(v) else _PartialArguments(v)
+                                               for k, v in state.items() if k not in _IGNORED
+                                               and (plain_value(v) or _PartialArguments.applies(v))}))
             for store_name in ("_parameters", "_buffers"):
                 store = state.get(store_name)
                 if store is None:
@@ -231,7 +212,7 @@ class StateGuard:
         state = vars(config)
         self._sizes.append((f"{where} ({type(config).__name__})", state, len(state)))
         self._plain.append((f"{where} ({type(config).__name__})", state,
-                            {k: _snapshot(v) for k, v in state.items() if _plain(v)}))
+                            {k: plain_snapshot(v) for k, v in state.items() if plain_value(v)}))
         for name, value in state.items():
             if _config_like(name, value) and id(value) not in seen:
                 self._add_config(f"{name} of {where}", value, seen)

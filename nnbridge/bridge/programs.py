@@ -37,7 +37,8 @@ from .call_structure import ShapeGuard, structure_key
 from .code_identity import code_digest
 from .options import ExtractionOptions
 from .state import Key, UntouchedLayers
-from .guards import canonical_repr, config_like, config_values, plain_value
+from .guards import config_like, config_values
+from .plain_values import canonical_repr, plain_value
 from .module_tree import named_real_modules
 
 
@@ -133,7 +134,7 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     ``class``: the model's qualified class name. ``config``: sha256 of the transformers config
     (``config.to_json_string()``), or None. ``structure``: sha256 of every module's path, class (op
     points a bridge registered left out), train flag and plain attribute values (numbers, strings,
-    dtypes, and lists, tuples, sets and dicts of them: :func:`~.guards.plain_value`), every plain
+    dtypes, and lists, tuples, sets and dicts of them: :func:`~.plain_values.plain_value`), every plain
     value of the config-like objects it holds (private ones such as
     ``_attn_implementation_internal`` included: :func:`~.guards.config_values`), and every
     parameter's and buffer's name, shape, dtype and requires_grad, and which of them are one tensor
