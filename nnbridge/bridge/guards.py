@@ -266,8 +266,9 @@ class StateGuard:
         """:meth:`holds` as plain loops, for Dynamo to trace (see :meth:`holds`)."""
         try:
             for _, live, snapshot in self._plain:
-                if not snapshot.items() <= live.items():
-                    return False
+                for key, value in snapshot.items():
+                    if key not in live or not _traced_equal(live[key], value):
+                        return False
             for _, live, snapshot in self._children:
                 if not snapshot.items() <= live.items():
                     return False
@@ -324,6 +325,35 @@ class StateGuard:
         return [f"{plain} plain attribute values (modules and configs)", f"identity of {children} child modules",
                 f"identity, dtype, device, shape and requires_grad of {len(self._tensors)} tensors",
                 f"what {len(self._code.bindings)} lookups of methods, helper functions and registry entries find"]
+
+
+def _traced_equal(live: object, snapshot: object) -> bool:
+    """``live == snapshot`` for a plain value, element by element: Dynamo cannot compare two dicts
+    (or sets) it traces as wholes."""
+    if isinstance(snapshot, dict):
+        if not isinstance(live, dict) or len(live) != len(snapshot):
+            return False
+        for key, value in snapshot.items():
+            if key not in live or not _traced_equal(live[key], value):
+                return False
+        return True
+    if isinstance(snapshot, (list, tuple)):
+        if type(live) is not type(snapshot) or len(live) != len(snapshot):
+            return False
+        for item, value in zip(live, snapshot):
+            if not _traced_equal(item, value):
+                return False
+        return True
+    if isinstance(snapshot, (set, frozenset)):
+        if not isinstance(live, (set, frozenset)) or len(live) != len(snapshot):
+            return False
+        for value in snapshot:
+            if value not in live:
+                return False
+        return True
+    if isinstance(snapshot, _PartialArguments):
+        return snapshot == live
+    return bool(live == snapshot)
 
 
 def _same(a: object, b: object) -> bool:
