@@ -2,8 +2,10 @@
 extracts again, so edits after bridging, dtype changes, autocast and shape-dependent branches give
 eager's numbers through bridge, PatchableGraph and nnbridge.NNsight."""
 
+import argparse
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import types
@@ -105,9 +107,15 @@ def test_edits_after_extraction_are_honoured(edit):
         assert torch.equal(run(x), reference(x)), f"{name}: {edit} ignored"
 
 
+@dataclasses.dataclass
+class _Settings:
+    shift: float = 0.5
+
+
 class Containers(nn.Module):
     """Plain values in containers read in forward: a list and a dict attribute, and a list and a
-    dict of a ``config`` (as transformers' ``config.layer_types`` and ``config.rope_parameters``)."""
+    dict of a ``config`` (as transformers' ``config.layer_types`` and ``config.rope_parameters``);
+    plain objects: a dataclass instance and an ``argparse.Namespace`` (``self.args = args``)."""
 
     def __init__(self):
         super().__init__()
@@ -115,9 +123,11 @@ class Containers(nn.Module):
         self.offsets = [0.0, 1.0]
         self.options = {"relu": True}
         self.config = types.SimpleNamespace(scales=[1.0, 2.0], flags={"negate": False})
+        self.settings = _Settings()
+        self.args = argparse.Namespace(gain=1.0)
 
     def forward(self, x):
-        y = self.lin(x) * self.config.scales[1] + self.offsets[1]
+        y = (self.lin(x) * self.config.scales[1] + self.offsets[1] - self.settings.shift) * self.args.gain
         if self.options["relu"]:
             y = torch.relu(y)
         return -y if self.config.flags["negate"] else y
@@ -130,6 +140,10 @@ CONTAINER_EDITS = {
     "config_list_written": lambda m: m.config.scales.__setitem__(1, 5.0),
     "config_list_reassigned": lambda m: setattr(m.config, "scales", [1.0, 7.0]),
     "config_dict_written": lambda m: m.config.flags.__setitem__("negate", True),
+    "config_reassigned": lambda m: setattr(m, "config", types.SimpleNamespace(scales=[1.0, 3.0], flags={"negate": True})),
+    "dataclass_field_written": lambda m: setattr(m.settings, "shift", 2.0),
+    "dataclass_reassigned": lambda m: setattr(m, "settings", _Settings(shift=-1.0)),
+    "namespace_field_written": lambda m: setattr(m.args, "gain", 3.0),
 }
 
 
@@ -142,7 +156,8 @@ def _containers():
 def test_container_values_written_after_extraction_are_honoured(edit):
     """Lists and dicts of plain values were not guarded: after ``m.offsets[1] = 3.0`` (or a new
     list, or a config's list or dict written) every front-end kept the extracted values, and its
-    output differed from eager without an error."""
+    output differed from eager without an error; so were a dataclass's or a namespace's fields and
+    a config object assigned anew."""
     x = torch.randn(3, 4)
     for name, run, target, reference in _front_ends(_containers, x):
         before = run(x)

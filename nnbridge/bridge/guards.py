@@ -30,6 +30,8 @@ Example::
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import functools
 import operator
 import types
@@ -54,10 +56,12 @@ _TENSOR_PROPERTIES = operator.attrgetter("dtype", "device", "shape", "requires_g
 
 def _config_like(name: str, value: object) -> bool:
     """A transformers ``PretrainedConfig`` or a look-alike: an object with ``to_dict``, a
-    ``SimpleNamespace``, or any plain object held as ``config``."""
+    ``SimpleNamespace``, an ``argparse.Namespace`` (``self.args = args``), a dataclass instance
+    (``self.settings = Settings(scale=2.0)``), or any plain object held as ``config``."""
     if isinstance(value, (type, torch.nn.Module, torch.Tensor)) or not hasattr(value, "__dict__") or callable(value):
         return False
-    return hasattr(value, "to_dict") or isinstance(value, types.SimpleNamespace) or name == "config"
+    return (hasattr(value, "to_dict") or isinstance(value, (types.SimpleNamespace, argparse.Namespace))
+            or dataclasses.is_dataclass(value) or name == "config")
 
 
 #: config attributes whose value differs between processes for one config: transformers'
@@ -139,6 +143,9 @@ class StateGuard:
         # (where, live dict, its size): a parameter, buffer, child, attribute or config entry added
         # later (``register_buffer``, ``m.use_gate = True`` where forward uses ``hasattr``) changes it
         self._sizes: list[tuple[str, dict[str, Any], int]] = []
+        # (where, holder's dict, name, object): each config-like object held, by identity (one
+        # assigned anew, ``m.settings = Settings(...)``, is another object to guard)
+        self._held: list[tuple[str, dict[str, Any], str, Any]] = []
         self._skip = skip
         seen_configs: set[int] = set()
         for where, module in self._walk(root, path, opaque, skip):
@@ -163,8 +170,10 @@ class StateGuard:
             for name, value in state.items():
                 if isinstance(value, torch.Tensor):
                     self._add_tensor(where, state, name, value)
-                elif _config_like(name, value) and id(value) not in seen_configs:
-                    self._add_config(f"{name} of {where}", value, seen_configs)
+                elif _config_like(name, value):
+                    self._held.append((f"{name} of {where}", state, name, value))
+                    if id(value) not in seen_configs:
+                        self._add_config(f"{name} of {where}", value, seen_configs)
         self._code = CodeCheck(code_bindings(root))
         self._prepare()
 
@@ -185,6 +194,9 @@ class StateGuard:
         # every store is a dict in torch 2.13 (``_parameters``, ``_buffers``, ``__dict__``); any
         # other mapping is looked up with its own ``get`` in :meth:`_tensors_hold`
         self._dict_stores = all(isinstance(store, dict) for store in self._stores)
+        self._held_stores = [store for _, store, _, _ in self._held]
+        self._held_names = [name for _, _, name, _ in self._held]
+        self._held_objects = [value for _, _, _, value in self._held]
 
     @staticmethod
     def _walk(module: torch.nn.Module, where: str, opaque: set[int], skip: Callable[[torch.nn.Module], bool] | None
@@ -214,8 +226,10 @@ class StateGuard:
         self._plain.append((f"{where} ({type(config).__name__})", state,
                             {k: plain_snapshot(v) for k, v in state.items() if plain_value(v)}))
         for name, value in state.items():
-            if _config_like(name, value) and id(value) not in seen:
-                self._add_config(f"{name} of {where}", value, seen)
+            if _config_like(name, value):
+                self._held.append((f"{name} of {where}", state, name, value))
+                if id(value) not in seen:
+                    self._add_config(f"{name} of {where}", value, seen)
 
     def _size(self, live: dict[str, Any]) -> int:
         """Entries of ``live`` that are guarded (children: nnbridge's own op points excluded)."""
@@ -237,7 +251,8 @@ class StateGuard:
         lengths = list(map(len, self._sized))
         if lengths != self._lengths and not self._recount(lengths):
             return False
-        return self._tensors_hold() and self._code.holds()
+        return (self._tensors_hold() and all(map(operator.is_, map(dict.get, self._held_stores, self._held_names),
+                                                 self._held_objects)) and self._code.holds())
 
     def _recount(self, lengths: list[int]) -> bool:
         """Whether the dicts whose length moved still hold exactly the guarded entries: a module
@@ -282,6 +297,9 @@ class StateGuard:
             if (current is not tensor or current.dtype != dtype or current.device != device or current.shape != shape
                     or current.requires_grad != requires_grad):
                 return False
+        for _, store, name, value in self._held:
+            if store.get(name) is not value:
+                return False
         return True
 
     def what_changed(self) -> str | None:
@@ -312,6 +330,9 @@ class StateGuard:
                 return f"tensor {path} changed shape {tuple(shape)} -> {tuple(current.shape)}"
             if current.requires_grad != requires_grad:
                 return f"tensor {path} changed requires_grad {requires_grad} -> {current.requires_grad}"
+        for where, store, name, value in self._held:
+            if store.get(name) is not value:
+                return f"config-like object {where} ({type(value).__name__}) was replaced or removed"
         for where, live, size in self._sizes:
             if len(live) != size and self._size(live) != size:
                 return f"entries of {where} were added or removed ({size} -> {len(live)})"
