@@ -124,16 +124,19 @@ class _Offsets(torch.nn.Module):
         return self.lin(x) + self.offsets[1]
 
 
-def test_changed_container_attribute_misses(cache_dir, exports):
-    """The module-tree hash holds lists and dicts of plain values: a model that differs only in
-    ``self.offsets`` was served the first one's program (its constant)."""
+@pytest.mark.parametrize("kind", ["float", "tensor"])
+def test_changed_container_attribute_misses(cache_dir, exports, kind):
+    """The module-tree hash holds lists and dicts of plain values and tensors (by a hash of their
+    values): a model that differs only in ``self.offsets`` was served the first one's program
+    (its constant)."""
     x = torch.randn(2, 4)
-    PatchableGraph(_Offsets([0.0, 1.0]), x)
-    other = _Offsets([0.0, 5.0])
+    value = float if kind == "float" else torch.tensor
+    PatchableGraph(_Offsets([value(0.0), value(1.0)]), x)
+    other = _Offsets([value(0.0), value(5.0)])
     pg = PatchableGraph(other, x)
     assert exports[0] == 2 and len(_entries(cache_dir)) == 2
     assert torch.equal(pg(x), other(x))
-    PatchableGraph(_Offsets([0.0, 5.0]), x)
+    PatchableGraph(_Offsets([value(0.0), value(5.0)]), x)
     assert exports[0] == 2
 
 

@@ -734,6 +734,29 @@ def test_wrappers_around_the_class_forward_are_not_instance_forwards():
     assert all(instance_forward(m) is None for m in model.modules())
 
 
+# -- a tensor requiring grad read other than as a parameter ----------------------------------------
+@pytest.mark.parametrize("front", ["bridge", "patchable_graph"])
+def test_a_parameter_read_through_a_list_runs_eagerly_with_its_gradient(front):
+    """export lifts a tensor reached through a list attribute (``self.weights[0]``, the module's own
+    parameter) as a detached constant: the graph's output was right but the parameter got no
+    gradient (``None``), silently. Now the module runs eagerly, and gradients equal eager's."""
+    from utils import ListedWeight
+    x = torch.randn(3, 4)
+    model, reference = ListedWeight(), ListedWeight()
+    if front == "bridge":
+        run = nnbridge.bridge(model, x)
+    else:
+        run = PatchableGraph(model, x)
+    out, expected = run(x), reference(x)
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
+        assert got.grad is not None and torch.equal(got.grad, want.grad), name
+    reasons = _opaque(model) if front == "bridge" else {k: v for e in run.extractions for k, v in e.opaque.items()}
+    assert "reads parameter 'lin.weight', which requires grad" in reasons["<root>"]
+
+
 # -- strides and storage offsets: torch 2.13's unflatten turns them into the tensor itself -------
 class StrideReader(torch.nn.Module):
     def __init__(self) -> None:

@@ -21,7 +21,7 @@ import nnbridge
 from fixtures.data_dependent_module import DataDependentModule
 from nnbridge import ExtractionOptions, NNBridgeError, NNBridgeWarning, PatchableGraph
 from nnbridge.bridge import bridge_of
-from utils import assert_same, gpt2
+from utils import ListedWeight, assert_same, gpt2
 
 
 class Stack(nn.Module):
@@ -115,7 +115,8 @@ class _Settings:
 class Containers(nn.Module):
     """Plain values in containers read in forward: a list and a dict attribute, and a list and a
     dict of a ``config`` (as transformers' ``config.layer_types`` and ``config.rope_parameters``);
-    plain objects: a dataclass instance and an ``argparse.Namespace`` (``self.args = args``)."""
+    plain objects: a dataclass instance and an ``argparse.Namespace`` (``self.args = args``); a
+    list holding a tensor."""
 
     def __init__(self):
         super().__init__()
@@ -125,9 +126,11 @@ class Containers(nn.Module):
         self.config = types.SimpleNamespace(scales=[1.0, 2.0], flags={"negate": False})
         self.settings = _Settings()
         self.args = argparse.Namespace(gain=1.0)
+        self.masks = [torch.ones(4)]
 
     def forward(self, x):
         y = (self.lin(x) * self.config.scales[1] + self.offsets[1] - self.settings.shift) * self.args.gain
+        y = y * self.masks[0]
         if self.options["relu"]:
             y = torch.relu(y)
         return -y if self.config.flags["negate"] else y
@@ -144,6 +147,8 @@ CONTAINER_EDITS = {
     "dataclass_field_written": lambda m: setattr(m.settings, "shift", 2.0),
     "dataclass_reassigned": lambda m: setattr(m, "settings", _Settings(shift=-1.0)),
     "namespace_field_written": lambda m: setattr(m.args, "gain", 3.0),
+    "tensor_in_list_reassigned": lambda m: m.masks.__setitem__(0, torch.full((4,), 2.0)),
+    "tensor_in_list_written": lambda m: m.masks[0].mul_(3.0),
 }
 
 
@@ -156,8 +161,8 @@ def _containers():
 def test_container_values_written_after_extraction_are_honoured(edit):
     """Lists and dicts of plain values were not guarded: after ``m.offsets[1] = 3.0`` (or a new
     list, or a config's list or dict written) every front-end kept the extracted values, and its
-    output differed from eager without an error; so were a dataclass's or a namespace's fields and
-    a config object assigned anew."""
+    output differed from eager without an error; so were a dataclass's or a namespace's fields, a
+    config object assigned anew, and a tensor in a list (export bakes it in as a constant)."""
     x = torch.randn(3, 4)
     for name, run, target, reference in _front_ends(_containers, x):
         before = run(x)
@@ -576,3 +581,21 @@ def test_functional_call_with_other_tensors_equals_eager():
     extractions = len(bridge_of(model).dispatcher.all_extractions())
     model(ids)
     assert len(bridge_of(model).dispatcher.all_extractions()) == extractions > first
+
+
+def test_a_listed_frozen_parameter_written_in_place_extracts_again():
+    """A frozen parameter in a list attribute (as ``nn.LSTM._flat_weights``) is baked in as a
+    constant like any tensor there: written in place, it extracts again and equals eager (one
+    requiring grad runs eagerly: test_faithful_extraction's
+    test_a_parameter_read_through_a_list_runs_eagerly_with_its_gradient)."""
+    x = torch.randn(3, 4)
+    model, reference = ListedWeight(), ListedWeight()
+    for module in (model, reference):
+        module.lin.weight.requires_grad_(False)
+    nnbridge.bridge(model, x)
+    assert torch.equal(model(x), reference(x))
+    with torch.no_grad():
+        for module in (model, reference):
+            module.lin.weight.mul_(2.0)
+    assert torch.equal(model(x), reference(x))
+    assert len(bridge_of(model).dispatcher.all_extractions()) == 2

@@ -352,3 +352,16 @@ def past_plus_new(length, mask_length=None):
     (or ``(2, mask_length)``)."""
     return (torch.randn(2, length, 4), torch.randn(2, 1, 4),
             torch.randn(2, length + 1 if mask_length is None else mask_length))
+
+
+class ListedWeight(torch.nn.Module):
+    """A list attribute holding the module's own parameter (as ``nn.LSTM._flat_weights``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.weights = [self.lin.weight]
+
+    def forward(self, x):
+        return x @ self.weights[0].t() + self.lin.bias

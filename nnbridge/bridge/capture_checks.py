@@ -55,8 +55,8 @@ from .state import state_keys
 from ..compat.module_dicts import buffers_of, parameters_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.nnsight import NNSIGHT_MODULE_ATTRIBUTES
-from ..compat.capture import (autograd_function_calls, grad_mode_changes, grad_mode_frozen, graph_break_calls, layout_reads,
-                              mode_regions, tensor_version)
+from ..compat.capture import (autograd_function_calls, constant_uses, grad_mode_changes, grad_mode_frozen,
+                              graph_break_calls, layout_reads, mode_regions, tensor_version)
 from ..errors import ExtractionError, NNBridgeError
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
@@ -370,6 +370,14 @@ class CaptureWatch:
                     " torch.export.unflatten (torch 2.13) turns into the tensor itself in the graph")
         if found:
             return list(found.items())
+        graded = _tensors_requiring_grad(self.modules)
+        for path, constant in constant_uses(exported) if exported is not None and graded else []:
+            fqn = path.partition(".")[2] if path.startswith("model.") else ""
+            held = graded.get(_storage(constant)) if constant.numel() else None
+            if held is not None and new(fqn):
+                return [(fqn, UnfaithfulCaptureError(
+                    f"reads {held}, which requires grad, other than as a parameter (through a list, dict or plain"
+                    " attribute): export lifts it as a constant, so a graph would give it no gradient"))]
         for fqn, name in self.functions.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(
@@ -388,6 +396,43 @@ class CaptureWatch:
                 return [(fqn, UnfaithfulCaptureError(
                     f"{', '.join(changed)} in forward, a Python side effect a graph does not repeat", holder=fqn))]
         return []
+
+
+#: ``nn.Module``'s own slots (``_parameters``, ``_modules``, hook dicts): not attributes of the code
+_MODULE_SLOTS = frozenset(vars(torch.nn.Module()))
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _tensors_requiring_grad(modules: list[tuple[str, torch.nn.Module]]) -> dict[int, str]:
+    """``{storage pointer: description}`` of the tensors requiring grad the modules hold: their
+    parameters, and tensors in their attributes (plain, or in a list, tuple or dict)."""
+    found: dict[int, str] = {}
+    for path, module in modules:
+        for name, parameter in module.named_parameters(recurse=False):
+            if parameter.requires_grad and parameter.numel():
+                found.setdefault(_storage(parameter), f"parameter '{f'{path}.{name}' if path else name}'")
+    for path, module in modules:
+        for name, value in vars(module).items():
+            if name in _MODULE_SLOTS:
+                continue
+            for tensor in _held_tensors_in(value):
+                if tensor.requires_grad and tensor.numel():
+                    found.setdefault(_storage(tensor), f"tensor attribute '{f'{path}.{name}' if path else name}'")
+    return found
+
+
+def _held_tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 3 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _held_tensors_in(item, depth + 1)
+    elif depth < 3 and isinstance(value, dict) and not isinstance(value, torch.nn.Module):
+        for item in value.values():
+            yield from _held_tensors_in(item, depth + 1)
 
 
 def _run_with_call_stack(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -53,7 +53,7 @@ import torch
 
 from .module_tree import named_real_modules
 from ..compat.capture import tensor_version
-from .plain_values import canonical_repr, plain_value
+from .plain_values import canonical_repr, plain_value, tensor_digest
 
 #: Types of the plain global values code reads that count by their value (``repr``).
 _PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device})
@@ -119,22 +119,6 @@ def _function_digest(function: types.FunctionType) -> str:
     return value
 
 
-def _tensor_digest(tensor: torch.Tensor) -> str:
-    """dtype, shape and sha256 of a global tensor's values; one too large to hash (over
-    :data:`_HASH_LIMIT` bytes) or without readable values counts by its identity (never the same
-    in another process: the disk cache misses)."""
-    head = f"tensor {tensor.dtype} {tuple(tensor.shape)}"
-    try:
-        if tensor.numel() * tensor.element_size() > _HASH_LIMIT:
-            raise ValueError("too large")
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    except Exception:  # noqa: BLE001 - a tensor whose values cannot be read here
-        return f"{head} id {id(tensor)}"
-    return f"{head} {hashlib.sha256(data).hexdigest()}"
-
-
-#: Global tensors larger than this (bytes) are not hashed (see :func:`_tensor_digest`).
-_HASH_LIMIT = 1 << 24
 
 
 class _Walk:
@@ -221,7 +205,7 @@ class _Walk:
                 # a global tensor a graph bakes in as a constant: its values are part of the digest,
                 # and assigning it anew or writing it in place fails the check (see CodeCheck)
                 where_found = f"{function.__module__}.{name}"
-                self.entries.append((where_found, _tensor_digest(namespace[name])))
+                self.entries.append((where_found, tensor_digest(namespace[name])))
                 self.bindings.append((where_found, namespace, name, namespace[name]))
         self.todo.extend(reversed(found))
 

@@ -43,7 +43,7 @@ import torch
 from ..compat.module_dicts import modules_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from .code_identity import CodeCheck, code_bindings, is_plumbing
-from .plain_values import canonical_repr, plain_value, snapshot as plain_snapshot
+from .plain_values import HeldTensor, canonical_repr, plain_value, snapshot as plain_snapshot
 
 #: ``module.__dict__`` keys that are torch's or another library's bookkeeping, never read by a
 #: forward: ``nn.Module``'s own slots (hook dicts, ``_parameters``...; ``training`` is guarded),
@@ -156,9 +156,9 @@ class StateGuard:
             if id(module) in opaque:
                 continue
             state = module.__dict__  # (its size is not guarded: nnsight and others add entries)
-            self._plain.append((where, state, {k: plain_snapshot(v) if plain_value(v) else _PartialArguments(v)
+            self._plain.append((where, state, {k: plain_snapshot(v) if plain_value(v, tensors=True) else _PartialArguments(v)
                                                for k, v in state.items() if k not in _IGNORED
-                                               and (plain_value(v) or _PartialArguments.applies(v))}))
+                                               and (plain_value(v, tensors=True) or _PartialArguments.applies(v))}))
             for store_name in ("_parameters", "_buffers"):
                 store = state.get(store_name)
                 if store is None:
@@ -374,6 +374,8 @@ def _traced_equal(live: object, snapshot: object) -> bool:
         return True
     if isinstance(snapshot, _PartialArguments):
         return snapshot == live
+    if isinstance(snapshot, HeldTensor):  # (its version is not traced)
+        return live is snapshot.tensor
     return bool(live == snapshot)
 
 

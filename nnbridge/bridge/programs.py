@@ -157,7 +157,7 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     for name, module in named_real_modules(model):  # a bridge's op points are not part of it
         classes[_qualname(type(module))] = type(module)
         plain = sorted((k, canonical_repr(v)) for k, v in vars(module).items()
-                       if plain_value(v) and not k.startswith("__") and k not in MODEL_STATE_ATTRIBUTES
+                       if plain_value(v, tensors=True) and not k.startswith("__") and k not in MODEL_STATE_ATTRIBUTES
                        and k not in _MODULE_SLOTS)
         # config objects (transformers' or look-alikes) with every plain value, private ones included:
         # ``to_json_string`` leaves out the attention implementation, and a module's own config

@@ -10,6 +10,8 @@
   export runs it as the no-op it is in eager code, so the module would silently become one graph.
 - :func:`mode_regions`: the grad-mode / autocast regions export recorded as higher-order ops
   (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) or as ``_set_grad_enabled`` calls.
+- :func:`layout_reads`, :func:`constant_uses`: strides and storage offsets export kept as symbols,
+  and the tensor constants it lifted, each with the module using it.
 """
 
 from __future__ import annotations
@@ -158,14 +160,38 @@ def layout_reads(exported: torch.export.ExportedProgram) -> list[tuple[str, str]
                                   torch.ops.aten.sym_storage_offset.default: "sym_storage_offset"}
     found = []
     for node, name in _calls_to(exported, targets):
-        paths = [_innermost(user) for user in node.users] or [_innermost(node)]
-        common = paths[0].split(".") if paths[0] else []
-        for path in paths[1:]:
-            parts = path.split(".") if path else []
-            while common != parts[:len(common)]:
-                common.pop()
-        found.append((".".join(common), name))
+        found.append((_holding_every_use(node, _innermost(node)), name))
     return found
+
+
+def constant_uses(exported: torch.export.ExportedProgram) -> list[tuple[str, torch.Tensor]]:
+    """``[(module path, value)]`` for every tensor constant export lifted (a tensor the code reached
+    other than as a parameter, buffer or input: ``self.weights[0]`` of a list attribute), with the
+    innermost module holding every use of it (as :func:`layout_reads`). export lifts it detached
+    (``requires_grad=False``), sharing the original's storage."""
+    kinds = torch.export.graph_signature.InputKind
+    targets = {spec.arg.name: spec.target for spec in exported.graph_signature.input_specs
+               if spec.kind == kinds.CONSTANT_TENSOR and spec.target is not None}
+    found = []
+    for node in exported.graph_module.graph.nodes:
+        if node.op != "placeholder" or node.name not in targets:
+            continue
+        value = exported.constants.get(targets[node.name])
+        if not isinstance(value, torch.Tensor):
+            continue
+        found.append((_holding_every_use(node, ""), value))
+    return found
+
+
+def _holding_every_use(node: torch.fx.Node, unused: str) -> str:
+    """The innermost module holding every use of ``node`` (``unused`` when it has none)."""
+    paths = [_innermost(user) for user in node.users] or [unused]
+    common = paths[0].split(".") if paths[0] else []
+    for path in paths[1:]:
+        parts = path.split(".") if path else []
+        while common != parts[:len(common)]:
+            common.pop()
+    return ".".join(common)
 
 
 def _calls_to(exported: torch.export.ExportedProgram, targets: dict[object, str]) -> Iterator[tuple[torch.fx.Node, str]]:
