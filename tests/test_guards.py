@@ -94,17 +94,23 @@ def _seeded(cls, *args):
     return cls(*args)
 
 
-@pytest.mark.parametrize("edit", list(EDITS))
-def test_edits_after_extraction_are_honoured(edit):
+def _assert_edit_honoured(make, edit):
+    """Through each front-end (see :func:`_front_ends`): equal to eager, then ``edit`` on the
+    target and on the eager reference changes eager's output, and the front-end's equals it."""
     x = torch.randn(3, 4)
-    for name, run, target, reference in _front_ends(_stack, x):
+    for name, run, target, reference in _front_ends(make, x):
         before = run(x)
         assert torch.equal(before, reference(x)), name
         assert torch.equal(run(x), before), f"{name}: a second call (guards already counted once) reuses the graphs"
-        EDITS[edit](target)
-        EDITS[edit](reference)
+        edit(target)
+        edit(reference)
         assert not torch.equal(reference(x), before), "the edit changes eager's output"
-        assert torch.equal(run(x), reference(x)), f"{name}: {edit} ignored"
+        assert torch.equal(run(x), reference(x)), f"{name}: edit ignored"
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_edits_after_extraction_are_honoured(edit):
+    _assert_edit_honoured(_stack, EDITS[edit])
 
 
 @dataclasses.dataclass
@@ -163,14 +169,7 @@ def test_container_values_written_after_extraction_are_honoured(edit):
     list, or a config's list or dict written) every front-end kept the extracted values, and its
     output differed from eager without an error; so were a dataclass's or a namespace's fields, a
     config object assigned anew, and a tensor in a list (export bakes it in as a constant)."""
-    x = torch.randn(3, 4)
-    for name, run, target, reference in _front_ends(_containers, x):
-        before = run(x)
-        assert torch.equal(before, reference(x)), name
-        CONTAINER_EDITS[edit](target)
-        CONTAINER_EDITS[edit](reference)
-        assert not torch.equal(reference(x), before), "the edit changes eager's output"
-        assert torch.equal(run(x), reference(x)), f"{name}: {edit} ignored"
+    _assert_edit_honoured(_containers, CONTAINER_EDITS[edit])
 
 
 def _shifted_gelu(x):
@@ -212,14 +211,7 @@ def test_function_attributes_assigned_after_extraction_are_honoured(edit):
     torch.tanh`` the graphs kept calling ``relu``, and the output differed from eager without an
     error. Now a function, method, built-in or partial assigned anew (or a partial's keywords
     written) extracts again."""
-    x = torch.randn(3, 4)
-    for name, run, target, reference in _front_ends(_callables, x):
-        before = run(x)
-        assert torch.equal(before, reference(x)), name
-        CALLABLE_EDITS[edit](target)
-        CALLABLE_EDITS[edit](reference)
-        assert not torch.equal(reference(x), before), "the edit changes eager's output"
-        assert torch.equal(run(x), reference(x)), f"{name}: {edit} ignored"
+    _assert_edit_honoured(_callables, CALLABLE_EDITS[edit])
 
 
 def test_a_hook_registered_later_does_not_extract_again():
