@@ -214,6 +214,53 @@ def test_function_attributes_assigned_after_extraction_are_honoured(edit):
     _assert_edit_honoured(_callables, CALLABLE_EDITS[edit])
 
 
+class _ClassGainBase(nn.Module):
+    gain = 2.0
+    offsets = [0.0, 1.0]
+
+
+class ClassGain(_ClassGainBase):
+    """Plain class attributes read in forward, one inherited."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * self.gain + self.offsets[1]
+
+
+def _class_gain():
+    torch.manual_seed(0)
+    return ClassGain().eval()
+
+
+CLASS_EDITS = {
+    "class_attribute": lambda m: setattr(ClassGain, "gain", 3.0),
+    "base_class_attribute": lambda m: setattr(_ClassGainBase, "gain", 5.0),
+    "base_class_list_written": lambda m: _ClassGainBase.offsets.__setitem__(1, 4.0),
+}
+
+
+@pytest.mark.parametrize("edit", list(CLASS_EDITS))
+def test_class_attributes_changed_after_extraction_are_honoured(edit, monkeypatch):
+    """Class attributes were not guarded, nor part of the extraction cache's key: after
+    ``ClassGain.gain = 3.0`` the graphs kept 2.0, and the output differed from eager without an
+    error. (Each edit is undone after the test.)"""
+    x = torch.randn(3, 4)
+    for index in range(3):  # one front-end at a time: the edit is the class's, seen by every instance
+        monkeypatch.setattr(_ClassGainBase, "gain", 2.0)
+        monkeypatch.setattr(_ClassGainBase, "offsets", [0.0, 1.0])
+        monkeypatch.setattr(ClassGain, "gain", 2.0, raising=False)
+        monkeypatch.delattr(ClassGain, "gain")
+        name, run, target, reference = _front_ends(_class_gain, x)[index]
+        before = run(x)
+        assert torch.equal(before, reference(x)), name
+        CLASS_EDITS[edit](target)
+        assert not torch.equal(reference(x), before), "the edit changes eager's output"
+        assert torch.equal(run(x), reference(x)), f"{name}: {edit} ignored"
+
+
 def test_a_hook_registered_later_does_not_extract_again():
     """nn.Module's own dicts (``_forward_hooks``...) are not guarded as values: registering a
     hook on a bridged module runs it, without a new extraction."""

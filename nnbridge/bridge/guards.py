@@ -43,7 +43,7 @@ import torch
 from ..compat.module_dicts import modules_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from .code_identity import CodeCheck, code_bindings, is_plumbing
-from .plain_values import HeldTensor, canonical_repr, plain_value, snapshot as plain_snapshot
+from .plain_values import HeldTensor, canonical_repr, class_values, plain_value, snapshot as plain_snapshot
 
 #: ``module.__dict__`` keys that are torch's or another library's bookkeeping, never read by a
 #: forward: ``nn.Module``'s own slots (hook dicts, ``_parameters``...; ``training`` is guarded),
@@ -148,6 +148,7 @@ class StateGuard:
         self._held: list[tuple[str, dict[str, Any], str, Any]] = []
         self._skip = skip
         seen_configs: set[int] = set()
+        classes: list[type] = []
         for where, module in self._walk(root, path, opaque, skip):
             children = {name: child for name, child in modules_of(module).items()
                         if child is not None and not (skip is not None and skip(child))}
@@ -155,6 +156,7 @@ class StateGuard:
             self._sizes.append((where, modules_of(module), len(children)))
             if id(module) in opaque:
                 continue
+            classes.append(type(module))
             state = module.__dict__  # (its size is not guarded: nnsight and others add entries)
             self._plain.append((where, state, {k: plain_snapshot(v) if plain_value(v, tensors=True) else _PartialArguments(v)
                                                for k, v in state.items() if k not in _IGNORED
@@ -174,6 +176,10 @@ class StateGuard:
                     self._held.append((f"{name} of {where}", state, name, value))
                     if id(value) not in seen_configs:
                         self._add_config(f"{name} of {where}", value, seen_configs)
+        # plain class attributes (``Cls.gain = 3.0``, a base class's list written in place), as each
+        # module class resolves them: ``(class, name, snapshot)``
+        self._class_values = [(cls, name, plain_snapshot(value)) for cls in dict.fromkeys(classes)
+                              for name, value in class_values(cls).items()]
         self._code = CodeCheck(code_bindings(root))
         self._prepare()
 
@@ -197,6 +203,9 @@ class StateGuard:
         self._held_stores = [store for _, store, _, _ in self._held]
         self._held_names = [name for _, _, name, _ in self._held]
         self._held_objects = [value for _, _, _, value in self._held]
+        self._classes = [cls for cls, _, _ in self._class_values]
+        self._class_names = [name for _, name, _ in self._class_values]
+        self._class_snapshots = [value for _, _, value in self._class_values]
 
     @staticmethod
     def _walk(module: torch.nn.Module, where: str, opaque: set[int], skip: Callable[[torch.nn.Module], bool] | None
@@ -252,7 +261,14 @@ class StateGuard:
         if lengths != self._lengths and not self._recount(lengths):
             return False
         return (self._tensors_hold() and all(map(operator.is_, map(dict.get, self._held_stores, self._held_names),
-                                                 self._held_objects)) and self._code.holds())
+                                                 self._held_objects))
+                and self._class_values_hold() and self._code.holds())
+
+    def _class_values_hold(self) -> bool:
+        try:
+            return list(map(getattr, self._classes, self._class_names)) == self._class_snapshots
+        except Exception:  # noqa: BLE001 - deleted, or a value whose == raises: changed
+            return False
 
     def _recount(self, lengths: list[int]) -> bool:
         """Whether the dicts whose length moved still hold exactly the guarded entries: a module
@@ -300,6 +316,9 @@ class StateGuard:
         for _, store, name, value in self._held:
             if store.get(name) is not value:
                 return False
+        for cls, name, value in self._class_values:
+            if not _traced_equal(getattr(cls, name, None), value):
+                return False
         return True
 
     def what_changed(self) -> str | None:
@@ -333,6 +352,10 @@ class StateGuard:
         for where, store, name, value in self._held:
             if store.get(name) is not value:
                 return f"config-like object {where} ({type(value).__name__}) was replaced or removed"
+        for cls, name, value in self._class_values:
+            now = getattr(cls, name, missing)
+            if now is missing or not _same(now, value):
+                return f"class attribute {cls.__qualname__}.{name} changed {value!r} -> {'(deleted)' if now is missing else repr(now)}"
         for where, live, size in self._sizes:
             if len(live) != size and self._size(live) != size:
                 return f"entries of {where} were added or removed ({size} -> {len(live)})"
@@ -343,7 +366,8 @@ class StateGuard:
         """What is guarded, one line per kind (for :func:`nnbridge.explain`)."""
         plain = sum(len(snapshot) for _, _, snapshot in self._plain)
         children = sum(len(snapshot) for _, _, snapshot in self._children)
-        return [f"{plain} plain attribute values (modules and configs)", f"identity of {children} child modules",
+        return [f"{plain} plain attribute values (modules and configs)",
+                f"{len(self._class_values)} plain class attribute values", f"identity of {children} child modules",
                 f"identity, dtype, device, shape and requires_grad of {len(self._tensors)} tensors",
                 f"what {len(self._code.bindings)} lookups of methods, helper functions and registry entries find"]
 

@@ -134,3 +134,16 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 
 #: Tensors larger than this (bytes) are not hashed (see :func:`tensor_digest`).
 HASH_LIMIT = 1 << 24
+
+
+def class_values(cls: type) -> dict[str, object]:
+    """The plain class attributes a module of class ``cls`` finds (``cls.gain``, a base class's
+    ``offsets = [0.0, 1.0]``), as resolved through its MRO up to ``torch.nn.Module`` (whose own,
+    and dunder names, are left out): ``{name: value}``, the values themselves (not copies)."""
+    names: set[str] = set()
+    for owner in cls.__mro__:
+        if owner in (torch.nn.Module, object):
+            break
+        names.update(name for name, value in vars(owner).items()
+                     if not (name.startswith("__") and name.endswith("__")) and plain_value(value, tensors=True))
+    return {name: getattr(cls, name) for name in sorted(names)}

@@ -38,7 +38,7 @@ from .code_identity import code_digest
 from .options import ExtractionOptions
 from .state import Key, UntouchedLayers
 from .guards import config_like, config_values
-from .plain_values import canonical_repr, plain_value
+from .plain_values import canonical_repr, class_values, plain_value
 from .module_tree import named_real_modules
 
 
@@ -134,8 +134,9 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     ``class``: the model's qualified class name. ``config``: sha256 of the transformers config
     (``config.to_json_string()``), or None. ``structure``: sha256 of every module's path, class (op
     points a bridge registered left out), train flag and plain attribute values (numbers, strings,
-    dtypes, and lists, tuples, sets and dicts of them: :func:`~.plain_values.plain_value`), every plain
-    value of the config-like objects it holds (private ones such as
+    dtypes, and lists, tuples, sets and dicts of them: :func:`~.plain_values.plain_value`) and plain
+    class attributes (:func:`~.plain_values.class_values`), every plain value of the config-like
+    objects it holds (private ones such as
     ``_attn_implementation_internal`` included: :func:`~.guards.config_values`), and every
     parameter's and buffer's name, shape, dtype and requires_grad, and which of them are one tensor
     (tied weights). Weights' values are not part of it; nor are the flags transformers sets on
@@ -166,6 +167,8 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
         tensors = [_tensor_entry(owners, f"{name}.{k}" if name else k, k, t)
                    for k, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
         entries.append([name, _qualname(type(module)), module.training, plain, configs, tensors])
+    for cls in sorted(classes.values(), key=_qualname):  # plain class attributes (``Cls.gain = 3.0``)
+        entries.append([_qualname(cls), [(k, canonical_repr(v)) for k, v in class_values(cls).items()]])
     return {"class": _qualname(type(model)), "config": config_hash, "structure": _digest(json.dumps(entries)),
             "source": _digest(json.dumps(sorted(_source_digest(c) for c in classes.values()))),
             "code": code_digest(model)}
