@@ -19,6 +19,8 @@ from nnbridge.bridge.in_place import bridge_of
 SCALE = 2.0
 NEGATE = False
 WEIGHTS = torch.ones(3)
+SHIFTS = [0.0, 0.5]
+OPTIONS = {"relu": False}
 _THIS = sys.modules[__name__]
 
 
@@ -28,7 +30,9 @@ class Scaled(torch.nn.Module):
         self.lin = torch.nn.Linear(3, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.lin(x) * SCALE * WEIGHTS
+        y = self.lin(x) * SCALE * WEIGHTS + SHIFTS[1]
+        if OPTIONS["relu"]:
+            y = torch.relu(y)
         return -y if NEGATE else y
 
 
@@ -49,8 +53,10 @@ def _model() -> Outer:
 
 @pytest.fixture
 def weights(monkeypatch):
-    """A fresh global tensor for the test (written in place by some tests)."""
+    """A fresh global tensor, list and dict for the test (written in place by some tests)."""
     monkeypatch.setattr(_THIS, "WEIGHTS", torch.ones(3))
+    monkeypatch.setattr(_THIS, "SHIFTS", [0.0, 0.5])
+    monkeypatch.setattr(_THIS, "OPTIONS", {"relu": False})
 
 
 CHANGES = {
@@ -58,6 +64,10 @@ CHANGES = {
     "flag assigned": lambda monkeypatch: monkeypatch.setattr(_THIS, "NEGATE", True),
     "tensor assigned": lambda monkeypatch: monkeypatch.setattr(_THIS, "WEIGHTS", torch.full((3,), 0.5)),
     "tensor written in place": lambda monkeypatch: WEIGHTS.mul_(4),
+    # global containers of plain values were not followed: the graphs kept the values, silently
+    "list assigned": lambda monkeypatch: monkeypatch.setattr(_THIS, "SHIFTS", [0.0, 2.0]),
+    "list written in place": lambda monkeypatch: SHIFTS.__setitem__(1, 3.0),
+    "dict written in place": lambda monkeypatch: OPTIONS.__setitem__("relu", True),
 }
 
 
@@ -73,9 +83,10 @@ def test_a_changed_global_extracts_again_and_equals_eager(change, weights, monke
     assert torch.equal(got, expected)
     extractions = bridge_of(model).dispatcher.all_extractions()
     assert len(extractions) == 2
-    name = {"float assigned": "SCALE", "flag assigned": "NEGATE"}.get(change, "WEIGHTS")
+    name = {"float assigned": "SCALE", "flag assigned": "NEGATE", "dict written in place": "OPTIONS"}.get(
+        change, "SHIFTS" if change.startswith("list") else "WEIGHTS")
     assert name in extractions[-1].reason
-    if change == "tensor written in place":
+    if change.endswith("written in place"):
         assert "written in place" in extractions[-1].reason
     assert torch.equal(model(x), reference(x)) and len(bridge_of(model).dispatcher.all_extractions()) == 2
     nnbridge.unbridge(model)

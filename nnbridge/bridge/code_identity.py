@@ -53,7 +53,7 @@ import torch
 
 from .module_tree import named_real_modules
 from ..compat.capture import tensor_version
-from .plain_values import canonical_repr, plain_value, tensor_digest
+from .plain_values import canonical_repr, plain_value, snapshot, tensor_digest
 
 #: Types of the plain global values code reads that count by their value (``repr``).
 _PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device})
@@ -192,7 +192,14 @@ class _Walk:
             if name not in self.names:
                 self.names.add(name)
                 found.extend(self.pending.pop(name, ()))
-            if name in namespace and isinstance(namespace[name], (*_CODE_HOLDERS, type, Mapping)):
+            if name in namespace and isinstance(namespace[name], (list, tuple, set, frozenset, dict)) \
+                    and plain_value(namespace[name], tensors=True):
+                # a global container of plain values or tensors (``SCALES = [1.0, 2.0]``): by value in
+                # the digest; assigned anew or written in place fails the check (see CodeCheck)
+                where_found = f"{function.__module__}.{name}"
+                self.entries.append((where_found, canonical_repr(namespace[name])))
+                self.bindings.append((where_found, namespace, name, namespace[name]))
+            elif name in namespace and isinstance(namespace[name], (*_CODE_HOLDERS, type, Mapping)):
                 where_found = f"{function.__module__}.{name}"
                 found.append((where_found, namespace[name], ((where_found, namespace, name, namespace[name]),)))
             elif name in namespace and type(namespace[name]) in _PLAIN:
@@ -370,11 +377,17 @@ class CodeCheck:
         # global tensors: their version now (an in-place write changes what a graph baked in)
         self._tensors = [value for _, _, _, value in bindings if isinstance(value, torch.Tensor)]
         self._versions = [tensor_version(t) for t in self._tensors]
+        # global containers of plain values: a copy (a write into one changes what a graph baked in)
+        self._containers = [value for _, _, _, value in bindings
+                            if isinstance(value, (list, tuple, set, frozenset, dict)) and plain_value(value, tensors=True)]
+        self._copies = [snapshot(value) for value in self._containers]
 
     def holds(self) -> bool:
         if self._tensors and list(map(tensor_version, self._tensors)) != self._versions:
             return False
         try:
+            if self._containers and self._containers != self._copies:
+                return False
             if not all(map(operator.is_, map(operator.getitem, self._single_namespaces, self._single_names),
                            self._single_values)):
                 return False
@@ -393,5 +406,9 @@ class CodeCheck:
         for tensor, version in zip(self._tensors, self._versions):
             if tensor_version(tensor) != version:
                 where = next(w for w, _, _, value in self.bindings if value is tensor)
+                return f"{where} was written in place"
+        for container, copied in zip(self._containers, self._copies):
+            if not container == copied:
+                where = next(w for w, _, _, value in self.bindings if value is container)
                 return f"{where} was written in place"
         return replaced(self.bindings)
