@@ -62,6 +62,8 @@ _MAPPING_LIMIT = 512
 #: Methods visited whether or not code reached names them: what calling a module runs.
 _ENTRY_POINTS = ("forward", "__call__")
 _CODE_HOLDERS = (types.FunctionType, types.MethodType, functools.partial)
+#: Global containers followed by value when they hold plain values or tensors (``SCALES = [1.0, 2.0]``).
+_CONTAINERS = (list, tuple, set, frozenset, dict)
 _STDLIB = sysconfig.get_paths()["stdlib"]
 #: A binding's value where the namespace must not hold the name.
 MISSING: Any = object()
@@ -192,8 +194,8 @@ class _Walk:
             if name not in self.names:
                 self.names.add(name)
                 found.extend(self.pending.pop(name, ()))
-            if name in namespace and isinstance(namespace[name], (list, tuple, set, frozenset, dict)) \
-                    and plain_value(namespace[name], tensors=True):
+            if (name in namespace and isinstance(namespace[name], _CONTAINERS)
+                    and plain_value(namespace[name], tensors=True)):
                 # a global container of plain values or tensors (``SCALES = [1.0, 2.0]``): by value in
                 # the digest; assigned anew or written in place fails the check (see CodeCheck)
                 where_found = f"{function.__module__}.{name}"
@@ -379,7 +381,7 @@ class CodeCheck:
         self._versions = [tensor_version(t) for t in self._tensors]
         # global containers of plain values: a copy (a write into one changes what a graph baked in)
         self._containers = [value for _, _, _, value in bindings
-                            if isinstance(value, (list, tuple, set, frozenset, dict)) and plain_value(value, tensors=True)]
+                            if isinstance(value, _CONTAINERS) and plain_value(value, tensors=True)]
         self._copies = [snapshot(value) for value in self._containers]
 
     def holds(self) -> bool:

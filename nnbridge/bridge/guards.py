@@ -112,13 +112,9 @@ class _PartialArguments:
         self.func, self.args, self.keywords = value.func, value.args, dict(value.keywords)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, _PartialArguments):
-            other_func, other_args, other_keywords = other.func, other.args, other.keywords
-        elif isinstance(other, functools.partial):
-            other_func, other_args, other_keywords = other.func, other.args, other.keywords
-        else:
+        if not isinstance(other, (_PartialArguments, functools.partial)):
             return False
-        return other_func is self.func and _same(other_args, self.args) and _same(other_keywords, self.keywords)
+        return other.func is self.func and _same(other.args, self.args) and _same(other.keywords, self.keywords)
 
     def __repr__(self) -> str:
         return f"functools.partial({self.func!r}, *{self.args!r}, **{self.keywords!r})"
@@ -158,9 +154,15 @@ class StateGuard:
                 continue
             classes.append(type(module))
             state = module.__dict__  # (its size is not guarded: nnsight and others add entries)
-            self._plain.append((where, state, {k: plain_snapshot(v) if plain_value(v, tensors=True) else _PartialArguments(v)
-                                               for k, v in state.items() if k not in _IGNORED
-                                               and (plain_value(v, tensors=True) or _PartialArguments.applies(v))}))
+            guarded: dict[str, Any] = {}  # plain values (containers may hold tensors), partials' arguments
+            for name, value in state.items():
+                if name in _IGNORED:
+                    continue
+                if plain_value(value, tensors=True):
+                    guarded[name] = plain_snapshot(value)
+                elif _PartialArguments.applies(value):
+                    guarded[name] = _PartialArguments(value)
+            self._plain.append((where, state, guarded))
             for store_name in ("_parameters", "_buffers"):
                 store = state.get(store_name)
                 if store is None:
@@ -355,7 +357,8 @@ class StateGuard:
         for cls, name, value in self._class_values:
             now = getattr(cls, name, missing)
             if now is missing or not _same(now, value):
-                return f"class attribute {cls.__qualname__}.{name} changed {value!r} -> {'(deleted)' if now is missing else repr(now)}"
+                found = "(deleted)" if now is missing else repr(now)
+                return f"class attribute {cls.__qualname__}.{name} changed {value!r} -> {found}"
         for where, live, size in self._sizes:
             if len(live) != size and self._size(live) != size:
                 return f"entries of {where} were added or removed ({size} -> {len(live)})"

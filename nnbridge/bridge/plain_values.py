@@ -146,4 +146,6 @@ def class_values(cls: type) -> dict[str, object]:
             break
         names.update(name for name, value in vars(owner).items()
                      if not (name.startswith("__") and name.endswith("__")) and plain_value(value, tensors=True))
-    return {name: getattr(cls, name) for name in sorted(names)}
+    found = {name: getattr(cls, name) for name in sorted(names)}
+    # (a plain value a subclass overrides with a method or property is not one)
+    return {name: value for name, value in found.items() if plain_value(value, tensors=True)}
