@@ -434,7 +434,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         self.reason = reason
         for name, tensor in module.named_parameters(recurse=False):
             # as the module holds it: ``torch.func.functional_call`` puts plain tensors there
-            self._parameters[name] = tensor
+            parameters_of(self)[name] = tensor
         for name, buffer in module.named_buffers(recurse=False):
             self.register_buffer(name, buffer)
         for name, child in children.items():
