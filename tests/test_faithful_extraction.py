@@ -8,6 +8,7 @@ and the RNG untouched.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import types
@@ -755,6 +756,46 @@ def test_a_parameter_read_through_a_list_runs_eagerly_with_its_gradient(front):
         assert got.grad is not None and torch.equal(got.grad, want.grad), name
     reasons = _opaque(model) if front == "bridge" else {k: v for e in run.extractions for k, v in e.opaque.items()}
     assert "reads parameter 'lin.weight', which requires grad" in reasons["<root>"]
+
+
+# -- torch modules with a native fast path -------------------------------------------------------
+class _SelfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.attn(x, x, x, need_weights=False)[0])
+
+
+def _encoder():
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+@pytest.mark.parametrize("front", ["bridge", "patchable_graph"])
+@pytest.mark.parametrize("make", [_SelfAttention, _encoder], ids=["multihead_attention", "encoder"])
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_a_native_fast_path_runs_eagerly_where_eager_takes_it(front, make, mode):
+    """In eval mode without grad, nn.MultiheadAttention and nn.TransformerEncoderLayer run a native
+    fused op in eager code; a trace takes their Python path (export's tensors have a torch
+    function), and the bridged output differed from eager without an error. Now those calls run
+    eagerly (opaque, with the reason); with grad the module is still a graph."""
+    torch.manual_seed(0)
+    model = make().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 5, 16)
+    context = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    with context():
+        run, reasons = _extracted(front, model, x)
+        assert torch.equal(run(x), reference(x))
+    fast = {path: reason for path, reason in reasons.items() if "native fast path" in reason}
+    if mode == "grad":
+        assert not fast
+    else:
+        expected = {"attn"} if make is _SelfAttention else {"layers.0", "layers.1"}
+        assert expected <= set(fast) and "<root>" not in fast, reasons
 
 
 # -- strides and storage offsets: torch 2.13's unflatten turns them into the tensor itself -------

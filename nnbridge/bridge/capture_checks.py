@@ -56,7 +56,7 @@ from ..compat.module_dicts import buffers_of, parameters_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.nnsight import NNSIGHT_MODULE_ATTRIBUTES
 from ..compat.capture import (autograd_function_calls, constant_uses, grad_mode_changes, grad_mode_frozen,
-                              graph_break_calls, layout_reads, mode_regions, tensor_version)
+                              graph_break_calls, layout_reads, mode_regions, native_fast_path, tensor_version)
 from ..errors import ExtractionError, NNBridgeError
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
@@ -512,11 +512,15 @@ class EagerFindings(NamedTuple):
             another collector is active than when the module itself was entered), and as it then
             moves up from a module called with a stateful argument (a stub could not write its
             state) to its caller.
+        fast_paths: ``(path, native op)`` of the modules whose eager call may run a native fast
+            path a graph would not (``nn.MultiheadAttention`` in eval mode without grad, see
+            :func:`nnbridge.compat.capture.native_fast_path`).
     """
 
     grad_mode: list[str]
     mask_skips: list[str]
     capturing: list[str] = []
+    fast_paths: list[tuple[str, str]] = []
 
 
 def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -530,7 +534,8 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     - transformers skips building an sdpa attention mask, which a graph would build (see
       :mod:`nnbridge.compat.mask_skips`);
     - transformers starts collecting submodules' outputs with hooks (found before exporting, the
-      module is stubbed from the first export on instead of after it failed).
+      module is stubbed from the first export on instead of after it failed);
+    - a module may take a native fast path (``nn.MultiheadAttention``), which a trace does not.
 
     Module state and random state are put back after the run (:func:`preserved_state`). The
     lists are empty when the eager run raises (export reports what the run could not show)."""
@@ -540,8 +545,12 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     capturing: dict[str, None] = {}
     collectors: list[Any] = []  # the collector active when the module at each depth was entered
     stateful: set[str] = set()  # modules entered with a stateful argument
+    fast_paths: dict[str, str] = {}
 
     def entering(fqn: str, a: Any, k: Any) -> None:
+        op = native_fast_path(module.get_submodule(fqn) if fqn else module, a, k)
+        if op is not None:
+            fast_paths.setdefault(fqn, op)
         collector, depth = active_collector(), len(active)
         if collector is not None and depth and collectors[depth - 1] is not collector:
             opaque = depth - 1
@@ -562,4 +571,4 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     if not _run_with_call_stack(module, args, kwargs, grad_enabled, active,
                                 (grad_mode_changes(changed), mask_skips_seen(skipped)), entering=entering):
         return EagerFindings([], [])
-    return EagerFindings(list(grad_mode), list(mask_skips), list(capturing))
+    return EagerFindings(list(grad_mode), list(mask_skips), list(capturing), list(fast_paths.items()))

@@ -471,6 +471,15 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
             return _EagerStubs(traced, frozen, (describe_failure(capturing), capturing, None))
         if fqn not in stubs:
             stubs[fqn], errors[fqn] = describe_failure(capturing), capturing
+    # modules whose eager call may take a native fast path (nn.MultiheadAttention in eval mode
+    # without grad): a trace takes the Python path, whose numbers differ; they run eagerly
+    for fqn, op in found.fast_paths:
+        fast = UnfaithfulCaptureError(f"may run the native fast path {op} in eager code (eval mode, no grad), which a"
+                                      " trace does not take: a graph would compute the Python path's numbers")
+        if fqn == "":
+            return _EagerStubs(traced, frozen, (describe_failure(fast), fast, None))
+        if fqn not in stubs:
+            stubs[fqn], errors[fqn] = describe_failure(fast), fast
     # modules in which transformers skipped an sdpa mask that a graph would build, while another
     # attention function than transformers' stands for sdpa: traced through, shown opaque (their
     # own code runs, passing no mask as in eager)

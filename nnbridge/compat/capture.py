@@ -12,15 +12,19 @@
   (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) or as ``_set_grad_enabled`` calls.
 - :func:`layout_reads`, :func:`constant_uses`: strides and storage offsets export kept as symbols,
   and the tensor constants it lifted, each with the module using it.
+- :func:`native_fast_path`: a module call eager code may run as a native fast path a trace skips.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Any
 from collections.abc import Callable, Iterator
 
 import torch
+
+from .pytree import pytree
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
@@ -192,6 +196,33 @@ def _holding_every_use(node: torch.fx.Node, unused: str) -> str:
         while common != parts[:len(common)]:
             common.pop()
     return ".".join(common)
+
+
+#: torch 2.13 modules whose eager forward may take a native fast path that a trace does not take
+#: (their check ``torch.overrides.has_torch_function`` holds for export's tensors, so the graph
+#: gets the Python slow path, whose numbers differ): the op each calls instead.
+_NATIVE_FAST_PATHS = {
+    torch.nn.MultiheadAttention: "torch._native_multi_head_attention",
+    torch.nn.TransformerEncoderLayer: "torch._transformer_encoder_layer_fwd",
+    torch.nn.TransformerEncoder: "nested tensors (torch._nested_tensor_from_mask)",
+}
+
+
+def native_fast_path(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The native op ``module``'s eager call may run instead of its Python code (torch 2.13's
+    fast paths of ``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` and
+    ``nn.TransformerEncoder``: in eval mode, with grad disabled or nothing requiring grad), or
+    None. Conservative: the other conditions of torch's check (``need_weights``, masks, dtypes)
+    are not replicated, so it may name a call that takes the slow path after all."""
+    op = _NATIVE_FAST_PATHS.get(type(module))
+    if op is None or module.training or getattr(module, "use_nested_tensor", True) is False:
+        return None
+    if not torch.is_grad_enabled():
+        return op
+    leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+    if any(t.requires_grad for t in (*leaves, *module.parameters())):
+        return None
+    return op
 
 
 def _calls_to(exported: torch.export.ExportedProgram, targets: dict[object, str]) -> Iterator[tuple[torch.fx.Node, str]]:
