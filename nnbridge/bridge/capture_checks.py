@@ -398,10 +398,6 @@ class CaptureWatch:
         return []
 
 
-#: ``nn.Module``'s own slots (``_parameters``, ``_modules``, hook dicts): not attributes of the code
-_MODULE_SLOTS = frozenset(vars(torch.nn.Module()))
-
-
 def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
@@ -416,7 +412,7 @@ def _tensors_requiring_grad(modules: list[tuple[str, torch.nn.Module]]) -> dict[
                 found.setdefault(_storage(parameter), f"parameter '{f'{path}.{name}' if path else name}'")
     for path, module in modules:
         for name, value in vars(module).items():
-            if name in _MODULE_SLOTS:
+            if name in _INTERNAL:
                 continue
             for tensor in _held_tensors_in(value):
                 if tensor.requires_grad and tensor.numel():

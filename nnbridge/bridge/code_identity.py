@@ -121,8 +121,6 @@ def _function_digest(function: types.FunctionType) -> str:
     return value
 
 
-
-
 class _Walk:
     """One traversal (a worklist, so deep call chains need no recursion): ``entries`` are
     ``(where, digest)`` in visiting order. A class's method is visited once some code reached
@@ -299,7 +297,7 @@ def _walked(model: torch.nn.Module) -> _Walk:
                 walk.bindings.append(binding)
                 continue
             if isinstance(value, functools.partial):
-                walk.entries.append((f"{where}.arguments", partial_arguments(value)))
+                walk.entries.append((f"{where}.arguments", _partial_arguments(value)))
                 if isinstance(value.func, _BUILTINS):
                     walk.entries.append((f"{where}.func", _builtin_name(value.func)))
             walk.todo.append((where, value, (binding,)))
@@ -307,7 +305,7 @@ def _walked(model: torch.nn.Module) -> _Walk:
     return walk
 
 
-def partial_arguments(value: functools.partial) -> str:
+def _partial_arguments(value: functools.partial) -> str:
     """The arguments a ``functools.partial`` binds, as text: their ``repr`` when all are plain
     values, else their types (a partial binding objects counts by its function only)."""
     bound = (value.args, value.keywords)

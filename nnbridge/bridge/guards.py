@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..compat.module_dicts import modules_of
+from ..compat.module_dicts import MODULE_SLOTS, modules_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from .code_identity import CodeCheck, code_bindings, is_plumbing
 from .plain_values import HeldTensor, canonical_repr, class_values, plain_value, snapshot as plain_snapshot
@@ -49,7 +49,7 @@ from .plain_values import HeldTensor, canonical_repr, class_values, plain_value,
 #: forward: ``nn.Module``'s own slots (hook dicts, ``_parameters``...; ``training`` is guarded),
 #: guarded by kind below, never compared as values (a hook registered later must not re-extract).
 _IGNORED = (frozenset({"_is_full_backward_hook", "_compiled_call_impl"}) | MODEL_STATE_ATTRIBUTES
-            | (frozenset(vars(torch.nn.Module())) - {"training"}))
+            | (MODULE_SLOTS - {"training"}))
 _CONTAINER_TYPES = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 _TENSOR_PROPERTIES = operator.attrgetter("dtype", "device", "shape", "requires_grad")
 

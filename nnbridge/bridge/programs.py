@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from ..compat import MODEL_STATE_ATTRIBUTES
+from ..compat.module_dicts import MODULE_SLOTS
 from ..compat.pytree import pytree
 from .call_structure import ShapeGuard, structure_key
 from .code_identity import code_digest
@@ -124,10 +125,6 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-#: ``nn.Module``'s own slots (hook dicts, ``_parameters``...): not attribute values of the model
-_MODULE_SLOTS = frozenset(vars(torch.nn.Module())) - {"training"}
-
-
 def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     """What a saved program depends on in the model, as JSON-able values.
 
@@ -159,7 +156,7 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
         classes[_qualname(type(module))] = type(module)
         plain = sorted((k, canonical_repr(v)) for k, v in vars(module).items()
                        if plain_value(v, tensors=True) and not k.startswith("__") and k not in MODEL_STATE_ATTRIBUTES
-                       and k not in _MODULE_SLOTS)
+                       and (k not in MODULE_SLOTS or k == "training"))
         # config objects (transformers' or look-alikes) with every plain value, private ones included:
         # ``to_json_string`` leaves out the attention implementation, and a module's own config
         # (``self.config = SimpleNamespace(...)``) is not the model's

@@ -41,6 +41,7 @@ from torch.fx import Graph, Node
 from .module_tree import named_real_modules
 from .state import Path, UntouchedLayers, read_state, state_keys, write_state
 from ..compat import cache_layers
+from ..compat.module_dicts import MODULE_SLOTS
 from ..compat.nnsight_source import NNSIGHT_STATE
 from ..compat.pytree import pytree
 from ..compat.symbolic import sizes_unified
@@ -50,7 +51,7 @@ _PRIMITIVES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, t
 #: runs (``_call_impl``, see :mod:`.locking`), a bridged module's copy hook (see :mod:`.copies`)
 #: and nnsight's per-module wrapping state (one object per module, not read by the module's code:
 #: counted as an attribute that differs, it made every nnsight-wrapped model's layers unshareable)
-_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {"_call_impl", "__reduce_ex__", NNSIGHT_STATE}
+_MODULE_INTERNALS = MODULE_SLOTS | {"_call_impl", "__reduce_ex__", NNSIGHT_STATE}
 _MISSING = object()
 
 

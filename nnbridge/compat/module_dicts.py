@@ -10,6 +10,11 @@ from __future__ import annotations
 import torch
 
 
+#: the keys of a fresh ``nn.Module``'s ``__dict__``: torch's own slots (``_parameters``, ``_modules``,
+#: the hook dicts, ``training``...), which no forward reads as attributes of its own
+MODULE_SLOTS = frozenset(vars(torch.nn.Module()))
+
+
 def parameters_of(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
     """``module._parameters``: name -> Parameter or None, the live dict."""
     return module._parameters
