@@ -17,7 +17,7 @@ import contextlib
 import inspect
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -48,10 +48,13 @@ class GraphModuleBase(abc.ABC):
     Attributes:
         graph_meta: nnbridge's record of this graph (:class:`~.metadata.GraphMeta`).
         original_type: the class of the module this graph was extracted from.
+        compiled: whether this is a :class:`CompiledGraphModule` (a class attribute: asked on every
+            bridged call, cheaper than ``isinstance`` of this abstract class).
     """
 
     graph_meta: GraphMeta
     original_type: type[torch.nn.Module]
+    compiled: ClassVar[bool]
     _point_names: list[str]
     _op_points: dict[str, OpPoint]
     _nnbridge_ops: types.SimpleNamespace
@@ -143,6 +146,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         original_type: the class of the module this graph was extracted from.
     """
 
+    compiled = True
     _forward_cache: dict[frozenset[str], Callable[..., Any]]
     _trace_forward: Callable[..., Any]
     #: set by :meth:`read_tensors_from`: the module whose tensors ``get_attr`` nodes read at call time
@@ -415,6 +419,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
         serves_any_size: see the attribute.
     """
 
+    compiled = False
     original: torch.nn.Module
     reason: str
     #: whether a call of other sizes (same ranks) runs as the extracted one did (see

@@ -147,6 +147,10 @@ class Bridge:
         count_unrouted: class-wide ``count_unrouted(module, points)``: told of a call that ran
             ``points`` without routing them, so a front-end counting visits (nnsight's iteration
             steps) counts them as visited. Does nothing until a front-end installs its counter.
+        front_end_active: class-wide ``front_end_active(module)``: whether a front-end's run (an
+            nnsight trace) is under way that may want something of ``module``'s call; when not,
+            ``wanted_inside``, ``source_body`` and ``count_unrouted`` are not asked (each says no
+            or does nothing then). False until a front-end installs its test.
     """
 
     wanted_inside: ClassVar[Callable[[torch.nn.Module], bool]] = staticmethod(lambda module: False)
@@ -154,6 +158,7 @@ class Bridge:
     front_end_body: ClassVar[Callable[[torch.nn.Module], Callable[..., Any] | None]] = staticmethod(lambda module: None)
     count_unrouted: ClassVar[Callable[[torch.nn.Module, Iterable[OpPoint]], None]] = staticmethod(
         lambda module, points: None)
+    front_end_active: ClassVar[Callable[[torch.nn.Module], bool]] = staticmethod(lambda module: False)
 
     def __init__(self, model: torch.nn.Module, options: ExtractionOptions):
         self.model = model
@@ -202,11 +207,14 @@ class Bridge:
 
     def chosen(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """What :meth:`body` runs for a call whose caller's graph chose ``graph`` (a call site
-        calling the body directly, see :class:`_CallSite`)."""
+        calling the body directly outside Dynamo, see :class:`_CallSite`)."""
         with CALL_LOCK:
             if self.eager:
                 return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
-            return self._run(module, graph, args, kwargs)
+            specs = graph.graph_meta.state_specs
+            if (specs is None or specs) and not _state_specs_hold(graph, args, kwargs):
+                graph = self._own_dispatcher(module).lookup(args, kwargs).root  # (as in :meth:`_run`)
+            return self._run_graph(module, graph, args, kwargs, False)
 
     def _run(self, module: torch.nn.Module, graph: AnyGraph | None, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
@@ -221,19 +229,27 @@ class Bridge:
             if dispatcher is None or not (module is self.model or self.depth > 0):
                 return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
             graph = dispatcher.lookup(args, kwargs).root
+        return self._run_graph(module, graph, args, kwargs, compiling)
+
+    def _run_graph(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   compiling: bool) -> Any:
+        """Run ``graph`` as ``module``'s body for this call (``compiling``: Dynamo traces it, so
+        the plain generated code runs)."""
         self.depth += 1
         try:
-            # an nnsight trace waiting for something inside this module: each node asks whether
-            # it is wanted; otherwise the plain code (which routes patched and hooked nodes), with
-            # the trace's visit counts of the graph's ops kept as if each had been served
-            source = Bridge.source_body(module)
-            if source is None and Bridge.wanted_inside(module):
-                return graph.trace_forward()(graph, *args, **kwargs)
-            Bridge.count_unrouted(module, graph.op_points_made())
-            if source is not None:  # the trace wants this call's nnsight ``.source`` operations
-                return source(module, *args, **kwargs)
-            if isinstance(graph, CompiledGraphModule) and not compiling:
-                return graph.fast_forward()(graph, *args, **kwargs)
+            if Bridge.front_end_active(module):
+                # an nnsight trace waiting for something inside this module: each node asks
+                # whether it is wanted; otherwise the plain code (which routes patched and hooked
+                # nodes), with the trace's visit counts of the graph's ops kept as if each had
+                # been served
+                source = Bridge.source_body(module)
+                if source is None and Bridge.wanted_inside(module):
+                    return graph.trace_forward()(graph, *args, **kwargs)
+                Bridge.count_unrouted(module, graph.op_points_made())
+                if source is not None:  # the trace wants this call's nnsight ``.source`` operations
+                    return source(module, *args, **kwargs)
+            if graph.compiled and not compiling:
+                return cast(CompiledGraphModule, graph).fast_forward()(graph, *args, **kwargs)
             return graph.forward(*args, **kwargs)
         except BaseException as error:
             add_note(error)

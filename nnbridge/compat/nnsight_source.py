@@ -102,6 +102,13 @@ def sourced(module: torch.nn.Module) -> bool:
     return state is not None and bool(state.sourced)
 
 
+def trace_running(module: torch.nn.Module) -> bool:
+    """Whether an nnsight trace that reaches ``module`` is interleaving now (its ``State.active``):
+    else :func:`source_body`, :func:`wanted_below` and :func:`count_visits` say no or do nothing."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    return state is not None and state.active()[0] is not None
+
+
 def source_body(module: torch.nn.Module) -> Callable[..., Any] | None:
     """nnsight's source-instrumented forward of ``module`` when the running trace waits at or
     caches one of its ``.source`` operations (``<path>.source.`` locations), else ``None``."""

@@ -3,7 +3,8 @@
 The graph layer asks class-wide hooks while a trace runs: :attr:`OpPoint.wanted` (route this
 node's value through its op point?), :attr:`Bridge.wanted_inside` (run this bridged module's
 asking code?), :attr:`Bridge.source_body` (run nnsight's ``.source`` body for this call?),
-:attr:`Bridge.front_end_body` and :attr:`Bridge.count_unrouted` (nnsight's visit counts). All say
+:attr:`Bridge.front_end_body` and :attr:`Bridge.count_unrouted` (nnsight's visit counts), and
+:attr:`Bridge.front_end_active` (is a trace running that reaches this module?). All say
 no until a front-end installs its test; importing the envoy layer installs nnsight 0.8's
 (:mod:`nnbridge.compat.nnsight`, :mod:`nnbridge.compat.nnsight_source`). The dependency runs one way: the envoy layer
 knows the graph runtime, never the reverse. Example::
@@ -17,7 +18,7 @@ from __future__ import annotations
 from ..bridge.in_place import Bridge
 from ..bridge.op_point import OpPoint
 from ..compat.nnsight import trace_wants, wanted_inside
-from ..compat.nnsight_source import count_visits, nnsight_body, source_body
+from ..compat.nnsight_source import count_visits, nnsight_body, source_body, trace_running
 
 
 def install() -> None:
@@ -28,3 +29,4 @@ def install() -> None:
     Bridge.source_body = staticmethod(source_body)
     Bridge.front_end_body = staticmethod(nnsight_body)
     Bridge.count_unrouted = staticmethod(count_visits)
+    Bridge.front_end_active = staticmethod(trace_running)
