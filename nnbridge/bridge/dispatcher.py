@@ -27,7 +27,8 @@ from typing import Any, cast
 import torch
 
 from ..compat import register_cache_pytrees
-from ..errors import warn
+from ..compat.overrides import function_override
+from ..errors import NNBridgeError, warn
 from .call_structure import describe_key_change, structure_key, tensor_leaves
 from . import extraction as _extraction
 from .extraction import Extraction
@@ -210,10 +211,12 @@ class GraphDispatcher(torch.nn.Module):
 
     def lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
         """The extraction serving this call, extracting one if no cached one's guards hold."""
+        tensors = tensor_leaves(args, kwargs)
+        if not torch.compiler.is_compiling():
+            self._refuse_function_overrides(tensors)
         key = self.structure_key(args, kwargs)
         candidates = self.extractions.get(key)
         if candidates:
-            tensors = tensor_leaves(args, kwargs)
             call = (args, kwargs)
             for extraction in candidates:
                 # every cached extraction has the state guard add_extraction gave it
@@ -226,6 +229,18 @@ class GraphDispatcher(torch.nn.Module):
         reason = self._why(key, args, kwargs)
         self._warn_if_thrashing(reason)
         return self.add_extraction(args, kwargs, key, reason=reason)
+
+    def _refuse_function_overrides(self, tensors: list[torch.Tensor]) -> None:
+        """Raise when eager PyTorch would run ``__torch_function__`` code for this call that the
+        graphs' aten calls skip (see :mod:`nnbridge.compat.overrides`)."""
+        cause = function_override(tensors)
+        if cause is not None:
+            where = self.path or type(self.module).__name__
+            raise NNBridgeError(
+                f"Module '{where}' ({type(self.module).__name__}) cannot run its graphs for this call: {cause}. Graph"
+                " code calls aten operators, which skip __torch_function__, so its results could differ from eager"
+                " PyTorch. Pass plain tensors (x.as_subclass(torch.Tensor)), leave the mode before calling, or run"
+                " the unbridged model (nnbridge.unbridge).")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():  # torch.compile traces through: Dynamo cannot enter a lock
