@@ -88,6 +88,7 @@ def test_a_subclass_keeping_torch_tensors_function_runs_the_graphs_and_equals_ea
     eager = TwoLinears()
     for name, run in _front_ends(x):
         got = run(x.as_subclass(Tagged))
+        assert type(got) is Tagged, name
         assert torch.equal(got.as_subclass(torch.Tensor), eager(x.as_subclass(Tagged)).as_subclass(torch.Tensor)), name
 
 
