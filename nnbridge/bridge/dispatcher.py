@@ -10,6 +10,9 @@ still holds (its *guards*):
   config, child identity, parameter and buffer identity, dtype, device, shape and
   requires_grad).
 
+A call that eager PyTorch would hand to ``__torch_function__`` code (a tensor subclass's own, an
+active ``TorchFunctionMode``) is refused: graph code calls aten operators, which skip it.
+
 A failed guard extracts again from the call. At most ``ExtractionOptions.recompile_limit``
 extractions are kept per module (least recently used evicted); when a module keeps being extracted
 again, one warning names the module and the guard that failed. :attr:`GraphDispatcher.history`
@@ -210,7 +213,13 @@ class GraphDispatcher(torch.nn.Module):
         return structure_key(self.flag_modules, args, kwargs)
 
     def lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
-        """The extraction serving this call, extracting one if no cached one's guards hold."""
+        """The extraction serving this call, extracting one if no cached one's guards hold.
+
+        Raises:
+            NNBridgeError: eager PyTorch would hand the call to ``__torch_function__`` code (a
+                tensor subclass's own, an active ``TorchFunctionMode``), which graph code skips
+                (see :mod:`nnbridge.compat.overrides`); not checked while torch compiles or exports.
+        """
         tensors = tensor_leaves(args, kwargs)
         if not torch.compiler.is_compiling():
             self._refuse_function_overrides(tensors)

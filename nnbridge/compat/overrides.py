@@ -5,8 +5,8 @@ functions (``F.linear``), which first offer the call to every active ``TorchFunc
 the ``__torch_function__`` of tensor subclasses among their arguments. A mode or subclass that
 changes a result (scales, rounds, logs and substitutes) therefore changes eager's numbers and not
 the graph's: found as a silent difference. Dispatch-level subclasses and modes
-(``__torch_dispatch__``, ``FakeTensorMode``, ``FlopCounterMode``) see the same aten operators in
-both, and are not reported.
+(``__torch_dispatch__``, ``FakeTensorMode``, ``FlopCounterMode``) act below both paths and are
+not checked.
 
 Torch's own ``torch.device(...)`` context (a ``DeviceContext`` mode that only fills in the
 ``device`` of factory functions) is not reported: graph code passes devices explicitly.
