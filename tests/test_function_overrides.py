@@ -14,6 +14,7 @@ from nnbridge import PatchableGraph
 from nnbridge.bridge.in_place import bridge_of
 from nnbridge.compat.overrides import function_override, overrides_torch_function
 from nnbridge.errors import NNBridgeError
+from utils import front_ends
 
 
 class Doubled(torch.Tensor):
@@ -46,17 +47,8 @@ class TwoLinears(nn.Module):
 
 
 def _front_ends(example):
-    model = TwoLinears()
-    pg = PatchableGraph(model, example)
-    bridged = nnbridge.bridge(TwoLinears(), example)
-    traced = nnbridge.NNsight(TwoLinears())
-
-    def through_nnsight(x):
-        with traced.trace(x):
-            traced.add.output.save()  # an op read: the graphs run (a trace reading none runs eagerly)
-            out = traced.output.save()
-        return out
-    return [("pg", pg), ("bridge", bridged), ("nnsight", through_nnsight)]
+    """``(name, run)`` per front-end; the nnsight trace reads the op ``add`` (so the graphs run)."""
+    return [(name, run) for name, run, _, _ in front_ends(TwoLinears, example, op="add")]
 
 
 def test_a_subclass_with_its_own_torch_function_is_refused_by_every_front_end():

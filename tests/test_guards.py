@@ -21,7 +21,7 @@ import nnbridge
 from fixtures.data_dependent_module import DataDependentModule
 from nnbridge import ExtractionOptions, NNBridgeError, NNBridgeWarning, PatchableGraph
 from nnbridge.bridge import bridge_of
-from utils import ListedWeight, assert_same, gpt2
+from utils import ListedWeight, assert_same, front_ends, gpt2
 
 
 class Stack(nn.Module):
@@ -63,22 +63,6 @@ def _stack():
     return Stack().eval()
 
 
-def _front_ends(make, example):
-    """``(name, run, target, reference)`` per front-end: ``run(x)`` calls it on ``target``, a fresh
-    ``make()``; ``reference`` is another ``make()`` that stays plain eager."""
-    model = make()
-    pg = PatchableGraph(model, example)
-    bridged = nnbridge.bridge(make(), example)
-    traced = nnbridge.NNsight(make())
-
-    def through_nnsight(x):
-        with traced.trace(x):
-            out = traced.output.save()
-        return out
-    return [("pg", pg, model, make()), ("bridge", bridged, bridged, make()),
-            ("nnsight", through_nnsight, traced._module, make())]
-
-
 EDITS = {
     "attribute": lambda m: setattr(m, "temperature", 2.0),
     "tensor_attribute": lambda m: setattr(m, "shift", torch.ones(4)),
@@ -95,10 +79,10 @@ def _seeded(cls, *args):
 
 
 def _assert_edit_honoured(make, edit):
-    """Through each front-end (see :func:`_front_ends`): equal to eager, then ``edit`` on the
+    """Through each front-end (see :func:`utils.front_ends`): equal to eager, then ``edit`` on the
     target and on the eager reference changes eager's output, and the front-end's equals it."""
     x = torch.randn(3, 4)
-    for name, run, target, reference in _front_ends(make, x):
+    for name, run, target, reference in front_ends(make, x):
         before = run(x)
         assert torch.equal(before, reference(x)), name
         assert torch.equal(run(x), before), f"{name}: a second call (guards already counted once) reuses the graphs"
@@ -253,7 +237,7 @@ def test_class_attributes_changed_after_extraction_are_honoured(edit, monkeypatc
         monkeypatch.setattr(_ClassGainBase, "offsets", [0.0, 1.0])
         monkeypatch.setattr(ClassGain, "gain", 2.0, raising=False)
         monkeypatch.delattr(ClassGain, "gain")
-        name, run, target, reference = _front_ends(_class_gain, x)[index]
+        name, run, target, reference = front_ends(_class_gain, x)[index]
         before = run(x)
         assert torch.equal(before, reference(x)), name
         CLASS_EDITS[edit](target)
@@ -294,7 +278,7 @@ def test_config_flags_after_bridging():
 @pytest.mark.parametrize("convert", ["double", "half", "bfloat16", "to_float64"])
 def test_dtype_changes_after_extraction(convert):
     x = torch.randn(3, 4)
-    for name, run, target, reference in _front_ends(_stack, x):
+    for name, run, target, reference in front_ends(_stack, x):
         for m in (target, reference):
             if convert == "to_float64":
                 m.to(torch.float64)

@@ -18,7 +18,8 @@ import transformers
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from fixtures.data_dependent_module import DataDependentModule
-from nnbridge import CompiledGraphModule, ExtractionOptions
+import nnbridge
+from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -365,3 +366,23 @@ class ListedWeight(torch.nn.Module):
 
     def forward(self, x):
         return x @ self.weights[0].t() + self.lin.bias
+
+
+def front_ends(make, example, op=None):
+    """``(name, run, target, reference)`` per front-end (PatchableGraph, in-place bridge, nnsight
+    trace): ``run(x)`` calls it on ``target``, a fresh ``make()``; ``reference`` is another
+    ``make()`` that stays plain eager. ``op``: an op envoy the trace also reads (then the graphs
+    run; a trace that reads no op runs the model's own code)."""
+    model = make()
+    pg = PatchableGraph(model, example)
+    bridged = nnbridge.bridge(make(), example)
+    traced = nnbridge.NNsight(make())
+
+    def through_nnsight(x):
+        with traced.trace(x):
+            if op is not None:
+                getattr(traced, op).output.save()
+            out = traced.output.save()
+        return out
+    return [("pg", pg, model, make()), ("bridge", bridged, bridged, make()),
+            ("nnsight", through_nnsight, traced._module, make())]
