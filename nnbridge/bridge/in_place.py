@@ -211,25 +211,29 @@ class Bridge:
         with CALL_LOCK:
             if self.eager:
                 return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
-            specs = graph.graph_meta.state_specs
-            if (specs is None or specs) and not _state_specs_hold(graph, args, kwargs):
-                graph = self._own_dispatcher(module).lookup(args, kwargs).root  # (as in :meth:`_run`)
-            return self._run_graph(module, graph, args, kwargs, False)
+            return self._run_graph(module, self._fitting(module, graph, args, kwargs), args, kwargs, False)
 
     def _run(self, module: torch.nn.Module, graph: AnyGraph | None, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
         compiling = torch.compiler.is_dynamo_compiling()  # Dynamo traces the plain checks and code
-        if graph is not None and not compiling and not _state_specs_hold(graph, args, kwargs):
-            # a state object (a ``Cache``) is not in the state the parent's extraction saw, e.g. an
-            # earlier layer was skipped (nnsight ``.skip()``) and did not write its cache layer, as
-            # in eager: this call gets its own extraction, for the state it really receives
-            graph = self._own_dispatcher(module).lookup(args, kwargs).root
+        if graph is not None and not compiling:
+            graph = self._fitting(module, graph, args, kwargs)
         if graph is None:
             dispatcher = self.dispatchers.get(id(module))
             if dispatcher is None or not (module is self.model or self.depth > 0):
                 return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
             graph = dispatcher.lookup(args, kwargs).root
         return self._run_graph(module, graph, args, kwargs, compiling)
+
+    def _fitting(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> AnyGraph:
+        """``graph``, or ``module``'s own extraction for this call when a state object (a ``Cache``)
+        is not in the state the parent's extraction saw: e.g. an earlier layer was skipped (nnsight
+        ``.skip()``) and did not write its cache layer, as in eager. Graphs without state arguments
+        are passed through without a call (the check runs on every bridged module call)."""
+        specs = graph.graph_meta.state_specs
+        if (specs is None or specs) and not _state_specs_hold(graph, args, kwargs):
+            return self._own_dispatcher(module).lookup(args, kwargs).root
+        return graph
 
     def _run_graph(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any],
                    compiling: bool) -> Any:
