@@ -15,6 +15,8 @@ from torch import nn
 
 import nnbridge
 from nnbridge import ExtractionError, ExtractionOptions, PatchableGraph, ZeroPatch
+from nnbridge.bridge.module_tree import named_real_modules
+from nnbridge.bridge.op_point import OpPoint, OpPointContainer
 
 
 class Repeats(nn.Module):
@@ -128,3 +130,74 @@ def test_indexing_the_repeated_entry(mode):
     assert torch.equal(pg(x), _made(SecondEntry)(x))
     with pg.patch({"layers_1.output": ZeroPatch()}):
         assert torch.equal(pg(x), torch.zeros(3, 4))
+
+
+
+class AliasInSequential(nn.Module):
+    """A Linear registered at the root and again as a Sequential's second entry, beside a repeated
+    ModuleList entry (``stack``): the Sequential runs the Linear only through its registration.
+    Bridged, the Sequential's graph dropped that entry and the logits differed from eager (0.72)
+    without an error."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.first = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.second = nn.Sequential(nn.Linear(4, 4), self.shared)
+        self.stack = Repeats()
+
+    def forward(self, x):
+        return self.second(self.first(x)) + self.stack(x)
+
+
+class SequentialTwice(nn.Module):
+    """``Sequential(block, relu, block)``: the block runs twice (bridged, it ran once)."""
+
+    def __init__(self):
+        super().__init__()
+        block = nn.Linear(4, 4)
+        self.seq = nn.Sequential(block, nn.ReLU(), block)
+
+    def forward(self, x):
+        return self.seq(x) * 2
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("cls, sequential", [(AliasInSequential, "second"), (SequentialTwice, "seq")])
+def test_a_sequential_holding_a_module_registered_twice_runs_its_code_and_equals_eager(cls, sequential, mode):
+    x = torch.randn(3, 4)
+    reference = _made(cls)
+    expected = reference(x)
+    expected.sum().backward()
+    model = _made(cls)
+    bridged = nnbridge.bridge(model, x, options=MODES[mode])
+    out = bridged(x)
+    out.sum().backward()
+    assert torch.equal(out, expected)
+    for (name, grad), (_, reference_grad) in zip(_grads(model), _grads(reference)):
+        assert torch.equal(grad, reference_grad), name
+    pg = PatchableGraph(_made(cls), x, options=MODES[mode])
+    assert torch.equal(pg(x), expected)
+    if mode == "compiled":
+        reasons = str(nnbridge.explain(pg))
+        assert f"{sequential!r} is a Sequential, which runs every entry it holds" in reasons, reasons
+        assert "mul" in pg.graph.keys() or "add" in pg.graph.keys(), "the root's own ops stay a graph"
+
+
+def _grads(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(name, p.grad) for name, p in model.named_parameters()]
+
+
+def test_real_module_walk_is_named_modules_without_op_points_keeping_shared_children_under_each_parent():
+    """named_real_modules, which op reads and extraction walk, lists what named_modules lists
+    without its memo (a module shared by two parents under each) and without op points."""
+    model, x = _made(AliasInSequential), torch.randn(2, 4)
+    expected = _made(AliasInSequential)(x)
+    before = [(name, id(module)) for name, module in model.named_modules(remove_duplicate=False)]
+    # within one parent a module object registered twice comes once (as named_children gives it)
+    before.remove(("stack.layers.2", id(model.stack.layers[0])))
+    nnbridge.bridge(model, x)
+    assert torch.equal(model(x), expected)
+    assert any(isinstance(m, (OpPoint, OpPointContainer)) for m in model.modules())
+    assert [(name, id(module)) for name, module in named_real_modules(model)] == before
+    assert [name for name, _ in named_real_modules(model.first, "first")] == ["first", "first.0", "first.1"]
