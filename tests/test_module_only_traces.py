@@ -12,7 +12,7 @@ import torch
 
 import nnbridge
 from nnbridge.bridge.in_place import bridge_of
-from nnbridge.bridge.op_point import OpPointContainer
+from nnbridge.bridge.op_point import LISTENED, OpPointContainer
 from nnbridge.envoys.op_reads import attribute_reads, forward_arguments, may_be_op
 from nnbridge.errors import NNBridgeError
 from nnbridge.envoys import BridgeEnvoy
@@ -374,3 +374,36 @@ def test_plain_call_outside_a_trace_runs_eagerly_unless_an_op_point_listens():
     bridged.eager_module_traces = False
     bridged(IDS, attention_mask=mask)
     assert _extractions(module) == 2
+
+
+def test_listened_is_told_by_listeners_hooks_and_copies_of_hooked_points():
+    """Bridge.listened answers from the set of listened op points (op_point.LISTENED) when it is
+    empty: every way a point becomes listened or stops must reach that set."""
+    model, other = llama(), llama()
+    nnbridge.bridge(model, IDS)
+    nnbridge.bridge(other, IDS)
+    state, other_state = bridge_of(model), bridge_of(other)
+    point = model.get_submodule("model.layers.0.mlp.mul")
+    assert not state.listened() and not other_state.listened()
+    handle = point.register_forward_hook(lambda m, a, o: o)
+    assert state.listened() and not other_state.listened()
+    copied = copy.deepcopy(point)  # a copy keeps torch's hook dicts, so it is listened too
+    handle.remove()
+    assert not state.listened() and point not in LISTENED and copied in LISTENED
+    del copied
+
+    def listener(value):
+        return value
+    point.add_listener(listener)
+    assert state.listened() and point in LISTENED
+    point.remove_listener(listener)
+    assert not state.listened() and point not in LISTENED
+    # hooked again: a module-only trace runs the graphs, and the hook's zeros reach the logits
+    handle = point.register_forward_hook(lambda m, args, out: torch.zeros_like(out))
+    bridged = nnbridge.NNsight(model)
+    with bridged.trace(IDS):
+        logits = bridged.lm_head.output.save()
+    handle.remove()
+    reference = llama()
+    _down_proj_input(reference, torch.zeros_like)
+    assert torch.equal(logits, reference(IDS).logits)

@@ -56,7 +56,7 @@ from .metadata import node_meta
 from .summaries import bind_inputs
 from .locking import CALL_LOCK, lock_calls, locked_call, unlock_calls
 from .module_tree import refuse_instance_forwards
-from .op_point import OpPoint, OpPointContainer
+from .op_point import LISTENED, OpPoint, OpPointContainer
 from .options import ExtractionOptions
 
 #: key in a bridged model's ``__dict__`` holding its :class:`Bridge` (removed by :func:`unbridge`);
@@ -168,6 +168,11 @@ class Bridge:
         self.swapped: dict[int, SwappedBody] = {}
         self.points: dict[tuple[int, int, str], OpPoint] = {}
         self.registered: list[tuple[torch.nn.Module, str]] = []
+        #: ``registered`` grouped by holder, in order of first registration: ``{id(holder): (holder,
+        #: {attribute: None})}`` (see :meth:`holders`)
+        self._holders: dict[int, tuple[torch.nn.Module, dict[str, None]]] = {}
+        #: every attribute name in :attr:`registered` (an op envoy name a trace may read)
+        self.registered_names: set[str] = set()
         #: ``(root graph, {placeholder: summary})`` of linked extractions whose example summaries
         #: are not computed yet (see :meth:`examples_due`)
         self.owed_examples: list[tuple[weakref.ref[AnyGraph], dict[str, Any]]] = []
@@ -264,8 +269,9 @@ class Bridge:
     def listened(self) -> bool:
         """Whether a patch listener or a torch hook is on any of the model's op points (then a
         call must run the graphs: :meth:`running_eagerly` would skip them)."""
-        # OpPoint.listened, read off the instance dicts: hundreds of points are checked before every trace
-        return any(point._listeners or point._hooked for point in self.points.values())
+        # OpPoint.listened, read off the instance dicts: hundreds of points are checked before every
+        # trace, unless no point of any model is listened (37 us for GPT-2 4x256's 471 points)
+        return bool(LISTENED) and any(point._listeners or point._hooked for point in self.points.values())
 
     @contextlib.contextmanager
     def running_eagerly(self) -> Iterator[None]:
@@ -439,12 +445,24 @@ class Bridge:
             holder = existing if existing is not None else OpPointContainer()
             if existing is None:
                 module.add_module(container_name, holder)
-                self.registered.append((module, container_name))
+                self._note_registered(module, container_name)
         attribute = name
         while attribute in _ENVOY_NAMES or hasattr(holder, attribute):
             attribute += "_"
         holder.add_module(attribute, point)
+        self._note_registered(holder, attribute)
+
+    def _note_registered(self, holder: torch.nn.Module, attribute: str) -> None:
         self.registered.append((holder, attribute))
+        self._holders.setdefault(id(holder), (holder, {}))[1][attribute] = None
+        self.registered_names.add(attribute)
+
+    def holders(self) -> list[tuple[torch.nn.Module, dict[str, None]]]:
+        """:attr:`registered` grouped by holder: ``[(holder, {attribute: None})]``, each holder once,
+        holders and attributes in order of first registration (a module's ``invocation_<k>``
+        container before the container's own points). For walks over what a bridge registered
+        that look up one thing per holder, not per op point (:func:`~nnbridge.compat.nnsight.mirror_envoys`)."""
+        return list(self._holders.values())
 
     def swap(self, module: torch.nn.Module) -> None:
         """Make ``module``'s body :meth:`body`, and its copies bridged copies (see .copies)."""
@@ -460,6 +478,8 @@ class Bridge:
             restore_body(swapped)
             remove_copier(swapped.module)
         self.registered.clear()
+        self._holders.clear()
+        self.registered_names.clear()
         self.swapped.clear()
         unlock_calls(self.locked)
         self.locked = []

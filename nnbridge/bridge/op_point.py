@@ -35,6 +35,12 @@ if TYPE_CHECKING:
 Listener = Callable[[Any], Any]
 
 
+#: every op point that has a patch listener or a torch hook registered through its methods (see
+#: :attr:`OpPoint.listened`), weakly held: while it is empty no point of any model is listened, so
+#: :meth:`~nnbridge.bridge.in_place.Bridge.listened` answers before every trace without a scan
+LISTENED: weakref.WeakSet[OpPoint] = weakref.WeakSet()
+
+
 class OpPoint(torch.nn.Module):
     """Identity module standing for the value of one graph node.
 
@@ -88,6 +94,7 @@ class OpPoint(torch.nn.Module):
         ``refresh()`` once afterwards).
         """
         self._listeners.append(listener)
+        self._note_listened()
         if refresh:
             self.refresh()
 
@@ -101,8 +108,20 @@ class OpPoint(torch.nn.Module):
             if existing is listener:
                 del self._listeners[i]
                 break
+        self._note_listened()
         if refresh:
             self.refresh()
+
+    def _note_listened(self) -> None:
+        if self.listened:
+            LISTENED.add(self)
+        else:
+            LISTENED.discard(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copied or unpickled point that has listeners or torch hooks is in :data:`LISTENED` too."""
+        super().__setstate__(state)
+        self._note_listened()
 
     def refresh(self) -> None:
         """Recompute the owning graphs' routing (torch hooks registered through the methods below
@@ -117,9 +136,11 @@ class OpPoint(torch.nn.Module):
         def remove_and_refresh() -> None:
             remove()
             self.__dict__["_hooked"] = has_module_hooks(self)
+            self._note_listened()
             self.refresh()
         handle.remove = remove_and_refresh  # type: ignore[method-assign]  # this handle's remove also re-routes
         self.__dict__["_hooked"] = True
+        self._note_listened()
         self.refresh()
         return handle
 

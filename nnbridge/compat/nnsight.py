@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import nnsight
@@ -56,13 +56,23 @@ def trace_wants(point: torch.nn.Module) -> bool:
     return False
 
 
-def mirror_envoys(interleaver: Any, registered: list[tuple[torch.nn.Module, str]]) -> None:
-    """Give every newly registered submodule ``holder.<name>`` an envoy under ``holder``'s envoy."""
-    for holder, name in registered:
+def mirror_envoys(interleaver: Any, holders: Iterable[tuple[torch.nn.Module, dict[str, None]]]) -> None:
+    """Give every newly registered submodule ``holder.<name>`` an envoy under ``holder``'s envoy.
+
+    ``holders``: ``[(holder, {name: None})]`` in order of registration, a holder before the holders
+    registered inside it (:meth:`~nnbridge.bridge.in_place.Bridge.holders`). Runs before every
+    trace, so a holder whose names all have envoys costs two look-ups (GPT-2 4x256, 471 op points:
+    82 us when looked up per op point)."""
+    for holder, names in holders:
         envoy = interleaver.envoys.get(id(holder))
-        if envoy is None or name in envoy._child_map:
+        if envoy is None:
             continue
-        envoy._wrap_envoy(name, holder._modules[name])
+        children = envoy._child_map
+        if names.keys() <= children.keys():
+            continue
+        for name in names:
+            if name not in children:
+                envoy._wrap_envoy(name, holder._modules[name])
 
 
 def pending_workers(envoy: Any) -> tuple[list[types.CodeType] | None, Callable[[str], object]]:

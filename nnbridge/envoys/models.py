@@ -176,7 +176,7 @@ class _Bridged(_EnvoyBase):
                                 " no op envoys to extract; trace it as with nnsight (module envoys work), or wrap a"
                                 " module with parameters.")
         state.dispatcher.lookup(tuple(args), dict(kwargs))
-        mirror_envoys(self.interleaver, state.registered)
+        mirror_envoys(self.interleaver, state.holders())
         return self
 
     def interleave(self, fn: Any, *args: Any, batcher: Any = None, **kwargs: Any) -> Any:
@@ -244,7 +244,7 @@ class _Bridged(_EnvoyBase):
         codes, resolve = pending_workers(self)
         if codes is None:
             return None
-        return op_owners(codes, resolve, self._module, (name for _, name in state.registered))
+        return op_owners(codes, resolve, self._module, state.registered_names)
 
     def _nnbridge_forward_like(self, fn: Any) -> bool:
         """Whether nnsight runs the module for this trace: the module, its forward, or the envoy's
@@ -293,7 +293,7 @@ class _Bridged(_EnvoyBase):
                     with torch.no_grad(), state_restored(module):
                         runner(*args, **call_kwargs)
                 self._nnbridge_warmed.add(key)
-        mirror_envoys(self.interleaver, state.registered)
+        mirror_envoys(self.interleaver, state.holders())
         return lazy is None or _all_known(module, lazy)
 
 
@@ -304,6 +304,8 @@ def _all_known(model: torch.nn.Module, ops: dict[str, frozenset[str]]) -> bool:
 
 def _outermost(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """``modules`` without those inside another of them (each module once)."""
+    if len(modules) == 1:  # the usual trace reads the ops of one module: no walk of its op points
+        return modules
     inside = {id(sub) for module in modules for sub in module.modules() if sub is not module}
     result: dict[int, torch.nn.Module] = {}
     for module in modules:

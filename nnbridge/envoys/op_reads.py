@@ -47,7 +47,7 @@ import re
 import sys
 import types
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set as AbstractSet
 from typing import NamedTuple, cast
 
 import torch
@@ -535,7 +535,7 @@ def _forward_arguments(classes: frozenset[type[torch.nn.Module]]) -> frozenset[s
     return frozenset(names)
 
 
-def may_be_op(name: str, known_ops: frozenset[str], arguments: frozenset[str]) -> bool:
+def may_be_op(name: str, known_ops: AbstractSet[str], arguments: frozenset[str]) -> bool:
     """Whether ``name``, read as an attribute in a trace body, may be an op envoy (see the module
     docstring): always for a registered op name, else by its shape."""
     if name in known_ops or name in WHOLE_MODEL_METHODS:
@@ -561,7 +561,7 @@ def possible_ops(codes: Iterable[types.CodeType], resolve: Callable[[str], objec
 
 
 def op_owners(codes: Iterable[types.CodeType], resolve: Callable[[str], object], model: torch.nn.Module,
-              known_ops: Iterable[str]) -> dict[str, frozenset[str]] | None:
+              known_ops: Iterable[str] | AbstractSet[str]) -> dict[str, frozenset[str]] | None:
     """Where the trace bodies ``codes`` may read op envoys, for extracting only there (see
     :meth:`nnbridge.bridge.in_place.Bridge.lazily`): ``{path of a submodule of model: the possible
     op names read off its envoy}`` (empty: no op read).
@@ -581,7 +581,8 @@ def op_owners(codes: Iterable[types.CodeType], resolve: Callable[[str], object],
     # owned by one) serves the argument names, the owners' paths and the containers; three walks
     # of named_modules() took ~2.5 ms of a 13 ms trace of GPT-2 4x256
     walk = list(named_real_modules(model))
-    known, arguments = frozenset(known_ops), forward_arguments(model, (module for _, module in walk))
+    known = known_ops if isinstance(known_ops, AbstractSet) else frozenset(known_ops)
+    arguments = forward_arguments(model, (module for _, module in walk))
     if any(may_be_op(name, known, arguments) for name in unowned):
         return None
     paths = {id(module): path for path, module in walk}
