@@ -517,6 +517,42 @@ def test_unchanged_state_reuses_the_extraction():
     assert len(pg.extractions) == 1
 
 
+
+def test_tensor_properties_fast_check_only_accepts():
+    """StateGuard checks parameters' properties with torch's C-level tensor check first
+    (compat.tensor_checks), which also compares strides and dispatch keys: a strides-only change
+    and torch.inference_mode (other dispatch keys) keep the extractions, by the exact check; a dtype,
+    shape or requires_grad change still extracts again, and every call equals eager."""
+    torch.manual_seed(0)
+    model = Stack().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    pg = PatchableGraph(model, x)
+    state = pg.extractions[0].state
+    assert state._fast_properties is not None and state.holds()
+    weight = model.layers[0].weight
+    weight.data = weight.data.t().contiguous().t()  # same values and shape, other strides
+    assert state.holds() and not state._fast_properties()
+    assert torch.equal(pg(x), reference(x)) and len(pg.extractions) == 1
+    weight.data = weight.data.contiguous()
+    assert state._fast_properties()
+    with torch.inference_mode():  # (a call structure of its own: its extraction's state holds too)
+        assert state.holds() and not state._fast_properties()
+        assert torch.equal(pg(x), reference(x))
+        assert torch.equal(pg(x), reference(x)) and len(pg.extractions) == 2
+        assert pg.extractions[-1].state.holds()
+    assert torch.equal(pg(x), reference(x)) and len(pg.extractions) == 2
+    model.layers[1].weight.requires_grad_(False)
+    assert not state.holds()
+    model.layers[1].weight.requires_grad_(True)
+    model.layers[1].bias.data = model.layers[1].bias.data.double()
+    assert not state.holds()
+    model.layers[1].bias.data = model.layers[1].bias.data.float()
+    assert state.holds()
+    model.layers[1].bias.data = torch.zeros(5)
+    assert not state.holds()
+
+
 class _BranchOnRequiresGrad(nn.Module):
     def __init__(self) -> None:
         super().__init__()

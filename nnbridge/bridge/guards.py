@@ -42,6 +42,7 @@ import torch
 
 from ..compat.module_dicts import MODULE_SLOTS, modules_of
 from ..compat import MODEL_STATE_ATTRIBUTES
+from ..compat.tensor_checks import fast_tensor_check
 from .code_identity import CodeCheck, code_bindings, is_plumbing
 from .plain_values import HeldTensor, canonical_repr, class_values, plain_value, snapshot as plain_snapshot
 
@@ -199,6 +200,7 @@ class StateGuard:
         self._names = [name for _, _, name, *_ in self._tensors]
         self._objects = [tensor for _, _, _, tensor, *_ in self._tensors]
         self._properties = [tuple(entry[4:]) for entry in self._tensors]
+        self._fast_properties = fast_tensor_check(self._objects)  # accepts only: see _tensors_hold
         # every store is a dict in torch 2.13 (``_parameters``, ``_buffers``, ``__dict__``); any
         # other mapping is looked up with its own ``get`` in :meth:`_tensors_hold`
         self._dict_stores = all(isinstance(store, dict) for store in self._stores)
@@ -293,6 +295,10 @@ class StateGuard:
             current = (store.get(name) for store, name in zip(self._stores, self._names))
         if not all(map(operator.is_, current, self._objects)):
             return False
+        # torch's C-level check (9 us for GPT-2's 149 tensors, against 45 us here) is stricter
+        # (strides, dispatch keys): when it fails the exact comparison decides
+        if self._fast_properties is not None and self._fast_properties():
+            return True
         return list(map(_TENSOR_PROPERTIES, self._objects)) == self._properties
 
     def _holds_traced(self) -> bool:
