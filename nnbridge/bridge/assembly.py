@@ -10,6 +10,8 @@ containers of the original container classes (``ModuleList``, ``ModuleDict``;
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any, cast
 
 import torch
@@ -43,10 +45,27 @@ def attach(parent: torch.nn.Module, target: str, child: torch.nn.Module, templat
         original = modules_of(original).get(part) if original is not None else None
         existing = modules_of(holder).get(part)
         if existing is None:
-            existing = type(original)() if isinstance(original, CONTAINERS) else torch.nn.Module()
+            existing = container_like(original) if isinstance(original, CONTAINERS) else torch.nn.Module()
             holder.add_module(part, existing)
         holder = existing
     holder.add_module(name, child)
+
+
+def container_like(original: torch.nn.Module) -> torch.nn.Module:
+    """An empty container of ``original``'s type. A type that takes constructor arguments
+    (``ParametrizationList`` of ``torch.nn.utils.parametrize``: extracting a spectral-normed module
+    in train mode raised its ``TypeError``) is copied instead, with no children, its parameters,
+    buffers and attributes the same objects in registries of its own: its own code (a
+    parametrization's ``forward``) still works, and the original is left as it was."""
+    try:
+        return type(original)()
+    except TypeError:
+        container = copy.copy(original)
+        for name, value in vars(original).items():
+            if isinstance(value, (dict, set)):  # registries and hook dicts: the copy's own
+                container.__dict__[name] = copy.copy(value)
+        container.__dict__["_modules"] = {}
+        return container
 
 
 def original_path(ctx: ExtractionContext, module: torch.nn.Module, target: str) -> str:
@@ -73,7 +92,7 @@ def retype_containers(cgm: torch.nn.Module, targets: list[str], template: torch.
             current = cgm.get_submodule(path)
             if kind is None or type(current) is kind:
                 continue
-            retyped = kind()
+            retyped = kind() if kind is MultiplyInvokedModule else container_like(cast(torch.nn.Module, original))
             modules_of(retyped).update(modules_of(current))
             *prefix, name = path.split(".")
             modules_of(cgm.get_submodule(".".join(prefix)) if prefix else cgm)[name] = retyped

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -34,8 +35,10 @@ def fast_tensor_check(tensors: Sequence[torch.Tensor]) -> Callable[[], bool] | N
     try:
         from torch._C._dynamo.guards import TensorGuards
 
-        guards = TensorGuards(*unique, dynamic_dims_sizes=[list(t.size()) for t in unique],
-                              dynamic_dims_strides=[list(t.stride()) for t in unique])
+        # one list of sizes (strides) per tensor, as torch's C++ reads them (the .pyi says a flat list)
+        sizes: Any = [list(t.size()) for t in unique]
+        strides: Any = [list(t.stride()) for t in unique]
+        guards = TensorGuards(*unique, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
         if not guards.check(*unique):
             return None
     except Exception:  # noqa: BLE001 - a layout without strides, or another torch: no fast check
