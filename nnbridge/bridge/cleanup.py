@@ -20,7 +20,7 @@ from torch.fx import Graph, Node
 from torch.fx.node import Argument
 from ..compat.pytree import fx_pytree
 from ..compat.symbolic import symbolic_expr
-from ..compat.pytree import pytree
+from ..compat.pytree import node_class, pytree
 
 from ..errors import ExtractionError
 from .metadata import update_node_meta
@@ -40,9 +40,10 @@ def _simple_spec(spec: pytree.TreeSpec, *, subclasses: bool = False) -> bool:
     """
     if spec.is_leaf() or spec.type is type(None):
         return True
-    if spec.type is None:
+    kind = node_class(spec)  # (a namedtuple's: an LSTM's PackedSequence input raised TypeError here)
+    if kind is None:
         return False
-    if not (issubclass(spec.type, _SIMPLE) if subclasses else spec.type in _SIMPLE):
+    if not (issubclass(kind, _SIMPLE) if subclasses else kind in _SIMPLE):
         return False
     return all(_simple_spec(child, subclasses=subclasses) for child in spec.children())
 
@@ -58,9 +59,10 @@ def _leaf_paths(spec: pytree.TreeSpec, prefix: tuple[Any, ...] = ()) -> list[tup
     unflattens: custom pytree types such as ``DynamicCache`` keep state in their spec context)."""
     if spec.is_leaf():
         return [prefix]
-    if spec.type is None or not issubclass(spec.type, _SIMPLE):
+    kind = node_class(spec)
+    if kind is None or not issubclass(kind, _SIMPLE):
         return [None] * spec.num_leaves
-    if issubclass(spec.type, dict):
+    if issubclass(kind, dict):
         keys: list[Any] = list(spec.context)
     else:
         keys = list(range(spec.num_children))

@@ -25,7 +25,9 @@ class whose source file cannot be read (defined in a notebook cell or by ``exec`
 or stored. Entries hold no weights (the
 given module's tensors are put back) and no pickled code. Writes are atomic (temporary file, then
 rename). A corrupt or partial entry is deleted with an :class:`~nnbridge.errors.NNBridgeWarning`
-and the module is exported again; a failed write warns and extraction goes on. ``nnbridge cache
+and the module is exported again; a failed write warns and extraction goes on, except for a
+program ``torch.export.save`` cannot serialise (a ``PackedSequence`` argument), which is logged
+(``logging.INFO``) and left out. ``nnbridge cache
 info`` / ``nnbridge cache clear`` show and empty the directory.
 
 Example::
@@ -38,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import TypedDict
@@ -45,7 +48,7 @@ from typing import TypedDict
 from ..compat.serialization import library_versions
 from ..errors import SaveLoadError, warn
 from .programs import ExportRequest, ProgramRecord, model_fingerprint, source_known
-from .storage import FORMAT_VERSION, read_bundle, write_bundle
+from .storage import FORMAT_VERSION, UnserialisableProgram, read_bundle, write_bundle
 
 #: Environment variable naming nnbridge's cache directory (cache off when unset or empty).
 ENVIRONMENT_VARIABLE = "NNBRIDGE_CACHE"
@@ -54,6 +57,8 @@ SWITCH_VARIABLE = "NNBRIDGE_EXTRACTION_CACHE"
 #: ``header["kind"]`` of a cache entry.
 KIND = "cache_entry"
 SUFFIX = ".nnbridge"
+
+logger = logging.getLogger(__name__)
 
 
 def cache_directory() -> Path | None:
@@ -146,6 +151,8 @@ class DiskCache:
         header = {"kind": KIND, "key": self.key(request), "module": type(request.module).__qualname__}
         try:
             write_bundle(path, header, [record])
+        except UnserialisableProgram as error:  # this call's programs are not cached: each process exports them
+            logger.info("nnbridge disk cache: %s is not stored: %s", path.name, error)
         except Exception as error:  # noqa: BLE001 - the cache must never break extraction
             warn(f"nnbridge disk cache: could not write {path}: {type(error).__name__}: {error}")
 

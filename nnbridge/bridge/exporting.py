@@ -297,6 +297,14 @@ def dynamic_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``Dim.AUTO`` for every dimension of every tensor; a custom pytree argument (a transformers
     ``Cache``) gets the flat list of its leaves' specs, the form export expects for such nodes."""
     def spec(value: Any) -> Any:
+        if isinstance(value, (list, tuple)) and hasattr(type(value), "_fields"):
+            # a namedtuple, whose class may refuse dim specs as fields (``PackedSequence``): export
+            # matches a plain tuple of its fields' specs
+            return tuple(spec(item) for item in value)
+        if type(value) in (list, tuple):
+            return type(value)(spec(item) for item in value)
+        if type(value) is dict:
+            return {key: spec(item) for key, item in value.items()}
         if plain_value(value):
             return pytree.tree_map(_dim_spec, value)
         return [_dim_spec(leaf) for leaf in pytree.tree_leaves(value)]

@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from torch.fx import Graph, Node
 from ..compat.pytree import fx_pytree
-from ..compat.pytree import pytree
+from ..compat.pytree import node_class, pytree
 
 from ..errors import ExtractionError
 from .cleanup import input_prologue, spec_node
@@ -91,7 +91,10 @@ def read_states_back(graph: Graph, call: Node, keys: list[Key], extra: int) -> N
 
 
 def _custom(spec: pytree.TreeSpec) -> bool:
-    return not spec.is_leaf() and spec.type not in (tuple, list, dict, type(None))
+    """A custom pytree object (a ``Cache``): not a tuple, list, dict, namedtuple or None."""
+    kind = node_class(spec)
+    return not spec.is_leaf() and kind not in (tuple, list, dict, type(None)) and not (
+        kind is not None and issubclass(kind, tuple) and hasattr(kind, "_fields"))
 
 
 def _objects(structure: Any, spec: pytree.TreeSpec, start: int = 0, path: tuple[Any, ...] = ()
@@ -102,9 +105,10 @@ def _objects(structure: Any, spec: pytree.TreeSpec, start: int = 0, path: tuple[
     if isinstance(structure, Node):
         if _custom(spec):
             yield start, spec, structure, path
-        if spec.is_leaf() or spec.type is None or not issubclass(spec.type, (tuple, list, dict)):
+        kind = node_class(spec)
+        if spec.is_leaf() or kind is None or not issubclass(kind, (tuple, list, dict)):
             return
-        keys = list(spec.context) if issubclass(spec.type, dict) else list(range(spec.num_children))
+        keys = list(spec.context) if issubclass(kind, dict) else list(range(spec.num_children))
         for key, child in zip(keys, spec.children()):
             yield from _objects(structure, child, start, (*path, key))
             start += child.num_leaves

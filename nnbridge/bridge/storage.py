@@ -56,6 +56,12 @@ HEADER_NAME = "nnbridge.json"
 INPUTS_NAME = "inputs.pt"
 
 
+class UnserialisableProgram(SaveLoadError):
+    """``torch.export.save`` cannot write an exported program of this call (a namedtuple argument
+    such as an LSTM's ``PackedSequence`` has no serialised type name in torch 2.13): not a fault of
+    the file or the disk."""
+
+
 def _program_name(index: int) -> str:
     return f"programs/{index}.pt2"
 
@@ -133,7 +139,8 @@ def _save_without_weights(exported: torch.export.ExportedProgram, stream: IO[byt
         try:
             save_program(exported, stream)
         except Exception as error:  # noqa: BLE001 - reported with the cause
-            raise SaveLoadError(f"torch.export.save could not serialise an exported program: {error}") from error
+            raise UnserialisableProgram(f"torch.export.save could not serialise an exported program: {error}") \
+                from error
     finally:
         for store, name, value in swapped:
             store[name] = value

@@ -21,7 +21,7 @@ import torch
 from torch.fx import Interpreter, Node
 from torch.fx.node import Argument, Target, map_aggregate
 
-from ..compat.pytree import fx_pytree, pytree
+from ..compat.pytree import fx_pytree, node_class, pytree
 from ..compat.symbolic import has_hint, symbolic_hint
 from .metadata import node_meta, update_node_meta
 
@@ -123,7 +123,7 @@ def _from_spec(spec: pytree.TreeSpec, leaves: Iterator[Any]) -> Any:
     if spec.is_leaf():
         return next(leaves)
     children = [_from_spec(child, leaves) for child in spec.children()]
-    kind = spec.type
+    kind = node_class(spec)
     if kind in (tuple, list):
         return kind(children)
     if kind is dict:

@@ -2,12 +2,25 @@
 torch 2.0 - 2.13): flattening call arguments and outputs the way torch.export does, so specs
 compare equal to the ones export records.
 
-Usage: ``from nnbridge.compat.pytree import pytree, fx_pytree``.
+Usage: ``from nnbridge.compat.pytree import pytree, fx_pytree``; :func:`node_class` for the
+container class of a spec's node.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-__all__ = ["fx_pytree", "pytree"]
+__all__ = ["fx_pytree", "node_class", "pytree"]
+
+
+def node_class(spec: Any) -> type | None:
+    """The container class of a (non-leaf) ``pytree.TreeSpec`` node: its ``type``, except for a
+    namedtuple, whose node type is pytree's ``namedtuple`` function and whose class is the node's
+    context (torch 2.13). None when neither is a class."""
+    kind, context = spec.type, spec.context
+    if isinstance(kind, type):
+        return kind
+    return context if isinstance(context, type) else None
