@@ -143,3 +143,52 @@ def test_no_direct_call_after_unbridge(bridged):
     assert not any(site.direct() for site in sites)
     with torch.no_grad():
         assert_same(model(IDS, use_cache=False), eager(IDS, use_cache=False))
+
+
+class _Tripled(torch.nn.Linear):
+    """A class that overrides ``__call__`` around ``nn.Module``'s (as some libraries do)."""
+
+    def __call__(self, x):
+        return super().__call__(x * 2) * 3
+
+
+class _ForwardCalled(torch.nn.Linear):
+    """An override that never calls ``nn.Module.__call__``: export sees no call of this module."""
+
+    def __call__(self, x):
+        return self.forward(x) * 3
+
+
+class _Parent(torch.nn.Module):
+    def __init__(self, child_class):
+        super().__init__()
+        self.child = child_class(4, 4)
+        self.post = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.post(torch.relu(self.child(x))) + 1
+
+
+@pytest.mark.parametrize("child_class", [_Tripled, _ForwardCalled])
+def test_a_child_class_overriding_call_runs_its_override_once(child_class):
+    """The override runs in the parent's frame, so the parent's graph holds what it adds and the
+    call site stands for its ``super().__call__`` (before, the override ran again from the call
+    site: x9 instead of x3, silently). With a forward hook on the child, in a PatchableGraph and an
+    nnsight trace reading the child's output, everything equals eager."""
+    torch.manual_seed(0)
+    model = _Parent(child_class)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    graph = nnbridge.PatchableGraph(copy.deepcopy(reference), x)
+    assert torch.equal(graph(x), reference(x))
+    nnbridge.bridge(model, x)
+    assert torch.equal(model(x), reference(x))
+    seen, seen_reference = [], []
+    model.child.register_forward_hook(lambda m, a, out: seen.append(out))
+    reference.child.register_forward_hook(lambda m, a, out: seen_reference.append(out))
+    assert torch.equal(model(x), reference(x))
+    assert len(seen) == len(seen_reference) and all(map(torch.equal, seen, seen_reference))
+    wrapper = nnbridge.NNsight(model)
+    with wrapper.trace(x):
+        post = wrapper.post.input.save()
+    assert torch.equal(post, torch.relu(reference.child(x)))
