@@ -407,3 +407,32 @@ def test_listened_is_told_by_listeners_hooks_and_copies_of_hooked_points():
     reference = llama()
     _down_proj_input(reference, torch.zeros_like)
     assert torch.equal(logits, reference(IDS).logits)
+
+
+def test_a_model_bridged_before_it_is_wrapped_traces_as_nnsight():
+    """nnbridge.bridge first, nnbridge.NNsight after: nnsight wraps the modules as they were before
+    bridging (before, it took the bridged bodies as the modules' own and a module-only trace hit
+    RecursionError)."""
+    model = gpt2()
+    reference = nnsight.NNsight(copy.deepcopy(model))
+    nnbridge.bridge(model, IDS)
+    bridged = nnbridge.NNsight(model)
+    with bridged.trace(IDS):
+        hidden = bridged.transformer.h[0].output.save()
+        logits = bridged.lm_head.output.save()
+    with reference.trace(IDS):
+        hidden_reference = reference.transformer.h[0].output.save()
+        logits_reference = reference.lm_head.output.save()
+    assert torch.equal(hidden, hidden_reference) and torch.equal(logits, logits_reference)
+    with bridged.trace(IDS):
+        added = bridged.transformer.h[0].add.output.save()
+        logits = bridged.lm_head.output.save()
+    assert added.shape == hidden.shape and torch.equal(logits, logits_reference)
+    with bridged.trace(IDS):
+        bridged.transformer.h[0].output[:] = 0
+        zeroed = bridged.lm_head.output.save()
+    with reference.trace(IDS):
+        reference.transformer.h[0].output[:] = 0
+        zeroed_reference = reference.lm_head.output.save()
+    assert torch.equal(zeroed, zeroed_reference)
+    assert torch.equal(model(IDS).logits, reference._module(IDS).logits)

@@ -19,6 +19,7 @@ body asks for their ops; a module's op envoys serve every step (``tracer.iter``)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from collections.abc import Hashable
@@ -124,7 +125,12 @@ class _Bridged(_EnvoyBase):
             kwargs["envoys"] = OP_ENVOYS
         elif "envoys" not in kwargs:
             kwargs["envoys"] = type(self).envoys
-        super().__init__(model, *args, **kwargs)
+        # a model bridged before it is wrapped: nnsight takes each module's ``forward`` slot, which
+        # holds the bridged body, as the module's own (a module-only trace then recursed between
+        # the two): it wraps the model as it was before bridging, and the bodies go back in after
+        state = bridge_of(model) if isinstance(model, torch.nn.Module) else None
+        with state.detached() if state is not None else contextlib.nullcontext():
+            super().__init__(model, *args, **kwargs)
         self.__dict__["_nnbridge_warmed"] = set()
         # op values may be 0-d: served whole to every invoke (see compat.nnsight.scalar_safe_batcher)
         self.__dict__["_batcher_class"] = scalar_safe_batcher(type(self)._batcher_class)
