@@ -30,6 +30,9 @@ RESERVED_NAMES = frozenset(
     | {name for name in dir(CompiledGraphModule) if not name.startswith("__")}
 )
 CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+#: modules whose own code goes through their registrations (iteration, indexing, ``len``)
+_ITERATED = (*CONTAINERS, torch.nn.Sequential)
+_POINT_TYPES = (OpPoint, OpPointContainer)
 #: the value type of a module's registry (``_modules``, ``_parameters``, ``_buffers``)
 _V = TypeVar("_V")
 
@@ -54,10 +57,6 @@ def named_real_modules(module: torch.nn.Module, prefix: str = "") -> Iterator[tu
                 children[id(child)] = (f"{path}.{name}" if path else name, child)
         stack.extend(reversed(children.values()))
 
-
-_POINT_TYPES = (OpPoint, OpPointContainer)
-#: modules whose own code goes through their registrations (iteration, indexing, ``len``)
-_ITERATED = (*CONTAINERS, torch.nn.Sequential)
 
 
 def refuse_instance_forwards(module: torch.nn.Module, what: str,
@@ -162,7 +161,7 @@ def aliases_hidden(module: torch.nn.Module, *, in_containers: bool = False) -> I
 
     def visit(parent: torch.nn.Module) -> None:
         for name, child in list(modules_of(parent).items()):
-            if child is None or isinstance(child, (OpPoint, OpPointContainer)):
+            if child is None or isinstance(child, _POINT_TYPES):
                 continue
             if id(child) in seen and (in_containers or not isinstance(parent, _ITERATED)):
                 hidden.append((parent, name, child, list(modules_of(parent))))
@@ -188,7 +187,7 @@ def direct_callees(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[
     (iterating the container runs it twice), unlike ``named_children()``.
     """
     for name, child in modules_of(module).items():
-        if child is None or isinstance(child, (OpPoint, OpPointContainer)):
+        if child is None or isinstance(child, _POINT_TYPES):
             continue
         if isinstance(child, CONTAINERS):
             yield from direct_callees(child, f"{prefix}{name}.")
@@ -220,7 +219,7 @@ def shared_container_entries(module: torch.nn.Module) -> dict[str, str]:
     registrations: dict[int, list[str]] = {}
     for fqn, sub in named_real_modules(module):
         for name, child in modules_of(sub).items():
-            if child is not None and not isinstance(child, (OpPoint, OpPointContainer)):
+            if child is not None and not isinstance(child, _POINT_TYPES):
                 registrations.setdefault(id(child), []).append(f"{fqn}.{name}" if fqn else name)
     found: dict[str, str] = {}
     for fqn, sub in named_real_modules(module):
