@@ -297,7 +297,7 @@ def dynamic_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``Dim.AUTO`` for every dimension of every tensor; a custom pytree argument (a transformers
     ``Cache``) gets the flat list of its leaves' specs, the form export expects for such nodes."""
     def spec(value: Any) -> Any:
-        if isinstance(value, (list, tuple)) and hasattr(type(value), "_fields"):
+        if pytree.is_namedtuple_instance(value):
             # a namedtuple, whose class may refuse dim specs as fields (``PackedSequence``): export
             # matches a plain tuple of its fields' specs
             return tuple(spec(item) for item in value)

@@ -64,7 +64,6 @@ from .options import ExtractionOptions
 BRIDGE_KEY = "_nnbridge_bridge"
 _LOCAL = threading.local()
 _ENVOY_NAMES = frozenset({"input", "inputs", "output"})
-_MODULE_CALL = torch.nn.Module.__call__
 #: What an extraction gives for a module: its compiled graph, or an opaque stand-in.
 AnyGraph = CompiledGraphModule | OpaqueGraphModule
 
@@ -131,7 +130,7 @@ class _CallSite:
             # super().__call__(x) * 3``) ran its override in the parent's frame, so the parent's graph
             # holds what it adds, and the call site stands for its ``super().__call__`` (before, the
             # override ran a second time: outputs x9 instead of x3, silently)
-            return _MODULE_CALL(self.module, *args, **kwargs)
+            return torch.nn.Module.__call__(self.module, *args, **kwargs)
         finally:
             pending.pop(key, None)
 

@@ -93,8 +93,9 @@ def read_states_back(graph: Graph, call: Node, keys: list[Key], extra: int) -> N
 def _custom(spec: pytree.TreeSpec) -> bool:
     """A custom pytree object (a ``Cache``): not a tuple, list, dict, namedtuple or None."""
     kind = node_class(spec)
-    return not spec.is_leaf() and kind not in (tuple, list, dict, type(None)) and not (
-        kind is not None and issubclass(kind, tuple) and hasattr(kind, "_fields"))
+    if spec.is_leaf() or kind in (tuple, list, dict, type(None)):
+        return False
+    return kind is None or not pytree.is_namedtuple_class(kind)
 
 
 def _objects(structure: Any, spec: pytree.TreeSpec, start: int = 0, path: tuple[Any, ...] = ()

@@ -134,19 +134,18 @@ def call_overridden(module: torch.nn.Module, around: Callable[..., Any] | None) 
     module.__dict__["_call_impl"] = functools.partial(around, run)
 
 
-_MODULE_CALL = torch.nn.Module.__call__
 _CALL_IMPL = torch.nn.Module._call_impl
 _HOOK_NAMES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 class DirectCall:
-    """Whether ``module(*args, **kwargs)`` would, right now, do nothing but run
+    """Whether ``nn.Module.__call__(module, *args, **kwargs)`` would, right now, do nothing but run
     ``around(run, ...)`` and then the swapped body ``body(module, *args, **kwargs)``: so a caller
     that holds what ``around`` takes (a lock) may call the body itself and skip five Python frames
     of ``nn.Module.__call__`` (measured: about 9 µs of a 16 µs bridged module call).
 
-    That is the case (torch 2.13's ``_wrapped_call_impl``/``_call_impl``) when the class keeps
-    ``nn.Module.__call__``, the module is not ``module.compile()``'d, no TorchScript trace runs, no
+    That is the case (torch 2.13's ``_wrapped_call_impl``/``_call_impl``) when the module is not
+    ``module.compile()``'d, no TorchScript trace runs, no
     forward, pre-forward, backward or backward-pre hook is registered on it or globally, its
     ``_call_impl`` override is ``around`` bound to the class's ``_call_impl`` (see
     :func:`call_overridden`) and its ``forward`` slot is the :class:`_Bound` of ``body`` that
@@ -157,7 +156,9 @@ class DirectCall:
 
         direct = DirectCall(module, bridge.body, locked_call)
         if direct():
-            bridge.body(module, x)      # what module(x) would run
+            bridge.body(module, x)      # what nn.Module.__call__(module, x) would run
+    (A class's own ``__call__`` around ``nn.Module``'s is not asked about: a bridged parent's graph
+    holds what it adds, see :class:`~nnbridge.bridge.in_place._CallSite`.)
     """
 
     __slots__ = ("module", "body", "around", "_impl", "_forward")
@@ -179,8 +180,7 @@ class DirectCall:
             return False
         hooks = _module_impl
         return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
-                    or hooks._global_backward_pre_hooks or type(module).__call__ is not _MODULE_CALL
-                    or torch._C._get_tracing_state())
+                    or hooks._global_backward_pre_hooks or torch._C._get_tracing_state())
 
     def _verify(self, state: dict[str, Any]) -> bool:
         impl, forward = state.get("_call_impl"), state.get("forward")
