@@ -11,6 +11,7 @@ Both loaders set ``HF_HUB_OFFLINE=1``: nothing is ever downloaded.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import shutil
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .compat.allocator import release_free_heap
 from .errors import NNBridgeError
 
 if TYPE_CHECKING:
@@ -84,6 +86,10 @@ def load_smollm2(*, attn_implementation: str = "eager", dtype: torch.dtype = tor
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         publish_directory(tmp, cached)
+        # the dequantized copies (about 1.8x the fp32 size) are freed, but glibc keeps their pages
+        del quantized, plain
+        gc.collect()
+        release_free_heap()
     tokenizer = AutoTokenizer.from_pretrained(cached)
     model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval(), tokenizer
