@@ -151,3 +151,103 @@ def test_traces_and_generation_do_not_trip_the_code_guard():
     dispatcher = bridge_of(model._module).dispatcher
     reasons = [str(e.reason) for e in dispatcher.history]
     assert not any("code the modules run changed" in r for r in reasons), reasons
+
+
+# -- a function's own code and default values assigned anew (f.__defaults__ = ...) ------------------
+def _scaled(y, k=1.0, *, shift=0.5):
+    return y * k + shift
+
+
+def _negated(y, k=1.0, *, shift=0.5):
+    return -y * k - shift
+
+
+class _Scaled(torch.nn.Module):
+    """The forward's default, a helper's default, its keyword-only default and its code are each
+    baked into the graph of a call that leaves the argument out."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+
+    def forward(self, x, scale=2.0):
+        return _scaled(self.linear(x) * scale)
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Scaled()
+
+    def forward(self, x):
+        return self.inner(x) + 1
+
+
+_PARTS = {
+    "forward.__defaults__": (lambda: _Scaled.forward, "__defaults__", (5.0,)),
+    "helper.__defaults__": (lambda: _scaled, "__defaults__", (3.0,)),
+    "helper.__kwdefaults__": (lambda: _scaled, "__kwdefaults__", {"shift": -2.0}),
+    "helper.__code__": (lambda: _scaled, "__code__", _negated.__code__),
+}
+
+
+@pytest.mark.parametrize("part", list(_PARTS))
+def test_a_function_part_assigned_anew_changes_the_digest(part, monkeypatch):
+    function, name, value = _PARTS[part]
+    model = _Outer()
+    digest = code_digest(model)
+    monkeypatch.setattr(function(), name, value)
+    assert code_digest(model) != digest
+    monkeypatch.undo()
+    assert code_digest(model) == digest
+
+
+@pytest.mark.parametrize("part", list(_PARTS))
+def test_a_function_part_assigned_after_bridging_re_extracts_and_equals_eager(part, monkeypatch):
+    """Before, the graphs kept the old default or code: off from eager, with no error."""
+    function, name, value = _PARTS[part]
+    torch.manual_seed(0)
+    x = torch.randn(2, 3)
+    model, reference = _Outer(), _Outer()
+    reference.load_state_dict(model.state_dict())
+    nnbridge.bridge(model, x)
+    before = model(x)
+    assert torch.equal(before, reference(x))
+    monkeypatch.setattr(function(), name, value)
+    eager = reference(x)
+    assert not torch.equal(eager, before)
+    assert torch.equal(model(x), eager)
+    history = str(nnbridge.explain(model))
+    assert f"{function().__qualname__}.{name} was replaced" in history, history
+    monkeypatch.undo()
+    assert torch.equal(model(x), before)
+
+
+def test_functions_without_defaults_keep_no_defaults_check():
+    """Only defaults that exist are checked (a call of a function without them passed every
+    argument); every function's code is."""
+    bindings = code_identity.code_bindings(_Outer())
+    checked = {name: {namespace.function.__qualname__ for _, namespace, part, _ in bindings if part == name
+                      and isinstance(namespace, code_identity.FunctionParts)}
+               for name in ("__code__", "__defaults__", "__kwdefaults__")}
+    assert checked["__code__"] >= {"_Outer.forward", "_Scaled.forward", "_scaled"}
+    assert checked["__defaults__"] == {"_Scaled.forward", "_scaled"}
+    assert checked["__kwdefaults__"] == {"_scaled"}
+
+
+def test_a_default_written_in_place_after_bridging_re_extracts_and_equals_eager(monkeypatch):
+    """A mutable default (the keyword-only defaults' dict here, a list default alike) written in
+    place counts as a global container of plain values does."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3)
+    model, reference = _Outer(), _Outer()
+    reference.load_state_dict(model.state_dict())
+    nnbridge.bridge(model, x)
+    before = model(x)
+    monkeypatch.setitem(_scaled.__kwdefaults__, "shift", 4.0)
+    eager = reference(x)
+    assert not torch.equal(eager, before)
+    assert torch.equal(model(x), eager)
+    assert "_scaled.__kwdefaults__ was written in place" in str(nnbridge.explain(model))
+    monkeypatch.undo()
+    assert torch.equal(model(x), before)

@@ -22,8 +22,13 @@ it follows each function's closure cells, the decorated function under a wrapper
 (``__wrapped__``), and every global name its code (nested functions included) reads that holds a
 function, a class (its methods) or a dict/mapping of them, transitively, and every global it reads
 that holds a plain value (by ``repr``) or a tensor (by dtype, shape and a hash of its values). Each
-function counts by its qualified name, module and compiled code (bytecode, constants, names), so a
-replacement with other code changes the digest, and re-importing the same code does not.
+function counts by its qualified name, module and compiled code (bytecode, constants, names) and
+its default argument values (plain ones by ``repr``, others by type), so a replacement with other
+code changes the digest, and re-importing the same code does not. A function's own ``__code__``,
+``__defaults__`` and ``__kwdefaults__`` assigned anew count as a replacement
+(``Cls.forward.__defaults__ = (5.0,)``: a graph bakes in the default a call left out), and plain
+defaults written in place (a list default, ``f.__kwdefaults__["k"] = 3``) as a global container of
+plain values written in place does.
 :class:`CodeCheck` tells the same changes apart within a process (by identity, and for global
 tensors by version), so a bridged model extracts again instead of running the old graph.
 
@@ -70,6 +75,37 @@ MISSING: Any = object()
 #: ``(where, namespace, name, value)``: ``namespace.get(name)`` was ``value`` when walked.
 Binding = tuple[str, Any, Any, Any]
 _FUNCTIONS: weakref.WeakKeyDictionary[types.FunctionType, tuple[types.CodeType, str]] = weakref.WeakKeyDictionary()
+#: The attributes of a function that decide what calling it computes, besides its globals and closure.
+_FUNCTION_PARTS = ("__code__", "__defaults__", "__kwdefaults__")
+
+
+class FunctionParts:
+    """A function's :data:`_FUNCTION_PARTS` as a binding's namespace (``get``, ``[]``, ``in``), so
+    that ``f.__defaults__ = (5.0,)`` after bridging is a replacement like any other lookup."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: types.FunctionType):
+        self.function = function
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self.function, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self.function, name, default)
+
+    def __contains__(self, name: str) -> bool:
+        return name in _FUNCTION_PARTS
+
+
+def _defaults_text(function: types.FunctionType) -> str:
+    """A function's default argument values as text: their ``repr`` when all are plain values,
+    else their types (a default object counts by its type only)."""
+    defaults = (function.__defaults__, function.__kwdefaults__)
+    if plain_value(defaults):
+        return canonical_repr(defaults)
+    return repr([type(v).__qualname__ for v in (*(function.__defaults__ or ()),
+                                                 *(function.__kwdefaults__ or {}).values())])
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,6 +212,13 @@ class _Walk:
         self.entries.append((where, _function_digest(function)))
         if _versioned(function.__module__) or not self.first_visit(function):
             return
+        parts, own = FunctionParts(function), f"{function.__module__}.{function.__qualname__}"
+        # defaults count only where there are some: a call of a function without them passed every
+        # argument, so defaults assigned later change none of the calls a graph holds
+        self.bindings.extend((f"{own}.{name}", parts, name, getattr(function, name)) for name in _FUNCTION_PARTS
+                             if name == "__code__" or getattr(function, name) is not None)
+        if function.__defaults__ or function.__kwdefaults__:
+            self.entries.append((f"{own}.__defaults__", _defaults_text(function)))
         found: list[tuple[str, Any, tuple[Binding, ...]]] = []
         for cell in function.__closure__ or ():
             try:
@@ -358,7 +401,13 @@ class CodeCheck:
     def __init__(self, bindings: list[Binding]):
         self.bindings = bindings
         groups: dict[int, tuple[Any, list[Any], list[Any], list[Any]]] = {}
+        # a function's own parts, one C-level ``map`` per part name (GPT-2: 137 functions)
+        parts: dict[str, tuple[list[types.FunctionType], list[Any]]] = {name: ([], []) for name in _FUNCTION_PARTS}
         for _, namespace, name, value in bindings:
+            if type(namespace) is FunctionParts:
+                parts[name][0].append(namespace.function)
+                parts[name][1].append(value)
+                continue
             group = groups.setdefault(id(namespace), (namespace, [], [], []))
             if value is MISSING:
                 group[3].append(name)
@@ -374,6 +423,8 @@ class CodeCheck:
         self._groups = [(namespace, operator.itemgetter(*names), tuple(values))
                         for namespace, names, values, _ in groups.values() if len(names) > 1]
         self._absent = [(namespace, tuple(absent)) for namespace, _, _, absent in groups.values() if absent]
+        self._parts = [(operator.attrgetter(name), functions, values) for name, (functions, values) in parts.items()
+                       if functions]
         # global tensors: their version now (an in-place write changes what a graph baked in)
         self._tensors = [value for _, _, _, value in bindings if isinstance(value, torch.Tensor)]
         self._versions = [tensor_version(t) for t in self._tensors]
@@ -396,6 +447,9 @@ class CodeCheck:
                     return False
             for namespace, absent in self._absent:
                 if any(map(namespace.__contains__, absent)):
+                    return False
+            for part, functions, held in self._parts:
+                if not all(map(operator.is_, map(part, functions), held)):
                     return False
         except Exception:  # noqa: BLE001 - a name gone, or a registry that cannot be read: changed
             return False
