@@ -5,6 +5,7 @@ bridged, traced by nnsight) and changes when a method or helper is replaced at r
 from __future__ import annotations
 
 import importlib
+import os
 import types
 
 import pytest
@@ -251,3 +252,64 @@ def test_a_default_written_in_place_after_bridging_re_extracts_and_equals_eager(
     assert "_scaled.__kwdefaults__ was written in place" in str(nnbridge.explain(model))
     monkeypatch.undo()
     assert torch.equal(model(x), before)
+
+
+# -- environment variables a forward reads (os.environ, os.getenv) ---------------------------------
+class _FromEnvironment(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.linear(x)
+        if os.environ.get("NNBRIDGE_TEST_DOUBLE") == "1":
+            y = y * 2
+        return y + float(os.getenv("NNBRIDGE_TEST_SHIFT", "0"))
+
+
+def test_environment_variables_the_code_names_count_in_the_digest(monkeypatch):
+    monkeypatch.delenv("NNBRIDGE_TEST_SHIFT", raising=False)
+    model = _FromEnvironment()
+    digest = code_digest(model)
+    monkeypatch.setenv("NNBRIDGE_UNRELATED", "1")  # not named by the code
+    assert code_digest(model) == digest
+    monkeypatch.setenv("NNBRIDGE_TEST_SHIFT", "2")
+    assert code_digest(model) != digest
+    monkeypatch.delenv("NNBRIDGE_TEST_SHIFT")
+    assert code_digest(model) == digest
+
+
+def test_transformers_sdpa_environment_switch_is_watched():
+    """transformers' SDPA attention reads TRANSFORMERS_SDPA_FORCE_GQA in every call."""
+    watched = {where for where, namespace, _, _ in code_identity.code_bindings(llama())
+               if namespace is code_identity.ENVIRONMENT}
+    assert "os.environ['TRANSFORMERS_SDPA_FORCE_GQA']" in watched
+
+
+@pytest.mark.parametrize("change", ["set", "changed", "unset"])
+def test_an_environment_variable_set_after_bridging_re_extracts_and_equals_eager(change, monkeypatch):
+    """Before, the graphs kept the branch and the value read at extraction: off from eager, with no
+    error."""
+    monkeypatch.delenv("NNBRIDGE_TEST_DOUBLE", raising=False)
+    monkeypatch.delenv("NNBRIDGE_TEST_SHIFT", raising=False)
+    if change != "set":
+        monkeypatch.setenv("NNBRIDGE_TEST_DOUBLE", "1")
+    torch.manual_seed(0)
+    x = torch.randn(2, 3)
+    model, reference = _FromEnvironment(), _FromEnvironment()
+    reference.load_state_dict(model.state_dict())
+    nnbridge.bridge(model, x)
+    before = model(x)
+    assert torch.equal(before, reference(x))
+    if change == "set":
+        monkeypatch.setenv("NNBRIDGE_TEST_DOUBLE", "1")
+    elif change == "changed":
+        monkeypatch.setenv("NNBRIDGE_TEST_DOUBLE", "0")
+    else:
+        monkeypatch.delenv("NNBRIDGE_TEST_DOUBLE")
+    eager = reference(x)
+    assert not torch.equal(eager, before)
+    assert torch.equal(model(x), eager)
+    assert "os.environ['NNBRIDGE_TEST_DOUBLE'] was changed" in str(nnbridge.explain(model))
+    monkeypatch.setenv("NNBRIDGE_TEST_SHIFT", "0.5")
+    assert torch.equal(model(x), reference(x))

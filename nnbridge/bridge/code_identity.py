@@ -28,14 +28,18 @@ code changes the digest, and re-importing the same code does not. A function's o
 ``__defaults__`` and ``__kwdefaults__`` assigned anew count as a replacement
 (``Cls.forward.__defaults__ = (5.0,)``: a graph bakes in the default a call left out), and plain
 defaults written in place (a list default, ``f.__kwdefaults__["k"] = 3``) as a global container of
-plain values written in place does.
+plain values written in place does. A function whose code reads the environment (its names include
+``environ`` or ``getenv``) counts the value of every environment variable it names as a constant
+(an upper-case string such as ``"TRANSFORMERS_SDPA_FORCE_GQA"``, read by transformers' SDPA
+attention), so setting one re-extracts and the disk cache keys on their values.
 :class:`CodeCheck` tells the same changes apart within a process (by identity, and for global
 tensors by version), so a bridged model extracts again instead of running the old graph.
 
 Not followed: the code of torch, the standard library and built-ins (their versions are part of
 the cache key; torch functions replaced on a class or in a module global *are* seen, as any
 function is), and a function reached only through an attribute chain
-(``torch.nn.functional.softmax = f`` changes nothing here). Example::
+(``torch.nn.functional.softmax = f`` changes nothing here), and an environment variable whose name
+the code does not spell as a constant (``os.environ[PREFIX + "X"]``, a name held in a global). Example::
 
     digest = code_digest(model)           # hex sha256
     modeling_gpt2.eager_attention_forward = my_attention
@@ -47,6 +51,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import operator
+import os
+import re
 import sys
 import sysconfig
 import types
@@ -96,6 +102,43 @@ class FunctionParts:
 
     def __contains__(self, name: str) -> bool:
         return name in _FUNCTION_PARTS
+
+
+#: Names whose reading means the code reads environment variables (``os.environ``, ``os.getenv``).
+_ENVIRONMENT_READS = frozenset({"environ", "environb", "getenv", "getenvb"})
+#: The string constants of such code taken for environment variable names.
+_VARIABLE_NAME = re.compile(r"[A-Z][A-Z0-9_]*\Z")
+
+
+class _Environment:
+    """``os.environ`` as a binding's namespace: a variable's value interned (``sys.intern``), so
+    that an unchanged value is the same object (``os.environ.get`` decodes a new string each time)
+    and a set, changed or deleted variable is another one (None when unset)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, name: str) -> str | None:
+        value = os.environ.get(name)
+        return None if value is None else sys.intern(value)
+
+    def get(self, name: str, default: Any = None) -> str | None:
+        return self[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in os.environ
+
+
+ENVIRONMENT = _Environment()
+
+
+def _variable_names(code: types.CodeType) -> Iterator[str]:
+    """The string constants of ``code`` (nested code included) that look like environment
+    variable names (upper case, digits, underscores)."""
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _variable_names(constant)
+        elif isinstance(constant, str) and _VARIABLE_NAME.match(constant):
+            yield constant
 
 
 def _defaults_text(function: types.FunctionType) -> str:
@@ -231,7 +274,13 @@ class _Walk:
         if wrapped is not None:
             found.append((f"{function.__qualname__}.__wrapped__", wrapped, ()))
         namespace = function.__globals__
-        for name in dict.fromkeys(_names(function.__code__)):
+        names = dict.fromkeys(_names(function.__code__))
+        if not _ENVIRONMENT_READS.isdisjoint(names):
+            for variable in dict.fromkeys(_variable_names(function.__code__)):
+                where_found, value = f"os.environ[{variable!r}]", ENVIRONMENT[variable]
+                self.entries.append((where_found, repr(value)))
+                self.bindings.append((where_found, ENVIRONMENT, variable, value))
+        for name in names:
             if name not in self.names:
                 self.names.add(name)
                 found.extend(self.pending.pop(name, ()))
@@ -389,7 +438,8 @@ def replaced(bindings: list[Binding]) -> str | None:
         except Exception:  # noqa: BLE001 - a registry that cannot be read has changed
             current = None
         if current is not value:
-            return f"{where} was {'defined on a subclass' if value is MISSING else 'replaced'}"
+            change = "changed" if namespace is ENVIRONMENT else "replaced"
+            return f"{where} was {'defined on a subclass' if value is MISSING else change}"
     return None
 
 
