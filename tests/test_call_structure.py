@@ -1,10 +1,13 @@
 """One extraction per call structure; other structures are extracted again, never run wrongly."""
 
+import pytest
 import torch
 
+import nnbridge
 from fixtures.minimal_module import MinimalModule
 from nnbridge import PatchableGraph, ZeroPatch
-from nnbridge.bridge.call_structure import ShapeGuard
+from nnbridge.bridge import bridge_of
+from nnbridge.bridge.call_structure import ShapeGuard, memory_layout
 from utils import PastPlusNew, assert_same, gpt2, padded_batch, past_plus_new
 
 
@@ -79,3 +82,114 @@ def test_a_derived_dimension_binds_its_symbol_when_no_plain_one_does():
     plain_first = ShapeGuard([[("s", 2, None, 1, 1)], [("s", 2, None)]])
     assert plain_first.matches([torch.empty(6), torch.empty(5)])
     assert not plain_first.matches([torch.empty(5), torch.empty(5)])
+
+
+# -- memory layout: code that branches on contiguity or reads strides (as Dynamo's stride guards) ---
+class _LayoutBranch(torch.nn.Module):
+    def __init__(self, read: str):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.read = read
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.read == "is_contiguous":
+            return y * 2 if x.is_contiguous() else y * 3
+        if self.read == "stride":
+            return y * x.stride(0)
+        return y + 1 if x.stride(0) == 0 else y - 1  # an expanded input
+
+
+def _layouts(read: str):
+    base = torch.randn(5, 4)
+    if read == "expand":
+        return [base, base[:1].expand(5, 4), base + 1]
+    return [base, torch.randn(4, 5).t(), base + 1, torch.randn(4, 7).t()]
+
+
+@pytest.mark.parametrize("read", ["is_contiguous", "stride", "expand"])
+def test_an_input_of_another_memory_layout_is_extracted_again(read):
+    """Before, the graph of the first call's layout served a transposed or expanded input: off from
+    eager, with no error."""
+    torch.manual_seed(0)
+    model, reference = _LayoutBranch(read), _LayoutBranch(read)
+    reference.load_state_dict(model.state_dict())
+    inputs = _layouts(read)
+    nnbridge.bridge(model, inputs[0])
+    for x in inputs:
+        assert torch.equal(model(x), reference(x))
+    assert "memory layout of tensor argument 0 changed" in str(nnbridge.explain(model))
+    assert len(bridge_of(model).dispatcher.extractions) == 2, "one extraction per layout"
+
+
+def test_memory_layout_does_not_depend_on_sizes():
+    assert memory_layout(torch.randn(3, 4)) == memory_layout(torch.randn(9, 2)) is True
+    assert memory_layout(torch.randn(4, 3).t()) == memory_layout(torch.randn(8, 6).t()) != True  # noqa: E712
+    assert memory_layout(torch.randn(1, 4).expand(3, 4)) == memory_layout(torch.randn(1, 6).expand(7, 6))
+    assert memory_layout(torch.randn(1, 4).expand(3, 4)) != memory_layout(torch.randn(4, 3).t())
+    assert memory_layout(torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)) == \
+        memory_layout(torch.randn(3, 2, 6, 7).to(memory_format=torch.channels_last))
+    assert memory_layout(torch.randn(3, 3).to_sparse()) == torch.sparse_coo
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y * 2 if x.is_contiguous() else y * 3
+
+
+class _Stack(torch.nn.Module):
+    """Identical layers, the second called with a transposed input: layer reuse must not pair it
+    with the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer() for _ in range(3)])
+
+    def forward(self, x):
+        return self.layers[0](x) + self.layers[1](x.t()) + self.layers[2](x)
+
+
+@pytest.mark.parametrize("opaque", [False, True], ids=["one-export", "sibling-roots"])
+def test_layer_reuse_pairs_only_calls_of_the_same_memory_layout(opaque):
+    """With the stack opaque, each layer is a root of its own and layers 1-2 are built from layer
+    0's export when called alike (sibling roots): before, the transposed call got layer 0's
+    contiguous branch, silently."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 4)
+    model, reference = _Stack(), _Stack()
+    reference.load_state_dict(model.state_dict())
+    options = nnbridge.ExtractionOptions(classes_to_skip_compiling={_Stack}) if opaque else None
+    nnbridge.bridge(model, x, options=options)
+    assert torch.equal(model(x), reference(x))
+
+
+def test_copied_inputs_keep_their_memory_layout():
+    """Inputs with autograd history are copied by cloning, which made an expanded tensor
+    contiguous: an extraction made from the copy then missed the real call's layout, and Gemma 3's
+    layers were extracted twice in one forward with output_attentions=True."""
+    from nnbridge.bridge.recording import copy_inputs
+    weight = torch.randn(1, 6, requires_grad=True)
+    expanded, transposed = (weight * 2).expand(3, 6), (weight.t() * torch.ones(6, 3)).t()
+    copied = copy_inputs(((expanded, transposed), {"mask": expanded}))
+    for original, copy in zip((expanded, transposed, expanded), (*copied[0], copied[1]["mask"])):
+        assert copy.stride() == original.stride() and torch.equal(copy, original)
+        assert memory_layout(copy) == memory_layout(original)
+    assert copied[0][0].requires_grad
+
+
+def test_gemma3_layers_are_extracted_once_per_forward_with_their_masks_layouts():
+    from utils import gemma3
+    model, reference = gemma3(("sliding_attention", "full_attention") * 2), gemma3(("sliding_attention", "full_attention") * 2)
+    torch.manual_seed(1)
+    ids = torch.randint(2, 100, (1, 6))
+    nnbridge.bridge(model, ids)
+    got, expected = model(ids, output_attentions=True), reference(ids, output_attentions=True)
+    assert torch.equal(got.logits, expected.logits)
+    assert all(torch.equal(a, b) for a, b in zip(got.attentions, expected.attentions))
+    history = str(nnbridge.explain(model))
+    assert "memory layout of tensor argument" not in history, history

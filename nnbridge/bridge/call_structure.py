@@ -2,7 +2,7 @@
 
 A graph is specialised to the structure of the call it was exported from: which positional and
 keyword arguments were passed, their non-tensor values, tensor dtypes, devices, ranks and
-``requires_grad``, the train/eval flags, grad mode, autocast state, the default dtype, inference
+``requires_grad`` and memory layouts (contiguous or not: :func:`memory_layout`), the train/eval flags, grad mode, autocast state, the default dtype, inference
 mode and deterministic algorithms (as Dynamo's global-state guard: code may branch on
 ``torch.get_default_dtype()`` or create tensors in it, and a graph keeps what it saw).
 :func:`structure_key` captures that as a hashable key; :class:`ShapeGuard` records which tensor
@@ -30,10 +30,26 @@ DimRule = int | tuple[str, int, int | None] | tuple[str, int, int | None, int, i
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
+def memory_layout(tensor: torch.Tensor) -> Hashable:
+    """What code can branch on in a tensor's strides, independent of its sizes: True when it is
+    contiguous; else the order of its dimensions by decreasing stride and which dimensions have
+    stride 0 (an ``expand``), size-1 dimensions left out (their strides are arbitrary); a
+    non-strided tensor's layout (sparse). As Dynamo's tensor guards check strides: export traces
+    with the example's strides, so ``if x.is_contiguous():`` or ``x.stride(0)`` is baked in (before,
+    a transposed input ran the contiguous branch's graph, silently)."""
+    if tensor.layout is not torch.strided:
+        return tensor.layout
+    if tensor.is_contiguous():
+        return True
+    shape, strides = tensor.shape, tensor.stride()
+    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    return (tuple(sorted(dims, key=lambda d: (-strides[d], d))), tuple(d for d in dims if strides[d] == 0))
+
+
 def _leaf_key(leaf: object) -> Hashable:
     if isinstance(leaf, torch.Tensor):
         # requires_grad: export traces with it, so a branch on an input's requires_grad is baked in
-        return ("tensor", leaf.dtype, leaf.device, leaf.dim(), leaf.requires_grad)
+        return ("tensor", leaf.dtype, leaf.device, leaf.dim(), leaf.requires_grad, memory_layout(leaf))
     try:
         hash(leaf)
     except TypeError:
@@ -68,9 +84,18 @@ def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
                  for device in _AUTOCAST_DEVICES)
 
 
+def _layout_text(layout: Hashable) -> str:
+    if layout is True:
+        return "contiguous"
+    if isinstance(layout, tuple):
+        order, zero = layout
+        return f"strided, dimensions by stride {list(order)}" + (f", stride 0 in {list(zero)}" if zero else "")
+    return str(layout)
+
+
 def describe_key_change(old: Hashable, new: Hashable) -> str:
     """Which part of a call's structure differs between two :func:`structure_key` values."""
-    names = ("argument structure", "non-tensor values, tensor dtypes/devices/ranks/requires_grad", "train/eval flags",
+    names = ("argument structure", "non-tensor values, tensor dtypes/devices/ranks/requires_grad/memory layouts", "train/eval flags",
              "grad mode", "autocast state", "default dtype", "inference mode or deterministic algorithms")
     for name, a, b in zip(names, old, new):  # type: ignore[call-overload]
         if a != b:
@@ -80,6 +105,12 @@ def describe_key_change(old: Hashable, new: Hashable) -> str:
                 return f"default dtype changed ({a} -> {b})"
             if name == "train/eval flags":
                 return "train/eval mode of a module changed"
+            if name.startswith("non-tensor") and len(a) == len(b):
+                layouts = [i for i, (x, y) in enumerate(zip(a, b)) if x != y and x[:5] == y[:5] and x[0] == "tensor"]
+                if layouts and len(layouts) == sum(x != y for x, y in zip(a, b)):
+                    i = layouts[0]
+                    return (f"memory layout of tensor argument {i} changed ({_layout_text(a[i][5])} ->"
+                            f" {_layout_text(b[i][5])})")
             return f"{name} changed"
     return "call structure changed"
 

@@ -4,7 +4,7 @@ Like Dynamo's guarded cache: an extraction serves a call only when every assumpt
 still holds (its *guards*):
 
 - the call's structure (:func:`~.call_structure.structure_key`: arguments, non-tensor values,
-  tensor dtypes/devices/ranks, train/eval flags, grad mode, autocast state);
+  tensor dtypes/devices/ranks/memory layouts, train/eval flags, grad mode, autocast state);
 - its sizes (:class:`~.call_structure.ShapeGuard`: dynamic ranges and export's own shape guards);
 - the module state (:class:`~.guards.StateGuard`: attribute values of every module and of its
   config, child identity, parameter and buffer identity, dtype, device, shape and

@@ -96,7 +96,7 @@ class ExportRequest:
 
     def call_fingerprint(self) -> str:
         """A hex digest of the call: its structure (:func:`~.call_structure.structure_key`:
-        argument tree, non-tensor values, tensor dtypes/devices/ranks, train/eval flags, autocast),
+        argument tree, non-tensor values, tensor dtypes/devices/ranks/memory layouts, train/eval flags, autocast),
         tensor sizes, grad mode, and the options that change what is exported."""
         if self._fingerprint is None:
             sizes = [list(leaf.shape) for leaf in pytree.tree_leaves((self.args, self.kwargs))

@@ -24,12 +24,16 @@ def copy_inputs(value: Any) -> Any:
     """A copy of example inputs that extraction may run or trace without touching the caller's
     objects (a cache is mutated by the run). ``deepcopy`` when it works; else (tensors with autograd
     history cannot be deep-copied) a pytree copy with detached clones, which also rebuilds
-    registered objects such as transformers' caches."""
+    registered objects such as transformers' caches. Copies keep their originals' strides (a call's
+    memory layouts are part of its structure): ``clone`` makes an expanded tensor contiguous, so
+    such a tensor is deep-copied detached (its storage with it)."""
     try:
         return copy.deepcopy(value)
     except Exception:
         def clone(t: torch.Tensor) -> torch.Tensor:
             copied = t.detach().clone()
+            if copied.stride() != t.stride():  # overlapping (an expand): clone is contiguous
+                copied = copy.deepcopy(t.detach())
             return copied.requires_grad_() if t.requires_grad and copied.is_floating_point() else copied
         return pytree.tree_map_only(torch.Tensor, clone, value)
 

@@ -38,6 +38,7 @@ from typing import Any, cast
 import torch
 from torch.fx import Graph, Node
 
+from .call_structure import memory_layout
 from .module_tree import named_real_modules
 from .state import Path, UntouchedLayers, read_state, state_keys, write_state
 from ..compat import cache_layers
@@ -246,7 +247,7 @@ def plan(module: torch.nn.Module, excluded: set[str]) -> ReusePlan:
 
 def leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
-        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad, leaf.layout)
+        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad, memory_layout(leaf))
     return ("value", leaf)
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.fx import Graph
 
-from .call_structure import DimRule, ShapeGuard, autocast_state, global_flags
+from .call_structure import DimRule, ShapeGuard, autocast_state, global_flags, memory_layout
 from .code_identity import is_plumbing
 from .reuse import (CacheRebinding, ReusedHolder, cache_index, copy_graph, entry_attributes, entry_structure,
                     is_cache, layer_key, plan as reuse_plan, same)
@@ -199,7 +199,7 @@ def call_mode() -> tuple[Any, ...]:
 
 
 def _sizeless(tensor: torch.Tensor) -> tuple[Any, ...]:
-    return (tensor.dim(), tensor.dtype, tensor.device, tensor.requires_grad, tensor.layout)
+    return (tensor.dim(), tensor.dtype, tensor.device, tensor.requires_grad, memory_layout(tensor))
 
 
 def _sizeless_layer(layer: Any) -> Any:
