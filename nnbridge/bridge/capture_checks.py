@@ -21,13 +21,16 @@ A graph replays the tensor operations of one traced call. It does not replay:
   numbers the graph would keep from the traced call (found by comparing both RNGs' states around
   each module's call while exporting);
 - reads of a stride or storage offset that export keeps as a symbol: torch 2.13's unflatten puts
-  the tensor itself where the symbol is used (:func:`nnbridge.compat.capture.layout_reads`).
+  the tensor itself where the symbol is used (:func:`nnbridge.compat.capture.layout_reads`);
+- writes to a module global the code reads that holds a plain value, a tensor or a container of
+  them (``global CALLS; CALLS += 1``, ``STORE.append(x)``; see :mod:`.global_state`), found by
+  comparing them around each module's call while exporting, as the RNGs are.
 
 :class:`CaptureWatch` notices these while exporting and names the module at fault; extraction
 then makes that module opaque (its original code runs eagerly), like a module export cannot trace.
 
-What cannot be detected: writes to globals, closures or objects not reachable from a module's own
-``__dict__`` (a list held by a helper object), changes inside nested containers (a list inside a
+What cannot be detected: writes to closures, to globals holding other objects or created by the
+forward, or to objects not reachable from a module's own ``__dict__`` (a list held by a helper object), changes inside nested containers (a list inside a
 dict attribute, a tensor two levels down), mutating an element of a list in place, printing and
 other I/O. Such modules are extracted as graphs and the effect does not happen when the graph runs.
 A side effect on one module's state made by an enclosing module's code (``self.child.n += 1``)
@@ -35,7 +38,8 @@ makes the writer opaque (:func:`state_writer` finds it by one more eager run).
 
 :func:`preserved_state` keeps extraction's own eager runs (observed runs of opaque modules,
 example recording) from changing parameters, buffers, module attributes (plain tensor attributes'
-values and config-like objects' values included), the CPU RNG or Python's and numpy's RNGs.
+values and config-like objects' values included), the watched module globals, the CPU RNG or
+Python's and numpy's RNGs.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import torch
 
 from ..compat.mask_skips import mask_skips as mask_skips_seen
 from ..compat.output_capturing import active_collector
+from .global_state import GlobalValues
 from .guards import config_like
 from .state import state_keys
 from ..compat.module_dicts import buffers_of, parameters_of
@@ -254,11 +259,14 @@ def preserved_state(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[None
         ExtractionError: a parameter was changed in place by the body (its old values are lost).
     """
     states = snapshot(modules, clone=True)
+    globals_read = GlobalValues(modules[0][1]) if modules else None
     with torch.random.fork_rng(devices=[]), python_rngs_kept():
         try:
             yield
         finally:
             lost = [f"{path}.{name}" if path else name for path, state in states.items() for name in state.restore()]
+            if globals_read is not None:
+                globals_read.restore()
     if lost:
         raise ExtractionError(
             f"Parameters {lost} were changed in place while nnbridge ran the model to extract it (a forward"
@@ -294,6 +302,7 @@ class CaptureWatch:
         self.breaks: dict[str, str] = {}
         self.changes: dict[str, list[str]] = {}
         self.draws: dict[str, str] = {}
+        self.global_writes: dict[str, str] = {}
 
     @contextlib.contextmanager
     def watching(self, frozen: AbstractSet[str]) -> Iterator[None]:
@@ -335,6 +344,24 @@ class CaptureWatch:
             return hook
         for path, sub in self.modules:
             handles += [sub.register_forward_pre_hook(rng_before), sub.register_forward_hook(rng_after(path))]
+        globals_read = GlobalValues(root)
+        globals_stack: list[list[tuple[Any, Any, Any]]] = []
+
+        def globals_before(mod: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            globals_stack.append(globals_read.state())
+
+        def globals_after(path: str) -> Callable[..., None]:
+            def hook(mod: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+                saved = globals_stack.pop()
+                written = globals_read.changed(saved)
+                if written is not None:
+                    self.global_writes.setdefault(path, written)
+                    now = globals_read.state()
+                    globals_stack[:] = [now] * len(globals_stack)  # the write is this module's, not its callers'
+            return hook
+        if globals_read.entries:
+            for path, sub in self.modules:
+                handles += [sub.register_forward_pre_hook(globals_before), sub.register_forward_hook(globals_after(path))]
         try:
             # (the shim only while needed: export records grad-mode changes through the original)
             # only while needed: export records no grad-mode change while the shim is in place, and
@@ -347,6 +374,7 @@ class CaptureWatch:
                 handle.remove()
             for state in outer.values():
                 state.restore()
+            globals_read.restore()
 
     def faults(self, exported: torch.export.ExportedProgram | None) -> list[tuple[str, UnfaithfulCaptureError]]:
         """Modules (paths) whose graph would differ from their eager code, with the reasons: every
@@ -391,6 +419,10 @@ class CaptureWatch:
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(
                     f"draws from {which} in forward: a graph would keep the values drawn while it was extracted"))]
+        for fqn, where in self.global_writes.items():
+            if new(fqn):
+                return [(fqn, UnfaithfulCaptureError(
+                    f"writes the module global {where} in forward, a Python side effect a graph does not repeat"))]
         for fqn, changed in self.changes.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(

@@ -57,7 +57,7 @@ import sys
 import sysconfig
 import types
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Set as AbstractSet
 from typing import Any
 
 import torch
@@ -366,14 +366,19 @@ def _builtin_name(value: Any) -> str:
     return f"{getattr(value, '__module__', None)}.{getattr(value, '__qualname__', None) or value!r}"
 
 
-def _walked(model: torch.nn.Module) -> _Walk:
+def _walked(model: torch.nn.Module, skip: AbstractSet[int] = frozenset()) -> _Walk:
     """One walk from every module class of ``model``'s tree and every function-valued instance
     attribute (the bridge's and nnsight's own left out, see :func:`is_plumbing`). An instance
     attribute holding a function, method, ``functools.partial`` (with its plain arguments) or
     built-in (``self.act = torch.relu``) is a binding too: assigning another one re-extracts
-    (before, the graphs kept calling the old one, silently)."""
+    (before, the graphs kept calling the old one, silently). Modules whose ``id`` is in ``skip``
+    are left out with their subtrees."""
     walk = _Walk()
+    skipped: list[str] = []
     for path, module in named_real_modules(model):
+        if id(module) in skip or any(path.startswith(f"{p}.") or not p for p in skipped):
+            skipped.append(path)
+            continue
         walk.cls(type(module), in_tree=True)
         state = vars(module)
         for name, value in list(state.items()):
@@ -418,13 +423,14 @@ def code_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def code_bindings(model: torch.nn.Module) -> list[Binding]:
+def code_bindings(model: torch.nn.Module, skip: AbstractSet[int] = frozenset()) -> list[Binding]:
     """The lookups :func:`code_digest` walks that found code, as ``(where, namespace, name,
     value)``: a module global, a class attribute (with :data:`MISSING` for the classes earlier in
     its MRO), a registry entry; each namespace and name once. :class:`CodeCheck` tells whether one
-    has changed since (a method or helper assigned anew)."""
+    has changed since (a method or helper assigned anew). ``skip``: ``id``s of modules left out
+    with their subtrees (modules that run their own code: what their code reads is read live)."""
     unique: dict[tuple[int, Any], Binding] = {}
-    for binding in _walked(model).bindings:
+    for binding in _walked(model, skip).bindings:
         unique.setdefault((id(binding[1]), binding[2]), binding)
     return list(unique.values())
 
