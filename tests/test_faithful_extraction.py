@@ -913,3 +913,54 @@ def test_a_module_drawing_from_python_or_numpy_random_runs_eagerly(drawer, front
     assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])) and got[1:] == want[1:]
     assert not torch.equal(got[0][0], got[0][1]), "two calls, two draws"
     assert list(reasons) == ["inner"] and "random" in reasons["inner"]
+
+
+# -- torch.compiler.is_compiling() / is_exporting(): True while exporting, False in eager code -----
+class CompileBranch(torch.nn.Module):
+    def __init__(self, ask: Any) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.ask = ask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * 2 if self.ask() else y
+
+
+def _transformers_is_compiling() -> bool:
+    from transformers.utils import is_torchdynamo_compiling
+    return is_torchdynamo_compiling()
+
+
+COMPILE_QUESTIONS = {"torch.compiler.is_compiling": torch.compiler.is_compiling,
+                     "torch.compiler.is_exporting": torch.compiler.is_exporting,
+                     "torch._dynamo.is_compiling": lambda: torch._dynamo.is_compiling(),
+                     "transformers.is_torchdynamo_compiling": _transformers_is_compiling}
+
+
+@pytest.mark.parametrize("front", ["bridge", "patchable_graph"])
+@pytest.mark.parametrize("question", list(COMPILE_QUESTIONS))
+def test_a_module_asking_whether_it_is_compiled_runs_eagerly(question, front):
+    """Before, the graph kept the compiled side of the branch (y * 2) while eager code takes the
+    other, silently."""
+    torch.manual_seed(0)
+    model = Outer(CompileBranch(COMPILE_QUESTIONS[question]))
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3)
+    run, reasons = _extracted(front, model, x)
+    assert torch.equal(run(x), reference(x))
+    assert list(reasons) == ["inner"], reasons
+    assert "is True while exporting and False in eager code" in reasons["inner"]
+    assert "test_faithful_extraction" in reasons["inner"], "names the code that asked"
+
+
+def test_torch_and_transformers_questions_keep_real_models_graphs():
+    """transformers' and torch's own questions are trusted (their compiled and eager sides are
+    kept equal by their own tests): the tiny Llama and GPT-2 stay graphs."""
+    from utils import gpt2, llama
+    for make in (gpt2, llama):
+        model, reference = make(), make()
+        ids = torch.randint(0, 100, (1, 6))
+        nnbridge.bridge(model, ids)
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+        assert not _opaque(model), _opaque(model)

@@ -6,6 +6,8 @@ A graph replays the tensor operations of one traced call. It does not replay:
   export records them as higher-order ops that unflatten cannot keep (see
   :func:`nnbridge.compat.capture.mode_regions`);
 - custom ``torch.autograd.Function``s: export inlines their forward and loses their backward;
+- ``torch.compiler.is_compiling()`` / ``is_exporting()`` asked by a model's own code (not torch's
+  or transformers'): True while exporting, False in eager code (:func:`nnbridge.compat.capture.compile_queries`);
 - Dynamo's ``graph_break()``: the author asked for the code around it not to be one graph
   (graphpatch made such a module opaque; non-strict export would run it as a no-op);
 - transformers skipping its sdpa attention mask in eager code, which a traced call builds: equal
@@ -60,7 +62,7 @@ from .state import state_keys
 from ..compat.module_dicts import buffers_of, parameters_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.nnsight import NNSIGHT_MODULE_ATTRIBUTES
-from ..compat.capture import (autograd_function_calls, constant_uses, grad_mode_changes, grad_mode_frozen,
+from ..compat.capture import (autograd_function_calls, compile_queries, constant_uses, grad_mode_changes, grad_mode_frozen,
                               graph_break_calls, layout_reads, mode_regions, native_fast_path, tensor_version)
 from ..errors import ExtractionError, NNBridgeError
 
@@ -300,6 +302,7 @@ class CaptureWatch:
         self.known = known  # already opaque: faults in them and below them are not reported again
         self.functions: dict[str, str] = {}
         self.breaks: dict[str, str] = {}
+        self.queries: dict[str, tuple[str, str]] = {}
         self.changes: dict[str, list[str]] = {}
         self.draws: dict[str, str] = {}
         self.global_writes: dict[str, str] = {}
@@ -318,6 +321,10 @@ class CaptureWatch:
         def on_break(msg: str) -> None:
             if self.active:
                 self.breaks.setdefault(self.active[-1], msg)
+
+        def on_query(question: str, asking: str) -> None:
+            if self.active:
+                self.queries.setdefault(self.active[-1], (question, asking))
 
         def before(mod: torch.nn.Module, args: tuple[Any, ...]) -> None:
             inner.append(snapshot(self.modules, clone=False))
@@ -366,7 +373,7 @@ class CaptureWatch:
             # (the shim only while needed: export records grad-mode changes through the original)
             # only while needed: export records no grad-mode change while the shim is in place, and
             # every module changing grad mode was found by the first export (without it)
-            with autograd_function_calls(on_apply), graph_break_calls(on_break), (grad_mode_frozen(lambda: any(p in frozen for p in self.active))
+            with autograd_function_calls(on_apply), graph_break_calls(on_break), compile_queries(on_query), (grad_mode_frozen(lambda: any(p in frozen for p in self.active))
                                                       if frozen else contextlib.nullcontext()):
                 yield
         finally:
@@ -415,6 +422,11 @@ class CaptureWatch:
                 return [(fqn, UnfaithfulCaptureError(
                     f"calls Dynamo's graph_break({msg!r}) in forward; as graphpatch, nnbridge keeps"
                     " such a module opaque"))]
+        for fqn, (question, asking) in self.queries.items():
+            if new(fqn):
+                return [(fqn, UnfaithfulCaptureError(
+                    f"asks {question} in forward ({asking}), which is True while exporting and False in eager"
+                    " code: a graph would keep the compiled side of a branch on it"))]
         for fqn, which in self.draws.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(

@@ -8,6 +8,9 @@
   above before exporting).
 - :func:`graph_break_calls`: report every ``torch._dynamo.graph_break()`` while tracing; non-strict
   export runs it as the no-op it is in eager code, so the module would silently become one graph.
+- :func:`compile_queries`: report ``torch.compiler.is_compiling()`` / ``is_exporting()`` asked by
+  a model's own code while tracing: both are True under export and False in eager code, so a
+  branch on them would keep its compiled side in the graph.
 - :func:`mode_regions`: the grad-mode / autocast regions export recorded as higher-order ops
   (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``) or as ``_set_grad_enabled`` calls.
 - :func:`layout_reads`, :func:`constant_uses`: strides and storage offsets export kept as symbols,
@@ -18,7 +21,9 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
+import types
 from typing import Any
 from collections.abc import Callable, Iterator
 
@@ -135,6 +140,77 @@ def graph_break_calls(on_break: Callable[[str], None]) -> Iterator[None]:
     finally:
         function.__code__ = original
         decorators.__dict__.pop(_GRAPH_BREAK_HOOK, None)
+
+
+#: Global names, in ``torch.compiler``, of the callbacks :func:`compile_queries` installs.
+_IS_COMPILING_HOOK, _IS_EXPORTING_HOOK = "_nnbridge_is_compiling_hook", "_nnbridge_is_exporting_hook"
+#: Modules whose functions only forward the question (``torch._dynamo.is_compiling``,
+#: transformers' ``is_torchdynamo_compiling``): the code asking is their caller.
+_FORWARDERS = frozenset({"torch._dynamo.external_utils", "torch._utils", "transformers.utils.import_utils"})
+#: Packages trusted to keep both sides of such a branch equal (their own tests compare compiled with
+#: eager runs), and nnbridge's and nnsight's own questions.
+_TRUSTED = frozenset({"torch", "transformers", "nnbridge", "nnsight"})
+
+
+def _reporting_is_compiling() -> bool:  # body becomes torch.compiler.is_compiling's
+    return _nnbridge_is_compiling_hook()  # type: ignore[name-defined]  # noqa: F821
+
+
+def _reporting_is_exporting() -> bool:  # body becomes torch.compiler.is_exporting's
+    return _nnbridge_is_exporting_hook()  # type: ignore[name-defined]  # noqa: F821
+
+
+def _asking_code(frame: types.FrameType | None) -> str | None:
+    """``module.qualname`` of the code that asked (past forwarding helpers), None when it is
+    trusted (see :data:`_TRUSTED`)."""
+    while frame is not None and frame.f_globals.get("__name__") in _FORWARDERS:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    module = str(frame.f_globals.get("__name__", ""))
+    if module.split(".")[0] in _TRUSTED:
+        return None
+    return f"{module}.{frame.f_code.co_qualname}"
+
+
+@contextlib.contextmanager
+def compile_queries(on_query: Callable[[str, str], None]) -> Iterator[None]:
+    """Call ``on_query(question, asking code)`` when code outside torch, transformers, nnbridge and
+    nnsight asks ``torch.compiler.is_compiling()`` or ``torch.compiler.is_exporting()`` (also
+    through ``torch._dynamo.is_compiling`` or transformers' ``is_torchdynamo_compiling``) in the
+    body and gets True, as it does while torch.export traces: eager code gets False, so a graph
+    would keep the other side of a branch on it.
+
+    Both are plain functions of ``torch.compiler`` (torch 2.3 - 2.13); their ``__code__`` is
+    swapped for one calling a global set in that module (every reference sees it) and restored on
+    exit. Answers are unchanged. Only questions in the thread that entered the body are reported.
+    """
+    import torch.compiler as compiler
+
+    thread = threading.get_ident()
+    swapped = [(compiler.is_compiling, _reporting_is_compiling, _IS_COMPILING_HOOK, "torch.compiler.is_compiling()"),
+               (compiler.is_exporting, _reporting_is_exporting, _IS_EXPORTING_HOOK, "torch.compiler.is_exporting()")]
+    originals = [function.__code__ for function, *_ in swapped]
+
+    def hook(answer: Callable[[], bool], question: str) -> Callable[[], bool]:
+        def asked() -> bool:
+            result = answer()
+            if result and threading.get_ident() == thread:
+                asking = _asking_code(sys._getframe(2))
+                if asking is not None:
+                    on_query(question, asking)
+            return result
+        return asked
+    for (function, template, name, question), original in zip(swapped, originals):
+        answer = types.FunctionType(original, function.__globals__, function.__name__)
+        compiler.__dict__[name] = hook(answer, question)
+        function.__code__ = template.__code__
+    try:
+        yield
+    finally:
+        for (function, _, name, _), original in zip(swapped, originals):
+            function.__code__ = original
+            compiler.__dict__.pop(name, None)
 
 
 def _mode_targets() -> dict[object, str]:
