@@ -6,8 +6,11 @@ Every test compares with an untouched copy run eagerly (``torch.equal``)."""
 
 from __future__ import annotations
 
+import contextvars
 import copy
+import dataclasses
 import sys
+import types
 
 import pytest
 import torch
@@ -100,3 +103,76 @@ def test_the_code_digest_tells_changed_globals_apart(change, weights, monkeypatc
     assert code_digest(model) == before
     CHANGES[change](monkeypatch)
     assert code_digest(model) != before
+
+
+# -- objects of settings the code reads through a global: a SimpleNamespace, a dataclass, an
+# instance of the script's own class, a class's own attributes, a context variable ---------------
+@dataclasses.dataclass
+class Settings:
+    scale: float = 1.0
+
+
+class Switches:
+    """Read as a class: ``Switches.ablate``."""
+    ablate = False
+
+
+class State:
+    def __init__(self) -> None:
+        self.shift = 0.0
+
+
+STATE = types.SimpleNamespace(enabled=False, factor=2.0)
+SETTINGS = Settings()
+OWN = State()
+FACTOR = contextvars.ContextVar("FACTOR", default=1.0)
+
+
+class Switched(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) * SETTINGS.scale + OWN.shift
+        if STATE.enabled:
+            y = y * STATE.factor
+        if Switches.ablate:
+            y = torch.zeros_like(y)
+        return y * FACTOR.get()
+
+
+SWITCHES = {
+    "SimpleNamespace attribute": (lambda monkeypatch: monkeypatch.setattr(STATE, "enabled", True), "STATE.enabled"),
+    "dataclass field": (lambda monkeypatch: monkeypatch.setattr(SETTINGS, "scale", 3.0), "SETTINGS.scale"),
+    "own class's instance attribute": (lambda monkeypatch: monkeypatch.setattr(OWN, "shift", 1.5), "OWN.shift"),
+    "class attribute": (lambda monkeypatch: monkeypatch.setattr(Switches, "ablate", True), "Switches.ablate"),
+    "context variable": (lambda monkeypatch: FACTOR.set(4.0), "FACTOR.get()"),
+}
+
+
+@pytest.fixture
+def fresh_settings():
+    token = FACTOR.set(1.0)
+    yield
+    FACTOR.reset(token)
+
+
+@pytest.mark.parametrize("change", list(SWITCHES))
+def test_a_switch_on_a_global_object_extracts_again_and_equals_eager(change, fresh_settings, monkeypatch):
+    """Before, the graph kept the switch's value seen while extracting, silently."""
+    torch.manual_seed(0)
+    model, x = Switched(), torch.randn(2, 3)
+    reference = copy.deepcopy(model)
+    nnbridge.bridge(model, x)
+    before = model(x)
+    assert torch.equal(before, reference(x))
+    digest = code_digest(model)
+    flip, where = SWITCHES[change]
+    flip(monkeypatch)
+    expected = reference(x)
+    assert not torch.equal(expected, before)
+    assert torch.equal(model(x), expected)
+    assert where in bridge_of(model).dispatcher.all_extractions()[-1].reason
+    assert code_digest(model) != digest, "the disk cache's key tells the values apart"
+    nnbridge.unbridge(model)

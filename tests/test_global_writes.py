@@ -7,6 +7,8 @@ test compares with an untouched copy run eagerly (``torch.equal``)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -16,6 +18,11 @@ from nnbridge.bridge.in_place import bridge_of
 STORE: list[torch.Tensor] = []
 CALLS = 0
 TOTALS = {"calls": 0}
+STATE = types.SimpleNamespace(calls=0)
+
+
+class Flags:
+    calls = 0
 
 
 class Recorder(torch.nn.Module):
@@ -60,7 +67,20 @@ class Outer(torch.nn.Module):
         return self.out(self.inner(x)).relu()
 
 
-WRITERS = {"list": Recorder, "global-statement": Counter, "dict": Tally}
+class StateCounter(Counter):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        STATE.calls += 1
+        return self.lin(x) * STATE.calls
+
+
+class ClassCounter(Counter):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Flags.calls += 1
+        return self.lin(x) * Flags.calls
+
+
+WRITERS = {"list": Recorder, "global-statement": Counter, "dict": Tally, "object attribute": StateCounter,
+           "class attribute": ClassCounter}
 
 
 def _reset() -> None:
@@ -68,10 +88,12 @@ def _reset() -> None:
     STORE.clear()
     CALLS = 0
     TOTALS["calls"] = 0
+    STATE.calls = 0
+    Flags.calls = 0
 
 
-def _written() -> tuple[int, int, int]:
-    return len(STORE), CALLS, TOTALS["calls"]
+def _written() -> tuple[int, int, int, int, int]:
+    return len(STORE), CALLS, TOTALS["calls"], STATE.calls, Flags.calls
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +110,7 @@ def test_a_module_writing_a_global_runs_its_own_code_and_equals_eager(kind):
     model, reference = Outer(WRITERS[kind]()), Outer(WRITERS[kind]())
     reference.load_state_dict(model.state_dict())
     nnbridge.bridge(model, x)
-    assert _written() == (0, 0, 0), "extraction's own runs and export leave the globals as they were"
+    assert _written() == (0, 0, 0, 0, 0), "extraction's own runs and export leave the globals as they were"
     got = [model(x) for _ in range(3)]
     written = _written()
     stored = list(STORE)
@@ -100,7 +122,7 @@ def test_a_module_writing_a_global_runs_its_own_code_and_equals_eager(kind):
     # the root's code guard leaves out the globals the opaque writer reads: no re-extraction
     assert [str(e.reason) for e in bridge_of(model).dispatcher.history] == ["first call"]
     explained = str(nnbridge.explain(model))
-    assert "writes the module global" in explained and "a Python side effect a graph does not repeat" in explained
+    assert "(a value read through a module global), a Python side effect a graph does not repeat" in explained
     assert "inner (" in explained and "opaque" in explained
     assert "out (Linear): graph" in explained, "only the writer runs its own code"
 

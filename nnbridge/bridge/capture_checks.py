@@ -434,7 +434,8 @@ class CaptureWatch:
         for fqn, where in self.global_writes.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(
-                    f"writes the module global {where} in forward, a Python side effect a graph does not repeat"))]
+                    f"writes {where} in forward (a value read through a module global), a Python side effect a graph"
+                    " does not repeat"))]
         for fqn, changed in self.changes.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(

@@ -48,6 +48,8 @@ the code does not spell as a constant (``os.environ[PREFIX + "X"]``, a name held
 
 from __future__ import annotations
 
+import argparse
+import contextvars
 import functools
 import hashlib
 import operator
@@ -141,6 +143,37 @@ def _variable_names(code: types.CodeType) -> Iterator[str]:
             yield constant
 
 
+class ContextValue:
+    """A ``contextvars.ContextVar`` as a binding's namespace: ``["value"]`` is its value in the
+    current context (:data:`MISSING` when unset)."""
+
+    __slots__ = ("var",)
+
+    def __init__(self, var: contextvars.ContextVar[Any]):
+        self.var = var
+
+    def __getitem__(self, name: str) -> Any:
+        return self.var.get(MISSING)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.var.get(MISSING)
+
+    def __contains__(self, name: str) -> bool:
+        return True
+
+
+def _settings_object(value: Any) -> bool:
+    """An instance holding settings in its ``__dict__`` (a ``SimpleNamespace``, an
+    ``argparse.Namespace``, a dataclass, a config, an instance of a script's own class), not a
+    module, tensor, module object, function or class, nor an object of torch or the standard library."""
+    if isinstance(value, (type, types.ModuleType, torch.nn.Module, torch.Tensor, *_CODE_HOLDERS)):
+        return False
+    if not isinstance(getattr(value, "__dict__", None), dict):
+        return False
+    kind = type(value)
+    return kind in (types.SimpleNamespace, argparse.Namespace) or not _versioned(kind.__module__)
+
+
 def _defaults_text(function: types.FunctionType) -> str:
     """A function's default argument values as text: their ``repr`` when all are plain values,
     else their types (a default object counts by its type only)."""
@@ -217,6 +250,8 @@ class _Walk:
         self.todo: list[tuple[str, Any, tuple[Binding, ...]]] = []
         self.names: set[str] = set(_ENTRY_POINTS)
         self.pending: dict[str, list[tuple[str, Any, tuple[Binding, ...]]]] = {}
+        #: ``id`` of a class's ``vars()`` proxy (a binding's namespace) -> the class, to assign to it
+        self.owners: dict[int, type] = {}
 
     def first_visit(self, value: Any) -> bool:
         if id(value) in self.seen:
@@ -306,13 +341,45 @@ class _Walk:
                 where_found = f"{function.__module__}.{name}"
                 self.entries.append((where_found, tensor_digest(namespace[name])))
                 self.bindings.append((where_found, namespace, name, namespace[name]))
+            elif name in namespace and isinstance(namespace[name], contextvars.ContextVar):
+                # a context variable (``ABLATE.get()``): its value in the calling context
+                where_found = f"{function.__module__}.{name}"
+                held = ContextValue(namespace[name])
+                self.bindings.append((where_found, namespace, name, namespace[name]))
+                self.entries.append((f"{where_found}.get()", repr(held["value"])))
+                self.bindings.append((f"{where_found}.get()", held, "value", held["value"]))
+            elif name in namespace and _settings_object(namespace[name]):
+                # a global object of settings (``STATE = SimpleNamespace(enabled=False)``, a
+                # dataclass, an instance of the script's own class): its plain attributes
+                where_found = f"{function.__module__}.{name}"
+                self.entries.append((where_found, type(namespace[name]).__qualname__))
+                self.bindings.append((where_found, namespace, name, namespace[name]))
+                if self.first_visit(namespace[name]):
+                    self.plain_attributes(where_found, vars(namespace[name]))
         self.todo.extend(reversed(found))
+
+    def plain_attributes(self, where: str, state: Mapping[str, Any], owner: type | None = None) -> None:
+        """The plain values (and containers of them) in an object's or a class's (``owner``'s)
+        ``state``: in the digest by value, each a binding (assigning one anew or writing into a
+        container re-extracts)."""
+        if owner is not None:
+            self.owners[id(state)] = owner
+        for name, value in list(state.items()):
+            if name.startswith("__") and name.endswith("__"):
+                continue
+            if type(value) in _PLAIN or (isinstance(value, _CONTAINERS) and plain_value(value, tensors=True)):
+                self.entries.append((f"{where}.{name}", canonical_repr(value)))
+                self.bindings.append((f"{where}.{name}", state, name, value))
 
     def cls(self, cls: type, in_tree: bool = False) -> None:
         """A class's methods, inherited ones included (``torch.nn.Module``'s and ``object``'s left
         out); a torch or standard-library class only when it is a module class of the tree."""
         if (not in_tree and _versioned(cls.__module__)) or not self.first_visit(cls):
             return
+        if not in_tree:  # a class the code names (``if Flags.ablate:``); module classes' own are StateGuard's
+            for owner in cls.__mro__:
+                if owner not in (object, torch.nn.Module) and not _versioned(owner.__module__):
+                    self.plain_attributes(owner.__qualname__, vars(owner), owner)
         resolved: set[str] = set()
         for index, owner in enumerate(cls.__mro__):
             if owner in (object, torch.nn.Module):
@@ -432,6 +499,19 @@ def code_bindings(model: torch.nn.Module, skip: AbstractSet[int] = frozenset()) 
     unique: dict[tuple[int, Any], Binding] = {}
     for binding in _walked(model, skip).bindings:
         unique.setdefault((id(binding[1]), binding[2]), binding)
+    return list(unique.values())
+
+
+def value_bindings(model: torch.nn.Module) -> list[tuple[Binding, type | None]]:
+    """The bindings of :func:`code_bindings` whose namespace is a module's globals, an object's
+    ``__dict__`` or a class's attributes (``(binding, the class)`` for those; None else): what
+    :mod:`.global_state` watches and restores."""
+    walk = _walked(model)
+    unique: dict[tuple[int, Any], tuple[Binding, type | None]] = {}
+    for binding in walk.bindings:
+        namespace = binding[1]
+        if type(namespace) is dict or id(namespace) in walk.owners:
+            unique.setdefault((id(namespace), binding[2]), (binding, walk.owners.get(id(namespace))))
     return list(unique.values())
 
 

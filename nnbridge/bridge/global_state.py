@@ -10,7 +10,8 @@ global run its own code (opaque), as it does for a module writing its own attrib
 
 The globals watched are those :mod:`.code_identity` finds the modules' code reading (a name of a
 function's code, transitively through helpers) that hold a plain value, a tensor, or a list, tuple,
-set or dict of them. Not watched: a global the code creates (absent when bridged), one holding
+set or dict of them, and such values held as attributes of a global object of settings
+(``STATE.calls += 1``) or of a class the code names (``Flags.calls += 1``). Not watched: a global the code creates (absent when bridged), one holding
 another object (``LOG = Recorder()``), a write reached only through an attribute chain.
 
 :class:`GlobalValues` is both the watch (:meth:`~GlobalValues.changed`, per module call while
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from ..compat.capture import tensor_version
-from .code_identity import MISSING, code_bindings
+from .code_identity import MISSING, value_bindings
 from .plain_values import PLAIN_TYPES, plain_value, snapshot
 
 #: Containers whose contents are watched and restored in place.
@@ -46,8 +47,11 @@ class GlobalValues:
     """
 
     def __init__(self, model: torch.nn.Module):
-        self.entries = [(where, namespace, name) for where, namespace, name, value in code_bindings(model)
-                        if type(namespace) is dict and _watched(value)]
+        found = [((where, namespace, name), owner) for (where, namespace, name, value), owner in value_bindings(model)
+                 if _watched(value)]
+        self.entries = [entry for entry, _ in found]
+        #: per entry the class whose attribute it is (assigned with setattr), or None
+        self.owners = [owner for _, owner in found]
         self.saved = self.state()
 
     def state(self) -> list[tuple[Any, Any, Any]]:
@@ -79,12 +83,19 @@ class GlobalValues:
     def restore(self) -> None:
         """Put every global back as it was when this object was made: the same object under each
         name, a container's contents as they were (in place, so code holding it sees them)."""
-        for (_, namespace, name), (value, _, contents) in zip(self.entries, self.saved):
+        for (_, namespace, name), owner, (value, _, contents) in zip(self.entries, self.owners, self.saved):
             if value is MISSING:
-                namespace.pop(name, None)
+                if owner is not None:
+                    if name in namespace:
+                        delattr(owner, name)
+                else:
+                    namespace.pop(name, None)
                 continue
             if namespace.get(name, MISSING) is not value:
-                namespace[name] = value
+                if owner is not None:
+                    setattr(owner, name, value)
+                else:
+                    namespace[name] = value
             if isinstance(value, list):
                 value[:] = contents
             elif isinstance(value, (dict, set)):
