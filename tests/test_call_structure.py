@@ -184,7 +184,8 @@ def test_copied_inputs_keep_their_memory_layout():
 
 def test_gemma3_layers_are_extracted_once_per_forward_with_their_masks_layouts():
     from utils import gemma3
-    model, reference = gemma3(("sliding_attention", "full_attention") * 2), gemma3(("sliding_attention", "full_attention") * 2)
+    layers = ("sliding_attention", "full_attention", "sliding_attention")
+    model, reference = gemma3(layers), gemma3(layers)
     torch.manual_seed(1)
     ids = torch.randint(2, 100, (1, 6))
     nnbridge.bridge(model, ids)

@@ -31,7 +31,11 @@ defaults written in place (a list default, ``f.__kwdefaults__["k"] = 3``) as a g
 plain values written in place does. A function whose code reads the environment (its names include
 ``environ`` or ``getenv``) counts the value of every environment variable it names as a constant
 (an upper-case string such as ``"TRANSFORMERS_SDPA_FORCE_GQA"``, read by transformers' SDPA
-attention), so setting one re-extracts and the disk cache keys on their values.
+attention), so setting one re-extracts and the disk cache keys on their values. A global the code
+reads that holds an object of settings (a ``SimpleNamespace``, a dataclass, an instance of a
+script's own class) counts with its plain attributes (``STATE.enabled``), a class the code names
+(not torch's) with its plain class attributes (``Flags.ablate``), a ``contextvars.ContextVar``
+with its value in the calling context.
 :class:`CodeCheck` tells the same changes apart within a process (by identity, and for global
 tensors by version), so a bridged model extracts again instead of running the old graph.
 
