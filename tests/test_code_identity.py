@@ -184,6 +184,19 @@ class _Outer(torch.nn.Module):
         return self.inner(x) + 1
 
 
+def _bridged(make):
+    """``(bridged model, untouched copy, input, the bridged model's first output)``: the output
+    equals the copy's."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3)
+    model, reference = make(), make()
+    reference.load_state_dict(model.state_dict())
+    nnbridge.bridge(model, x)
+    before = model(x)
+    assert torch.equal(before, reference(x))
+    return model, reference, x, before
+
+
 _PARTS = {
     "forward.__defaults__": (lambda: _Scaled.forward, "__defaults__", (5.0,)),
     "helper.__defaults__": (lambda: _scaled, "__defaults__", (3.0,)),
@@ -207,13 +220,7 @@ def test_a_function_part_assigned_anew_changes_the_digest(part, monkeypatch):
 def test_a_function_part_assigned_after_bridging_re_extracts_and_equals_eager(part, monkeypatch):
     """Before, the graphs kept the old default or code: off from eager, with no error."""
     function, name, value = _PARTS[part]
-    torch.manual_seed(0)
-    x = torch.randn(2, 3)
-    model, reference = _Outer(), _Outer()
-    reference.load_state_dict(model.state_dict())
-    nnbridge.bridge(model, x)
-    before = model(x)
-    assert torch.equal(before, reference(x))
+    model, reference, x, before = _bridged(_Outer)
     monkeypatch.setattr(function(), name, value)
     eager = reference(x)
     assert not torch.equal(eager, before)
@@ -239,12 +246,7 @@ def test_functions_without_defaults_keep_no_defaults_check():
 def test_a_default_written_in_place_after_bridging_re_extracts_and_equals_eager(monkeypatch):
     """A mutable default (the keyword-only defaults' dict here, a list default alike) written in
     place counts as a global container of plain values does."""
-    torch.manual_seed(0)
-    x = torch.randn(2, 3)
-    model, reference = _Outer(), _Outer()
-    reference.load_state_dict(model.state_dict())
-    nnbridge.bridge(model, x)
-    before = model(x)
+    model, reference, x, before = _bridged(_Outer)
     monkeypatch.setitem(_scaled.__kwdefaults__, "shift", 4.0)
     eager = reference(x)
     assert not torch.equal(eager, before)
@@ -294,13 +296,7 @@ def test_an_environment_variable_set_after_bridging_re_extracts_and_equals_eager
     monkeypatch.delenv("NNBRIDGE_TEST_SHIFT", raising=False)
     if change != "set":
         monkeypatch.setenv("NNBRIDGE_TEST_DOUBLE", "1")
-    torch.manual_seed(0)
-    x = torch.randn(2, 3)
-    model, reference = _FromEnvironment(), _FromEnvironment()
-    reference.load_state_dict(model.state_dict())
-    nnbridge.bridge(model, x)
-    before = model(x)
-    assert torch.equal(before, reference(x))
+    model, reference, x, before = _bridged(_FromEnvironment)
     if change == "set":
         monkeypatch.setenv("NNBRIDGE_TEST_DOUBLE", "1")
     elif change == "changed":

@@ -1,10 +1,11 @@
 """Call structures: which extraction serves which call (like Dynamo's guards).
 
 A graph is specialised to the structure of the call it was exported from: which positional and
-keyword arguments were passed, their non-tensor values, tensor dtypes, devices, ranks and
-``requires_grad`` and memory layouts (contiguous or not: :func:`memory_layout`), the train/eval flags, grad mode, autocast state, the default dtype, inference
-mode and deterministic algorithms (as Dynamo's global-state guard: code may branch on
-``torch.get_default_dtype()`` or create tensors in it, and a graph keeps what it saw).
+keyword arguments were passed, their non-tensor values, tensor dtypes, devices, ranks,
+``requires_grad`` and memory layouts (contiguous or not: :func:`memory_layout`), the train/eval
+flags, grad mode, autocast state, the default dtype, inference mode and deterministic algorithms
+(as Dynamo's global-state guard: code may branch on ``torch.get_default_dtype()`` or create
+tensors in it, and a graph keeps what it saw).
 :func:`structure_key` captures that as a hashable key; :class:`ShapeGuard` records which tensor
 dimensions export kept dynamic (``Dim.AUTO``), their allowed ranges, and the shape guards export
 recorded (``x.size()[1] % 2 == 0``). The module state a graph bakes in (attribute values,
@@ -95,8 +96,9 @@ def _layout_text(layout: Hashable) -> str:
 
 def describe_key_change(old: Hashable, new: Hashable) -> str:
     """Which part of a call's structure differs between two :func:`structure_key` values."""
-    names = ("argument structure", "non-tensor values, tensor dtypes/devices/ranks/requires_grad/memory layouts", "train/eval flags",
-             "grad mode", "autocast state", "default dtype", "inference mode or deterministic algorithms")
+    names = ("argument structure", "non-tensor values, tensor dtypes/devices/ranks/requires_grad/memory layouts",
+             "train/eval flags", "grad mode", "autocast state", "default dtype",
+             "inference mode or deterministic algorithms")
     for name, a, b in zip(names, old, new):  # type: ignore[call-overload]
         if a != b:
             if name == "grad mode":

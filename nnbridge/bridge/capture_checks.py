@@ -32,11 +32,12 @@ A graph replays the tensor operations of one traced call. It does not replay:
 then makes that module opaque (its original code runs eagerly), like a module export cannot trace.
 
 What cannot be detected: writes to closures, to globals holding other objects or created by the
-forward, or to objects not reachable from a module's own ``__dict__`` (a list held by a helper object), changes inside nested containers (a list inside a
-dict attribute, a tensor two levels down), mutating an element of a list in place, printing and
-other I/O. Such modules are extracted as graphs and the effect does not happen when the graph runs.
-A side effect on one module's state made by an enclosing module's code (``self.child.n += 1``)
-makes the writer opaque (:func:`state_writer` finds it by one more eager run).
+forward, or to objects not reachable from a module's own ``__dict__`` (a list held by a helper
+object), changes inside nested containers (a list inside a dict attribute, a tensor two levels
+down), mutating an element of a list in place, printing and other I/O. Such modules are extracted
+as graphs and the effect does not happen when the graph runs. A side effect on one module's state
+made by an enclosing module's code (``self.child.n += 1``) makes the writer opaque
+(:func:`state_writer` finds it by one more eager run).
 
 :func:`preserved_state` keeps extraction's own eager runs (observed runs of opaque modules,
 example recording) from changing parameters, buffers, module attributes (plain tensor attributes'
@@ -62,8 +63,9 @@ from .state import state_keys
 from ..compat.module_dicts import buffers_of, parameters_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.nnsight import NNSIGHT_MODULE_ATTRIBUTES
-from ..compat.capture import (autograd_function_calls, compile_queries, constant_uses, grad_mode_changes, grad_mode_frozen,
-                              graph_break_calls, layout_reads, mode_regions, native_fast_path, tensor_version)
+from ..compat.capture import (autograd_function_calls, compile_queries, constant_uses, grad_mode_changes,
+                              grad_mode_frozen, graph_break_calls, layout_reads, mode_regions, native_fast_path,
+                              tensor_version)
 from ..errors import ExtractionError, NNBridgeError
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
@@ -368,13 +370,16 @@ class CaptureWatch:
             return hook
         if globals_read.entries:
             for path, sub in self.modules:
-                handles += [sub.register_forward_pre_hook(globals_before), sub.register_forward_hook(globals_after(path))]
+                handles += [sub.register_forward_pre_hook(globals_before),
+                            sub.register_forward_hook(globals_after(path))]
         try:
             # (the shim only while needed: export records grad-mode changes through the original)
             # only while needed: export records no grad-mode change while the shim is in place, and
             # every module changing grad mode was found by the first export (without it)
-            with autograd_function_calls(on_apply), graph_break_calls(on_break), compile_queries(on_query), (grad_mode_frozen(lambda: any(p in frozen for p in self.active))
-                                                      if frozen else contextlib.nullcontext()):
+            frozen_modes = (grad_mode_frozen(lambda: any(p in frozen for p in self.active)) if frozen
+                            else contextlib.nullcontext())
+            with autograd_function_calls(on_apply), graph_break_calls(on_break), compile_queries(on_query), \
+                    frozen_modes:
                 yield
         finally:
             for handle in handles:

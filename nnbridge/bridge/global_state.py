@@ -11,8 +11,9 @@ global run its own code (opaque), as it does for a module writing its own attrib
 The globals watched are those :mod:`.code_identity` finds the modules' code reading (a name of a
 function's code, transitively through helpers) that hold a plain value, a tensor, or a list, tuple,
 set or dict of them, and such values held as attributes of a global object of settings
-(``STATE.calls += 1``) or of a class the code names (``Flags.calls += 1``). Not watched: a global the code creates (absent when bridged), one holding
-another object (``LOG = Recorder()``), a write reached only through an attribute chain.
+(``STATE.calls += 1``) or of a class the code names (``Flags.calls += 1``). Not watched: a global
+the code creates (absent when bridged), one holding another kind of object (``LOG = Recorder()``
+with a list inside), a write reached only through an attribute chain.
 
 :class:`GlobalValues` is both the watch (:meth:`~GlobalValues.changed`, per module call while
 exporting) and the undo (:meth:`~GlobalValues.restore`, after extraction's own eager runs and
