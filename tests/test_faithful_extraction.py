@@ -964,3 +964,30 @@ def test_torch_and_transformers_questions_keep_real_models_graphs():
         nnbridge.bridge(model, ids)
         assert torch.equal(model(ids).logits, reference(ids).logits)
         assert not _opaque(model), _opaque(model)
+
+
+class DrawsThenCalls(torch.nn.Module):
+    """Draws before calling a child that draws nothing: the draw is its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(x * random.random())
+
+
+def test_a_module_drawing_before_calling_a_child_runs_eagerly():
+    """Before, its child's return made the watch forget the caller's draw: the graph kept the number
+    drawn while extracting, silently."""
+    torch.manual_seed(0)
+    model = Outer(DrawsThenCalls())
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3)
+    run, reasons = _extracted("bridge", model, x)
+    _seed()
+    got = [run(x) for _ in range(2)]
+    _seed()
+    want = [reference(x) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert list(reasons) == ["inner"] and "random" in reasons["inner"]

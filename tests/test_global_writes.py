@@ -158,3 +158,28 @@ def test_a_patchable_graph_and_an_nnsight_trace_repeat_the_write():
         out = wrapped.output.save()
     assert len(STORE) == 1
     assert torch.equal(out, reference(x))
+
+
+class CountsThenCalls(torch.nn.Module):
+    """Writes a global before calling a child that writes none: the write is its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        TOTALS["calls"] += 1
+        return self.child(x) * TOTALS["calls"]
+
+
+def test_a_write_before_a_child_call_is_the_callers():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3)
+    model, reference = Outer(CountsThenCalls()), Outer(CountsThenCalls())
+    reference.load_state_dict(model.state_dict())
+    nnbridge.bridge(model, x)
+    got = [model(x) for _ in range(3)]
+    _reset()
+    expected = [reference(x) for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert "inner (" in str(nnbridge.explain(model)) and "TOTALS" in str(nnbridge.explain(model))

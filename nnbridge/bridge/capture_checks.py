@@ -287,6 +287,44 @@ def python_rng_states() -> tuple[Any, Any]:
     return random.getstate(), (None if state is None else (state[0], tuple(state[1].tolist()), *state[2:]))
 
 
+def _rng_drawn(old: tuple[Any, Any], new: tuple[Any, Any]) -> str | None:
+    """Which of :func:`python_rng_states` differ between ``old`` and ``new`` (the first), or None."""
+    return next((which for which, a, b in zip(("Python's random module", "numpy.random"), old, new) if a != b), None)
+
+
+def _own_changes(modules: list[tuple[str, torch.nn.Module]], read: Callable[[], Any],
+                 change: Callable[[Any, Any], str | None], found: dict[str, str]) -> list[Any]:
+    """Hooks recording in ``found[path]`` what ``change(before, after)`` (a description or None)
+    finds in ``read()`` across each stretch of a module's own code: from its call (or the return
+    of a child it called) to its next child call (or its return). A change is its module's, not
+    its callers' nor its children's: a parent drawing a random number before calling a child is
+    found too (before, the child's return reset the parent's saved state and the draw was lost).
+    For state that cannot be put back (RNG draws). Returns the hook handles."""
+    frames: list[list[Any]] = []  # [path, state when its own code last resumed]
+
+    def entered(path: str) -> Callable[..., None]:
+        def pre(mod: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            now = read()
+            if frames:
+                caller = frames[-1]
+                changed = change(caller[1], now)
+                if changed is not None:
+                    found.setdefault(caller[0], changed)
+            frames.append([path, now])
+        return pre
+
+    def left(mod: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        path, resumed = frames.pop()
+        now = read()
+        changed = change(resumed, now)
+        if changed is not None:
+            found.setdefault(path, changed)
+        if frames:
+            frames[-1][1] = now
+    return [handle for path, sub in modules
+            for handle in (sub.register_forward_pre_hook(entered(path)), sub.register_forward_hook(left))]
+
+
 class CaptureWatch:
     """Watch one export of ``modules`` (``[(path, module)]``, paths relative to the exported
     module, the exported module first) for what its graphs would drop; ``active`` is the live stack
@@ -338,21 +376,9 @@ class CaptureWatch:
                     self.changes.setdefault(path, changed)
         root = self.modules[0][1]
         handles = [root.register_forward_pre_hook(before), root.register_forward_hook(after)]
-        rng_stack: list[tuple[Any, Any]] = []
-
-        def rng_before(mod: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            rng_stack.append(python_rng_states())
-
-        def rng_after(path: str) -> Callable[..., None]:
-            def hook(mod: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-                saved, now = rng_stack.pop(), python_rng_states()
-                for which, old, new in zip(("Python's random module", "numpy.random"), saved, now):
-                    if old != new:
-                        self.draws.setdefault(path, which)
-                rng_stack[:] = [now] * len(rng_stack)  # the draw is this module's, not its callers'
-            return hook
-        for path, sub in self.modules:
-            handles += [sub.register_forward_pre_hook(rng_before), sub.register_forward_hook(rng_after(path))]
+        handles += _own_changes(self.modules, python_rng_states, _rng_drawn, self.draws)
+        # globals count by a module's whole call, not by stretches: a value set and put back around
+        # the children (transformers' output collector) is no write; a child's write is not its callers'
         globals_read = GlobalValues(root)
         globals_stack: list[list[tuple[Any, Any, Any]]] = []
 
@@ -361,12 +387,10 @@ class CaptureWatch:
 
         def globals_after(path: str) -> Callable[..., None]:
             def hook(mod: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-                saved = globals_stack.pop()
-                written = globals_read.changed(saved)
+                written = globals_read.changed(globals_stack.pop())
                 if written is not None:
                     self.global_writes.setdefault(path, written)
-                    now = globals_read.state()
-                    globals_stack[:] = [now] * len(globals_stack)  # the write is this module's, not its callers'
+                    globals_stack[:] = [globals_read.state()] * len(globals_stack)
             return hook
         if globals_read.entries:
             for path, sub in self.modules:
