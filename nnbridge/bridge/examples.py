@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
-from .hierarchy import resolve_all, walk
+from .hierarchy import NodeIndex, resolve_all, walk
 from .op_point import refresh_owners
 from .recording import copy_inputs
 from .summaries import ExampleSummaries, bind_inputs, recording_listener, summarize
@@ -33,11 +33,12 @@ def record_examples(root: CompiledGraphModule | OpaqueGraphModule, args: tuple[A
     for _ in range(2):
         listeners = []
         stores: dict[int, tuple[GraphModuleBase, dict[str, Any]]] = {}
+        index: NodeIndex = {}  # the graphs do not change until the run
         for path, owner, name, sub in walk(root):
             if sub is not None:
                 continue
             record = recording_listener(stores.setdefault(id(owner), (owner, {}))[1], name)
-            for target, target_name in resolve_all(root, path.split(".")) or [(owner, name)]:
+            for target, target_name in resolve_all(root, path.split("."), index) or [(owner, name)]:
                 point = target.op_point(target_name)
                 point.add_listener(record, refresh=False)
                 listeners.append((point, record))
@@ -52,8 +53,9 @@ def record_examples(root: CompiledGraphModule | OpaqueGraphModule, args: tuple[A
         for owner, store in stores.values():
             owner.set_examples(store)
         missing = any(sub is None and owner.example(name) is None for _, owner, name, sub in walk(root))
+        index = {}  # the run may have added extractions
         if not missing or sum(1 for path, _, _, sub in walk(root) if sub is None
-                              for _ in resolve_all(root, path.split("."))) <= before:
+                              for _ in resolve_all(root, path.split("."), index)) <= before:
             return
 
 
