@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import platform
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import nnbridge
-from nnbridge.bridge import extraction, in_place
+from nnbridge.bridge import dispatcher, extraction, in_place
 from nnbridge.compat import allocator
 from utils import gpt2
 
@@ -41,3 +42,74 @@ def test_extraction_and_unbridge_release_free_heap(monkeypatch):
     nnbridge.unbridge(model)
     assert calls == ["extract", "unbridge"]
     assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_collection_paused_restores_the_collector_also_nested_and_after_an_error():
+    assert gc.isenabled()
+    with allocator.collection_paused():
+        assert not gc.isenabled()
+        with allocator.collection_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block leaves the outer one's pause in place
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"):
+        with allocator.collection_paused():
+            raise RuntimeError("boom")
+    assert gc.isenabled()
+
+
+def test_collection_paused_keeps_a_callers_disabled_collector_off():
+    gc.disable()
+    try:
+        with allocator.collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.no_extraction_cache
+def test_extraction_runs_without_cyclic_collection_and_equals_eager(monkeypatch):
+    """The collector is off while a call extracts (bridge(), a new call structure, a
+    PatchableGraph's example recording), on again afterwards, also when extraction fails."""
+    seen = []
+    real = dispatcher.extract
+
+    def watched(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(dispatcher, "extract", watched)
+    model, reference = gpt2(), gpt2()
+    ids = torch.randint(0, 100, (1, 6))
+    nnbridge.bridge(model, ids)
+    assert seen == [False] and gc.isenabled()
+    with torch.no_grad():  # a new call structure extracts again
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert seen == [False, False] and gc.isenabled()
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("export failed")
+    monkeypatch.setattr(dispatcher, "extract", failing)
+    with pytest.raises(RuntimeError, match="export failed"):
+        model(ids, use_cache=False)
+    assert gc.isenabled()
+    nnbridge.unbridge(model)
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.no_extraction_cache
+def test_patchable_graph_records_examples_without_cyclic_collection(monkeypatch):
+    from nnbridge.bridge import PatchableGraph, patchable_graph
+
+    seen = []
+    real = patchable_graph.describe_examples
+
+    def watched(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(patchable_graph, "describe_examples", watched)
+    model, reference = gpt2(), gpt2()
+    ids = torch.randint(0, 100, (1, 6))
+    pg = PatchableGraph(model, ids)
+    assert seen == [False] and gc.isenabled()
+    assert torch.equal(pg(ids).logits, reference(ids).logits)

@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 
 from ..compat import register_cache_pytrees
+from ..compat.allocator import collection_paused
 from ..compat.overrides import function_override
 from ..errors import NNBridgeError, warn
 from .call_structure import describe_key_change, structure_key, tensor_leaves
@@ -168,8 +169,9 @@ class GraphDispatcher(torch.nn.Module):
             reason: why (recorded in :attr:`history`; a failed guard's description).
         """
         key = self.structure_key(args, kwargs) if key is None else key
-        # each graph's code is generated once, after the callbacks (an in-place bridge's link) edited it
-        with code_generation_deferred():
+        # each graph's code is generated once, after the callbacks (an in-place bridge's link) edited
+        # it; no cyclic garbage collection meanwhile (see .compat.allocator)
+        with collection_paused(), code_generation_deferred():
             extraction = self._from_representative(args, kwargs)
             if extraction is None:
                 extraction = extract(self.module, args, kwargs, self.options, path=self.path,

@@ -22,6 +22,7 @@ import torch
 from ..compat.pytree import pytree
 
 from ..compat import has_user_hooks, restore_body, swap_body
+from ..compat.allocator import collection_paused
 from ..compat.module_dicts import modules_of
 from ..errors import NNBridgeError, NodePathError, PatchError, PatchMapError
 from . import hierarchy, patch_state, varargs_paths
@@ -209,7 +210,8 @@ class PatchableGraph(torch.nn.Module):
         recording = [self.__dict__["_programs"]] if "_programs" in self.__dict__ else []
         root = first.root
         if not saving.restore_examples(root):  # a load has them from the file
-            with preserved_state(list(named_real_modules(module))), sources_active(*recording):
+            with preserved_state(list(named_real_modules(module))), sources_active(*recording), \
+                    collection_paused():
                 describe_examples(root, tuple(example_args), dict(example_kwargs))
         self._graph_module = root
 

@@ -5,14 +5,24 @@ fake tensors, sympy expressions). glibc keeps freed heap memory in its free list
 resident set stays at its peak after the objects are gone: measured on SmolLM2-135M, 598 MB more
 after ``bridge()`` + ``unbridge()`` + ``gc.collect()`` than before, with no graph left alive
 (``gc.get_objects()``); ``malloc_trim(0)`` (24 ms) brought it back below the starting level.
+
+The same allocations start the cyclic garbage collector: about 400,000 container objects per
+SmolLM2 extraction, so hundreds of young collections and one to three full ones, each of which
+walks every object of the process (torch and transformers hold millions; ~0.3 s each).
+:func:`collection_paused` holds the collector off for an extraction, as torch's
+``distributed.checkpoint.state_dict`` does for its own bulk work; cycles made meanwhile are
+collected at the next collection after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
+import gc
 import sys
+from collections.abc import Iterator
 
 
 @functools.cache
@@ -34,3 +44,19 @@ def release_free_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector is off for the block, and on again after it if it was on
+    before (so nesting, and a caller who turned it off, are kept). Reference counting still frees
+    every object outside a cycle at once. Measured on SmolLM2-135M (``bridge()``, 9 tokens, this
+    machine): 4.59 -> 3.94 s exporting, 2.48-2.70 -> 2.14-2.28 s from the disk cache, the
+    collections owed afterwards included."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
