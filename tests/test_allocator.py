@@ -1,4 +1,5 @@
-"""Freed heap memory goes back to the system after an extraction and after ``unbridge``
+"""Freed heap memory goes back to the system after an extraction and after ``unbridge``, and the
+cyclic garbage collector is off while a call extracts
 (``nnbridge.compat.allocator``; the amounts are measured by ``benchmarks/bench_targets.py``)."""
 
 from __future__ import annotations

@@ -22,11 +22,9 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
@@ -61,7 +59,7 @@ from .state import state_keys
 from ..compat import (cleared_module_state, constant_outputs, copy_spec, forget_export_state,
                       generated_code_released, invocation_graphs, offloaded_weights_loaded, register_cache_pytrees,
                       unflatten)
-from ..compat.allocator import release_free_heap
+from ..compat.allocator import collection_paused, release_free_heap
 from ..compat.fx import fx_patches_confined
 from ..compat.mask_skips import replaced_sdpa_functions
 from ..compat.output_capturing import collector_suspended
@@ -115,35 +113,12 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     # the code export, unflatten and the graph modules generate is dropped with the code (fx keeps
     # every generated source for ever otherwise)
     with CALL_LOCK, fx_patches_confined(CALL_LOCK), locked_calls(module.modules()), collector_suspended(), \
-            generated_code_released(), garbage_collection_paused():
+            generated_code_released(), collection_paused():
         try:
             return _extract(module, args, kwargs, options, path, on_extraction, child_dispatcher, watch)
         finally:  # else torch's globals keep this trace, and through it the model, alive
             forget_export_state()
             release_free_heap()  # the trace's freed memory back to the system (see compat.allocator)
-
-
-@contextlib.contextmanager
-def garbage_collection_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the body's duration (if it was on), on again
-    after, also on error; nothing is collected here (the next automatic collection does it).
-
-    torch.export allocates millions of Python objects (nodes, fake tensors, sympy expressions), and
-    every few hundred thousand allocations the collector walks every object the process holds:
-    torch and transformers alone are ~1e6. Measured on GPT-2 12x768 (ids (1, 16), grad on, cold
-    process): 3 full collections, ~1 s of a 6.7 s extraction with the machine quiet; paused, the
-    objects that became garbage are collected by the first automatic collection after it (during
-    the first forward, ~0.6 s under load). Reference counting frees everything else as before.
-    The collector is process-wide: another thread's cyclic garbage also waits until extraction ends.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
