@@ -69,17 +69,23 @@ def test_collection_paused_keeps_a_callers_disabled_collector_off():
         gc.enable()
 
 
-@pytest.mark.no_extraction_cache
-def test_extraction_runs_without_cyclic_collection_and_equals_eager(monkeypatch):
-    """The collector is off while a call extracts (bridge(), a new call structure, a
-    PatchableGraph's example recording), on again afterwards, also when extraction fails."""
-    seen = []
-    real = dispatcher.extract
+def _collector_states(monkeypatch, owner, name: str) -> list[bool]:
+    """Replace ``owner.<name>`` by a wrapper noting ``gc.isenabled()`` at each call; the notes."""
+    seen: list[bool] = []
+    real = getattr(owner, name)
 
     def watched(*args, **kwargs):
         seen.append(gc.isenabled())
         return real(*args, **kwargs)
-    monkeypatch.setattr(dispatcher, "extract", watched)
+    monkeypatch.setattr(owner, name, watched)
+    return seen
+
+
+@pytest.mark.no_extraction_cache
+def test_extraction_runs_without_cyclic_collection_and_equals_eager(monkeypatch):
+    """The collector is off while a call extracts (bridge(), a new call structure), on again
+    afterwards, also when extraction fails."""
+    seen = _collector_states(monkeypatch, dispatcher, "extract")
     model, reference = gpt2(), gpt2()
     ids = torch.randint(0, 100, (1, 6))
     nnbridge.bridge(model, ids)
@@ -102,13 +108,7 @@ def test_extraction_runs_without_cyclic_collection_and_equals_eager(monkeypatch)
 def test_patchable_graph_records_examples_without_cyclic_collection(monkeypatch):
     from nnbridge.bridge import PatchableGraph, patchable_graph
 
-    seen = []
-    real = patchable_graph.describe_examples
-
-    def watched(*args, **kwargs):
-        seen.append(gc.isenabled())
-        return real(*args, **kwargs)
-    monkeypatch.setattr(patchable_graph, "describe_examples", watched)
+    seen = _collector_states(monkeypatch, patchable_graph, "describe_examples")
     model, reference = gpt2(), gpt2()
     ids = torch.randint(0, 100, (1, 6))
     pg = PatchableGraph(model, ids)

@@ -1,5 +1,5 @@
-"""Process memory around an extraction: the C heap's free memory back to the operating system (glibc's
-``malloc_trim``), and Python's cyclic garbage collector held off while it runs.
+"""Process memory around an extraction: the C heap's free memory back to the operating system
+(glibc's ``malloc_trim``), and Python's cyclic garbage collector held off while it runs.
 
 An extraction allocates and frees hundreds of megabytes of small objects (torch.export's nodes,
 fake tensors, sympy expressions). glibc keeps freed heap memory in its free lists, so the process's
