@@ -1,5 +1,6 @@
 """An in-place bridge computes its graphs' example summaries (the shapes op points print) on the
-first read, not in ``bridge()``: in link order, as if computed when each extraction was linked."""
+first read, not in ``bridge()``: in link order, as if computed when each extraction was linked.
+A PatchableGraph computes them from export's metadata when it describes every value."""
 
 import copy
 
@@ -9,7 +10,7 @@ import torch
 import nnbridge
 from nnbridge.bridge import summaries
 from nnbridge.bridge.in_place import BRIDGE_KEY
-from utils import gpt2
+from utils import gpt2, llama
 
 IDS = torch.tensor([[3, 14, 15, 92, 65, 35]])
 SOFTMAX = "transformer.h.0.attn.softmax"
@@ -73,3 +74,32 @@ def test_a_new_call_structure_owes_its_examples_again_and_reads_in_link_order(pr
         if any(root is o for o in owed) and not any(root is f for f in first):
             first.append(root)
     assert len(first) == len(owed) and all(a is b for a, b in zip(first, owed)), "in link order"
+
+
+@pytest.mark.parametrize("make", [gpt2, llama])
+def test_cache_writing_graphs_are_summarized_from_metadata_as_a_recording_run_would(make, monkeypatch):
+    """A graph that writes its cache layer back (``write_state``, which returns None) is
+    summarized from export's metadata: no recording run, and every node's summary equals what a
+    recording run of the same example gives (it used to make the static pass give up)."""
+    from nnbridge.bridge import PatchableGraph, examples
+    from nnbridge.bridge.hierarchy import walk
+    from nnbridge.bridge.state import write_state
+
+    model, reference = make(), make()
+    recorded = []
+    original = examples.record_examples
+
+    def recording(*args, **kwargs):
+        recorded.append(args[0])
+        return original(*args, **kwargs)
+    monkeypatch.setattr(examples, "record_examples", recording)
+    pg = PatchableGraph(model, IDS, use_cache=True)
+    assert recorded == []
+    root = pg._graph_module
+    assert any(node.target is write_state for graph in root.modules() if hasattr(graph, "graph")
+               for node in graph.graph.nodes)
+    static = {(path, name): owner.example(name) for path, owner, name, sub in walk(root) if sub is None}
+    original(root, (IDS,), {"use_cache": True})
+    assert static == {(path, name): owner.example(name) for path, owner, name, sub in walk(root) if sub is None}
+    with torch.no_grad():
+        assert torch.equal(pg(IDS, use_cache=True).logits, reference(IDS, use_cache=True).logits)

@@ -24,6 +24,7 @@ from torch.fx.node import Argument, Target, map_aggregate
 from ..compat.pytree import fx_pytree, node_class, pytree
 from ..compat.symbolic import has_hint, symbolic_hint
 from .metadata import node_meta, update_node_meta
+from .state import write_state
 
 if TYPE_CHECKING:
     from .graph_module import CompiledGraphModule, GraphModuleBase
@@ -230,6 +231,8 @@ class ExampleSummaries(Interpreter):
             return summary
         if target is fx_pytree.tree_flatten_spec:
             return "list"  # custom-pytree plumbing; its leaves carry metadata of their own
+        if target is write_state:
+            return summarize(None)  # state plumbing (a cache layer's update), returns None
         if target is pytree.tree_unflatten:
             spec = self.fetch_attr(str(self.node.args[1].target))  # type: ignore[union-attr]
             return _from_spec(spec, iter(list(args[0])))
