@@ -502,6 +502,76 @@ def test_entries_are_written_with_the_bytes_of_torch_export_save():
         assert torch.equal(loaded.module()(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
 
 
+class _Scaled(torch.nn.Module):
+    def forward(self, x):
+        return x.softmax(-1) * x.shape[1]
+
+
+def _saved_dynamic_program(stream):
+    """A program with a dynamic size (so loading it constrains a symbol's range), saved to ``stream``."""
+    from nnbridge.compat.serialization import save_program
+
+    x = torch.randn(2, 5)
+    exported = torch.export.export(_Scaled(), (x,), dynamic_shapes=({1: torch.export.Dim("n", min=2, max=64)},))
+    save_program(exported, stream)
+    stream.seek(0)
+    return exported
+
+
+def test_loading_gives_symbol_ranges_the_load_location_and_restores_the_shape_env():
+    """load_program gives the ranges of a loaded program's symbols compat.serialization's
+    LOAD_LOCATION (no stack walk), the same ranges and outputs as torch.export.load, and puts
+    ShapeEnv._get_sloc back, also when a load fails."""
+    import io
+
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from nnbridge.compat.serialization import LOAD_LOCATION, load_program
+
+    stream = io.BytesIO()
+    _saved_dynamic_program(stream)
+    data = stream.getvalue()
+    original = ShapeEnv.__dict__["_get_sloc"]
+    ours, theirs = load_program(io.BytesIO(data)), torch.export.load(io.BytesIO(data))
+    assert ShapeEnv.__dict__["_get_sloc"] is original
+    assert ours.range_constraints == theirs.range_constraints and len(ours.range_constraints) == 1
+    shape_env = next(node.meta["val"] for node in ours.graph.nodes if node.op == "placeholder").fake_mode.shape_env
+    locations = {str(sloc.lower) for sloc in shape_env.var_to_range_sloc.values()}
+    assert locations == {f"({LOAD_LOCATION})"}
+    for width in (3, 17):
+        x = torch.randn(2, width)
+        assert torch.equal(ours.module()(x), _Scaled()(x))
+        assert torch.equal(ours.module()(x), theirs.module()(x))
+    with pytest.raises(Exception):
+        load_program(io.BytesIO(data[: len(data) // 2]))
+    assert ShapeEnv.__dict__["_get_sloc"] is original
+
+
+_LOAD_ONLY_PROCESS = """
+import sys, torch
+from nnbridge.compat.serialization import load_program
+with open(sys.argv[1], "rb") as stream:
+    loaded = load_program(stream)
+x = torch.randn(2, 7)
+assert torch.equal(loaded.module()(x), x.softmax(-1) * 7)
+print(sorted(name for name in ("torch.export._trace", "torch._inductor.sizevars", "networkx") if name in sys.modules))
+"""
+
+
+def test_a_process_that_only_loads_imports_no_exporter(tmp_path):
+    """Loading a program with symbolic sizes imports none of the modules torch's stack walk for
+    source locations would (torch.export's tracer, inductor, networkx: compat.serialization)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "program.pt2"
+    with open(path, "wb") as stream:
+        _saved_dynamic_program(stream)
+    done = subprocess.run([sys.executable, "-c", _LOAD_ONLY_PROCESS, str(path)], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 _SECOND_PROCESS = """
 import torch, nnbridge
 from nnbridge.bridge import extraction
