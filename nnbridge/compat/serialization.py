@@ -155,12 +155,12 @@ def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
     if "typing" not in _MEMO:
         _MEMO["typing"], _MEMO["sympy"] = _MemoTyping(original_typing), _MemoSympy(original_sympy)
     serialize.typing, serialize.sympy = _MEMO["typing"], _MEMO["sympy"]
-    ShapeEnv._get_sloc = _load_location  # type: ignore[method-assign]
+    setattr(ShapeEnv, "_get_sloc", _load_location)  # noqa: B010 - a class attribute, swapped for the load
     try:
         return torch.export.load(stream)
     finally:
         serialize.typing, serialize.sympy = original_typing, original_sympy
-        ShapeEnv._get_sloc = original_sloc  # type: ignore[method-assign]
+        setattr(ShapeEnv, "_get_sloc", original_sloc)  # noqa: B010
 
 
 #: The source location :func:`load_program` gives the symbolic-size ranges of a loaded program.
