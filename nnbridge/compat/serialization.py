@@ -142,9 +142,9 @@ def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
     Dynamo frontend, networkx: 344 modules, 0.3-0.4 s) in a process that loads without exporting.
     For the duration, ``ShapeEnv._get_sloc`` returns :data:`LOAD_LOCATION` instead: the source
     location torch keeps for those ranges, shown only in its messages about them (the walk found a
-    frame of torch's deserializer, ``_process_sym_expr``). Another thread's ``ShapeEnv`` records that location
-    too meanwhile. Measured on SmolLM2-135M-Instruct from the disk cache, ``bridge()`` in a new
-    process: 2.56 and 2.34 s without, 2.19 and 2.08 s with.
+    frame of torch's deserializer, ``_process_sym_expr``). Another thread's ``ShapeEnv`` records
+    that location too meanwhile. Measured on SmolLM2-135M-Instruct from the disk cache, weights
+    resident, ``bridge()`` in a new process: 2.56 and 2.34 s without, 2.19 and 2.08 s with.
     """
     import torch
     from torch._export.serde import serialize
