@@ -548,6 +548,34 @@ def test_loading_gives_symbol_ranges_the_load_location_and_restores_the_shape_en
     assert ShapeEnv.__dict__["_get_sloc"] is original
 
 
+def test_the_load_memos_delegate_to_the_modules_own_functions():
+    """compat.serialization's typing and sympy stand-ins keep each name they delegate after its
+    first look-up: the module's own object, also for the next load; the deserializer's globals are
+    the modules again after a load."""
+    import io
+    import typing
+
+    import sympy
+    from torch._export.serde import serialize
+
+    from nnbridge.compat import serialization
+
+    stream = io.BytesIO()
+    _saved_dynamic_program(stream)
+    data = stream.getvalue()
+    serialization.load_program(io.BytesIO(data))
+    assert serialize.typing is typing and serialize.sympy is sympy
+    memo_typing, memo_sympy = serialization._MEMO["typing"], serialization._MEMO["sympy"]
+    assert vars(memo_typing)["get_origin"] is typing.get_origin and memo_typing.get_args is typing.get_args
+    assert memo_sympy.Symbol is sympy.Symbol and vars(memo_sympy)["Symbol"] is sympy.Symbol
+    with pytest.raises(AttributeError):
+        memo_typing.not_a_typing_name
+    assert "not_a_typing_name" not in vars(memo_typing)
+    second = serialization.load_program(io.BytesIO(data))
+    x = torch.randn(2, 9)
+    assert torch.equal(second.module()(x), _Scaled()(x))
+
+
 _LOAD_ONLY_PROCESS = """
 import sys, torch
 from nnbridge.compat.serialization import load_program

@@ -42,14 +42,17 @@ def library_versions() -> dict[str, str]:
 
 
 class _MemoTyping:
-    """``typing`` with ``get_type_hints`` memoised per class (every other name delegated)."""
+    """``typing`` with ``get_type_hints`` memoised per class (every other name delegated, and kept
+    on the instance after its first look-up: ``typing.get_origin`` is read for every JSON node)."""
 
     def __init__(self, typing_module: ModuleType):
         self._typing = typing_module
         self._hints: dict[object, dict[str, Any]] = {}
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._typing, name)
+        value = getattr(self._typing, name)
+        setattr(self, name, value)
+        return value
 
     def get_type_hints(self, cls: object, globalns: dict[str, Any] | None = None, *args: Any, **kwargs: Any
                        ) -> dict[str, Any]:
@@ -62,14 +65,17 @@ class _MemoTyping:
 
 class _MemoSympy:
     """``sympy`` with ``sympify(text, locals=...)`` memoised on the text and the locals (sympy
-    expressions are immutable, so a shared result is safe); every other name delegated."""
+    expressions are immutable, so a shared result is safe); every other name delegated, and kept on
+    the instance after its first look-up."""
 
     def __init__(self, sympy_module: ModuleType):
         self._sympy = sympy_module
         self._parsed: dict[Any, Any] = {}
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._sympy, name)
+        value = getattr(self._sympy, name)
+        setattr(self, name, value)
+        return value
 
     def sympify(self, text: Any, *args: Any, locals: Any = None, **kwargs: Any) -> Any:  # noqa: A002
         if args or kwargs or not isinstance(text, str):
