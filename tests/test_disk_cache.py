@@ -549,14 +549,15 @@ def test_loading_gives_symbol_ranges_the_load_location_and_restores_the_shape_en
 
 
 def test_the_load_memos_delegate_to_the_modules_own_functions():
-    """compat.serialization's typing and sympy stand-ins keep each name they delegate after its
-    first look-up: the module's own object, also for the next load; the deserializer's globals are
-    the modules again after a load."""
+    """compat.serialization's typing, sympy and dataclasses stand-ins keep each name they delegate
+    after its first look-up: the module's own object, also for the next load; memoised fields are
+    dataclasses.fields'; the deserializer's globals are the modules' own again after a load."""
+    import dataclasses
     import io
     import typing
 
     import sympy
-    from torch._export.serde import serialize
+    from torch._export.serde import schema, serialize, union
 
     from nnbridge.compat import serialization
 
@@ -565,6 +566,14 @@ def test_the_load_memos_delegate_to_the_modules_own_functions():
     data = stream.getvalue()
     serialization.load_program(io.BytesIO(data))
     assert serialize.typing is typing and serialize.sympy is sympy
+    assert serialize.dataclasses is dataclasses and union.fields is dataclasses.fields
+    memo_fields = serialization._MEMO["dataclasses"]
+    argument = schema.Argument.create(as_int=3)
+    assert memo_fields.fields(schema.Argument) == dataclasses.fields(schema.Argument)
+    assert memo_fields.fields(argument) is memo_fields.fields(schema.Argument)
+    with pytest.raises(TypeError):
+        memo_fields.fields(_Scaled)  # no dataclass, as dataclasses.fields says
+    assert memo_fields.is_dataclass is dataclasses.is_dataclass
     memo_typing, memo_sympy = serialization._MEMO["typing"], serialization._MEMO["sympy"]
     assert vars(memo_typing)["get_origin"] is typing.get_origin and memo_typing.get_args is typing.get_args
     assert memo_sympy.Symbol is sympy.Symbol and vars(memo_sympy)["Symbol"] is sympy.Symbol
