@@ -585,6 +585,47 @@ def test_the_load_memos_delegate_to_the_modules_own_functions():
     assert torch.equal(second.module()(x), _Scaled()(x))
 
 
+def test_loads_and_saves_in_several_threads_leave_torchs_globals_as_they_were():
+    """save_program and load_program swap torch's globals one at a time: threads loading and
+    saving at once each get the program, and the deserializer's, the union module's and
+    ShapeEnv's own objects are back afterwards."""
+    import dataclasses
+    import io
+    import threading
+    import typing
+
+    import sympy
+    from torch._export.serde import serialize, union
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from nnbridge.compat.serialization import load_program, save_program
+
+    stream = io.BytesIO()
+    exported = _saved_dynamic_program(stream)
+    data = stream.getvalue()
+    canonicalize, sloc = serialize.canonicalize, ShapeEnv.__dict__["_get_sloc"]
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(3):
+                results.append(load_program(io.BytesIO(data)))
+                save_program(exported, io.BytesIO())
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(results) == 12
+    assert serialize.typing is typing and serialize.sympy is sympy and serialize.dataclasses is dataclasses
+    assert union.fields is dataclasses.fields and serialize.canonicalize is canonicalize
+    assert ShapeEnv.__dict__["_get_sloc"] is sloc
+    x = torch.randn(2, 11)
+    assert all(torch.equal(loaded.module()(x), _Scaled()(x)) for loaded in results[::4])
+
+
 _LOAD_ONLY_PROCESS = """
 import sys, torch
 from nnbridge.compat.serialization import load_program

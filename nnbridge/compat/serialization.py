@@ -8,6 +8,7 @@ namedtuple) and of types registered with a serialized name round-trip.
 from __future__ import annotations
 
 import importlib.metadata
+import threading
 from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any
 
@@ -109,6 +110,8 @@ class _MemoDataclasses(_ModuleStandIn):
 
 
 _MEMO: dict[str, Any] = {}
+#: Held while :func:`save_program` or :func:`load_program` has torch's globals swapped.
+_SWAPPING = threading.Lock()
 
 
 def _unchecked_canonical_form(ep: Any, constants: Any = None) -> Any:
@@ -126,7 +129,8 @@ def save_program(exported: torch.export.ExportedProgram, stream: IO[bytes]) -> N
     written is the program as serialised (no load path canonicalizes). That check was ~60 % of
     writing a 12-layer GPT-2 program (1.9 of 3.1 s under cProfile). For the duration the module's
     ``canonicalize`` global is a function returning its argument; the bytes written are unchanged
-    (checked by tests/test_disk_cache.py). Another thread saving at the same time skips the check too.
+    (checked by tests/test_disk_cache.py). A thread calling ``torch.export.save`` itself meanwhile
+    skips the check too; this function and :func:`load_program` swap torch's globals one at a time.
 
     The program's example inputs are left out (``ExportedProgram.example_inputs`` is None while it
     is written, then restored): nothing that loads it needs them, and torch writes them with
@@ -138,15 +142,16 @@ def save_program(exported: torch.export.ExportedProgram, stream: IO[bytes]) -> N
     import torch
     from torch._export.serde import serialize
 
-    original = serialize.canonicalize
-    examples = exported._example_inputs
-    serialize.canonicalize = _unchecked_canonical_form
-    exported.example_inputs = None
-    try:
-        torch.export.save(exported, stream)
-    finally:
-        serialize.canonicalize = original
-        exported._example_inputs = examples
+    with _SWAPPING:
+        original = serialize.canonicalize
+        examples = exported._example_inputs
+        serialize.canonicalize = _unchecked_canonical_form
+        exported.example_inputs = None
+        try:
+            torch.export.save(exported, stream)
+        finally:
+            serialize.canonicalize = original
+            exported._example_inputs = examples
 
 
 def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
@@ -177,19 +182,20 @@ def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
     from torch._export.serde import serialize, union
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    originals = serialize.typing, serialize.sympy, serialize.dataclasses, union.fields
-    original_sloc = ShapeEnv.__dict__["_get_sloc"]
-    if "typing" not in _MEMO:
-        _MEMO["typing"], _MEMO["sympy"] = _MemoTyping(originals[0]), _MemoSympy(originals[1])
-        _MEMO["dataclasses"] = _MemoDataclasses(originals[2])
-    serialize.typing, serialize.sympy, serialize.dataclasses = _MEMO["typing"], _MEMO["sympy"], _MEMO["dataclasses"]
-    union.fields = _MEMO["dataclasses"].fields
-    setattr(ShapeEnv, "_get_sloc", _load_location)  # noqa: B010 - a class attribute, swapped for the load
-    try:
-        return torch.export.load(stream)
-    finally:
-        serialize.typing, serialize.sympy, serialize.dataclasses, union.fields = originals
-        setattr(ShapeEnv, "_get_sloc", original_sloc)  # noqa: B010
+    with _SWAPPING:  # (two threads loading at once would restore each other's stand-ins for good)
+        originals = serialize.typing, serialize.sympy, serialize.dataclasses, union.fields
+        original_sloc = ShapeEnv.__dict__["_get_sloc"]
+        if "typing" not in _MEMO:
+            _MEMO["typing"], _MEMO["sympy"] = _MemoTyping(originals[0]), _MemoSympy(originals[1])
+            _MEMO["dataclasses"] = _MemoDataclasses(originals[2])
+        serialize.typing, serialize.sympy, serialize.dataclasses = _MEMO["typing"], _MEMO["sympy"], _MEMO["dataclasses"]
+        union.fields = _MEMO["dataclasses"].fields
+        setattr(ShapeEnv, "_get_sloc", _load_location)  # noqa: B010 - a class attribute, swapped for the load
+        try:
+            return torch.export.load(stream)
+        finally:
+            serialize.typing, serialize.sympy, serialize.dataclasses, union.fields = originals
+            setattr(ShapeEnv, "_get_sloc", original_sloc)  # noqa: B010
 
 
 #: The source location :func:`load_program` gives the symbolic-size ranges of a loaded program.
