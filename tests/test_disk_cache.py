@@ -604,6 +604,8 @@ def test_loads_and_saves_in_several_threads_leave_torchs_globals_as_they_were():
     exported = _saved_dynamic_program(stream)
     data = stream.getvalue()
     canonicalize, sloc = serialize.canonicalize, ShapeEnv.__dict__["_get_sloc"]
+    tensor_meta = serialize.GraphModuleDeserializer.__dict__["deserialize_tensor_meta"]
+    sym_int = serialize.GraphModuleDeserializer.__dict__["deserialize_sym_int"]
     results, errors = [], []
 
     def work():
@@ -622,8 +624,82 @@ def test_loads_and_saves_in_several_threads_leave_torchs_globals_as_they_were():
     assert serialize.typing is typing and serialize.sympy is sympy and serialize.dataclasses is dataclasses
     assert union.fields is dataclasses.fields and serialize.canonicalize is canonicalize
     assert ShapeEnv.__dict__["_get_sloc"] is sloc
+    deserializer = serialize.GraphModuleDeserializer
+    assert deserializer.__dict__["deserialize_tensor_meta"] is tensor_meta
+    assert deserializer.__dict__["deserialize_sym_int"] is sym_int
     x = torch.randn(2, 11)
     assert all(torch.equal(loaded.module()(x), _Scaled()(x)) for loaded in results[::4])
+
+
+class _Projected(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.proj(x).softmax(-1) * x.shape[0] + x.shape[0]
+
+
+def _fake_tensor_facts(value):
+    """What a node's ``val`` is, in comparable form (symbolic sizes as their expressions)."""
+    if not isinstance(value, torch.Tensor):
+        return repr(value)
+    return (type(value).__name__, str(value.shape), str(value.stride()), str(value.storage_offset()), value.dtype,
+            value.device, value.requires_grad, value.layout)
+
+
+def test_loaded_fake_tensors_and_symbolic_sizes_equal_torchs_own_load(monkeypatch):
+    """load_program makes each node's fake tensor by the fake mode's constructor path and each
+    symbolic size once per deserializer: every node's value equals torch.export.load's (type,
+    symbolic sizes and strides, dtype, device, requires_grad), all in one fake mode, outputs equal
+    eager at other sizes, and the deserializer's methods are torch's again, also after a failed load."""
+    import io
+
+    from torch._export.serde import serialize
+
+    from nnbridge.compat.serialization import load_program, save_program
+
+    torch.manual_seed(0)
+    model = _Projected()
+    exported = torch.export.export(model, (torch.randn(5, 4),), dynamic_shapes=({0: torch.export.Dim("n", min=2, max=64)},))
+    stream = io.BytesIO()
+    save_program(exported, stream)
+    data = stream.getvalue()
+    deserializer = serialize.GraphModuleDeserializer
+    tensor_meta, original_sym_int = deserializer.deserialize_tensor_meta, deserializer.deserialize_sym_int
+    parsed: list[str] = []  # each symbolic size torch's own method makes
+
+    def counted(self, sym_int):
+        if sym_int.type == "as_expr":
+            parsed.append(sym_int.value.expr_str)
+        return original_sym_int(self, sym_int)
+    monkeypatch.setattr(deserializer, "deserialize_sym_int", counted)
+    ours = load_program(io.BytesIO(data))
+    parsed_by_ours = list(parsed)
+    parsed.clear()
+    theirs = torch.export.load(io.BytesIO(data))
+    assert deserializer.__dict__["deserialize_sym_int"] is counted
+    assert deserializer.__dict__["deserialize_tensor_meta"] is tensor_meta
+    # the same symbolic sizes, each made once by ours (torch's load makes one per tensor size)
+    assert set(parsed_by_ours) == set(parsed) and len(parsed_by_ours) == len(set(parsed_by_ours)) < len(parsed)
+    facts = [_fake_tensor_facts(node.meta.get("val")) for node in ours.graph.nodes]
+    assert facts == [_fake_tensor_facts(node.meta.get("val")) for node in theirs.graph.nodes]
+    assert any(fact[6] for fact in facts if isinstance(fact, tuple))  # a parameter's (requires_grad)
+    assert any("s" in fact[1] for fact in facts if isinstance(fact, tuple))  # symbolic sizes
+    modes = {id(node.meta["val"].fake_mode) for node in ours.graph.nodes if isinstance(node.meta.get("val"), torch.Tensor)}
+    assert len(modes) == 1
+    assert ours.range_constraints == theirs.range_constraints
+    for rows in (3, 17):
+        x = torch.randn(rows, 4)
+        assert torch.equal(ours.module()(x), model(x)) and torch.equal(ours.module()(x), theirs.module()(x))
+
+    def broken(self, *args, **kwargs):  # a failure after the first fake tensors were made
+        raise RuntimeError("unreadable outputs")
+    monkeypatch.setattr(deserializer, "deserialize_outputs", broken)
+    with pytest.raises(RuntimeError, match="error when deserializing"):  # (torch.export.load words it)
+        load_program(io.BytesIO(data))
+    assert deserializer.__dict__["deserialize_sym_int"] is counted
+    assert deserializer.__dict__["deserialize_tensor_meta"] is tensor_meta
 
 
 _LOAD_ONLY_PROCESS = """
