@@ -606,6 +606,7 @@ def test_loads_and_saves_in_several_threads_leave_torchs_globals_as_they_were():
     canonicalize, sloc = serialize.canonicalize, ShapeEnv.__dict__["_get_sloc"]
     tensor_meta = serialize.GraphModuleDeserializer.__dict__["deserialize_tensor_meta"]
     sym_int = serialize.GraphModuleDeserializer.__dict__["deserialize_sym_int"]
+    reader = serialize._dict_to_dataclass
     results, errors = [], []
 
     def work():
@@ -626,7 +627,7 @@ def test_loads_and_saves_in_several_threads_leave_torchs_globals_as_they_were():
     assert ShapeEnv.__dict__["_get_sloc"] is sloc
     deserializer = serialize.GraphModuleDeserializer
     assert deserializer.__dict__["deserialize_tensor_meta"] is tensor_meta
-    assert deserializer.__dict__["deserialize_sym_int"] is sym_int
+    assert deserializer.__dict__["deserialize_sym_int"] is sym_int and serialize._dict_to_dataclass is reader
     x = torch.randn(2, 11)
     assert all(torch.equal(loaded.module()(x), _Scaled()(x)) for loaded in results[::4])
 
@@ -775,3 +776,56 @@ def test_the_per_process_generation_config_hash_is_not_in_the_key():
     assert programs.model_fingerprint(model) == before
     model.generation_config.max_length = 7  # a real value still counts
     assert programs.model_fingerprint(model) != before
+
+
+def test_the_schema_reader_builds_torchs_objects_and_lets_torch_reject_bad_input(cache_dir, monkeypatch):
+    """compat.serialization's stand-in for torch's JSON-to-schema reader (used while
+    load_program loads) gives objects equal to torch's own reader's for every artifact of a tiny
+    Llama's program with its cache argument and of a program with a dynamic size and a parameter,
+    and leaves input torch's reader rejects to it (the same error)."""
+    import io
+    import json
+    import zipfile
+
+    from torch._export.serde import schema, serialize, union
+
+    from nnbridge.compat.serialization import _SchemaReader, save_program
+
+    nnbridge.bridge(llama(), _ids())
+    (entry,) = cache_dir.glob("*.nnbridge")
+    with zipfile.ZipFile(entry) as bundle:
+        archives = [bundle.read(name) for name in bundle.namelist() if name.endswith(".pt2")]
+    stream = io.BytesIO()
+    exported = torch.export.export(_Projected(), (torch.randn(5, 4),),
+                                   dynamic_shapes=({0: torch.export.Dim("n", min=2, max=64)},))
+    save_program(exported, stream)
+    archives.append(stream.getvalue())
+    original = serialize._dict_to_dataclass
+    artifacts = []  # (schema class, JSON data) of every artifact torch's own load reads
+
+    def recorded(cls, artifact_bytes):
+        artifacts.append((cls, json.loads(artifact_bytes.decode("utf-8"))))
+        return original(cls, artifacts[-1][1])
+    monkeypatch.setattr(serialize, "_bytes_to_dataclass", recorded)
+    for archive in archives:
+        torch.export.load(io.BytesIO(archive))
+    monkeypatch.undo()
+    reader = _SchemaReader(original, serialize, union)
+    assert len(artifacts) == len(archives) >= 2
+    for cls, data in artifacts:
+        ours, theirs = reader(cls, data), original(cls, data)
+        assert type(ours) is schema.ExportedProgram and ours == theirs and repr(ours) == repr(theirs)
+    # what torch's reader also accepts: a field left out (its default), an unknown key (ignored),
+    # an int where the schema says float (made a float)
+    node = dict(artifacts[0][1]["graph_module"]["graph"]["nodes"][0])
+    assert "is_hop_single_tensor_return" in node
+    del node["is_hop_single_tensor_return"]
+    node["a_later_field"] = 1
+    for cls, data in [(schema.Node, node), (schema.Argument, {"as_float": 2}), (list[schema.Argument], [])]:
+        ours, theirs = reader(cls, data), original(cls, data)
+        assert ours == theirs and repr(ours) == repr(theirs)
+    for cls, data in [(schema.Argument, {"as_int": 1, "as_float": 2.0}), ("NoSuchSchemaClass", {})]:
+        with pytest.raises(AssertionError) as theirs:
+            original(cls, data)
+        with pytest.raises(AssertionError, match=str(theirs.value)):
+            reader(cls, data)
