@@ -9,7 +9,11 @@ Rows (times are wall-clock on this machine's CPU; ratios are medians of interlea
                                                 (includes one forward)
   peak RSS during extraction / fp32 model size  (peak RSS in bridge() - RSS before loading the model) /
                                                 parameter bytes; "released" is the RSS after unbridge()
-                                                and gc minus the RSS before bridge(). The numerator
+                                                and gc minus the RSS before bridge(), and in brackets
+                                                the same for anonymous memory only (RssAnon): the
+                                                weights load_smollm2 maps from safetensors are file
+                                                pages, which bridge()'s eager runs page in and which
+                                                stay resident (the model's own memory). The numerator
                                                 includes the library imports and the model's own
                                                 memory, and with an empty $NNBRIDGE_CACHE what
                                                 load_smollm2's GGUF dequantization leaves behind
@@ -47,9 +51,9 @@ _CHILD = """
 import gc, json, threading, time, torch
 torch.manual_seed(0)
 
-def rss():
+def rss(field="VmRSS"):
     with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
 
 before_load = rss()
 {load}
@@ -65,7 +69,7 @@ if {warm_weights}:  # weights resident (one eager forward) before bridge(): only
     with torch.no_grad():
         model(ids)
     gc.collect()
-before = rss()
+before, anon_before = rss(), rss("RssAnon")
 sampler.start()
 start = time.perf_counter()
 nnbridge.bridge(model, ids)
@@ -82,6 +86,7 @@ if {new_structure}:
 nnbridge.unbridge(model)
 gc.collect()
 result["released_mb"] = (rss() - before) / 1e6
+result["released_anon_mb"] = (rss("RssAnon") - anon_before) / 1e6
 print(json.dumps(result))
 """
 
@@ -181,9 +186,11 @@ def main() -> None:
                  ("SmolLM2-135M bridge(), second process (disk cache)", f"{warm['bridge']:.2f} s", "< 1 s"),
                  ("new call structure on a bridged SmolLM2", f"{cold['new_structure']:.2f} s", "< 2 s"),
                  ("peak RSS during extraction / fp32 model size",
-                  f"{cold['peak_ratio']:.2f}x, {cold['released_mb']:+.0f} MB after unbridge", "<= 1.1x, released"),
+                  f"{cold['peak_ratio']:.2f}x, {cold['released_mb']:+.0f} MB ({cold['released_anon_mb']:+.0f} MB anon)"
+                  " after unbridge", "<= 1.1x, released"),
                  ("  the same, only bridge()'s increase, weights resident",
-                  f"{resident['increase_ratio']:.3f}x, {resident['released_mb']:+.0f} MB after unbridge", "")]
+                  f"{resident['increase_ratio']:.3f}x, {resident['released_mb']:+.0f} MB"
+                  f" ({resident['released_anon_mb']:+.0f} MB anon) after unbridge", "")]
     rows += [
         ("bridged / eager forward, default cache, 12x768",
          f"{forward_ratio(12, 768, 64, True, args.repeats):.3f}", "<= 1.02"),
