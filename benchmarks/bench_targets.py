@@ -211,10 +211,10 @@ def main() -> None:
             rows.append(("nnbridge demo wall time, warm disk cache", f"{demo_seconds(cache):.1f} s", "< 20 s"))
     print(f"torch {torch.__version__}, {threads} threads, {os.cpu_count()} cores")
     width = max(len(row[0]) for row in rows) + 2
-    print(f"| {'metric':<{width}}| {'measured':<34}| target |")
-    print(f"|{'-' * (width + 1)}|{'-' * 35}|--------|")
+    print(f"| {'metric':<{width}}| {'measured':<46}| target |")
+    print(f"|{'-' * (width + 1)}|{'-' * 47}|--------|")
     for metric, measured, target in rows:
-        print(f"| {metric:<{width}}| {measured:<34}| {target} |")
+        print(f"| {metric:<{width}}| {measured:<46}| {target} |")
 
 
 if __name__ == "__main__":
