@@ -19,7 +19,9 @@ from transformers.cache_utils import DynamicLayer
 
 import nnbridge
 from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph, ProbePatch, ZeroPatch
+from nnbridge.bridge.building import GraphBuilder
 from nnbridge.bridge.in_place import bridge_of
+from nnbridge.bridge.metadata import node_meta
 from utils import ToyIndexedLayer, gemma3, gpt2, llama, toy_layer_cache
 
 # not strict: Llama's and Gemma's rotary embeddings change grad mode (transformers < 5.24) and are opaque either way
@@ -251,6 +253,61 @@ def test_cache_per_layer_patch_equal(cache_case):
     assert not torch.equal(b.logits, model(ids).logits)  # the patch took effect
     # layers after the patched one see its changed output: their cache entries differ from eager's
     assert not torch.equal(b.past_key_values.layers[2].keys, model(ids).past_key_values.layers[2].keys)
+
+
+def _same_records(full: PatchableGraph, reused: PatchableGraph) -> None:
+    """Every graph of ``reused`` carries what the full extraction's carries: per node the op,
+    the NodeMeta record (name, module path, extra arguments, example summary) and fx's stack
+    trace; per graph the signature flag, the untouched cache layers and the tensors it reads
+    (the module's own parameters and buffers, or equal lifted constants)."""
+    a, b = _graphs(full), _graphs(reused)
+    assert list(a) == list(b)
+    for name in a:
+        nodes_a, nodes_b = list(a[name].graph.nodes), list(b[name].graph.nodes)
+        assert [(n.op, re.sub(r"lifted_tensor_\d+", "lifted_tensor", str(n.target))) for n in nodes_a] == \
+            [(n.op, re.sub(r"lifted_tensor_\d+", "lifted_tensor", str(n.target))) for n in nodes_b], name
+        for x, y in zip(nodes_a, nodes_b):
+            assert node_meta(x) == node_meta(y), (name, x.name)
+            assert x.meta.get("stack_trace") == y.meta.get("stack_trace"), (name, x.name)
+        meta_a, meta_b = a[name].graph_meta, b[name].graph_meta
+        assert (meta_a.exact_signature, meta_a.untouched) == (meta_b.exact_signature, meta_b.untouched), name
+        assert [(k, v.data_ptr()) for k, v in a[name].named_parameters()] == \
+            [(k, v.data_ptr()) for k, v in b[name].named_parameters()], name
+        buffers_a, buffers_b = dict(a[name].named_buffers()), dict(b[name].named_buffers())
+        assert [re.sub(r"lifted_tensor_\d+", "lifted_tensor", k) for k in buffers_a] == \
+            [re.sub(r"lifted_tensor_\d+", "lifted_tensor", k) for k in buffers_b], name
+        for (k, x), y in zip(buffers_a.items(), buffers_b.values()):
+            assert torch.equal(x, y) and ("lifted_tensor" in k or x.data_ptr() == y.data_ptr()), (name, k)
+
+
+def _built_from_templates(monkeypatch, model, ids, **kwargs) -> tuple[PatchableGraph, list[str]]:
+    """A reused extraction, and the graphs built from a representative's built graph."""
+    made: list[str] = []
+    from_template = GraphBuilder.from_template
+
+    def spy(self, built, fqn, *args):
+        made.append(fqn)
+        return from_template(self, built, fqn, *args)
+    monkeypatch.setattr(GraphBuilder, "from_template", spy)
+    return PatchableGraph(model, ids, options=REUSE, **kwargs), made
+
+
+@pytest.mark.no_extraction_cache  # built cold: a disk-cache hit builds the same way (test_cache_reuse_disk_cache_hit)
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma3_sliding_sliding_full"])
+def test_siblings_built_from_the_representatives_built_graph_equal_a_full_extraction(monkeypatch, name):
+    """Each sibling's graph is a copy of its representative's built graph with its own children,
+    module paths, lifted constants and tensors: with and without a cache, every record equals a
+    full extraction's, and every graph of every sibling is made that way."""
+    factory, prefix, expected, _ = MODELS[name]
+    model = factory()
+    torch.manual_seed(1)
+    ids = torch.randint(1, 100, (2, 7))
+    for kwargs in ({"use_cache": False}, {}) if name != "gemma3_sliding_sliding_full" else ({"use_cache": False},):
+        reused, made = _built_from_templates(monkeypatch, model, ids, **kwargs)
+        assert _reused(reused) == expected
+        in_siblings = [n for n in _graphs(reused) if any(n == s or n.startswith(f"{s}.") for s in expected)]
+        assert len(made) == len(in_siblings) > len(expected), kwargs
+        _same_records(PatchableGraph(model, ids, options=FULL, **kwargs), reused)
 
 
 @pytest.mark.no_extraction_cache  # a cache of its own: exports are counted
