@@ -20,7 +20,7 @@ from torch.fx import Graph, Node
 from torch.fx.node import Argument
 from ..compat.pytree import fx_pytree
 from ..compat.symbolic import symbolic_expr
-from ..compat.pytree import node_class, pytree
+from ..compat.pytree import node_class, pytree, registered_class
 
 from ..errors import ExtractionError
 from .metadata import update_node_meta
@@ -49,7 +49,16 @@ def _simple_spec(spec: pytree.TreeSpec, *, subclasses: bool = False) -> bool:
 
 
 def plain_value(value: object) -> bool:
-    """Whether a call argument is built only of tuples, lists, dicts (or subclasses), None and leaves."""
+    """Whether a call argument is built only of tuples, lists, dicts (or subclasses), None and leaves.
+
+    A leaf, or a value whose own class is a registered pytree node of another kind (a transformers
+    ``DynamicCache``), is decided without flattening it: flattening a 30-layer cache at every
+    layer's call cost SmolLM2-135M's export about 0.1 s."""
+    if pytree.tree_is_leaf(value):
+        return True
+    kind = registered_class(value)
+    if kind is not None and kind is not type(None) and not issubclass(kind, _SIMPLE):
+        return False
     return _simple_spec(pytree.tree_flatten(value)[1], subclasses=True)
 
 
