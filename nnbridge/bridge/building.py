@@ -3,7 +3,9 @@
 :class:`GraphBuilder` walks the unflattened program top-down: each invocation's graph is cleaned
 and named (:mod:`.cleanup`), threads module state (:mod:`.state_graphs`), gets its children
 (graphs, opaque modules, custom graphs, multiply invoked containers) and becomes a
-:class:`~.graph_module.CompiledGraphModule` over the original module's own tensors. Example::
+:class:`~.graph_module.CompiledGraphModule` over the original module's own tensors. A reused
+sibling layer's graphs are copies of its representative's built graphs (:class:`BuiltTemplate`,
+:meth:`GraphBuilder.from_template`). Example::
 
     root = GraphBuilder(ctx, unflattened, stubs, calls, states, traced).build("", model, holder, 0)
 """
@@ -412,7 +414,8 @@ class GraphBuilder:
         gave the representative's result already (the same graph, since the sibling's copy is the
         representative's); what is the sibling's own is redone here: its children (built from
         their own templates), their invocation counts and module paths, its lifted constants
-        (:meth:`own_constants`) and its tensors. About 2.5x faster per sibling (SmolLM2-135M).
+        (:meth:`own_constants`) and its tensors. SmolLM2-135M's 29 sibling layers took 0.46 s to
+        build that way and take 0.14 s this way (disk-cache hit, one process, 2-core machine).
 
         Raises:
             ReuseFallback: a child of the sibling takes its arguments otherwise than the

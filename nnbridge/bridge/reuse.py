@@ -8,9 +8,11 @@ siblings while exporting (:func:`sibling_stub`: only the representative is trace
 the trace could not depend on what differs between them: an attribute whose value differs between
 entries of one class (``layer_idx``) is watched while exporting (:func:`reads_watched`) and any
 read of it on a representative makes the extraction start again without reuse
-(:class:`ReuseFallback`). A sibling's graph is then a copy of its representative's unflattened
-graph, built by :class:`~.building.GraphBuilder` over the sibling's own module (its parameters,
-buffers, op points), so its node names and NodePaths are those a full extraction gives.
+(:class:`ReuseFallback`). A sibling's graph is then a copy of its representative's built graph,
+made by :class:`~.building.GraphBuilder` over the sibling's own module (its parameters, buffers,
+children, lifted constants, op points; :meth:`~.building.GraphBuilder.from_template`), or, when
+no built graph fits (other state keys), a copy of its representative's unflattened graph built
+again; either way its node names and NodePaths are those a full extraction gives.
 
 Covered: siblings called once each, with the same call structure (equal non-tensor values, tensor
 leaves of equal shape, dtype, device and ``requires_grad``, the same symbolic shapes while
