@@ -9,6 +9,7 @@ each kind) or reuse only within a kind (sliding, sliding, full).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import re
@@ -19,7 +20,7 @@ from transformers.cache_utils import DynamicLayer
 
 import nnbridge
 from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph, ProbePatch, ZeroPatch
-from nnbridge.bridge.building import GraphBuilder
+from nnbridge.bridge.building import BuiltTemplate, GraphBuilder, TemplateCall
 from nnbridge.bridge.in_place import bridge_of
 from nnbridge.bridge.metadata import node_meta
 from utils import ToyIndexedLayer, gemma3, gpt2, llama, toy_layer_cache
@@ -308,6 +309,57 @@ def test_siblings_built_from_the_representatives_built_graph_equal_a_full_extrac
         in_siblings = [n for n in _graphs(reused) if any(n == s or n.startswith(f"{s}.") for s in expected)]
         assert len(made) == len(in_siblings) > len(expected), kwargs
         _same_records(PatchableGraph(model, ids, options=FULL, **kwargs), reused)
+
+
+@pytest.mark.no_extraction_cache
+def test_siblings_whose_state_keys_differ_are_built_again_from_the_unflattened_graph(monkeypatch):
+    """When a representative's built graph does not fit a sibling (other state keys), the sibling's
+    graph is built again from a copy of the representative's unflattened graph: still reused, and
+    every record equals a full extraction's."""
+    factory, prefix, expected, _ = MODELS["llama"]
+    model = factory()
+    ids = torch.randint(1, 100, (2, 7))
+    monkeypatch.setattr(BuiltTemplate, "fits", lambda self, builder, fqn, invocation: False)
+    reused, made = _built_from_templates(monkeypatch, model, ids)
+    assert made == [] and _reused(reused) == expected
+    _same_records(PatchableGraph(model, ids, options=FULL), reused)
+    assert torch.equal(reused(ids).logits, model(ids).logits)
+
+
+def test_built_graph_fits_only_the_same_state_keys():
+    template = BuiltTemplate(torch.fx.Graph(), {}, (TemplateCall("self_attn", "self_attn", 0, True, ("cache",)),),
+                             ("cache",), frozenset(), True)
+
+    class Builder:
+        def __init__(self, keys):
+            self.keys = keys
+
+        def state_keys(self, fqn, invocation):
+            return self.keys.get((fqn, invocation), [])
+    assert template.fits(Builder({("layers.1", 0): ["cache"], ("layers.1.self_attn", 0): ["cache"]}), "layers.1", 0)
+    assert not template.fits(Builder({("layers.1", 0): ["cache"]}), "layers.1", 0)  # the call's differ
+    assert not template.fits(Builder({("layers.1.self_attn", 0): ["cache"]}), "layers.1", 0)  # its own differ
+
+
+@pytest.mark.no_extraction_cache
+def test_a_sibling_child_taking_other_arguments_makes_the_extraction_export_every_layer(monkeypatch, caplog):
+    """A sibling's child that takes its arguments otherwise than the representative's child (here:
+    the representative's record says its extra arguments stayed) raises ReuseFallback: the
+    extraction starts again with per-layer export, and the result equals eager."""
+    factory, prefix, expected, _ = MODELS["gpt2"]
+    model = factory()
+    ids = torch.randint(1, 100, (2, 7))
+    keep = GraphBuilder.keep_template
+
+    def flipped(self, fqn, invocation, graph, attrs, made, *rest):
+        return keep(self, fqn, invocation, graph, attrs,
+                    [(node, dataclasses.replace(call, trimmed=not call.trimmed)) for node, call in made], *rest)
+    monkeypatch.setattr(GraphBuilder, "keep_template", flipped)
+    with caplog.at_level(logging.INFO, logger="nnbridge.bridge.extraction"):
+        pg = PatchableGraph(model, ids, use_cache=False, options=REUSE)
+    assert "fell back" in caplog.text and "takes other arguments than" in caplog.text
+    assert _reused(pg) == {}
+    assert torch.equal(pg(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
 
 
 @pytest.mark.no_extraction_cache  # a cache of its own: exports are counted
