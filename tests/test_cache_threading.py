@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import nnbridge
 from nnbridge import CompiledGraphModule
@@ -167,6 +168,35 @@ def test_each_attention_compares_its_own_cache_layer_and_what_its_code_touched(n
         path = next(p for p, m in model.named_modules() if m is attention)
         assert untouched[path] == every - {("layers", (i,))}
         assert untouched[path.rpartition(".")[0]] == every  # the decoder layer (reused: as its representative)
+
+
+class NormedAgain(LlamaDecoderLayer):
+    """A decoder layer whose last call is a second call of a child (module level: code identity)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.post_attention_layernorm(super().forward(hidden_states, *args, **kwargs))
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["reused", "every layer exported"])
+def test_a_layer_whose_last_call_is_a_childs_second_compares_what_its_own_code_touched(reuse):
+    """A graph's untouched cache layers are those of its own invocation, not of the invocation of
+    the last child it calls (here the second call of ``post_attention_layernorm``: invocation 1 of
+    a layer called once, which once made the layer compare every cache layer)."""
+    model = tiny_llama()
+    for layer in model.model.layers:
+        layer.__class__ = NormedAgain
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (1, 5))
+    nnbridge.bridge(model, ids, options=nnbridge.ExtractionOptions(reuse_layers=reuse))
+    untouched = _untouched(model)
+    every = {("layers", (i,)) for i in range(3)}
+    for i, layer in enumerate(model.model.layers):
+        assert untouched[f"model.layers.{i}"] == every
+        assert untouched[f"model.layers.{i}.self_attn"] == every - {("layers", (i,))}
+    with torch.no_grad():
+        out, expected = model(ids), plain(ids)
+    assert torch.equal(out.logits, expected.logits)
+    assert_same_cache(out.past_key_values, expected.past_key_values)
 
 
 def test_spec_check_with_untouched_layers_compares_them_by_type_only():
