@@ -183,6 +183,11 @@ class GraphBuilder:
         return {path for path, _ in self.pristine}
 
     def pristine_graph(self, fqn: str, source: str, invocation: int) -> tuple[Any, Graph, dict[Node, int]]:
+        """``(unflattened holder, pristine graph copy, its call numbers)`` of invocation
+        ``invocation`` of representative ``source`` (see :meth:`keep_pristine`).
+
+        Raises:
+            ReuseFallback: there is none (sibling ``fqn`` cannot be built from it)."""
         entry = self.pristine.get((source, invocation))
         if entry is None:
             raise ReuseFallback(f"no graph of '{source}' to build '{fqn}' from")
@@ -392,6 +397,7 @@ class GraphBuilder:
         return self.finish(fqn, module, graph, root, children, multi, exact_signature, invocation, source)
 
     def in_representative(self, fqn: str) -> bool:
+        """Whether ``fqn`` is a representative layer or inside one."""
         return any(fqn == rep or fqn.startswith(f"{rep}.") for rep in self.reuse.representatives())
 
     def keep_template(self, fqn: str, invocation: int, graph: Graph, attrs: dict[str, Any],
