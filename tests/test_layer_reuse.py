@@ -319,7 +319,7 @@ def test_siblings_whose_state_keys_differ_are_built_again_from_the_unflattened_g
     factory, prefix, expected, _ = MODELS["llama"]
     model = factory()
     ids = torch.randint(1, 100, (2, 7))
-    monkeypatch.setattr(BuiltTemplate, "fits", lambda self, builder, fqn, invocation: False)
+    monkeypatch.setattr(BuiltTemplate, "fits", lambda self, builder, fqn, source, invocation: False)
     reused, made = _built_from_templates(monkeypatch, model, ids)
     assert made == [] and _reused(reused) == expected
     _same_records(PatchableGraph(model, ids, options=FULL), reused)
@@ -327,8 +327,10 @@ def test_siblings_whose_state_keys_differ_are_built_again_from_the_unflattened_g
 
 
 def test_built_graph_fits_only_the_same_state_keys():
-    template = BuiltTemplate(torch.fx.Graph(), {}, (TemplateCall("self_attn", "self_attn", 0, True, ("cache",)),),
-                             ("cache",), frozenset(), True)
+    """A representative's built graph fits a sibling whose invocation, and each call in it, has the
+    representative's state keys."""
+    template = BuiltTemplate(torch.fx.Graph(), {}, (TemplateCall("self_attn", "self_attn", 0, True),),
+                             frozenset(), True)
 
     class Builder:
         def __init__(self, keys):
@@ -336,9 +338,12 @@ def test_built_graph_fits_only_the_same_state_keys():
 
         def state_keys(self, fqn, invocation):
             return self.keys.get((fqn, invocation), [])
-    assert template.fits(Builder({("layers.1", 0): ["cache"], ("layers.1.self_attn", 0): ["cache"]}), "layers.1", 0)
-    assert not template.fits(Builder({("layers.1", 0): ["cache"]}), "layers.1", 0)  # the call's differ
-    assert not template.fits(Builder({("layers.1.self_attn", 0): ["cache"]}), "layers.1", 0)  # its own differ
+    rep = {("layers.0", 0): ["cache"], ("layers.0.self_attn", 0): ["cache"]}
+    assert template.fits(Builder({**rep, ("layers.1", 0): ["cache"], ("layers.1.self_attn", 0): ["cache"]}),
+                         "layers.1", "layers.0", 0)
+    assert not template.fits(Builder({**rep, ("layers.1", 0): ["cache"]}), "layers.1", "layers.0", 0)  # the call's differ
+    assert not template.fits(Builder({**rep, ("layers.1.self_attn", 0): ["cache"]}),
+                             "layers.1", "layers.0", 0)  # its own differ
 
 
 @pytest.mark.no_extraction_cache

@@ -60,7 +60,6 @@ class TemplateCall:
         invocation: which invocation of the callee it is.
         trimmed: the call's leading extra arguments were dropped (the callee takes exactly its
             ``forward``'s arguments).
-        keys: the callee's state keys for that invocation.
         position: the call node's index in the built graph (None: dead code, removed).
     """
 
@@ -68,7 +67,6 @@ class TemplateCall:
     target: str
     invocation: int
     trimmed: bool
-    keys: tuple[Key, ...]
     position: int | None = None
 
 
@@ -82,7 +80,6 @@ class BuiltTemplate:
         attrs: ``{get_attr target: value}`` extraction gave the graph's attributes (tree specs,
             lifted constants; a module's own tensors are resolved on each sibling instead).
         calls: the submodule calls, in build order (dead ones too: their graphs were built).
-        keys: the representative's state keys for the invocation.
         multi: the call targets called several times (built as per-invocation lists).
         exact_signature: the graph takes exactly the module's ``forward`` arguments.
     """
@@ -90,17 +87,15 @@ class BuiltTemplate:
     graph: Graph
     attrs: dict[str, Any]
     calls: tuple[TemplateCall, ...]
-    keys: tuple[Key, ...]
     multi: frozenset[str]
     exact_signature: bool
 
-    def fits(self, builder: GraphBuilder, fqn: str, invocation: int) -> bool:
-        """Whether sibling ``fqn``'s invocation threads the same state keys as the representative's
-        (through itself and each of its calls): only then is its built graph the representative's."""
-        if tuple(builder.state_keys(fqn, invocation)) != self.keys:
-            return False
-        return all(tuple(builder.state_keys(f"{fqn}.{call.target}", call.invocation)) == call.keys
-                   for call in self.calls)
+    def fits(self, builder: GraphBuilder, fqn: str, source: str, invocation: int) -> bool:
+        """Whether sibling ``fqn``'s invocation threads the same state keys as its representative
+        ``source``'s (through itself and each of its calls): only then is its built graph the
+        representative's."""
+        return all(builder.state_keys(f"{fqn}{sub}", k) == builder.state_keys(f"{source}{sub}", k)
+                   for sub, k in [("", invocation), *((f".{c.target}", c.invocation) for c in self.calls)])
 
 
 class GraphBuilder:
@@ -277,7 +272,7 @@ class GraphBuilder:
             if source != fqn:
                 extras = self.sibling_extras(fqn, source, invocation)
                 built = self.templates.get((source, invocation))
-                if built is not None and built.fits(self, fqn, invocation):
+                if built is not None and built.fits(self, fqn, source, invocation):
                     cgm = self.from_template(built, fqn, module, invocation, source)
                 else:
                     cgm = self.build(fqn, module, self.reused_holder(fqn, source, invocation), invocation, source)
@@ -384,33 +379,27 @@ class GraphBuilder:
                 node.target = safe_target
                 call_names[node] = base
             children.append((str(node.target), child))
-            made.append((node, TemplateCall(str(node.target), target, invocation_k, trimmed,
-                                            tuple(self.state_keys(child_fqn, invocation_k)))))
+            made.append((node, TemplateCall(str(node.target), target, invocation_k, trimmed)))
             update_node_meta(node, module_path=original_path(self.ctx, module, target))
         forward_state_objects(graph, attrs, threaded, arguments)
         remove_dead_code(graph)
         exact_signature = drop_unused_extras(graph, extras)
         name_nodes(graph, type(module).forward, call_names)
-        if source == fqn and self.reuse.siblings and self.in_representative(fqn):
-            self.keep_template(fqn, invocation, graph, attrs, made, tuple(keys), multi, exact_signature)
+        if source == fqn and self.reuse.covers(fqn):  # a representative's subtree
+            self.keep_template(fqn, invocation, graph, attrs, made, multi, exact_signature)
         root = self.graph_attributes(module, graph, attrs)
         return self.finish(fqn, module, graph, root, children, multi, exact_signature, invocation, source)
 
-    def in_representative(self, fqn: str) -> bool:
-        """Whether ``fqn`` is a representative layer or inside one."""
-        return any(fqn == rep or fqn.startswith(f"{rep}.") for rep in self.reuse.representatives())
-
     def keep_template(self, fqn: str, invocation: int, graph: Graph, attrs: dict[str, Any],
-                      made: list[tuple[Node, TemplateCall]], keys: tuple[Key, ...], multi: set[str],
-                      exact_signature: bool) -> None:
+                      made: list[tuple[Node, TemplateCall]], multi: set[str], exact_signature: bool) -> None:
         """Keep a copy of a representative's built graph (before its graph module exists, which a
         bridge then rewrites): the siblings' graphs are copies of it (see :meth:`from_template`)."""
         positions = {node: i for i, node in enumerate(graph.nodes)}
         calls = tuple(replace(call, position=positions.get(node)) for node, call in made)
         targets = {str(n.target) for n in graph.nodes if n.op == "get_attr"}
         self.templates[(fqn, invocation)] = BuiltTemplate(
-            copy_graph(graph, {})[0], {t: attrs[t] for t in targets if t in attrs}, calls, keys,
-            frozenset(multi), exact_signature)
+            copy_graph(graph, {})[0], {t: attrs[t] for t in targets if t in attrs}, calls, frozenset(multi),
+            exact_signature)
 
     def from_template(self, built: BuiltTemplate, fqn: str, module: torch.nn.Module, invocation: int,
                       source: str) -> CompiledGraphModule:
