@@ -53,6 +53,26 @@ def test_tracepoint_nodes_skip_stack_traces_and_tensor_meta_and_other_nodes_keep
     assert nodes["getitem"].stack_trace and "tensor_meta" in nodes["getitem"].meta
 
 
+def test_tracepoint_nodes_record_the_fake_tensors_that_passed_through_and_other_nodes_a_copy():
+    """A tracepoint returns its inputs themselves: its nodes record those fake tensors (a tuple of
+    them for the tracepoint, one for its ``getitem``), other values as torch does; a plain node
+    still records a detached copy."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode().from_tensor(torch.randn(2, 3))
+    tracer, x = tracer_with_nodes()
+    with tracepoint_bookkeeping_skipped():
+        nodes = forward(tracer, x)
+        proxy_tensor.set_meta(torch.fx.Proxy(nodes["tracepoint"], tracer), (fake, 4, None))
+        proxy_tensor.set_meta(torch.fx.Proxy(nodes["getitem"], tracer), fake)
+        proxy_tensor.set_meta(torch.fx.Proxy(nodes["plain"], tracer), fake)
+    recorded = nodes["tracepoint"].meta["val"]
+    assert type(recorded) is tuple and recorded[0] is fake and recorded[1:] == (4, None)
+    assert nodes["getitem"].meta["val"] is fake
+    plain = nodes["plain"].meta["val"]
+    assert plain is not fake and plain.shape == fake.shape and plain.dtype == fake.dtype
+
+
 def test_torch_functions_are_restored_also_on_error():
     set_meta, create_node = proxy_tensor.set_meta, TracerBase.create_node
     with pytest.raises(RuntimeError, match="inside"):
