@@ -23,8 +23,12 @@ import torch
 import nnbridge
 from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph
 from nnbridge.bridge import extraction as extraction_module
+from nnbridge.bridge.building import GraphBuilder
 from nnbridge.bridge.hierarchy import walk
 from nnbridge.bridge.in_place import bridge_of
+from nnbridge.bridge.metadata import node_meta
+from nnbridge.bridge.reuse import ReuseFallback
+from nnbridge.bridge.sibling_roots import SharedRoot
 from nnbridge.errors import ExtractionError
 from utils import ToyIndexedLayer, gemma3, gpt2, llama, toy_layer_cache
 
@@ -597,3 +601,94 @@ def test_a_representative_extracted_under_another_default_dtype_serves_no_siblin
             assert build() is None
         finally:
             torch.set_default_dtype(previous)
+
+
+def _records(root: CompiledGraphModule) -> dict[str, tuple]:
+    """Per graph of a layer root's hierarchy: per node the op, target, NodeMeta record and fx's
+    stack trace; the signature flag and untouched cache layers; the parameters' and buffers' storages."""
+    records = {}
+    for path, module in root.named_modules():
+        if isinstance(module, CompiledGraphModule):
+            nodes = [(n.op, str(n.target), node_meta(n), n.meta.get("stack_trace")) for n in module.graph.nodes]
+            meta = module.graph_meta
+            records[path] = (nodes, meta.exact_signature, meta.untouched,
+                             [(k, v.data_ptr()) for k, v in module.named_parameters()],
+                             [(k, v.data_ptr()) for k, v in module.named_buffers()])
+    return records
+
+
+@pytest.fixture
+def built_from(monkeypatch):
+    """Counts of sibling roots built from their representative's built graphs (``from_shared``) and
+    of copies of its unflattened graphs made for one (``SharedRoot.holders``)."""
+    counts = {"from_shared": 0, "holders": 0}
+    from_shared, holders = GraphBuilder.from_shared, SharedRoot.holders
+
+    def shared_spy(self, *args, **kwargs):
+        counts["from_shared"] += 1
+        return from_shared(self, *args, **kwargs)
+
+    def holders_spy(self):
+        counts["holders"] += 1
+        return holders(self)
+    monkeypatch.setattr(GraphBuilder, "from_shared", shared_spy)
+    monkeypatch.setattr(SharedRoot, "holders", holders_spy)
+    return counts
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_sibling_roots_copy_the_representatives_built_graphs_with_a_full_extractions_records(name, built_from):
+    """Every sibling root's graphs are copies of its representative's built graphs (no unflattened
+    graph is copied): every record of every graph equals a full extraction's (Gemma 3 without its
+    cache, whose sliding layers read their own window tensor where a full extraction reads layer
+    0's too, see test_graph_code_and_node_paths_equal_a_full_extraction), and outputs equal eager."""
+    factory, expected, _, _ = MODELS[name]
+    torch.manual_seed(1)
+    ids = torch.randint(1, 100, (2, 7))
+    eager, reused, full = factory(), _bridged(factory, REUSE, ids), _bridged(factory, FULL, ids)
+    calls = [{"use_cache": False}] if name == "gemma3" else [{"use_cache": False}, {}]
+    for kwargs in calls:
+        before = built_from["from_shared"]
+        _assert_outputs_equal(reused(ids, output_attentions=True, **kwargs), eager(ids, output_attentions=True, **kwargs))
+        full(ids, output_attentions=True, **kwargs)
+        assert built_from["from_shared"] - before == len(expected), kwargs
+        mine, theirs = _layer_roots(reused), _layer_roots(full)
+        for path in expected:
+            assert mine[path].graph_meta.reused_from == expected[path]
+            assert _records(mine[path]) == _records(theirs[path]), (kwargs, path)
+    assert built_from["holders"] == 0
+    assert _sibling_roots(reused) == expected
+
+
+def test_a_sibling_root_whose_graph_has_no_built_copy_is_exported_itself(monkeypatch, exported, built_from):
+    """A graph of the representative without a kept built graph (here: its attention's) means the
+    sibling is not built from it: the sibling is exported itself, and outputs equal eager."""
+    factory, expected, _, layer_class = MODELS["llama"]
+    shared_template = GraphBuilder.shared_template
+
+    def without_attention(self, fqn, invocation):
+        if fqn == "self_attn":
+            raise ReuseFallback("no built graph (test)")
+        return shared_template(self, fqn, invocation)
+    monkeypatch.setattr(GraphBuilder, "shared_template", without_attention)
+    ids = torch.randint(1, 100, (2, 7))
+    model, eager = _bridged(factory, REUSE, ids), factory()
+    exported.clear()
+    _assert_outputs_equal(model(ids, output_attentions=True), eager(ids, output_attentions=True))
+    assert exported.count(layer_class) == 3 and built_from["from_shared"] == 2
+    assert _sibling_roots(model) == {}
+
+
+def test_without_built_graphs_sibling_roots_build_copies_of_the_unflattened_graphs(monkeypatch, exported, built_from):
+    """A representative that kept no built graphs: its siblings build theirs from copies of its
+    unflattened graphs, as before templates existed; still one export, outputs equal eager."""
+    factory, expected, _, layer_class = MODELS["llama"]
+    shared_root = extraction_module._shared_root
+    monkeypatch.setattr(extraction_module, "_shared_root", lambda *args: shared_root(*args[:-1], {}))
+    ids = torch.randint(1, 100, (2, 7))
+    model, eager = _bridged(factory, REUSE, ids), factory()
+    exported.clear()
+    _assert_outputs_equal(model(ids, output_attentions=True), eager(ids, output_attentions=True))
+    assert exported.count(layer_class) == 1
+    assert built_from == {"from_shared": 0, "holders": 2}
+    assert _sibling_roots(model) == expected

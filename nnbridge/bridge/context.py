@@ -92,6 +92,8 @@ class ExtractionContext:
         self.invocations: Counter[str] = Counter()
         self.renamed: dict[int, dict[str, str]] = {}
         self.grad_enabled = torch.is_grad_enabled()  # graphs follow the grad mode of the extracted call
+        # a representative root's built graphs, {(path, invocation): BuiltTemplate} (see .sibling_roots)
+        self.templates: dict[tuple[str, int], Any] = {}
 
     def full(self, fqn: str) -> str:
         return ".".join(p for p in (self.path, fqn) if p)

@@ -158,22 +158,23 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     extraction = Extraction(root, guard, ctx.opaque, (tuple(summarize(a) for a in args),
                                                       {k: summarize(v) for k, v in kwargs.items()}))
     if watch is not None and fallback is None and options.reuse_layers:
-        extraction.shared = _shared_root(extraction, args, kwargs, watch, path)
+        extraction.shared = _shared_root(extraction, args, kwargs, watch, path, ctx.templates)
     return extraction
 
 
-def _shared_root(extraction: Extraction, args: tuple[Any, ...], kwargs: dict[str, Any], watch: RootWatch, path: str
-                 ) -> SharedRoot | None:
+def _shared_root(extraction: Extraction, args: tuple[Any, ...], kwargs: dict[str, Any], watch: RootWatch, path: str,
+                 templates: dict[tuple[str, int], Any]) -> SharedRoot | None:
     """What siblings need to build their graphs from a representative's extraction, when they may:
     one graph hierarchy (nothing opaque), exported with nothing watched read (see
-    :mod:`.sibling_roots`)."""
+    :mod:`.sibling_roots`); ``templates`` are its built graphs (``GraphBuilder.keep_all``)."""
     record = extraction.root.__dict__.get(PROGRAM_RECORD)
     if not isinstance(extraction.root, CompiledGraphModule) or extraction.opaque or record is None \
             or record.watched != [] or record.stubs:
         return None
     shape = CallShape.of(args, kwargs, watch.index)
     spec = copy_spec(pytree.tree_flatten((args, kwargs))[1])
-    return SharedRoot(record, shape, watch.index, path, sibling_roots.call_mode(), spec) if shape is not None else None
+    return SharedRoot(record, shape, watch.index, path, sibling_roots.call_mode(), spec, templates) \
+        if shape is not None else None
 
 
 def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], options: ExtractionOptions,
@@ -215,13 +216,19 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
         record = source.record
         rebound = sibling_roots.rebinding(shape, source, index)
         try:
-            holders = source.holders()
-            holder = holders[""][0]
-            builder = GraphBuilder(ctx, torch.nn.Module(), {}, {}, source.input_spec,
-                                   record.states, constant_outputs(record.exported), (args, kwargs), ReusePlan(),
-                                   sibling_roots.untouched_rebound(record.untouched, rebound), holders)
-            builder.number_calls(holder)
-            root = builder.build("", module, holder)
+            untouched = sibling_roots.untouched_rebound(record.untouched, rebound)
+            if source.templates:  # copies of the representative's built graphs
+                builder = GraphBuilder(ctx, torch.nn.Module(), {}, {}, source.input_spec, record.states, {},
+                                       (args, kwargs), ReusePlan(), untouched)
+                root = builder.from_shared(source.templates, module)
+            else:  # built again from copies of its unflattened graphs
+                holders = source.holders()
+                holder = holders[""][0]
+                builder = GraphBuilder(ctx, torch.nn.Module(), {}, {}, source.input_spec,
+                                       record.states, constant_outputs(record.exported), (args, kwargs), ReusePlan(),
+                                       untouched, holders)
+                builder.number_calls(holder)
+                root = builder.build("", module, holder)
             if ctx.opaque:
                 raise ReuseFallback(f"a graph of '{source.path}' could not be built here: {ctx.opaque}")
             graphs = [("", root), *((sub_path, sub) for sub_path, _, _, sub in walk(root)
@@ -397,7 +404,9 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         builder = GraphBuilder(ctx, unflattened, stubs, calls, input_spec, states, constant_outputs(exported),
                                (args, kwargs), plan, untouched)
         builder.number_calls(holder)
+        builder.keep_all = watch is not None  # its sibling roots build their graphs from its built ones
         root = builder.build("", module, holder)
+        ctx.templates = builder.templates
         # the record lives as long as its graphs: the process's memory cache refers to it weakly
         root.__dict__[PROGRAM_RECORD] = record
     except (ExtractionError, ReuseFallback):

@@ -17,6 +17,7 @@ pairing is made across their dispatchers (``ExtractionOptions.reuse_layers``):
 - a sibling called the same way as the representative (:class:`CallShape`: the same structure,
   non-tensor values and tensor dtypes and ranks; a transformers ``Cache`` whose own layer is in the
   state the representative's own layer was) builds its graphs from the representative's program
+  (copies of its built graphs, :meth:`.building.GraphBuilder.from_shared`)
   over its own module (its parameters, buffers and op points) and reads and writes its own cache
   layer (:func:`.reuse.rebind_cache_state`); its shape guard is the representative's for the
   tensors the graphs read (:func:`sibling_guard`).
@@ -240,9 +241,12 @@ class SharedRoot:
             inputs are cleaned as the representative's were (the root graph takes its module's
             arguments; flattened with the sibling's spec, the cache's other layers would shift
             the positions of later leaves).
+        templates: ``{(submodule path, invocation): BuiltTemplate}``, its graphs as built (see
+            :meth:`.building.GraphBuilder.from_shared`); empty when it kept none, and then each
+            sibling builds its graphs from :meth:`holders`.
         pristine: ``{submodule path ("" for the root): [(unflattened holder, its graph) per
             invocation]}`` of one unflattening of the program that is never built (see
-            :meth:`holders`); made by the first sibling.
+            :meth:`holders`); made by the first sibling that needs it.
     """
 
     record: Any
@@ -251,6 +255,7 @@ class SharedRoot:
     path: str
     mode: Any
     input_spec: Any
+    templates: dict[tuple[str, int], Any] = field(default_factory=dict)
     pristine: dict[str, list[tuple[Any, Graph | None]]] | None = None
 
     def holders(self) -> dict[str, list[Any]]:
