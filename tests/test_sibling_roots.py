@@ -692,3 +692,51 @@ def test_without_built_graphs_sibling_roots_build_copies_of_the_unflattened_grap
     assert exported.count(layer_class) == 1
     assert built_from == {"from_shared": 0, "holders": 2}
     assert _sibling_roots(model) == expected
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x))
+
+
+class _ExpertsLayer(torch.nn.Module):
+    """A layer holding a ``ModuleList`` of identical experts: its own export reuses them (experts
+    1 and 2 are stubbed and built from expert 0's graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(_Expert() for _ in range(3))
+
+    def forward(self, x):
+        return x + sum(expert(x) for expert in self.experts)
+
+
+class _ExpertsStack(_PlainStack):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_ExpertsLayer() for _ in range(3))
+
+
+@pytest.mark.parametrize("templates", [True, False], ids=["built_graphs", "unflattened_graphs"])
+def test_layers_whose_experts_were_reused_inside_the_representative_export_themselves(monkeypatch, exported,
+                                                                                      templates):
+    """The representative layer's export stubbed its experts 1 and 2 (built from expert 0's graph):
+    its program holds stubs for them, and its built graphs keep no copy of theirs, so no sibling
+    layer is built from it; each exports itself. Outputs at two lengths and gradients equal eager
+    (before, a sibling layer built its experts from the stubs' zeros, silently)."""
+    if not templates:
+        shared_root = extraction_module._shared_root
+        monkeypatch.setattr(extraction_module, "_shared_root", lambda *args: shared_root(*args[:-1], {}))
+    model = _ExpertsStack()
+    eager = copy.deepcopy(model)
+    x, other = torch.randn(2, 5, 8), torch.randn(3, 4, 8)
+    nnbridge.bridge(model, x, options=_skipped(model))
+    assert torch.equal(model(x), eager(x)) and torch.equal(model(other), eager(other))
+    assert _sibling_roots(model) == {} and exported.count("_ExpertsLayer") == 3
+    for m in (model, eager):
+        m(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), eager.parameters()))

@@ -222,6 +222,8 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
                                        (args, kwargs), ReusePlan(), untouched)
                 root = builder.from_shared(source.templates, module)
             else:  # built again from copies of its unflattened graphs
+                if record.reuse:  # which hold stubs for its own reused siblings (MoE experts, say)
+                    raise ReuseFallback(f"'{source.path}' was built from one export for its submodules {sorted(record.reuse)}")
                 holders = source.holders()
                 holder = holders[""][0]
                 builder = GraphBuilder(ctx, torch.nn.Module(), {}, {}, source.input_spec,
