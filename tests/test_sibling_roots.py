@@ -28,7 +28,6 @@ from nnbridge.bridge.hierarchy import walk
 from nnbridge.bridge.in_place import bridge_of
 from nnbridge.bridge.metadata import node_meta
 from nnbridge.bridge.reuse import ReuseFallback
-from nnbridge.bridge.sibling_roots import SharedRoot
 from nnbridge.errors import ExtractionError
 from utils import ToyIndexedLayer, gemma3, gpt2, llama, toy_layer_cache
 
@@ -619,27 +618,20 @@ def _records(root: CompiledGraphModule) -> dict[str, tuple]:
 
 @pytest.fixture
 def built_from(monkeypatch):
-    """Counts of sibling roots built from their representative's built graphs (``from_shared``) and
-    of copies of its unflattened graphs made for one (``SharedRoot.holders``)."""
-    counts = {"from_shared": 0, "holders": 0}
-    from_shared, holders = GraphBuilder.from_shared, SharedRoot.holders
+    """How many sibling roots were built from their representative's built graphs (``from_shared``)."""
+    count = [0]
+    from_shared = GraphBuilder.from_shared
 
-    def shared_spy(self, *args, **kwargs):
-        counts["from_shared"] += 1
+    def spy(self, *args, **kwargs):
+        count[0] += 1
         return from_shared(self, *args, **kwargs)
-
-    def holders_spy(self):
-        counts["holders"] += 1
-        return holders(self)
-    monkeypatch.setattr(GraphBuilder, "from_shared", shared_spy)
-    monkeypatch.setattr(SharedRoot, "holders", holders_spy)
-    return counts
+    monkeypatch.setattr(GraphBuilder, "from_shared", spy)
+    return count
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sibling_roots_copy_the_representatives_built_graphs_with_a_full_extractions_records(name, built_from):
-    """Every sibling root's graphs are copies of its representative's built graphs (no unflattened
-    graph is copied): every record of every graph equals a full extraction's (Gemma 3 without its
+    """Every sibling root's graphs are copies of its representative's built graphs: every record of every graph equals a full extraction's (Gemma 3 without its
     cache, whose sliding layers read their own window tensor where a full extraction reads layer
     0's too, see test_graph_code_and_node_paths_equal_a_full_extraction), and outputs equal eager."""
     factory, expected, _, _ = MODELS[name]
@@ -648,15 +640,14 @@ def test_sibling_roots_copy_the_representatives_built_graphs_with_a_full_extract
     eager, reused, full = factory(), _bridged(factory, REUSE, ids), _bridged(factory, FULL, ids)
     calls = [{"use_cache": False}] if name == "gemma3" else [{"use_cache": False}, {}]
     for kwargs in calls:
-        before = built_from["from_shared"]
+        before = built_from[0]
         _assert_outputs_equal(reused(ids, output_attentions=True, **kwargs), eager(ids, output_attentions=True, **kwargs))
         full(ids, output_attentions=True, **kwargs)
-        assert built_from["from_shared"] - before == len(expected), kwargs
+        assert built_from[0] - before == len(expected), kwargs
         mine, theirs = _layer_roots(reused), _layer_roots(full)
         for path in expected:
             assert mine[path].graph_meta.reused_from == expected[path]
             assert _records(mine[path]) == _records(theirs[path]), (kwargs, path)
-    assert built_from["holders"] == 0
     assert _sibling_roots(reused) == expected
 
 
@@ -675,23 +666,8 @@ def test_a_sibling_root_whose_graph_has_no_built_copy_is_exported_itself(monkeyp
     model, eager = _bridged(factory, REUSE, ids), factory()
     exported.clear()
     _assert_outputs_equal(model(ids, output_attentions=True), eager(ids, output_attentions=True))
-    assert exported.count(layer_class) == 3 and built_from["from_shared"] == 2
+    assert exported.count(layer_class) == 3 and built_from[0] == 2
     assert _sibling_roots(model) == {}
-
-
-def test_without_built_graphs_sibling_roots_build_copies_of_the_unflattened_graphs(monkeypatch, exported, built_from):
-    """A representative that kept no built graphs: its siblings build theirs from copies of its
-    unflattened graphs, as before templates existed; still one export, outputs equal eager."""
-    factory, expected, _, layer_class = MODELS["llama"]
-    shared_root = extraction_module._shared_root
-    monkeypatch.setattr(extraction_module, "_shared_root", lambda *args: shared_root(*args[:-1], {}))
-    ids = torch.randint(1, 100, (2, 7))
-    model, eager = _bridged(factory, REUSE, ids), factory()
-    exported.clear()
-    _assert_outputs_equal(model(ids, output_attentions=True), eager(ids, output_attentions=True))
-    assert exported.count(layer_class) == 1
-    assert built_from == {"from_shared": 0, "holders": 2}
-    assert _sibling_roots(model) == expected
 
 
 class _Expert(torch.nn.Module):
@@ -721,22 +697,17 @@ class _ExpertsStack(_PlainStack):
         self.layers = torch.nn.ModuleList(_ExpertsLayer() for _ in range(3))
 
 
-@pytest.mark.parametrize("templates", [True, False], ids=["built_graphs", "unflattened_graphs"])
-def test_layers_whose_experts_were_reused_inside_the_representative_export_themselves(monkeypatch, exported,
-                                                                                      templates):
-    """The representative layer's export stubbed its experts 1 and 2 (built from expert 0's graph):
-    its program holds stubs for them, and its built graphs keep no copy of theirs, so no sibling
-    layer is built from it; each exports itself. Outputs at two lengths and gradients equal eager
-    (before, a sibling layer built its experts from the stubs' zeros, silently)."""
-    if not templates:
-        shared_root = extraction_module._shared_root
-        monkeypatch.setattr(extraction_module, "_shared_root", lambda *args: shared_root(*args[:-1], {}))
+def test_layers_whose_experts_were_reused_inside_the_representative_export_themselves(exported, built_from):
+    """The representative layer's export stubbed its experts 1 and 2 (built from expert 0's graph),
+    and its built graphs keep no copy of theirs, so no sibling layer is built from it; each exports
+    itself. Outputs at two lengths and gradients equal eager (before, a sibling layer's experts 1
+    and 2 were built from the program's stubs, and returned zeros, silently)."""
     model = _ExpertsStack()
     eager = copy.deepcopy(model)
     x, other = torch.randn(2, 5, 8), torch.randn(3, 4, 8)
     nnbridge.bridge(model, x, options=_skipped(model))
     assert torch.equal(model(x), eager(x)) and torch.equal(model(other), eager(other))
-    assert _sibling_roots(model) == {} and exported.count("_ExpertsLayer") == 3
+    assert _sibling_roots(model) == {} and exported.count("_ExpertsLayer") == 3 and built_from[0] == 2
     for m in (model, eager):
         m(x).square().sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), eager.parameters()))

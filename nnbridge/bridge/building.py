@@ -105,12 +105,8 @@ class GraphBuilder:
                  input_spec: pytree.TreeSpec | None = None, states: dict[str, list[list[Key]]] | None = None,
                  constants: dict[tuple[str, int], dict[int, Any]] | None = None,
                  example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}), reuse: ReusePlan | None = None,
-                 untouched: dict[str, list[UntouchedLayers | None]] | None = None,
-                 holders: dict[str, list[Any]] | None = None):
+                 untouched: dict[str, list[UntouchedLayers | None]] | None = None):
         self.ctx, self.unflattened, self.stubs, self.calls = ctx, unflattened, stubs, calls
-        # {submodule path: its invocation holders}, in place of the unflattened program's (copies of
-        # a representative's pristine graphs, see .sibling_roots); None: the program's own
-        self.holders = holders
         self.input_spec = input_spec
         self.states = states or {}
         self.untouched = untouched or {}  # {path: [cache layers untouched per invocation]}, see .state
@@ -132,10 +128,7 @@ class GraphBuilder:
         self.shared: dict[tuple[str, int], BuiltTemplate] | None = None
 
     def invocations(self, fqn: str) -> list[Any]:
-        """The holders of submodule ``fqn``'s invocation graphs (unflattened modules, or
-        :class:`~.reuse.ReusedHolder` copies), in call order."""
-        if self.holders is not None:
-            return self.holders[fqn]
+        """The holders of submodule ``fqn``'s invocation graphs (unflattened modules), in call order."""
         return invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))
 
     def number_calls(self, holder: Any) -> None:

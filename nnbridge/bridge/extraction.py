@@ -216,21 +216,11 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
         record = source.record
         rebound = sibling_roots.rebinding(shape, source, index)
         try:
-            untouched = sibling_roots.untouched_rebound(record.untouched, rebound)
-            if source.templates:  # copies of the representative's built graphs
-                builder = GraphBuilder(ctx, torch.nn.Module(), {}, {}, source.input_spec, record.states, {},
-                                       (args, kwargs), ReusePlan(), untouched)
-                root = builder.from_shared(source.templates, module)
-            else:  # built again from copies of its unflattened graphs
-                if record.reuse:  # which hold stubs for its own reused siblings (MoE experts, say)
-                    raise ReuseFallback(f"'{source.path}' was built from one export for its submodules {sorted(record.reuse)}")
-                holders = source.holders()
-                holder = holders[""][0]
-                builder = GraphBuilder(ctx, torch.nn.Module(), {}, {}, source.input_spec,
-                                       record.states, constant_outputs(record.exported), (args, kwargs), ReusePlan(),
-                                       untouched, holders)
-                builder.number_calls(holder)
-                root = builder.build("", module, holder)
+            # copies of the representative's built graphs (its experts' too: a sibling module it
+            # built from another's template has none, and the sibling is exported itself)
+            builder = GraphBuilder(ctx, torch.nn.Module(), {}, {}, source.input_spec, record.states, {}, (args, kwargs),
+                                   ReusePlan(), sibling_roots.untouched_rebound(record.untouched, rebound))
+            root = builder.from_shared(source.templates, module)
             if ctx.opaque:
                 raise ReuseFallback(f"a graph of '{source.path}' could not be built here: {ctx.opaque}")
             graphs = [("", root), *((sub_path, sub) for sub_path, _, _, sub in walk(root)

@@ -35,14 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.fx import Graph
 
 from .call_structure import DimRule, ShapeGuard, autocast_state, global_flags, memory_layout
 from .code_identity import is_plumbing
-from .reuse import (CacheRebinding, ReusedHolder, cache_index, copy_graph, entry_attributes, entry_structure,
-                    is_cache, layer_key, plan as reuse_plan, same)
+from .reuse import (CacheRebinding, cache_index, entry_attributes, entry_structure, is_cache, layer_key,
+                    plan as reuse_plan, same)
 from .state import UntouchedLayers, state_keys
-from ..compat import invocation_graphs, unflatten
 from ..compat.pytree import pytree
 
 
@@ -241,12 +239,8 @@ class SharedRoot:
             inputs are cleaned as the representative's were (the root graph takes its module's
             arguments; flattened with the sibling's spec, the cache's other layers would shift
             the positions of later leaves).
-        templates: ``{(submodule path, invocation): BuiltTemplate}``, its graphs as built (see
-            :meth:`.building.GraphBuilder.from_shared`); empty when it kept none, and then each
-            sibling builds its graphs from :meth:`holders`.
-        pristine: ``{submodule path ("" for the root): [(unflattened holder, its graph) per
-            invocation]}`` of one unflattening of the program that is never built (see
-            :meth:`holders`); made by the first sibling that needs it.
+        templates: ``{(submodule path, invocation): BuiltTemplate}``, its graphs as built; a
+            sibling's are copies of them (see :meth:`.building.GraphBuilder.from_shared`).
     """
 
     record: Any
@@ -255,26 +249,7 @@ class SharedRoot:
     path: str
     mode: Any
     input_spec: Any
-    templates: dict[tuple[str, int], Any] = field(default_factory=dict)
-    pristine: dict[str, list[tuple[Any, Graph | None]]] | None = None
-
-    def holders(self) -> dict[str, list[Any]]:
-        """Fresh copies of the program's unflattened graphs for one sibling to build (building
-        changes them): ``{submodule path: [holder per invocation]}``, each a
-        :class:`~.reuse.ReusedHolder` (attributes looked up on the unflattened module) or, for a
-        module without a graph, the unflattened module itself. Unflattening once and copying
-        costs ~3 ms per decoder layer, unflattening again ~30 ms (SmolLM2, measured)."""
-        if self.pristine is None:
-            unflattened = unflatten(self.record.exported)
-            pristine: dict[str, list[tuple[Any, Graph | None]]] = {}
-            for name, sub in unflattened.named_modules(remove_duplicate=False):
-                if name == "model" or name.startswith("model."):
-                    pristine[name.removeprefix("model").removeprefix(".")] = [
-                        (holder, getattr(holder, "graph", None) if isinstance(getattr(holder, "graph", None), Graph)
-                         else None) for holder in invocation_graphs(sub)]
-            self.pristine = pristine
-        return {path: [ReusedHolder(copy_graph(graph, {})[0], holder) if graph is not None else holder
-                       for holder, graph in per] for path, per in self.pristine.items()}
+    templates: dict[tuple[str, int], Any]
 
 
 @dataclass
