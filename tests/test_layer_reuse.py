@@ -22,8 +22,7 @@ import nnbridge
 from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph, ProbePatch, ZeroPatch
 from nnbridge.bridge.building import BuiltTemplate, GraphBuilder, TemplateCall
 from nnbridge.bridge.in_place import bridge_of
-from nnbridge.bridge.metadata import node_meta
-from utils import ToyIndexedLayer, gemma3, gpt2, llama, toy_layer_cache
+from utils import ToyIndexedLayer, assert_same_records, gemma3, gpt2, llama, toy_layer_cache
 
 # not strict: Llama's and Gemma's rotary embeddings change grad mode (transformers < 5.24) and are opaque either way
 REUSE = ExtractionOptions(reuse_layers=True)
@@ -256,31 +255,6 @@ def test_cache_per_layer_patch_equal(cache_case):
     assert not torch.equal(b.past_key_values.layers[2].keys, model(ids).past_key_values.layers[2].keys)
 
 
-def _same_records(full: PatchableGraph, reused: PatchableGraph) -> None:
-    """Every graph of ``reused`` carries what the full extraction's carries: per node the op,
-    the NodeMeta record (name, module path, extra arguments, example summary) and fx's stack
-    trace; per graph the signature flag, the untouched cache layers and the tensors it reads
-    (the module's own parameters and buffers, or equal lifted constants)."""
-    a, b = _graphs(full), _graphs(reused)
-    assert list(a) == list(b)
-    for name in a:
-        nodes_a, nodes_b = list(a[name].graph.nodes), list(b[name].graph.nodes)
-        assert [(n.op, re.sub(r"lifted_tensor_\d+", "lifted_tensor", str(n.target))) for n in nodes_a] == \
-            [(n.op, re.sub(r"lifted_tensor_\d+", "lifted_tensor", str(n.target))) for n in nodes_b], name
-        for x, y in zip(nodes_a, nodes_b):
-            assert node_meta(x) == node_meta(y), (name, x.name)
-            assert x.meta.get("stack_trace") == y.meta.get("stack_trace"), (name, x.name)
-        meta_a, meta_b = a[name].graph_meta, b[name].graph_meta
-        assert (meta_a.exact_signature, meta_a.untouched) == (meta_b.exact_signature, meta_b.untouched), name
-        assert [(k, v.data_ptr()) for k, v in a[name].named_parameters()] == \
-            [(k, v.data_ptr()) for k, v in b[name].named_parameters()], name
-        buffers_a, buffers_b = dict(a[name].named_buffers()), dict(b[name].named_buffers())
-        assert [re.sub(r"lifted_tensor_\d+", "lifted_tensor", k) for k in buffers_a] == \
-            [re.sub(r"lifted_tensor_\d+", "lifted_tensor", k) for k in buffers_b], name
-        for (k, x), y in zip(buffers_a.items(), buffers_b.values()):
-            assert torch.equal(x, y) and ("lifted_tensor" in k or x.data_ptr() == y.data_ptr()), (name, k)
-
-
 def _built_from_templates(monkeypatch, model, ids, **kwargs) -> tuple[PatchableGraph, list[str]]:
     """A reused extraction, and the graphs built from a representative's built graph."""
     made: list[str] = []
@@ -308,7 +282,7 @@ def test_siblings_built_from_the_representatives_built_graph_equal_a_full_extrac
         assert _reused(reused) == expected
         in_siblings = [n for n in _graphs(reused) if any(n == s or n.startswith(f"{s}.") for s in expected)]
         assert len(made) == len(in_siblings) > len(expected), kwargs
-        _same_records(PatchableGraph(model, ids, options=FULL, **kwargs), reused)
+        assert_same_records(_graphs(PatchableGraph(model, ids, options=FULL, **kwargs)), _graphs(reused))
 
 
 @pytest.mark.no_extraction_cache
@@ -322,7 +296,7 @@ def test_siblings_whose_state_keys_differ_are_built_again_from_the_unflattened_g
     monkeypatch.setattr(BuiltTemplate, "fits", lambda self, builder, fqn, source, invocation: False)
     reused, made = _built_from_templates(monkeypatch, model, ids)
     assert made == [] and _reused(reused) == expected
-    _same_records(PatchableGraph(model, ids, options=FULL), reused)
+    assert_same_records(_graphs(PatchableGraph(model, ids, options=FULL)), _graphs(reused))
     assert torch.equal(reused(ids).logits, model(ids).logits)
 
 

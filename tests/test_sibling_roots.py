@@ -26,10 +26,9 @@ from nnbridge.bridge import extraction as extraction_module
 from nnbridge.bridge.building import GraphBuilder
 from nnbridge.bridge.hierarchy import walk
 from nnbridge.bridge.in_place import bridge_of
-from nnbridge.bridge.metadata import node_meta
 from nnbridge.bridge.reuse import ReuseFallback
 from nnbridge.errors import ExtractionError
-from utils import ToyIndexedLayer, gemma3, gpt2, llama, toy_layer_cache
+from utils import ToyIndexedLayer, assert_same_records, gemma3, gpt2, llama, toy_layer_cache
 
 pytestmark = pytest.mark.no_extraction_cache  # exports are counted: each test extracts anew
 
@@ -602,20 +601,6 @@ def test_a_representative_extracted_under_another_default_dtype_serves_no_siblin
             torch.set_default_dtype(previous)
 
 
-def _records(root: CompiledGraphModule) -> dict[str, tuple]:
-    """Per graph of a layer root's hierarchy: per node the op, target, NodeMeta record and fx's
-    stack trace; the signature flag and untouched cache layers; the parameters' and buffers' storages."""
-    records = {}
-    for path, module in root.named_modules():
-        if isinstance(module, CompiledGraphModule):
-            nodes = [(n.op, str(n.target), node_meta(n), n.meta.get("stack_trace")) for n in module.graph.nodes]
-            meta = module.graph_meta
-            records[path] = (nodes, meta.exact_signature, meta.untouched,
-                             [(k, v.data_ptr()) for k, v in module.named_parameters()],
-                             [(k, v.data_ptr()) for k, v in module.named_buffers()])
-    return records
-
-
 @pytest.fixture
 def built_from(monkeypatch):
     """How many sibling roots were built from their representative's built graphs (``from_shared``)."""
@@ -631,10 +616,14 @@ def built_from(monkeypatch):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sibling_roots_copy_the_representatives_built_graphs_with_a_full_extractions_records(name, built_from):
-    """Every sibling root's graphs are copies of its representative's built graphs: every record of every graph equals a full extraction's (Gemma 3 without its
-    cache, whose sliding layers read their own window tensor where a full extraction reads layer
-    0's too, see test_graph_code_and_node_paths_equal_a_full_extraction), and outputs equal eager."""
+    """Every sibling root's graphs are copies of its representative's built graphs: every record
+    of every graph equals a full extraction's (Gemma 3 without its cache, whose sliding layers read
+    their own window tensor where a full extraction reads layer 0's too, see
+    test_graph_code_and_node_paths_equal_a_full_extraction), and outputs equal eager."""
     factory, expected, _, _ = MODELS[name]
+
+    def graphs(root):
+        return {n: m for n, m in root.named_modules() if isinstance(m, CompiledGraphModule)}
     torch.manual_seed(1)
     ids = torch.randint(1, 100, (2, 7))
     eager, reused, full = factory(), _bridged(factory, REUSE, ids), _bridged(factory, FULL, ids)
@@ -647,7 +636,7 @@ def test_sibling_roots_copy_the_representatives_built_graphs_with_a_full_extract
         mine, theirs = _layer_roots(reused), _layer_roots(full)
         for path in expected:
             assert mine[path].graph_meta.reused_from == expected[path]
-            assert _records(mine[path]) == _records(theirs[path]), (kwargs, path)
+            assert_same_records(graphs(theirs[path]), graphs(mine[path]))
     assert _sibling_roots(reused) == expected
 
 

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import importlib
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig
 from fixtures.data_dependent_module import DataDependentModule
 import nnbridge
 from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph
+from nnbridge.bridge.metadata import node_meta
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -191,6 +193,32 @@ def graph_modules(root: torch.nn.Module) -> list[CompiledGraphModule]:
 
 
 @contextlib.contextmanager
+def assert_same_records(full: dict[str, CompiledGraphModule], reused: dict[str, CompiledGraphModule]) -> None:
+    """Every graph of ``reused`` carries what the full extraction's graph of the same name carries:
+    per node the op, the NodeMeta record (name, module path, extra arguments, example summary) and
+    fx's stack trace; per graph the signature flag, the untouched cache layers and the tensors it
+    reads (the module's own parameters and buffers, or equal lifted constants, which export numbers
+    per program)."""
+    def unnumbered(name: object) -> str:
+        return re.sub(r"lifted_tensor_\d+", "lifted_tensor", str(name))
+    assert list(full) == list(reused)
+    for name in full:
+        a, b = full[name], reused[name]
+        nodes_a, nodes_b = list(a.graph.nodes), list(b.graph.nodes)
+        assert [(n.op, unnumbered(n.target)) for n in nodes_a] == [(n.op, unnumbered(n.target)) for n in nodes_b], name
+        for x, y in zip(nodes_a, nodes_b):
+            assert node_meta(x) == node_meta(y), (name, x.name)
+            assert x.meta.get("stack_trace") == y.meta.get("stack_trace"), (name, x.name)
+        meta_a, meta_b = a.graph_meta, b.graph_meta
+        assert (meta_a.exact_signature, meta_a.untouched) == (meta_b.exact_signature, meta_b.untouched), name
+        assert [(k, v.data_ptr()) for k, v in a.named_parameters()] == \
+            [(k, v.data_ptr()) for k, v in b.named_parameters()], name
+        buffers_a, buffers_b = dict(a.named_buffers()), dict(b.named_buffers())
+        assert [unnumbered(k) for k in buffers_a] == [unnumbered(k) for k in buffers_b], name
+        for (k, x), y in zip(buffers_a.items(), buffers_b.values()):
+            assert torch.equal(x, y) and ("lifted_tensor" in k or x.data_ptr() == y.data_ptr()), (name, k)
+
+
 def forward_spy(*modules: torch.nn.Module) -> Iterator[list[str]]:
     """Record every call of the given modules (and of every submodule of them)."""
     calls: list[str] = []

@@ -216,8 +216,8 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
         record = source.record
         rebound = sibling_roots.rebinding(shape, source, index)
         try:
-            # copies of the representative's built graphs (its experts' too: a sibling module it
-            # built from another's template has none, and the sibling is exported itself)
+            # copies of the representative's built graphs; it kept none of a submodule it built from
+            # an identical submodule's graph (an expert): such a sibling is exported itself
             builder = GraphBuilder(ctx, torch.nn.Module(), {}, {}, source.input_spec, record.states, {}, (args, kwargs),
                                    ReusePlan(), sibling_roots.untouched_rebound(record.untouched, rebound))
             root = builder.from_shared(source.templates, module)

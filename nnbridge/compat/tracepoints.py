@@ -71,8 +71,8 @@ def tracepoint_bookkeeping_skipped() -> Iterator[None]:
     ``generate`` of three tokens.
 
     Their recorded ``val`` is the fake tensor that passed through (see :func:`_passed_through`),
-    not a detached fake copy of it: a tracepoint returns its inputs themselves, and the pass reads
-    of these values only whether they are tensors.
+    not a detached fake copy of it: a tracepoint returns its inputs themselves, and the pass only
+    asks whether these values are tensors.
     """
     original_meta = proxy_tensor.set_meta
     original_node = TracerBase.create_node
