@@ -192,7 +192,6 @@ def graph_modules(root: torch.nn.Module) -> list[CompiledGraphModule]:
     return [m for m in root.modules() if isinstance(m, CompiledGraphModule)]
 
 
-@contextlib.contextmanager
 def assert_same_records(full: dict[str, CompiledGraphModule], reused: dict[str, CompiledGraphModule]) -> None:
     """Every graph of ``reused`` carries what the full extraction's graph of the same name carries:
     per node the op, the NodeMeta record (name, module path, extra arguments, example summary) and
@@ -219,6 +218,7 @@ def assert_same_records(full: dict[str, CompiledGraphModule], reused: dict[str, 
             assert torch.equal(x, y) and ("lifted_tensor" in k or x.data_ptr() == y.data_ptr()), (name, k)
 
 
+@contextlib.contextmanager
 def forward_spy(*modules: torch.nn.Module) -> Iterator[list[str]]:
     """Record every call of the given modules (and of every submodule of them)."""
     calls: list[str] = []
