@@ -21,7 +21,7 @@ import torch
 from .capture_checks import CaptureWatch, UnfaithfulCaptureError, state_writer
 from .cleanup import plain_value
 from .kinds import StubKind
-from .module_tree import CONTAINERS, aliases_hidden, named_real_modules
+from .module_tree import CONTAINERS, aliases_hidden, named_real_modules, op_points_hidden
 from .recording import copy_inputs, stub_output
 from .sibling_roots import RootWatch
 from .reuse import (CacheTrace, ReuseFallback, ReusePlan, cache_indices, cache_updates_traced, reads_watched,
@@ -242,7 +242,8 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
                 # (a container's repeated entry: its owner is stubbed, see .module_tree)
                 inputs = copy_inputs((args, kwargs))
                 with cache_layers.layer_touches(), states_returned(threaded, untouched) as states, watch.watching(frozen), \
-                        aliases_hidden(module, in_containers=True), reads_watched(watched, indices) as reads, \
+                        op_points_hidden(module), aliases_hidden(module, in_containers=True), \
+                        reads_watched(watched, indices) as reads, \
                         (cache_updates_traced(trace) if reuse.caches or indices else contextlib.nullcontext()):
                     exported = export(wrapper, inputs, dynamic_shapes=shapes, preserve_module_call_signature=fqns,
                                       grad_enabled=grad_enabled, duck_sized=custom_pytree_leaves(*inputs))
