@@ -157,7 +157,8 @@ def op_points_hidden(module: torch.nn.Module) -> Iterator[None]:
     hidden: list[tuple[dict[str, torch.nn.Module | None], list[str], dict[str, torch.nn.Module]]] = []
     for _, current in named_real_modules(module):
         registry = modules_of(current)
-        points = {name: child for name, child in registry.items() if isinstance(child, _POINT_TYPES)}
+        points: dict[str, torch.nn.Module] = {name: child for name, child in registry.items()
+                                              if isinstance(child, _POINT_TYPES)}
         if points:
             hidden.append((registry, list(registry), points))
     try:
