@@ -105,3 +105,43 @@ def test_op_points_hidden_keeps_a_child_registered_meanwhile_after_the_restored_
     with op_points_hidden(model):
         block.add_module("added_meanwhile", added)
     assert list(block._modules.items()) == [*items, ("added_meanwhile", added)]
+
+
+class Holder(torch.nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+class SharedUnderTwoParents(torch.nn.Module):
+    """One Linear held by two parents and called through both: the module walk meets its registry
+    under each."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(4, 4)
+        self.first, self.second = Holder(linear), Holder(linear)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_a_module_under_two_parents_has_its_op_points_hidden_once_and_a_new_call_structure_equals_eager():
+    eager = SharedUnderTwoParents()
+    model = copy.deepcopy(eager)
+    nnbridge.bridge(model, torch.randn(2, 4))
+    assert op_points(model.first.linear)
+    before = registries(model)
+    with op_points_hidden(model):
+        assert op_points(model) == []
+    for module, registry, items in before:
+        assert module._modules is registry
+        assert list(registry.items()) == items
+
+    x = torch.randn(2, 3, 4)  # another rank: a new call structure, exported with the op points in place
+    assert torch.equal(model(x), eager(x))
+    assert_registrations_kept(before)

@@ -2,10 +2,11 @@
 
 Extraction walks the user's modules without the op points a bridge registered on them
 (:func:`named_real_modules`), renames children whose names fx or ``pg.graph`` reserve
-(:func:`reserved_names_renamed`, graphpatch mangled them too) and hides second registrations of
-one module object (:func:`aliases_hidden`) for the duration of an export. Example::
+(:func:`reserved_names_renamed`, graphpatch mangled them too), hides second registrations of
+one module object (:func:`aliases_hidden`) and a bridge's op points (:func:`op_points_hidden`) for
+the duration of an export. Example::
 
-    with reserved_names_renamed(model) as renamed, aliases_hidden(model):
+    with reserved_names_renamed(model) as renamed, aliases_hidden(model), op_points_hidden(model):
         ...  # export model; renamed == {id(parent): {"graph_": "graph"}}
 """
 
@@ -155,8 +156,12 @@ def op_points_hidden(module: torch.nn.Module) -> Iterator[None]:
     the traced code is the same.
     """
     hidden: list[tuple[dict[str, torch.nn.Module | None], list[str], dict[str, torch.nn.Module]]] = []
+    seen: set[int] = set()  # a module under two parents is walked under each
     for _, current in named_real_modules(module):
         registry = modules_of(current)
+        if id(registry) in seen:
+            continue
+        seen.add(id(registry))
         points: dict[str, torch.nn.Module] = {name: child for name, child in registry.items()
                                               if isinstance(child, _POINT_TYPES)}
         if points:
