@@ -22,7 +22,7 @@ import nnbridge
 from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph, ProbePatch, ZeroPatch
 from nnbridge.bridge.building import BuiltTemplate, GraphBuilder, TemplateCall
 from nnbridge.bridge.in_place import bridge_of
-from utils import ToyIndexedLayer, assert_same_records, gemma3, gpt2, llama, toy_layer_cache
+from utils import ToyIndexedLayer, assert_same_records, gemma3, gpt2, llama, named_graph_modules, toy_layer_cache
 
 # not strict: Llama's and Gemma's rotary embeddings change grad mode (transformers < 5.24) and are opaque either way
 REUSE = ExtractionOptions(reuse_layers=True)
@@ -65,7 +65,7 @@ MODELS = {
 
 
 def _graphs(pg: PatchableGraph) -> dict[str, CompiledGraphModule]:
-    return {name: m for name, m in pg._graph_module.named_modules() if isinstance(m, CompiledGraphModule)}
+    return named_graph_modules(pg._graph_module)
 
 
 def _reused(pg: PatchableGraph) -> dict[str, str]:
@@ -282,7 +282,7 @@ def test_siblings_built_from_the_representatives_built_graph_equal_a_full_extrac
         assert _reused(reused) == expected
         in_siblings = [n for n in _graphs(reused) if any(n == s or n.startswith(f"{s}.") for s in expected)]
         assert len(made) == len(in_siblings) > len(expected), kwargs
-        assert_same_records(_graphs(PatchableGraph(model, ids, options=FULL, **kwargs)), _graphs(reused))
+        assert_same_records(PatchableGraph(model, ids, options=FULL, **kwargs)._graph_module, reused._graph_module)
 
 
 @pytest.mark.no_extraction_cache
@@ -296,7 +296,7 @@ def test_siblings_whose_state_keys_differ_are_built_again_from_the_unflattened_g
     monkeypatch.setattr(BuiltTemplate, "fits", lambda self, builder, fqn, source, invocation: False)
     reused, made = _built_from_templates(monkeypatch, model, ids)
     assert made == [] and _reused(reused) == expected
-    assert_same_records(_graphs(PatchableGraph(model, ids, options=FULL)), _graphs(reused))
+    assert_same_records(PatchableGraph(model, ids, options=FULL)._graph_module, reused._graph_module)
     assert torch.equal(reused(ids).logits, model(ids).logits)
 
 

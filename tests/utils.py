@@ -192,14 +192,20 @@ def graph_modules(root: torch.nn.Module) -> list[CompiledGraphModule]:
     return [m for m in root.modules() if isinstance(m, CompiledGraphModule)]
 
 
-def assert_same_records(full: dict[str, CompiledGraphModule], reused: dict[str, CompiledGraphModule]) -> None:
-    """Every graph of ``reused`` carries what the full extraction's graph of the same name carries:
+def named_graph_modules(root: torch.nn.Module) -> dict[str, CompiledGraphModule]:
+    """``{path: graph module}`` of every compiled graph in ``root``'s hierarchy (``root`` included)."""
+    return {name: m for name, m in root.named_modules() if isinstance(m, CompiledGraphModule)}
+
+
+def assert_same_records(full_root: torch.nn.Module, reused_root: torch.nn.Module) -> None:
+    """Every graph under ``reused_root`` carries what the full extraction's graph at the same path carries:
     per node the op, the NodeMeta record (name, module path, extra arguments, example summary) and
     fx's stack trace; per graph the signature flag, the untouched cache layers and the tensors it
     reads (the module's own parameters and buffers, or equal lifted constants, which export numbers
     per program)."""
     def unnumbered(name: object) -> str:
         return re.sub(r"lifted_tensor_\d+", "lifted_tensor", str(name))
+    full, reused = named_graph_modules(full_root), named_graph_modules(reused_root)
     assert list(full) == list(reused)
     for name in full:
         a, b = full[name], reused[name]
