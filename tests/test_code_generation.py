@@ -114,3 +114,68 @@ def test_graphs_waiting_when_the_body_raises_get_their_code_and_the_error_propag
     assert graph_module._deferred is None and "neg" in ln.__dict__["_code"]
     with torch.no_grad():
         assert torch.equal(ln(x), -before)
+
+
+# -- torch.export.unflatten's own graph modules generate no code (compat.export._code_generated_lazily)
+
+def _spy_unflatten(monkeypatch, fail: bool = False):
+    """Keep the graph modules ``torch.fx.GraphModule.recompile`` ran for inside
+    ``torch.export.unflatten`` and what it returned; ``fail``: make it raise after unflattening."""
+    seen = {"inside": False, "recompiled": [], "unflattened": []}
+    real_unflatten, real_recompile = torch.export.unflatten, torch.fx.GraphModule.recompile
+
+    def recompile(self):
+        if seen["inside"]:
+            seen["recompiled"].append(self)
+        return real_recompile(self)
+
+    def unflatten(*args, **kwargs):
+        seen["inside"] = True
+        try:
+            seen["unflattened"].append(real_unflatten(*args, **kwargs))
+        finally:
+            seen["inside"] = False
+        if fail:
+            raise RuntimeError("unflatten failed on purpose")
+        return seen["unflattened"][-1]
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", recompile)
+    monkeypatch.setattr(torch.export, "unflatten", unflatten)
+    return seen
+
+
+@pytest.mark.no_extraction_cache
+def test_unflatten_generates_no_code_for_its_graph_modules_which_still_run_and_the_bridge_equals_eager(monkeypatch):
+    from torch.export.unflatten import InterpreterModule, UnflattenedModule
+    finalizers = (InterpreterModule.finalize, UnflattenedModule.finalize)
+    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits
+    seen = _spy_unflatten(monkeypatch)
+    nnbridge.bridge(model, ids)
+    [unflattened] = seen["unflattened"]
+    made = [m.__dict__["graph_module"] for m in unflattened.modules() if "graph_module" in m.__dict__]
+    assert len(made) > 20, "each unflattened module has its graph module"
+    assert not {id(m) for m in made} & {id(m) for m in seen["recompiled"]}, "none generated its code"
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    assert (InterpreterModule.finalize, UnflattenedModule.finalize) == finalizers
+    # the unflattened modules still run (through fx.Interpreter, which reads their graphs): the first
+    # MLP's activation (no parameters: unflatten's are meta tensors) gives what the model's gives
+    [activation] = [m for name, m in unflattened.named_modules() if name.endswith("h.0.mlp.act")]
+    assert isinstance(activation, InterpreterModule)
+    hidden = torch.randn(1, 6, 4 * model.config.n_embd)
+    with torch.no_grad():
+        assert torch.equal(activation(hidden), model.transformer.h[0].mlp.act(hidden))
+
+
+@pytest.mark.no_extraction_cache
+def test_unflatten_puts_torchs_finalize_back_also_when_it_raises(monkeypatch):
+    from torch.export.unflatten import InterpreterModule, UnflattenedModule
+    finalizers = (InterpreterModule.finalize, UnflattenedModule.finalize)
+    from nnbridge.compat.export import unflatten
+    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
+    exported = torch.export.export(model, (ids,), strict=False)
+    _spy_unflatten(monkeypatch, fail=True)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        unflatten(exported)
+    assert (InterpreterModule.finalize, UnflattenedModule.finalize) == finalizers

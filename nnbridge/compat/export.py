@@ -217,14 +217,43 @@ def forget_export_state() -> None:
 
 
 def unflatten(exported: torch.export.ExportedProgram) -> torch.nn.Module:
-    """``torch.export.unflatten`` with one graph per invocation and codegen instead of fx.Interpreter.
+    """``torch.export.unflatten`` with one graph per invocation, whose modules generate their
+    Python code only when first run or read (see :func:`_code_generated_lazily`).
 
     torch 2.13.0's unflatten prints a leftover debug line ("Checking mutability ...") for every
     functionalized buffer mutation; its stdout is swallowed here.
     """
-    with no_module_deduplication(), _unflatten_module._disable_interpreter(), \
+    with no_module_deduplication(), _code_generated_lazily(), \
             contextlib.redirect_stdout(io.StringIO()), quiet_torch_export(), _state_on_meta(exported):
         return torch.export.unflatten(exported)
+
+
+@contextlib.contextmanager
+def _code_generated_lazily() -> Iterator[None]:
+    """torch 2.13's unflatten ``finalize`` of each ``InterpreterModule`` (and of the
+    ``UnflattenedModule``) makes a ``torch.fx.GraphModule`` of its graph, which generates and
+    compiles the graph's Python code at once; nnbridge builds its own graph modules from the graphs
+    and never runs that code. Within, ``finalize`` makes torch's lazy graph module instead (as
+    Inductor's passes do), which generates the code only when it is run or read. The modules run
+    through ``torch.fx.Interpreter`` (unflatten's default), which reads the graph, not that code.
+    Measured: SmolLM2-135M-Instruct's disk-cached program (48 graph modules) unflattened eight times
+    in one process, alternating: median 0.66 s (fastest 0.37 s) before, 0.43 s (0.27 s) with this.
+    """
+    classes = (_unflatten_module.InterpreterModule, _unflatten_module.UnflattenedModule)
+    originals = [cls.__dict__["finalize"] for cls in classes]
+
+    def finalize(self: Any) -> None:  # torch 2.13's, with a lazy graph module
+        self.__dict__["graph_module"] = _lazy_graph_module._LazyGraphModule(self, self.graph)
+        self.graph.lint()
+        if isinstance(self, _unflatten_module.InterpreterModule):
+            self.arg_names = [node.target for node in self.graph.nodes if node.op == "placeholder"]
+    for cls in classes:
+        setattr(cls, "finalize", finalize)
+    try:
+        yield
+    finally:
+        for cls, original in zip(classes, originals):
+            setattr(cls, "finalize", original)
 
 
 @contextlib.contextmanager
