@@ -28,7 +28,7 @@ from ..compat.pytree import pytree
 
 from ..compat import NoSubmoduleRecompile, forward_from_source, generated_code_released, keep_tracebacks
 from ..compat.accelerate import run_hooked
-from ..compat.fast_ops import with_fast_ops
+from ..compat.fast_ops import bindings_fit, with_fast_ops
 from .failures import register
 from .metadata import GraphMeta, node_meta, node_name, update_node_meta
 from .op_point import OpPoint, route
@@ -289,12 +289,15 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
 
     def fast_forward(self) -> Callable[..., Any]:
         """The current routing's generated ``forward`` (takes ``self`` first) calling aten operators
-        without ``OpOverload.__call__`` (see :func:`~nnbridge.compat.fast_ops.with_fast_ops`): what
-        an in-place bridge runs outside Dynamo. Made once per generated function."""
+        without ``OpOverload.__call__``, and the most common ones through their Python bindings when
+        every call of the graph fits them (see :func:`~nnbridge.compat.fast_ops.with_fast_ops`):
+        what an in-place bridge runs outside Dynamo. Made once per generated function."""
         forward = type(self).forward
         made = self.__dict__.get("_fast_forward")
         if made is None or made[0] is not forward:
-            fast = with_fast_ops(forward) if isinstance(forward, types.FunctionType) \
+            unboxed = bindings_fit((node.target, node.args, node.kwargs) for node in self.graph.nodes
+                                   if node.op == "call_function")
+            fast = with_fast_ops(forward, unboxed) if isinstance(forward, types.FunctionType) \
                 and forward is not _generate_then_forward else forward
             made = self.__dict__["_fast_forward"] = (forward, fast)
         return made[1]
