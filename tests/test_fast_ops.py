@@ -129,8 +129,10 @@ _CALLS = {
     "aten::silu": [((_X,), {})],
     "aten::softmax.int": [((_X, -1), {}), ((_X, 1, torch.float64), {}), ((_X, -1), {"dtype": torch.float64})],
     "aten::dropout": [((_X, 0.1, False), {})],
-    "aten::layer_norm": [((_X, [4], _W[0], _B[:4], 1e-5), {}), ((_X, [4]), {})],
-    "aten::embedding": [((_W, torch.tensor([[0, 1], [4, 2]])), {}), ((_W, torch.tensor([0, 3]), 1), {})],
+    "aten::layer_norm": [((_X, [4], _W[0], _B[:4], 1e-5, True), {}), ((_X, [4]), {})],
+    "aten::embedding": [((_W, torch.tensor([[0, 1], [4, 2]]), -1, False, False), {}), ((_W, torch.tensor([0, 3]), 1), {})],
+    "aten::to.dtype": [((_X, torch.float64), {}), ((_X, torch.float32), {}), ((_X, torch.float16, False, True), {}),
+                       ((_X, torch.float64), {"memory_format": torch.preserve_format})],
 }
 
 
@@ -149,6 +151,8 @@ def test_an_unboxed_binding_runs_its_overload_with_the_same_ops_events_and_resul
     assert overload.name() == name
     packet = getattr(UNBOXED_TORCH.ops.aten, overload.__name__.split(".")[0])
     assert getattr(packet, overload._overloadname) is binding, "generated code resolves the overload to its binding"
+    most = max(n for n in range(len(overload._schema.arguments) + 1) if bindings_fit([(overload, (None,) * n, {})]))
+    assert max(len(args) for args, _ in _CALLS[name]) == most, "checked with every positional argument it allows"
     for args, kwargs in _CALLS[name]:
         assert kwargs.keys() <= keywords and bindings_fit([(overload, args, kwargs)])
         with _Dispatched() as by_handle:
@@ -167,6 +171,9 @@ def test_bindings_fit_refuses_a_keyword_its_entry_does_not_allow_and_extra_posit
     assert bindings_fit([(softmax, (_X, -1), {"dtype": torch.float64}), (add, (_X, _Y), {"alpha": 2})])
     assert not bindings_fit([(softmax, (_X,), {"dim": -1})]), "a positional argument by keyword"
     assert not bindings_fit([(add, (_X, _Y, 2), {})]), "alpha is keyword-only in the schema"
+    to = torch.ops.aten.to.dtype
+    assert bindings_fit([(to, (_X, torch.float64, False, False), {"memory_format": None})])
+    assert not bindings_fit([(to, (_X, torch.float64, False, False, None), {})]), "Tensor.to: memory_format by keyword"
     assert bindings_fit([(torch.ops.aten.div.Tensor_mode, (_X, _Y), {"rounding_mode": "floor"})]), "not UNBOXED"
 
 

@@ -74,11 +74,14 @@ _ENTRIES: list[tuple[str, Callable[..., Any], tuple[str, ...]]] = [
     ("aten::rsqrt", _VF.rsqrt, ()), ("aten::neg", _VF.neg, ()), ("aten::tanh", _VF.tanh, ()),
     ("aten::silu", _NN.silu, ()), ("aten::softmax.int", _VF.softmax, ("dtype",)),
     ("aten::dropout", _VF.dropout, ()), ("aten::layer_norm", _VF.layer_norm, ()),
-    ("aten::embedding", _VF.embedding, ()),
+    ("aten::embedding", _VF.embedding, ()), ("aten::to.dtype", _TENSOR.to, ("memory_format",)),
 ]
 #: ``{aten overload name: (Python binding, keywords a call may pass)}``
 UNBOXED: dict[str, tuple[Callable[..., Any], frozenset[str]]] = {
     name: (binding, frozenset(keywords)) for name, binding, keywords in _ENTRIES}
+#: positional arguments a binding takes, where fewer than its schema's (``Tensor.to`` takes
+#: ``memory_format`` by keyword only)
+_POSITIONAL = {"aten::to.dtype": 4}
 
 
 def _overload(value: Any) -> Any:
@@ -115,11 +118,11 @@ UNBOXED_TORCH = _fast_torch(_unboxed)
 
 def bindings_fit(calls: Iterable[tuple[Any, tuple[Any, ...], dict[str, Any]]]) -> bool:
     """Whether every ``(target, args, kwargs)`` call of an :data:`UNBOXED` overload passes only
-    the keywords its entry allows and no more positional arguments than its schema has (then
-    the binding picks that overload for it)."""
+    the keywords its entry allows and no more positional arguments than its schema has (than its
+    binding takes, where fewer): then the binding picks that overload for it."""
     for target, args, kwargs in calls:
         if type(target) is OpOverload and target.name() in UNBOXED:
-            positional = sum(not argument.kwarg_only for argument in target._schema.arguments)
+            positional = _POSITIONAL.get(target.name(), sum(not a.kwarg_only for a in target._schema.arguments))
             if not kwargs.keys() <= UNBOXED[target.name()][1] or len(args) > positional:
                 return False
     return True
