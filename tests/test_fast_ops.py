@@ -133,6 +133,7 @@ _CALLS = {
     "aten::embedding": [((_W, torch.tensor([[0, 1], [4, 2]]), -1, False, False), {}), ((_W, torch.tensor([0, 3]), 1), {})],
     "aten::to.dtype": [((_X, torch.float64), {}), ((_X, torch.float32), {}), ((_X, torch.float16, False, True), {}),
                        ((_X, torch.float64), {"memory_format": torch.preserve_format})],
+    "aten::detach_": [((_X.clone(),), {}), ((torch.randn(3, requires_grad=True) * 2,), {})],
 }
 
 

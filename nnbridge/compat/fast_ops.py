@@ -75,6 +75,7 @@ _ENTRIES: list[tuple[str, Callable[..., Any], tuple[str, ...]]] = [
     ("aten::silu", _NN.silu, ()), ("aten::softmax.int", _VF.softmax, ("dtype",)),
     ("aten::dropout", _VF.dropout, ()), ("aten::layer_norm", _VF.layer_norm, ()),
     ("aten::embedding", _VF.embedding, ()), ("aten::to.dtype", _TENSOR.to, ("memory_format",)),
+    ("aten::detach_", _VF.detach_, ()),
 ]
 #: ``{aten overload name: (Python binding, keywords a call may pass)}``
 UNBOXED: dict[str, tuple[Callable[..., Any], frozenset[str]]] = {
