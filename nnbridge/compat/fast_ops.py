@@ -26,10 +26,11 @@ without the handle's boxed call (the arguments converted to a stack of ``IValue`
 less per op (timed: ``linear`` 3.8 -> 3.2 µs, ``add`` 1.8 -> 1.3 µs, ``addmm`` 3.6 -> 2.5 µs on
 tiny tensors), which is what eager code pays. A binding picks its overload from the arguments'
 Python types; each entry is an overload the binding picks for every call of that overload's
-schema with the keywords the entry allows (other overloads of the name need an ``out=``/
-``out_dtype=`` keyword or a ``str`` dimension name; ``add.Scalar``/``mul.Scalar`` have no
-binding). A generated function with a call of such an operator passing another keyword, or more
-positional arguments than the schema has, gets the handles instead (see :func:`bindings_fit`).
+schema with the keywords the entry allows (the name's other overloads need an ``out=``/
+``out_dtype=`` keyword, a ``str`` dimension name, or another kind of operand: a tensor exponent
+for ``pow``, a device or a tensor for ``to``; ``add.Scalar``/``mul.Scalar`` have no binding). A
+generated function with a call of such an operator passing another keyword, or more positional
+arguments than the binding takes, gets the handles instead (see :func:`bindings_fit`).
 """
 
 from __future__ import annotations
