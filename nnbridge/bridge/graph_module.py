@@ -295,10 +295,10 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         forward = type(self).forward
         made = self.__dict__.get("_fast_forward")
         if made is None or made[0] is not forward:
-            unboxed = bindings_fit((node.target, node.args, node.kwargs) for node in self.graph.nodes
-                                   if node.op == "call_function")
-            fast = with_fast_ops(forward, unboxed) if isinstance(forward, types.FunctionType) \
-                and forward is not _generate_then_forward else forward
+            fast = forward
+            if isinstance(forward, types.FunctionType) and forward is not _generate_then_forward:
+                fast = with_fast_ops(forward, bindings_fit((node.target, node.args, node.kwargs)
+                                                           for node in self.graph.nodes if node.op == "call_function"))
             made = self.__dict__["_fast_forward"] = (forward, fast)
         return made[1]
 

@@ -95,9 +95,8 @@ def _overload(value: Any) -> Any:
 
 def _unboxed(value: Any) -> Any:
     """The overload's Python binding when :data:`UNBOXED` has it, else :func:`_overload`'s value."""
-    if type(value) is OpOverload and type(value).__call__ is _PLAIN_CALL and value.name() in UNBOXED:
-        return UNBOXED[value.name()][0]
-    return _overload(value)
+    handle = _overload(value)
+    return UNBOXED[value.name()][0] if handle is not value and value.name() in UNBOXED else handle
 
 
 def _fast_torch(overload: Callable[[Any], Any]) -> _Fallback:
