@@ -3,6 +3,8 @@
 afterwards equals eager's, object for object."""
 
 import copy
+import operator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import nnbridge
 from nnbridge import CompiledGraphModule
 from nnbridge.bridge import bridge_of
-from nnbridge.bridge.state import SpecCheck, assign_state, write_state
+from nnbridge.bridge.state import SpecCheck, assign_state, read_state, write_state
+from nnbridge.bridge.state_graphs import drop_unused_reads
 from nnbridge.compat.pytree import pytree
 from utils import CACHE_KWARG, ToyCacheStack
 
@@ -198,6 +201,64 @@ def test_a_layer_whose_last_call_is_a_childs_second_compares_what_its_own_code_t
     assert torch.equal(out.logits, expected.logits)
     assert_same_cache(out.past_key_values, expected.past_key_values)
 
+
+
+def _state_reads(model):
+    """``[(graph module path, graph, {cache layer paths its read_state nodes read})]`` over every
+    extraction, for the graphs that read a cache."""
+    reads = []
+    for extraction in bridge_of(model).dispatcher.all_extractions():
+        for name, graph in extraction.root.named_modules():
+            if isinstance(graph, CompiledGraphModule):
+                layers = {path[:2] for node in graph.graph.nodes if node.target is read_state for path in node.args[2]}
+                if layers:
+                    reads.append((name, graph, layers))
+    return reads
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["reused", "every layer exported"])
+@pytest.mark.parametrize("name", MODELS)
+def test_a_decode_steps_attention_reads_only_its_own_cache_layer_and_checks_the_others_by_type(name, reuse):
+    """Export reads every leaf of a cache argument; a decode step's attention graph uses its own
+    layer's keys and values only, so it reads only those (:func:`drop_unused_reads`) and its cache
+    check compares the other layers by type alone (before: every layer in full, ``O(L^2)`` per step).
+    Logits and the cache after each step equal eager's."""
+    plain = MODELS[name]()
+    model = copy.deepcopy(plain)
+    ids = torch.randint(0, 100, (1, 5))
+    nnbridge.bridge(model, ids, options=nnbridge.ExtractionOptions(reuse_layers=reuse))
+    with torch.no_grad():
+        want, got = plain(ids).past_key_values, model(ids).past_key_values
+        for step in range(2):
+            token = torch.randint(0, 100, (1, 1))
+            ref, out = plain(token, past_key_values=want), model(token, past_key_values=got)
+            assert torch.equal(out.logits, ref.logits)
+            assert_same_cache(got, want)
+    every = {("layers", (i,)) for i in range(3)}
+    paths = [next(p for p, m in model.named_modules() if m is attention) for attention in attentions(model)]
+    decode = [(path, graph, layers) for path, graph, layers in _state_reads(model) if path in paths]
+    assert len(decode) == 3  # the decode structure's attentions (prefill's have no cache argument)
+    for path, graph, layers in decode:
+        own = ("layers", (paths.index(path),))
+        assert layers == {own}
+        assert [check.untouched for _, check in graph.graph_meta.state_specs] == [frozenset(every - {own})]
+
+
+def test_drop_unused_reads_keeps_the_used_paths_in_order_and_renumbers_their_readers():
+    graph = torch.fx.Graph()
+    cache = graph.placeholder("cache")
+    paths = tuple(("layers", (i,), "keys") for i in range(4))
+    read = graph.call_function(read_state, (cache, None, paths))
+    third, first = graph.call_function(operator.getitem, (read, 3)), graph.call_function(operator.getitem, (read, 1))
+    whole = graph.call_function(read_state, (cache, None, paths))  # read as a whole: left as it is
+    graph.output((third, first, whole))
+    drop_unused_reads(graph)
+    assert read.args[2] == (paths[1], paths[3]) and third.args == (read, 1) and first.args == (read, 0)
+    assert whole.args[2] == paths
+    layers = [SimpleNamespace(keys=torch.full((1,), float(i))) for i in range(4)]
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    got = module(SimpleNamespace(layers=layers))
+    assert got[0] is layers[3].keys and got[1] is layers[1].keys and len(got[2]) == 4
 
 def test_spec_check_with_untouched_layers_compares_them_by_type_only():
     model = tiny_gpt2()

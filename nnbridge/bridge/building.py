@@ -35,7 +35,8 @@ from .opaque import opaque_module
 from .recording import record_calls
 from .reuse import ReuseFallback, ReusePlan, ReusedHolder, copy_graph, placeholder_signature, rebind_cache_state
 from .state import Key, UntouchedLayers
-from .state_graphs import argument_objects, forward_state_objects, read_states_back, write_states_back
+from .state_graphs import (argument_objects, drop_unused_reads, forward_state_objects, read_states_back,
+                           write_states_back)
 from .unused import keep_unused, registration_order
 from ..compat import invocation_graphs
 from ..compat.pytree import pytree
@@ -384,6 +385,7 @@ class GraphBuilder:
             update_node_meta(node, module_path=original_path(self.ctx, module, target))
         forward_state_objects(graph, attrs, threaded, arguments)
         remove_dead_code(graph)
+        drop_unused_reads(graph)
         exact_signature = drop_unused_extras(graph, extras)
         name_nodes(graph, type(module).forward, call_names)
         if source == fqn and (self.keep_all or self.reuse.covers(fqn)):  # a representative's subtree
