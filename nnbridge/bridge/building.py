@@ -27,7 +27,6 @@ from .cleanup import (clean_graph, drop_unused_extras, input_prologue, remove_de
 from .context import ExtractionContext, describe_failure
 from .custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
-from .hierarchy import walk
 from .kinds import StubKind
 from .metadata import node_meta, update_node_meta
 from .module_tree import safe_name
