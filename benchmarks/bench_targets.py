@@ -22,6 +22,8 @@ Rows (times are wall-clock on this machine's CPU; ratios are medians of interlea
                                                 (weights resident): extraction's own memory
   bridged / eager forward, default cache         GPT-2 12x768 and 12x256, 64 tokens, a fresh DynamicCache
   bridged / eager forward, no cache, 12x768      use_cache=False, 64 tokens
+  bridged / eager decode step, 12x256            one token on a copy of a 64-token prompt's DynamicCache
+                                                (not one of the issue's targets: cache threading's decode)
   bridged / eager forward, 4x256, 1 thread       use_cache=False, 32 tokens, torch.set_num_threads(1)
   op read / the same op through .source, 4x256  nnbridge trace saving h[0].add.output vs nnsight 0.8.1
                                                 saving h[0].source.hidden_states_1.output
@@ -135,6 +137,34 @@ def forward_ratio(layers: int, width: int, tokens: int, use_cache: bool, repeats
     return medians["bridged"] / medians["eager"]
 
 
+def decode_ratio(layers: int, width: int, tokens: int, repeats: int) -> float:
+    """Median bridged / eager time of one decode step: one new token on a copy of the cache a
+    ``tokens``-token prompt left (the copy is made outside the timed call), under no_grad."""
+    import transformers
+
+    import nnbridge
+    from timing import interleaved_medians
+    plain = gpt2(layers, width)
+    bridged = copy.deepcopy(plain)
+    ids = torch.randint(0, plain.config.vocab_size, (1, tokens))
+    version = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    keyword = "cache" if version >= (5, 24) else "past_key_values"  # (renamed in transformers 5.24)
+    with torch.no_grad():
+        nnbridge.bridge(bridged, ids)
+        prompt = plain(ids)
+        cache, token = prompt[keyword], prompt.logits[:, -1:].argmax(-1)
+
+        def step(model: torch.nn.Module):
+            def run() -> float:
+                fresh = copy.deepcopy(cache)
+                start = time.perf_counter()
+                model(token, **{keyword: fresh})
+                return (time.perf_counter() - start) * 1e3
+            return run
+        medians = interleaved_medians({"eager": step(plain), "bridged": step(bridged)}, repeats)
+    return medians["bridged"] / medians["eager"]
+
+
 def op_read_ratio(repeats: int) -> float:
     """Median nnbridge op-envoy read / nnsight ``.source`` read of the same op (GPT-2 4x256, 32 tokens)."""
     import nnsight
@@ -198,6 +228,8 @@ def main() -> None:
          f"{forward_ratio(12, 256, 64, True, args.repeats):.3f}", "<= 1.02"),
         ("bridged / eager forward, no cache, 12x768, 64 tokens",
          f"{forward_ratio(12, 768, 64, False, args.repeats):.3f}", "<= 1.02"),
+        ("bridged / eager decode step, default cache, 12x256, 64-token prompt",
+         f"{decode_ratio(12, 256, 64, args.repeats * 2):.3f}", "(no target)"),
     ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
