@@ -58,13 +58,16 @@ def _leaf_key(leaf: object) -> Hashable:
     return (type(leaf), leaf)
 
 
-def structure_key(modules: list[torch.nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+def structure_key(modules: list[torch.nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any],
+                  flat: tuple[list[Any], Any] | None = None) -> Hashable:
     """Hashable description of a call's structure (everything except tensor values and sizes).
 
     Args:
         modules: the module and its submodules, whose train/eval flags are part of the structure.
+        flat: ``pytree.tree_flatten((args, kwargs))`` when the caller has it (a cache argument's
+            flatten walks every layer).
     """
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, spec = pytree.tree_flatten((args, kwargs)) if flat is None else flat
     return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves), tuple(m.training for m in modules),
             torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype(), global_flags())
 

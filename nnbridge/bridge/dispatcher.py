@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 
 from ..compat import register_cache_pytrees
+from ..compat.pytree import pytree
 from ..compat.allocator import collection_paused
 from ..compat.overrides import function_override
 from ..errors import NNBridgeError, warn
@@ -205,14 +206,19 @@ class GraphDispatcher(torch.nn.Module):
                     return extraction
         return None
 
-    def structure_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    def structure_key(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      flat: tuple[list[Any], Any] | None = None) -> Hashable:
         """The structure key of a call to this dispatcher's module (see
-        :func:`~.call_structure.structure_key`); transformers' ``Cache`` classes are registered as
-        pytrees before the first one, so a cache argument is keyed by its contents' structure."""
+        :func:`~.call_structure.structure_key`, which takes ``flat``); transformers' ``Cache``
+        classes are registered as pytrees before the first one, so a cache argument is keyed by its
+        contents' structure."""
+        self._register_pytrees()
+        return structure_key(self.flag_modules, args, kwargs, flat)
+
+    def _register_pytrees(self) -> None:
         if not self._pytrees_registered:
             register_cache_pytrees(self.module)
             self.__dict__["_pytrees_registered"] = True
-        return structure_key(self.flag_modules, args, kwargs)
 
     def lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
         """The extraction serving this call, extracting one if no cached one's guards hold.
@@ -222,10 +228,12 @@ class GraphDispatcher(torch.nn.Module):
                 tensor subclass's own, an active ``TorchFunctionMode``), which graph code skips
                 (see :mod:`nnbridge.compat.overrides`); not checked while torch compiles or exports.
         """
-        tensors = tensor_leaves(args, kwargs)
+        self._register_pytrees()
+        flat = pytree.tree_flatten((args, kwargs))  # (one walk of a cache argument for both)
+        tensors = [leaf for leaf in flat[0] if isinstance(leaf, torch.Tensor)]
         if not torch.compiler.is_compiling():
             self._refuse_function_overrides(tensors)
-        key = self.structure_key(args, kwargs)
+        key = self.structure_key(args, kwargs, flat)
         candidates = self.extractions.get(key)
         if candidates:
             call = (args, kwargs)
