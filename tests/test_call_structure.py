@@ -1,13 +1,18 @@
 """One extraction per call structure; other structures are extracted again, never run wrongly."""
 
+from typing import Any, NamedTuple
+
 import pytest
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import nnbridge
 from fixtures.minimal_module import MinimalModule
 from nnbridge import PatchableGraph, ZeroPatch
 from nnbridge.bridge import bridge_of
 from nnbridge.bridge.call_structure import ShapeGuard, memory_layout
+from nnbridge.compat import guard_view
+from nnbridge.compat.pytree import pytree
 from utils import PastPlusNew, assert_same, gpt2, padded_batch, past_plus_new
 
 
@@ -194,3 +199,32 @@ def test_gemma3_layers_are_extracted_once_per_forward_with_their_masks_layouts()
     assert all(torch.equal(a, b) for a, b in zip(got.attentions, expected.attentions))
     history = str(nnbridge.explain(model))
     assert "memory layout of tensor argument" not in history, history
+
+
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+def test_guard_view_reads_every_leaf_by_its_key_path_as_tree_flatten_with_path_gives_it():
+    """Export's guard sources address a call's leaves by pytree key path; the view flattens each
+    node only when read, and must give exactly the leaves ``tree_flatten_with_path`` gives."""
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2)).eval()
+    nnbridge.bridge(model, torch.randint(0, 100, (1, 4)))  # registers the cache pytrees
+    with torch.no_grad():
+        cache = model(torch.randint(0, 100, (1, 4))).past_key_values
+    call = {"args": (torch.ones(2), [3, None, (torch.zeros(1), "s")]),
+            "kwargs": {"cache": cache, "pair": Pair(torch.ones(3), {"k": 2.5}), "flag": True, "empty": []}}
+    flat, _ = pytree.tree_flatten_with_path(call)
+    assert len(flat) == 12  # 5 from args (None is a leaf), the cache's 4 tensors, the pair's 2, the flag
+    for path, leaf in flat:
+        node = guard_view(call)
+        for entry in path:
+            node = node[getattr(entry, "key", getattr(entry, "idx", getattr(entry, "name", None)))]
+        assert node is leaf
+    view = guard_view(call)
+    assert view["kwargs"]["pair"].first is call["kwargs"]["pair"].first  # an attribute, as GetAttrKey addresses it
+    with pytest.raises(KeyError):
+        view["kwargs"]["cache"][4]  # the cache has four leaves
+    with pytest.raises(AttributeError):
+        view["kwargs"]["pair"].third
