@@ -439,6 +439,8 @@ class _Node:
         return self._read()[key]
 
     def __getattr__(self, name: str) -> Any:
+        if name in _Node.__slots__:  # (not set yet: an object made without __init__, as Dynamo's polyfill makes it)
+            raise AttributeError(name)
         try:
             return self._read()[name]
         except KeyError:
