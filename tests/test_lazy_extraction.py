@@ -442,6 +442,41 @@ def test_op_owners_places_each_read():
     assert owners("x = invoker.inputs[1]['input_ids']; model.get('input_ids')") is None
 
 
+def test_op_owners_paths_follow_modules_moved_or_replaced_since_the_last_walk(monkeypatch):
+    """op_owners keeps each model's paths from its last walk of the module tree and walks again
+    only when a read's owner is not at its kept path; a trace reading no possible op, or a
+    registered op of a module at its kept path, walks nothing."""
+    from nnbridge.envoys import op_reads
+
+    model = gpt2()
+    envoy = nnsight.NNsight(model)
+    walks = []
+    walk = op_reads.named_real_modules
+    monkeypatch.setattr(op_reads, "named_real_modules", lambda module: walks.append(1) or walk(module))
+
+    def owners(text, known=()):
+        return op_owners(_codes(text), lambda name: envoy if name == "model" else None, model, known)
+    assert owners("model.transformer.h[0].output.save()") == {} and walks == []
+    assert owners("model.transformer.h[0].add.output") == {"transformer.h.0": frozenset({"add"})} and len(walks) == 1
+    assert owners("model.transformer.h[0].add.output", {"add"}) == {"transformer.h.0": frozenset({"add"})}
+    assert len(walks) == 1  # a registered op name, the module where the last walk found it
+    h0, h1 = model.transformer.h[0], model.transformer.h[1]
+    model.transformer.h[0], model.transformer.h[1] = h1, h0  # moved: each is walked to its new path
+    assert owners("model.transformer.h[1].add.output", {"add"}) == {"transformer.h.1": frozenset({"add"})}
+    assert owners("model.transformer.h[0].attn.softmax", {"softmax"}) == {"transformer.h.0.attn": frozenset({"softmax"})}
+    replacement = copy.deepcopy(h1)
+    model.transformer.h[0] = replacement  # replaced: the new module's path, found by a new walk
+    before = len(walks)
+    assert owners("model.transformer.h[0].add", {"add"}) == {"transformer.h.0": frozenset({"add"})}
+    assert len(walks) == before + 1
+    # a module no longer in the model (read through an envoy held since) owns no path: whole model
+    old = nnsight.NNsight(h1)
+    assert op_owners(_codes("layer.add.output"), lambda name: old if name == "layer" else None, model, {"add"}) is None
+    # reads in more entries than LAZY_ENTRIES of one container walk for the containers
+    text = "; ".join(f"model.transformer.h[{i}].add" for i in range(2)) + "; model.transformer.h[0].attn.softmax"
+    assert set(owners(text, {"add", "softmax"})) == {"transformer.h.0", "transformer.h.1", "transformer.h.0.attn"}
+
+
 def test_reads_in_more_than_two_layers_extract_the_whole_model():
     """Reads in three of a container's entries: the whole model (its layers reused from one
     export) costs less than three modules exported one by one."""

@@ -46,6 +46,7 @@ import inspect
 import re
 import sys
 import types
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Set as AbstractSet
 from typing import NamedTuple, cast
@@ -538,12 +539,23 @@ def _forward_arguments(classes: frozenset[type[torch.nn.Module]]) -> frozenset[s
 def may_be_op(name: str, known_ops: AbstractSet[str], arguments: frozenset[str]) -> bool:
     """Whether ``name``, read as an attribute in a trace body, may be an op envoy (see the module
     docstring): always for a registered op name, else by its shape."""
+    decided = _decided(name, known_ops)
+    return decided if decided is not None else _argument_like(name, arguments)
+
+
+def _decided(name: str, known_ops: AbstractSet[str]) -> bool | None:
+    """:func:`may_be_op` by the rules that need no forward argument names, or None: only
+    :func:`_argument_like` decides."""
     if name in known_ops or name in WHOLE_MODEL_METHODS:
         return True
     if name in envoy_api() or name in TENSOR_ATTRIBUTES:
         return False
     if name.endswith("_") or _INVOCATION.fullmatch(name):
         return True
+    return None
+
+
+def _argument_like(name: str, arguments: frozenset[str]) -> bool:
     match = _NUMBERED.fullmatch(name)
     base = match.group(1) if match is not None else name
     return base in NODE_NAMES or base in arguments or name in arguments or _aten(base) or _aten(name)
@@ -577,26 +589,77 @@ def op_owners(codes: Iterable[types.CodeType], resolve: Callable[[str], object],
     times per forward numbers its calls only in a whole-model extraction); also when the reads lie
     in more than :data:`LAZY_ENTRIES` entries of one container (see there)."""
     unowned, owned = _reads(codes, resolve)
-    # one walk of the module tree (op points, hundreds after an extraction, left out: no read is
-    # owned by one) serves the argument names, the owners' paths and the containers; three walks
-    # of named_modules() took ~2.5 ms of a 13 ms trace of GPT-2 4x256
-    walk = list(named_real_modules(model))
     known = known_ops if isinstance(known_ops, AbstractSet) else frozenset(known_ops)
-    arguments = forward_arguments(model, (module for _, module in walk))
-    if any(may_be_op(name, known, arguments) for name in unowned):
+    # the module tree is walked (op points, hundreds after an extraction, left out) only when a
+    # name's shape needs the forward argument names, or a read is owned by a module whose path
+    # the last walk of this model did not give: a module-only trace reads no possible op, and a
+    # trace reading a registered op of a known module needs no walk (one walk of GPT-2 4x256
+    # with 471 op points: ~0.3 ms of a 14 ms trace)
+    walk: list[tuple[str, torch.nn.Module]] | None = None
+    arguments: frozenset[str] | None = None
+
+    def possible(name: str) -> bool:
+        nonlocal walk, arguments
+        decided = _decided(name, known)
+        if decided is not None:
+            return decided
+        if arguments is None:
+            walk = _walk(model) if walk is None else walk
+            arguments = forward_arguments(model, (module for _, module in walk))
+        return _argument_like(name, arguments)
+
+    if any(possible(name) for name in unowned):
         return None
-    paths = {id(module): path for path, module in walk}
     result: dict[str, set[str]] = {}
     for owner, name in owned:
-        if not may_be_op(name, known, arguments):
+        if not possible(name):
             continue
-        path = paths.get(id(owner))
+        path = _known_path(model, owner)
+        if path is None:
+            walk = _walk(model) if walk is None else walk
+            path = _known_path(model, owner)
         if not path or _INVOCATION.fullmatch(name):
             return None
         result.setdefault(path, set()).add(name)
-    if _entries_reached(walk, result) > LAZY_ENTRIES:
+    # one container's entries reached: at most one per path, so only more paths than the bound need the walk
+    if len(result) > LAZY_ENTRIES and _entries_reached(_walk(model) if walk is None else walk, result) > LAZY_ENTRIES:
         return None
     return {path: frozenset(names) for path, names in result.items()}
+
+
+#: ``{id(model): (model's weak reference, {id(module): its path in model})}`` from the last walk
+#: of each model (see :func:`_known_path`)
+_PATHS: dict[int, tuple[weakref.ref[torch.nn.Module], dict[int, str]]] = {}
+
+
+def _walk(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``model``'s ``(path, module)`` pairs without op points (:func:`named_real_modules`); the
+    paths are kept for :func:`_known_path`."""
+    walk = list(named_real_modules(model))
+    key = id(model)
+
+    def forget(_: object) -> None:
+        _PATHS.pop(key, None)
+    _PATHS[key] = (weakref.ref(model, forget), {id(module): path for path, module in walk})
+    return walk
+
+
+def _known_path(model: torch.nn.Module, module: torch.nn.Module) -> str | None:
+    """The path under which ``model``'s last walk found ``module``, if ``model.get_submodule``
+    still gives ``module`` there (a module moved, removed or replaced since is walked again);
+    else None. A module under two parents has the path the walk met last (as a dict of the
+    walk's pairs gives)."""
+    entry = _PATHS.get(id(model))
+    if entry is None or entry[0]() is not model:
+        return None
+    path = entry[1].get(id(module))
+    if path is None:
+        return None
+    try:
+        found = model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
+    return path if found is module else None
 
 
 #: Most entries of one module container (decoder layers) a lazily extracted trace reaches: beyond,
