@@ -179,3 +179,79 @@ def test_unflatten_puts_torchs_finalize_back_also_when_it_raises(monkeypatch):
     with pytest.raises(RuntimeError, match="on purpose"):
         unflatten(exported)
     assert (InterpreterModule.finalize, UnflattenedModule.finalize) == finalizers
+
+
+# -- each distinct generated source compiled once per deferral (compat.fx.sources_compiled_once)
+
+def _calling(function) -> torch.fx.GraphModule:
+    """A graph module whose code calls ``function`` (its name in the code: ``scale``) on its input."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(function, (x,)))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _scale_by(factor):
+    def scale(x):
+        return x * factor
+    return scale
+
+
+def test_modules_with_the_same_source_share_its_compiled_code_and_keep_their_own_globals():
+    import linecache
+
+    from nnbridge.compat import fx
+
+    first, second = _calling(_scale_by(2.0)), _calling(_scale_by(-3.0))
+    assert first.code == second.code and "scale(x)" in first.code
+    assert type(first).forward.__code__ is not type(second).forward.__code__  # fx: one compile each
+    real = torch.fx.graph_module._exec_with_source
+    with fx.sources_compiled_once():
+        first.recompile()
+        second.recompile()
+    assert torch.fx.graph_module._exec_with_source is real
+    forwards = type(first).forward, type(second).forward
+    assert forwards[0].__code__ is forwards[1].__code__ and forwards[0].__globals__ is not forwards[1].__globals__
+    x = torch.randn(3)
+    assert torch.equal(first(x), x * 2.0) and torch.equal(second(x), x * -3.0)  # each its own ``scale``
+    # a traceback through the shared code shows the generated line
+    broken = _calling(_scale_by("text"))
+    with fx.sources_compiled_once():
+        broken.recompile()
+    assert type(broken).forward.__code__ is not forwards[0].__code__  # a new block compiles again
+    with pytest.raises(TypeError) as raised:
+        broken(x)
+    frame = [entry for entry in raised.traceback if entry.frame.code.raw is type(broken).forward.__code__]
+    assert frame and "scale(x)" in linecache.getline(frame[0].frame.code.raw.co_filename, frame[0].lineno + 1)
+    # outside a block, and within one while another patch replaces fx's function: fx compiles each
+    third = _calling(_scale_by(5.0))
+    third.recompile()
+    assert type(third).forward.__code__ is not forwards[0].__code__
+    other_patch = lambda src, globals, co_fields=None: real(src, globals, co_fields)  # noqa: E731
+    torch.fx.graph_module._exec_with_source = other_patch
+    try:
+        with fx.sources_compiled_once():
+            assert torch.fx.graph_module._exec_with_source is other_patch
+            first.recompile()
+            second.recompile()
+        assert type(first).forward.__code__ is not type(second).forward.__code__
+    finally:
+        torch.fx.graph_module._exec_with_source = real
+
+
+@pytest.mark.no_extraction_cache
+def test_sibling_layers_graphs_share_compiled_code_but_the_attentions_and_equal_eager():
+    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits
+    nnbridge.bridge(model, ids)
+    root = bridge_of(model).dispatcher.all_extractions()[0].root
+    by_path = {name: g for name, g in root.named_modules() if isinstance(g, CompiledGraphModule)}
+
+    def code_of(path):
+        return type(by_path[path]).forward.__code__
+    assert code_of("transformer.h.0.mlp") is code_of("transformer.h.1.mlp")
+    assert code_of("transformer.h.0.ln_1") is code_of("transformer.h.1.ln_2") is code_of("transformer.ln_f")
+    assert code_of("transformer.h.0.attn") is not code_of("transformer.h.1.attn")  # each its cache layer
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)

@@ -27,6 +27,7 @@ from ..compat.pytree import fx_pytree
 from ..compat.pytree import pytree
 
 from ..compat import NoSubmoduleRecompile, forward_from_source, generated_code_released, keep_tracebacks
+from ..compat.fx import sources_compiled_once
 from ..compat.accelerate import run_hooked
 from ..compat.fast_ops import bindings_fit, with_fast_ops
 from .failures import register
@@ -390,12 +391,13 @@ def _generate_waiting(quiet: bool) -> None:
     global _deferred
     waiting = list((_deferred or {}).values())
     _deferred = None
-    for module in waiting:
-        try:
-            module._generate_code()
-        except Exception:  # noqa: BLE001 - only while another error propagates
-            if not quiet:
-                raise
+    with sources_compiled_once():  # sibling layers' graphs generate the same code: compiled once
+        for module in waiting:
+            try:
+                module._generate_code()
+            except Exception:  # noqa: BLE001 - only while another error propagates
+                if not quiet:
+                    raise
 
 
 class MultiplyInvokedModule(torch.nn.ModuleList):
