@@ -197,61 +197,82 @@ def _scale_by(factor):
     return scale
 
 
-def test_modules_with_the_same_source_share_its_compiled_code_and_keep_their_own_globals():
+def test_modules_with_the_same_source_compile_it_once_and_keep_their_own_code_file_name_and_globals(monkeypatch):
     import linecache
 
     from nnbridge.compat import fx
 
+    compiled = []
+
+    def counting_compile(*args, **kwargs):
+        compiled.append(args[0])
+        return compile(*args, **kwargs)
+    monkeypatch.setattr(fx, "compile", counting_compile, raising=False)
     first, second = _calling(_scale_by(2.0)), _calling(_scale_by(-3.0))
     assert first.code == second.code and "scale(x)" in first.code
-    assert type(first).forward.__code__ is not type(second).forward.__code__  # fx: one compile each
     real = torch.fx.graph_module._exec_with_source
     with fx.sources_compiled_once():
         first.recompile()
         second.recompile()
     assert torch.fx.graph_module._exec_with_source is real
-    forwards = type(first).forward, type(second).forward
-    assert forwards[0].__code__ is forwards[1].__code__ and forwards[0].__globals__ is not forwards[1].__globals__
+    assert compiled == [first.code]  # once for both
+    codes = type(first).forward.__code__, type(second).forward.__code__
+    # each its own code object (as fx makes them: no specialisation caches shared) and file name
+    assert codes[0] is not codes[1] and codes[0].co_code == codes[1].co_code
+    assert codes[0].co_filename != codes[1].co_filename
+    assert type(first).forward.__globals__ is not type(second).forward.__globals__
     x = torch.randn(3)
     assert torch.equal(first(x), x * 2.0) and torch.equal(second(x), x * -3.0)  # each its own ``scale``
-    # a traceback through the shared code shows the generated line
+    # a traceback through the copied code shows the generated line under its own file name
     broken = _calling(_scale_by("text"))
     with fx.sources_compiled_once():
+        third = _calling(_scale_by(5.0))
+        third.recompile()
         broken.recompile()
-    assert type(broken).forward.__code__ is not forwards[0].__code__  # a new block compiles again
+    assert len(compiled) == 2  # a new block compiles again, once
     with pytest.raises(TypeError) as raised:
         broken(x)
-    frame = [entry for entry in raised.traceback if entry.frame.code.raw is type(broken).forward.__code__]
-    assert frame and "scale(x)" in linecache.getline(frame[0].frame.code.raw.co_filename, frame[0].lineno + 1)
+    [frame] = [entry for entry in raised.traceback if entry.frame.code.raw is type(broken).forward.__code__]
+    filename = frame.frame.code.raw.co_filename
+    assert filename not in {code.co_filename for code in codes} | {type(third).forward.__code__.co_filename}
+    assert "scale(x)" in linecache.getline(filename, frame.lineno + 1)
+    assert torch.equal(third(x), x * 5.0)
     # outside a block, and within one while another patch replaces fx's function: fx compiles each
-    third = _calling(_scale_by(5.0))
-    third.recompile()
-    assert type(third).forward.__code__ is not forwards[0].__code__
+    compiled.clear()
+    first.recompile()
     other_patch = lambda src, globals, co_fields=None: real(src, globals, co_fields)  # noqa: E731
     torch.fx.graph_module._exec_with_source = other_patch
     try:
         with fx.sources_compiled_once():
             assert torch.fx.graph_module._exec_with_source is other_patch
-            first.recompile()
             second.recompile()
-        assert type(first).forward.__code__ is not type(second).forward.__code__
     finally:
         torch.fx.graph_module._exec_with_source = real
+    assert compiled == []
+    assert torch.equal(first(x), x * 2.0) and torch.equal(second(x), x * -3.0)
 
 
 @pytest.mark.no_extraction_cache
-def test_sibling_layers_graphs_share_compiled_code_but_the_attentions_and_equal_eager():
+def test_sibling_layers_graphs_compile_their_shared_source_once_and_equal_eager(monkeypatch):
+    from nnbridge.compat import fx
+
+    compiled = []
+
+    def counting_compile(*args, **kwargs):
+        compiled.append(args[0])
+        return compile(*args, **kwargs)
+    monkeypatch.setattr(fx, "compile", counting_compile, raising=False)
     model, ids = gpt2(), torch.randint(0, 100, (1, 6))
     with torch.no_grad():
         expected = model(ids).logits
     nnbridge.bridge(model, ids)
     root = bridge_of(model).dispatcher.all_extractions()[0].root
     by_path = {name: g for name, g in root.named_modules() if isinstance(g, CompiledGraphModule)}
-
-    def code_of(path):
-        return type(by_path[path]).forward.__code__
-    assert code_of("transformer.h.0.mlp") is code_of("transformer.h.1.mlp")
-    assert code_of("transformer.h.0.ln_1") is code_of("transformer.h.1.ln_2") is code_of("transformer.ln_f")
-    assert code_of("transformer.h.0.attn") is not code_of("transformer.h.1.attn")  # each its cache layer
+    assert len(compiled) == len(set(compiled)) == len({g.code for g in by_path.values()}) < len(by_path)
+    mlps = [by_path[f"transformer.h.{i}.mlp"] for i in (0, 1)]
+    assert mlps[0].code == mlps[1].code and mlps[0].code in compiled
+    assert type(mlps[0]).forward.__code__ is not type(mlps[1]).forward.__code__
+    attentions = [by_path[f"transformer.h.{i}.attn"] for i in (0, 1)]
+    assert attentions[0].code != attentions[1].code  # each names its own cache layer
     with torch.no_grad():
         assert torch.equal(model(ids).logits, expected)
