@@ -197,17 +197,26 @@ def _scale_by(factor):
     return scale
 
 
-def test_modules_with_the_same_source_compile_it_once_and_keep_their_own_code_file_name_and_globals(monkeypatch):
-    import linecache
-
+def _compiles_counted(monkeypatch) -> list[str]:
+    """The source texts :func:`nnbridge.compat.fx.sources_compiled_once` compiles (its module's
+    ``compile``), appended to the returned list as they are compiled."""
     from nnbridge.compat import fx
 
-    compiled = []
+    compiled: list[str] = []
 
     def counting_compile(*args, **kwargs):
         compiled.append(args[0])
         return compile(*args, **kwargs)
     monkeypatch.setattr(fx, "compile", counting_compile, raising=False)
+    return compiled
+
+
+def test_modules_with_the_same_source_compile_it_once_and_keep_their_own_code_file_name_and_globals(monkeypatch):
+    import linecache
+
+    from nnbridge.compat import fx
+
+    compiled = _compiles_counted(monkeypatch)
     first, second = _calling(_scale_by(2.0)), _calling(_scale_by(-3.0))
     assert first.code == second.code and "scale(x)" in first.code
     real = torch.fx.graph_module._exec_with_source
@@ -254,14 +263,7 @@ def test_modules_with_the_same_source_compile_it_once_and_keep_their_own_code_fi
 
 @pytest.mark.no_extraction_cache
 def test_sibling_layers_graphs_compile_their_shared_source_once_and_equal_eager(monkeypatch):
-    from nnbridge.compat import fx
-
-    compiled = []
-
-    def counting_compile(*args, **kwargs):
-        compiled.append(args[0])
-        return compile(*args, **kwargs)
-    monkeypatch.setattr(fx, "compile", counting_compile, raising=False)
+    compiled = _compiles_counted(monkeypatch)
     model, ids = gpt2(), torch.randint(0, 100, (1, 6))
     with torch.no_grad():
         expected = model(ids).logits
