@@ -598,14 +598,19 @@ def op_owners(codes: Iterable[types.CodeType], resolve: Callable[[str], object],
     walk: list[tuple[str, torch.nn.Module]] | None = None
     arguments: frozenset[str] | None = None
 
+    def walked() -> list[tuple[str, torch.nn.Module]]:
+        nonlocal walk
+        if walk is None:
+            walk = _walk(model)
+        return walk
+
     def possible(name: str) -> bool:
-        nonlocal walk, arguments
+        nonlocal arguments
         decided = _decided(name, known)
         if decided is not None:
             return decided
         if arguments is None:
-            walk = _walk(model) if walk is None else walk
-            arguments = forward_arguments(model, (module for _, module in walk))
+            arguments = forward_arguments(model, (module for _, module in walked()))
         return _argument_like(name, arguments)
 
     if any(possible(name) for name in unowned):
@@ -616,13 +621,13 @@ def op_owners(codes: Iterable[types.CodeType], resolve: Callable[[str], object],
             continue
         path = _known_path(model, owner)
         if path is None:
-            walk = _walk(model) if walk is None else walk
+            walked()
             path = _known_path(model, owner)
         if not path or _INVOCATION.fullmatch(name):
             return None
         result.setdefault(path, set()).add(name)
     # one container's entries reached: at most one per path, so only more paths than the bound need the walk
-    if len(result) > LAZY_ENTRIES and _entries_reached(_walk(model) if walk is None else walk, result) > LAZY_ENTRIES:
+    if len(result) > LAZY_ENTRIES and _entries_reached(walked(), result) > LAZY_ENTRIES:
         return None
     return {path: frozenset(names) for path, names in result.items()}
 
