@@ -71,6 +71,75 @@ def test_ioi_demo(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_ioi_patching_batch_equals_eager_hooks_and_each_row_its_own_patch():
+    """run_ioi's batched patching runs (row i patched at layer i's op, ``site_patches``) give what
+    torch hooks on the untouched model give for the same batch, and each row what a run with only
+    its own patch gives (rows never mix: the batch is the per-layer runs side by side)."""
+    from nnbridge.demo import CLEAN, CORRUPTED, SITES, site_patches
+
+    model, tokenizer = load_smollm2()
+    untouched, _ = load_smollm2()
+    clean, corrupted = (tokenizer(text, return_tensors="pt").input_ids for text in (CLEAN, CORRUPTED))
+    layers, end = model.config.num_hidden_layers, clean.shape[1] - 1
+    s2 = int((clean[0] != corrupted[0]).nonzero()[0])
+    both, rows = torch.cat([clean, corrupted]), corrupted.repeat(layers, 1)
+    with torch.no_grad():
+        pg = PatchableGraph(model, both)
+        probes = {(site, i): ProbePatch() for site in SITES.values() for i in range(layers)}
+        with pg.patch({site.format(i=i): probe for (site, i), probe in probes.items()}):
+            pg(both)
+        patches = {site: site_patches(site, [probes[site, i].activation for i in range(layers)], position)
+                   for site, position in ((SITES["attention out @ END"], end), (SITES["residual add @ S2"], s2))}
+        batched = {}
+        for site, patch_map in patches.items():
+            with pg.patch(patch_map):
+                batched[site] = pg(rows).logits
+        assert len(pg.extractions) == 1, "one extraction serves the batch of 2 and the batch of 30"
+
+        # the attention-output op is o_proj's output: the same patch as torch forward hooks on the eager model
+        projections = [untouched.model.layers[i].self_attn.o_proj for i in range(layers)]
+        clean_values = {}
+        handles = [p.register_forward_hook(lambda m, a, out, i=i: clean_values.__setitem__(i, out[0, end].clone()))
+                   for i, p in enumerate(projections)]
+        untouched(both)
+        for handle in handles:
+            handle.remove()
+
+        def replace_row(i):
+            def hook(module, args, out):
+                out = out.clone()
+                out[i, end] = clean_values[i]
+                return out
+            return hook
+        handles = [p.register_forward_hook(replace_row(i)) for i, p in enumerate(projections)]
+        try:
+            eager = untouched(rows).logits
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert torch.equal(batched[SITES["attention out @ END"]], eager)
+
+        plain = pg(rows).logits
+        for site, patch_map in patches.items():
+            for i in (0, 13, layers - 1):
+                path = site.format(i=i)
+                with pg.patch({path: patch_map[path]}):
+                    single = pg(rows).logits
+                others = [j for j in range(layers) if j != i]
+                assert torch.equal(single[i], batched[site][i]), path
+                assert torch.equal(single[others], plain[others]), path
+                assert not torch.equal(single[i], plain[i]), f"{path}: the patch changes its row"
+
+
+def test_site_patches_names_the_op_that_recorded_nothing():
+    from nnbridge.demo import site_patches
+
+    value = torch.zeros(2, 3, 4)
+    assert set(site_patches("layers_{i}.add", [value, value], 1)) == {"layers_0.add", "layers_1.add"}
+    with pytest.raises(ValueError, match=r"layers_1\.add recorded no clean value"):
+        site_patches("layers_{i}.add", [value, None], 1)
+
+
 def test_missing_package_names_the_install_command(monkeypatch):
     import importlib.util
 
