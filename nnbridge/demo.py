@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
-from .bridge import ExtractionOptions, PatchableGraph, ProbePatch, ReplacePatch
+from .bridge import ExtractionOptions, Patch, PatchableGraph, ProbePatch, ReplacePatch
+from .bridge.inspection import NodeView
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -95,7 +96,9 @@ def run_ioi(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, progr
         recovered: dict[str, list[float]] = {}
         for site in tqdm(SITES, desc="patching clean -> corrupted (one batch per site)", disable=not progress):
             clean_values = [probes[site, i].activation for i in range(layers)]
-            with pg.patch(site_patches(SITES[site], clean_values, positions[site])):
+            patch_map: dict[str | NodeView, Patch[Any] | list[Patch[Any]]] = {
+                **site_patches(SITES[site], clean_values, positions[site])}
+            with pg.patch(patch_map):
                 logits = pg(**rows).logits
             recovered[site] = [(logit_diff(logits[i:i + 1], mary, john) - corrupted_diff) / (clean_diff - corrupted_diff)
                                for i in range(layers)]
