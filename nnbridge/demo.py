@@ -96,16 +96,15 @@ def run_ioi(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, progr
         recovered: dict[str, list[float]] = {}
         for site in tqdm(SITES, desc="patching clean -> corrupted (one batch per site)", disable=not progress):
             clean_values = [probes[site, i].activation for i in range(layers)]
-            patch_map: dict[str | NodeView, Patch[Any] | list[Patch[Any]]] = {
-                **site_patches(SITES[site], clean_values, positions[site])}
-            with pg.patch(patch_map):
+            with pg.patch(site_patches(SITES[site], clean_values, positions[site])):
                 logits = pg(**rows).logits
             recovered[site] = [(logit_diff(logits[i:i + 1], mary, john) - corrupted_diff) / (clean_diff - corrupted_diff)
                                for i in range(layers)]
     return IOIResult(clean_diff, corrupted_diff, recovered)
 
 
-def site_patches(site: str, clean_values: list[torch.Tensor | None], position: int) -> dict[str, ReplacePatch]:
+def site_patches(site: str, clean_values: list[torch.Tensor | None], position: int
+                 ) -> dict[str | NodeView, Patch[Any] | list[Patch[Any]]]:
     """``{NodePath of layer i's op: ReplacePatch}`` patching batch row ``i`` at ``position`` with the
     clean run's value there (``clean_values[i]``, the op's value for the ``(2, seq, ...)`` batch of
     :func:`run_ioi`, clean prompt first).
@@ -113,7 +112,7 @@ def site_patches(site: str, clean_values: list[torch.Tensor | None], position: i
     Raises:
         ValueError: a site's clean value was not recorded (its op did not run).
     """
-    patches = {}
+    patches: dict[str | NodeView, Patch[Any] | list[Patch[Any]]] = {}
     for i, value in enumerate(clean_values):
         if value is None:
             raise ValueError(f"{site.format(i=i)} recorded no clean value: the op did not run in the clean pass")
