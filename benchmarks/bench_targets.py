@@ -20,6 +20,8 @@ Rows (times are wall-clock on this machine's CPU; ratios are medians of interlea
     the same, only bridge()'s increase          (peak RSS in bridge() - RSS just before it) / parameter
                                                 bytes, in a process that ran one eager forward first
                                                 (weights resident): extraction's own memory
+    peak RSS during bridge() / RSS before it    the same process: how much larger the whole process
+                                                (imports, model, everything) is at extraction's peak
   bridged / eager forward, default cache         GPT-2 12x768 and 12x256, 64 tokens, a fresh DynamicCache
   bridged / eager forward, no cache, 12x768      use_cache=False, 64 tokens
   bridged / eager decode step, 12x256            one token on a copy of a 64-token prompt's DynamicCache
@@ -80,7 +82,8 @@ running[0] = False
 sampler.join()
 peak[0] = max(peak[0], rss())
 size = sum(p.numel() * 4 for p in model.parameters())
-result = {{"bridge": bridge_s, "peak_ratio": (peak[0] - before_load) / size, "increase_ratio": (peak[0] - before) / size}}
+result = {{"bridge": bridge_s, "peak_ratio": (peak[0] - before_load) / size, "increase_ratio": (peak[0] - before) / size,
+          "process_ratio": peak[0] / before}}
 if {new_structure}:
     start = time.perf_counter()
     model(ids, output_attentions=True)
@@ -220,7 +223,9 @@ def main() -> None:
                   " after unbridge", "<= 1.1x, released"),
                  ("  the same, only bridge()'s increase, weights resident",
                   f"{resident['increase_ratio']:.3f}x, {resident['released_mb']:+.0f} MB"
-                  f" ({resident['released_anon_mb']:+.0f} MB anon) after unbridge", "")]
+                  f" ({resident['released_anon_mb']:+.0f} MB anon) after unbridge", ""),
+                 ("  peak RSS during bridge() / the process's RSS before it",
+                  f"{resident['process_ratio']:.3f}x (weights resident)", "")]
     rows += [
         ("bridged / eager forward, default cache, 12x768",
          f"{forward_ratio(12, 768, 64, True, args.repeats):.3f}", "<= 1.02"),

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
-from .bridge import ExtractionOptions, Patch, PatchableGraph, ProbePatch, ReplacePatch
-from .bridge.inspection import NodeView
+from .bridge import ExtractionOptions, PatchableGraph, ProbePatch, ReplacePatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -103,8 +102,7 @@ def run_ioi(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, progr
     return IOIResult(clean_diff, corrupted_diff, recovered)
 
 
-def site_patches(site: str, clean_values: list[torch.Tensor | None], position: int
-                 ) -> dict[str | NodeView, Patch[Any] | list[Patch[Any]]]:
+def site_patches(site: str, clean_values: list[torch.Tensor | None], position: int) -> dict[str, ReplacePatch]:
     """``{NodePath of layer i's op: ReplacePatch}`` patching batch row ``i`` at ``position`` with the
     clean run's value there (``clean_values[i]``, the op's value for the ``(2, seq, ...)`` batch of
     :func:`run_ioi`, clean prompt first).
@@ -112,7 +110,7 @@ def site_patches(site: str, clean_values: list[torch.Tensor | None], position: i
     Raises:
         ValueError: a site's clean value was not recorded (its op did not run).
     """
-    patches: dict[str | NodeView, Patch[Any] | list[Patch[Any]]] = {}
+    patches: dict[str, ReplacePatch] = {}
     for i, value in enumerate(clean_values):
         if value is None:
             raise ValueError(f"{site.format(i=i)} recorded no clean value: the op did not run in the clean pass")

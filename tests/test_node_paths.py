@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from fixtures.tuple_output_module import TupleOutputModule
-from nnbridge import NodePath, NodePathError, PatchableGraph, ZeroPatch
+from nnbridge import AddPatch, NodePath, NodePathError, PatchableGraph, ZeroPatch
 from nnbridge.errors import PatchMapError
-from utils import forward_spy
+from utils import assert_same, forward_spy
 
 
 @pytest.fixture
@@ -68,6 +68,23 @@ def test_invalid_patch_map_types_raise_value_error_like_graphpatch(tuple_pg, pat
             with pg.patch(patch_map):
                 pg(torch.ones(3, 2))
     assert calls == [] and isinstance(info.value, (PatchMapError, TypeError))
+
+
+def test_a_read_only_mapping_and_a_tuple_of_patches_patch_as_a_dict_and_a_list_do(tuple_pg):
+    """pg.patch takes any mapping (typed as one, so a ``dict[str, ZeroPatch]`` type-checks: the
+    demo's ``site_patches`` is checked by mypy) and a tuple of patches as a list."""
+    import types
+
+    model, pg = tuple_pg
+    x = torch.ones(3, 2)
+    with torch.no_grad():
+        with pg.patch({"linear_0.output": [AddPatch(value=1.0), ZeroPatch()]}):
+            as_dict = pg(x)
+        with pg.patch(types.MappingProxyType({"linear_0.output": (AddPatch(value=1.0), ZeroPatch())})):
+            as_mapping = pg(x)
+        plain = pg(x)
+    assert_same(as_mapping, as_dict)
+    assert not torch.equal(as_dict[0], plain[0])
 
 
 def test_nnsight_spelling_and_op_point(tuple_pg):

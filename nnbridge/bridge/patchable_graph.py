@@ -15,7 +15,7 @@ import contextlib
 import copy
 import difflib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, Protocol, SupportsIndex, cast
 
 import torch
@@ -56,6 +56,13 @@ def body_swapped(module: torch.nn.Module, body: Callable[..., Any]) -> Iterator[
     finally:
         restore_body(swapped)
 
+
+
+#: What :meth:`PatchableGraph.patch` takes: ``{NodePath or pg.graph node: patch or [patches]}``.
+#: A union of mappings, so that a typed ``dict[str, ZeroPatch]`` or ``dict[str, list[AddPatch]]``
+#: checks (a mapping's key type is invariant: ``dict[str, ...]`` is no ``Mapping[str | NodeView, ...]``).
+_PatchValue = Patch[Any] | Sequence[Patch[Any]]
+PatchMap = Mapping[str, _PatchValue] | Mapping[NodeView, _PatchValue] | Mapping[str | NodeView, _PatchValue]
 
 class _NamedTuple(Protocol):
     """A ``collections.namedtuple`` / ``typing.NamedTuple`` instance, as :class:`_PatchListener` rebuilds one."""
@@ -356,12 +363,12 @@ class PatchableGraph(torch.nn.Module):
 
     # -- patching -------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def patch(self, patch_map: dict[str | NodeView, Patch | list[Patch]]) -> Iterator[PatchableGraph]:
+    def patch(self, patch_map: PatchMap) -> Iterator[PatchableGraph]:
         """Apply patches for the duration of the context (graphpatch's ``PatchableGraph.patch``).
 
         Args:
-            patch_map: ``{NodePath or pg.graph node: patch or [patches]}``; on one node patches
-                apply in list order, after those of enclosing contexts.
+            patch_map: ``{NodePath or pg.graph node: patch or [patches]}`` (a dict, or any other
+                mapping); on one node patches apply in list order, after those of enclosing contexts.
 
         Raises:
             NodePathError: (a ``KeyError``, as in graphpatch) paths are unknown, not
@@ -371,7 +378,7 @@ class PatchableGraph(torch.nn.Module):
             PatchMapError: (a ``ValueError`` as in graphpatch, and a ``TypeError``) ``patch_map``
                 is not a dict, or a value is not a Patch or a list of Patches.
         """
-        if not isinstance(patch_map, dict):
+        if not isinstance(patch_map, Mapping):
             raise PatchMapError(
                 f"pg.patch() takes a dict {{NodePath: patch or [patches]}}, got {type(patch_map).__name__}:"
                 f" {patch_map!r}. Example: pg.patch({{'linear_0.output': ZeroPatch()}}).")
@@ -381,7 +388,8 @@ class PatchableGraph(torch.nn.Module):
             if not isinstance(key, (str, NodeView)):
                 raise PatchMapError(f"pg.patch() keys must be NodePath strings or pg.graph nodes, got {key!r}"
                                     f" ({type(key).__name__}). Example: pg.patch({{'linear_0.output': ZeroPatch()}}).")
-            patches = value if isinstance(value, (list, tuple)) else [value]
+            # (checked just below: every element a Patch)
+            patches = cast("list[Patch[Any]]", list(value) if isinstance(value, (list, tuple)) else [value])
             bad = [p for p in patches if not isinstance(p, Patch)]
             if bad:
                 raise PatchMapError(f"The patches for {str(key)!r} must be Patch objects (ZeroPatch(), AddPatch(value=...),"
