@@ -16,7 +16,7 @@ Sites (NodePaths of the Llama decoder layer graphs), each patched at one token p
   (the op whose value the block adds to the residual stream) where the answer is read out.
 
 The per-layer patching runs of one site go through the model as one batch, row ``i`` patched at
-layer ``i`` (as activation-patching code batches its runs): 4 forward passes instead of 62, with the
+layer ``i`` (as activation-patching code batches its runs): 3 forward passes instead of 62, with the
 same table (``tests/test_integration.py`` checks the batch against torch hooks on the untouched model
 and each row against a run with only its own patch).
 """

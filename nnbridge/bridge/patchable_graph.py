@@ -57,12 +57,12 @@ def body_swapped(module: torch.nn.Module, body: Callable[..., Any]) -> Iterator[
         restore_body(swapped)
 
 
-
 #: What :meth:`PatchableGraph.patch` takes: ``{NodePath or pg.graph node: patch or [patches]}``.
 #: A union of mappings, so that a typed ``dict[str, ZeroPatch]`` or ``dict[str, list[AddPatch]]``
 #: checks (a mapping's key type is invariant: ``dict[str, ...]`` is no ``Mapping[str | NodeView, ...]``).
 _PatchValue = Patch[Any] | Sequence[Patch[Any]]
 PatchMap = Mapping[str, _PatchValue] | Mapping[NodeView, _PatchValue] | Mapping[str | NodeView, _PatchValue]
+
 
 class _NamedTuple(Protocol):
     """A ``collections.namedtuple`` / ``typing.NamedTuple`` instance, as :class:`_PatchListener` rebuilds one."""
@@ -376,7 +376,7 @@ class PatchableGraph(torch.nn.Module):
                 every bad path is listed with the closest valid ones. Raised before anything is
                 patched; the model does not run.
             PatchMapError: (a ``ValueError`` as in graphpatch, and a ``TypeError``) ``patch_map``
-                is not a dict, or a value is not a Patch or a list of Patches.
+                is not a mapping, or a value is not a Patch or a list of Patches.
         """
         if not isinstance(patch_map, Mapping):
             raise PatchMapError(
