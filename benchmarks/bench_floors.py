@@ -11,7 +11,7 @@ row it bounds beside it:
                                                    ``DynamicCache`` pytrees registered), under no_grad
   plain torch.export, GPT-2 1x768                  the same for one layer: a cold process's fixed cost
                                                    of its first export plus one decoder block
-  nnbridge.bridge, GPT-2 12x768                    bench_targets.py's first row, in the same run
+  nnbridge.bridge, GPT-2 12x768                    bench_targets.py's first row (its own child), in the same run
   RSS after imports / fp32 model size              (RSS after ``import transformers, nnbridge`` - RSS
                                                    after ``import torch``) / SmolLM2-135M's parameter
                                                    bytes: the part of bench_targets.py's peak-RSS row
@@ -36,6 +36,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import bench_targets  # (this directory: the script's own, first on sys.path)
+
 REPO = Path(__file__).resolve().parent.parent
 
 _GPT2_EXPORT = """
@@ -52,18 +54,6 @@ with torch.no_grad():
 exported = time.perf_counter() - start
 torch.export.unflatten(program)
 print(json.dumps({{"export": exported, "total": time.perf_counter() - start}}))
-"""
-
-_GPT2_BRIDGE = """
-import json, time, torch
-from transformers import GPT2Config, GPT2LMHeadModel
-import nnbridge
-torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(n_layer=12, attn_implementation="eager")).eval()
-ids = torch.randint(0, 50257, (1, 64))
-start = time.perf_counter()
-nnbridge.bridge(model, ids)
-print(json.dumps({"total": time.perf_counter() - start}))
 """
 
 _MEMORY = """
@@ -108,7 +98,7 @@ def main() -> None:
         runs["unflatten12"].append(twelve["total"])
         runs["export1"].append(child(_GPT2_EXPORT.format(layers=1), "")["export"])
         with tempfile.TemporaryDirectory() as cache:  # empty: a cold extraction, as bench_targets.py's
-            runs["bridge12"].append(child(_GPT2_BRIDGE, cache)["total"])
+            runs["bridge12"].append(bench_targets.child(bench_targets._GPT2, cache)["bridge"])
     median = {name: statistics.median(values) for name, values in runs.items()}
     rows = [("plain torch.export, GPT-2 12x768, cold process", f"{median['export12']:.2f} s"),
             ("plain torch.export + unflatten, GPT-2 12x768, cold process", f"{median['unflatten12']:.2f} s"),
