@@ -748,25 +748,53 @@ print("exports", count[0])
 """
 
 
-def test_a_second_process_is_served_by_the_first_ones_entry(cache_dir):
-    """Two processes (other string-hash salts, as any two Python processes) share one entry: a
-    transformers model's ``generation_config`` holds a per-process hash, left out of the key, and
-    a set attribute is keyed by its sorted elements."""
+_BARRIER = """
+import os, time, warnings
+from nnbridge.bridge import storage
+from nnbridge.errors import NNBridgeWarning
+warnings.filterwarnings("error", category=NNBridgeWarning)  # a corrupt entry read would warn
+barrier, me = os.environ["BARRIER"], os.environ["PYTHONHASHSEED"]
+real_replace = storage.os.replace
+
+def replace_together(source, target):
+    # both writers hold a finished temporary file of the same entry before either renames it
+    open(os.path.join(barrier, me), "w").close()
+    deadline = time.monotonic() + 300
+    while len(os.listdir(barrier)) < 2:
+        assert time.monotonic() < deadline, "the other writer never reached its rename"
+        time.sleep(0.01)
+    real_replace(source, target)
+storage.os.replace = replace_together
+"""
+
+
+def test_two_processes_writing_one_entry_at_once_leave_one_whole_entry(cache_dir, tmp_path):
+    """Two processes that miss the same entry at once both write it (each its own temporary file,
+    renamed over the entry: the last rename wins, either is whole); a third process is served by
+    it without a warning, and no temporary file is left. The processes have other string-hash
+    salts, as any two Python processes: a transformers model's ``generation_config`` holds a
+    per-process hash, left out of the key, and a set attribute is keyed by its sorted elements."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     tests = Path(__file__).resolve().parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
-    counts = []
-    for seed in ("1", "2"):
-        done = subprocess.run([sys.executable, "-c", _SECOND_PROCESS], env={**env, "PYTHONHASHSEED": seed},
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-        counts.append(done.stdout.strip().splitlines()[-1])
-    assert counts == ["exports 1", "exports 0"]
-    assert len(_entries(cache_dir)) == 1
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]), "BARRIER": str(barrier)}
+    writers = [subprocess.Popen([sys.executable, "-c", _BARRIER + _SECOND_PROCESS], env={**env, "PYTHONHASHSEED": seed},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in ("1", "2")]
+    outputs = [writer.communicate(timeout=600) for writer in writers]
+    for writer, (out, err) in zip(writers, outputs):
+        assert writer.returncode == 0, err[-2000:]
+        assert out.strip().splitlines()[-1] == "exports 1"  # both missed: each exported and wrote
+    assert sorted(os.listdir(barrier)) == ["1", "2"]  # both renamed over the one entry
+    assert len(_entries(cache_dir)) == 1 and [p for p in cache_dir.iterdir() if p.suffix == ".tmp"] == []
+    reader = subprocess.run([sys.executable, "-c", _BARRIER + _SECOND_PROCESS], env={**env, "PYTHONHASHSEED": "3"},
+                            capture_output=True, text=True, timeout=600)
+    assert reader.returncode == 0, reader.stderr[-2000:]
+    assert reader.stdout.strip().splitlines()[-1] == "exports 0"
 
 
 def test_the_per_process_generation_config_hash_is_not_in_the_key():
