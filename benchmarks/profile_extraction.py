@@ -13,8 +13,9 @@ Usage (from the repository root; one model per process, so every run is cold)::
              --cache DIR (the extraction disk cache in DIR: run twice, and the second run profiles
              a disk-cache hit, as the "second process" target row does)
 
-Without ``--cache`` the extraction disk cache goes to a new temporary directory (so it is written, never read);
-SmolLM2's weights come from ``nnbridge.models.load_smollm2`` (its own cache). Phases are wrapped
+Without ``--cache`` the extraction disk cache goes to a new temporary directory (so it is written,
+never read); SmolLM2's weights come from ``nnbridge.models.load_smollm2`` (its own cache, loaded
+before ``$NNBRIDGE_CACHE`` is pointed to either). Phases are wrapped
 with ``perf_counter`` at module attributes, so the numbers are wall time on a shared machine:
 compare runs interleaved, and look at ``bridge cpu`` too.
 """
