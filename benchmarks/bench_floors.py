@@ -118,7 +118,8 @@ def child(code: str, cache: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="new processes per row, run in turn (median)")
-    parser.add_argument("--skip-smollm2", action="store_true", help="leave out the SmolLM2 rows (disk-cache loads, memory)")
+    parser.add_argument("--skip-smollm2", action="store_true",
+                        help="leave out the SmolLM2 rows (disk-cache loads, memory)")
     args = parser.parse_args()
     runs: dict[str, list[float]] = {"export12": [], "unflatten12": [], "export1": [], "bridge12": []}
     for _ in range(args.repeats):  # in turn, so machine drift hits every row alike
