@@ -380,8 +380,8 @@ class PatchableGraph(torch.nn.Module):
         """
         if not isinstance(patch_map, Mapping):
             raise PatchMapError(
-                f"pg.patch() takes a dict {{NodePath: patch or [patches]}}, got {type(patch_map).__name__}:"
-                f" {patch_map!r}. Example: pg.patch({{'linear_0.output': ZeroPatch()}}).")
+                f"pg.patch() takes a dict (or another mapping) {{NodePath: patch or [patches]}}, got"
+                f" {type(patch_map).__name__}: {patch_map!r}. Example: pg.patch({{'linear_0.output': ZeroPatch()}}).")
         errors: list[str] = []
         plan: list[tuple[NodePath, Patch]] = []
         for key, value in patch_map.items():
