@@ -58,6 +58,44 @@ def _leaf_key(leaf: object) -> Hashable:
     return (type(leaf), leaf)
 
 
+def alias_pattern(tensors: list[torch.Tensor]) -> tuple[Hashable, ...]:
+    """Which of a call's tensors alias an earlier one, as Dynamo's duplicate-input guard: per tensor,
+    None when it shares nothing with the tensors before it, else ``(i, same)`` where ``i`` is the
+    position of the first earlier tensor on the same storage and ``same`` tells whether it is that
+    very tensor object. Export traces one placeholder for a tensor passed twice, so a graph exported
+    from ``block(a, a)`` computes ``block(h, a)`` wrongly: the pattern is part of a call's structure.
+
+    Tensors without a storage of their own to compare (fake, meta, functorch-wrapped, size 0, and
+    all of them while Dynamo traces) count by identity only."""
+    pattern: list[Hashable] = []
+    objects: dict[int, int] = {}
+    storages: dict[int, int] = {}
+    compiling = torch.compiler.is_dynamo_compiling()
+    for i, tensor in enumerate(tensors):
+        first = objects.setdefault(id(tensor), i)
+        if first != i:
+            pattern.append((first, True))
+            continue
+        pointer = 0 if compiling else _storage_pointer(tensor)
+        if pointer:
+            first = storages.setdefault(pointer, i)
+            if first != i:
+                pattern.append((first, False))
+                continue
+        pattern.append(None)
+    return tuple(pattern)
+
+
+def _storage_pointer(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s storage, or 0 when it has none to compare (see :func:`alias_pattern`)."""
+    if tensor.layout is not torch.strided or tensor.device.type == "meta":
+        return 0
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 def structure_key(modules: list[torch.nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any],
                   flat: tuple[list[Any], Any] | None = None) -> Hashable:
     """Hashable description of a call's structure (everything except tensor values and sizes).
@@ -69,7 +107,8 @@ def structure_key(modules: list[torch.nn.Module], args: tuple[Any, ...], kwargs:
     """
     leaves, spec = pytree.tree_flatten((args, kwargs)) if flat is None else flat
     return (str(spec), tuple(_leaf_key(leaf) for leaf in leaves), tuple(m.training for m in modules),
-            torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype(), global_flags())
+            torch.is_grad_enabled(), autocast_state(), torch.get_default_dtype(), global_flags(),
+            alias_pattern([leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]))
 
 
 def global_flags() -> tuple[bool, bool, bool]:
@@ -101,7 +140,7 @@ def describe_key_change(old: Hashable, new: Hashable) -> str:
     """Which part of a call's structure differs between two :func:`structure_key` values."""
     names = ("argument structure", "non-tensor values, tensor dtypes/devices/ranks/requires_grad/memory layouts",
              "train/eval flags", "grad mode", "autocast state", "default dtype",
-             "inference mode or deterministic algorithms")
+             "inference mode or deterministic algorithms", "aliasing between tensor arguments")
     for name, a, b in zip(names, old, new):  # type: ignore[call-overload]
         if a != b:
             if name == "grad mode":

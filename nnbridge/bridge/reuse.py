@@ -15,7 +15,8 @@ no built graph fits (other state keys), a copy of its representative's unflatten
 again; either way its node names and NodePaths are those a full extraction gives.
 
 Covered: siblings called once each, with the same call structure (equal non-tensor values, tensor
-leaves of equal shape, dtype, device and ``requires_grad``, the same symbolic shapes while
+leaves of equal shape, dtype, device and ``requires_grad``, the same aliasing between them
+(:func:`~.call_structure.alias_pattern`), the same symbolic shapes while
 exporting), and either no stateful argument or one transformers ``Cache`` (``DynamicCache``,
 ``use_cache=True``) of which each sibling writes its own layer. For a cache, the differing int
 attribute (``layer_idx``) is read as a :class:`CacheIndex`, allowed only as ``Cache.update``'s
@@ -40,7 +41,7 @@ from typing import Any, cast
 import torch
 from torch.fx import Graph, Node
 
-from .call_structure import memory_layout
+from .call_structure import alias_pattern, memory_layout
 from .module_tree import named_real_modules
 from .state import Path, UntouchedLayers, read_state, state_keys, write_state
 from ..compat import cache_layers
@@ -258,6 +259,9 @@ def _same_call(a: Any, b: Any) -> bool:
     leaves_b, spec_b = pytree.tree_flatten(b)
     if spec_a != spec_b or len(leaves_a) != len(leaves_b):
         return False
+    if alias_pattern([x for x in leaves_a if isinstance(x, torch.Tensor)]) != \
+            alias_pattern([y for y in leaves_b if isinstance(y, torch.Tensor)]):
+        return False  # the representative's graph bakes in its call's aliasing (one placeholder for a repeated tensor)
     for x, y in zip(leaves_a, leaves_b):
         if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
             return False

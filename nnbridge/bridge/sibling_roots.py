@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .call_structure import DimRule, ShapeGuard, autocast_state, global_flags, memory_layout
+from .call_structure import DimRule, ShapeGuard, alias_pattern, autocast_state, global_flags, memory_layout
 from .code_identity import is_plumbing
 from .reuse import (CacheRebinding, cache_index, entry_attributes, entry_structure, is_cache, layer_key,
                     plan as reuse_plan, same)
@@ -117,6 +117,8 @@ class CallShape:
         own_keys: their keys among the cache's flattened children (how export's guard code
             addresses them: ``L['kwargs']['past_key_values'][4]``).
         count: how many tensors the call has (in the cache or not).
+        aliases: :func:`~.call_structure.alias_pattern` of the tensors outside the cache followed by
+            its own layer's (a graph bakes in which of its inputs are one tensor).
         sizes: every tensor's sizes, in the order of the call's tensors.
     """
 
@@ -130,6 +132,7 @@ class CallShape:
     count: int
     sizes: tuple[tuple[int, ...], ...]
     own_keys: tuple[Any, ...] = ()
+    aliases: tuple[Any, ...] = ()
 
     @classmethod
     def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any], index: int | None) -> CallShape | None:
@@ -154,7 +157,7 @@ class CallShape:
                           for leaf in leaves)
         if cache is None:
             return cls(None, spec, described, None, None, tuple(range(len(tensors))), (), len(tensors),
-                       tuple(tuple(t.shape) for t in tensors))
+                       tuple(tuple(t.shape) for t in tensors), aliases=alias_pattern(tensors))
         layers = vars(cache)["layers"]
         cache_leaves, cache_spec = pytree.tree_flatten(cache)
         cache_ids = {id(leaf) for leaf in cache_leaves if isinstance(leaf, torch.Tensor)}
@@ -169,13 +172,15 @@ class CallShape:
         settings = tuple(sorted((n, v) for n, v in vars(cache).items() if n != "layers"))
         own_keys = tuple(_first_key(path) for path, leaf in pytree.tree_flatten_with_path(cache)[0]
                          if isinstance(leaf, torch.Tensor) and id(leaf) in own_ids)
+        own_tensors = [v for v in vars(layers[index]).values() if isinstance(v, torch.Tensor)]
         return cls(key, spec, described, (type(cache), settings, len(layers), _sizeless_layer(layers[index])),
-                   cache_spec, plain, own, len(whole), tuple(tuple(t.shape) for t in whole), own_keys)
+                   cache_spec, plain, own, len(whole), tuple(tuple(t.shape) for t in whole), own_keys,
+                   alias_pattern(tensors + own_tensors))
 
     def matches(self, rep: CallShape) -> bool:
         """Whether a sibling called with this shape may take graphs built for ``rep``'s call."""
         if (self.key, self.spec, len(self.leaves), len(self.plain), len(self.own)) != \
-                (rep.key, rep.spec, len(rep.leaves), len(rep.plain), len(rep.own)):
+                (rep.key, rep.spec, len(rep.leaves), len(rep.plain), len(rep.own)) or self.aliases != rep.aliases:
             return False
         for (kind, value), (rep_kind, rep_value) in zip(self.leaves, rep.leaves):
             if kind != rep_kind or (kind == "tensor" and value != rep_value) or (kind == "value" and not same(value, rep_value)):
