@@ -74,6 +74,7 @@ from .plain_values import canonical_repr, plain_value, snapshot, tensor_digest
 
 #: Types of the plain global values code reads that count by their value (``repr``).
 _PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device})
+_PLAIN_TYPES = tuple(_PLAIN)
 #: Mappings with more entries than this are not read (a registry of functions is small).
 _MAPPING_LIMIT = 512
 #: Methods visited whether or not code reached names them: what calling a module runs.
@@ -256,6 +257,9 @@ class _Walk:
         self.pending: dict[str, list[tuple[str, Any, tuple[Binding, ...]]]] = {}
         #: ``id`` of a class's ``vars()`` proxy (a binding's namespace) -> the class, to assign to it
         self.owners: dict[int, type] = {}
+        #: ``(where, holder's namespace, name, object)``: objects held by modules (or by held
+        #: objects) that code may read, to follow once the names code reads are known (:meth:`held`)
+        self.objects: list[tuple[str, Any, Any, Any]] = []
 
     def first_visit(self, value: Any) -> bool:
         if id(value) in self.seen:
@@ -402,6 +406,47 @@ class _Walk:
                     else:
                         self.pending.setdefault(name, []).append(entry)
 
+    def held(self) -> None:
+        """Follow the objects modules hold (see :func:`held_object`) through the attribute names
+        the code reached reads, to a fixed point: each object read is a binding by identity on its
+        holder (an object assigned anew re-extracts), its class's methods are walked like a module
+        class's (a callable object's ``__call__``), and each of its attributes whose name the code
+        reads is a binding too: a plain value by identity (``m.hp.scale = 2.0`` re-extracts) and
+        in the digest by value, another object followed in turn. What was read is decided by name
+        (the names of every code object reached), so an attribute read under another name
+        (``getattr(self.hp, name)``) is not followed."""
+        done: set[tuple[int, Any]] = set()
+        followed: list[tuple[str, Any]] = []
+        while True:
+            ready = [item for item in self.objects
+                     if (id(item[1]), item[2]) not in done and (item[2] in self.names or type(item[2]) is not str)]
+            if not ready:
+                break
+            for where, namespace, name, value in ready:
+                done.add((id(namespace), name))
+                self.entries.append((where, _held_text(value)))
+                self.bindings.append((where, namespace, name, value))
+                if not held_object(str(name), value) or not self.first_visit(value):
+                    continue  # a plain value, or an object already followed
+                self.cls(type(value))
+                self.run()
+                followed.append((where, value))
+                attributes = _namespace(value)
+                for attribute, item in _attributes(value):
+                    if held_object(attribute, item) or type(item) in _PLAIN or (
+                            isinstance(item, _CONTAINERS) and plain_value(item, tensors=True)):
+                        self.objects.append((f"{where}.{attribute}", attributes, attribute, item))
+        # a class attribute read through an object (``self.hp.offset``): the object must not get
+        # one of its own (``m.hp.offset = 1.5`` shadows it)
+        for where, value in followed:
+            state = getattr(value, "__dict__", None)
+            if not isinstance(state, dict):
+                continue
+            for owner in type(value).__mro__[:-1]:
+                for name in vars(owner):
+                    if name in self.names and name not in state and not (name.startswith("__") and name.endswith("__")):
+                        self.bindings.append((f"{where}.{name}", state, name, MISSING))
+
     def mapping(self, where: str, mapping: Mapping[Any, Any]) -> None:
         if not self.first_visit(mapping):
             return
@@ -413,6 +458,83 @@ class _Walk:
         if len(items) <= _MAPPING_LIMIT:
             self.todo.extend(reversed([(f"{where}[{key!r}]", value, ((f"{where}[{key!r}]", mapping, key, value),))
                                        for key, value in items if isinstance(value, (*_CODE_HOLDERS, type))]))
+
+
+#: Module attributes that are another library's or torch's bookkeeping, never followed as held objects.
+_NOT_HELD = frozenset({"__nnsight__", "_hf_hook", "_old_forward"})
+#: The most attributes of one held object followed (a larger one counts by identity only).
+_ATTRIBUTE_LIMIT = 256
+
+
+def held_object(name: str, value: Any) -> bool:
+    """Whether a module's attribute ``name`` holds an object whose state its code may read and
+    that no other guard covers: an instance of any class (a plain class, a callable object, a
+    numpy scalar) that is not a module, tensor, class, function, built-in, Python module, plain
+    value or container of them (:class:`~.guards.StateGuard` guards those by value), nor a config
+    (guarded by value with its nested configs), nor nnbridge's or nnsight's own plumbing."""
+    if name in _NOT_HELD or (name.startswith("__") and name.endswith("__")):
+        return False
+    if isinstance(value, (type, types.ModuleType, torch.nn.Module, torch.Tensor, *_CODE_HOLDERS, *_BUILTINS,
+                          *_PLAIN_TYPES, contextvars.ContextVar)):
+        return False
+    if isinstance(value, _CONTAINERS) or is_plumbing(value) or is_plumbing(type(value)):
+        return False
+    from .guards import config_like  # (guards imports this module)
+    return not config_like(name, value)
+
+
+def _attributes(value: Any) -> list[tuple[str, Any]]:
+    """A held object's attributes: its ``__dict__``'s items and its ``__slots__``' values (dunder
+    names left out), none when it has more than :data:`_ATTRIBUTE_LIMIT`."""
+    found: list[tuple[str, Any]] = []
+    state = getattr(value, "__dict__", None)
+    if isinstance(state, dict):
+        found.extend(state.items())
+    for owner in type(value).__mro__:
+        for slot in vars(owner).get("__slots__", ()) if isinstance(vars(owner).get("__slots__", ()), (tuple, list)) else ():
+            if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                found.append((slot, getattr(value, slot)))
+    if len(found) > _ATTRIBUTE_LIMIT:
+        return []
+    return [(name, item) for name, item in found if type(name) is str and not (name.startswith("__") and name.endswith("__"))]
+
+
+class _Slots:
+    """An object's ``__slots__`` as a binding's namespace (``get``, ``[]``, ``in``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self.value, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self.value, name, default)
+
+    def __contains__(self, name: str) -> bool:
+        return hasattr(self.value, name)
+
+
+def _namespace(value: Any) -> Any:
+    """Where a binding looks up a held object's attribute: its ``__dict__``, else its slots."""
+    state = getattr(value, "__dict__", None)
+    return state if isinstance(state, dict) else _Slots(value)
+
+
+def _held_text(value: Any) -> str:
+    """A held object's part of the digest: a plain value by value, an object by its class (its
+    attributes are entries of their own), one without attributes by ``repr`` when its class
+    defines one (a numpy scalar), else by identity (never the same in another process)."""
+    if type(value) in _PLAIN or (isinstance(value, _CONTAINERS) and plain_value(value, tensors=True)):
+        return canonical_repr(value)
+    kind = type(value)
+    if isinstance(getattr(value, "__dict__", None), dict) or any("__slots__" in vars(c) for c in kind.__mro__[:-1]):
+        return f"{kind.__module__}.{kind.__qualname__}"
+    if kind.__repr__ is not object.__repr__:
+        return f"{kind.__module__}.{kind.__qualname__} {value!r}"
+    return f"{kind.__module__}.{kind.__qualname__} id {id(value)}"
 
 
 def is_plumbing(value: Any) -> bool:
@@ -453,6 +575,9 @@ def _walked(model: torch.nn.Module, skip: AbstractSet[int] = frozenset()) -> _Wa
         walk.cls(type(module), in_tree=True)
         state = vars(module)
         for name, value in list(state.items()):
+            if held_object(name, value):
+                walk.objects.append((f"{path or '<root>'}.{name}", state, name, value))
+                continue
             if not isinstance(value, (*_CODE_HOLDERS, *_BUILTINS)) or is_plumbing(value):
                 continue
             where = f"{path or '<root>'}.{name}"
@@ -470,6 +595,7 @@ def _walked(model: torch.nn.Module, skip: AbstractSet[int] = frozenset()) -> _Wa
                     walk.entries.append((f"{where}.func", _builtin_name(value.func)))
             walk.todo.append((where, value, (binding,)))
         walk.run()
+    walk.held()
     return walk
 
 

@@ -1,0 +1,140 @@
+"""Objects a module holds and its forward reads are guarded by what the code reads (issue 48, item 2).
+
+A module may hold an instance of any class: a plain class of the script (``self.hp = HParams()``),
+a callable object (``self.act = Swish(beta=1.0)``), a numpy scalar, an object with ``__slots__``,
+objects nested in objects. Its forward reads their attributes (``self.hp.scale``,
+``self.nested.inner.shift``, ``self.act.beta`` inside ``Swish.__call__``, a class attribute of
+the object's class). After the first call, each edit below changes eager's output; every
+front-end (PatchableGraph, the in-place bridge, an nnsight trace that reads an op) must follow
+eager, compared by ``torch.equal``: the guard of an extraction covers whatever attribute its code
+reads, whatever the object's type.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import nnbridge
+from nnbridge.bridge.code_identity import code_digest
+from utils import front_ends
+
+
+class HParams:
+    offset = 0.0  # a class attribute read through the instance
+
+    def __init__(self, scale=1.0):
+        self.scale = scale
+
+
+class Swish:
+    """A callable object that is not a module."""
+
+    def __init__(self, beta):
+        self.beta = beta
+
+    def __call__(self, x):
+        return x * torch.sigmoid(self.beta * x)
+
+
+class Inner:
+    def __init__(self):
+        self.shift = 0.25
+
+
+class Nested:
+    def __init__(self):
+        self.inner = Inner()
+
+
+class Slotted:
+    __slots__ = ("gain",)
+
+    def __init__(self, gain):
+        self.gain = gain
+
+
+class Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.hp = HParams()
+        self.act = Swish(1.0)
+        self.k = np.float32(1.0)
+        self.nested = Nested()
+        self.slotted = Slotted(1.0)
+
+    def forward(self, x):
+        y = self.lin(x) * self.hp.scale + self.hp.offset + self.nested.inner.shift
+        return self.act(y) * float(self.k) * self.slotted.gain
+
+
+def _holder():
+    torch.manual_seed(0)
+    return Holder().eval()
+
+
+EDITS = {
+    "object_attribute_written": lambda m: setattr(m.hp, "scale", 2.0),
+    "object_replaced": lambda m: setattr(m, "hp", HParams(scale=4.0)),
+    "callable_object_attribute_written": lambda m: setattr(m.act, "beta", 3.0),
+    "callable_object_replaced": lambda m: setattr(m, "act", Swish(5.0)),
+    "numpy_scalar_replaced": lambda m: setattr(m, "k", np.float32(2.0)),
+    "nested_object_attribute_written": lambda m: setattr(m.nested.inner, "shift", -1.0),
+    "nested_object_replaced": lambda m: setattr(m.nested, "inner", Inner().__class__()) or setattr(m.nested.inner, "shift", 3.0),
+    "slot_written": lambda m: setattr(m.slotted, "gain", 0.5),
+    "instance_shadows_class_attribute": lambda m: setattr(m.hp, "offset", 1.5),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_edits_of_held_objects_after_extraction_are_honoured(edit):
+    x = torch.randn(3, 4)
+    for name, run, target, reference in front_ends(_holder, x, op="lin"):
+        before = run(x)
+        assert torch.equal(before, reference(x)), name
+        EDITS[edit](target)
+        EDITS[edit](reference)
+        assert not torch.equal(reference(x), before), "the edit changes eager's output"
+        assert torch.equal(run(x), reference(x)), f"{name}: edit ignored"
+
+
+def test_a_class_attribute_of_a_held_objects_class_is_guarded(monkeypatch):
+    x = torch.randn(3, 4)
+    for name, run, target, reference in front_ends(_holder, x):
+        before = run(x)
+        with monkeypatch.context() as patched:
+            patched.setattr(HParams, "offset", 2.0)
+            assert not torch.equal(reference(x), before)
+            assert torch.equal(run(x), reference(x)), f"{name}: class attribute ignored"
+
+
+def test_unchanged_held_objects_reuse_the_extraction():
+    model = _holder()
+    x = torch.randn(3, 4)
+    nnbridge.bridge(model, x)
+    try:
+        from nnbridge.bridge.in_place import bridge_of
+        for _ in range(3):
+            model(x)
+        model.hp.scale = 2.0
+        model(x)
+        model(x)
+        history = [e.reason for e in bridge_of(model).dispatcher.history]
+    finally:
+        nnbridge.unbridge(model)
+    assert len(history) == 2, history
+    assert "hp.scale" in history[1], history
+
+
+def test_the_disk_cache_key_follows_held_objects():
+    """A model whose held object has another value must not load the other's program."""
+    first, second = _holder(), _holder()
+    assert code_digest(first) == code_digest(second)
+    second.hp.scale = 3.0
+    assert code_digest(first) != code_digest(second)
+    second.hp.scale = 1.0
+    second.k = np.float32(5.0)
+    assert code_digest(first) != code_digest(second)
