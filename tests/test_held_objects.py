@@ -68,7 +68,7 @@ class Holder(nn.Module):
 
     def forward(self, x):
         y = self.lin(x) * self.hp.scale + self.hp.offset + self.nested.inner.shift
-        return self.act(y) * float(self.k) * self.slotted.gain
+        return self.act(y) * float(self.k) * self.slotted.gain + getattr(self.nested, "bias", 0.0)
 
 
 def _holder():
@@ -86,6 +86,7 @@ EDITS = {
     "nested_object_replaced": lambda m: setattr(m.nested, "inner", Inner().__class__()) or setattr(m.nested.inner, "shift", 3.0),
     "slot_written": lambda m: setattr(m.slotted, "gain", 0.5),
     "instance_shadows_class_attribute": lambda m: setattr(m.hp, "offset", 1.5),
+    "attribute_read_by_getattr_added": lambda m: setattr(m.nested, "bias", 1.0),
 }
 
 
@@ -138,3 +139,43 @@ def test_the_disk_cache_key_follows_held_objects():
     second.hp.scale = 1.0
     second.k = np.float32(5.0)
     assert code_digest(first) != code_digest(second)
+
+
+class ScaledBlock(nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.hp = HParams(scale)
+
+    def forward(self, x):
+        return self.lin(x) * self.hp.scale
+
+
+class ScaledBlocks(nn.Module):
+    """Identical blocks but for the objects they hold: layer reuse must not serve one block's
+    baked-in ``hp.scale`` to another."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([ScaledBlock(s) for s in (1.0, 2.0, 1.0)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no_reuse"])
+def test_siblings_holding_other_objects_equal_eager_and_follow_edits(reuse):
+    torch.manual_seed(0)
+    model = ScaledBlocks()
+    x = torch.randn(3, 4)
+    expected = model(x)
+    nnbridge.bridge(model, x, options=nnbridge.ExtractionOptions(reuse_layers=reuse))
+    try:
+        assert torch.equal(model(x), expected)
+        model.blocks[2].hp.scale = 5.0
+        actual = model(x)
+    finally:
+        nnbridge.unbridge(model)
+    assert torch.equal(actual, model(x))

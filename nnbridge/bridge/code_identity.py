@@ -224,6 +224,15 @@ def _names(code: types.CodeType) -> Iterator[str]:
             yield from _names(constant)
 
 
+def _string_constants(code: types.CodeType) -> Iterator[str]:
+    """The string constants of ``code`` and of code nested in it."""
+    for constant in code.co_consts:
+        if isinstance(constant, str):
+            yield constant
+        elif isinstance(constant, types.CodeType):
+            yield from _string_constants(constant)
+
+
 def _function_digest(function: types.FunctionType) -> str:
     """sha256 of one function's own code (memoised per function object and code object)."""
     known = _FUNCTIONS.get(function)
@@ -364,6 +373,11 @@ class _Walk:
                 self.bindings.append((where_found, namespace, name, namespace[name]))
                 if self.first_visit(namespace[name]):
                     self.plain_attributes(where_found, vars(namespace[name]))
+        # attribute names spelt as string constants (``getattr(self.hp, "scale")``) are read too
+        for constant in _string_constants(function.__code__):
+            if constant.isidentifier() and constant not in self.names:
+                self.names.add(constant)
+                found.extend(self.pending.pop(constant, ()))
         self.todo.extend(reversed(found))
 
     def plain_attributes(self, where: str, state: Mapping[str, Any], owner: type | None = None) -> None:
@@ -436,16 +450,14 @@ class _Walk:
                     if held_object(attribute, item) or type(item) in _PLAIN or (
                             isinstance(item, _CONTAINERS) and plain_value(item, tensors=True)):
                         self.objects.append((f"{where}.{attribute}", attributes, attribute, item))
-        # a class attribute read through an object (``self.hp.offset``): the object must not get
-        # one of its own (``m.hp.offset = 1.5`` shadows it)
+        # a name the code reads that an object does not hold (a class attribute read through it,
+        # ``self.hp.offset``; a ``getattr(obj, "bias", 0.0)`` default): the object must not get one
+        # of its own later (``m.hp.offset = 1.5`` shadows the class's)
+        read = sorted(name for name in self.names if not (name.startswith("__") and name.endswith("__")))
         for where, value in followed:
             state = getattr(value, "__dict__", None)
-            if not isinstance(state, dict):
-                continue
-            for owner in type(value).__mro__[:-1]:
-                for name in vars(owner):
-                    if name in self.names and name not in state and not (name.startswith("__") and name.endswith("__")):
-                        self.bindings.append((f"{where}.{name}", state, name, MISSING))
+            if isinstance(state, dict):
+                self.bindings.extend((f"{where}.{name}", state, name, MISSING) for name in read if name not in state)
 
     def mapping(self, where: str, mapping: Mapping[Any, Any]) -> None:
         if not self.first_visit(mapping):

@@ -112,7 +112,7 @@ def _guards(extraction: Extraction) -> list[str]:
     guard = extraction.guard
     dynamic = [f"{i}:{d}" for i, dims in enumerate(guard.dims) for d, rule in enumerate(dims) if not isinstance(rule, int)]
     lines = ["call structure: argument structure, non-tensor argument values, tensor dtypes/devices/ranks/memory"
-             " layouts, train/eval flags, grad mode, autocast state",
+             " layouts, train/eval flags, grad mode, autocast state, aliasing between tensor arguments",
              f"sizes: {len(guard.dims)} tensor inputs; dynamic dimensions (tensor:dim) {dynamic or 'none'}"]
     if guard.code:
         lines.append(f"export's shape guards: {guard.code}")

@@ -379,7 +379,10 @@ class StateGuard:
         return [f"{plain} plain attribute values (modules and configs)",
                 f"{len(self._class_values)} plain class attribute values", f"identity of {children} child modules",
                 f"identity, dtype, device, shape and requires_grad of {len(self._tensors)} tensors",
-                f"what {len(self._code.bindings)} lookups of methods, helper functions and registry entries find"]
+                f"what {len(self._code.bindings)} lookups of methods, helper functions, registry entries and"
+                " attributes of objects held by modules (followed by the names the code reads) find",
+                "by type, read or not: every plain attribute value of a module and of its config; not followed:"
+                " an attribute read under a name built at run time (getattr(obj, prefix + name))"]
 
 
 def _traced_equal(live: object, snapshot: object) -> bool:
