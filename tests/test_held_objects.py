@@ -179,3 +179,37 @@ def test_siblings_holding_other_objects_equal_eager_and_follow_edits(reuse):
     finally:
         nnbridge.unbridge(model)
     assert torch.equal(actual, model(x))
+
+
+class Stats:
+    def __init__(self):
+        self.calls = 0
+
+
+class Counting(nn.Module):
+    """A forward that writes an attribute of an object it holds: a side effect a graph does not repeat."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.stats = Stats()
+
+    def forward(self, x):
+        self.stats.calls += 1
+        return self.lin(x) * self.stats.calls
+
+
+def test_a_forward_writing_a_held_objects_attribute_runs_eagerly():
+    torch.manual_seed(0)
+    model, reference = Counting(), Counting()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 4)
+    nnbridge.bridge(model)
+    try:
+        for _ in range(3):
+            assert torch.equal(model(x), reference(x))
+        assert model.stats.calls == reference.stats.calls == 3
+        explained = str(nnbridge.explain(model))
+    finally:
+        nnbridge.unbridge(model)
+    assert "writes <root>.stats.calls in forward" in explained

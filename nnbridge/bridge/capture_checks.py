@@ -463,8 +463,8 @@ class CaptureWatch:
         for fqn, where in self.global_writes.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(
-                    f"writes {where} in forward (a value read through a module global), a Python side effect a graph"
-                    " does not repeat"))]
+                    f"writes {where} in forward (a value read through a module global or an object a module"
+                    " holds), a Python side effect a graph does not repeat"))]
         for fqn, changed in self.changes.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(
