@@ -41,7 +41,7 @@ def tensor_version(tensor: torch.Tensor) -> int:
 def autograd_function_calls(on_apply: Callable[[type], None]) -> Iterator[None]:
     """Call ``on_apply(function_class)`` on every ``torch.autograd.Function.apply`` in the body.
 
-    ``apply`` is a classmethod defined on ``torch.autograd.Function`` (torch 2.0 - 2.13) that
+    ``apply`` is a classmethod defined on ``torch.autograd.Function`` (torch 2.0 - 2.14) that
     subclasses inherit; it is replaced for the body's duration and restored on exit. Only calls in
     the thread that entered the body are reported.
     """
@@ -52,7 +52,9 @@ def autograd_function_calls(on_apply: Callable[[type], None]) -> Iterator[None]:
     def apply(cls: type, *args: object, **kwargs: object) -> object:
         if threading.get_ident() == thread:
             on_apply(cls)
-        return original.__func__(cls, *args, **kwargs)
+        # (bound to ``cls`` by the descriptor: a ``classmethod`` up to torch 2.13, a C-level
+        # ``classmethod_descriptor`` from 2.14)
+        return original.__get__(None, cls)(*args, **kwargs)
 
     setattr(function, "apply", classmethod(apply))  # the classmethod replaced on purpose (mypy: method-assign)
     try:
