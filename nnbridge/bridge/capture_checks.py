@@ -56,7 +56,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ..compat.mask_skips import mask_skips as mask_skips_seen
+from ..compat.tensor_data import data_accesses
 from ..compat.output_capturing import active_collector
+from .data_writes import DataWrites
 from .global_state import GlobalValues
 from .guards import config_like
 from .state import state_keys
@@ -125,8 +127,8 @@ class ModuleState:
         self.module = module
         self.training = module.training
         self.parameters = {n: (p, None if p is None else tensor_version(p)) for n, p in parameters_of(module).items()}
-        self.buffers = {n: (b, None if b is None else tensor_version(b), b.detach().clone() if clone and b is not None
-                            else None) for n, b in buffers_of(module).items()}
+        self.buffers = {n: (b, None if b is None else tensor_version(b), b.detach().clone()
+                            if clone and b is not None and not b.is_meta else None) for n, b in buffers_of(module).items()}
         self.attributes = {k: (v, _copy_container(v)) for k, v in module.__dict__.items()
                            if k not in _INTERNAL and not isinstance(v, torch.nn.Module)}
         # plain tensor attributes (not parameters or buffers; index None) and tensors one level
@@ -171,8 +173,9 @@ class ModuleState:
                 found.append(f"sets a value of its config-like attribute '{name}'")
         return found
 
-    def restore(self) -> list[str]:
-        """Put everything back; returns the parameters whose values changed in place (a snapshot
+    def restore(self, keep_new_attributes: bool = False) -> list[str]:
+        """Put everything back (attributes created since the snapshot stay with
+        ``keep_new_attributes``); returns the parameters whose values changed in place (a snapshot
         keeps no copy of parameters, so those cannot be restored)."""
         module = self.module
         module.training = self.training
@@ -193,7 +196,7 @@ class ModuleState:
         for name in [n for n in parameters_of(module) if n not in self.parameters]:
             del parameters_of(module)[name]
         for name in [k for k, v in module.__dict__.items() if k not in _INTERNAL and k not in self.attributes
-                     and not isinstance(v, torch.nn.Module)]:
+                     and not isinstance(v, torch.nn.Module) and not keep_new_attributes]:
             del module.__dict__[name]
         for name, (value, copied) in self.attributes.items():
             module.__dict__[name] = value
