@@ -29,8 +29,10 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 FRONT_ENDS = ("bridge", "pg", "nnsight")
-#: the adapter's state: active; disabled (unmerged, or merged: peft unmerges in forward)
-STATES = ("active", "disabled", "disabled-merged")
+#: the adapter's states, in the order one script goes through them on one model: an unmerged
+#: adapter used, then disabled; a merged adapter disabled (peft unmerges the weights through
+#: ``.data`` in forward), then used
+SCRIPTS = {"unmerged": ("active", "disabled"), "merged": ("disabled", "active")}
 #: the NodePath prefix of layer 0's query projection (PeftModel calls the Llama itself)
 Q_PROJ = "base_model_model.model.layers_0.self_attn.q_proj"
 
@@ -96,54 +98,68 @@ def _logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(x).logits
 
 
-@pytest.mark.parametrize("state", STATES)
+@pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
-def test_lora_model_equals_eager_and_its_ops_patch(front_end: str, state: str) -> None:
-    model = _peft_model(merged=state == "disabled-merged")
+def test_lora_model_equals_eager_and_its_ops_patch(front_end: str, script: str) -> None:
+    model = _peft_model(merged=script == "merged")
     ref = copy.deepcopy(model)
     x = _inputs()
-    adapter = _adapter(state)
-    child, module_of = _op(state)
-    path = f"{Q_PROJ}.{child}.linear"
-    with adapter(ref):
-        expected = _logits(ref, x)
-        seen: list[torch.Tensor] = []
-        with _eager_hook(module_of(ref), record=seen, zero=True):
-            zeroed = _logits(ref, x)
-    assert not torch.equal(zeroed, expected)
-    with adapter(model):
-        if front_end == "bridge":
-            nnbridge.bridge(model, x)
-            _same_model_state(model, copy.deepcopy(ref)) if state != "disabled-merged" else None
-            assert torch.equal(_logits(model, x), expected)
-            point = model.get_submodule(f"base_model.model.model.layers.0.self_attn.q_proj."
-                                        f"{'lora_B.default' if state == 'active' else 'base_layer'}.linear")
-            with _eager_hook(point, zero=True):
-                assert torch.equal(_logits(model, x), zeroed)
-            assert torch.equal(_logits(model, x), expected)
-        elif front_end == "pg":
-            with torch.no_grad():
-                pg = nnbridge.PatchableGraph(model, x)
-                assert torch.equal(pg(x).logits, expected)
-                record = RecordPatch()
-                with pg.patch({path: [record, ZeroPatch()]}):
-                    assert torch.equal(pg(x).logits, zeroed)
-                assert len(record.activations) == 1 and torch.equal(record.activations[0], seen[0])
-                assert torch.equal(pg(x).logits, expected)
-        else:
-            wrapped = nnbridge.NNsight(model)
-            layer = wrapped.base_model.model.model.layers[0].self_attn.q_proj
-            holder = layer.lora_B.default if state == "active" else layer.base_layer
-            with torch.no_grad(), wrapped.trace(x):  # (op envoys exist from the trace on)
-                read = holder.linear.output.save()
-                logits = wrapped.output.logits.save()
-            assert torch.equal(logits, expected)
-            assert torch.equal(read, seen[0])
-            with torch.no_grad(), wrapped.trace(x):
-                holder.linear.output = torch.zeros_like(holder.linear.output)
-                logits = wrapped.output.logits.save()
-            assert torch.equal(logits, zeroed)
-    _same_model_state(model, ref)
+    holder: dict[str, Any] = {}
+    for state in SCRIPTS[script]:
+        adapter = _adapter(state)
+        child, module_of = _op(state)
+        with adapter(ref):
+            expected = _logits(ref, x)
+            seen: list[torch.Tensor] = []
+            with _eager_hook(module_of(ref), record=seen, zero=True):
+                zeroed = _logits(ref, x)
+        assert not torch.equal(zeroed, expected)
+        with adapter(model):
+            _phase(front_end, model, x, state, holder, expected, zeroed, seen[0])
+        _same_model_state(model, ref)
+
+
+def _phase(front_end: str, model: torch.nn.Module, x: torch.Tensor, state: str, holder: dict[str, Any],
+           expected: torch.Tensor, zeroed: torch.Tensor, seen: torch.Tensor) -> None:
+    """One state of a script through a front-end (bridged once, on the first): the logits, then the op
+    inside q_proj zeroed (patch, op-point hook or nnsight assignment), read where it can be."""
+    child = "lora_B_default" if state == "active" else "base_layer"
+    if front_end == "bridge":
+        if not holder:
+            holder["bridged"] = nnbridge.bridge(model, x)
+        assert torch.equal(_logits(model, x), expected)
+        module = "lora_B.default" if state == "active" else "base_layer"
+        point = model.get_submodule(f"base_model.model.model.layers.0.self_attn.q_proj.{module}.linear")
+        with _eager_hook(point, zero=True):
+            assert torch.equal(_logits(model, x), zeroed)
+        assert torch.equal(_logits(model, x), expected)
+    elif front_end == "pg":
+        with torch.no_grad():  # (pg.graph is its first extraction's: one PatchableGraph per state)
+            pg = nnbridge.PatchableGraph(model, x)
+            assert torch.equal(pg(x).logits, expected)
+            record = RecordPatch()
+            with pg.patch({f"{Q_PROJ}.{child}.linear": [record, ZeroPatch()]}):
+                assert torch.equal(pg(x).logits, zeroed)
+            assert len(record.activations) == 1 and torch.equal(record.activations[0], seen)
+            assert torch.equal(pg(x).logits, expected)
+    else:
+        if not holder:
+            holder["nn"] = nnbridge.NNsight(model)
+        wrapped = holder["nn"]
+        layer = wrapped.base_model.model.model.layers[0].self_attn.q_proj
+        op_holder = layer.lora_B.default if state == "active" else layer.base_layer
+        attention = wrapped.base_model.model.model.layers[0].self_attn
+        with torch.no_grad(), wrapped.trace(x):  # (op envoys exist from the trace on)
+            read = op_holder.linear.output.save()
+            # an op of a module around the LoRA layer: that module is extracted for this trace
+            attention.scaled_dot_product_attention.output.save()
+            logits = wrapped.output.logits.save()
+        assert torch.equal(logits, expected)
+        assert torch.equal(read, seen)
+        with torch.no_grad(), wrapped.trace(x):
+            op_holder.linear.output = torch.zeros_like(op_holder.linear.output)
+            logits = wrapped.output.logits.save()
+        assert torch.equal(logits, zeroed)
 
 
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
