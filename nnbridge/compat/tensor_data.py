@@ -61,7 +61,7 @@ def data_accesses(on_access: Callable[[torch.Tensor], None]) -> Iterator[None]:
     entry = (threading.get_ident(), on_access)
     with _LOCK:
         if not _WATCHERS:
-            torch.Tensor.data = _PROPERTY  # type: ignore[method-assign,assignment]  # replaced on purpose
+            torch.Tensor.data = _PROPERTY  # type: ignore[assignment]  # replaced on purpose
         _WATCHERS.append(entry)
     try:
         yield
