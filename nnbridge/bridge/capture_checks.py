@@ -56,7 +56,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ..compat.mask_skips import mask_skips as mask_skips_seen
+from ..compat.tensor_data import data_accesses
 from ..compat.output_capturing import active_collector
+from .data_writes import DataWrites
 from .global_state import GlobalValues
 from .guards import config_like
 from .state import state_keys
@@ -125,8 +127,8 @@ class ModuleState:
         self.module = module
         self.training = module.training
         self.parameters = {n: (p, None if p is None else tensor_version(p)) for n, p in parameters_of(module).items()}
-        self.buffers = {n: (b, None if b is None else tensor_version(b), b.detach().clone() if clone and b is not None
-                            else None) for n, b in buffers_of(module).items()}
+        self.buffers = {n: (b, None if b is None else tensor_version(b), b.detach().clone()
+                            if clone and b is not None and not b.is_meta else None) for n, b in buffers_of(module).items()}
         self.attributes = {k: (v, _copy_container(v)) for k, v in module.__dict__.items()
                            if k not in _INTERNAL and not isinstance(v, torch.nn.Module)}
         # plain tensor attributes (not parameters or buffers; index None) and tensors one level
@@ -171,8 +173,9 @@ class ModuleState:
                 found.append(f"sets a value of its config-like attribute '{name}'")
         return found
 
-    def restore(self) -> list[str]:
-        """Put everything back; returns the parameters whose values changed in place (a snapshot
+    def restore(self, keep_new_attributes: bool = False) -> list[str]:
+        """Put everything back (attributes created since the snapshot stay with
+        ``keep_new_attributes``); returns the parameters whose values changed in place (a snapshot
         keeps no copy of parameters, so those cannot be restored)."""
         module = self.module
         module.training = self.training
@@ -193,7 +196,7 @@ class ModuleState:
         for name in [n for n in parameters_of(module) if n not in self.parameters]:
             del parameters_of(module)[name]
         for name in [k for k, v in module.__dict__.items() if k not in _INTERNAL and k not in self.attributes
-                     and not isinstance(v, torch.nn.Module)]:
+                     and not isinstance(v, torch.nn.Module) and not keep_new_attributes]:
             del module.__dict__[name]
         for name, (value, copied) in self.attributes.items():
             module.__dict__[name] = value
@@ -254,21 +257,28 @@ def python_rngs_kept() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def preserved_state(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[None]:
+def preserved_state(modules: list[tuple[str, torch.nn.Module]], keep_new_attributes: bool = False) -> Iterator[None]:
     """Run the body (extraction's eager runs) and put every parameter, buffer, module attribute,
     ``training`` flag, the CPU RNG and the Python and numpy RNGs back as they were, also when the
-    body raises.
+    body raises. Parameters and buffers written through ``.data`` (no version-counter bump) are put
+    back too (see :mod:`.data_writes`). With ``keep_new_attributes``, module attributes the body
+    created are left in place (a warm-up run that may bridge modules it reaches).
 
     Raises:
-        ExtractionError: a parameter was changed in place by the body (its old values are lost).
+        ExtractionError: a parameter was changed in place by the body other than through ``.data``
+            (its version counter moved; its old values are lost).
     """
     states = snapshot(modules, clone=True)
     globals_read = GlobalValues(modules[0][1]) if modules else None
-    with torch.random.fork_rng(devices=[]), python_rngs_kept():
+    writes = DataWrites(tensor for _, module in modules
+                        for tensor in (*parameters_of(module).values(), *buffers_of(module).values()))
+    with torch.random.fork_rng(devices=[]), python_rngs_kept(), data_accesses(writes.seen):
         try:
             yield
         finally:
-            lost = [f"{path}.{name}" if path else name for path, state in states.items() for name in state.restore()]
+            writes.restore()
+            lost = [f"{path}.{name}" if path else name for path, state in states.items()
+                    for name in state.restore(keep_new_attributes)]
             if globals_read is not None:
                 globals_read.restore()
     if lost:
@@ -535,7 +545,7 @@ def _run_with_call_stack(module: torch.nn.Module, args: tuple[Any, ...], kwargs:
         active.pop()
     hooks = [hook for fqn, sub in modules for hook in ((sub, HookKind.PRE, enter(fqn)), (sub, HookKind.POST, leave))]
     try:
-        with preserved_state(modules), contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack:  # (the run puts module state back itself)
             for watch in watches:
                 stack.enter_context(watch)
             observed_run(module, args, kwargs, hooks, grad=grad_enabled)
@@ -585,12 +595,20 @@ class EagerFindings(NamedTuple):
         fast_paths: ``(path, native op)`` of the modules whose eager call may run a native fast
             path a graph would not (``nn.MultiheadAttention`` in eval mode without grad, see
             :func:`nnbridge.compat.capture.native_fast_path`).
+        data_access: paths of the modules (the root ``""`` included) whose own code read or
+            assigned a tensor's ``.data`` (see :data:`DATA_ACCESS_REASON`).
     """
 
     grad_mode: list[str]
     mask_skips: list[str]
     capturing: list[str] = []
     fast_paths: list[tuple[str, str]] = []
+    data_access: list[str] = []
+
+
+#: the reason of a module whose code reads or assigns ``tensor.data`` (found by :func:`eager_findings`)
+DATA_ACCESS_REASON = ("reads or assigns a tensor's .data in forward (an alias outside autograd whose writes bump no"
+                      " version counter), which torch.export cannot trace")
 
 
 def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -605,7 +623,9 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
       :mod:`nnbridge.compat.mask_skips`);
     - transformers starts collecting submodules' outputs with hooks (found before exporting, the
       module is stubbed from the first export on instead of after it failed);
-    - a module may take a native fast path (``nn.MultiheadAttention``), which a trace does not.
+    - a module may take a native fast path (``nn.MultiheadAttention``), which a trace does not;
+    - a module's code touches a tensor's ``.data`` (export fails on it, at the root: found here,
+      only that module is stubbed).
 
     Module state and random state are put back after the run (:func:`preserved_state`). The
     lists are empty when the eager run raises (export reports what the run could not show)."""
@@ -616,6 +636,10 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     collectors: list[Any] = []  # the collector active when the module at each depth was entered
     stateful: set[str] = set()  # modules entered with a stateful argument
     fast_paths: dict[str, str] = {}
+    data_access: dict[str, None] = {}
+
+    def touched(tensor: torch.Tensor) -> None:
+        data_access.setdefault(active[-1] if active else "")
 
     def entering(fqn: str, a: Any, k: Any) -> None:
         op = native_fast_path(module.get_submodule(fqn) if fqn else module, a, k)
@@ -639,6 +663,8 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     def skipped() -> None:
         mask_skips.setdefault(active[-1] if active else "")
     if not _run_with_call_stack(module, args, kwargs, grad_enabled, active,
-                                (grad_mode_changes(changed), mask_skips_seen(skipped)), entering=entering):
+                                (grad_mode_changes(changed), mask_skips_seen(skipped), data_accesses(touched)),
+                                entering=entering):
         return EagerFindings([], [])
-    return EagerFindings(list(grad_mode), list(mask_skips), list(capturing), list(fast_paths.items()))
+    return EagerFindings(list(grad_mode), list(mask_skips), list(capturing), list(fast_paths.items()),
+                         list(data_access))

@@ -34,8 +34,8 @@ from tqdm.auto import tqdm
 from .building import GraphBuilder
 from .call_structure import ShapeGuard, tensor_leaves
 from .cleanup import input_prologue
-from .capture_checks import (GRAD_MODE_REASON, MASK_SKIP_FIX, UnfaithfulCaptureError, eager_findings,
-                             mask_skip_reason, preserved_state)
+from .capture_checks import (DATA_ACCESS_REASON, GRAD_MODE_REASON, MASK_SKIP_FIX, UnfaithfulCaptureError,
+                             eager_findings, mask_skip_reason, preserved_state)
 from .context import ChildDispatcherFactory, Extraction, ExtractionContext, describe_failure
 from .custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
 from .graph_module import CompiledGraphModule, OpaqueGraphModule
@@ -56,7 +56,7 @@ from . import sibling_roots
 from .sibling_roots import CallShape, RootWatch, SharedRoot
 from .reuse import ReuseFallback, ReusePlan, check_reused_export, rebind_cache_state, confirm as confirm_reuse, plan as reuse_plan
 from .state import state_keys
-from ..compat import (cleared_module_state, constant_outputs, copy_spec, forget_export_state,
+from ..compat import (cleared_module_state, constant_outputs, copy_spec, empty_module_calls, forget_export_state,
                       generated_code_released, invocation_graphs, offloaded_weights_loaded, register_cache_pytrees,
                       unflatten)
 from ..compat.allocator import collection_paused, release_free_heap
@@ -340,7 +340,15 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
             exported, dynamic, states = export_module(module, args, kwargs,
                                                 {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic,
                                                 ctx.grad_enabled, traced, frozen, plan, untouched, watch, watch_reads)
-            break
+            # calls export recorded no node for (nn.Identity): unflatten would fail on them; they
+            # run as themselves, called from their caller's graph (a stub records a node)
+            empty = {fqn.partition("@")[0].partition(".")[2] for fqn in empty_module_calls(exported)} - {""} - set(stubs)
+            if not empty:
+                break
+            for fqn in sorted(empty):
+                stubs[fqn] = StubKind.PASSTHROUGH
+            calls = record_calls(module, set(stubs), args, kwargs)
+            continue
         except ModuleFailure as failure:
             fqn, error = failure.fqn, failure.error
             faults = [(fqn, error), *failure.more]
@@ -366,10 +374,10 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
             errors[fqn] = error
             calls = record_calls(module, set(stubs), args, kwargs)
     for fqn, reason in stubs.items():
-        if reason not in (StubKind.CUSTOM, StubKind.SKIPPED):
+        if reason not in (StubKind.CUSTOM, StubKind.SKIPPED, StubKind.PASSTHROUGH):
             shared = isinstance(errors[fqn], SharedModuleEntry)
             ctx.fail(fqn, reason, errors[fqn], fix=SharedModuleEntry.FIX if shared else getattr(errors[fqn], "fix", None))
-        elif reason == StubKind.SKIPPED:
+        elif reason != StubKind.CUSTOM:  # opaque by design, not by a failure: no warning, never an error
             ctx.opaque[ctx.full(fqn)] = reason
     plan = plan.outside(stubs)
     if plan.siblings:
@@ -467,6 +475,13 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
         if fqn not in stubs:
             stubs[fqn], errors[fqn] = describe_failure(skip), skip
             traced.add(fqn)
+    # modules whose code touches .data: export would fail on them at the root (see capture_checks)
+    for fqn in found.data_access:
+        data = UnfaithfulCaptureError(DATA_ACCESS_REASON)
+        if fqn == "":
+            return _EagerStubs(traced, frozen, (describe_failure(data), data, None))
+        if fqn not in stubs:
+            stubs[fqn], errors[fqn] = describe_failure(data), data
     return _EagerStubs(traced, frozen, None)
 
 

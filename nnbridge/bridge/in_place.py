@@ -45,7 +45,7 @@ from ..compat import DirectCall, SwappedBody, restore_body, swap_body
 from .failures import add_note
 from ..errors import NNBridgeError
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
-from .capture_checks import python_rngs_kept
+from .capture_checks import preserved_state
 from .dispatcher import GraphDispatcher
 from .extraction import Extraction
 from .state import SpecCheck
@@ -55,7 +55,7 @@ from .examples import static_examples
 from .metadata import node_meta
 from .summaries import bind_inputs
 from .locking import CALL_LOCK, lock_calls, locked_call, unlock_calls
-from .module_tree import refuse_instance_forwards
+from .module_tree import named_real_modules, refuse_instance_forwards
 from .op_point import LISTENED, OpPoint, OpPointContainer
 from .options import ExtractionOptions
 
@@ -520,21 +520,19 @@ class Bridge:
 
 @contextlib.contextmanager
 def state_restored(model: torch.nn.Module) -> Iterator[None]:
-    """Restore, after the body, torch's CPU random state, Python's and numpy's RNGs and every buffer
-    of ``model``: the same tensor object under each name, holding its value from before (a warm-up
-    run of the model must leave no trace: BatchNorm statistics, counters, draws)."""
-    buffers = [(module, name, tensor, tensor.detach().clone())
-               for module in model.modules() for name, tensor in buffers_of(module).items()
-               if tensor is not None and not tensor.is_meta]
-    with torch.random.fork_rng(devices=[]), python_rngs_kept():
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for module, name, tensor, value in buffers:
-                    buffers_of(module)[name] = tensor
-                    if not torch.equal(tensor, value):
-                        tensor.copy_(value)
+    """Restore, after the body, what a run of ``model`` changes (a warm-up run must leave no trace:
+    BatchNorm statistics, counters, draws, an adapter merged or unmerged through ``.data``): torch's
+    CPU random state, Python's and numpy's RNGs, every parameter and buffer (the same tensor under
+    each name, holding its values from before), module attributes and ``training`` flags, and the
+    module globals its code writes (see :func:`~.capture_checks.preserved_state`). Attributes the
+    body created stay (the run bridges the modules it reaches).
+
+    Raises:
+        ExtractionError: the run changed a parameter in place other than through ``.data``
+            (its old values are lost).
+    """
+    with preserved_state(list(named_real_modules(model)), keep_new_attributes=True):
+        yield
 
 
 def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOptions | None = None,

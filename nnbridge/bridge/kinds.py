@@ -18,10 +18,16 @@ class StubKind(enum.StrEnum):
         its graph comes from that function.
     SKIPPED: its class is in ``ExtractionOptions.classes_to_skip_compiling`` (or
         ``skip_compilation`` is set): it stays opaque; this is also its recorded reason.
+    PASSTHROUGH: export recorded no operation for its call (``nn.Identity``, ``return x``), and
+        torch's unflatten makes no graph for such a call (see
+        :func:`nnbridge.compat.export.empty_module_calls`): it runs as itself, called from its
+        caller's graph. Its value is its recorded reason.
     """
 
     CUSTOM = "custom"
     SKIPPED = "skipped"
+    PASSTHROUGH = ("export records no operation for its call (it returns its inputs), and torch.export.unflatten makes"
+                   " no graph for such a call: it runs as itself")
 
 
 class HookKind(enum.StrEnum):

@@ -10,7 +10,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -45,6 +46,14 @@ class ChildCall(wrapt.ObjectProxy):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._self_call(*args, **kwargs)
 
+    @property
+    def forward(self) -> torch.nn.Module:
+        """``self.child.forward(...)`` in the opaque code (peft's ``return self.model.forward(...)``)
+        goes to ``call`` too: its graphs run, with their patches. (Eager code skips the child's own
+        torch hooks there; a PatchableGraph refuses a plain model with hooks, and a bridged opaque
+        module calls the bridged child itself, not this proxy.)"""
+        return self._self_call
+
 
 def _in_place_of(child: torch.nn.Module, call: torch.nn.Module) -> torch.nn.Module:
     """A :class:`ChildCall`, typed as the module it stands for (``isinstance`` sees the child's class)."""
@@ -76,6 +85,50 @@ class InvocationRouter(torch.nn.Module):
         return self.dispatchers[index](*args, **kwargs)
 
 
+@contextlib.contextmanager
+def direct_forward_calls(callees: list[tuple[str, torch.nn.Module]],
+                         grabber: Callable[[str], Callable[..., None]]) -> Iterator[None]:
+    """Report, as ``grabber(name)(child, args, kwargs)``, the calls of each child's ``forward``
+    made directly by the opaque code (``self.model.forward(x)``, not ``self.model(x)``: no torch
+    hook sees them), for the body's duration: each child gets an instance ``forward`` that reports
+    a call not announced by the child's own pre-hook (which sets a mark ``forward`` consumes).
+    Extraction cleared the children's instance forwards (bridges', nnsight's) before; put back
+    after, also on error."""
+    marks: dict[int, int] = {}
+    saved: list[tuple[torch.nn.Module, object]] = []
+    handles = []
+    _missing = object()
+
+    def wrapped(name: str, child: torch.nn.Module) -> Callable[..., Any]:
+        body = type(child).forward.__get__(child)
+
+        def forward(*a: Any, **k: Any) -> Any:
+            if marks.get(id(child)):
+                marks[id(child)] -= 1
+            else:
+                grabber(name)(child, a, k)
+            return body(*a, **k)
+        return forward
+
+    def mark(m: torch.nn.Module, a: Any) -> None:
+        marks[id(m)] = marks.get(id(m), 0) + 1
+    try:
+        for name, child in callees:
+            if all(c is not child for c, _ in saved):
+                saved.append((child, child.__dict__.get("forward", _missing)))
+                handles.append(child.register_forward_pre_hook(mark, prepend=True))
+            child.__dict__["forward"] = wrapped(name, child)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for child, previous in saved:
+            if previous is _missing:
+                child.__dict__.pop("forward", None)
+            else:
+                child.__dict__["forward"] = previous
+
+
 def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             reason: str) -> OpaqueGraphModule:
     """Opaque fallback: run the original code, extract each called child from its calls.
@@ -98,8 +151,9 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
         return grab
     # in the caller's grad mode: each child's first extraction then has the call structure
     # (``requires_grad`` of its inputs) of the real calls, which reuse it instead of extracting again
-    observed_run(module, args, kwargs, [(child, HookKind.PRE, grabber(name)) for name, child in callees],
-                 grad=torch.is_grad_enabled())
+    with direct_forward_calls(callees, grabber):
+        observed_run(module, args, kwargs, [(child, HookKind.PRE, grabber(name)) for name, child in callees],
+                     grad=torch.is_grad_enabled())
     shown = torch.nn.Module()
     swapped = torch.nn.Module()
     dispatchers: dict[str, ChildDispatcher] = {}

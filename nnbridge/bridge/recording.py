@@ -42,13 +42,23 @@ def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
                  hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]], *, grad: bool = False) -> None:
     """One eager run of ``module`` on copies of the inputs (a cache would be mutated), with
     temporary hooks: ``(submodule, HookKind, fn)``, both with kwargs. No grad unless ``grad``
-    (then the hooks see the ``requires_grad`` of the values a real call in grad mode passes)."""
+    (then the hooks see the ``requires_grad`` of the values a real call in grad mode passes).
+    The run leaves no trace (:func:`~.capture_checks.preserved_state`): the next run or export
+    starts from the module's state before it, as the user's call will (a forward that unmerges an
+    adapter and clears its flag unmerges again in each).
+
+    Raises:
+        ExtractionError: the run changed a parameter in place other than through ``.data``.
+    """
+    from .capture_checks import preserved_state  # (it imports this module's callers)
+    from .module_tree import named_real_modules
+
     handles = []
     try:
         for sub, kind, fn in hooks:
             register = sub.register_forward_pre_hook if kind == HookKind.PRE else sub.register_forward_hook
             handles.append(register(fn, with_kwargs=True))
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), preserved_state(list(named_real_modules(module))):
             module(*copy_inputs(args), **copy_inputs(kwargs))
     finally:
         for handle in handles:

@@ -4,6 +4,7 @@ from .export import (
     compile_guards as compile_guards,
     constant_outputs as constant_outputs,
     copy_spec as copy_spec,
+    empty_module_calls as empty_module_calls,
     export_guards as export_guards,
     export as export,
     forget_export_state as forget_export_state,

@@ -278,6 +278,27 @@ def _state_on_meta(exported: torch.export.ExportedProgram) -> Iterator[None]:
         exported._state_dict = state
 
 
+#: the prefix torch 2.13's non-strict export gives the keys of ``node.meta["nn_module_stack"]``
+_STACK_KEY_PREFIX = "L__self__"
+
+
+def empty_module_calls(exported: torch.export.ExportedProgram) -> list[str]:
+    """The preserved-signature module calls (``module_call_graph`` fqns, ``"model.drop"``,
+    ``"model.lin@1"`` for a second call) for which export recorded no node: ``nn.Identity`` or
+    any forward returning its inputs. torch 2.13's unflatten makes no submodule for such a call
+    but looks one up for its signature (``AssertionError: Attribute 'drop' not found in model``).
+    A node's ``nn_module_stack`` names the calls running when it was recorded: its values' paths
+    (without the call index) and its keys (``"L__self__model.lin@1"``, with it)."""
+    recorded: set[str] = set()
+    for node in exported.graph.nodes:
+        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+            recorded.add(path)
+            if key.startswith(_STACK_KEY_PREFIX):
+                recorded.add(key[len(_STACK_KEY_PREFIX):])
+    return [entry.fqn for entry in exported.module_call_graph
+            if entry.fqn and entry.signature is not None and entry.fqn not in recorded]
+
+
 def invocation_graphs(unflattened: torch.nn.Module) -> list[torch.nn.Module]:
     """The per-invocation graph modules behind one unflattened submodule.
 
