@@ -12,6 +12,7 @@ Bad arguments print one line and exit with status 2; failures exit with status 1
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -76,18 +77,19 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _cache(args: argparse.Namespace) -> None:
-    from .bridge.disk_cache import ENVIRONMENT_VARIABLE, SWITCH_VARIABLE, default_cache
+    from .bridge.disk_cache import ENVIRONMENT_VARIABLE, LIMIT_VARIABLE, SWITCH_VARIABLE, default_cache
 
     cache = default_cache()
     if cache is None:
-        print(f"disk cache: off (set {ENVIRONMENT_VARIABLE} to a directory to turn it on, and leave"
-              f" {SWITCH_VARIABLE} unset)")
+        print(f"disk cache: off ({SWITCH_VARIABLE} is {os.environ.get(SWITCH_VARIABLE)!r}; unset it to turn the"
+              f" cache on, in ${ENVIRONMENT_VARIABLE} or ~/.cache/nnbridge)")
         return
     if args.action == "clear":
         print(f"removed {cache.clear()} entries from {cache.directory}")
         return
     info = cache.info()
-    print(f"directory: {info['directory']}\nentries: {info['entries']}\nsize: {info['bytes'] / 1e6:.1f} MB")
+    print(f"directory: {info['directory']}\nentries: {info['entries']}\nsize: {info['bytes'] / 1e6:.1f} MB"
+          f" (limit {info['limit'] / 1e6:.0f} MB, least recently used entries evicted; ${LIMIT_VARIABLE})")
 
 
 def main(argv: list[str] | None = None) -> int:

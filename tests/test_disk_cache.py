@@ -5,6 +5,7 @@ deleted with a warning and rebuilt; ``nnbridge cache info|clear``."""
 from __future__ import annotations
 
 import functools
+import os
 import importlib
 import textwrap
 
@@ -56,7 +57,7 @@ def test_second_bridge_skips_export_and_equals_eager(cache_dir, exports, monkeyp
     with pg.patch({"transformer.h_0.mlp.act.output": ZeroPatch()}):
         patched = model(ids).logits
     nnbridge.unbridge(model)
-    monkeypatch.delenv("NNBRIDGE_CACHE")
+    monkeypatch.setenv("NNBRIDGE_EXTRACTION_CACHE", "memory")
     reference = PatchableGraph(gpt2(), ids)  # a fresh export: patches act the same
     assert exports[0] == 2
     with reference.patch({"transformer.h_0.mlp.act.output": ZeroPatch()}):
@@ -85,11 +86,9 @@ def test_cache_hit_keeps_the_cache_layers_each_graph_never_touched(cache_dir, ex
 
 def test_cache_hit_equals_fresh_extraction(cache_dir, monkeypatch, exports):
     ids = _ids()
-    monkeypatch.delenv("NNBRIDGE_CACHE")
     monkeypatch.setenv("NNBRIDGE_EXTRACTION_CACHE", "0")  # the process's memory cache off too
     fresh = PatchableGraph(gpt2(), ids)  # cache off
     assert not cache_dir.exists()
-    monkeypatch.setenv("NNBRIDGE_CACHE", str(cache_dir.parent))
     monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE")
     PatchableGraph(gpt2(), ids)  # fills the cache
     cached = PatchableGraph(gpt2(), ids)
@@ -411,13 +410,71 @@ def test_cache_off_when_switched_off(cache_dir, monkeypatch):
     assert not cache_dir.exists()
 
 
-def test_cache_off_when_unset(tmp_path, monkeypatch):
+def test_cache_on_by_default_in_the_home_cache(tmp_path, monkeypatch, exports):
     monkeypatch.delenv("NNBRIDGE_CACHE", raising=False)
     monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE", raising=False)
-    assert disk_cache.default_cache() is None
     monkeypatch.setenv("HOME", str(tmp_path))
+    cache = disk_cache.default_cache()
+    assert cache is not None and cache.directory == tmp_path / ".cache" / "nnbridge" / "extractions"
+    x = torch.randn(2, 3)
+    expected = _linear()(x)
+    PatchableGraph(_linear(), x)
+    assert len(cache.entries()) == 1 and exports[0] == 1
+    served = PatchableGraph(_linear(), x)  # another model: the memory cache and the disk entry
+    assert torch.equal(served(x), expected)
+
+
+def test_memory_only_switch_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("NNBRIDGE_CACHE", raising=False)
+    monkeypatch.setenv("NNBRIDGE_EXTRACTION_CACHE", "memory")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert disk_cache.default_cache() is None
     PatchableGraph(_linear(), torch.randn(2, 3))
     assert list(tmp_path.iterdir()) == []
+
+
+def _entry(directory, name, size, age):
+    path = directory / f"{name}{disk_cache.SUFFIX}"
+    path.write_bytes(b"x" * size)
+    os.utime(path, (age, age))
+    return path
+
+
+def test_least_recently_used_entries_are_evicted_past_the_limit(cache_dir, monkeypatch):
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    oldest, middle, newest = (_entry(cache_dir, name, 400, age) for name, age in
+                              (("a", 1_000), ("b", 2_000), ("c", 3_000)))
+    monkeypatch.setenv("NNBRIDGE_CACHE_LIMIT", "1K")
+    cache = disk_cache.DiskCache(cache_dir)
+    assert cache.evict(keep=oldest) == 1  # 1200 bytes > 1000: one goes, never the one just written
+    assert oldest.exists() and not middle.exists() and newest.exists()
+    monkeypatch.setenv("NNBRIDGE_CACHE_LIMIT", "2000")
+    assert cache.evict() == 0
+
+
+def test_a_hit_marks_its_entry_recently_used(cache_dir, monkeypatch):
+    x = torch.randn(2, 3)
+    PatchableGraph(_linear(), x)
+    (entry,) = disk_cache.DiskCache(cache_dir).entries()
+    os.utime(entry, (1_000, 1_000))
+    monkeypatch.setenv("NNBRIDGE_EXTRACTION_CACHE", "1")
+    memory = importlib.import_module("nnbridge.bridge.memory_cache")
+    monkeypatch.setattr(memory, "memory_cache", lambda: None)  # served from disk, not from the live model
+    PatchableGraph(_linear(), x)
+    assert entry.stat().st_mtime > 1_000
+
+
+@pytest.mark.parametrize("value, expected", [("", disk_cache.DEFAULT_LIMIT), ("500M", 500_000_000),
+                                             ("2G", 2_000_000_000), ("1.5gb", 1_500_000_000), ("123", 123)])
+def test_size_limit_spellings(monkeypatch, value, expected):
+    monkeypatch.setenv("NNBRIDGE_CACHE_LIMIT", value)
+    assert disk_cache.size_limit() == expected
+
+
+def test_a_bad_size_limit_names_the_variable(monkeypatch):
+    monkeypatch.setenv("NNBRIDGE_CACHE_LIMIT", "lots")
+    with pytest.raises(nnbridge.NNBridgeError, match="NNBRIDGE_CACHE_LIMIT='lots' is not a size"):
+        disk_cache.size_limit()
 
 
 def _linear():
@@ -440,9 +497,9 @@ def test_cli_info_and_clear(cache_dir, capsys):
 
 
 def test_cli_cache_off(monkeypatch, capsys):
-    monkeypatch.delenv("NNBRIDGE_CACHE", raising=False)
+    monkeypatch.setenv("NNBRIDGE_EXTRACTION_CACHE", "0")
     assert main(["cache", "info"]) == 0
-    assert "off" in capsys.readouterr().out
+    assert "off (NNBRIDGE_EXTRACTION_CACHE is '0'" in capsys.readouterr().out
 
 
 def test_cli_bad_action_exits_2(capsys):

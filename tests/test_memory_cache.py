@@ -22,8 +22,7 @@ memory_cache = importlib.import_module("nnbridge.bridge.memory_cache")
 @pytest.fixture(autouse=True)
 def disk_cache_off(monkeypatch):
     """The memory cache is what extraction consults when the disk cache is off."""
-    monkeypatch.delenv("NNBRIDGE_CACHE", raising=False)
-    monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE", raising=False)
+    monkeypatch.setenv("NNBRIDGE_EXTRACTION_CACHE", "memory")
 
 
 def _ids():

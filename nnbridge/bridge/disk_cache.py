@@ -1,11 +1,13 @@
 """The disk extraction cache: a second process that extracts the same model skips ``torch.export``.
 
-On when the environment variable ``NNBRIDGE_CACHE`` names a directory (the one
-:mod:`nnbridge.models` caches dequantized weights in); entries go to its ``extractions/``
-subdirectory (created if needed). Off when ``NNBRIDGE_CACHE`` is unset or empty, so nothing is
-written unless asked (extraction then consults the process's :mod:`.memory_cache`, same key),
-or when ``NNBRIDGE_EXTRACTION_CACHE=0`` (the test suite sets it, so a developer's cache cannot
-change what tests see). Each ``torch.export`` result (one per extracted
+On by default, in the ``extractions/`` subdirectory of ``$NNBRIDGE_CACHE`` (default
+``~/.cache/nnbridge``, where :mod:`nnbridge.models` also caches dequantized weights), created if
+needed. ``NNBRIDGE_EXTRACTION_CACHE=0`` turns it off (and the process's :mod:`.memory_cache`);
+``NNBRIDGE_EXTRACTION_CACHE=memory`` keeps only the memory cache (the test suite points
+``NNBRIDGE_CACHE`` at a directory of its own, so a developer's cache cannot change what tests see).
+The directory is bounded: after each write, the least recently used entries (by modification
+time; a hit touches its entry) are deleted until the entries take at most
+``$NNBRIDGE_CACHE_LIMIT`` bytes (default 2 GB; ``500M``, ``2G`` accepted). Each ``torch.export`` resultEach ``torch.export`` result (one per extracted
 module and call, see :mod:`.programs`) is one :mod:`.storage` bundle, ``<key>.nnbridge``, where
 ``key`` is a sha256 of:
 
@@ -46,7 +48,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from ..compat.serialization import library_versions
-from ..errors import SaveLoadError, warn
+from ..errors import NNBridgeError, SaveLoadError, warn
 from .programs import ExportRequest, ProgramRecord, model_fingerprint, source_known
 from .storage import FORMAT_VERSION, UnserialisableProgram, read_bundle, write_bundle
 
@@ -61,12 +63,41 @@ SUFFIX = ".nnbridge"
 logger = logging.getLogger(__name__)
 
 
-def cache_directory() -> Path | None:
-    """``$NNBRIDGE_CACHE/extractions`` (``~`` expanded), or None when the cache is off."""
+#: Environment variable bounding the cache's size in bytes (suffixes K, M, G: powers of 1000).
+LIMIT_VARIABLE = "NNBRIDGE_CACHE_LIMIT"
+#: The default bound of the cache's size, in bytes.
+DEFAULT_LIMIT = 2_000_000_000
+_UNITS = {"": 1, "K": 1000, "M": 1000 ** 2, "G": 1000 ** 3}
+
+
+def cache_root() -> Path:
+    """``$NNBRIDGE_CACHE`` (``~`` expanded), or ``~/.cache/nnbridge`` when it is unset or empty."""
     value = os.environ.get(ENVIRONMENT_VARIABLE, "")
-    if not value or os.environ.get(SWITCH_VARIABLE, "1") == "0":
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "nnbridge"
+
+
+def cache_directory() -> Path | None:
+    """``<cache_root()>/extractions``, or None when ``NNBRIDGE_EXTRACTION_CACHE`` is ``0`` or ``memory``."""
+    if os.environ.get(SWITCH_VARIABLE, "1") in ("0", "memory"):
         return None
-    return Path(value).expanduser() / "extractions"
+    return cache_root() / "extractions"
+
+
+def size_limit() -> int:
+    """``$NNBRIDGE_CACHE_LIMIT`` in bytes, or :data:`DEFAULT_LIMIT`.
+
+    Raises:
+        NNBridgeError: the variable is not a number of bytes with an optional K, M or G suffix.
+    """
+    value = os.environ.get(LIMIT_VARIABLE, "").strip().upper().removesuffix("B")
+    if not value:
+        return DEFAULT_LIMIT
+    number, unit = (value[:-1], value[-1]) if value[-1] in _UNITS else (value, "")
+    try:
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise NNBridgeError(f"{LIMIT_VARIABLE}={os.environ[LIMIT_VARIABLE]!r} is not a size: give bytes, or a number"
+                            " with K, M or G (for example 500M or 2G)") from None
 
 
 def default_cache() -> DiskCache | None:
@@ -99,6 +130,8 @@ class CacheInfo(TypedDict):
     entries: int
     #: total size of the entry files
     bytes: int
+    #: the bound of that size (:func:`size_limit`)
+    limit: int
 
 
 class DiskCache:
@@ -139,6 +172,10 @@ class DiskCache:
             except OSError:
                 pass
             return None
+        try:
+            os.utime(path)  # recently used: the last to be evicted
+        except OSError:
+            pass
         return dataclasses.replace(record, path=request.path)
 
     def store(self, request: ExportRequest, record: ProgramRecord) -> None:
@@ -155,6 +192,33 @@ class DiskCache:
             logger.info("nnbridge disk cache: %s is not stored: %s", path.name, error)
         except Exception as error:  # noqa: BLE001 - the cache must never break extraction
             warn(f"nnbridge disk cache: could not write {path}: {type(error).__name__}: {error}")
+            return
+        self.evict(keep=path)
+
+    def evict(self, keep: Path | None = None) -> int:
+        """Delete the least recently used entries (oldest modification time first; never ``keep``)
+        until the entries take at most :func:`size_limit` bytes; returns how many were deleted. An
+        entry another process deleted meanwhile is passed over."""
+        limit, sized = size_limit(), []
+        for path in self.entries():
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            sized.append((stat.st_mtime, path, stat.st_size))
+        total, removed = sum(size for _, _, size in sized), 0
+        for _, path, size in sorted(sized, key=lambda item: (item[0], item[1].name)):
+            if total <= limit:
+                break
+            if path == keep:
+                continue
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            total -= size
+            removed += 1
+        return removed
 
     def entries(self) -> list[Path]:
         """Entry files, sorted by name (temporary files of interrupted writes excluded)."""
@@ -166,7 +230,7 @@ class DiskCache:
         """``{"directory", "entries", "bytes"}`` of the cache."""
         entries = self.entries()
         return {"directory": str(self.directory), "entries": len(entries),
-                "bytes": sum(p.stat().st_size for p in entries)}
+                "bytes": sum(p.stat().st_size for p in entries), "limit": size_limit()}
 
     def clear(self) -> int:
         """Delete every entry and leftover temporary file; returns the number of entries deleted."""

@@ -2,8 +2,8 @@
 (same class, config, module tree, source files and code, called the same way: the disk cache's
 key, :func:`~.disk_cache.request_key`) skips ``torch.export`` while the first is alive.
 
-Extraction consults it when the disk cache is off (``NNBRIDGE_CACHE`` unset); like the disk cache
-it is off with ``NNBRIDGE_EXTRACTION_CACHE=0``. Nothing is copied or serialised until a second
+Extraction consults it when the disk cache is off (``NNBRIDGE_EXTRACTION_CACHE=memory``); like the
+disk cache it is off with ``NNBRIDGE_EXTRACTION_CACHE=0``. Nothing is copied or serialised until a second
 instance asks: the cache keeps, per key, a weak reference to the program record of each
 extraction made or loaded (the record is owned by the extraction's root graph module,
 ``root.__dict__[PROGRAM_RECORD]``), so an entry goes with its graphs, when the model is garbage
