@@ -352,7 +352,9 @@ class NodeView:
         return "\n".join([self._label(), *self._lines("")])
 
     def __str__(self) -> str:
-        return self._path
+        """A module's view prints its tree (as ``repr``; ``print(pg.graph)``), a node's view its
+        NodePath (``str(pg.graph.output.sub_0) == "output|sub_0"``, usable as a patch key)."""
+        return repr(self) if self._graph is not None else self._path
 
 
 def format_tree(view: NodeView, depth: int | None = None, *, aliases: bool = False) -> str:
