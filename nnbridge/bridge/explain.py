@@ -144,9 +144,10 @@ def explain(target: object, *args: Any, **kwargs: Any) -> Explanation:
         target: a model bridged with :func:`nnbridge.bridge`, a :class:`PatchableGraph`, an
             ``nnbridge.NNsight``/``LanguageModel`` envoy, or a plain module (extracted on the spot,
             not modified).
-        *args, **kwargs: a call; its extraction is explained (made if no cached one's guards hold,
-            which is then recorded in the history). Without a call, the most recently made
-            extraction is explained.
+        *args: a call's positional arguments; its extraction is explained (made if no cached
+            one's guards hold, which is then recorded in the history). Without a call, the most
+            recently made extraction is explained.
+        **kwargs: the call's keyword arguments.
 
     Returns:
         An :class:`Explanation`; ``print()`` it for the tree.

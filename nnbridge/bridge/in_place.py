@@ -541,9 +541,10 @@ def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOption
 
     Args:
         model: the model; it stays the same object.
-        *example_args, **example_kwargs: an example call; other call structures are extracted
-            when they first happen. Without one, the first call is extracted (op points appear
-            then).
+        *example_args: an example call's positional arguments; other call structures are
+            extracted when they first happen. Without an example call, the first call is extracted
+            (op points appear then).
+        **example_kwargs: the example call's keyword arguments.
         options: :class:`ExtractionOptions`.
 
     Returns:
