@@ -73,8 +73,8 @@ from ..compat.capture import tensor_version
 from .plain_values import canonical_repr, plain_value, snapshot, tensor_digest
 
 #: Types of the plain global values code reads that count by their value (``repr``).
-_PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device})
-_PLAIN_TYPES = tuple(_PLAIN)
+_PLAIN_TYPES: tuple[type, ...] = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+_PLAIN = frozenset(_PLAIN_TYPES)
 #: Mappings with more entries than this are not read (a registry of functions is small).
 _MAPPING_LIMIT = 512
 #: Methods visited whether or not code reached names them: what calling a module runs.
