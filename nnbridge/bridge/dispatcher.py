@@ -228,6 +228,29 @@ class GraphDispatcher(torch.nn.Module):
                 tensor subclass's own, an active ``TorchFunctionMode``), which graph code skips
                 (see :mod:`nnbridge.compat.overrides`); not checked while torch compiles or exports.
         """
+        key, extraction = self._find(args, kwargs)
+        if extraction is not None:
+            return extraction
+        if not self.history:
+            return self.add_extraction(args, kwargs, key)
+        reason = self._why(key, args, kwargs)
+        self._warn_if_thrashing(reason)
+        return self.add_extraction(args, kwargs, key, reason=reason)
+
+    def find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction | None:
+        """The cached extraction serving this call, or None (nothing is extracted). While Dynamo
+        traces (``torch.compile``), a model never extracted has nothing to find: its cache pytrees
+        are registered by the first extraction, outside the trace.
+
+        Raises:
+            NNBridgeError: as :meth:`lookup`.
+        """
+        if not self.history and torch.compiler.is_dynamo_compiling():
+            return None
+        return self._find(args, kwargs)[1]
+
+    def _find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, Extraction | None]:
+        """``(structure key of this call, the cached extraction serving it or None)``."""
         self._register_pytrees()
         flat = pytree.tree_flatten((args, kwargs))  # (one walk of a cache argument for both)
         tensors = [leaf for leaf in flat[0] if isinstance(leaf, torch.Tensor)]
@@ -240,14 +263,11 @@ class GraphDispatcher(torch.nn.Module):
             for extraction in candidates:
                 # every cached extraction has the state guard add_extraction gave it
                 if extraction.guard.matches(tensors, call) and cast(StateGuard, extraction.state).holds():
-                    if len(self._recency) > 1:
+                    # (recency only orders eviction; not kept while Dynamo traces the call)
+                    if len(self._recency) > 1 and not torch.compiler.is_dynamo_compiling():
                         self._recency.move_to_end(id(extraction))
-                    return extraction
-        if not self.history:
-            return self.add_extraction(args, kwargs, key)
-        reason = self._why(key, args, kwargs)
-        self._warn_if_thrashing(reason)
-        return self.add_extraction(args, kwargs, key, reason=reason)
+                    return key, extraction
+        return key, None
 
     def _refuse_function_overrides(self, tensors: list[torch.Tensor]) -> None:
         """Raise when eager PyTorch would run ``__torch_function__`` code for this call that the
