@@ -39,7 +39,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from ..compat.allocator import release_free_heap
+from ..compat.allocator import release_garbage
 from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat import DirectCall, SwappedBody, restore_body, swap_body
 from .failures import add_note
@@ -611,7 +611,7 @@ def unbridge(model: torch.nn.Module) -> torch.nn.Module:
         raise NNBridgeError(f"{type(model).__name__} is not bridged; nothing to undo.")
     state.undo()
     del state
-    release_free_heap()
+    release_garbage()  # the graphs are reference cycles: collected before the heap is trimmed
     return model
 
 
