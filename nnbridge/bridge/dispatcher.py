@@ -32,6 +32,7 @@ import torch
 from ..compat import register_cache_pytrees
 from ..compat.pytree import pytree
 from ..compat.allocator import collection_paused
+from ..compat.functorch import plain_examples, transforming, transforms_suspended, wrapped, wrapper_kinds
 from ..compat.overrides import function_override
 from ..errors import NNBridgeError, warn
 from .call_structure import describe_key_change, structure_key, tensor_leaves
@@ -164,12 +165,61 @@ class GraphDispatcher(torch.nn.Module):
                        key: Hashable | None = None, reason: str = "first call") -> Extraction:
         """Extract for this call and cache the result under its structure key.
 
+        Inside a torch.func transform (``grad``, ``jacrev``, ``jvp``, ``hessian``...) the extraction
+        runs outside the transforms, from plain tensors holding the inputs' logical values (see
+        :mod:`nnbridge.compat.functorch`); the caller runs the graphs on the transformed tensors.
+        Inputs batched by ``vmap`` are extracted inside the transforms.
+
         Args:
             args, kwargs: the call.
             key: its structure key (computed when None).
             reason: why (recorded in :attr:`history`; a failed guard's description).
+
+        Raises:
+            NNBridgeError: inside a torch.func transform that transforms the module's parameters or
+                buffers (``torch.func.functional_call``), or inside ``vmap`` of a gradient transform
+                (per-sample gradients) for a call structure not extracted yet.
         """
         key = self.structure_key(args, kwargs) if key is None else key
+        # inside torch.func.grad, jvp...: extracted outside the transforms (vmap'd inputs: inside them,
+        # as graph code may call an operator functorch cannot batch; see compat.functorch)
+        if transforming():
+            self._refuse_transformed_state()
+            kinds = wrapper_kinds((args, kwargs))
+            if "vmap" not in kinds:
+                args, kwargs = plain_examples((args, kwargs))
+                with transforms_suspended():
+                    return self._add_extraction(args, kwargs, key, reason)
+            if "autograd" in kinds:
+                where = self.path or type(self.module).__name__
+                raise NNBridgeError(
+                    f"Module '{where}' ({type(self.module).__name__}) cannot be extracted inside torch.func.vmap of a"
+                    " gradient transform (grad, vjp, jvp: e.g. per-sample gradients): extraction copies its inputs"
+                    " with requires_grad_(), which functorch refuses there. Call the model once outside the"
+                    " transforms with one sample's arguments (same structure: requires_grad, grad mode), or"
+                    " nnbridge.bridge(model, *example_inputs), then transform it.")
+        return self._add_extraction(args, kwargs, key, reason)
+
+    def _refuse_transformed_state(self) -> None:
+        """Raise when the module's parameters or buffers are a torch.func transform's tensors
+        (``torch.func.functional_call`` with transformed parameters): extraction reads and binds
+        the module's own tensors, which exist only inside the transform.
+
+        Raises:
+            NNBridgeError: naming the module and the transformed tensors.
+        """
+        named = [*self.module.named_parameters(), *self.module.named_buffers()]
+        transformed = [name for name, tensor in named if wrapped(tensor)]
+        if transformed:
+            where = self.path or type(self.module).__name__
+            raise NNBridgeError(
+                f"Module '{where}' ({type(self.module).__name__}) cannot run its graphs inside a torch.func transform"
+                f" that transforms its parameters or buffers ({', '.join(transformed[:3])}; e.g."
+                " torch.func.functional_call): its graphs are extracted from, and guarded by, the module's own"
+                " tensors, and the transform's exist only inside it (a new set per call). Transform the inputs"
+                " only, or run the unbridged model (nnbridge.unbridge(model)).")
+
+    def _add_extraction(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: Hashable, reason: str) -> Extraction:
         # each graph's code is generated once, after the callbacks (an in-place bridge's link) edited
         # it; no cyclic garbage collection meanwhile (see .compat.allocator)
         with collection_paused(), code_generation_deferred():
@@ -228,6 +278,29 @@ class GraphDispatcher(torch.nn.Module):
                 tensor subclass's own, an active ``TorchFunctionMode``), which graph code skips
                 (see :mod:`nnbridge.compat.overrides`); not checked while torch compiles or exports.
         """
+        key, extraction = self._find(args, kwargs)
+        if extraction is not None:
+            return extraction
+        if not self.history:
+            return self.add_extraction(args, kwargs, key)
+        reason = self._why(key, args, kwargs)
+        self._warn_if_thrashing(reason)
+        return self.add_extraction(args, kwargs, key, reason=reason)
+
+    def find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction | None:
+        """The cached extraction serving this call, or None (nothing is extracted). While Dynamo
+        traces (``torch.compile``), a model never extracted has nothing to find: its cache pytrees
+        are registered by the first extraction, outside the trace.
+
+        Raises:
+            NNBridgeError: as :meth:`lookup`.
+        """
+        if not self.history and torch.compiler.is_dynamo_compiling():
+            return None
+        return self._find(args, kwargs)[1]
+
+    def _find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, Extraction | None]:
+        """``(structure key of this call, the cached extraction serving it or None)``."""
         self._register_pytrees()
         flat = pytree.tree_flatten((args, kwargs))  # (one walk of a cache argument for both)
         tensors = [leaf for leaf in flat[0] if isinstance(leaf, torch.Tensor)]
@@ -240,14 +313,11 @@ class GraphDispatcher(torch.nn.Module):
             for extraction in candidates:
                 # every cached extraction has the state guard add_extraction gave it
                 if extraction.guard.matches(tensors, call) and cast(StateGuard, extraction.state).holds():
-                    if len(self._recency) > 1:
+                    # (recency only orders eviction; not kept while Dynamo traces the call)
+                    if len(self._recency) > 1 and not torch.compiler.is_dynamo_compiling():
                         self._recency.move_to_end(id(extraction))
-                    return extraction
-        if not self.history:
-            return self.add_extraction(args, kwargs, key)
-        reason = self._why(key, args, kwargs)
-        self._warn_if_thrashing(reason)
-        return self.add_extraction(args, kwargs, key, reason=reason)
+                    return key, extraction
+        return key, None
 
     def _refuse_function_overrides(self, tensors: list[torch.Tensor]) -> None:
         """Raise when eager PyTorch would run ``__torch_function__`` code for this call that the

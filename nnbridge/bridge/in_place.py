@@ -39,7 +39,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from ..compat.allocator import release_free_heap
+from ..compat.allocator import release_garbage
 from ..compat.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat import DirectCall, SwappedBody, restore_body, swap_body
 from .failures import add_note
@@ -105,6 +105,16 @@ def _state_specs_hold(graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, 
         if value is None or not check(value):
             return False
     return True
+
+
+@torch.compiler.disable(reason="nnbridge extracts this call structure of the model (torch.export), which cannot"
+                               " run inside torch.compile's trace, because a patch or torch hook is on one of its op"
+                               " points. Call the model once outside torch.compile with these arguments (or"
+                               " nnbridge.bridge(model, *example_inputs)) before compiling with fullgraph=True.")
+def _lookup_outside_dynamo(dispatcher: GraphDispatcher, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
+    """``dispatcher.lookup`` run eagerly when Dynamo traces the call (a graph break)."""
+    with CALL_LOCK:
+        return dispatcher.lookup(args, kwargs)
 
 
 class _CallSite:
@@ -231,7 +241,20 @@ class Bridge:
             dispatcher = self.dispatchers.get(id(module))
             if dispatcher is None or not (module is self.model or self.depth > 0):
                 return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
-            graph = dispatcher.lookup(args, kwargs).root
+            if compiling:
+                extraction = dispatcher.find(args, kwargs)
+                if extraction is None:
+                    # no graph for this call: extraction (torch.export) cannot run inside Dynamo's
+                    # trace. With nothing listening to an op point the graphs would compute what
+                    # the module's own code computes: Dynamo traces that code (and guards on what
+                    # it read here, so a later extraction or hook recompiles). Else the extraction
+                    # runs outside the trace (a graph break; fullgraph=True raises, naming why).
+                    if not self.listened():
+                        return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+                    extraction = _lookup_outside_dynamo(dispatcher, args, kwargs)
+                graph = extraction.root
+            else:
+                graph = dispatcher.lookup(args, kwargs).root
         return self._run_graph(module, graph, args, kwargs, compiling)
 
     def _fitting(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> AnyGraph:
@@ -587,7 +610,7 @@ def unbridge(model: torch.nn.Module) -> torch.nn.Module:
         raise NNBridgeError(f"{type(model).__name__} is not bridged; nothing to undo.")
     state.undo()
     del state
-    release_free_heap()
+    release_garbage()  # the graphs are reference cycles: collected before the heap is trimmed
     return model
 
 

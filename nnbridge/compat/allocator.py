@@ -47,6 +47,20 @@ def release_free_heap() -> bool:
     return True
 
 
+def release_garbage() -> bool:
+    """Collect the process's cyclic garbage (a full ``gc.collect()``), then return the C heap's
+    free pages to the operating system (:func:`release_free_heap`); returns what that returned.
+
+    For :func:`nnbridge.unbridge`: a bridge's graphs (fx graphs and nodes, op points, generated
+    code) are reference cycles, freed only by the cyclic collector. Trimmed before they are
+    collected, their memory stayed in the heap, and garbage piling up between collections grew
+    the resident set with each bridge/unbridge cycle (tiny GPT-2: +33 MB over 30 cycles, measured
+    after a final ``gc.collect()``).
+    """
+    gc.collect()
+    return release_free_heap()
+
+
 @contextlib.contextmanager
 def collection_paused() -> Iterator[None]:
     """Python's cyclic garbage collector is off for the block, and on again after it (also on

@@ -363,6 +363,53 @@ def register_cache_pytrees(model: torch.nn.Module) -> None:
         register_cache_pytrees_for_model(model)  # type: ignore[arg-type]  # typed PreTrainedModel; any module works
     except Exception:  # a non-transformers module: nothing to register
         return
+    _remember_context_classes(model)
+
+
+#: ``{path: class}``: the classes transformers' cache pytree contexts name (``"module:Qualname"``),
+#: resolved once outside any trace (bounded by the number of cache classes; see
+#: :func:`_remember_context_classes`)
+_CONTEXT_CLASSES: dict[str, type] = {}
+
+
+def _remember_context_classes(model: torch.nn.Module) -> None:
+    """Make transformers' cache pytree unflattening (``exporter_dynamo._path_to_class``, which
+    imports the class named in the context with ``importlib.import_module``) answer from
+    :data:`_CONTEXT_CLASSES`, filled here with every cache and cache-layer class, so that
+    ``torch.compile`` can trace a graph rebuilding a ``DynamicCache`` (Dynamo cannot trace
+    ``importlib.import_module``; with ``fullgraph=True`` it raised). Idempotent."""
+    try:
+        from transformers import cache_utils
+        from transformers.exporters import exporter_dynamo
+    except ImportError:
+        return
+    original = exporter_dynamo.__dict__.get("_path_to_class")
+    to_path = exporter_dynamo.__dict__.get("_class_to_path")
+    if original is None or to_path is None:
+        return
+    if not hasattr(original, "__nnbridge_original__"):
+        def _path_to_class(path: str) -> type:
+            cls = _CONTEXT_CLASSES.get(path)
+            if cls is None:
+                cls = _CONTEXT_CLASSES[path] = original(path)
+            return cls
+
+        _path_to_class.__nnbridge_original__ = original  # type: ignore[attr-defined]
+        _path_to_class.__doc__ = original.__doc__
+        exporter_dynamo._path_to_class = _path_to_class
+    classes = [value for value in vars(cache_utils).values()
+               if isinstance(value, type) and value.__module__ == cache_utils.__name__]
+    classes += [value for value in vars(sys.modules.get(type(model).__module__, cache_utils)).values()
+                if isinstance(value, type) and exporter_dynamo.is_cache_class(value)]
+    seen = set(classes)
+    stack = list(classes)
+    while stack:  # and the subclasses of each (a cache class of another module)
+        for subclass in stack.pop().__subclasses__():
+            if subclass not in seen:
+                seen.add(subclass)
+                stack.append(subclass)
+    for cls in seen:
+        _CONTEXT_CLASSES.setdefault(to_path(cls), cls)
 
 
 def forward_from_source(source: str, globals_: dict[str, Any]) -> Callable[..., Any]:

@@ -161,3 +161,58 @@ def envoy_module(value: object) -> torch.nn.Module | None:
         return None
     module = value.__dict__.get("_module")
     return module if isinstance(module, torch.nn.Module) else None
+
+
+#: the message of nnsight 0.8.1's ``Envoy.__getattr__`` for a name neither the envoy nor its module has
+def _nnsight_missing(envoy: Any, name: str) -> str:
+    return f"{type(envoy).__name__!r} object (nor its module) has attribute {name!r}"
+
+
+class MissingAttributeError(AttributeError):
+    """nnsight's "no such attribute" ``AttributeError`` of an envoy, its text extended by a hint
+    computed when the text is first read (``hasattr``/``getattr(envoy, name, default)`` never pay
+    for it)."""
+
+    def __init__(self, message: str, hint: Callable[[], str | None], name: str, obj: Any) -> None:
+        super().__init__(message, name=name, obj=obj)
+        self._hint: Callable[[], str | None] | None = hint
+        self._text = message
+
+    def __str__(self) -> str:
+        if self._hint is not None:
+            hint, self._hint = self._hint, None
+            text = hint()
+            if text:
+                self._text = f"{self._text}. {text}"
+        return self._text
+
+
+def install_missing_attribute_hint(hint: Callable[[Any, str], str | None]) -> None:
+    """Make nnsight 0.8's ``Envoy.__getattr__`` add ``hint(envoy, name)`` to the ``AttributeError``
+    it raises for a name neither the envoy nor its module has (``'Envoy' object (nor its module)
+    has attribute 'sofmax'``), when ``hint`` returns a text (nnbridge's closest op names on a
+    bridged model's envoys); ``None`` keeps nnsight's text as it is (any model not bridged). The
+    hint is computed when the error's text is first read.
+
+    Only nnsight's own "no such attribute" error is extended: an ``AttributeError`` raised by a
+    module's property, or one of a private name (``_x``, ``__x__``), passes unchanged. Idempotent:
+    a later call replaces the hint.
+
+    Raises:
+        AttributeError: nnsight's (a :class:`MissingAttributeError`), with the hint appended.
+    """
+    original = nnsight.Envoy.__dict__["__getattr__"]
+    original = getattr(original, "__nnbridge_original__", original)
+
+    @functools.wraps(original)
+    def __getattr__(self: Any, name: str) -> Any:
+        try:
+            return original(self, name)
+        except AttributeError as error:
+            message = str(error)
+            if name.startswith("_") or message != _nnsight_missing(self, name):
+                raise
+            raise MissingAttributeError(message, lambda: hint(self, name), name, self) from None
+
+    __getattr__.__nnbridge_original__ = original  # type: ignore[attr-defined]
+    nnsight.Envoy.__getattr__ = __getattr__  # type: ignore[method-assign]

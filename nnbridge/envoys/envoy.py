@@ -65,31 +65,7 @@ class BridgeEnvoy(nnsight.Envoy):
             raise AttributeError(self._missing(name)) from None
 
     def _missing(self, name: str) -> str:
-        if name in _OLD_SPELLINGS and name not in modules_of(self.__dict__.get("_module") or torch.nn.Module()):
-            return f"{self.path}.{name}: {_OLD_SPELLINGS[name]}"
-        module = self.__dict__.get("_module")
-        ops = [n for n, child in (modules_of(module).items() if module is not None else [])
-               if isinstance(child, (OpPoint, OpPointContainer))]
-        where = f"{self.path} ({type(module).__name__})"
-        bridge = bridge_of(self.root._module)
-        if bridge is not None:
-            reason = _opaque_reason(bridge, self.path)
-            if reason is not None:
-                return (f"{where} has no op {name!r}: the module is opaque (its graph could not be extracted:"
-                        f" {reason}); only its inputs, output, parameters and buffers are ops.")
-        if isinstance(module, _CONTAINERS):
-            entries = [n for n in modules_of(module) if n not in ops]
-            if name.isdigit() or isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-                return f"{where} has no entry {name!r}; it holds {len(entries)}: {entries[:8]}."
-        if not ops:
-            if bridge is not None and any(True for _ in bridge.dispatcher.all_extractions()):
-                return (f"{where} has no attribute or op {name!r}, and no ops: the extracted calls of the"
-                        " model did not run it.")
-            return (f"{where} has no attribute or op {name!r}. Its ops are not known yet: they appear when the"
-                    " model is extracted, at the first trace whose code names an op (a trace that reads only"
-                    " module inputs and outputs runs the model as is), or with model.extract(*inputs).")
-        close = difflib.get_close_matches(name, ops, n=5, cutoff=0.5) or ops[:5]
-        return f"{where} has no attribute or op {name!r}; closest ops: {close}."
+        return missing_message(self, name)
 
     def __repr__(self) -> str:
         """nnsight's printed tree, each module's ops on one line (see :func:`tree_repr`)."""
@@ -99,6 +75,60 @@ class BridgeEnvoy(nnsight.Envoy):
         module = self.__dict__.get("_module")
         children = list(modules_of(module)) if module is not None else []
         return sorted(set(super().__dir__()) | set(children))
+
+
+def missing_message(envoy: nnsight.Envoy, name: str) -> str:
+    """Why ``envoy`` has no attribute ``name``, for its ``AttributeError``: the closest op names
+    of its module by edit distance (``difflib``), or why it has no ops (opaque, not extracted yet,
+    not run by the extracted calls), or the entries of a module container."""
+    if name in _OLD_SPELLINGS and name not in modules_of(envoy.__dict__.get("_module") or torch.nn.Module()):
+        return f"{envoy.path}.{name}: {_OLD_SPELLINGS[name]}"
+    module = envoy.__dict__.get("_module")
+    ops = [n for n, child in (modules_of(module).items() if module is not None else [])
+           if isinstance(child, (OpPoint, OpPointContainer))]
+    where = f"{envoy.path} ({type(module).__name__})"
+    bridge = bridge_of(envoy.root._module)
+    if bridge is not None:
+        reason = _opaque_reason(bridge, envoy.path)
+        if reason is not None:
+            return (f"{where} has no op {name!r}: the module is opaque (its graph could not be extracted:"
+                    f" {reason}); only its inputs, output, parameters and buffers are ops.")
+    if isinstance(module, _CONTAINERS):
+        entries = [n for n in modules_of(module) if n not in ops]
+        if name.isdigit() or isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            return f"{where} has no entry {name!r}; it holds {len(entries)}: {entries[:8]}."
+    children = [n for n in (modules_of(module) if module is not None else ()) if n not in ops]
+    close_children = difflib.get_close_matches(name, children, n=3, cutoff=0.6)
+    submodules = f" Closest submodules: {close_children}." if close_children else ""
+    if not ops and close_children:
+        return f"{where} has no attribute or op {name!r}.{submodules}"
+    if not ops:
+        if bridge is not None and any(True for _ in bridge.dispatcher.all_extractions()):
+            return (f"{where} has no attribute or op {name!r}, and no ops: the extracted calls of the"
+                    " model did not run it.")
+        return (f"{where} has no attribute or op {name!r}. Its ops are not known yet: they appear when the"
+                " model is extracted, at the first trace whose code names an op (a trace that reads only"
+                " module inputs and outputs runs the model as is), or with model.extract(*inputs).")
+    close = difflib.get_close_matches(name, ops, n=5, cutoff=0.5)
+    if close_children and not close:
+        return f"{where} has no attribute or op {name!r}.{submodules}"
+    return f"{where} has no attribute or op {name!r}; closest ops: {close or ops[:5]}.{submodules}"
+
+
+def bridged_hint(envoy: nnsight.Envoy, name: str) -> str | None:
+    """:func:`missing_message` for an envoy under one of nnbridge's front-ends (``nnbridge.NNsight``,
+    ``LanguageModel``...), of a bridged model or of a module holding op points, else None: nnsight's
+    envoys of a model nnbridge never bridged keep nnsight's error."""
+    from .models import _Bridged  # models imports this module
+
+    module = envoy.__dict__.get("_module")
+    top = envoy.root
+    root = top.__dict__.get("_module")
+    bridged = isinstance(top, _Bridged) or (isinstance(root, torch.nn.Module) and bridge_of(root) is not None)
+    if not bridged and not any(isinstance(child, (OpPoint, OpPointContainer))
+                               for child in (modules_of(module).values() if module is not None else ())):
+        return None
+    return missing_message(envoy, name)
 
 
 def tree_repr(envoy: nnsight.Envoy) -> str:

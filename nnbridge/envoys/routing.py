@@ -7,7 +7,10 @@ asking code?), :attr:`Bridge.source_body` (run nnsight's ``.source`` body for th
 :attr:`Bridge.front_end_active` (is a trace running that reaches this module?). All say
 no until a front-end installs its test; importing the envoy layer installs nnsight 0.8's
 (:mod:`nnbridge.compat.nnsight`, :mod:`nnbridge.compat.nnsight_source`). The dependency runs one way: the envoy layer
-knows the graph runtime, never the reverse. Example::
+knows the graph runtime, never the reverse. It also makes nnsight's plain module envoys of a
+bridged model name the closest ops when an attribute is missing (``'Envoy' object (nor its
+module) has attribute 'sofmax'. ...; closest ops: ['softmax', ...]``, see
+:func:`.envoy.missing_message`). Example::
 
     install()                  # done on import of nnbridge.envoys
     OpPoint.wanted is trace_wants
@@ -17,7 +20,8 @@ from __future__ import annotations
 
 from ..bridge.in_place import Bridge
 from ..bridge.op_point import OpPoint
-from ..compat.nnsight import trace_wants, wanted_inside
+from ..compat.nnsight import install_missing_attribute_hint, trace_wants, wanted_inside
+from .envoy import bridged_hint
 from ..compat.nnsight_source import count_visits, nnsight_body, source_body, trace_running
 
 
@@ -30,3 +34,4 @@ def install() -> None:
     Bridge.front_end_body = staticmethod(nnsight_body)
     Bridge.count_unrouted = staticmethod(count_visits)
     Bridge.front_end_active = staticmethod(trace_running)
+    install_missing_attribute_hint(bridged_hint)
