@@ -35,7 +35,7 @@ def test_release_free_heap_is_a_no_op_without_malloc_trim(monkeypatch):
 def test_extraction_and_unbridge_release_free_heap(monkeypatch):
     calls = []
     monkeypatch.setattr(extraction, "release_free_heap", lambda: calls.append("extract"))
-    monkeypatch.setattr(in_place, "release_free_heap", lambda: calls.append("unbridge"))
+    monkeypatch.setattr(in_place, "release_garbage", lambda: calls.append("unbridge"))  # gc, then the trim
     model, reference = gpt2(), gpt2()
     ids = torch.randint(0, 100, (1, 6))
     nnbridge.bridge(model, ids)

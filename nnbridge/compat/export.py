@@ -397,14 +397,15 @@ def _remember_context_classes(model: torch.nn.Module) -> None:
         _path_to_class.__nnbridge_original__ = original  # type: ignore[attr-defined]
         _path_to_class.__doc__ = original.__doc__
         exporter_dynamo._path_to_class = _path_to_class
-    classes = [value for value in vars(cache_utils).values()
-               if isinstance(value, type) and value.__module__ == cache_utils.__name__]
+    classes: list[type] = [value for value in vars(cache_utils).values()
+                           if isinstance(value, type) and value.__module__ == cache_utils.__name__]
     classes += [value for value in vars(sys.modules.get(type(model).__module__, cache_utils)).values()
                 if isinstance(value, type) and exporter_dynamo.is_cache_class(value)]
-    seen = set(classes)
-    stack = list(classes)
+    seen: set[type] = set(classes)
+    stack: list[type] = list(classes)
     while stack:  # and the subclasses of each (a cache class of another module)
-        for subclass in stack.pop().__subclasses__():
+        subclasses: list[type] = stack.pop().__subclasses__()
+        for subclass in subclasses:
             if subclass not in seen:
                 seen.add(subclass)
                 stack.append(subclass)

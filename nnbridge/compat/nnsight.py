@@ -215,4 +215,4 @@ def install_missing_attribute_hint(hint: Callable[[Any, str], str | None]) -> No
             raise MissingAttributeError(message, lambda: hint(self, name), name, self) from None
 
     __getattr__.__nnbridge_original__ = original  # type: ignore[attr-defined]
-    nnsight.Envoy.__getattr__ = __getattr__  # type: ignore[method-assign]
+    nnsight.Envoy.__getattr__ = __getattr__
