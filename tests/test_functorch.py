@@ -104,3 +104,22 @@ def test_transformed_parameters_are_refused_loudly():
     params = {name: p.detach() * 2 for name, p in mlp().named_parameters()}
     with pytest.raises(nnbridge.NNBridgeError, match=r"Module 'Mlp'.*torch.func transform.*functional_call"):
         grad(lambda p: functional_call(model, p, (x,)).sum())(params)
+
+
+@pytest.mark.no_extraction_cache
+def test_vmap_served_from_the_disk_cache_equals_eager(tmp_path, monkeypatch):
+    """A disk-cache hit inside ``vmap`` reads the entry outside the transform (torch.export.load
+    sets requires_grad, which functorch refuses inside one): the entry is used, not deleted."""
+    monkeypatch.setenv("NNBRIDGE_CACHE", str(tmp_path))
+    monkeypatch.setenv("NNBRIDGE_EXTRACTION_CACHE", "1")
+    ids = torch.randint(0, 100, (3, 1, 8))
+    for _ in range(2):  # the second model is served by the first one's entry
+        model = gpt2()
+        expected = vmap(lambda i: model(i).logits)(ids)
+        nnbridge.bridge(model)
+        try:
+            actual = vmap(lambda i: model(i).logits)(ids)
+        finally:
+            nnbridge.unbridge(model)
+        assert torch.equal(actual, expected)
+    assert len(list((tmp_path / "extractions").glob("*.nnbridge"))) >= 1

@@ -39,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -47,6 +48,7 @@ import os
 from pathlib import Path
 from typing import TypedDict
 
+from ..compat.functorch import transforming, transforms_suspended
 from ..compat.serialization import library_versions
 from ..errors import NNBridgeError, SaveLoadError, warn
 from .programs import ExportRequest, ProgramRecord, model_fingerprint, source_known
@@ -161,10 +163,13 @@ class DiskCache:
         if not path.is_file():
             return None
         try:
-            bundle = read_bundle(path)
-            if bundle.header.get("kind") != KIND or bundle.header.get("key") != self.key(request):
-                raise SaveLoadError(f"{path} is not the cache entry of its key")
-            record = bundle.record(0, request.module)
+            # (outside any torch.func transform: torch.export.load sets requires_grad on the
+            # program's tensors, which functorch refuses inside a transform)
+            with transforms_suspended() if transforming() else contextlib.nullcontext():
+                bundle = read_bundle(path)
+                if bundle.header.get("kind") != KIND or bundle.header.get("key") != self.key(request):
+                    raise SaveLoadError(f"{path} is not the cache entry of its key")
+                record = bundle.record(0, request.module)
         except (SaveLoadError, OSError) as error:
             warn(f"nnbridge disk cache: entry {path.name} is unusable and was deleted; extracting again ({error})")
             try:
