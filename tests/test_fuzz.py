@@ -1,15 +1,16 @@
 """Issue 48: a generated differential corpus. hypothesis draws ``nn.Module`` programs from the
 grammar of ``tests/corpus/generated.py`` (the constructs that broke extraction before, and their
-neighbours), each with a front-end (``bridge``, ``pg`` = PatchableGraph, ``nnsight`` =
-nnbridge.NNsight running its traces on the graphs), layer reuse on or off and a mode, and runs it
-through the corpus rule (``tests/corpus/harness.py``: every output, gradient, parameter, buffer
+neighbours) and runs the same programs through each front-end (``bridge``, ``pg`` =
+PatchableGraph, ``nnsight`` = nnbridge.NNsight running its traces on the graphs), with layer reuse
+on and off, under the corpus rule (``tests/corpus/harness.py``: every output, gradient, parameter, buffer
 and the RNG state ``torch.equal`` to eager, or a loud ``NNBridgeError`` naming a module) twice: with
 a fresh disk extraction cache (cold: extracted and stored), then again from that cache (warm).
 
 CI runs :data:`CI_EXAMPLES` programs from a fixed seed (``derandomize``); ``NNBRIDGE_FUZZ_EXAMPLES=N``
-runs N. A failing program is shrunk by hypothesis and reported with its source; with
-``NNBRIDGE_FUZZ_SAVE=1`` the shrunk program is also written to ``tests/corpus/found/`` as a corpus
-entry (then name it and add it to the corpus for good).
+runs N per setting; ``NNBRIDGE_FUZZ_SHRINK=0`` reports a failure without shrinking it. A failing
+program is shrunk by hypothesis and reported with its source; with ``NNBRIDGE_FUZZ_SAVE=1`` the
+shrunk program is also written to ``tests/corpus/found/`` as a corpus entry (rename it for what it
+found: ``tests/test_corpus.py`` runs it from then on).
 
 ``KNOWN_FEATURES`` names the grammar features of known silent differences: the CI programs leave
 them out, and ``test_fuzz_finds_known`` runs programs that use each one and must find a difference
@@ -35,8 +36,9 @@ from corpus.generated import (BODIES, EDITS, INNER_CALLS, PLAIN_EDITS, READS, Bl
                               alias_roots, load, render)
 from corpus.harness import FRONT_ENDS, check
 
-#: programs per CI run (fixed seed); ``NNBRIDGE_FUZZ_EXAMPLES`` overrides
-CI_EXAMPLES = 40
+#: programs per front-end and layer-reuse setting in a CI run (fixed seed): 6 x 20 cases, each run
+#: cold and warm; ``NNBRIDGE_FUZZ_EXAMPLES`` overrides
+CI_EXAMPLES = 20
 EXAMPLES = int(os.environ.get("NNBRIDGE_FUZZ_EXAMPLES") or CI_EXAMPLES)
 #: programs per known feature in test_fuzz_finds_known
 KNOWN_EXAMPLES = 10
