@@ -36,9 +36,9 @@ from corpus.generated import (BODIES, EDITS, INNER_CALLS, PLAIN_EDITS, READS, Bl
                               alias_roots, load, render)
 from corpus.harness import FRONT_ENDS, check
 
-#: programs per front-end and layer-reuse setting in a CI run (fixed seed): 6 x 20 cases, each run
+#: programs per front-end and layer-reuse setting in a CI run (fixed seed): 6 x 15 cases, each run
 #: cold and warm; ``NNBRIDGE_FUZZ_EXAMPLES`` overrides
-CI_EXAMPLES = 20
+CI_EXAMPLES = 15
 EXAMPLES = int(os.environ.get("NNBRIDGE_FUZZ_EXAMPLES") or CI_EXAMPLES)
 #: programs per known feature in test_fuzz_finds_known
 KNOWN_EXAMPLES = 10
