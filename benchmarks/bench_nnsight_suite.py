@@ -8,7 +8,7 @@ as in a plain script). Bodies:
   write          h[0].output[:] = 0, save lm_head.output
   skip           h[0].skip(h[0].input), save lm_head.output
   iter generate  generate(max_new_tokens=3), save lm_head.output at each of tracer.iter[0:3]
-  cache          tracer.cache() over the whole model (nnbridge: modules and ops)
+  cache          tracer.cache() over the whole model (every module's output, as nnsight's)
   session        a session of two traces, each saving h[0].output
 Columns: "first" is the first trace of a fresh wrapper (nnbridge extracts there: export and
 unflatten of the call structures it meets), median of --first fresh wrappers, cold: the script sets

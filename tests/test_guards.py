@@ -71,6 +71,20 @@ EDITS = {
     "parameter_reassigned": lambda m: setattr(m.layers[0], "weight", nn.Parameter(torch.full((4, 4), 0.5))),
     "appended_layer": lambda m: m.layers.append(_seeded(nn.Linear, 4, 4)),
 }
+CLASS_SWAPS = {
+    "child_class_swapped": lambda m: setattr(m.layers[1], "__class__", DoubledLinear),
+    "class_swapped": lambda m: setattr(m, "__class__", NegatedStack),
+}
+
+
+class DoubledLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+class NegatedStack(Stack):
+    def forward(self, x):
+        return -super().forward(x)
 
 
 def _seeded(cls, *args):
@@ -95,6 +109,22 @@ def _assert_edit_honoured(make, edit):
 @pytest.mark.parametrize("edit", list(EDITS))
 def test_edits_after_extraction_are_honoured(edit):
     _assert_edit_honoured(_stack, EDITS[edit])
+
+
+@pytest.mark.parametrize("edit", list(CLASS_SWAPS))
+def test_class_swaps_after_extraction_are_honoured(edit):
+    """``module.__class__ = Sub`` (found by tests/test_fuzz.py): the graphs hold the old class's
+    code; the class of every module is guarded. Through PatchableGraph and the bridge; a
+    module-only nnsight trace runs nnsight's own code, which (nnsight 0.8.1, plain nnsight too)
+    keeps calling the old class's forward from its second trace on."""
+    x = torch.randn(3, 4)
+    for name, run, target, reference in front_ends(_stack, x)[:2]:
+        before = run(x)
+        assert torch.equal(before, reference(x)) and torch.equal(run(x), before), name
+        CLASS_SWAPS[edit](target)
+        CLASS_SWAPS[edit](reference)
+        assert not torch.equal(reference(x), before), "the edit changes eager's output"
+        assert torch.equal(run(x), reference(x)), f"{name}: class swap ignored"
 
 
 @dataclasses.dataclass

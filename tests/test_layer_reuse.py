@@ -647,7 +647,7 @@ def test_a_size_read_from_another_cache_layer_that_differs_falls_back():
 def test_layers_of_a_model_wrapped_by_nnsight_first_are_reused():
     """The usual order: wrap (nnsight gives every module its own wrapping state), then trace.
     That per-module state is not an attribute that differs between layers: the whole-model
-    extraction a ``tracer.cache()`` needs reuses layer 0, and the cache equals nnsight's."""
+    extraction a ``tracer.cache(ops=True)`` needs reuses layer 0, and the cache equals nnsight's."""
     import nnsight
     ids = torch.randint(1, 100, (1, 6))
     model = _three_layers(gpt2)()
@@ -655,7 +655,7 @@ def test_layers_of_a_model_wrapped_by_nnsight_first_are_reused():
     caches = []
     for wrapper in (wrapped, reference):
         with torch.no_grad(), wrapper.trace(ids) as tracer:
-            caches.append(tracer.cache())
+            caches.append(tracer.cache(ops=True) if wrapper is wrapped else tracer.cache())
     reused = {name: m.graph_meta.reused_from for d in bridge_of(model).dispatchers.values()
               for e in d.all_extractions() for name, m in e.root.named_modules()
               if isinstance(m, CompiledGraphModule) and m.graph_meta.reused_from}

@@ -434,7 +434,9 @@ def test_op_owners_places_each_read():
     assert owners("[layer.add for layer in model.transformer.h]") is None  # nested code
     assert owners("model.get('transformer.h.0.attn.softmax')") is None  # a string path
     assert owners("model.transformer.h[0].attn.invocation_1.softmax.output") is None
-    assert owners("tracer.cache()") is None
+    assert owners("tracer.cache(ops=True)") is None  # every op
+    assert owners("tracer.cache(**options)") is None  # perhaps every op
+    assert owners("tracer.cache()") == {}  # module envoys only, as nnsight's
     # a string used as a key of a module's value is not a name of an envoy (input_ids: a placeholder)
     assert owners("x = invoker.inputs[1]['input_ids'].save()") == {}
     assert owners("model.transformer.h[0].output['input_ids']") == {}

@@ -156,7 +156,7 @@ def test_running_eagerly_refuses_while_an_op_point_is_hooked():
 def test_cache_runs_the_graphs():
     bridged, _, module = _pair()
     with bridged.trace(IDS) as tracer:
-        cache = tracer.cache()
+        cache = tracer.cache(ops=True)
     assert _extractions(module) >= 1
     assert any(key.endswith("softmax") for key in cache.keys())
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nnbridge
-from utils import assert_same, head, layer, PROMPTS, ToyCacheStack, wrap
+from utils import assert_same, cache_with_ops, head, layer, PROMPTS, ToyCacheStack, wrap
 
 
 # -- .skip() with transformers' default cache (use_cache=True, DynamicCache) ---------------------
@@ -76,7 +76,7 @@ def test_a_skip_in_a_graph_run_equals_nnsight_and_keeps_the_graphs(kind):
     never touched that layer while exported, so they still serve the call (no extraction)."""
     def run(model, skipped):
         with model.trace(PROMPTS[0]) as tracer:
-            tracer.cache()  # every module's and op's value: the graphs run
+            cache_with_ops(tracer, model)  # every module's and op's value: the graphs run
             if skipped is not None:
                 layer(model, skipped).skip(layer(model, skipped).input)
             after = layer(model, 1).output.save()
@@ -103,7 +103,7 @@ def test_skips_in_a_graph_run_of_alternating_sliding_and_full_layers_equal_nnsig
 
     def run(model, skips):
         with model.trace(ids) as tracer:
-            tracer.cache()
+            cache_with_ops(tracer, model)
             for i in skips:
                 model.model.layers[i].skip(model.model.layers[i].input)
             last = model.model.layers[3].output.save()
@@ -122,7 +122,7 @@ def test_batched_skips_in_a_graph_run_equal_nnsight():
     def run(model):
         with model.trace() as tracer:
             with tracer.invoke(PROMPTS[0]):
-                tracer.cache()
+                cache_with_ops(tracer, model)
                 layer(model, 0).skip(layer(model, 0).input)
                 first = head(model).output.save()
             with tracer.invoke(PROMPTS[1]):
@@ -138,7 +138,7 @@ def test_a_skip_of_a_cache_layer_a_graph_read_extracts_again_and_equals_nnsight(
     layer 0 skipped, its check compares layer 0 and fails, so it is extracted again, not run stale."""
     def run(model):
         with model.trace(torch.ones(2, 3, 4)) as tracer:
-            tracer.cache()
+            cache_with_ops(tracer, model)
             model.layers[0].skip(model.layers[0].input)
             out = model.output.save()
         return out
@@ -147,7 +147,7 @@ def test_a_skip_of_a_cache_layer_a_graph_read_extracts_again_and_equals_nnsight(
     module = ToyCacheStack(reads_first=True)
     bridged, reference = nnbridge.NNsight(module), nnsight.NNsight(copy.deepcopy(module))
     with bridged.trace(torch.ones(2, 3, 4)) as tracer:
-        tracer.cache()
+        tracer.cache(ops=True)
     extractions = _extractions(bridged)
     assert_same(run(bridged), run(reference))
     assert _extractions(bridged) > extractions
@@ -171,7 +171,7 @@ def test_cache_with_a_single_invoker_equals_nnsight(shape):
         torch.manual_seed(0)
         model = library.NNsight(Normed())
         with model.trace(torch.ones(*shape)) as tracer:
-            cache = tracer.cache()
+            cache = cache_with_ops(tracer, model)
         return cache["model.layer1"].output, cache["model.layer2"].output, cache["model"].output
 
     assert_same(run(nnbridge), run(nnsight))
@@ -181,7 +181,7 @@ def test_cache_with_a_single_invoker_on_a_language_model_equals_nnsight():
     def run(library):
         model = wrap(library, "gpt2")
         with model.trace(PROMPTS) as tracer:
-            cache = tracer.cache()
+            cache = cache_with_ops(tracer, model)
         return cache["model.transformer.h.0"].output, cache["model.lm_head"].output
 
     assert_same(run(nnbridge), run(nnsight))

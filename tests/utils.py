@@ -259,6 +259,13 @@ def head(model):
     return model.lm_head
 
 
+def cache_with_ops(tracer, model):
+    """``tracer.cache()`` with every op's value too (``ops=True``) on an nnbridge model; nnsight's
+    ``tracer.cache()`` on an nnsight one."""
+    from nnbridge.envoys.models import _Bridged
+    return tracer.cache(ops=True) if isinstance(model, _Bridged) else tracer.cache()
+
+
 def cached(cache):
     """The tensors a DynamicCache holds: each initialized layer's keys and values."""
     return [t for layer in cache.layers if layer.is_initialized for t in (layer.keys, layer.values)]

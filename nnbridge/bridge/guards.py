@@ -6,7 +6,8 @@ the state of the module tree it ran on, like Dynamo's guards on ``self``:
 - every module's plain attribute values (numbers, bools, strings, enums, dtypes, devices, None):
   ``self.temperature``, ``self.training``, ``self.scale``; and those of its ``config`` object
   (``config.output_hidden_states``, ``config.use_cache``), nested configs included;
-- the identity of every child module (a replaced or wrapped submodule, e.g. a LoRA wrapper);
+- the identity of every child module (a replaced or wrapped submodule, e.g. a LoRA wrapper), and
+  the class of every module whose code the graphs hold (``module.__class__ = Sub``);
 - the identity, dtype, device, shape and requires_grad of every parameter, buffer and plain tensor attribute
   (``.double()``, ``.to(...)``, a re-assigned weight or mask);
 - what the code's lookups find (:class:`~.code_identity.CodeCheck`): a method of a module class, a
@@ -143,6 +144,8 @@ class StateGuard:
         # (where, holder's dict, name, object): each config-like object held, by identity (one
         # assigned anew, ``m.settings = Settings(...)``, is another object to guard)
         self._held: list[tuple[str, dict[str, Any], str, Any]] = []
+        # (where, module, its class): the graphs hold the code of each module's class
+        self._typed: list[tuple[str, torch.nn.Module, type]] = []
         self._skip = skip
         seen_configs: set[int] = set()
         classes: list[type] = []
@@ -154,6 +157,7 @@ class StateGuard:
             if id(module) in opaque:
                 continue
             classes.append(type(module))
+            self._typed.append((where, module, type(module)))
             state = module.__dict__  # (its size is not guarded: nnsight and others add entries)
             guarded: dict[str, Any] = {}  # plain values (containers may hold tensors), partials' arguments
             for name, value in state.items():
@@ -211,6 +215,8 @@ class StateGuard:
         self._classes = [cls for cls, _, _ in self._class_values]
         self._class_names = [name for _, name, _ in self._class_values]
         self._class_snapshots = [value for _, _, value in self._class_values]
+        self._typed_modules = [module for _, module, _ in self._typed]
+        self._types = [cls for _, _, cls in self._typed]
 
     @staticmethod
     def _walk(module: torch.nn.Module, where: str, opaque: set[int], skip: Callable[[torch.nn.Module], bool] | None
@@ -267,6 +273,7 @@ class StateGuard:
             return False
         return (self._tensors_hold() and all(map(operator.is_, map(dict.get, self._held_stores, self._held_names),
                                                  self._held_objects))
+                and all(map(operator.is_, map(type, self._typed_modules), self._types))
                 and self._class_values_hold() and self._code.holds())
 
     def _class_values_hold(self) -> bool:
@@ -328,6 +335,9 @@ class StateGuard:
         for cls, name, value in self._class_values:
             if not _traced_equal(getattr(cls, name, None), value):
                 return False
+        for _, module, cls in self._typed:
+            if type(module) is not cls:
+                return False
         return True
 
     def what_changed(self) -> str | None:
@@ -361,6 +371,9 @@ class StateGuard:
         for where, store, name, value in self._held:
             if store.get(name) is not value:
                 return f"config-like object {where} ({type(value).__name__}) was replaced or removed"
+        for where, module, cls in self._typed:
+            if type(module) is not cls:
+                return f"the class of {where} changed {cls.__qualname__} -> {type(module).__qualname__}"
         for cls, name, value in self._class_values:
             now = getattr(cls, name, missing)
             if now is missing or not _same(now, value):
@@ -378,6 +391,7 @@ class StateGuard:
         children = sum(len(snapshot) for _, _, snapshot in self._children)
         return [f"{plain} plain attribute values (modules and configs)",
                 f"{len(self._class_values)} plain class attribute values", f"identity of {children} child modules",
+                f"class of {len(self._typed)} modules",
                 f"identity, dtype, device, shape and requires_grad of {len(self._tensors)} tensors",
                 f"what {len(self._code.bindings)} lookups of methods, helper functions, registry entries and"
                 " attributes of objects held by modules (followed by the names the code reads) find",

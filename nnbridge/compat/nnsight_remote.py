@@ -9,7 +9,8 @@ classes (``nnbridge.LanguageModel``...) and its op envoys would make the server'
 the server, reproduces). While :func:`serialised_as_nnsight` is active in a thread, every envoy is
 pickled as an instance of its nnsight base class (``nnsight.LanguageModel``...), without the op
 envoys among its children and without nnbridge's own attributes: what the server expects from a
-plain nnsight client. Other threads' pickling is untouched.
+plain nnsight client; a trace context (nnbridge's ``tracer.cache(ops=...)`` tracer) is pickled as its
+nnsight base class. Other threads' pickling is untouched.
 
 nnsight internals used: ``CustomCloudPickler`` (a ``cloudpickle.CloudPickler``; its
 ``reducer_override`` is wrapped, process-wide, on first use) and ``Envoy.__getstate__``,
@@ -26,6 +27,7 @@ from typing import Any
 import nnsight
 import torch
 from nnsight.intervention import serialization
+from nnsight.tracing.tracer import Tracer
 
 _ACTIVE = threading.local()
 _INSTALLED = threading.Lock()
@@ -66,6 +68,8 @@ def _install() -> None:
             is_op = getattr(_ACTIVE, "is_op", None)
             if is_op is not None and isinstance(obj, nnsight.Envoy) and not is_op(obj._module):
                 return object.__new__, (_nnsight_class(type(obj)),), _plain_state(obj, is_op)
+            if is_op is not None and isinstance(obj, Tracer) and _nnsight_class(type(obj)) is not type(obj):
+                return object.__new__, (_nnsight_class(type(obj)),), obj.__getstate__()  # nnbridge's tracer
             return original(self, obj)
 
         reducer_override._nnbridge = True  # type: ignore[attr-defined]

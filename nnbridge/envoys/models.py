@@ -41,6 +41,7 @@ from ..compat.nnsight_source import sourced
 from ..bridge.op_point import OpPoint, OpPointContainer
 from .envoy import BridgeEnvoy, tree_repr
 from .op_reads import op_owners
+from .tracer import op_cache_tracer
 from .remote import NNsightRequest, is_op_point
 
 #: The default ``envoys=`` mapping: op points get BridgeEnvoys, modules nnsight's own Envoy.
@@ -149,6 +150,11 @@ class _Bridged(_EnvoyBase):
     def __repr__(self) -> str:
         """nnsight's printed tree, each module's ops on one line (see :func:`.envoy.tree_repr`)."""
         return tree_repr(self)
+
+    def trace(self, *args: Any, tracer_cls: type | None = None, **kwargs: Any) -> Any:
+        """nnsight's ``trace``; its tracer's ``cache()`` records module envoys only, as nnsight's
+        does, unless asked for ops (``tracer.cache(ops=True)``: see :mod:`.tracer`)."""
+        return super().trace(*args, tracer_cls=op_cache_tracer(tracer_cls), **kwargs)
 
     def __call__(self, *args: Any, hook: bool = False, **kwargs: Any) -> Any:
         # outside a trace nnsight calls the module: nothing can read an op, so unless a patch or a

@@ -64,7 +64,8 @@ TENSOR_ATTRIBUTES = frozenset({"grad", "data", "device", "dtype", "shape", "real
                                "nbytes", "is_cuda", "values", "indices"})
 #: nnbridge node names that are not ATen op names.
 NODE_NAMES = frozenset({"getitem", "lifted_tensor", "_tensor_constant", "sym_size_int", "sym_numel", "sym_stride_int", "sym_storage_offset"})
-#: Tracer and envoy methods whose use makes a trace see every location, ops included (``tracer.cache()``).
+#: Tracer and envoy methods whose use may make a trace see every location, ops included
+#: (``tracer.cache(ops=True)``; see :func:`_sees_every_op`).
 WHOLE_MODEL_METHODS = frozenset({"cache"})
 #: what :func:`attribute_reads` reports for an op envoy held in a name: a node name
 _HELD_OP = "getitem"
@@ -293,7 +294,7 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
         if opname in _LOAD_ATTRIBUTE and isinstance(name, str):
             method = (_METHOD and opname == "LOAD_ATTR" and bool((instruction.arg or 0) & 1))
             if method:
-                if name in WHOLE_MODEL_METHODS and not _limited_to_modules(code, instructions, i):
+                if name in WHOLE_MODEL_METHODS and _sees_every_op(code, instructions, i):
                     reads.add(name)
                 end(i - 1)
             else:
@@ -322,7 +323,7 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
         end(i - 1)
         if opname == "GET_ITER":
             bindings.update(_loop_bindings(instructions, i, spans))
-        if opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS and not _limited_to_modules(code, instructions, i):
+        if opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS and _sees_every_op(code, instructions, i):
             reads.add(name)
         elif opname in _ROOT_LOADS and isinstance(name, str):
             if opname != "LOAD_FAST":
@@ -479,10 +480,11 @@ def _chains_between(spans: dict[int, tuple[int, Chain]], first: int, last: int) 
 _CALL_STARTS = frozenset({"LOAD_METHOD", "PUSH_NULL"})
 
 
-def _limited_to_modules(code: types.CodeType, instructions: list[dis.Instruction], start: int) -> bool:
-    """Whether the method loaded at ``instructions[start]`` (``tracer.cache``) is called with a
-    ``modules=`` keyword (nnsight 0.8: then it caches those envoys only; what they are is read as
-    any other chain). False when the call cannot be found (a conservative answer)."""
+def _sees_every_op(code: types.CodeType, instructions: list[dis.Instruction], start: int) -> bool:
+    """Whether the method loaded at ``instructions[start]`` (``tracer.cache``) may record every op:
+    called with an ``ops=`` keyword (``tracer.cache(ops=True)``), or a call the test cannot read
+    (``**kwargs``, or not found). ``tracer.cache()`` records module envoys only, as nnsight's, and
+    ``modules=`` records the envoys it names (what they are is read as any other chain)."""
     depth = 0
     for position in range(start + 1, len(instructions)):
         instruction = instructions[position]
@@ -502,10 +504,10 @@ def _limited_to_modules(code: types.CodeType, instructions: list[dis.Instruction
                     names = before.argval
                 if names is not None:
                     break
-            return isinstance(names, tuple) and "modules" in names
+            return isinstance(names, tuple) and "ops" in names
         elif opname in ("CALL_FUNCTION_EX", "RETURN_VALUE", "RETURN_CONST"):
-            return False
-    return False
+            return True
+    return True
 
 
 def _identifiers(text: str) -> list[str]:
@@ -584,7 +586,7 @@ def op_owners(codes: Iterable[types.CodeType], resolve: Callable[[str], object],
 
     None when the whole model must be extracted: a possible op name is read off no module the test
     can name (a string path, a loop variable it does not follow, a name read in nested code or a
-    called function, ``tracer.cache()``), off
+    called function, ``tracer.cache(ops=True)``), off
     the model itself, or is an invocation container (``invocation_1``: a module called several
     times per forward numbers its calls only in a whole-model extraction); also when the reads lie
     in more than :data:`LAZY_ENTRIES` entries of one container (see there)."""

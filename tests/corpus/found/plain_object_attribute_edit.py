@@ -1,0 +1,94 @@
+"""fuzz_plain_object_attribute_edit: an attribute of a plain object (an instance of a plain class) read in forward and
+written after extraction: issue 48 item 2, not guarded (shrunk by tests/test_fuzz.py).
+
+Program(blocks=(Block(arity=1, body=0, inner=None, alpha=False),), children=(Child(kind='block', blocks=(0,)),), stmts=(Stmt(kind='call', args=(0,), child=0, style='pos'), Stmt(kind='read', args=(1,), child=0, style='hp')), output=('one', (2,)), script=(Step(kind='call', grad=True, input_grad=False, rows=2, child=0, entry=0, block=0, value=2.0), Step(kind='hp_attr', grad=True, input_grad=False, rows=2, child=0, entry=0, block=0, value=2.0), Step(kind='call', grad=True, input_grad=False, rows=2, child=0, entry=0, block=0, value=2.0)), modes=('train',))
+"""
+
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from corpus import Call, Edit, Entry
+
+
+class HParams:
+    """A plain object (not a dataclass, not a module) read in forward."""
+
+    def __init__(self, scale=1.0, shift=0.0):
+        self.scale = scale
+        self.shift = shift
+        self.inner = Nested()
+
+
+class Nested:
+    def __init__(self):
+        self.bias = 0.5
+
+
+class Swish:
+    """A callable object (not a module)."""
+
+    def __init__(self, beta=1.0):
+        self.beta = beta
+
+    def __call__(self, x):
+        return x * torch.sigmoid(self.beta * x)
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, p, q):
+        return self.proj(p) * torch.sigmoid(q)
+
+
+
+class B0(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class B0Alt(B0):
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+class Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c0 = B0()
+        self.alpha = 1.0
+        self.hp = HParams()
+        self.act = Swish(1.0)
+        self.k = np.float32(1.0)
+        self.calls = 0
+        self.register_buffer("running", torch.zeros(4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, v0):
+        v1 = self.c0(v0)
+        v2 = v1 * self.hp.scale + self.hp.shift
+        return v2
+
+
+def edit0(m):
+    m.hp.scale = 2.0
+
+
+def script():
+    return [
+        Call((torch.randn(2, 4),)),
+        Edit(edit0),
+        Call((torch.randn(2, 4),)),
+    ]
+
+
+ENTRIES = [Entry('fuzz_plain_object_attribute_edit', Root, script, item=48, modes=('train',))]

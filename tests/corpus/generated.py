@@ -1,0 +1,334 @@
+"""Generated corpus programs (issue 48): a program is data (a :class:`Program`, a small tree of frozen
+dataclasses), rendered to the Python source of an ``nn.Module`` and its script (:func:`render`),
+written to a file and imported (:func:`load`), so that its classes have a source file as a user's
+do (the disk extraction cache only serves those) and a failing program reads as a corpus entry.
+
+The grammar (``tests/test_fuzz.py`` draws from it with hypothesis) is made of the constructs that
+broke extraction before, and their neighbours:
+
+- block classes ``B<i>`` (``forward(self, x, a)`` or ``forward(self, x)``) over a ``Linear``,
+  optionally calling an inner child ``Inner(p, q)`` positionally, by keyword in either order or
+  mixed, and reading a Python float attribute ``self.alpha``;
+- the root's children: single blocks, ``ModuleList``s of identical or of differing blocks (layer
+  reuse), and a second attribute for an earlier child (a shared module);
+- the root's forward: child calls with positional/keyword arguments in any order and repeated
+  arguments (``self.c0(v1, v1)``), loops over a ``ModuleList`` (``h = b(h, a)``, ``h is a`` on the
+  first iteration when aliased), a child called twice, ``torch.no_grad()`` regions, in-place buffer
+  updates in training, dropout (the RNG), a Python counter, reads of a Python float, of a plain
+  object's attributes (``self.hp.scale``, ``self.hp.inner.bias``), of a callable object
+  (``self.act(v)``) and of a numpy scalar (``self.k``); a tensor, tuple or dict output;
+- the script: calls with and without grad, and edits between them: module attribute writes,
+  plain-object attribute writes and replacements, child swaps, class swaps (``__class__``) and
+  ``.double()``.
+
+Every construct a program uses that belongs to a known silent difference is named in
+:attr:`Program.features` (see ``KNOWN_FEATURES`` in ``tests/test_fuzz.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+#: body templates of a block's forward by arity (``x`` and ``a`` are its arguments)
+BODIES: dict[int, tuple[str, ...]] = {
+    2: ("self.lin(x + a)", "self.lin(x) * torch.tanh(a)", "self.lin(x) + self.lin(a)", "torch.relu(self.lin(x)) - a"),
+    1: ("self.lin(x)", "torch.tanh(self.lin(x)) + x", "self.lin(self.lin(x))"),
+}
+#: how a block calls its inner child ``Inner(p, q)``
+INNER_CALLS = ("pos", "kw", "kw_rev", "mixed")
+#: the root's scalar reads: a Python float, a plain object's attributes, a callable object, a numpy scalar
+READS = ("alpha", "hp", "nested", "act", "k")
+#: edits of plain objects (not modules): issue 48 item 2
+PLAIN_EDITS = ("hp_attr", "hp_replace", "nested_attr", "act_attr", "act_replace", "k_replace")
+EDITS = ("root_alpha", "block_alpha", "swap_child", "swap_class", "double", *PLAIN_EDITS)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A block class: ``arity`` arguments, ``body`` an index into :data:`BODIES`, ``inner`` how it
+    calls an inner ``Inner`` child first (None: no inner child), ``alpha``: multiplies by
+    ``self.alpha``."""
+    arity: int
+    body: int
+    inner: str | None = None
+    alpha: bool = False
+
+
+@dataclass(frozen=True)
+class Child:
+    """A root child ``c<i>``: ``kind`` ``"block"`` (``blocks[0]``), ``"list"`` (a ModuleList of
+    ``blocks``) or ``"shared"`` (``blocks[0]`` is an earlier child's index: the same module)."""
+    kind: str
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Stmt:
+    """One statement of the root's forward, making a new variable from earlier ones (``v0`` is the
+    input). ``kind``: ``"call"`` (child ``child`` on ``args``, by ``style``), ``"loop"`` (over list
+    ``child``, ``h = args[0]``, each ``h = b(h, args[1])``), ``"read"`` (``style`` one of
+    :data:`READS` applied to ``args[0]``), ``"buffer"``, ``"nograd"`` (``call`` in a no_grad
+    region), ``"dropout"``, ``"counter"``, ``"add"``."""
+    kind: str
+    args: tuple[int, ...]
+    child: int = 0
+    style: str = "pos"
+
+
+@dataclass(frozen=True)
+class Step:
+    """A script step: a call (``kind == "call"``, ``grad``, ``input_grad``: the input requires
+    grad, ``rows``: its batch size) or an edit (``kind`` one of :data:`EDITS`, of child ``child``,
+    entry ``entry`` of a list, to ``value`` or to block class ``block``)."""
+    kind: str
+    grad: bool = True
+    input_grad: bool = False
+    rows: int = 2
+    child: int = 0
+    entry: int = 0
+    block: int = 0
+    value: float = 2.0
+
+
+@dataclass(frozen=True)
+class Program:
+    blocks: tuple[Block, ...]
+    children: tuple[Child, ...]
+    stmts: tuple[Stmt, ...]
+    output: tuple[str, tuple[int, ...]]  # ("one" | "tuple" | "dict", variables)
+    script: tuple[Step, ...]
+    modes: tuple[str, ...] = ("train",)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The constructs of known silent differences the program uses (``tests/test_fuzz.py``)."""
+        found = set()
+        roots = alias_roots(self.stmts)
+        for stmt in self.stmts:
+            if stmt.kind == "loop" and self.blocks[self.children[stmt.child].blocks[0]].arity == 2 \
+                    and roots[stmt.args[0]] == roots[stmt.args[1]]:
+                found.add("loop_alias")
+        if any(step.kind in PLAIN_EDITS for step in self.script):
+            found.add("plain_object_edit")
+        return frozenset(found)
+
+    def name(self) -> str:
+        return "fuzz_" + hashlib.sha256(repr(self).encode()).hexdigest()[:10]
+
+
+def alias_roots(stmts: tuple[Stmt, ...]) -> list[int]:
+    """For each variable (``v0`` the input, ``v<n>`` made by ``stmts[n - 1]``), the first variable
+    that may be the same tensor (``F.dropout`` without training returns its input)."""
+    roots = [0]
+    for stmt in stmts:
+        roots.append(roots[stmt.args[0]] if stmt.kind == "dropout" else len(roots))
+    return roots
+
+
+# -- rendering ------------------------------------------------------------------------------------
+_PRELUDE = '''\
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from corpus import Call, Edit, Entry
+
+
+class HParams:
+    """A plain object (not a dataclass, not a module) read in forward."""
+
+    def __init__(self, scale=1.0, shift=0.0):
+        self.scale = scale
+        self.shift = shift
+        self.inner = Nested()
+
+
+class Nested:
+    def __init__(self):
+        self.bias = 0.5
+
+
+class Swish:
+    """A callable object (not a module)."""
+
+    def __init__(self, beta=1.0):
+        self.beta = beta
+
+    def __call__(self, x):
+        return x * torch.sigmoid(self.beta * x)
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, p, q):
+        return self.proj(p) * torch.sigmoid(q)
+'''
+
+
+def _inner_call(style: str, x: str, a: str) -> str:
+    return {"pos": f"self.inner({x}, {a})", "kw": f"self.inner(p={x}, q={a})", "kw_rev": f"self.inner(q={a}, p={x})",
+            "mixed": f"self.inner({x}, q={a})"}[style]
+
+
+def _block_source(index: int, block: Block) -> str:
+    params = "x, a" if block.arity == 2 else "x"
+    init = ["super().__init__()", "self.lin = nn.Linear(4, 4)"]
+    body = []
+    if block.inner is not None:
+        init.append("self.inner = Inner()")
+        body.append(f"x = {_inner_call(block.inner, 'x', 'a' if block.arity == 2 else 'x')}")
+    if block.alpha:
+        init.append("self.alpha = 1.5")
+    expression = BODIES[block.arity][block.body]
+    body.append(f"return {expression}" + (" * self.alpha" if block.alpha else ""))
+    lines = [f"class B{index}(nn.Module):", "    def __init__(self):"]
+    lines += [f"        {line}" for line in init]
+    lines += ["", f"    def forward(self, {params}):"] + [f"        {line}" for line in body]
+    lines += ["", "", f"class B{index}Alt(B{index}):", f"    def forward(self, {params}):",
+              f"        return super().forward({params}) * 2.0"]
+    return "\n".join(lines)
+
+
+def _call_args(style: str, arity: int, names: list[str]) -> str:
+    if arity == 1:
+        return {"pos": names[0], "kw": f"x={names[0]}"}.get(style, names[0])
+    x, a = names
+    return {"pos": f"{x}, {a}", "kw": f"x={x}, a={a}", "kw_rev": f"a={a}, x={x}", "mixed": f"{x}, a={a}"}[style]
+
+
+def _arity(program: Program, child: int) -> int:
+    spec = program.children[child]
+    if spec.kind == "shared":
+        return _arity(program, spec.blocks[0])
+    return program.blocks[spec.blocks[0]].arity
+
+
+def _root_source(program: Program) -> tuple[str, bool]:
+    init = ["super().__init__()"]
+    for i, child in enumerate(program.children):
+        if child.kind == "block":
+            init.append(f"self.c{i} = B{child.blocks[0]}()")
+        elif child.kind == "list":
+            init.append(f"self.c{i} = nn.ModuleList([{', '.join(f'B{b}()' for b in child.blocks)}])")
+        else:
+            init.append(f"self.c{i} = self.c{child.blocks[0]}  # shared")
+    init += ["self.alpha = 1.0", "self.hp = HParams()", "self.act = Swish(1.0)", "self.k = np.float32(1.0)",
+             "self.calls = 0", 'self.register_buffer("running", torch.zeros(4))',
+             'self.register_buffer("steps", torch.zeros((), dtype=torch.long))']
+    body: list[str] = []
+    counter = False
+    for n, stmt in enumerate(program.stmts, start=1):
+        new, args = f"v{n}", [f"v{i}" for i in stmt.args]
+        if stmt.kind in ("call", "nograd"):
+            arity = _arity(program, stmt.child)
+            call = f"self.c{stmt.child}({_call_args(stmt.style, arity, args[:arity])})"
+            if stmt.kind == "nograd":
+                body += ["with torch.no_grad():", f"    {new} = {call}"]
+            else:
+                body.append(f"{new} = {call}")
+        elif stmt.kind == "loop":
+            arity = _arity(program, stmt.child)
+            body.append(f"{new} = {args[0]}")
+            step = f"b({new}, {args[1]})" if arity == 2 else f"b({new})"
+            body += [f"for b in self.c{stmt.child}:", f"    {new} = {step}"]
+        elif stmt.kind == "read":
+            v = args[0]
+            body.append({"alpha": f"{new} = {v} * self.alpha",
+                         "hp": f"{new} = {v} * self.hp.scale + self.hp.shift",
+                         "nested": f"{new} = {v} + self.hp.inner.bias",
+                         "act": f"{new} = self.act({v})",
+                         "k": f"{new} = {v} * float(self.k)"}[stmt.style])
+        elif stmt.kind == "buffer":
+            body += ["if self.training:", f"    self.running.mul_(0.5).add_({args[0]}.detach().mean(0))",
+                     "    self.steps += 1", f"{new} = {args[0]} - self.running"]
+        elif stmt.kind == "dropout":
+            body.append(f"{new} = F.dropout({args[0]}, 0.25, self.training)")
+        elif stmt.kind == "counter":
+            counter = True
+            body += ["self.calls += 1", f"{new} = {args[0]} * self.calls"]
+        elif stmt.kind == "add":
+            body.append(f"{new} = {args[0]} + {args[1]}")
+        else:
+            raise ValueError(stmt.kind)
+    kind, outs = program.output
+    names = [f"v{i}" for i in outs]
+    body.append({"one": f"return {names[0]}", "tuple": f"return ({', '.join(names)},)",
+                 "dict": "return {" + ", ".join(f'"out{i}": {name}' for i, name in enumerate(names)) + "}"}[kind])
+    lines = ["class Root(nn.Module):", "    def __init__(self):"] + [f"        {line}" for line in init]
+    lines += ["", "    def forward(self, v0):"] + [f"        {line}" for line in body]
+    return "\n".join(lines), counter
+
+
+def _edit_source(program: Program, step: Step, doubled: bool) -> str:
+    child = program.children[step.child] if program.children else None
+    target = f"m.c{step.child}"
+    if child is not None and child.kind == "list":
+        target = f"m.c{step.child}[{step.entry}]"
+    value = repr(step.value)
+    return {"root_alpha": f"m.alpha = {value}",
+            "block_alpha": f"{target}.alpha = {value}",
+            "swap_child": f"{target} = B{step.block}()" + (".double()" if doubled else ""),
+            "swap_class": f"{target}.__class__ = B{step.block}Alt",
+            "double": "m.double()",
+            "hp_attr": f"m.hp.scale = {value}",
+            "hp_replace": f"m.hp = HParams(scale={value})",
+            "nested_attr": f"m.hp.inner.bias = {value}",
+            "act_attr": f"m.act.beta = {value}",
+            "act_replace": f"m.act = Swish({value})",
+            "k_replace": f"m.k = np.float32({value})"}[step.kind]
+
+
+def render(program: Program, name: str | None = None, doc: str = "") -> str:
+    """The Python source of ``program``: its classes, edits and an ``ENTRIES`` list of one corpus
+    :class:`~corpus.Entry` named ``name`` (default :meth:`Program.name`); ``doc`` opens the
+    module's docstring."""
+    name = name or program.name()
+    header = f"{name}: {doc}" if doc else f"{name}: a program generated by tests/test_fuzz.py."
+    parts = [f'"""{header}\n\n{program!r}\n"""', _PRELUDE]
+    parts += [_block_source(i, block) for i, block in enumerate(program.blocks)]
+    root, counter = _root_source(program)
+    parts.append(root)
+    edits, script = [], []
+    dtype = ""
+    for step in program.script:
+        if step.kind == "call":
+            grad = ", requires_grad=True" if step.input_grad and step.grad else ""
+            tensor = f"torch.randn({step.rows}, 4{', dtype=torch.float64' if dtype else ''}{grad})"
+            script.append(f"Call(({tensor},)" + ("" if step.grad else ", grad=False") + ")")
+        else:
+            index = len(edits)
+            edits.append(f"def edit{index}(m):\n    {_edit_source(program, step, bool(dtype))}")
+            script.append(f"Edit(edit{index})")
+            dtype = dtype or ("double" if step.kind == "double" else "")
+    parts += edits
+    parts.append("def script():\n    return [\n" + "".join(f"        {s},\n" for s in script) + "    ]")
+    attrs = ", attrs=lambda m: m.calls" if counter else ""
+    parts.append(f"ENTRIES = [Entry({name!r}, Root, script, item=48, modes={program.modes!r}{attrs})]")
+    return "\n\n\n".join(parts) + "\n"
+
+
+def load(source: str, directory: Path) -> ModuleType:
+    """Import ``source`` from a file of ``directory`` named by its hash (the same program is one
+    file, imported once per process)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    name = f"nnbridge_fuzz_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = directory / f"{name}.py"
+    if not path.exists():
+        path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
