@@ -33,13 +33,7 @@ from corpus.harness import FRONT_ENDS, check
 # "entry-front_end-mode" glob -> reason. Keep each reason "issue 9 item N: <symptom>".
 KNOWN: dict[str, str] = {
     # found by tests/test_fuzz.py (tests/corpus/found/); see KNOWN_FEATURES there. The NNsight
-    # front-end here runs module-only traces on the model's own code, so only bridge and pg differ.
-    "fuzz_reuse_aliased_inputs-[bp][rg]*": ("issue 48 item 1: layer reuse serves a block whose first call receives one"
-                                            " tensor twice from a graph exported for distinct inputs"),
-    "fuzz_plain_object_attribute_edit-[bp][rg]*": ("issue 48 item 2: a plain object's attribute read in forward is"
-                                                   " not guarded"),
-    "fuzz_callable_object_replaced-[bp][rg]*": "issue 48 item 2: a callable object read in forward is not guarded",
-    "fuzz_numpy_scalar_replaced-[bp][rg]*": "issue 48 item 2: a numpy scalar read in forward is not guarded",
+    # front-end here runs module-only traces on the model's own code, as nnsight does.
     "fuzz_class_swap_after_no_grad_extraction-nnsight-*": (
         "nnsight 0.8.1's own module-only trace (plain nnsight alike) keeps calling the old class's forward"
         " after module.__class__ = Sub"),
