@@ -70,7 +70,7 @@ import torch
 
 from .module_tree import named_real_modules
 from ..compat.capture import tensor_version
-from .plain_values import canonical_repr, plain_value, snapshot, tensor_digest
+from .plain_values import canonical_repr, config_like, plain_value, snapshot, tensor_digest
 
 #: Types of the plain global values code reads that count by their value (``repr``).
 _PLAIN_TYPES: tuple[type, ...] = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
@@ -491,7 +491,6 @@ def held_object(name: str, value: Any) -> bool:
         return False
     if isinstance(value, _CONTAINERS) or is_plumbing(value) or is_plumbing(type(value)):
         return False
-    from .guards import config_like  # (guards imports this module)
     return not config_like(name, value)
 
 

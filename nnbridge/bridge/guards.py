@@ -45,7 +45,9 @@ from ..compat.module_dicts import MODULE_SLOTS, modules_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.tensor_checks import fast_tensor_check
 from .code_identity import CodeCheck, code_bindings, is_plumbing
-from .plain_values import HeldTensor, canonical_repr, class_values, plain_value, snapshot as plain_snapshot
+from .plain_values import HeldTensor, canonical_repr, class_values, config_like, plain_value, snapshot as plain_snapshot
+
+_config_like = config_like
 
 #: ``module.__dict__`` keys that are torch's or another library's bookkeeping, never read by a
 #: forward: ``nn.Module``'s own slots (hook dicts, ``_parameters``...; ``training`` is guarded),
@@ -54,16 +56,6 @@ _IGNORED = (frozenset({"_is_full_backward_hook", "_compiled_call_impl"}) | MODEL
             | (MODULE_SLOTS - {"training"}))
 _CONTAINER_TYPES = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 _TENSOR_PROPERTIES = operator.attrgetter("dtype", "device", "shape", "requires_grad")
-
-
-def _config_like(name: str, value: object) -> bool:
-    """A transformers ``PretrainedConfig`` or a look-alike: an object with ``to_dict``, a
-    ``SimpleNamespace``, an ``argparse.Namespace`` (``self.args = args``), a dataclass instance
-    (``self.settings = Settings(scale=2.0)``), or any plain object held as ``config``."""
-    if isinstance(value, (type, torch.nn.Module, torch.Tensor)) or not hasattr(value, "__dict__") or callable(value):
-        return False
-    return (hasattr(value, "to_dict") or isinstance(value, (types.SimpleNamespace, argparse.Namespace))
-            or dataclasses.is_dataclass(value) or name == "config")
 
 
 #: config attributes whose value differs between processes for one config: transformers'
@@ -91,11 +83,6 @@ def config_values(config: Any) -> list[tuple[str, str]]:
                 walk(f"{prefix}{name}.", item)
     walk("", config)
     return sorted(found)
-
-
-def config_like(name: str, value: object) -> bool:
-    """Whether attribute ``name`` of a module holds a config-like object (see :func:`_config_like`)."""
-    return _config_like(name, value)
 
 
 class _PartialArguments:

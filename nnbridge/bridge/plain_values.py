@@ -19,9 +19,12 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import enum
 import hashlib
+import types
 from typing import Any
 
 import torch
@@ -149,3 +152,13 @@ def class_values(cls: type) -> dict[str, object]:
     found = {name: getattr(cls, name) for name in sorted(names)}
     # (a plain value a subclass overrides with a method or property is not one)
     return {name: value for name, value in found.items() if plain_value(value, tensors=True)}
+
+
+def config_like(name: str, value: object) -> bool:
+    """A transformers ``PretrainedConfig`` or a look-alike: an object with ``to_dict``, a
+    ``SimpleNamespace``, an ``argparse.Namespace`` (``self.args = args``), a dataclass instance
+    (``self.settings = Settings(scale=2.0)``), or any plain object held as ``config``."""
+    if isinstance(value, (type, torch.nn.Module, torch.Tensor)) or not hasattr(value, "__dict__") or callable(value):
+        return False
+    return (hasattr(value, "to_dict") or isinstance(value, (types.SimpleNamespace, argparse.Namespace))
+            or dataclasses.is_dataclass(value) or name == "config")

@@ -38,7 +38,8 @@ from .call_structure import ShapeGuard, structure_key
 from .code_identity import code_digest
 from .options import ExtractionOptions
 from .state import Key, UntouchedLayers
-from .guards import config_like, config_values
+from .guards import config_values
+from .plain_values import config_like
 from .plain_values import canonical_repr, class_values, plain_value
 from .module_tree import named_real_modules
 

@@ -19,6 +19,7 @@ import torch
 
 from ..compat.pytree import pytree
 from .kinds import HookKind
+from .preservation import preserved_state
 
 def copy_inputs(value: Any) -> Any:
     """A copy of example inputs that extraction may run or trace without touching the caller's
@@ -43,14 +44,13 @@ def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     """One eager run of ``module`` on copies of the inputs (a cache would be mutated), with
     temporary hooks: ``(submodule, HookKind, fn)``, both with kwargs. No grad unless ``grad``
     (then the hooks see the ``requires_grad`` of the values a real call in grad mode passes).
-    The run leaves no trace (:func:`~.capture_checks.preserved_state`): the next run or export
+    The run leaves no trace (:func:`~.preservation.preserved_state`): the next run or export
     starts from the module's state before it, as the user's call will (a forward that unmerges an
     adapter and clears its flag unmerges again in each).
 
     Raises:
         ExtractionError: the run changed a parameter in place other than through ``.data``.
     """
-    from .capture_checks import preserved_state  # (it imports this module's callers)
     from .module_tree import named_real_modules
 
     handles = []

@@ -119,12 +119,10 @@ def bridged_hint(envoy: nnsight.Envoy, name: str) -> str | None:
     """:func:`missing_message` for an envoy under one of nnbridge's front-ends (``nnbridge.NNsight``,
     ``LanguageModel``...), of a bridged model or of a module holding op points, else None: nnsight's
     envoys of a model nnbridge never bridged keep nnsight's error."""
-    from .models import _Bridged  # models imports this module
-
     module = envoy.__dict__.get("_module")
     top = envoy.root
     root = top.__dict__.get("_module")
-    bridged = isinstance(top, _Bridged) or (isinstance(root, torch.nn.Module) and bridge_of(root) is not None)
+    bridged = getattr(type(top), "NNBRIDGE_FRONT_END", False) or (isinstance(root, torch.nn.Module) and bridge_of(root) is not None)
     if not bridged and not any(isinstance(child, (OpPoint, OpPointContainer))
                                for child in (modules_of(module).values() if module is not None else ())):
         return None

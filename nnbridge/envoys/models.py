@@ -104,6 +104,9 @@ class _Bridged(_EnvoyBase):
             needs ``eager_module_traces``). False extracts the whole model for any op read.
     """
 
+    #: marks nnbridge's front-ends for :func:`.envoy.bridged_hint` (which cannot import this module)
+    NNBRIDGE_FRONT_END = True
+
     eager_module_traces: bool = True
     lazy_op_traces: bool = True
 
