@@ -26,5 +26,5 @@ def fake_tensor_cache_off() -> Iterator[None]:
     afterwards, also on error; extraction holds nnbridge's lock meanwhile)."""
     config = importlib.import_module("torch._dynamo.config")
     with registry.applied("fake_tensor_cache_off") as applying:
-        with config.patch(fake_tensor_cache_enabled=False) if applying else contextlib.nullcontext():
+        with config.patch(fake_tensor_cache_enabled=False) if applying else contextlib.nullcontext():  # registry: fake_tensor_cache_off
             yield

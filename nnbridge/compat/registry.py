@@ -203,6 +203,10 @@ _ASSUMED: dict[str, str] = {library: os.environ[variable] for library, variable 
                             if os.environ.get(variable)}
 #: ``(library, version, kinds)`` assumed by :func:`assumed` blocks, innermost last
 _ASSUMED_STACK: list[tuple[str, str, frozenset[str]]] = []
+#: ``{(id(owner), attribute): names of the patches that replaced it, in place now}``
+_PLACES: dict[tuple[int, str], list[str]] = {}
+#: ``{(id(owner), attribute): (owner, attribute, what was there before the first replacement)}``
+_TOUCHED: dict[tuple[int, str], tuple[Any, str, Any]] = {}
 _DISABLED: set[str] = {name.strip() for name in os.environ.get(DISABLE_VARIABLE, "").split(",") if name.strip()}
 
 
@@ -299,9 +303,19 @@ def enabled(name: str) -> bool:
     return True
 
 
-def _count(name: str, step: int) -> None:
+def _count(name: str, step: int, owner: Any = None, attribute: str = "", previous: Any = _MISSING) -> None:
     with _LOCK:
         _ACTIVE[name] = _ACTIVE.get(name, 0) + step
+        if owner is None:
+            return
+        key = (id(owner), attribute)
+        if step > 0:
+            _PLACES.setdefault(key, []).append(name)
+            _TOUCHED.setdefault(key, (owner, attribute, previous))
+        elif name in _PLACES.get(key, ()):
+            _PLACES[key].remove(name)
+            if not _PLACES[key]:
+                del _PLACES[key]
 
 
 def install(name: str, owner: Any, attribute: str, value: Any) -> Any:
@@ -313,14 +327,14 @@ def install(name: str, owner: Any, attribute: str, value: Any) -> Any:
         raise KeyError(f"unregistered run-time patch {name!r}")
     previous = vars(owner).get(attribute, _MISSING)
     setattr(owner, attribute, value)
-    _count(name, 1)
+    _count(name, 1, owner, attribute, previous)
     return previous
 
 
 def uninstall(name: str, owner: Any, attribute: str, previous: Any, *, only_if: Any = _MISSING) -> None:
     """Undo :func:`install` (``previous`` as it returned). With ``only_if``, the attribute is put
     back only while it still is ``only_if`` (someone else may have patched it since)."""
-    _count(name, -1)
+    _count(name, -1, owner, attribute)
     if only_if is not _MISSING and vars(owner).get(attribute, _MISSING) is not only_if:
         return
     if previous is _MISSING:
@@ -360,12 +374,12 @@ def code_replaced(name: str, function: types.FunctionType, code: types.CodeType)
         return
     original = function.__code__
     function.__code__ = code
-    _count(name, 1)
+    _count(name, 1, function, "__code__", original)
     try:
         yield True
     finally:
         function.__code__ = original
-        _count(name, -1)
+        _count(name, -1, function, "__code__")
 
 
 @contextlib.contextmanager
@@ -439,6 +453,22 @@ def status(name: str) -> str:
     if active(name):
         return "in place"
     return "ready"
+
+
+def places() -> dict[tuple[int, str], list[str]]:
+    """``{(id(owner), attribute): patch names}`` of the attributes replaced now."""
+    with _LOCK:
+        return {key: list(names) for key, names in _PLACES.items()}
+
+
+def touched() -> list[tuple[Any, str, Any]]:
+    """``(owner, attribute, original)`` of every attribute replaced so far in this process, with
+    what was there before (:data:`MISSING` when the owner had no entry of its own)."""
+    with _LOCK:
+        return list(_TOUCHED.values())
+
+
+MISSING = _MISSING
 
 
 def skipped() -> dict[str, str]:
