@@ -644,81 +644,100 @@ def test_scan_finds_planted_patches(tmp_path):
 
 def _foreign_modules() -> list[types.ModuleType]:
     return [module for name, module in list(sys.modules.items())
-            if isinstance(module, types.ModuleType) and name.split(".")[0] in ("torch", "transformers", "nnsight")]
+            if type(module) is types.ModuleType and name.split(".")[0] in ("torch", "transformers", "nnsight")]
 
 
-def _snapshot() -> dict[tuple[int, str], int]:
-    """``{(id(owner), attribute): id(value)}`` of the callables and descriptors in every loaded
+def _snapshot() -> dict[tuple[int, str], Any]:
+    """``{(id(owner), attribute): value}`` of the callables and descriptors in every loaded
     torch/transformers/nnsight module and class defined there, and ``(id(function), "__code__")``
-    of their functions."""
-    found: dict[tuple[int, str], int] = {}
-    seen: set[int] = set()
+    of their functions; the owners themselves under ``(0, "owners")`` (held, so that their ids are
+    not reused while the snapshot is compared)."""
+    found: dict[tuple[int, str], Any] = {}
+    owners: dict[int, Any] = {}
 
     def add(owner: Any, namespace: dict[str, Any]) -> None:
+        owners[id(owner)] = owner
         for name, value in list(namespace.items()):
-            if isinstance(value, (types.ModuleType, str, int, float, bool, type(None))):
+            kind = type(value)  # (not isinstance: some objects warn when their __class__ is read)
+            if issubclass(kind, (types.ModuleType, str, int, float, bool, type(None))):
                 continue
-            if callable(value) or hasattr(type(value), "__get__"):
-                found[(id(owner), name)] = id(value)
-            if isinstance(value, types.FunctionType):
-                found[(id(value), "__code__")] = id(value.__code__)
+            if callable(value) or hasattr(kind, "__get__"):
+                found[(id(owner), name)] = value
+            if kind is types.FunctionType:
+                owners[id(value)] = value
+                found[(id(value), "__code__")] = value.__code__
 
     for module in _foreign_modules():
         namespace = vars(module)
         add(module, namespace)
         for value in list(namespace.values()):
-            if isinstance(value, type) and id(value) not in seen and str(getattr(value, "__module__", "")).split(".")[0] in (
-                    "torch", "transformers", "nnsight"):
-                seen.add(id(value))
+            if issubclass(type(value), type) and id(value) not in owners and str(
+                    vars(value).get("__module__", "")).split(".")[0] in ("torch", "transformers", "nnsight"):
                 add(value, dict(vars(value)))
+    found[(0, "owners")] = owners
     return found
 
 
+_ABSENT = object()
+#: what the spy records (outside the module: nnbridge puts a module's attributes back after its own runs)
+_SPY: dict[str, Any] = {"baseline": {}, "changed": {}, "plant": None}
+
+
 class _Spy(nn.Module):
-    """Records, each time it runs, the attributes that differ from ``baseline``."""
+    """Records, each time it runs, the attributes that differ from ``_SPY["baseline"]``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.baseline: dict[tuple[int, str], int] = {}
-        self.changed: dict[tuple[int, str], set[str]] = {}
-        self.plant: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plant is not None:
-            self.plant()
-        if self.baseline:
+        if _SPY["plant"] is not None:
+            _SPY["plant"]()
+        baseline, changed = _SPY["baseline"], _SPY["changed"]
+        if baseline:
             now = _snapshot()
             in_place = registry.places()
-            for key, value in now.items():
-                if self.baseline.get(key, value) != value:
-                    self.changed.setdefault(key, set()).update(in_place.get(key, ["<unregistered>"]))
+            owners = baseline[(0, "owners")]
+            # replaced, removed, or added to a module or class seen before; a code object only replaced
+            for key in now.keys() | baseline.keys():
+                if key[0] in owners and baseline.get(key, _ABSENT) is not now.get(key, _ABSENT) and (
+                        key[1] != "__code__" or (key in baseline and key in now)):
+                    changed.setdefault(key, set()).update(in_place.get(key, ["<unregistered>"]))
         return self.lin(x).relu()
 
 
-def _changes_while(run: Any, spy: _Spy) -> dict[tuple[int, str], set[str]]:
-    spy.baseline, spy.changed = _snapshot(), {}
-    run()
-    changed, spy.baseline = spy.changed, {}
-    return changed
+def _changes_while(run: Any, plant: Any = None) -> dict[tuple[int, str], set[str]]:
+    _SPY.update(baseline=_snapshot(), changed={}, plant=plant)
+    try:
+        run()
+        return _SPY["changed"]
+    finally:
+        _SPY.update(baseline={}, changed={}, plant=None)
 
 
-def _unregistered(plant: Any = None) -> dict[tuple[int, str], set[str]]:
+def _unregistered(plant: Any = None, seen: set[str] | None = None) -> dict[tuple[int, str], set[str]]:
     """Attributes changed while nnbridge extracts a spy (eager checks and export), that the registry
-    did not put in place and that plain ``torch.export`` does not change either."""
-    spy = _Spy()
+    did not put in place and that plain ``torch.export`` does not change either (``seen`` gets the
+    names of the registered patches seen in place)."""
     x = torch.ones(2, 4)
-    torch_own = _changes_while(lambda: torch.export.export(spy, (x,), strict=False), spy)
-    spy.plant = plant
-    ours = _changes_while(lambda: nnbridge.PatchableGraph(spy, x)(x), spy)
+    torch_own = _changes_while(lambda: torch.export.export(_Spy(), (x,), strict=False))
+    spy = _Spy()
+    ours = _changes_while(lambda: nnbridge.PatchableGraph(spy, x)(x), plant)
+    for names in ours.values():
+        (seen if seen is not None else set()).update(names)
     return {key: names for key, names in ours.items() if "<unregistered>" in names and key not in torch_own}
 
 
+@pytest.mark.no_extraction_cache  # each extracts: export runs
 def test_no_unregistered_patch_while_extracting():
-    unregistered = _unregistered()
+    seen: set[str] = set()
+    unregistered = _unregistered(seen=seen)
     assert not unregistered, unregistered
+    assert {"autograd_function_apply", "set_grad_enabled", "graph_break", "compile_queries", "string_arguments",
+            "tracepoint_bookkeeping"} <= seen, f"the spy sees the registered patches in place: {sorted(seen)}"
 
 
+@pytest.mark.no_extraction_cache  # each extracts: export runs
 def test_spy_finds_a_planted_patch():
     """The run-time check, shown failing: a raw replacement of a torch function during extraction."""
     original = torch.nn.functional.gelu
@@ -733,6 +752,7 @@ def test_spy_finds_a_planted_patch():
     assert (id(torch.nn.functional), "gelu") in unregistered
 
 
+@pytest.mark.no_extraction_cache  # each extracts: export runs
 def test_patched_attributes_are_put_back():
     """Every attribute the registry replaced so far in this process is back to what it was."""
     model = gpt2()
@@ -755,6 +775,7 @@ def test_installed_versions_are_verified():
     assert TORCH in registry.BY_NAME["tensor_data"].verified
 
 
+@pytest.mark.no_extraction_cache  # each extracts: export runs
 def test_unknown_torch_speed_patches_skipped_graph_still_equals_eager():
     """As on a torch where only the correctness patches were verified: every speed patch on torch is
     skipped (torch's own code runs), and a tiny GPT-2 through PatchableGraph equals eager."""
@@ -784,6 +805,7 @@ def test_unknown_torch_speed_patches_skipped_graph_still_equals_eager():
     assert registry.status("tracepoint_bookkeeping") == "ready", "the assumption ends with its block"
 
 
+@pytest.mark.no_extraction_cache  # each extracts: export runs
 def test_unknown_torch_cache_and_reuse_still_equal_eager():
     """The same for a tiny Llama with its cache and layer reuse, transformers' speed patches skipped too."""
     model, ids = llama(), torch.tensor([[1, 2, 3, 4, 5]])
