@@ -249,10 +249,10 @@ def unverified(patch: RuntimePatch) -> str | None:
     if major_minor(version) in patch.verified:
         return None
     return (f"{patch.library} {version}{' (assumed)' if assumed else ''} is not among the verified"
-            f" {', '.join(sorted(patch.verified, key=_order))}")
+            f" {', '.join(sorted(patch.verified, key=version_key))}")
 
 
-def _order(version: str) -> tuple[int, ...]:
+def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(part) if part.isdigit() else 0 for part in version.split("."))
 
 
@@ -490,7 +490,7 @@ def table_markdown() -> str:
     """The patch table of ``docs/compat.md``: patch, target, kind, verified versions, why."""
     rows = ["| patch | target | kind | verified on | why |", "|---|---|---|---|---|"]
     for patch in PATCHES:
-        versions = (f"{patch.library} {', '.join(sorted(patch.verified, key=_order))}" if patch.library
+        versions = (f"{patch.library} {', '.join(sorted(patch.verified, key=version_key))}" if patch.library
                     else "any (no library internals)")
         target = ", ".join(f"`{part.strip()}`" for part in patch.target.split(", "))
         rows.append(f"| `{patch.name}` | {target} | {patch.kind} | {versions} | {patch.why} |")
