@@ -366,7 +366,7 @@ def replaced(name: str, owner: Any, attribute: str, value: Any, *, only_if_ours:
 
 
 @contextlib.contextmanager
-def code_replaced(name: str, function: types.FunctionType, code: types.CodeType) -> Iterator[bool]:
+def code_replaced(name: str, function: Any, code: types.CodeType) -> Iterator[bool]:
     """``function.__code__`` is ``code`` for the body's duration (every reference to the function
     sees it), as patch ``name``; put back afterwards, also on error. Yields as :func:`replaced`."""
     if not enabled(name):
