@@ -60,7 +60,8 @@ def test_doctor_prints_versions_patches_and_cache(tmp_path, capsys, monkeypatch)
     assert f"torch         {torch.__version__}" in out and "tested 2.13-2.15: yes" in out
     assert "transformers" in out and "tested 5.23-5.24" in out and "nnsight" in out and "tested 0.8.x" in out
     for patch in registry.PATCHES:
-        assert f"{patch.name:<{max(len(p.name) for p in registry.PATCHES)}}  {patch.kind:<11}  ready" in out, patch.name
+        row = f"{patch.name:<{max(len(p.name) for p in registry.PATCHES)}}  {patch.kind:<11}  "
+        assert f"{row}ready" in out or f"{row}in place" in out, patch.name  # (in place: installed for the process)
         assert f"target: {patch.target}" in out
     assert f"cache directory: {tmp_path} ($NNBRIDGE_CACHE), 0.0 MB" in out
     assert "extraction cache:" in out
