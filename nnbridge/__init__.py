@@ -22,7 +22,11 @@ Or bridge the model in place, so plain torch hooks reach every op::
         lambda module, args, output: output * 0)
 """
 
-from .bridge import AddPatch as AddPatch
+from .compat import registry as _registry
+
+_registry.check_versions()  # a correctness patch not verified on the installed versions refuses here
+
+from .bridge import AddPatch as AddPatch  # noqa: E402
 from .bridge import CompiledGraphModule as CompiledGraphModule
 from .bridge import CustomPatch as CustomPatch
 from .bridge import ExtractionOptions as ExtractionOptions

@@ -5,6 +5,8 @@
                                                   (--aliases: variable aliases next to op names)
     nnbridge tree MODEL --explain                     graph or opaque per module, guards, extractions
     nnbridge cache info | clear                        the disk extraction cache ($NNBRIDGE_CACHE)
+    nnbridge doctor                                    library versions against the tested ranges, the
+                                                  run-time patches (active, skipped and why), the cache
 
 Bad arguments print one line and exit with status 2; failures exit with status 1.
 """
@@ -92,6 +94,57 @@ def _cache(args: argparse.Namespace) -> None:
           f" (limit {info['limit'] / 1e6:.0f} MB, least recently used entries evicted; ${LIMIT_VARIABLE})")
 
 
+def _directory_size(directory: Path) -> int:
+    """Bytes of the files under ``directory`` (links not followed), 0 when it does not exist."""
+    if not directory.is_dir():
+        return 0
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file() and not path.is_symlink())
+
+
+def doctor_report() -> str:
+    """What ``nnbridge doctor`` prints: versions against the tested ranges, the run-time patch table,
+    and the disk cache's location and size."""
+    import os
+    import platform
+
+    from .bridge.disk_cache import ENVIRONMENT_VARIABLE, SWITCH_VARIABLE, cache_directory
+    from .compat import registry
+
+    lines = [f"python        {platform.python_version()}"]
+    for library, (low, high) in registry.TESTED_RANGES.items():
+        version = registry.installed_version(library)
+        tested = f"{low}-{high}" if low != high else f"{low}.x"
+        if version is None:
+            lines.append(f"{library:<13} not installed (tested: {tested})")
+            continue
+        inside = registry.version_key(low) <= registry.version_key(registry.major_minor(version)) <= registry.version_key(high)
+        lines.append(f"{library:<13} {version:<14} tested {tested}: {'yes' if inside else 'NO, outside the tested range'}")
+    kinds = [patch.kind for patch in registry.PATCHES]
+    lines += ["", f"run-time patches of other libraries ({len(kinds)}: {kinds.count('correctness')} correctness,"
+                  f" {kinds.count('speed')} speed; 'ready': verified here, applied while nnbridge extracts, loads"
+                  " or traces):", _indent(registry.describe())]
+    value = os.environ.get(ENVIRONMENT_VARIABLE, "")
+    root = Path(value).expanduser() if value else Path.home() / ".cache" / "nnbridge"
+    lines += ["", f"cache directory: {root} ({f'${ENVIRONMENT_VARIABLE}' if value else f'${ENVIRONMENT_VARIABLE} unset: the default, holding dequantized models only'}),"
+                  f" {_directory_size(root) / 1e6:.1f} MB"]
+    extractions = cache_directory()
+    if extractions is None:
+        why = f"{SWITCH_VARIABLE}=0" if value else f"${ENVIRONMENT_VARIABLE} unset"
+        lines.append(f"extraction cache: off ({why})")
+    else:
+        entries = len(list(extractions.glob("*.nnbridge"))) if extractions.is_dir() else 0
+        lines.append(f"extraction cache: {extractions}, {entries} entries, {_directory_size(extractions) / 1e6:.1f} MB")
+    return "\n".join(lines)
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" for line in text.splitlines())
+
+
+def _doctor(args: argparse.Namespace) -> None:
+    print(doctor_report())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="nnbridge", description="Every intermediate op of a PyTorch model as a patchable point.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -107,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="print nnbridge.explain instead: per module graph or opaque (why), guards, extractions")
     cache = commands.add_parser("cache", help="show or empty the disk extraction cache ($NNBRIDGE_CACHE)")
     cache.add_argument("action", choices=["info", "clear"], help="info: directory, entries, size; clear: delete entries")
+    commands.add_parser("doctor", help="versions against the tested ranges, run-time patches, the disk cache")
     args = parser.parse_args(argv)
     if args.command == "tree" and args.depth is not None and args.depth < 1:
         parser.error("--depth must be a positive integer")
     try:
-        {"demo": _demo, "tree": _tree, "cache": _cache}[args.command](args)
+        {"demo": _demo, "tree": _tree, "cache": _cache, "doctor": _doctor}[args.command](args)
     except (NNBridgeError, KeyError, OSError, ValueError) as error:
         print(f"nnbridge: error: {error}", file=sys.stderr)
         return 1

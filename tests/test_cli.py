@@ -49,3 +49,24 @@ def test_python_dash_m_entry_point():
     result = subprocess.run([sys.executable, "-m", "nnbridge", "frobnicate"], capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("nnbridge: error:"), result.stderr
+
+
+def test_doctor_prints_versions_patches_and_cache(tmp_path, capsys, monkeypatch):
+    from nnbridge.compat import registry
+
+    monkeypatch.setenv("NNBRIDGE_CACHE", str(tmp_path))
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch         {torch.__version__}" in out and "tested 2.13-2.15: yes" in out
+    assert "transformers" in out and "tested 5.23-5.24" in out and "nnsight" in out and "tested 0.8.x" in out
+    for patch in registry.PATCHES:
+        row = f"{patch.name:<{max(len(p.name) for p in registry.PATCHES)}}  {patch.kind:<11}  "
+        assert f"{row}ready" in out or f"{row}in place" in out, patch.name  # (in place: installed for the process)
+        assert f"target: {patch.target}" in out
+    assert f"cache directory: {tmp_path} ($NNBRIDGE_CACHE), 0.0 MB" in out
+    assert "extraction cache:" in out
+    with registry.assumed("torch", "2.99", kinds=["speed"]):
+        assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "duck_sizing" in out and "skipped: torch 2.99 (assumed) is not among the verified 2.13, 2.14" in out
+    assert "tensor_data                   correctness  ready" in out

@@ -44,7 +44,7 @@ from torch.fx import Graph, Node
 from .call_structure import alias_pattern, memory_layout
 from .module_tree import named_real_modules
 from .state import Path, UntouchedLayers, read_state, state_keys, write_state
-from ..compat import cache_layers
+from ..compat import cache_layers, registry
 from ..compat.module_dicts import MODULE_SLOTS
 from ..compat.nnsight_source import NNSIGHT_STATE
 from ..compat.pytree import pytree
@@ -491,15 +491,11 @@ def cache_updates_traced(trace: CacheTrace) -> Iterator[None]:
             trace.updating -= 1
 
     names = [n for n in ("keys", "values") if n not in vars(CacheLayerMixin)]
-    Cache.update = update  # type: ignore[method-assign]
-    for name in names:
-        setattr(CacheLayerMixin, name, _LayerState(name, trace))
-    try:
+    with contextlib.ExitStack() as stack:
+        if stack.enter_context(registry.replaced("cache_update_traced", Cache, "update", update)):
+            for name in names:
+                stack.enter_context(registry.replaced("cache_update_traced", CacheLayerMixin, name, _LayerState(name, trace)))
         yield
-    finally:
-        Cache.update = original  # type: ignore[method-assign]
-        for name in names:
-            delattr(CacheLayerMixin, name)
 
 
 def cache_indices(plan: ReusePlan, module: torch.nn.Module) -> frozenset[tuple[int, str]]:
@@ -560,8 +556,7 @@ def reads_watched(watched: list[tuple[torch.nn.Module, str]], indices: frozenset
     by_class: dict[tuple[type, str], set[int]] = {}
     for sub, name in watched:
         by_class.setdefault((type(sub), name), set()).add(id(sub))
-    installed: list[tuple[type, str, Any]] = []
-    try:
+    with contextlib.ExitStack() as stack:
         for (cls, name), ids in by_class.items():
             original = cls.__dict__.get(name, _MISSING)
             if original is not _MISSING and hasattr(type(original), "__set__"):
@@ -571,15 +566,9 @@ def reads_watched(watched: list[tuple[torch.nn.Module, str]], indices: frozenset
                 if name in base.__dict__:
                     inherited = base.__dict__[name]
                     break
-            setattr(cls, name, _Watched(name, original if original is not _MISSING else inherited, ids, reads, indices))
-            installed.append((cls, name, original))
+            watched_attribute = _Watched(name, original if original is not _MISSING else inherited, ids, reads, indices)
+            stack.enter_context(registry.replaced("reuse_reads_watched", cls, name, watched_attribute))
         yield reads
-    finally:
-        for cls, name, original in reversed(installed):
-            if original is _MISSING:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, original)
 
 
 def _without(args: tuple[Any, ...], kwargs: dict[str, Any], keys: list[Any]) -> tuple[Any, Any]:

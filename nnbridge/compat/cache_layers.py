@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from . import registry
+
 try:
     from transformers.cache_utils import CacheLayerMixin
 except ImportError:  # pragma: no cover - transformers is a dependency
@@ -124,11 +126,8 @@ def layer_touches() -> Iterator[None]:
     if CacheLayerMixin is None or "__getattribute__" in vars(CacheLayerMixin):  # off, or already on
         yield
         return
-    CacheLayerMixin.__getattribute__ = _getattribute  # type: ignore[method-assign]
-    try:
+    with registry.replaced("cache_layer_touches", CacheLayerMixin, "__getattribute__", _getattribute):
         yield
-    finally:
-        del CacheLayerMixin.__getattribute__
 
 
 @contextlib.contextmanager

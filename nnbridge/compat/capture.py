@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from . import registry
 from .pytree import pytree
 
 
@@ -56,11 +57,8 @@ def autograd_function_calls(on_apply: Callable[[type], None]) -> Iterator[None]:
         # ``classmethod_descriptor`` from 2.14)
         return original.__get__(None, cls)(*args, **kwargs)
 
-    setattr(function, "apply", classmethod(apply))  # the classmethod replaced on purpose (mypy: method-assign)
-    try:
+    with registry.replaced("autograd_function_apply", function, "apply", classmethod(apply)):
         yield
-    finally:
-        setattr(function, "apply", original)
 
 
 @contextlib.contextmanager
@@ -78,11 +76,8 @@ def _grad_setter_replaced(setter: Callable[[Callable[[bool], None], bool], None]
         else:
             setter(original, enabled)
 
-    torch._C._set_grad_enabled = set_grad_enabled
-    try:
+    with registry.replaced("set_grad_enabled", torch._C, "_set_grad_enabled", set_grad_enabled):
         yield
-    finally:
-        torch._C._set_grad_enabled = original
 
 
 def grad_mode_changes(on_change: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
@@ -128,20 +123,15 @@ def graph_break_calls(on_break: Callable[[str], None]) -> Iterator[None]:
     from torch._dynamo import decorators
 
     function = decorators.graph_break
-    original = function.__code__
     thread = threading.get_ident()
 
     def hook(msg: str = "") -> None:
         if threading.get_ident() == thread:
             on_break(msg)
 
-    decorators.__dict__[_GRAPH_BREAK_HOOK] = hook
-    function.__code__ = _reporting_graph_break.__code__
-    try:
+    with registry.replaced("graph_break", decorators, _GRAPH_BREAK_HOOK, hook), \
+            registry.code_replaced("graph_break", function, _reporting_graph_break.__code__):
         yield
-    finally:
-        function.__code__ = original
-        decorators.__dict__.pop(_GRAPH_BREAK_HOOK, None)
 
 
 #: Global names, in ``torch.compiler``, of the callbacks :func:`compile_queries` installs.
@@ -203,16 +193,12 @@ def compile_queries(on_query: Callable[[str, str], None]) -> Iterator[None]:
                     on_query(question, asking)
             return result
         return asked
-    for (function, template, name, question), original in zip(swapped, originals):
-        answer = types.FunctionType(original, function.__globals__, function.__name__)
-        compiler.__dict__[name] = hook(answer, question)
-        function.__code__ = template.__code__
-    try:
+    with contextlib.ExitStack() as stack:
+        for (function, template, name, question), original in zip(swapped, originals):
+            answer = types.FunctionType(original, function.__globals__, function.__name__)
+            stack.enter_context(registry.replaced("compile_queries", compiler, name, hook(answer, question)))
+            stack.enter_context(registry.code_replaced("compile_queries", function, template.__code__))
         yield
-    finally:
-        for (function, _, name, _), original in zip(swapped, originals):
-            function.__code__ = original
-            compiler.__dict__.pop(name, None)
 
 
 def _mode_targets() -> dict[object, str]:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from . import registry
+
 
 @contextlib.contextmanager
 def duck_sized(tensors: Collection[torch.Tensor]) -> Iterator[None]:
@@ -53,8 +55,5 @@ def duck_sized(tensors: Collection[torch.Tensor]) -> Iterator[None]:
                  for size, constraint in zip(context.dynamic_sizes, context.constraint_sizes)]
         return dataclasses.replace(context, dynamic_sizes=sizes)
 
-    setattr(utils, "_create_symbolic_context_for_tensor", duck)  # a ModuleType: no declared attribute
-    try:
+    with registry.replaced("duck_sizing", utils, "_create_symbolic_context_for_tensor", duck):
         yield
-    finally:
-        setattr(utils, "_create_symbolic_context_for_tensor", original)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.fx import _lazy_graph_module
 
+from . import registry
 from .duck_sizing import duck_sized as duck_sized_dims
 from .fake_tensors import fake_tensor_cache_off
 from .pytree import pytree
@@ -38,12 +39,8 @@ def no_module_deduplication() -> Iterator[None]:
     (``_deduplicate_modules``); nnbridge patches invocations independently, as graphpatch's
     MultiplyInvokedModule did, so de-duplication is switched off for the duration.
     """
-    original = _unflatten_module._deduplicate_modules
-    setattr(_unflatten_module, "_deduplicate_modules", lambda partitions: {})  # a ModuleType: no declared attribute
-    try:
+    with registry.replaced("no_module_deduplication", _unflatten_module, "_deduplicate_modules", lambda partitions: {}):
         yield
-    finally:
-        setattr(_unflatten_module, "_deduplicate_modules", original)
 
 
 @contextlib.contextmanager
@@ -113,9 +110,17 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: An
     with no_partial_graph_on_stderr(), quiet_torch_export(), torch.set_grad_enabled(grad_enabled), \
             _DistinctConversions(), shape_envs_released(), string_arguments_traced(), helper_frames_recorded(), \
             tracepoint_bookkeeping_skipped(), unbacked_bindings_pass_narrowed(), fake_tensor_cache_off(), \
-            _lazy_graph_module._use_lazy_graph_module(True), duck_sized_dims(duck_sized if dynamic_shapes else ()):
+            _lazy_export_graph_modules(), duck_sized_dims(duck_sized if dynamic_shapes else ()):
         return torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes,
                                    preserve_module_call_signature=preserve_module_call_signature)
+
+
+@contextlib.contextmanager
+def _lazy_export_graph_modules() -> Iterator[None]:
+    """torch's lazy graph modules for the body's duration (``_use_lazy_graph_module``)."""
+    with registry.applied("lazy_export_graph_modules") as applying:
+        with _lazy_graph_module._use_lazy_graph_module(True) if applying else contextlib.nullcontext():
+            yield
 
 
 @contextlib.contextmanager
@@ -179,12 +184,10 @@ def shape_envs_released() -> Iterator[None]:
             made.append(result[0])  # (fake_mode, fake_args, fake_kwargs, ...)
         return result
 
-    setattr(trace, "make_fake_inputs", recording)  # a ModuleType: no declared attribute
     try:
-        yield
+        with registry.replaced("shape_envs_released", trace, "make_fake_inputs", recording, only_if_ours=True):
+            yield
     finally:
-        if trace.make_fake_inputs is recording:
-            setattr(trace, "make_fake_inputs", original)
         for fake_mode in made:
             shape_env = getattr(fake_mode, "shape_env", None)
             if shape_env is not None and shape_env.tracked_fakes:
@@ -240,20 +243,16 @@ def _code_generated_lazily() -> Iterator[None]:
     in one process, alternating: median 0.66 s (fastest 0.37 s) before, 0.43 s (0.27 s) with this.
     """
     classes = (_unflatten_module.InterpreterModule, _unflatten_module.UnflattenedModule)
-    originals = [cls.__dict__["finalize"] for cls in classes]
 
     def finalize(self: Any) -> None:  # torch 2.13's, with a lazy graph module
         self.__dict__["graph_module"] = _lazy_graph_module._LazyGraphModule(self, self.graph)
         self.graph.lint()
         if isinstance(self, _unflatten_module.InterpreterModule):
             self.arg_names = [node.target for node in self.graph.nodes if node.op == "placeholder"]
-    for cls in classes:
-        setattr(cls, "finalize", finalize)
-    try:
+    with contextlib.ExitStack() as stack:
+        for cls in classes:
+            stack.enter_context(registry.replaced("lazy_unflatten_code", cls, "finalize", finalize))
         yield
-    finally:
-        for cls, original in zip(classes, originals):
-            setattr(cls, "finalize", original)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,8 @@ import contextlib
 import importlib
 from collections.abc import Iterator
 
+from . import registry
+
 
 @contextlib.contextmanager
 def fake_tensor_cache_off() -> Iterator[None]:
@@ -23,5 +25,6 @@ def fake_tensor_cache_off() -> Iterator[None]:
     (``torch._dynamo.config.fake_tensor_cache_enabled``, a process-wide setting, restored
     afterwards, also on error; extraction holds nnbridge's lock meanwhile)."""
     config = importlib.import_module("torch._dynamo.config")
-    with config.patch(fake_tensor_cache_enabled=False):
-        yield
+    with registry.applied("fake_tensor_cache_off") as applying:
+        with config.patch(fake_tensor_cache_enabled=False) if applying else contextlib.nullcontext():  # registry: fake_tensor_cache_off
+            yield

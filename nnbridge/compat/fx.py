@@ -17,6 +17,8 @@ import torch
 import torch.fx._symbolic_trace
 import torch.fx.graph_module
 
+from . import registry
+
 
 class NoSubmoduleRecompile:
     """Mixin for a ``GraphModule`` subclass whose child graph modules manage their own code.
@@ -55,7 +57,7 @@ def keep_tracebacks(graph_module: torch.fx.GraphModule) -> None:
 _GENERATED_PREFIX = "<eval_with_key>."
 _RELEASE_LOCK = threading.Lock()
 _release_depth = 0
-_installed: tuple[Callable[..., Any], Callable[..., Any]] | None = None  # (fx's own, wrapper) while entered
+_installed: tuple[Any, Callable[..., Any]] | None = None  # (what registry.uninstall puts back, wrapper) while entered
 
 
 def _forget_source(filename: str) -> None:
@@ -98,9 +100,9 @@ def generated_code_released() -> Iterator[None]:
     global _release_depth, _installed
     fx = torch.fx.graph_module
     with _RELEASE_LOCK:
-        if _release_depth == 0:
-            _installed = (fx._method_from_src, _releasing(fx._method_from_src))
-            fx._method_from_src = _installed[1]
+        if _release_depth == 0 and registry.enabled("generated_code_released"):
+            wrapper = _releasing(fx._method_from_src)
+            _installed = (registry.install("generated_code_released", fx, "_method_from_src", wrapper), wrapper)
         _release_depth += 1
     try:
         yield
@@ -108,8 +110,8 @@ def generated_code_released() -> Iterator[None]:
         with _RELEASE_LOCK:
             _release_depth -= 1
             if _release_depth == 0 and _installed is not None:
-                if fx._method_from_src is _installed[1]:  # else patched again since: leave theirs
-                    fx._method_from_src = _installed[0]
+                # (only_if: patched again since, theirs is left)
+                registry.uninstall("generated_code_released", fx, "_method_from_src", _installed[0], only_if=_installed[1])
                 _installed = None
 
 
@@ -164,18 +166,18 @@ def sources_compiled_once() -> Iterator[None]:
     global _compiled
     fx = torch.fx.graph_module
     with _COMPILE_LOCK:
-        owner = _compiled is None and fx._exec_with_source is _FX_EXEC
+        owner = _compiled is None and fx._exec_with_source is _FX_EXEC and registry.enabled("sources_compiled_once")
         if owner:
             _compiled = {}
-            fx._exec_with_source = _exec_compiled_once
+            previous = registry.install("sources_compiled_once", fx, "_exec_with_source", _exec_compiled_once)
     try:
         yield
     finally:
         if owner:
             with _COMPILE_LOCK:
                 _compiled = None
-                if fx._exec_with_source is _exec_compiled_once:  # else patched again since: leave theirs
-                    fx._exec_with_source = _FX_EXEC
+                # (only_if: patched again since, theirs is left)
+                registry.uninstall("sources_compiled_once", fx, "_exec_with_source", previous, only_if=_exec_compiled_once)
 
 
 @contextlib.contextmanager
@@ -219,11 +221,6 @@ def fx_patches_confined(wait: contextlib.AbstractContextManager[object]) -> Iter
         new_fn = confined(new_fn, original, waits=issubclass(cls, torch.nn.Module) and name == "__call__")
         return patch_method(self, cls, name, new_fn, deduplicate)
 
-    # setattr: the class's methods are replaced on purpose (mypy forbids assigning to a method)
-    setattr(patcher, "patch", confined_patch)
-    setattr(patcher, "patch_method", confined_patch_method)
-    try:
+    with registry.replaced("fx_patches_confined", patcher, "patch", confined_patch), \
+            registry.replaced("fx_patches_confined", patcher, "patch_method", confined_patch_method):
         yield
-    finally:
-        setattr(patcher, "patch", patch)
-        setattr(patcher, "patch_method", patch_method)

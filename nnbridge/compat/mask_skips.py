@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from . import registry
+
 try:  # transformers >= 5.0
     from transformers import masking_utils as _masks
     from transformers.integrations.sdpa_attention import sdpa_attention_forward as _STOCK_SDPA
@@ -55,13 +57,10 @@ def mask_skips(on_skip: Callable[[], None]) -> Iterator[None]:
                     on_skip()
             return result
         return skips
-    for name, helper in originals.items():
-        setattr(_masks, name, noticing(helper))
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as stack:
         for name, helper in originals.items():
-            setattr(_masks, name, helper)
+            stack.enter_context(registry.replaced("mask_skips", _masks, name, noticing(helper)))
+        yield
 
 
 def _traced(value: torch.Tensor) -> bool:

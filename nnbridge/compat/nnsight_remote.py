@@ -29,6 +29,8 @@ import torch
 from nnsight.intervention import serialization
 from nnsight.tracing.tracer import Tracer
 
+from . import registry
+
 _ACTIVE = threading.local()
 _INSTALLED = threading.Lock()
 #: Envoy attributes nnbridge adds (``_nnbridge_*`` and these): not part of nnsight's state.
@@ -73,7 +75,8 @@ def _install() -> None:
             return original(self, obj)
 
         reducer_override._nnbridge = True  # type: ignore[attr-defined]
-        pickler.reducer_override = reducer_override
+        if registry.enabled("nnsight_request_pickler"):  # installed for the rest of the process
+            registry.install("nnsight_request_pickler", pickler, "reducer_override", reducer_override)
 
 
 @contextlib.contextmanager

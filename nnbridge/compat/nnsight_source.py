@@ -22,6 +22,8 @@ from typing import Any, SupportsIndex
 import torch
 from nnsight.intervention.source import State
 
+from . import registry
+
 #: ``module.__dict__`` key of nnsight 0.8.x's per-module ``State`` (``nnsight.intervention.source.STATE``).
 NNSIGHT_STATE = "__nnsight__"
 
@@ -70,7 +72,7 @@ def install(module: torch.nn.Module, body: Callable[..., Any]) -> Callable[..., 
         previous, bodies.bridged = bodies.bridged, body
         return previous
     _SLOT.__set__(state, _Bodies(body, _SLOT.__get__(state)))
-    state.__class__ = BridgedState
+    registry.class_swapped("nnsight_bridged_state", state, BridgedState, applying=True)
     return None
 
 
@@ -83,7 +85,7 @@ def uninstall(module: torch.nn.Module, previous: Callable[..., Any] | None) -> N
     if previous is not None:
         bodies.bridged = previous
         return
-    state.__class__ = State
+    registry.class_swapped("nnsight_bridged_state", state, State, applying=False)
     _SLOT.__set__(state, bodies.nnsight)
 
 

@@ -7,11 +7,13 @@ namedtuple) and of types registered with a serialized name round-trip.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import threading
 from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any
 
+from . import registry
 from .pytree import pytree
 
 if TYPE_CHECKING:
@@ -210,14 +212,12 @@ def save_program(exported: torch.export.ExportedProgram, stream: IO[bytes]) -> N
     from torch._export.serde import serialize
 
     with _SWAPPING:
-        original = serialize.canonicalize
         examples = exported._example_inputs
-        serialize.canonicalize = _unchecked_canonical_form
         exported.example_inputs = None
         try:
-            torch.export.save(exported, stream)
+            with registry.replaced("save_without_canonical_check", serialize, "canonicalize", _unchecked_canonical_form):
+                torch.export.save(exported, stream)
         finally:
-            serialize.canonicalize = original
             exported._example_inputs = examples
 
 
@@ -260,30 +260,23 @@ def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     deserializer = serialize.GraphModuleDeserializer
-    with _SWAPPING:  # (two threads loading at once would restore each other's stand-ins for good)
-        originals = serialize.typing, serialize.sympy, serialize.dataclasses, union.fields
-        original_sloc = ShapeEnv.__dict__["_get_sloc"]
-        original_methods = deserializer.__dict__["deserialize_tensor_meta"], deserializer.__dict__["deserialize_sym_int"]
+    with _SWAPPING, contextlib.ExitStack() as stack:  # (two threads loading at once would restore each other's stand-ins)
         original_reader = serialize._dict_to_dataclass
         if "typing" not in _MEMO:
-            _MEMO["typing"], _MEMO["sympy"] = _MemoTyping(originals[0]), _MemoSympy(originals[1])
-            _MEMO["dataclasses"] = _MemoDataclasses(originals[2])
+            _MEMO["typing"], _MEMO["sympy"] = _MemoTyping(serialize.typing), _MemoSympy(serialize.sympy)
+            _MEMO["dataclasses"] = _MemoDataclasses(serialize.dataclasses)
         if getattr(_MEMO.get("reader"), "_original", None) is not original_reader:
             _MEMO["reader"] = _SchemaReader(original_reader, serialize, union)
-        serialize._dict_to_dataclass = _MEMO["reader"]
-        serialize.typing, serialize.sympy, serialize.dataclasses = _MEMO["typing"], _MEMO["sympy"], _MEMO["dataclasses"]
-        union.fields = _MEMO["dataclasses"].fields
-        setattr(ShapeEnv, "_get_sloc", _load_location)  # noqa: B010 - a class attribute, swapped for the load
-        setattr(deserializer, "deserialize_tensor_meta", _fake_tensor_meta)  # noqa: B010 - likewise
-        setattr(deserializer, "deserialize_sym_int", _shared_sym_int(original_methods[1]))  # noqa: B010
-        try:
-            return torch.export.load(stream)
-        finally:
-            serialize.typing, serialize.sympy, serialize.dataclasses, union.fields = originals
-            serialize._dict_to_dataclass = original_reader
-            setattr(ShapeEnv, "_get_sloc", original_sloc)  # noqa: B010
-            setattr(deserializer, "deserialize_tensor_meta", original_methods[0])  # noqa: B010
-            setattr(deserializer, "deserialize_sym_int", original_methods[1])  # noqa: B010
+        swaps = [("load_schema_reader", serialize, "_dict_to_dataclass", _MEMO["reader"]),
+                 *(("load_memoized_schema", serialize, name, _MEMO[name]) for name in ("typing", "sympy", "dataclasses")),
+                 ("load_memoized_schema", union, "fields", _MEMO["dataclasses"].fields),
+                 ("load_location", ShapeEnv, "_get_sloc", _load_location),
+                 ("load_fake_tensor_meta", deserializer, "deserialize_tensor_meta", _fake_tensor_meta),
+                 ("load_shared_sym_ints", deserializer, "deserialize_sym_int",
+                  _shared_sym_int(deserializer.__dict__["deserialize_sym_int"]))]
+        for name, owner, attribute, value in swaps:
+            stack.enter_context(registry.replaced(name, owner, attribute, value))
+        return torch.export.load(stream)
 
 
 #: The source location :func:`load_program` gives the symbolic-size ranges of a loaded program.

@@ -26,9 +26,12 @@ import torch
 import torch.utils._traceback as torch_traceback
 from torch.fx.proxy import TracerBase
 
+from . import registry
+
 _LOCK = threading.Lock()
 _DEPTH = 0
-_ORIGINAL_EXTRACT: list[Any] = []  # torch's _extract_symbolized_tb while ours is installed
+_ORIGINAL_EXTRACT: list[Any] = []  # what registry.uninstall puts back while _lazy_lines is installed
+_ORIGINAL_FILTER: list[Any] = []  # likewise for the frame filter
 def _directory(path: str) -> str:
     return os.path.join(os.path.realpath(path), "")
 
@@ -83,13 +86,12 @@ def helper_frames_recorded() -> Iterator[None]:
     global _DEPTH
     with _LOCK:
         if _DEPTH == 0:
-            original = TracerBase.__dict__["_filter_traceback_frames"]
-            patched = _with_helper_frames(original)
-            patched.__wrapped__ = original  # to restore it
-            setattr(TracerBase, "_filter_traceback_frames", patched)
-            if getattr(torch_traceback, "_extract_symbolized_tb", None) is not None:
-                _ORIGINAL_EXTRACT[:] = [torch_traceback._extract_symbolized_tb]
-                torch_traceback._extract_symbolized_tb = _lazy_lines
+            if registry.enabled("helper_frames"):
+                patched = _with_helper_frames(TracerBase.__dict__["_filter_traceback_frames"])
+                _ORIGINAL_FILTER[:] = [registry.install("helper_frames", TracerBase, "_filter_traceback_frames", patched)]
+            if getattr(torch_traceback, "_extract_symbolized_tb", None) is not None and registry.enabled("lazy_traceback_lines"):
+                _ORIGINAL_EXTRACT[:] = [registry.install("lazy_traceback_lines", torch_traceback, "_extract_symbolized_tb",
+                                                         _lazy_lines)]
         _DEPTH += 1
     try:
         yield
@@ -97,7 +99,8 @@ def helper_frames_recorded() -> Iterator[None]:
         with _LOCK:
             _DEPTH -= 1
             if _DEPTH == 0:
-                patched = TracerBase.__dict__["_filter_traceback_frames"]
-                setattr(TracerBase, "_filter_traceback_frames", patched.__wrapped__)
+                if _ORIGINAL_FILTER:
+                    registry.uninstall("helper_frames", TracerBase, "_filter_traceback_frames", _ORIGINAL_FILTER.pop())
                 if _ORIGINAL_EXTRACT:
-                    torch_traceback._extract_symbolized_tb = _ORIGINAL_EXTRACT.pop()
+                    registry.uninstall("lazy_traceback_lines", torch_traceback, "_extract_symbolized_tb",
+                                       _ORIGINAL_EXTRACT.pop())

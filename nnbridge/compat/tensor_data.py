@@ -19,10 +19,13 @@ from typing import Any
 
 import torch
 
+from . import registry
+
 _DESCRIPTOR = torch._C.TensorBase.__dict__["data"]
 _LOCK = threading.Lock()
 #: the watchers of the running bodies: (thread id, callback), in entry order
 _WATCHERS: list[tuple[int, Callable[[torch.Tensor], None]]] = []
+_PREVIOUS: list[Any] = []  # what registry.uninstall puts back, while the property is installed
 
 
 def raw_data(tensor: torch.Tensor) -> torch.Tensor:
@@ -60,16 +63,16 @@ def data_accesses(on_access: Callable[[torch.Tensor], None]) -> Iterator[None]:
     is removed when the last one exits, also when a body raises."""
     entry = (threading.get_ident(), on_access)
     with _LOCK:
-        if not _WATCHERS:
-            torch.Tensor.data = _PROPERTY  # type: ignore[assignment]  # replaced on purpose
+        if not _WATCHERS and registry.enabled("tensor_data"):
+            _PREVIOUS[:] = [registry.install("tensor_data", torch.Tensor, "data", _PROPERTY)]
         _WATCHERS.append(entry)
     try:
         yield
     finally:
         with _LOCK:
             _WATCHERS.remove(entry)
-            if not _WATCHERS and torch.Tensor.__dict__.get("data") is _PROPERTY:
-                del torch.Tensor.data
+            if not _WATCHERS and _PREVIOUS:
+                registry.uninstall("tensor_data", torch.Tensor, "data", _PREVIOUS.pop(), only_if=_PROPERTY)
 
 
 def set_raw_data(tensor: torch.Tensor, value: torch.Tensor) -> None:

@@ -27,6 +27,8 @@ from torch.fx import Node
 from torch.fx.experimental import proxy_tensor
 from torch.fx.proxy import TracerBase
 
+from . import registry
+
 
 @contextlib.contextmanager
 def string_arguments_traced() -> Iterator[None]:
@@ -39,11 +41,8 @@ def string_arguments_traced() -> Iterator[None]:
             return val
         return original(val, include_real)
 
-    proxy_tensor.extract_val = extract_val
-    try:
+    with registry.replaced("string_arguments", proxy_tensor, "extract_val", extract_val):
         yield
-    finally:
-        proxy_tensor.extract_val = original
 
 
 def _tracepoint_node(target: Any, args: tuple[Any, ...]) -> bool:
@@ -94,13 +93,9 @@ def tracepoint_bookkeeping_skipped() -> Iterator[None]:
                 self.record_stack_traces = True
         return original_node(self, kind, target, args, kwargs, name, type_expr)
 
-    proxy_tensor.set_meta = set_meta
-    TracerBase.create_node = create_node  # type: ignore[method-assign]
-    try:
+    with registry.replaced("tracepoint_bookkeeping", proxy_tensor, "set_meta", set_meta), \
+            registry.replaced("tracepoint_bookkeeping", TracerBase, "create_node", create_node):
         yield
-    finally:
-        proxy_tensor.set_meta = original_meta
-        TracerBase.create_node = original_node  # type: ignore[method-assign]
 
 
 def _passed_through(val: Any) -> Any:

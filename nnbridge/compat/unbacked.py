@@ -18,6 +18,8 @@ import importlib
 from collections.abc import Iterator
 from typing import Any
 
+from . import registry
+
 
 @contextlib.contextmanager
 def unbacked_bindings_pass_narrowed() -> Iterator[None]:
@@ -40,8 +42,5 @@ def unbacked_bindings_pass_narrowed() -> Iterator[None]:
         for node in gm.graph.nodes:
             node.meta.pop("unbacked_bindings", None)
 
-    setattr(trace, "_replace_unbacked_bindings", replace)  # a ModuleType: no declared attribute
-    try:
+    with registry.replaced("unbacked_bindings", trace, "_replace_unbacked_bindings", replace):
         yield
-    finally:
-        setattr(trace, "_replace_unbacked_bindings", original)
