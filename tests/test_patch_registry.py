@@ -539,6 +539,26 @@ def probe_nnsight_request_pickler() -> None:
     assert pickle.loads(pickler_dumps(pickler, [1, "a"])) == [1, "a"]
 
 
+def probe_cache_context_classes() -> None:
+    from transformers.cache_utils import DynamicCache
+    from transformers.exporters import exporter_dynamo
+
+    path_to_class = getattr(exporter_dynamo._path_to_class, "__nnbridge_original__", exporter_dynamo._path_to_class)
+    assert _parameters(path_to_class) == ["path"]
+    assert path_to_class(exporter_dynamo._class_to_path(DynamicCache)) is DynamicCache
+
+
+def probe_envoy_missing_attribute_hint() -> None:
+    import nnsight
+
+    getattr_ = vars(nnsight.Envoy)["__getattr__"]
+    original = getattr(getattr_, "__nnbridge_original__", getattr_)
+    assert _parameters(original) == ["self", "name"]
+    envoy = nnsight.NNsight(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(AttributeError, match="has attribute 'nothing_here'"):
+        original(envoy, "nothing_here")
+
+
 def pickler_dumps(pickler: type, value: Any) -> bytes:
     stream = io.BytesIO()
     pickler(stream).dump(value)
@@ -563,9 +583,13 @@ def probe_nnsight_bridged_state() -> None:
     assert type(state) is State
 
 
+#: patches installed for the rest of the process once used
+PROCESS_WIDE = frozenset({"nnsight_request_pickler", "cache_context_classes", "envoy_missing_attribute_hint"})
+
+
 def _in_place() -> dict[tuple[int, str], list[str]]:
-    """The patches in place now, less the one installed for the rest of the process once used."""
-    return {key: names for key, names in registry.places().items() if names != ["nnsight_request_pickler"]}
+    """The patches in place now, less those installed for the rest of the process once used."""
+    return {key: names for key, names in registry.places().items() if not set(names) <= PROCESS_WIDE}
 
 
 PROBES = {name[len("probe_"):]: function for name, function in dict(globals()).items() if name.startswith("probe_")}
@@ -768,8 +792,9 @@ def test_patched_attributes_are_put_back():
     assert not _in_place()
     for owner, attribute, original in registry.touched():
         current = owner.__code__ if attribute == "__code__" else vars(owner).get(attribute, registry.MISSING)
-        if owner is __import__("nnsight").intervention.serialization.CustomCloudPickler:
-            continue  # installed for the process (see nnsight_request_pickler)
+        if set(registry.places().get((id(owner), attribute), ())) <= PROCESS_WIDE and \
+                registry.places().get((id(owner), attribute)):
+            continue  # installed for the process (see PROCESS_WIDE)
         assert current is original, (owner, attribute)
 
 

@@ -395,7 +395,7 @@ def _remember_context_classes(model: torch.nn.Module) -> None:
 
         _path_to_class.__nnbridge_original__ = original  # type: ignore[attr-defined]
         _path_to_class.__doc__ = original.__doc__
-        exporter_dynamo._path_to_class = _path_to_class
+        registry.install("cache_context_classes", exporter_dynamo, "_path_to_class", _path_to_class)
     classes: list[type] = [value for value in vars(cache_utils).values()
                            if isinstance(value, type) and value.__module__ == cache_utils.__name__]
     classes += [value for value in vars(sys.modules.get(type(model).__module__, cache_utils)).values()

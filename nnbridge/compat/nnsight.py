@@ -23,6 +23,7 @@ import nnsight
 import torch
 from nnsight.intervention.interleaver import OutOfOrderError as OutOfOrderError  # re-exported for envoys
 
+from . import registry
 from .nnsight_source import NNSIGHT_STATE
 from .nnsight_source import count_routes, wanted_below
 
@@ -215,4 +216,4 @@ def install_missing_attribute_hint(hint: Callable[[Any, str], str | None]) -> No
             raise MissingAttributeError(message, lambda: hint(self, name), name, self) from None
 
     __getattr__.__nnbridge_original__ = original  # type: ignore[attr-defined]
-    nnsight.Envoy.__getattr__ = __getattr__
+    registry.install("envoy_missing_attribute_hint", nnsight.Envoy, "__getattr__", __getattr__)

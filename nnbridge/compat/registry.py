@@ -176,6 +176,10 @@ PATCHES: tuple[RuntimePatch, ...] = (
                  "Lets layer reuse export one decoder layer with a cache: Cache.update accepts the traced layer"
                  " index, and any other use of the cache makes reuse fall back.",
                  "speed", "transformers", _TRANSFORMERS),
+    RuntimePatch("cache_context_classes", "transformers.exporters.exporter_dynamo._path_to_class",
+                 "Resolves the cache classes of a flattened cache's pytree context from a table filled outside the"
+                 " trace, so torch.compile(fullgraph=True) can rebuild a DynamicCache a bridged model returns.",
+                 "correctness", "transformers", _TRANSFORMERS),
     RuntimePatch("reuse_reads_watched", "attributes of the model's own module classes (layer_idx...)",
                  "Stands a recording descriptor in for sibling-specific instance attributes while a representative"
                  " layer is exported, so a graph that read one is not reused.",
@@ -185,6 +189,10 @@ PATCHES: tuple[RuntimePatch, ...] = (
                  "nnsight.intervention.serialization.CustomCloudPickler.reducer_override",
                  "Pickles nnbridge's envoys as their nnsight base classes in a remote request, as the server has no"
                  " nnbridge.",
+                 "correctness", "nnsight", _NNSIGHT),
+    RuntimePatch("envoy_missing_attribute_hint", "nnsight.Envoy.__getattr__",
+                 "Appends the closest ops (and why ops are missing) to nnsight's AttributeError for an envoy of a"
+                 " model nnbridge bridged; other models keep nnsight's error.",
                  "correctness", "nnsight", _NNSIGHT),
     RuntimePatch("nnsight_bridged_state", "nnsight.intervention.source.State (the class of a bridged module's state)",
                  "Keeps a bridged body and nnsight's .source body in one module's State, where each would overwrite"
