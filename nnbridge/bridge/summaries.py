@@ -21,7 +21,6 @@ import torch
 from torch.fx import Interpreter, Node
 from torch.fx.node import Argument, Target, map_aggregate
 
-from ..compat.fast_ops import is_operator
 from ..compat.pytree import fx_pytree, node_class, pytree
 from ..compat.symbolic import has_hint, symbolic_hint
 from .metadata import node_meta, update_node_meta
@@ -229,9 +228,7 @@ class ExampleSummaries(Interpreter):
     def call_function(self, target: Target, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         summary = self._val()
         if summary is not None:
-            # an operator's tensor list is a tuple when the graph runs (a recording run records
-            # that); export's metadata holds it as a list
-            return tuple(summary) if type(summary) is list and is_operator(target) else summary
+            return summary
         if target is fx_pytree.tree_flatten_spec:
             return "list"  # custom-pytree plumbing; its leaves carry metadata of their own
         if target is write_state:

@@ -140,7 +140,3 @@ def with_fast_ops(function: types.FunctionType, unboxed: bool = False) -> types.
     fast.__kwdefaults__ = function.__kwdefaults__
     return fast
 
-
-def is_operator(target: object) -> bool:
-    """Whether a graph node's target is an aten (or other registered) operator overload."""
-    return isinstance(target, OpOverload)
