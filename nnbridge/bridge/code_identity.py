@@ -69,7 +69,9 @@ from typing import Any
 import torch
 
 from .module_tree import named_real_modules
+from ..compat.accelerate import ACCELERATE_ATTRIBUTES
 from ..compat.capture import tensor_version
+from ..compat.nnsight_source import NNSIGHT_STATE
 from .plain_values import canonical_repr, config_like, plain_value, snapshot, tensor_digest
 
 #: Types of the plain global values code reads that count by their value (``repr``).
@@ -473,7 +475,7 @@ class _Walk:
 
 
 #: Module attributes that are another library's or torch's bookkeeping, never followed as held objects.
-_NOT_HELD = frozenset({"__nnsight__", "_hf_hook", "_old_forward"})
+_NOT_HELD = frozenset({NNSIGHT_STATE}) | ACCELERATE_ATTRIBUTES
 #: The most attributes of one held object followed (a larger one counts by identity only).
 _ATTRIBUTE_LIMIT = 256
 

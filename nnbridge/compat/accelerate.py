@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+#: The attributes accelerate sets on a module it wraps (its hook and the wrapped forward).
+ACCELERATE_ATTRIBUTES = frozenset({"_hf_hook", "_old_forward"})
+
 
 def _offload_hooks(hook: Any) -> list[Any]:
     if hook is None:

@@ -22,6 +22,7 @@ from typing import Any
 import nnsight
 import torch
 from nnsight.intervention.interleaver import OutOfOrderError as OutOfOrderError  # re-exported for envoys
+from nnsight.intervention.tracer import InterleavingTracer as InterleavingTracer  # re-exported for envoys
 
 from . import registry
 from .nnsight_source import NNSIGHT_STATE

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from nnsight.intervention.tracer import InterleavingTracer
+from ..compat.nnsight import InterleavingTracer
 
 from ..bridge.op_point import OpPoint, OpPointContainer
 
