@@ -19,7 +19,7 @@ row it bounds beside it:
                                                    done; the entry's custom op registered): what the
                                                    disk-cache row's format costs by itself with torch's
                                                    own loader
-  the same with nnbridge's loader                  ``nnbridge.compat.serialization.load_program`` (torch's
+  the same with nnbridge's loader                  ``nnbridge.compat.torch.serialization.load_program`` (torch's
                                                    loader with memoised schema reads, see its docstring)
   nnbridge.bridge, SmolLM2-135M, disk cache        bench_targets.py's second-process row, in the same run
   RSS after imports / fp32 model size              (RSS after ``import transformers, nnbridge`` - RSS
@@ -72,8 +72,8 @@ import io, json, time, zipfile
 import torch
 import transformers
 from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
-import nnbridge.bridge.reuse  # registers the custom op a program of layer reuse calls (sibling_zeros)
-from nnbridge.compat.serialization import load_program
+import nnbridge.extract.reuse  # registers the custom op a program of layer reuse calls (sibling_zeros)
+from nnbridge.compat.torch.serialization import load_program
 register_cache_pytrees_for_model(transformers.LlamaForCausalLM.__new__(transformers.LlamaForCausalLM))
 with zipfile.ZipFile({path!r}) as archive:
     programs = [archive.read(name) for name in sorted(archive.namelist()) if name.startswith("programs/")]

@@ -37,8 +37,11 @@ import torch  # noqa: E402
 
 import nnbridge  # noqa: E402
 from nnbridge import models  # noqa: E402
-from nnbridge.bridge import (building, disk_cache, dispatcher, exporting, extraction, graph_module, in_place,  # noqa: E402
-                             programs, storage)
+from nnbridge.extract import building, exporting
+from nnbridge.store import disk_cache, programs, storage
+from nnbridge.dispatch import dispatcher, extraction
+from nnbridge.graph import graph_module
+from nnbridge.inplace import bridging as in_place
 
 IMPORT_S = time.perf_counter() - START
 exclusive: dict[str, float] = {}

@@ -1,6 +1,6 @@
 """nnbridge: every intermediate operation of a PyTorch model as a named, patchable point.
 
-The graph layer (:mod:`nnbridge.bridge`) turns any ``nn.Module`` into a hierarchy of ``torch.fx``
+nnbridge turns any ``nn.Module`` into a hierarchy of ``torch.fx``
 graphs, one per submodule invocation, on torch 2.13, and exposes graphpatch's API on it::
 
     import torch, nnbridge
@@ -26,34 +26,36 @@ from .compat import registry as _registry
 
 _registry.check_versions()  # a correctness patch not verified on the installed versions refuses here
 
-from .bridge import AddPatch as AddPatch  # noqa: E402
-from .bridge import CompiledGraphModule as CompiledGraphModule
-from .bridge import CustomPatch as CustomPatch
-from .bridge import ExtractionOptions as ExtractionOptions
-from .bridge import MultiplyInvokedModule as MultiplyInvokedModule
-from .bridge import NodePath as NodePath
-from .bridge import OpaqueGraphModule as OpaqueGraphModule
-from .bridge import OpPoint as OpPoint
-from .bridge import Patch as Patch
-from .bridge import PatchableGraph as PatchableGraph
-from .bridge import ProbePatch as ProbePatch
-from .bridge import RecordPatch as RecordPatch
-from .bridge import ReplacePatch as ReplacePatch
-from .bridge import ZeroPatch as ZeroPatch
+from .patching.patches import AddPatch as AddPatch  # noqa: E402
+from .graph.graph_module import CompiledGraphModule as CompiledGraphModule
+from .patching.patches import CustomPatch as CustomPatch
+from .extract.options import ExtractionOptions as ExtractionOptions
+from .graph.graph_module import MultiplyInvokedModule as MultiplyInvokedModule
+from .graph.node_path import NodePath as NodePath
+from .graph.graph_module import OpaqueGraphModule as OpaqueGraphModule
+from .graph.op_point import OpPoint as OpPoint
+from .patching.patches import Patch as Patch
+from .patching.patchable_graph import PatchableGraph as PatchableGraph
+from .patching.patches import ProbePatch as ProbePatch
+from .patching.patches import RecordPatch as RecordPatch
+from .patching.patches import ReplacePatch as ReplacePatch
+from .patching.patches import ZeroPatch as ZeroPatch
 from .errors import ExtractionError as ExtractionError
 from .errors import NNBridgeError as NNBridgeError
 from .errors import NNBridgeWarning as NNBridgeWarning
 from .errors import NodePathError as NodePathError
 from .errors import SaveLoadError as SaveLoadError
 
-# ``nnbridge.bridge`` is the subpackage, callable as the in-place bridge (see its ``_CallablePackage``).
-from . import bridge as bridge  # noqa: E402
-from .bridge.in_place import unbridge as unbridge  # noqa: E402
-from .bridge.explain import Explanation as Explanation  # noqa: E402
-from .bridge.explain import explain as explain  # noqa: E402
+from .inplace.bridging import bridge as bridge  # noqa: E402
+from .inplace.bridging import unbridge as unbridge  # noqa: E402
+from .patching.explain import Explanation as Explanation  # noqa: E402
+from .patching.explain import explain as explain  # noqa: E402
 from .envoys import LanguageModel as LanguageModel  # noqa: E402
 from .envoys import NNsight as NNsight  # noqa: E402
 from .envoys import TransformersModel as TransformersModel  # noqa: E402
+from .envoys.routing import install as _install_routing  # noqa: E402
+
+_install_routing()  # the graph runtime asks nnsight whether a running trace wants an op
 
 __all__ = [
     "AddPatch",

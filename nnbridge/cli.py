@@ -47,14 +47,15 @@ def _load(model: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 
 
 def _tree(args: argparse.Namespace) -> None:
-    from .bridge import ExtractionOptions, PatchableGraph
-    from .bridge.inspection import format_tree
+    from .extract.options import ExtractionOptions
+    from .patching.patchable_graph import PatchableGraph
+    from .patching.inspection import format_tree
 
     model, tokenizer = _load(args.model)
     inputs = tokenizer("The quick brown fox jumps over the lazy dog", return_tensors="pt")
     pg = PatchableGraph(model, **inputs, options=ExtractionOptions(progress=sys.stderr.isatty()))
     if args.explain:
-        from .bridge.explain import explain
+        from .patching.explain import explain
 
         print(explain(pg))
         return
@@ -79,7 +80,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _cache(args: argparse.Namespace) -> None:
-    from .bridge.disk_cache import ENVIRONMENT_VARIABLE, LIMIT_VARIABLE, SWITCH_VARIABLE, default_cache
+    from .store.disk_cache import ENVIRONMENT_VARIABLE, LIMIT_VARIABLE, SWITCH_VARIABLE, default_cache
 
     cache = default_cache()
     if cache is None:
@@ -107,7 +108,7 @@ def doctor_report() -> str:
     import os
     import platform
 
-    from .bridge.disk_cache import ENVIRONMENT_VARIABLE, SWITCH_VARIABLE, cache_directory
+    from .store.disk_cache import ENVIRONMENT_VARIABLE, SWITCH_VARIABLE, cache_directory
     from .compat import registry
 
     lines = [f"python        {platform.python_version()}"]

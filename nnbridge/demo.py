@@ -17,7 +17,7 @@ Sites (NodePaths of the Llama decoder layer graphs), each patched at one token p
 
 The per-layer patching runs of one site go through the model as one batch, row ``i`` patched at
 layer ``i`` (as activation-patching code batches its runs): 3 forward passes instead of 62, with the
-same table (``tests/test_integration.py`` checks the batch against torch hooks on the untouched model
+same table (``tests/models/test_integration.py`` checks the batch against torch hooks on the untouched model
 and each row against a run with only its own patch).
 """
 
@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from .bridge import ExtractionOptions, PatchableGraph, ProbePatch, ReplacePatch
+from .extract.options import ExtractionOptions
+from .patching.patchable_graph import PatchableGraph
+from .patching.patches import ProbePatch, ReplacePatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .compat.allocator import release_free_heap
+from .compat.libc import release_free_heap
 from .errors import NNBridgeError
 
 if TYPE_CHECKING:

@@ -78,8 +78,8 @@ def pytest_runtest_setup(item):
 # both workers busy to the end. Units go out largest first: the files that load the real models (a
 # quarter of the suite's time; two first ``load_smollm2`` calls at once are safe, see
 # ``nnbridge.models.publish_directory``), then by number of tests.
-_REAL_MODELS = {f"tests/{name}.py" for name in ("test_integration", "test_readme", "test_notebooks")}
-_PER_ENTRY = "tests/test_corpus.py"
+_REAL_MODELS = {"tests/models/test_integration.py", "tests/package/test_readme.py", "tests/package/test_notebooks.py"}
+_PER_ENTRY = "tests/corpus/test_corpus.py"
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
@@ -123,7 +123,7 @@ def options(request):
 @pytest.fixture
 def exports(monkeypatch):
     """The number of torch.export runs extraction makes in the test (a list with one count)."""
-    from nnbridge.bridge import extraction
+    from nnbridge.dispatch import extraction
 
     count = [0]
     real = extraction.export_module

@@ -1,5 +1,5 @@
 """A static scan of nnbridge's sources for run-time patches of torch, transformers or nnsight made
-outside ``nnbridge/compat/registry.py`` (used by tests/test_patch_registry.py).
+outside ``nnbridge/compat/registry.py`` (used by tests/compat/test_patch_registry.py).
 
 A name is *foreign* when it is bound by an import from one of those libraries, or assigned (or
 looped over) from an expression rooted in a foreign name (``torch.autograd.Function``,

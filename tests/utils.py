@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig
 from fixtures.data_dependent_module import DataDependentModule
 import nnbridge
 from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph
-from nnbridge.bridge.metadata import node_meta
+from nnbridge.graph.metadata import node_meta
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -436,3 +436,8 @@ def same_tree(a, b) -> bool:
     def text(view):
         return re.sub(r"\b(tuple|list)\((\d+)\)", r"sequence(\2)", repr(view))
     return text(a) == text(b)
+
+
+def language_model(library, **kwargs):
+    """Tiny GPT-2 under ``library.TransformersModel`` (nnsight's or nnbridge's), with the real tokenizer."""
+    return library.TransformersModel(text_model("gpt2"), tokenizer=tokenizer(), task="text-generation", **kwargs)

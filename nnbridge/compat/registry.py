@@ -10,7 +10,7 @@ and every place in nnbridge that patches goes through this module's functions
 registry knows which patches are in place.
 
 Version gates. A patch runs only on the library versions it was verified on (``"major.minor"``;
-the probes in ``tests/test_patch_registry.py`` check on each CI version that the patched code
+the probes in ``tests/compat/test_patch_registry.py`` check on each CI version that the patched code
 still has the signature and behaviour the patch assumes). Elsewhere:
 
 - a ``speed`` patch is skipped: the library's own code runs, and :func:`describe` says why;
@@ -267,7 +267,7 @@ def version_key(version: str) -> tuple[int, ...]:
 def _refusal(patch: RuntimePatch, reason: str) -> NNBridgeError:
     return NNBridgeError(f"nnbridge's correctness patch {patch.name!r} ({patch.target}) was not verified on this"
                          f" version: {reason}. It does not run unverified; use a version it was verified on, or"
-                         f" verify it there (tests/test_patch_registry.py) and add the version to"
+                         f" verify it there (tests/compat/test_patch_registry.py) and add the version to"
                          f" nnbridge/compat/registry.py.")
 
 
@@ -286,7 +286,7 @@ def check_versions() -> None:
     if refused:
         raise NNBridgeError("nnbridge's correctness patches were not verified on the installed versions and do not"
                             " run unverified:\n  " + "\n  ".join(refused) + "\nUse a version they were verified"
-                            " on, or verify them there (tests/test_patch_registry.py)"
+                            " on, or verify them there (tests/compat/test_patch_registry.py)"
                             " and add the version to nnbridge/compat/registry.py.")
 
 

@@ -14,10 +14,11 @@ from typing import Any
 import nnsight
 import torch
 
-from ..compat import nnsight_repr
-from ..compat.module_dicts import modules_of
-from ..bridge.in_place import Bridge, bridge_of
-from ..bridge.op_point import OpPoint, OpPointContainer
+from ..compat.nnsight.models import wrapped_module
+from ..compat.nnsight import printing as nnsight_repr
+from ..compat.torch.module_dicts import modules_of
+from ..inplace.bridging import Bridge, bridge_of
+from ..graph.op_point import OpPoint, OpPointContainer
 
 
 def node_path(path: str, root: torch.nn.Module) -> str:
@@ -54,7 +55,7 @@ class BridgeEnvoy(nnsight.Envoy):
     @property
     def node_path(self) -> str:
         """The NodePath of this envoy's module or op (``transformer.h_0.attn.softmax``)."""
-        return node_path(self.path, self.root._module)
+        return node_path(self.path, wrapped_module(self.root))
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -72,7 +73,7 @@ class BridgeEnvoy(nnsight.Envoy):
         return tree_repr(self)
 
     def __dir__(self) -> list[str]:
-        module = self.__dict__.get("_module")
+        module = wrapped_module(self)
         children = list(modules_of(module)) if module is not None else []
         return sorted(set(super().__dir__()) | set(children))
 
@@ -81,13 +82,13 @@ def missing_message(envoy: nnsight.Envoy, name: str) -> str:
     """Why ``envoy`` has no attribute ``name``, for its ``AttributeError``: the closest op names
     of its module by edit distance (``difflib``), or why it has no ops (opaque, not extracted yet,
     not run by the extracted calls), or the entries of a module container."""
-    if name in _OLD_SPELLINGS and name not in modules_of(envoy.__dict__.get("_module") or torch.nn.Module()):
+    if name in _OLD_SPELLINGS and name not in modules_of(wrapped_module(envoy) or torch.nn.Module()):
         return f"{envoy.path}.{name}: {_OLD_SPELLINGS[name]}"
-    module = envoy.__dict__.get("_module")
+    module = wrapped_module(envoy)
     ops = [n for n, child in (modules_of(module).items() if module is not None else [])
            if isinstance(child, (OpPoint, OpPointContainer))]
     where = f"{envoy.path} ({type(module).__name__})"
-    bridge = bridge_of(envoy.root._module)
+    bridge = bridge_of(wrapped_module(envoy.root))
     if bridge is not None:
         reason = _opaque_reason(bridge, envoy.path)
         if reason is not None:
@@ -119,9 +120,9 @@ def bridged_hint(envoy: nnsight.Envoy, name: str) -> str | None:
     """:func:`missing_message` for an envoy under one of nnbridge's front-ends (``nnbridge.NNsight``,
     ``LanguageModel``...), of a bridged model or of a module holding op points, else None: nnsight's
     envoys of a model nnbridge never bridged keep nnsight's error."""
-    module = envoy.__dict__.get("_module")
+    module = wrapped_module(envoy)
     top = envoy.root
-    root = top.__dict__.get("_module")
+    root = wrapped_module(top)
     bridged = getattr(type(top), "NNBRIDGE_FRONT_END", False) or (isinstance(root, torch.nn.Module) and bridge_of(root) is not None)
     if not bridged and not any(isinstance(child, (OpPoint, OpPointContainer))
                                for child in (modules_of(module).values() if module is not None else ())):

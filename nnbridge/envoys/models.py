@@ -9,7 +9,7 @@ with the same call structure reuse the extraction. ``model.extract(*inputs)`` do
 A trace whose workers read no op envoy (only module inputs and outputs: see :mod:`.op_reads`) runs
 the model's own code, as nnsight would, and extracts nothing. A trace whose op reads are all read
 off modules its code names (:func:`.op_reads.op_owners`) extracts those modules alone
-(:meth:`~nnbridge.bridge.in_place.Bridge.lazily`, after one warm-up call that leaves buffers and
+(:meth:`~nnbridge.inplace.bridging.Bridge.lazily`, after one warm-up call that leaves buffers and
 random state as they were); the rest of the model runs its own code.
 
 Generation: the first ``generate`` trace of a call structure runs generation once beforehand
@@ -30,15 +30,22 @@ import torch
 from nnsight.modeling.language import LanguageModel as _NNsightLanguageModel
 from nnsight.modeling.transformers import TransformersModel as _NNsightTransformersModel
 
-from ..bridge.in_place import Bridge, bridge, bridge_of, state_restored
-from ..bridge.recording import copy_inputs
+from ..inplace.bridging import Bridge, bridge, bridge_of, state_restored
+from ..extract.recording import copy_inputs
 from ..errors import NNBridgeError
-from ..compat.module_dicts import modules_of
-from ..compat.nnsight_loading import PreprocessorSources
-from ..compat.nnsight import (OutOfOrderError, dispatch_if_lazy, mirror_envoys, pending_workers, repoint_envoys,
-                              scalar_safe_batcher)
-from ..compat.nnsight_source import sourced
-from ..bridge.op_point import OpPoint, OpPointContainer
+from ..compat.torch.module_dicts import modules_of
+from ..compat.nnsight.loading import PreprocessorSources
+from ..compat.nnsight.interleaving import (
+    OutOfOrderError,
+    dispatch_if_lazy,
+    mirror_envoys,
+    pending_workers,
+    repoint_envoys,
+    scalar_safe_batcher,
+)
+from ..compat.nnsight.models import ModelSlots, wrapped_module
+from ..compat.nnsight.source import sourced
+from ..graph.op_point import OpPoint, OpPointContainer
 from .envoy import BridgeEnvoy, tree_repr
 from .op_reads import op_owners
 from .tracer import op_cache_tracer
@@ -89,7 +96,7 @@ def note_source_and_ops(error: BaseException, model: torch.nn.Module) -> None:
         " reached. Read them in different calls (separate traces, invokes or generation steps).")
 
 
-class _Bridged(_EnvoyBase):
+class _Bridged(ModelSlots, _EnvoyBase):
     """Mixin over an nnsight model class (``NNsight``, ``TransformersModel``...).
 
     Attributes:
@@ -110,15 +117,13 @@ class _Bridged(_EnvoyBase):
     eager_module_traces: bool = True
     lazy_op_traces: bool = True
 
-    _module: torch.nn.Module  # nnsight's: the wrapped model
     # written through self.__dict__ (past nnsight.Envoy.__setattr__) in __init__:
     _nnbridge_warmed: set[Hashable]  # the non-forward calls already run once (see _nnbridge_prepare)
-    _batcher_class: type  # nnsight's class attribute, shadowed per instance by scalar_safe_batcher's
 
     # model: Any as nnsight takes it (a module, an nnsight envoy, a repo id for a lazy LanguageModel)
     def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(model, nnsight.Envoy):  # nnbridge.NNsight(nnsight.NNsight(m))
-            model = model._module
+            model = wrapped_module(model)
         # nnsight's ``envoys=`` (a class, or a dict by module class / path suffix) and a subclass's
         # ``envoys`` class attribute are the user's choice and are used as given, for op envoys
         # too (``Envoy._resolve_envoy_class``). When neither is set, module envoys are plain
@@ -137,17 +142,17 @@ class _Bridged(_EnvoyBase):
             super().__init__(model, *args, **kwargs)
         self.__dict__["_nnbridge_warmed"] = set()
         # op values may be 0-d: served whole to every invoke (see compat.nnsight.scalar_safe_batcher)
-        self.__dict__["_batcher_class"] = scalar_safe_batcher(type(self)._batcher_class)
+        self._nnbridge_use_batcher(scalar_safe_batcher)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         """A copy of the wrapper and of its model, as nnsight copies its wrappers (the envoy's
         ``__getstate__``/``__setstate__``). The model's copy is bridged again and has no op points
-        until its first trace (see :mod:`nnbridge.bridge.copies`), so the copied envoy tree is
+        until its first trace (see :mod:`nnbridge.inplace.copies`), so the copied envoy tree is
         re-pointed at it: op envoys appear with the copy's own op points."""
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
         copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        repoint_envoys(copied, copied._module)
+        repoint_envoys(copied, wrapped_module(copied))
         return copied
 
     def __repr__(self) -> str:
@@ -162,7 +167,7 @@ class _Bridged(_EnvoyBase):
     def __call__(self, *args: Any, hook: bool = False, **kwargs: Any) -> Any:
         # outside a trace nnsight calls the module: nothing can read an op, so unless a patch or a
         # torch hook listens on an op point the model's own code serves it (no extraction)
-        state = bridge_of(self._module)
+        state = bridge_of(wrapped_module(self))
         if (state is not None and self.eager_module_traces and not self.interleaver.interleaving
                 and not state.listened()):
             with state.running_eagerly():
@@ -171,7 +176,7 @@ class _Bridged(_EnvoyBase):
 
     # -- extraction -----------------------------------------------------------------------------
     def _nnbridge_model(self) -> torch.nn.Module:
-        module = self._module
+        module = wrapped_module(self)
         if bridge_of(module) is None and isinstance(module, torch.nn.Module) and list(module.parameters()):
             bridge(module)
         return module
@@ -200,7 +205,7 @@ class _Bridged(_EnvoyBase):
         # model is dispatched first (nnsight does it in its own interleave, which runs later).
         dispatch_if_lazy(self)
         if batcher is None:
-            batcher = self._batcher_class(self, kwargs)
+            batcher = self._nnbridge_batcher(kwargs)
         batcher.add(*args, **kwargs)
         call_args, call_kwargs = batcher.assemble(fn)
         device = self.device
@@ -220,7 +225,7 @@ class _Bridged(_EnvoyBase):
         if state is not None and owners and self.lazy_op_traces and not self._nnbridge_extracted(state, fn, call_args,
                                                                                                  call_kwargs):
             # workers read ops of known modules only: extract those modules alone
-            modules = _outermost([self._module.get_submodule(path) for path in owners])
+            modules = _outermost([wrapped_module(self).get_submodule(path) for path in owners])
             if state.lazy_allowed(modules):
                 with state.lazily(modules):
                     if self._nnbridge_prepare(fn, call_args, call_kwargs, owners) and state.lazy_allowed(modules):
@@ -236,14 +241,13 @@ class _Bridged(_EnvoyBase):
         try:
             return super().interleave(fn, batcher=batcher)
         except OutOfOrderError as error:
-            note_source_and_ops(error, self._module)
+            note_source_and_ops(error, wrapped_module(self))
             raise
 
-    def _remote_backend(self, remote: bool | str, blocking: bool, job_id: str | None, verbose: bool) -> Any:
+    def _nnbridge_remote(self, backend: Any) -> Any:
         """nnsight's backend for ``remote=`` (an NDIF server, or ``"local"``: nnsight's simulation of
         one), wrapped so the request travels as a plain nnsight model's (see :mod:`.remote`)."""
-        backend = super()._remote_backend(remote, blocking, job_id, verbose)
-        module = self._module
+        module = wrapped_module(self)
         state = bridge_of(module) if isinstance(module, torch.nn.Module) else None
         known = [name for _, name in state.registered] if state is not None else []
         names = {name.rpartition(".")[2] for name, sub in module.named_modules() if not is_op_point(sub)} \
@@ -259,13 +263,13 @@ class _Bridged(_EnvoyBase):
         codes, resolve = pending_workers(self)
         if codes is None:
             return None
-        return op_owners(codes, resolve, self._module, state.registered_names)
+        return op_owners(codes, resolve, wrapped_module(self), state.registered_names)
 
     def _nnbridge_forward_like(self, fn: Any) -> bool:
         """Whether nnsight runs the module for this trace: the module, its forward, or the envoy's
         own ``_call`` (TransformersModel tokenizes there, then calls the module with the same
         kwargs); else a method such as ``generate``."""
-        module = self._module
+        module = wrapped_module(self)
         target = getattr(module, fn) if isinstance(fn, str) else fn
         return (target is self or target is module
                 or getattr(target, "__func__", None) in (type(module).__call__, type(module).forward)
@@ -289,7 +293,7 @@ class _Bridged(_EnvoyBase):
         state = bridge_of(module)
         if state is None:
             return True
-        target = getattr(self._module, fn) if isinstance(fn, str) else fn
+        target = getattr(wrapped_module(self), fn) if isinstance(fn, str) else fn
         if self._nnbridge_forward_like(fn):
             if lazy is None:
                 state.dispatcher.lookup(tuple(args), dict(kwargs))

@@ -53,10 +53,10 @@ from typing import NamedTuple, cast
 
 import torch
 
-from ..bridge.module_tree import named_real_modules
-from ..bridge.op_point import OpPoint, OpPointContainer
-from ..compat.module_dicts import modules_of
-from ..compat.nnsight import envoy_api, envoy_module
+from ..graph.module_tree import named_real_modules
+from ..graph.op_point import OpPoint, OpPointContainer
+from ..compat.torch.module_dicts import modules_of
+from ..compat.nnsight.interleaving import envoy_api, envoy_module
 
 #: Tensor attributes that are also ATen op names (``x.grad``, ``x.device``): read off values, not envoys.
 TENSOR_ATTRIBUTES = frozenset({"grad", "data", "device", "dtype", "shape", "real", "imag", "T", "mT", "H", "mH",
@@ -577,7 +577,7 @@ def possible_ops(codes: Iterable[types.CodeType], resolve: Callable[[str], objec
 def op_owners(codes: Iterable[types.CodeType], resolve: Callable[[str], object], model: torch.nn.Module,
               known_ops: Iterable[str] | AbstractSet[str]) -> dict[str, frozenset[str]] | None:
     """Where the trace bodies ``codes`` may read op envoys, for extracting only there (see
-    :meth:`nnbridge.bridge.in_place.Bridge.lazily`): ``{path of a submodule of model: the possible
+    :meth:`nnbridge.inplace.bridging.Bridge.lazily`): ``{path of a submodule of model: the possible
     op names read off its envoy}`` (empty: no op read).
 
     A read through a loop variable or a computed index counts for every container entry it may

@@ -3,7 +3,7 @@
 An NDIF server runs nnsight, not nnbridge, over its own copy of the model: there, a model's envoys
 are nnsight's and no op envoy exists. :class:`NNsightRequest` wraps nnsight's remote backend so that
 a bridged model's trace travels exactly as a plain nnsight model's would (its envoys serialised as
-nnsight's classes, see :mod:`nnbridge.compat.nnsight_remote`), and refuses, before anything is sent, a
+nnsight's classes, see :mod:`nnbridge.compat.nnsight.remote`), and refuses, before anything is sent, a
 trace whose code may read an op envoy (:mod:`.op_reads`), which the server could not serve. Module
 inputs, outputs and skips, ``.source``, ``session``, ``iter`` and edits work as with nnsight.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..bridge.op_point import OpPoint, OpPointContainer
-from ..compat.nnsight_remote import serialised_as_nnsight
+from ..graph.op_point import OpPoint, OpPointContainer
+from ..compat.nnsight.remote import serialised_as_nnsight
 from ..errors import NNBridgeError
 from .op_reads import possible_ops
 

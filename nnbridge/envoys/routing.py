@@ -5,24 +5,24 @@ node's value through its op point?), :attr:`Bridge.wanted_inside` (run this brid
 asking code?), :attr:`Bridge.source_body` (run nnsight's ``.source`` body for this call?),
 :attr:`Bridge.front_end_body` and :attr:`Bridge.count_unrouted` (nnsight's visit counts), and
 :attr:`Bridge.front_end_active` (is a trace running that reaches this module?). All say
-no until a front-end installs its test; importing the envoy layer installs nnsight 0.8's
-(:mod:`nnbridge.compat.nnsight`, :mod:`nnbridge.compat.nnsight_source`). The dependency runs one way: the envoy layer
+no until a front-end installs its test; the package root installs nnsight 0.8's
+(:mod:`nnbridge.compat.nnsight.interleaving`, :mod:`nnbridge.compat.nnsight.source`). The dependency runs one way: the envoy layer
 knows the graph runtime, never the reverse. It also makes nnsight's plain module envoys of a
 bridged model name the closest ops when an attribute is missing (``'Envoy' object (nor its
 module) has attribute 'sofmax'. ...; closest ops: ['softmax', ...]``, see
 :func:`.envoy.missing_message`). Example::
 
-    install()                  # done on import of nnbridge.envoys
+    install()                  # done once by nnbridge/__init__
     OpPoint.wanted is trace_wants
 """
 
 from __future__ import annotations
 
-from ..bridge.in_place import Bridge
-from ..bridge.op_point import OpPoint
-from ..compat.nnsight import install_missing_attribute_hint, trace_wants, wanted_inside
+from ..inplace.bridging import Bridge
+from ..graph.op_point import OpPoint
+from ..compat.nnsight.interleaving import install_missing_attribute_hint, trace_wants, wanted_inside
 from .envoy import bridged_hint
-from ..compat.nnsight_source import count_visits, nnsight_body, source_body, trace_running
+from ..compat.nnsight.source import count_visits, nnsight_body, source_body, trace_running
 
 
 def install() -> None:

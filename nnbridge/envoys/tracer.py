@@ -22,13 +22,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from ..compat.nnsight import InterleavingTracer
+from ..compat.nnsight.models import wrapped_module
+from ..compat.nnsight.interleaving import InterleavingTracer
 
-from ..bridge.op_point import OpPoint, OpPointContainer
+from ..graph.op_point import OpPoint, OpPointContainer
 
 
 def _is_op(envoy: Any) -> bool:
-    return isinstance(envoy.__dict__.get("_module"), (OpPoint, OpPointContainer))
+    return isinstance(wrapped_module(envoy), (OpPoint, OpPointContainer))
 
 
 class OpCacheTracer:

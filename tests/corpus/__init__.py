@@ -1,5 +1,5 @@
 """The differential corpus of issue 9 ("Faithful or loud"): small modules, each run eagerly and
-through ``nnbridge.bridge``, ``PatchableGraph`` and ``nnbridge.NNsight`` by ``tests/test_corpus.py``.
+through ``nnbridge.bridge``, ``PatchableGraph`` and ``nnbridge.NNsight`` by ``tests/corpus/test_corpus.py``.
 
 An :class:`Entry` declares a seeded module factory and a script of :class:`Call` and :class:`Edit`
 steps. The harness builds the module, deep-copies it before any nnbridge call (the eager
@@ -93,7 +93,7 @@ def all_entries() -> list[Entry]:
     entries: list[Entry] = []
     for module in (ordinary, recurrent, grad_mode, edits, state, shapes_dtypes, side_effects, graphpatch_fixtures):
         entries.extend(module.ENTRIES)
-    entries.extend(found.entries())  # programs the generated corpus found (tests/test_fuzz.py)
+    entries.extend(found.entries())  # programs the generated corpus found (tests/corpus/test_fuzz.py)
     names = [e.name for e in entries]
     assert len(names) == len(set(names)), "duplicate corpus entry names"
     return entries

@@ -1,5 +1,5 @@
-"""The comparison machinery of the differential corpus, shared by ``tests/test_corpus.py`` (the
-hand-written entries) and ``tests/test_fuzz.py`` (generated programs): run an :class:`Entry`'s
+"""The comparison machinery of the differential corpus, shared by ``tests/corpus/test_corpus.py`` (the
+hand-written entries) and ``tests/corpus/test_fuzz.py`` (generated programs): run an :class:`Entry`'s
 script eagerly and through one front-end, and list every difference.
 
 :func:`check` is the whole rule: it builds the entry's module from seed 0, deep-copies it before

@@ -1,4 +1,4 @@
-"""Programs found by the generated corpus (``tests/test_fuzz.py``), shrunk by hypothesis and kept
+"""Programs found by the generated corpus (``tests/corpus/test_fuzz.py``), shrunk by hypothesis and kept
 as corpus entries: each module here is a program rendered by ``tests/corpus/generated.py`` (its
 classes, edits, script and an ``ENTRIES`` list of one entry), named for what it found."""
 

@@ -1,5 +1,5 @@
 """fuzz_callable_object_replaced: a callable object (not a module) called in forward and replaced after
-extraction: issue 48 item 2, not guarded (shrunk by tests/test_fuzz.py).
+extraction: issue 48 item 2, not guarded (shrunk by tests/corpus/test_fuzz.py).
 
 Program(blocks=(Block(arity=1, body=0, inner=None, alpha=False),), children=(Child(kind='block', blocks=(0,)),), stmts=(Stmt(kind='call', args=(0,), child=0, style='pos'), Stmt(kind='read', args=(1,), child=0, style='act')), output=('one', (2,)), script=(Step(kind='call', grad=True, input_grad=False, rows=2, child=0, entry=0, block=0, value=2.0), Step(kind='act_replace', grad=True, input_grad=False, rows=2, child=0, entry=0, block=0, value=3.0), Step(kind='call', grad=True, input_grad=False, rows=2, child=0, entry=0, block=0, value=2.0)), modes=('train',))
 """

@@ -1,6 +1,6 @@
 """fuzz_class_swap_after_no_grad_extraction: ``module.__class__ = Sub`` on a ModuleList entry after an extraction made under
 no_grad, then another no_grad call: the graphs held the old class's code (no guard on a module's
-class; found and shrunk by tests/test_fuzz.py, fixed in nnbridge/bridge/guards.py).
+class; found and shrunk by tests/corpus/test_fuzz.py, fixed in nnbridge/bridge/guards.py).
 
 Program(blocks=(Block(arity=1, body=0, inner=None, alpha=False),), children=(Child(kind='list', blocks=(0, 0, 0)),), stmts=(Stmt(kind='loop', args=(0, 0), child=0, style='pos'),), output=('one', (1,)), script=(Step(kind='call', grad=False, input_grad=False, rows=2, child=0, entry=0, block=0, value=2.0), Step(kind='swap_class', grad=True, input_grad=False, rows=2, child=0, entry=2, block=0, value=2.0), Step(kind='call', grad=False, input_grad=False, rows=2, child=0, entry=0, block=0, value=2.0)), modes=('train',))
 """

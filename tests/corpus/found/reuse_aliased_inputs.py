@@ -1,6 +1,6 @@
 """fuzz_reuse_aliased_inputs: a ModuleList of identical blocks whose first block receives one tensor twice
 (``h = b(h, a)`` with ``h is a``): issue 48 item 1, layer reuse served it from a graph exported for
-distinct inputs (shrunk by tests/test_fuzz.py).
+distinct inputs (shrunk by tests/corpus/test_fuzz.py).
 
 Program(blocks=(Block(arity=2, body=0, inner=None, alpha=False),), children=(Child(kind='list', blocks=(0, 0, 0)),), stmts=(Stmt(kind='loop', args=(0, 0), child=0, style='pos'),), output=('one', (1,)), script=(Step(kind='call', grad=True, input_grad=False, rows=2, child=0, entry=0, block=0, value=2.0), Step(kind='call', grad=True, input_grad=False, rows=2, child=0, entry=0, block=0, value=2.0)), modes=('train',))
 """

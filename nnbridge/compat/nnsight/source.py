@@ -1,0 +1,159 @@
+"""A bridged body and nnsight's ``.source`` on one module: both stay installed, the trace picks.
+
+nnsight 0.8.1 keeps a wrapped module's body in ``State.body`` (``module.__dict__["__nnsight__"]``,
+a ``__slots__`` object); its ``Controller`` runs ``state.body(module, *args, **kwargs)``, and
+``install_source`` (the first ``envoy.source``) overwrites the slot with the source-instrumented
+forward. A bridge writes the same slot, so whichever wrote last won: ``.source`` touched before
+the first trace lost its operations, touched after it silenced the module's op envoys.
+
+Here the state's class becomes :class:`BridgedState` and its slot holds both bodies: a call runs
+the bridged one, and ``install_source`` replaces only nnsight's (plain or instrumented). The
+bridged body asks :func:`source_body` at
+each call whether the running trace wants one of the module's ``.source`` operations; if so it
+runs nnsight's instrumented forward for that call (the module's op points are not reached in
+that call: ops and ``.source`` operations of one module are served in different calls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, SupportsIndex
+
+import torch
+from nnsight.intervention.source import State
+
+from .. import registry
+
+#: ``module.__dict__`` key of nnsight 0.8.x's per-module ``State`` (``nnsight.intervention.source.STATE``).
+NNSIGHT_STATE = "__nnsight__"
+
+_SLOT = State.body  # the slot descriptor of nnsight 0.8.1's State.body
+
+
+class _Bodies:
+    """What a bridged state's ``body`` slot holds: the bridged body (what a call runs) and
+    nnsight's own (plain or source-instrumented), which ``install_source`` writes."""
+
+    __slots__ = ("bridged", "nnsight")
+
+    def __init__(self, bridged: Callable[..., Any], nnsight: Callable[..., Any]) -> None:
+        self.bridged, self.nnsight = bridged, nnsight
+
+    def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.bridged(module, *args, **kwargs)
+
+
+class BridgedState(State):
+    """nnsight's ``State`` whose ``body`` reads as the bridged body; writes (``install_source``)
+    replace nnsight's own body, read back by :func:`nnsight_body`."""
+
+    __slots__ = ()
+
+    @property
+    def body(self) -> Callable[..., Any]:
+        return _SLOT.__get__(self)
+
+    @body.setter
+    def body(self, value: Callable[..., Any]) -> None:
+        _SLOT.__get__(self).nnsight = value
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        """Copies and pickles are nnsight's plain ``State`` (a copied module is not bridged)."""
+        constructor, arguments, *rest = super().__reduce_ex__(protocol)
+        return (constructor, (State, *arguments[1:]), *rest)
+
+
+def install(module: torch.nn.Module, body: Callable[..., Any]) -> Callable[..., Any] | None:
+    """Make the nnsight-wrapped ``module`` run ``body(module, *args, **kwargs)``; returns what
+    :func:`uninstall` needs to put back."""
+    state = module.__dict__[NNSIGHT_STATE]
+    if type(state) is BridgedState:
+        bodies = _SLOT.__get__(state)
+        previous, bodies.bridged = bodies.bridged, body
+        return previous
+    _SLOT.__set__(state, _Bodies(body, _SLOT.__get__(state)))
+    registry.class_swapped("nnsight_bridged_state", state, BridgedState, applying=True)
+    return None
+
+
+def uninstall(module: torch.nn.Module, previous: Callable[..., Any] | None) -> None:
+    """Undo :func:`install` (``previous`` as it returned)."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    if type(state) is not BridgedState:
+        return
+    bodies = _SLOT.__get__(state)
+    if previous is not None:
+        bodies.bridged = previous
+        return
+    registry.class_swapped("nnsight_bridged_state", state, State, applying=False)
+    _SLOT.__set__(state, bodies.nnsight)
+
+
+def nnsight_body(module: torch.nn.Module) -> Callable[..., Any] | None:
+    """nnsight's own body of ``module`` (unbound: call with the module first), or ``None``."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    if state is None:
+        return None
+    body = _SLOT.__get__(state)
+    return body.nnsight if isinstance(body, _Bodies) else body
+
+
+def sourced(module: torch.nn.Module) -> bool:
+    """Whether nnsight's ``.source`` of ``module`` was touched (its instrumented forward exists)."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    return state is not None and bool(state.sourced)
+
+
+def trace_running(module: torch.nn.Module) -> bool:
+    """Whether an nnsight trace that reaches ``module`` is interleaving now (its ``State.active``):
+    else :func:`source_body`, :func:`wanted_below` and :func:`count_visits` say no or do nothing."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    return state is not None and state.active()[0] is not None
+
+
+def source_body(module: torch.nn.Module) -> Callable[..., Any] | None:
+    """nnsight's source-instrumented forward of ``module`` when the running trace waits at or
+    caches one of its ``.source`` operations (``<path>.source.`` locations), else ``None``."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    if state is None or not state.sourced:
+        return None
+    return nnsight_body(module) if wanted_below(module, "source.") else None
+
+
+def wanted_below(module: torch.nn.Module, prefix: str = "") -> bool:
+    """Whether the running nnsight trace parks at, or caches, a location of ``module``'s whose path
+    continues with ``prefix`` (``Interleaver.parked``/``observers``, matched by path prefix)."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    if state is None:
+        return False
+    interleaver, path, _ = state.active()
+    if interleaver is None:
+        return False
+    start = f"{path}.{prefix}"
+    return (any(location.startswith(start) for location in interleaver.parked)
+            or any(location.startswith(start) for location in interleaver.observers))
+
+
+def count_visits(module: torch.nn.Module, points: Iterable[torch.nn.Module]) -> None:
+    """Count one visit of each op point in ``points`` (``module``'s graph ran without routing
+    them) in every running trace's ``Interleaver.counts``, as nnsight counts a served location
+    (``Interleaver.handle``: ``input``, ``skip`` and ``output`` once per call, nnsight 0.8.1).
+    Without it a later ``tracer.iter`` step asks an op for an occurrence it never reaches. A no-op
+    outside a trace (``module`` has no running interleaver)."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    if state is None or state.active()[0] is None:
+        return
+    for point in points:
+        point_state = point.__dict__.get(NNSIGHT_STATE)
+        if point_state is not None:
+            count_routes(point_state)
+
+
+def count_routes(state: Any) -> None:
+    """One visit of every location of an op point's nnsight ``State`` in each interleaving trace."""
+    for ref, _, locations in state.routes:
+        interleaver = ref()
+        if interleaver is not None and interleaver.interleaving:
+            counts = interleaver.counts
+            for location in locations:
+                counts[location] = counts.get(location, 0) + 1

@@ -1,0 +1,210 @@
+"""The opaque fallback: run a module's own code, and extract each child it calls.
+
+An :class:`~.graph_module.OpaqueGraphModule` keeps the module's inputs, output, parameters and
+buffers patchable; each child its code calls is extracted from its first call and called through
+a dispatcher (:attr:`ExtractionContext.child_dispatcher`) that extracts it per call structure.
+Example::
+
+    graph = opaque_module(ctx, "transformer.h.0", block, args, kwargs, "skipped")
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import torch
+import wrapt
+
+from .assembly import attach, renamed_template
+from .context import ChildDispatcher, ExtractionContext
+from ..graph.graph_module import MultiplyInvokedModule, OpaqueGraphModule
+from ..graph.kinds import HookKind
+from ..graph.metadata import ExtractionHolder
+from ..graph.module_tree import direct_callees, safe_name
+from .recording import copy_inputs, observed_run
+from .sibling_roots import SiblingLink, SiblingPlan, plan_siblings
+from .unused import unused_module
+from ..compat.torch.module_dicts import modules_of
+
+class ChildCall(wrapt.ObjectProxy):
+    """What an opaque module's code finds in a child's place while it runs: the child itself for
+    every attribute read, write and delete (``self.child.scale``, ``self.child.lin.weight``,
+    ``self.child.calls += 1`` reach the child, as in eager), and ``isinstance`` checks; a call goes
+    to ``call`` (the child's dispatcher, or an :class:`InvocationRouter`), which runs its graphs.
+    A ``wrapt.ObjectProxy``: a dispatcher in the child's place did not have the child's attributes.
+    """
+
+    def __init__(self, child: torch.nn.Module, call: torch.nn.Module):
+        super().__init__(child)
+        self._self_call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_call(*args, **kwargs)
+
+    @property
+    def forward(self) -> torch.nn.Module:
+        """``self.child.forward(...)`` in the opaque code (peft's ``return self.model.forward(...)``)
+        goes to ``call`` too: its graphs run, with their patches. (Eager code skips the child's own
+        torch hooks there; a PatchableGraph refuses a plain model with hooks, and a bridged opaque
+        module calls the bridged child itself, not this proxy.)"""
+        return self._self_call
+
+
+def _in_place_of(child: torch.nn.Module, call: torch.nn.Module) -> torch.nn.Module:
+    """A :class:`ChildCall`, typed as the module it stands for (``isinstance`` sees the child's class)."""
+    return cast(torch.nn.Module, ChildCall(child, call))
+
+
+class InvocationRouter(torch.nn.Module):
+    """Called in place of a child the opaque module's code calls several times: its ``k``-th call
+    in one run of the module goes to invocation ``k``'s dispatcher (NodePath ``<child>_k``), as a
+    compiled graph numbers them; calls past the last extracted invocation go to the last one.
+
+    The opaque module calls :meth:`restart` before each run.
+    """
+
+    dispatchers: list[torch.nn.Module]
+    calls: int
+
+    def __init__(self, dispatchers: list[torch.nn.Module]):
+        super().__init__()
+        self.__dict__["dispatchers"] = dispatchers  # not registered: shown through the invocations
+        self.__dict__["calls"] = 0
+
+    def restart(self) -> None:
+        self.__dict__["calls"] = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        index = min(self.calls, len(self.dispatchers) - 1)
+        self.__dict__["calls"] = self.calls + 1
+        return self.dispatchers[index](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def direct_forward_calls(callees: list[tuple[str, torch.nn.Module]],
+                         grabber: Callable[[str], Callable[..., None]]) -> Iterator[None]:
+    """Report, as ``grabber(name)(child, args, kwargs)``, the calls of each child's ``forward``
+    made directly by the opaque code (``self.model.forward(x)``, not ``self.model(x)``: no torch
+    hook sees them), for the body's duration: each child gets an instance ``forward`` that reports
+    a call not announced by the child's own pre-hook (which sets a mark ``forward`` consumes).
+    Extraction cleared the children's instance forwards (bridges', nnsight's) before; put back
+    after, also on error."""
+    marks: dict[int, int] = {}
+    saved: list[tuple[torch.nn.Module, object]] = []
+    handles = []
+    _missing = object()
+
+    def wrapped(name: str, child: torch.nn.Module) -> Callable[..., Any]:
+        body = type(child).forward.__get__(child)
+
+        def forward(*a: Any, **k: Any) -> Any:
+            if marks.get(id(child)):
+                marks[id(child)] -= 1
+            else:
+                grabber(name)(child, a, k)
+            return body(*a, **k)
+        return forward
+
+    def mark(m: torch.nn.Module, a: Any) -> None:
+        marks[id(m)] = marks.get(id(m), 0) + 1
+    try:
+        for name, child in callees:
+            if all(c is not child for c, _ in saved):
+                saved.append((child, child.__dict__.get("forward", _missing)))
+                handles.append(child.register_forward_pre_hook(mark, prepend=True))
+            child.__dict__["forward"] = wrapped(name, child)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for child, previous in saved:
+            if previous is _missing:
+                child.__dict__.pop("forward", None)
+            else:
+                child.__dict__["forward"] = previous
+
+
+def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            reason: str) -> OpaqueGraphModule:
+    """Opaque fallback: run the original code, extract each called child from its calls.
+
+    A child called several times in the observed run gets one extraction per invocation
+    (``linear_0``, ``linear_1``, graphpatch's numbering), routed by an :class:`InvocationRouter`;
+    one module object registered under several names is extracted from its first call.
+    """
+    callees = list(direct_callees(module))
+    names_of: dict[int, int] = {}
+    for _, child in callees:
+        names_of[id(child)] = names_of.get(id(child), 0) + 1
+    captured: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+
+    def grabber(name: str) -> Callable[..., None]:
+        def grab(m: torch.nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> None:
+            calls = captured.setdefault(name, [])
+            if not calls or names_of[id(m)] == 1:
+                calls.append((copy_inputs(a), copy_inputs(k)))
+        return grab
+    # in the caller's grad mode: each child's first extraction then has the call structure
+    # (``requires_grad`` of its inputs) of the real calls, which reuse it instead of extracting again
+    with direct_forward_calls(callees, grabber):
+        observed_run(module, args, kwargs, [(child, HookKind.PRE, grabber(name)) for name, child in callees],
+                     grad=torch.is_grad_enabled())
+    shown = torch.nn.Module()
+    swapped = torch.nn.Module()
+    dispatchers: dict[str, ChildDispatcher] = {}
+    # ModuleList entries called once each: siblings build their graphs from their representative's
+    # export (see .sibling_roots)
+    callee = dict(callees)
+    pairing = plan_siblings(module, {name for name, calls in captured.items() if len(calls) == 1
+                                     and names_of[id(callee[name])] == 1}) \
+        if ctx.options.reuse_layers else SiblingPlan()
+    by_name: dict[str, ChildDispatcher] = {}
+    routers: list[InvocationRouter] = []
+    template = renamed_template(module)
+    for name, child in callees:
+        child_path = ctx.full(f"{fqn}.{name}" if fqn else name)
+        first, *rest = name.split(".")
+        safe = ".".join([safe_name(first), *rest])
+        original_name = ".".join([ctx.renamed.get(id(module), {}).get(first, first), *rest])
+        if name not in captured:
+            attach(shown, safe, unused_module(ctx, f"{fqn}.{name}" if fqn else name, child), template)
+            attach(swapped, original_name, child, module)
+            continue
+        invocations: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+        for index, (a, k) in enumerate(captured[name]):
+            several = len(captured[name]) > 1
+            dispatcher = ctx.child_dispatcher(child, f"{child_path}_{index}" if several else child_path)
+            # a GraphDispatcher (see ChildDispatcher): the original code calls it in the child's place
+            assert isinstance(dispatcher, torch.nn.Module), type(dispatcher)
+            # (every time: a dispatcher kept from an earlier extraction may have been paired otherwise)
+            rep_name, sibling_index, distinct = pairing.siblings.get(name, (None, None, frozenset())) \
+                if not several else (None, None, frozenset())
+            dispatcher.pair(pairing.watches.get(name) if not several else None,
+                            SiblingLink(by_name[rep_name], sibling_index, distinct) if rep_name in by_name else None)
+            if not several:
+                by_name[name] = dispatcher
+            # (a dispatcher kept from an earlier extraction serves a call alike with what it has)
+            extraction = dispatcher.lookup(a, k)
+            ctx.opaque.update(extraction.opaque)
+            invocations.append((dispatcher, extraction.root))
+            dispatchers[f"{safe.replace('.', '_')}_{index}" if several else safe.replace(".", "_")] = dispatcher
+        if len(invocations) == 1:
+            attach(shown, safe, invocations[0][1], template)
+            attach(swapped, original_name, _in_place_of(child, invocations[0][0]), module)
+        else:
+            attach(shown, safe, MultiplyInvokedModule([root for _, root in invocations]), template)
+            router = InvocationRouter([dispatcher for dispatcher, _ in invocations])
+            routers.append(router)
+            attach(swapped, original_name, _in_place_of(child, router), module)
+    # each child called, once: the children's dispatchers guard their graphs' sizes, so a call of
+    # other sizes is served alike. A child called several times has a graph per invocation, and an
+    # uncalled one runs as itself (a patch on its nodes would not apply): another size could call
+    # them another number of times
+    any_size = not routers and all(name in captured for name, _ in callees)
+    opaque = OpaqueGraphModule(module, reason, dict(modules_of(shown)), dict(modules_of(swapped)), routers,
+                               serves_any_size=any_size)
+    # the dispatcher layer's factory makes GraphDispatchers (see ChildDispatcherFactory)
+    opaque.graph_meta.child_dispatchers = cast("dict[str, ExtractionHolder]", dispatchers)
+    return opaque

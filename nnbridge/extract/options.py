@@ -1,0 +1,81 @@
+"""Extraction options, as graphpatch's ``ExtractionOptions`` (keyword-only dataclass)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, GraphModule
+
+
+@dataclass(kw_only=True)
+class ExtractionOptions:
+    """Options controlling how a module is turned into a hierarchy of graphs.
+
+    Attributes:
+        classes_to_skip_compiling: Module classes left as :class:`OpaqueGraphModule`: only their
+            inputs, outputs, parameters and buffers are patchable; their children are still
+            extracted. Default: ``set()``.
+        custom_extraction_functions: ``{module type: fn(module) -> torch.fx.Graph}``. The graph's
+            placeholders must be named exactly as ``forward()``'s arguments and its output must be a
+            1-tuple (as graphpatch documents). ``get_attr`` targets resolve on the module. A
+            function that raises is a compilation failure (as graphpatch: the module falls back to
+            opaque, per the warn/error options); a malformed graph raises
+            :class:`nnbridge.ExtractionError`. Default: ``{}``.
+        error_on_compilation_failure: Raise :class:`nnbridge.ExtractionError` naming the module
+            (original exception as ``__cause__``) instead of falling back to an opaque module when a
+            module cannot be exported, its graph would differ from its code (grad-mode changes,
+            side effects, Dynamo's ``graph_break()``), building its graph module raises, or its
+            custom extraction function raises. Default: ``False``.
+        warn_on_compilation_failure: Warn (:class:`nnbridge.NNBridgeWarning`) when a module falls
+            back to an opaque module. Default: ``False``.
+        postprocessing_function: ``fn(graph_module, original_module)`` called on every extracted
+            :class:`CompiledGraphModule`; it may edit ``graph_module.graph`` in place (call
+            ``graph_module.recompile()`` afterwards). Default: ``None``.
+        skip_compilation: Make every module opaque; only module inputs, outputs, parameters and
+            buffers are patchable. Default: ``False``.
+        allow_unused_submodules: Whether a submodule the example forward never calls is a normal
+            condition: it stays in the hierarchy as an :class:`OpaqueGraphModule` (its own code;
+            its parameters and buffers kept, so ``named_parameters()``/``state_dict()`` of the
+            graphs match the module's). When False it is a compilation failure: with
+            ``error_on_compilation_failure`` extraction raises :class:`nnbridge.ExtractionError`
+            naming it, else it is kept opaque all the same (and warned about with
+            ``warn_on_compilation_failure``). Default: ``True`` unless
+            ``error_on_compilation_failure`` is set ("strict mode"), as graphpatch's
+            ``allow_unused_submodules``.
+        dynamic_shapes: Export every tensor dimension as ``torch.export.Dim.AUTO`` so one
+            extraction serves other sequence lengths (and batch sizes when the example batch is
+            >= 2); dimensions the model fixes stay static. Default: ``True``.
+        progress: Show a tqdm progress bar over the extraction stages. Default: ``False``.
+        recompile_limit: Most extractions kept per module, one per set of guards (call structure,
+            sizes, module state); the least recently used is evicted beyond it, and a warning
+            (once) names the module and the failed guard when a module reaches it, as Dynamo's
+            ``recompile_limit``. Default: ``8``.
+        reuse_layers: Export one representative of identical ``ModuleList`` entries (decoder layers
+            of one class, config and call) and build the others' graphs from its graph, each over
+            its own parameters, buffers and op points (see :mod:`nnbridge.extract.reuse`). Applies
+            to entries called once each, without a stateful argument or with a transformers
+            ``DynamicCache`` of which each writes its own layer (``layer_idx``, the default
+            ``use_cache=True``); anything else, or any doubt found while exporting (an attribute
+            that differs between layers read otherwise than as the cache layer index, another cache
+            layer touched), means per-layer export, with the same graphs. Default: ``True``.
+    """
+
+    classes_to_skip_compiling: set[type[torch.nn.Module]] = field(default_factory=set)
+    custom_extraction_functions: dict[type[torch.nn.Module], Callable[[torch.nn.Module], Graph]] = (
+        field(default_factory=dict)
+    )
+    error_on_compilation_failure: bool = False
+    warn_on_compilation_failure: bool = False
+    postprocessing_function: Callable[[GraphModule, torch.nn.Module], None] | None = None
+    skip_compilation: bool = False
+    allow_unused_submodules: bool | None = None
+    dynamic_shapes: bool = True
+    progress: bool = False
+    recompile_limit: int = 8
+    reuse_layers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.allow_unused_submodules is None:  # graphpatch's default: lenient unless strict
+            self.allow_unused_submodules = not self.error_on_compilation_failure

@@ -1,0 +1,116 @@
+"""Eager recording: runs of the user's module on copies of the inputs, with temporary hooks.
+
+Extraction needs what each submodule was called with (:func:`record_calls`), stand-in outputs for
+children that export may not trace (:func:`stub_output`) and copies of example inputs that a run
+may mutate (:func:`copy_inputs`; a ``DynamicCache`` is updated in place). Example::
+
+    calls = record_calls(model, {"transformer.h.0"}, (ids,), {})
+    args, kwargs, output = calls["transformer.h.0"][0]
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Callable, Set as AbstractSet
+from typing import Any
+
+import torch
+
+from ..compat.torch.pytree import pytree
+from ..graph.kinds import HookKind
+from ..guards.preservation import preserved_state
+
+def copy_inputs(value: Any) -> Any:
+    """A copy of example inputs that extraction may run or trace without touching the caller's
+    objects (a cache is mutated by the run). ``deepcopy`` when it works; else (tensors with autograd
+    history cannot be deep-copied) a pytree copy with detached clones, which also rebuilds
+    registered objects such as transformers' caches. Copies keep their originals' strides (a call's
+    memory layouts are part of its structure): ``clone`` makes an expanded tensor contiguous, so
+    such a tensor is deep-copied detached (its storage with it)."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:
+        def clone(t: torch.Tensor) -> torch.Tensor:
+            copied = t.detach().clone()
+            if copied.stride() != t.stride():  # overlapping (an expand): clone is contiguous
+                copied = copy.deepcopy(t.detach())
+            return copied.requires_grad_() if t.requires_grad and copied.is_floating_point() else copied
+        return pytree.tree_map_only(torch.Tensor, clone, value)
+
+
+def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]], *, grad: bool = False) -> None:
+    """One eager run of ``module`` on copies of the inputs (a cache would be mutated), with
+    temporary hooks: ``(submodule, HookKind, fn)``, both with kwargs. No grad unless ``grad``
+    (then the hooks see the ``requires_grad`` of the values a real call in grad mode passes).
+    The run leaves no trace (:func:`~.preservation.preserved_state`): the next run or export
+    starts from the module's state before it, as the user's call will (a forward that unmerges an
+    adapter and clears its flag unmerges again in each).
+
+    Raises:
+        ExtractionError: the run changed a parameter in place other than through ``.data``.
+    """
+    from ..graph.module_tree import named_real_modules
+
+    handles = []
+    try:
+        for sub, kind, fn in hooks:
+            register = sub.register_forward_pre_hook if kind == HookKind.PRE else sub.register_forward_hook
+            handles.append(register(fn, with_kwargs=True))
+        with torch.set_grad_enabled(grad), preserved_state(list(named_real_modules(module))):
+            module(*copy_inputs(args), **copy_inputs(kwargs))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def shared_copy(value: Any) -> Any:
+    """A copy of ``value``'s containers and registered objects (a transformers cache, when its
+    pytree is registered), its tensors shared: enough to keep the state a call saw when the run
+    later replaces tensors (a cache's update) but never changes them in place. :func:`copy_inputs`
+    when an object would stay shared (an unregistered one may be mutated later)."""
+    leaves, spec = pytree.tree_flatten(value)
+    if any(not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device))
+           for leaf in leaves):
+        return copy_inputs(value)
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
+                 kwargs: dict[str, Any], shared: AbstractSet[str] = frozenset()
+                 ) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
+    """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules;
+    the inputs are copied before the call (a cache argument is updated by it). Calls of ``shared``
+    modules (whose records are only compared, see :mod:`.reuse`) keep their tensors shared
+    (:func:`shared_copy`: deep copies of a decoder layer's inputs cost more than the run)."""
+    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = defaultdict(list)
+    pending: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
+
+    def before(fqn: str) -> Callable[..., None]:
+        copy = shared_copy if fqn in shared else copy_inputs
+        return lambda mod, a, k: pending[fqn].append((copy(a), copy(k)))
+
+    def after(fqn: str) -> Callable[..., None]:
+        copy = shared_copy if fqn in shared else copy_inputs
+        return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy(out)))
+    observed_run(module, args, kwargs, [(module.get_submodule(fqn), kind, hook(fqn))
+                                        for fqn in fqns for kind, hook in ((HookKind.PRE, before), (HookKind.POST, after))])
+    return calls
+
+
+def stub_output(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    """The recorded output as zeros that still depend on every tensor input (else export drops
+    whatever computed the inputs, e.g. the integer ``position_ids`` a stubbed rotary embedding
+    receives): one :func:`~.reuse.sibling_zeros` node per output tensor (a decoder stack stubbed
+    with its cache and 30 attention maps as output took ~270 nodes and 0.5 s of export before).
+    Floating outputs require grad when an input does, as the module's would; integer ones do not."""
+    from .reuse import sibling_zeros  # (reuse imports this module's callers)
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+    def stub(t: torch.Tensor) -> torch.Tensor:
+        if not tensors or not t.is_floating_point():
+            return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+        zeros = sibling_zeros(tensors, list(t.shape), t.dtype)
+        return zeros if zeros.device == t.device else zeros.to(t.device)
+    return pytree.tree_map_only(torch.Tensor, stub, output)

@@ -1,0 +1,104 @@
+"""Module globals a model's code reads: watched for writes while extracting, and put back after
+extraction's own runs.
+
+A graph replays tensor operations only. Code that writes a module global in a forward
+(``global CALLS; CALLS += 1``, ``STORE.append(x.detach())``, ``TOTALS["n"] += 1``) does so while
+it is extracted, never when the graph runs: eager code would write it on every call. Dynamo
+replays such writes as side effects after its graph; nnbridge makes the module that wrote the
+global run its own code (opaque), as it does for a module writing its own attributes
+(:mod:`.capture_checks`).
+
+The globals watched are those :mod:`.code_identity` finds the modules' code reading (a name of a
+function's code, transitively through helpers) that hold a plain value, a tensor, or a list, tuple,
+set or dict of them, and such values held as attributes of a global object of settings
+(``STATE.calls += 1``) or of a class the code names (``Flags.calls += 1``). Not watched: a global
+the code creates (absent when bridged), one holding another kind of object (``LOG = Recorder()``
+with a list inside), a write reached only through an attribute chain.
+
+:class:`GlobalValues` is both the watch (:meth:`~GlobalValues.changed`, per module call while
+exporting) and the undo (:meth:`~GlobalValues.restore`, after extraction's own eager runs and
+exports: a global list does not keep the fake tensors export appended to it).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ..compat.torch.capture import tensor_version
+from .code_identity import MISSING, value_bindings
+from .plain_values import PLAIN_TYPES, plain_value, snapshot
+
+#: Containers whose contents are watched and restored in place.
+_CONTAINERS = (list, dict, set)
+
+
+def _watched(value: Any) -> bool:
+    return (isinstance(value, (*PLAIN_TYPES, torch.Tensor))
+            or (isinstance(value, (*_CONTAINERS, tuple)) and plain_value(value, tensors=True)))
+
+
+class GlobalValues:
+    """The plain module globals the code of ``model``'s modules reads, as they are now.
+
+    Args:
+        model: the module whose tree's code is walked (:func:`~.code_identity.code_bindings`).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        found = [((where, namespace, name), owner) for (where, namespace, name, value), owner in value_bindings(model)
+                 if _watched(value)]
+        self.entries = [entry for entry, _ in found]
+        #: per entry the class whose attribute it is (assigned with setattr), or None
+        self.owners = [owner for _, owner in found]
+        self.saved = self.state()
+
+    def state(self) -> list[tuple[Any, Any, Any]]:
+        """Per global ``(value, snapshot for comparison, shallow copy for restoring)``."""
+        result: list[tuple[Any, Any, Any]] = []
+        for _, namespace, name in self.entries:
+            value = namespace.get(name, MISSING)
+            if isinstance(value, torch.Tensor):
+                result.append((value, tensor_version(value), None))
+            elif isinstance(value, _CONTAINERS):
+                result.append((value, snapshot(value), copy.copy(value)))
+            else:
+                result.append((value, value, None))
+        return result
+
+    def changed(self, before: list[tuple[Any, Any, Any]]) -> str | None:
+        """The first global (``module.NAME``) that differs from ``before`` (a :meth:`state`), or None."""
+        for (where, namespace, name), (value, compared, _) in zip(self.entries, before):
+            now = namespace.get(name, MISSING)
+            if isinstance(value, torch.Tensor):
+                if now is not value or tensor_version(now) != compared:
+                    return where
+            elif now is not value and not (type(now) is type(value) and type(now) in PLAIN_TYPES and now == value):
+                return where
+            elif isinstance(value, _CONTAINERS) and not value == compared:
+                return where
+        return None
+
+    def restore(self) -> None:
+        """Put every global back as it was when this object was made: the same object under each
+        name, a container's contents as they were (in place, so code holding it sees them)."""
+        for (_, namespace, name), owner, (value, _, contents) in zip(self.entries, self.owners, self.saved):
+            if value is MISSING:
+                if owner is not None:
+                    if name in namespace:
+                        delattr(owner, name)
+                else:
+                    namespace.pop(name, None)
+                continue
+            if namespace.get(name, MISSING) is not value:
+                if owner is not None:
+                    setattr(owner, name, value)
+                else:
+                    namespace[name] = value
+            if isinstance(value, list):
+                value[:] = contents
+            elif isinstance(value, (dict, set)):
+                value.clear()
+                value.update(contents)

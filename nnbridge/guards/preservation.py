@@ -1,0 +1,213 @@
+"""Extraction's eager runs leave no trace: parameters, buffers, module attributes, the watched module
+globals and the CPU, Python and numpy RNGs are put back after each (:func:`preserved_state`), and
+:func:`snapshot` / :class:`ModuleState` tell what a forward changed on its own modules
+(:mod:`.capture_checks` uses them to find side effects a graph would not repeat)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..compat import MODEL_STATE_ATTRIBUTES
+from ..compat.torch.capture import tensor_version
+from ..compat.torch.module_dicts import buffers_of, parameters_of
+from ..compat.nnsight.interleaving import NNSIGHT_MODULE_ATTRIBUTES
+from ..compat.torch.tensor_data import data_accesses
+from ..errors import ExtractionError
+from .data_writes import DataWrites
+from .global_state import GlobalValues
+from .plain_values import config_like
+
+#: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
+#: while extracting; ``_parameters``, ``_buffers`` and ``training`` are compared separately.
+_INTERNAL = (frozenset(torch.nn.Module().__dict__) | {"forward", "node_path"} | NNSIGHT_MODULE_ATTRIBUTES
+             | MODEL_STATE_ATTRIBUTES)
+_CONTAINERS = (list, dict, set)
+
+
+def _copy_container(value: Any) -> Any:
+    return type(value)(value) if type(value) in _CONTAINERS else None
+
+
+class ModuleState:
+    """A shallow snapshot of one module's state: parameters and buffers (object, version and, when
+    ``clone``, a copy of the buffer's values), ``training``, and its other ``__dict__`` entries
+    (object, plus a shallow copy of list/dict/set values)."""
+
+    def __init__(self, module: torch.nn.Module, clone: bool):
+        self.module = module
+        self.training = module.training
+        self.parameters = {n: (p, None if p is None else tensor_version(p)) for n, p in parameters_of(module).items()}
+        self.buffers = {n: (b, None if b is None else tensor_version(b), b.detach().clone()
+                            if clone and b is not None and not b.is_meta else None) for n, b in buffers_of(module).items()}
+        self.attributes = {k: (v, _copy_container(v)) for k, v in module.__dict__.items()
+                           if k not in _INTERNAL and not isinstance(v, torch.nn.Module)}
+        # plain tensor attributes (not parameters or buffers; index None) and tensors one level
+        # inside list/tuple/dict attributes (their index or key), and config-like objects: their
+        # contents, which in-place writes (``self.acc.add_(x)``, ``self.slots[0].add_(x)``,
+        # ``self.config.scale = 2``) change
+        self.tensors = {(k, i): (t, tensor_version(t), t.detach().clone() if clone else None)
+                        for k, (v, _) in self.attributes.items() for i, t in _held_tensors(v)}
+        self.configs = {k: (v, dict(vars(v))) for k, (v, _) in self.attributes.items() if config_like(k, v)}
+
+    def changes(self) -> list[str]:
+        """What changed since the snapshot, one phrase per attribute (``"sets attribute 'calls'"``)."""
+        module, found = self.module, []
+        for name, (buffer, _, _) in self.buffers.items():
+            if buffers_of(module).get(name, buffer) is not buffer:
+                found.append(f"re-assigns buffer '{name}'")
+        for name, (param, _) in self.parameters.items():
+            if parameters_of(module).get(name, param) is not param:
+                found.append(f"re-assigns parameter '{name}'")
+        current = {k: v for k, v in module.__dict__.items()
+                   if k not in _INTERNAL and not isinstance(v, torch.nn.Module)}
+        for name in current.keys() - self.attributes.keys():
+            found.append(f"sets attribute '{name}'")
+        for name, (value, copied) in self.attributes.items():
+            if name not in current:
+                found.append(f"deletes attribute '{name}'")
+            elif current[name] is not value:
+                found.append(f"sets attribute '{name}'")
+            elif copied is not None and not _same_container(value, copied):
+                found.append(f"mutates attribute '{name}' ({type(value).__name__})")
+        held: set[str] = set()
+        for (name, index), (tensor, version, _) in self.tensors.items():
+            if tensor_version(tensor) == version:
+                continue
+            if index is None and current.get(name) is tensor:
+                found.append(f"writes its tensor attribute '{name}' in place")
+            elif index is not None and name not in held:
+                held.add(name)
+                found.append(f"writes a tensor held in its attribute '{name}' in place")
+        for name, (config, values) in self.configs.items():
+            if current.get(name) is config and not _same_container(vars(config), values):
+                found.append(f"sets a value of its config-like attribute '{name}'")
+        return found
+
+    def restore(self, keep_new_attributes: bool = False) -> list[str]:
+        """Put everything back (attributes created since the snapshot stay with
+        ``keep_new_attributes``); returns the parameters whose values changed in place (a snapshot
+        keeps no copy of parameters, so those cannot be restored)."""
+        module = self.module
+        module.training = self.training
+        lost = []
+        for name, (param, version) in self.parameters.items():
+            parameters_of(module)[name] = param
+            if param is not None and tensor_version(param) != version:
+                lost.append(name)
+        for name, (buffer, version, copy) in self.buffers.items():
+            buffers_of(module)[name] = buffer
+            # batch norm's kernel updates running statistics without bumping the version
+            if buffer is not None and copy is not None and (tensor_version(buffer) != version
+                                                              or not torch.equal(buffer, copy)):
+                with torch.no_grad():
+                    buffer.copy_(copy)
+        for name in [n for n in buffers_of(module) if n not in self.buffers]:
+            del buffers_of(module)[name]
+        for name in [n for n in parameters_of(module) if n not in self.parameters]:
+            del parameters_of(module)[name]
+        for name in [k for k, v in module.__dict__.items() if k not in _INTERNAL and k not in self.attributes
+                     and not isinstance(v, torch.nn.Module) and not keep_new_attributes]:
+            del module.__dict__[name]
+        for name, (value, copied) in self.attributes.items():
+            module.__dict__[name] = value
+            if copied is not None and not _same_container(value, copied):
+                value.clear()
+                value.update(copied) if not isinstance(value, list) else value.extend(copied)
+        for tensor, version, copy in self.tensors.values():
+            if copy is not None and (tensor_version(tensor) != version or not torch.equal(tensor, copy)):
+                with torch.no_grad():
+                    tensor.copy_(copy)
+        for config, values in self.configs.values():
+            if not _same_container(vars(config), values):
+                vars(config).clear()
+                vars(config).update(values)
+        return lost
+
+
+def _held_tensors(value: Any) -> list[tuple[Any, torch.Tensor]]:
+    """``(None, value)`` for a tensor, ``(index or key, tensor)`` for the tensors directly inside a
+    list, tuple or dict; [] otherwise."""
+    if isinstance(value, torch.Tensor):
+        return [(None, value)]
+    if type(value) in (list, tuple):
+        return [(i, t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
+    if type(value) is dict:
+        return [(k, t) for k, t in value.items() if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _same_container(value: Any, copied: Any) -> bool:
+    if len(value) != len(copied):
+        return False
+    if isinstance(value, dict):
+        return value.keys() == copied.keys() and all(value[k] is copied[k] for k in value)
+    if isinstance(value, set):
+        return value == copied
+    return all(a is b for a, b in zip(value, copied))
+
+
+def snapshot(modules: list[tuple[str, torch.nn.Module]], clone: bool) -> dict[str, ModuleState]:
+    """``{path: ModuleState}`` for ``(path, module)`` pairs."""
+    return {path: ModuleState(module, clone) for path, module in modules}
+
+
+@contextlib.contextmanager
+def python_rngs_kept() -> Iterator[None]:
+    """Put Python's ``random`` and numpy's global RNG (when numpy is imported) back as they were
+    after the body, also when it raises: extraction's runs and warm-ups draw nothing from the
+    caller's RNGs (as ``torch.random.fork_rng`` for torch's)."""
+    numpy = sys.modules.get("numpy")
+    python_rng, numpy_rng = random.getstate(), (numpy.random.get_state() if numpy is not None else None)
+    try:
+        yield
+    finally:
+        random.setstate(python_rng)
+        if numpy is not None:
+            numpy.random.set_state(numpy_rng)
+
+
+@contextlib.contextmanager
+def preserved_state(modules: list[tuple[str, torch.nn.Module]], keep_new_attributes: bool = False) -> Iterator[None]:
+    """Run the body (extraction's eager runs) and put every parameter, buffer, module attribute,
+    ``training`` flag, the CPU RNG and the Python and numpy RNGs back as they were, also when the
+    body raises. Parameters and buffers written through ``.data`` (no version-counter bump) are put
+    back too (see :mod:`.data_writes`). With ``keep_new_attributes``, module attributes the body
+    created are left in place (a warm-up run that may bridge modules it reaches).
+
+    Raises:
+        ExtractionError: a parameter was changed in place by the body other than through ``.data``
+            (its version counter moved; its old values are lost).
+    """
+    states = snapshot(modules, clone=True)
+    globals_read = GlobalValues(modules[0][1]) if modules else None
+    writes = DataWrites(tensor for _, module in modules
+                        for tensor in (*parameters_of(module).values(), *buffers_of(module).values()))
+    with torch.random.fork_rng(devices=[]), python_rngs_kept(), data_accesses(writes.seen):
+        try:
+            yield
+        finally:
+            writes.restore()
+            lost = [f"{path}.{name}" if path else name for path, state in states.items()
+                    for name in state.restore(keep_new_attributes)]
+            if globals_read is not None:
+                globals_read.restore()
+    if lost:
+        raise ExtractionError(
+            f"Parameters {lost} were changed in place while nnbridge ran the model to extract it (a forward"
+            " that writes its own parameters). nnbridge cannot restore them; run extraction on a copy, or"
+            " add the module's class to ExtractionOptions.classes_to_skip_compiling.")
+
+
+def python_rng_states() -> tuple[Any, Any]:
+    """The state of Python's ``random`` module and, when imported, numpy's global ``RandomState``:
+    values drawn from them in forward are Python numbers a graph would keep (torch's own RNG is
+    traced as ops)."""
+    numpy = sys.modules.get("numpy")
+    state = numpy.random.get_state() if numpy is not None else None
+    return random.getstate(), (None if state is None else (state[0], tuple(state[1].tolist()), *state[2:]))

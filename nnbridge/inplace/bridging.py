@@ -1,0 +1,626 @@
+"""Bridge a model in place: its modules run their graphs, every graph node is a real submodule.
+
+After ``nnbridge.bridge(model, *example_args, **example_kwargs)`` the model is the same object (same
+class, ``config``, ``generate()``, ``state_dict()`` keys, parameters) and gives the same outputs, but:
+
+- each module's body runs its extracted graph (``torch.fx`` generated code);
+- each graph node has an :class:`~nnbridge.graph.op_point.OpPoint`, registered as a child of its
+  module: ``model.get_submodule("transformer.h.0.attn.softmax")``. Torch hooks on it see and may
+  replace the op's value; a node is routed through its op point only while something listens;
+- the user's own torch hooks, and nnsight's or accelerate's wrappers, keep running around each
+  module's body, because only the body is swapped (see :mod:`nnbridge.compat.torch.forwards`).
+
+Example::
+
+    nnbridge.bridge(model, input_ids)
+    handle = model.get_submodule("transformer.h.0.attn.softmax").register_forward_hook(
+        lambda module, args, output: output * 0)
+    model(input_ids)            # layer 0 attends to nothing
+    handle.remove()
+    nnbridge.unbridge(model)    # exactly as before
+
+Op point names: the node's name, with a trailing ``_`` when the module already has an attribute of
+that name (``weight`` -> ``weight_``) or the name is ``input``, ``inputs`` or ``output`` (nnsight
+envoy properties). A module called several times per forward exposes invocation ``k >= 1``'s
+points under ``invocation_<k>`` (``model.linear.invocation_1.linear``).
+
+Order on one op value: torch forward pre-hooks, graph patches (``PatchableGraph.patch``), then
+torch forward hooks; nnsight's ``.input``/``.output`` of an op envoy sit just inside the hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar, cast
+
+import torch
+
+from ..compat.libc import release_garbage
+from ..compat.torch.module_dicts import buffers_of, modules_of, parameters_of
+from ..compat import DirectCall, SwappedBody, restore_body, swap_body
+from ..graph.failures import add_note
+from ..errors import NNBridgeError
+from .copies import CarriedOptions, Copier, install_copier, remove_copier
+from ..extract.capture_checks import preserved_state
+from ..dispatch.dispatcher import GraphDispatcher
+from ..dispatch.extraction import Extraction
+from ..graph.state import SpecCheck
+from ..extract.state_graphs import state_argument_specs
+from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
+from ..extract.examples import static_examples
+from ..graph.metadata import node_meta
+from ..graph.summaries import bind_inputs
+from ..graph.locking import CALL_LOCK, lock_calls, locked_call, unlock_calls
+from ..graph.module_tree import named_real_modules, refuse_instance_forwards
+from ..graph.op_point import LISTENED, OpPoint, OpPointContainer
+from ..extract.options import ExtractionOptions
+
+#: key in a bridged model's ``__dict__`` holding its :class:`Bridge` (removed by :func:`unbridge`);
+#: kept on the model, not in a global registry, so a bridged model is freed like any other.
+BRIDGE_KEY = "_nnbridge_bridge"
+_LOCAL = threading.local()
+_ENVOY_NAMES = frozenset({"input", "inputs", "output"})
+#: What an extraction gives for a module: its compiled graph, or an opaque stand-in.
+AnyGraph = CompiledGraphModule | OpaqueGraphModule
+
+
+def _pending() -> dict[int, AnyGraph]:
+    pending = getattr(_LOCAL, "pending", None)
+    if pending is None:
+        pending = _LOCAL.pending = {}
+    return pending
+
+
+def _state_specs_hold(graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the state objects (custom pytree arguments such as a ``DynamicCache``) of a call
+    have the pytree structure ``graph`` was extracted for (the spec of its input prologue or of its
+    :func:`~.state.read_state` / :func:`~.state.write_state` nodes; the graph's code assumes it,
+    except for cache layers it never touched, see :class:`~.state.SpecCheck`).
+    Graphs without such arguments always hold (checked once per graph); structures that held are
+    remembered (see :class:`~.state.SpecCheck`)."""
+    checks = graph.graph_meta.state_specs
+    if checks is None:
+        specs = state_argument_specs(graph)
+        # layers the graph's code never touched are compared by type only (see SpecCheck), when
+        # the graph has one state argument, read and written at known layers only
+        untouched = graph.graph_meta.untouched if len(specs) == 1 else None
+        checks = graph.graph_meta.state_specs = [
+            (where, SpecCheck(spec, frozenset() if untouched is None or layers is None else untouched - layers))
+            for where, spec, layers in specs]
+    if not checks:
+        return True
+    names = graph.graph_meta.argument_names
+    if names is None:
+        placeholders: Iterable[torch.fx.Node] = graph.graph.nodes if isinstance(graph, CompiledGraphModule) else []
+        names = graph.graph_meta.argument_names = [n.name for n in placeholders if n.op == "placeholder"]
+    for where, check in checks:
+        if isinstance(where, int):
+            value = args[where] if where < len(args) else kwargs.get(names[where]) if where < len(names) else None
+        else:
+            value = kwargs.get(where)
+        if value is None or not check(value):
+            return False
+    return True
+
+
+@torch.compiler.disable(reason="nnbridge extracts this call structure of the model (torch.export), which cannot"
+                               " run inside torch.compile's trace, because a patch or torch hook is on one of its op"
+                               " points. Call the model once outside torch.compile with these arguments (or"
+                               " nnbridge.bridge(model, *example_inputs)) before compiling with fullgraph=True.")
+def _lookup_outside_dynamo(dispatcher: GraphDispatcher, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
+    """``dispatcher.lookup`` run eagerly when Dynamo traces the call (a graph break)."""
+    with CALL_LOCK:
+        return dispatcher.lookup(args, kwargs)
+
+
+class _CallSite:
+    """What a parent graph calls instead of a child graph: the user's module itself (so its hooks
+    and wrappers run), told which graph its body should run for this call. When the module's call
+    would only run its body (no hook, no wrapper: see :class:`~nnbridge.compat.DirectCall`), the
+    body runs that graph directly, without ``nn.Module.__call__``'s frames."""
+
+    __slots__ = ("module", "graph", "bridge", "direct")
+
+    def __init__(self, module: torch.nn.Module, graph: AnyGraph, bridge: Bridge):
+        self.module, self.graph, self.bridge = module, graph, bridge
+        self.direct = DirectCall(module, bridge.body, locked_call)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # (torch.compile traces the normal call: the check first, so Dynamo never traces DirectCall)
+        if not torch.compiler.is_dynamo_compiling() and self.direct():
+            return self.bridge.chosen(self.module, self.graph, args, kwargs)
+        pending, key = _pending(), id(self.module)
+        pending[key] = self.graph
+        try:
+            # nn.Module's call, not the class's: a class overriding ``__call__`` (``return
+            # super().__call__(x) * 3``) ran its override in the parent's frame, so the parent's graph
+            # holds what it adds, and the call site stands for its ``super().__call__`` (before, the
+            # override ran a second time: outputs x9 instead of x3, silently)
+            return torch.nn.Module.__call__(self.module, *args, **kwargs)
+        finally:
+            pending.pop(key, None)
+
+
+class Bridge:
+    """The in-place state of one bridged model (see the module docstring).
+
+    Attributes:
+        wanted_inside: class-wide ``wanted_inside(module) -> bool``: whether a running trace wants
+            a value inside ``module`` (then its graph runs code that asks each node's
+            :attr:`OpPoint.wanted`); never, until a front-end installs its test (the envoy layer
+            installs nnsight's).
+        source_body: class-wide ``source_body(module)``: the body a running trace wants this call of
+            ``module`` to run instead of its graph (nnsight's ``.source``-instrumented forward), or
+            None. Never, until a front-end installs its test.
+        front_end_body: class-wide ``front_end_body(module)``: the body a front-end keeps for
+            ``module`` when it runs outside a bridged call (nnsight's own), or None.
+        count_unrouted: class-wide ``count_unrouted(module, points)``: told of a call that ran
+            ``points`` without routing them, so a front-end counting visits (nnsight's iteration
+            steps) counts them as visited. Does nothing until a front-end installs its counter.
+        front_end_active: class-wide ``front_end_active(module)``: whether a front-end's run (an
+            nnsight trace) is under way that may want something of ``module``'s call; when not,
+            ``wanted_inside``, ``source_body`` and ``count_unrouted`` are not asked (each says no
+            or does nothing then). False until a front-end installs its test.
+    """
+
+    wanted_inside: ClassVar[Callable[[torch.nn.Module], bool]] = staticmethod(lambda module: False)
+    source_body: ClassVar[Callable[[torch.nn.Module], Callable[..., Any] | None]] = staticmethod(lambda module: None)
+    front_end_body: ClassVar[Callable[[torch.nn.Module], Callable[..., Any] | None]] = staticmethod(lambda module: None)
+    count_unrouted: ClassVar[Callable[[torch.nn.Module, Iterable[OpPoint]], None]] = staticmethod(
+        lambda module, points: None)
+    front_end_active: ClassVar[Callable[[torch.nn.Module], bool]] = staticmethod(lambda module: False)
+
+    def __init__(self, model: torch.nn.Module, options: ExtractionOptions):
+        self.model = model
+        self.options = options
+        self.dispatcher = GraphDispatcher(model, options, on_extraction=[self._on_extraction])
+        self.dispatchers: dict[int, GraphDispatcher] = {id(model): self.dispatcher}
+        self.swapped: dict[int, SwappedBody] = {}
+        self.points: dict[tuple[int, int, str], OpPoint] = {}
+        self.registered: list[tuple[torch.nn.Module, str]] = []
+        #: ``registered`` grouped by holder, in order of first registration: ``{id(holder): (holder,
+        #: {attribute: None})}`` (see :meth:`holders`)
+        self._holders: dict[int, tuple[torch.nn.Module, dict[str, None]]] = {}
+        #: every attribute name in :attr:`registered` (an op envoy name a trace may read)
+        self.registered_names: set[str] = set()
+        #: ``(root graph, {placeholder: summary})`` of linked extractions whose example summaries
+        #: are not computed yet (see :meth:`examples_due`)
+        self.owed_examples: list[tuple[weakref.ref[AnyGraph], dict[str, Any]]] = []
+        self.depth = 0
+        self.eager = 0  # > 0 while :meth:`running_eagerly`
+        #: ``{id: module}`` of the modules that run graphs while :meth:`lazily`, else None
+        self.lazy: dict[int, torch.nn.Module] | None = None
+        #: calls per lazy module in the current forward, and the modules seen called more than once
+        self.calls: Counter[int] = Counter()
+        self.repeated: set[int] = set()
+        self.locked: list[tuple[torch.nn.Module, Callable[..., Any]]] = []  # locked ``_call_impl``s (see .locking)
+
+    # -- running --------------------------------------------------------------------------------
+    def body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """Every bridged module's body: the graph its caller chose, else its own dispatcher's graph
+        for this call structure, else (called on its own, outside a bridged forward) its code.
+        Runs under :data:`.locking.CALL_LOCK` (one bridged call at a time per process)."""
+        if torch.compiler.is_dynamo_compiling():  # torch.compile traces through: Dynamo cannot enter a lock
+            return self._body(module, *args, **kwargs)
+        with CALL_LOCK:
+            return self._body(module, *args, **kwargs)
+
+    def _body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.eager:
+            return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+        graph = _pending().pop(id(module), None)
+        if graph is None and self.lazy is not None and self.depth == 0:
+            if id(module) not in self.lazy:
+                if module is self.model:  # a new forward (a generation step)
+                    self.calls.clear()
+                return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+            self.calls[id(module)] += 1
+            if self.calls[id(module)] > 1:  # whole-model extractions number its calls (invocation_<k>)
+                self.repeated.add(id(module))
+            graph = self._own_dispatcher(module).lookup(args, kwargs).root
+        return self._run(module, graph, args, kwargs)
+
+    def chosen(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What :meth:`body` runs for a call whose caller's graph chose ``graph`` (a call site
+        calling the body directly outside Dynamo, see :class:`_CallSite`)."""
+        with CALL_LOCK:
+            if self.eager:
+                return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+            return self._run_graph(module, self._fitting(module, graph, args, kwargs), args, kwargs, False)
+
+    def _run(self, module: torch.nn.Module, graph: AnyGraph | None, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+        compiling = torch.compiler.is_dynamo_compiling()  # Dynamo traces the plain checks and code
+        if graph is not None and not compiling:
+            graph = self._fitting(module, graph, args, kwargs)
+        if graph is None:
+            dispatcher = self.dispatchers.get(id(module))
+            if dispatcher is None or not (module is self.model or self.depth > 0):
+                return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+            if compiling:
+                extraction = dispatcher.find(args, kwargs)
+                if extraction is None:
+                    # no graph for this call: extraction (torch.export) cannot run inside Dynamo's
+                    # trace. With nothing listening to an op point the graphs would compute what
+                    # the module's own code computes: Dynamo traces that code (and guards on what
+                    # it read here, so a later extraction or hook recompiles). Else the extraction
+                    # runs outside the trace (a graph break; fullgraph=True raises, naming why).
+                    if not self.listened():
+                        return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+                    extraction = _lookup_outside_dynamo(dispatcher, args, kwargs)
+                graph = extraction.root
+            else:
+                graph = dispatcher.lookup(args, kwargs).root
+        return self._run_graph(module, graph, args, kwargs, compiling)
+
+    def _fitting(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> AnyGraph:
+        """``graph``, or ``module``'s own extraction for this call when a state object (a ``Cache``)
+        is not in the state the parent's extraction saw: e.g. an earlier layer was skipped (nnsight
+        ``.skip()``) and did not write its cache layer, as in eager. Graphs without state arguments
+        are passed through without a call (the check runs on every bridged module call)."""
+        specs = graph.graph_meta.state_specs
+        if (specs is None or specs) and not _state_specs_hold(graph, args, kwargs):
+            return self._own_dispatcher(module).lookup(args, kwargs).root
+        return graph
+
+    def _run_graph(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   compiling: bool) -> Any:
+        """Run ``graph`` as ``module``'s body for this call (``compiling``: Dynamo traces it, so
+        the plain generated code runs)."""
+        self.depth += 1
+        try:
+            if Bridge.front_end_active(module):
+                # an nnsight trace waiting for something inside this module: each node asks
+                # whether it is wanted; otherwise the plain code (which routes patched and hooked
+                # nodes), with the trace's visit counts of the graph's ops kept as if each had
+                # been served
+                source = Bridge.source_body(module)
+                if source is None and Bridge.wanted_inside(module):
+                    return graph.trace_forward()(graph, *args, **kwargs)
+                Bridge.count_unrouted(module, graph.op_points_made())
+                if source is not None:  # the trace wants this call's nnsight ``.source`` operations
+                    return source(module, *args, **kwargs)
+            if graph.compiled and not compiling:
+                return cast(CompiledGraphModule, graph).fast_forward()(graph, *args, **kwargs)
+            return graph.forward(*args, **kwargs)
+        except BaseException as error:
+            add_note(error)
+            raise
+        finally:
+            self.depth -= 1
+
+    def listened(self) -> bool:
+        """Whether a patch listener or a torch hook is on any of the model's op points (then a
+        call must run the graphs: :meth:`running_eagerly` would skip them)."""
+        # OpPoint.listened, read off the instance dicts: hundreds of points are checked before every
+        # trace, unless no point of any model is listened (37 us for GPT-2 4x256's 471 points)
+        return bool(LISTENED) and any(point._listeners or point._hooked for point in self.points.values())
+
+    @contextlib.contextmanager
+    def running_eagerly(self) -> Iterator[None]:
+        """Every module of the model runs its own code for the body's duration, as if unbridged
+        (a front-end's own body, such as nnsight's, included): no graph runs and nothing is
+        extracted. For calls that want no op (see :mod:`nnbridge.envoys.op_reads`).
+
+        Raises:
+            NNBridgeError: a patch or torch hook is on an op point (they act only in graphs).
+        """
+        if self.listened():
+            listened = [point.node_name for point in self.points.values() if point.listened][:3]
+            raise NNBridgeError(f"cannot run {type(self.model).__name__} eagerly: op points {listened} have"
+                                " patches or torch hooks, which act only when its graphs run; remove them"
+                                " or run the model normally.")
+        self.eager += 1
+        try:
+            yield
+        finally:
+            self.eager -= 1
+
+    @contextlib.contextmanager
+    def lazily(self, modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+        """Extract only ``modules`` for the body's duration: they run their own graphs (each
+        extracted per call structure by its own dispatcher, as a module called on its own), every
+        other module runs its own code, as in :meth:`running_eagerly` (issue "nnsight parity":
+        extract only the modules a trace reaches below the module level). ``modules`` must not
+        contain one another. Op points keep their names and identity across a lazy and a
+        whole-model extraction (points are shared by module, invocation and name).
+
+        Raises:
+            NNBridgeError: a patch or torch hook is on an op point (they need the whole model's
+                graphs: run it normally).
+        """
+        if self.listened():
+            raise NNBridgeError(f"cannot extract {type(self.model).__name__} lazily: op points have patches or"
+                                " torch hooks, which need the whole model's graphs; run it normally.")
+        chosen = {id(module): module for module in modules}
+        for module in chosen.values():
+            if id(module) not in self.swapped:
+                self.swap(module)
+        previous, self.lazy = self.lazy, chosen
+        try:
+            yield
+        finally:
+            self.lazy = previous
+
+    def lazy_allowed(self, modules: Iterable[torch.nn.Module]) -> bool:
+        """Whether :meth:`lazily` may serve ``modules``: none is called more than once per forward
+        (a whole-model extraction gives each call its own op points, ``invocation_<k>``; a module
+        extracted alone has one set for every call), as far as earlier runs tell."""
+        return not any(id(module) in self.repeated or "invocation_1" in modules_of(module) for module in modules)
+
+    def warm_up(self, run: Callable[[], Any]) -> None:
+        """While :meth:`lazily`: call ``run`` (a call of the model) once, which extracts the lazy
+        modules for its call structures (op envoys must exist before an nnsight trace starts) and
+        finds those called more than once per forward (see :meth:`lazy_allowed`). Random state
+        and every buffer's value are restored after (:func:`state_restored`).
+
+        Raises:
+            NNBridgeError: not inside :meth:`lazily` (an nnbridge bug).
+        """
+        if self.lazy is None:
+            raise NNBridgeError("Bridge.warm_up() runs only inside Bridge.lazily(); this is an nnbridge bug.")
+        with state_restored(self.model):
+            run()
+
+    def _own_dispatcher(self, module: torch.nn.Module) -> GraphDispatcher:
+        """``module``'s own dispatcher (made on first need, linked like the model's)."""
+        dispatcher = self.dispatchers.get(id(module))
+        if dispatcher is None:
+            path = next((name for name, m in self.model.named_modules(remove_duplicate=False) if m is module), "")
+            dispatcher = GraphDispatcher(module, self.options, path=path, on_extraction=[self._on_extraction])
+            self.dispatchers[id(module)] = dispatcher
+        return dispatcher
+
+    # -- linking extractions to the user's modules ----------------------------------------------
+    def _on_extraction(self, dispatcher: GraphDispatcher, extraction: Extraction) -> None:
+        self.link(extraction, cast(torch.nn.Module, dispatcher.module))
+
+    def link(self, extraction: Extraction, module: torch.nn.Module) -> None:
+        """Rewire an extraction so its graphs call the user's modules and share op points."""
+        if extraction.example is not None:  # shapes for printing op points (no run needed)
+            args, kwargs = extraction.example  # summaries (``torch.Size``), not the call's values
+            inputs = bind_inputs(extraction.root, list(args), kwargs)
+            if inputs is not None:  # (weakly: an evicted extraction is freed, see GraphDispatcher._evict)
+                self.owed_examples = [(root, owed) for root, owed in self.owed_examples if root() is not None]
+                self.owed_examples.append((weakref.ref(extraction.root), inputs))
+        self._link(extraction.root, module, Counter())
+
+    def examples_due(self) -> None:
+        """Compute the example summaries of the extractions linked so far, in link order (as if
+        each had been computed when linked): on the first read of any graph's examples, since they
+        only describe shapes for printing (SmolLM2 served by the disk cache: 9 % of ``bridge()``
+        under a profiler)."""
+        while self.owed_examples:
+            root, inputs = self.owed_examples.pop(0)
+            graph = root()
+            if graph is not None:
+                static_examples(graph, inputs)
+
+    def _link(self, graph: AnyGraph, module: torch.nn.Module, invocations: Counter[int]) -> None:
+        graph.graph_meta.examples_due = self.examples_due
+        invocation = invocations[id(module)]
+        invocations[id(module)] += 1
+        if id(module) not in self.swapped:
+            self.swap(module)
+        self._share_points(graph, module, invocation)
+        if isinstance(graph, CompiledGraphModule):
+            if graph.graph_meta.graph_children is not None:
+                return  # already linked (an extraction shared by several callers)
+            children: dict[str, AnyGraph] = {}
+            for i, node in enumerate([n for n in graph.graph.nodes if n.op == "call_module"]):
+                child_graph = graph.child_graph(node)
+                child_module = module.get_submodule(node_meta(node).module_path or "")
+                children[node_meta(node).name] = child_graph
+                self._link(child_graph, child_module, invocations)
+                site = f"_nnbridge_call_{i}"
+                graph.add_call_site(site, _CallSite(child_module, child_graph, self))
+                node.target = site
+            graph.graph_meta.graph_children = children
+            self._read_tensors_live(graph, module)
+            graph.recompile()
+        elif isinstance(graph, OpaqueGraphModule):
+            graph.call_original_children()  # the original code calls the (bridged) user modules
+            for holder in graph.graph_meta.child_dispatchers.values():
+                dispatcher = cast(GraphDispatcher, holder)  # the dispatcher layer made it
+                self.dispatchers[id(dispatcher.module)] = dispatcher
+                for extraction in dispatcher.all_extractions():
+                    self._link(extraction.root, dispatcher.module, Counter())
+
+    @staticmethod
+    def _read_tensors_live(graph: CompiledGraphModule, module: torch.nn.Module) -> None:
+        """Read parameters and buffers off the module at call time (``self._nnbridge_module.weight``)
+        instead of holding them: a replaced parameter, or a weight accelerate loads for the call,
+        is what the graph uses; the graph keeps no tensor alive."""
+        graph.read_tensors_from(module)  # a cycle through the model, freed with it
+        for node in graph.graph.nodes:
+            if node.op != "get_attr" or str(node.target).startswith("_nnbridge_module."):
+                continue
+            target = str(node.target)
+            value: torch.Tensor
+            try:
+                value = module.get_parameter(target)
+            except AttributeError:
+                try:
+                    value = module.get_buffer(target)
+                except AttributeError:
+                    continue
+            if isinstance(value, torch.Tensor):
+                *prefix, name = target.split(".")
+                holder = graph.get_submodule(".".join(prefix)) if prefix else graph
+                parameters_of(holder).pop(name, None)
+                buffers_of(holder).pop(name, None)
+                node.target = f"_nnbridge_module.{target}"
+
+    def _share_points(self, graph: AnyGraph, module: torch.nn.Module, invocation: int) -> None:
+        for name in graph.point_names:
+            key = (id(module), invocation, name)
+            point = self.points.get(key)
+            if point is None:
+                self.points[key] = graph.op_point(name)
+                self._register(module, invocation, name, self.points[key])
+            else:
+                graph.share_point(name, point)
+
+    def _register(self, module: torch.nn.Module, invocation: int, name: str, point: OpPoint) -> None:
+        holder = module
+        if invocation:
+            container_name = f"invocation_{invocation}"
+            existing = modules_of(module).get(container_name)
+            holder = existing if existing is not None else OpPointContainer()
+            if existing is None:
+                module.add_module(container_name, holder)
+                self._note_registered(module, container_name)
+        attribute = name
+        while attribute in _ENVOY_NAMES or hasattr(holder, attribute):
+            attribute += "_"
+        holder.add_module(attribute, point)
+        self._note_registered(holder, attribute)
+
+    def _note_registered(self, holder: torch.nn.Module, attribute: str) -> None:
+        self.registered.append((holder, attribute))
+        self._holders.setdefault(id(holder), (holder, {}))[1][attribute] = None
+        self.registered_names.add(attribute)
+
+    def holders(self) -> list[tuple[torch.nn.Module, dict[str, None]]]:
+        """:attr:`registered` grouped by holder: ``[(holder, {attribute: None})]``, each holder once,
+        holders and attributes in order of first registration (a module's ``invocation_<k>``
+        container before the container's own points). For walks over what a bridge registered
+        that look up one thing per holder, not per op point (:func:`~nnbridge.compat.nnsight.interleaving.mirror_envoys`)."""
+        return list(self._holders.values())
+
+    def swap(self, module: torch.nn.Module) -> None:
+        """Make ``module``'s body :meth:`body`, and its copies bridged copies (see .copies)."""
+        self.swapped[id(module)] = swap_body(module, self.body)
+        install_copier(module, Copier(module, self.detached, bridged_copy, self.options))
+
+    # -- undoing --------------------------------------------------------------------------------
+    def undo(self) -> None:
+        """Put every module back exactly as it was."""
+        for holder, attribute in reversed(self.registered):
+            modules_of(holder).pop(attribute, None)
+        for swapped in reversed(list(self.swapped.values())):
+            restore_body(swapped)
+            remove_copier(swapped.module)
+        self.registered.clear()
+        self._holders.clear()
+        self.registered_names.clear()
+        self.swapped.clear()
+        unlock_calls(self.locked)
+        self.locked = []
+
+    @contextlib.contextmanager
+    def detached(self) -> Iterator[None]:
+        """Every module exactly as before bridging for the body's duration (under the call lock),
+        then bridged again as it was: the same graphs, op points and hooks on them."""
+        with CALL_LOCK:
+            removed = [(holder, attribute, modules_of(holder).pop(attribute))
+                       for holder, attribute in reversed(self.registered)]
+            swapped = list(self.swapped.values())
+            for body in reversed(swapped):
+                restore_body(body)
+                remove_copier(body.module)
+            unlock_calls(self.locked)
+            entry = self.model.__dict__.pop(BRIDGE_KEY, None)
+            try:
+                yield
+            finally:
+                if entry is not None:
+                    self.model.__dict__[BRIDGE_KEY] = entry
+                self.lock_calls()
+                for body in swapped:
+                    self.swap(body.module)
+                for holder, attribute, point in reversed(removed):
+                    modules_of(holder)[attribute] = point
+
+    def lock_calls(self) -> None:
+        """Make every call of the model or of any of its modules, hooks included, hold the
+        process-wide call lock (see :mod:`.locking`)."""
+        self.locked = lock_calls(self.model.modules())
+
+
+@contextlib.contextmanager
+def state_restored(model: torch.nn.Module) -> Iterator[None]:
+    """Restore, after the body, what a run of ``model`` changes (a warm-up run must leave no trace:
+    BatchNorm statistics, counters, draws, an adapter merged or unmerged through ``.data``): torch's
+    CPU random state, Python's and numpy's RNGs, every parameter and buffer (the same tensor under
+    each name, holding its values from before), module attributes and ``training`` flags, and the
+    module globals its code writes (see :func:`~.capture_checks.preserved_state`). Attributes the
+    body created stay (the run bridges the modules it reaches).
+
+    Raises:
+        ExtractionError: the run changed a parameter in place other than through ``.data``
+            (its old values are lost).
+    """
+    with preserved_state(list(named_real_modules(model)), keep_new_attributes=True):
+        yield
+
+
+def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOptions | None = None,
+           **example_kwargs: Any) -> torch.nn.Module:
+    """Bridge ``model`` in place (see the module docstring) and return it.
+
+    Args:
+        model: the model; it stays the same object.
+        *example_args: an example call's positional arguments; other call structures are
+            extracted when they first happen. Without an example call, the first call is extracted
+            (op points appear then).
+        **example_kwargs: the example call's keyword arguments.
+        options: :class:`ExtractionOptions`.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        NNBridgeError: ``model`` is already bridged (call :func:`unbridge` first).
+        ExtractionError: a module has a ``forward`` set on the instance (see
+            :func:`~.module_tree.refuse_instance_forwards`), nothing done; or extraction failed
+            and ``options.error_on_compilation_failure`` is set.
+            The model is left exactly as it was.
+    """
+    if BRIDGE_KEY in model.__dict__:
+        raise NNBridgeError(f"{type(model).__name__} is already bridged; call nnbridge.unbridge(model) first"
+                            " to bridge it again with other options.")
+    refuse_instance_forwards(model, "nnbridge.bridge")
+    state = Bridge(model, options or ExtractionOptions())
+    try:
+        state.lock_calls()
+        if example_args or example_kwargs:
+            state.dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
+        else:  # deferred: the first call extracts (and links) its own call structure
+            state.swap(model)
+    except BaseException:
+        state.undo()
+        raise
+    model.__dict__[BRIDGE_KEY] = state
+    return model
+
+
+def unbridge(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`bridge`: forwards, ``_modules`` and ``named_modules()`` exactly as before; the
+    graphs' memory goes back to the operating system (see :mod:`nnbridge.compat.libc`).
+
+    Raises:
+        NNBridgeError: ``model`` is not bridged.
+    """
+    state = model.__dict__.pop(BRIDGE_KEY, None)
+    if state is None:
+        raise NNBridgeError(f"{type(model).__name__} is not bridged; nothing to undo.")
+    state.undo()
+    del state
+    release_garbage()  # the graphs are reference cycles: collected before the heap is trimmed
+    return model
+
+
+def bridged_copy(plain: torch.nn.Module, carried: CarriedOptions) -> torch.nn.Module:
+    """Bridge a copy of a bridged module (``copy.deepcopy``, ``pickle.load``, ``torch.load``; see
+    :mod:`.copies`) with its original's options; its first call extracts its graphs."""
+    return bridge(plain, options=carried.options)
+
+
+def bridge_of(model: torch.nn.Module) -> Bridge | None:
+    """The :class:`Bridge` of a bridged model, or None."""
+    return model.__dict__.get(BRIDGE_KEY)

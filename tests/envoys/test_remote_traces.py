@@ -1,0 +1,117 @@
+"""Remote traces (``remote=True`` / nnsight's server simulation ``remote="local"``) of a bridged model
+travel as a plain nnsight model's: module envoys work and equal nnsight's, op reads are refused
+before anything is sent (an NDIF server runs nnsight, without op envoys)."""
+
+import threading
+
+import nnsight
+import pytest
+import torch
+from nnsight.schema.request import RequestModel
+
+import nnbridge
+from nnbridge.compat.nnsight.remote import serialised_as_nnsight
+from nnbridge.envoys.remote import NNsightRequest, is_op_point
+from nnbridge.errors import NNBridgeError
+from utils import PROMPTS, wrap
+
+
+def mean_of_first_layers(model, count):
+    """The mean of the first ``count`` layers' hidden states (a helper shipped by value)."""
+    return sum(model.transformer.h[i].output.mean() for i in range(count))
+
+
+def module_reads(model, remote):
+    with torch.no_grad(), model.trace(PROMPTS[0], remote=remote):
+        hidden = model.transformer.h[0].output.save()
+        total = mean_of_first_layers(model, 2).save()
+        logits = model.lm_head.output.save()
+    return hidden, total, logits
+
+
+@pytest.mark.parametrize("extracted", [False, True], ids=["fresh", "after-an-op-trace"])
+def test_local_simulation_of_module_reads_equals_nnsight(extracted):
+    """Layer 0's output ``(1, seq, 64)``, a helper's scalar and the logits ``(1, seq, vocab)``:
+    torch.equal to nnsight's remote="local" run and to nnbridge's own local run, also once op
+    envoys exist (they are left out of the request, not sent)."""
+    expected = module_reads(wrap(nnsight, "gpt2"), "local")
+    model = wrap(nnbridge, "gpt2")
+    if extracted:
+        with torch.no_grad(), model.trace(PROMPTS[0]):
+            model.transformer.h[0].attn.softmax.output.save()
+    for remote in ("local", False):
+        for value, reference in zip(module_reads(model, remote), expected):
+            assert torch.equal(value, reference)
+
+
+def test_the_request_names_no_nnbridge_class():
+    """What would be sent: nnsight's own classes only (a server without nnbridge can unpickle it),
+    and no op envoy; the same bytes pickled outside the request context do name nnbridge."""
+    model = wrap(nnbridge, "gpt2")
+    with torch.no_grad(), model.trace(PROMPTS[0]):
+        model.transformer.h[0].attn.softmax.output.save()
+    sent = []
+
+    def capture(tracer):
+        sent.append(RequestModel.serialize(tracer))
+    request = NNsightRequest(capture, model._module, [], [])
+    with torch.no_grad(), model.trace(PROMPTS[0], backend=request):
+        model.transformer.h[0].output.save()
+    assert b"nnbridge." not in sent[0]  # no module path of nnbridge's (class references)
+    assert b"LanguageModel" in sent[0] or b"TransformersModel" in sent[0]
+    assert b"softmax" not in sent[0]
+
+    def capture_plain(tracer):
+        sent.append(RequestModel.serialize(tracer))
+    with torch.no_grad(), model.trace(PROMPTS[0], backend=capture_plain):
+        model.transformer.h[0].output.save()
+    assert b"nnbridge.envoys" in sent[1]  # the override acts only inside a request
+
+
+@pytest.mark.parametrize("body", ["softmax", "helper", "string"])
+def test_remote_op_reads_are_refused_before_sending(body):
+    model = wrap(nnbridge, "gpt2")
+    path = "transformer.h.0.attn.softmax"
+
+    def helper(m):
+        return m.transformer.h[0].attn.softmax.output
+
+    with pytest.raises(NNBridgeError, match=r"remote trace may read op envoys \['softmax'\].*remote=False"):
+        with torch.no_grad(), model.trace(PROMPTS[0], remote="local"):
+            if body == "softmax":
+                model.transformer.h[0].attn.softmax.output.save()
+            elif body == "helper":
+                helper(model).save()
+            else:
+                model.get(path).output.save()
+    # nothing left changed: local traces read ops and modules as before
+    with torch.no_grad(), model.trace(PROMPTS[0]):
+        softmax = model.transformer.h[0].attn.softmax.output.save()
+    assert softmax.shape[-1] == softmax.shape[-2]
+    assert torch.allclose(softmax.sum(-1), torch.ones(()))
+
+
+def test_the_request_context_is_undone_on_error_and_per_thread():
+    model = wrap(nnbridge, "gpt2")
+    with pytest.raises(RuntimeError, match="boom"):
+        with serialised_as_nnsight(is_op_point):
+            raise RuntimeError("boom")
+    assert b"nnbridge.envoys.models" in nnsight.intervention.serialization.dumps(model)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(nnsight.intervention.serialization.dumps(model)))
+    with serialised_as_nnsight(is_op_point):
+        thread.start()
+        thread.join()
+        assert b"nnbridge.envoys.models" not in nnsight.intervention.serialization.dumps(model)
+    assert b"nnbridge.envoys.models" in seen[0]  # another thread's pickling is untouched
+
+
+def test_module_names_are_not_refused():
+    """Llama's final ``norm`` module is named like an ATen op: a module name, not an op read."""
+    model = wrap(nnbridge, "llama")
+    reference = wrap(nnsight, "llama")
+    values = []
+    for m in (model, reference):
+        with torch.no_grad(), m.trace(PROMPTS[0], remote="local"):
+            values.append(m.model.norm.output.save())
+    assert torch.equal(values[0], values[1])

@@ -1,0 +1,280 @@
+"""Code generation of graph modules deferred while a dispatcher adds an extraction
+(:func:`nnbridge.graph.graph_module.code_generation_deferred`): every graph's code is generated
+once, after the in-place bridge's edits, and a graph that waits for its code still runs, and shows,
+its current graph."""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+
+import pytest
+import torch
+
+import nnbridge
+from nnbridge.inplace.bridging import bridge_of
+from nnbridge import AddPatch, CompiledGraphModule, PatchableGraph
+from nnbridge.graph import graph_module
+from nnbridge.graph.graph_module import code_generation_deferred
+from utils import gpt2
+
+
+def _graphs(root):
+    return [m for m in root.modules() if isinstance(m, CompiledGraphModule)]
+
+
+@pytest.mark.no_extraction_cache
+def test_bridging_generates_each_graphs_code_once_and_equals_eager(monkeypatch):
+    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits
+    generated: Counter[int] = Counter()
+    real = CompiledGraphModule._generate_code
+
+    def counting(self):
+        generated[id(self)] += 1
+        return real(self)
+    monkeypatch.setattr(CompiledGraphModule, "_generate_code", counting)
+    nnbridge.bridge(model, ids)
+    graphs = _graphs(bridge_of(model).dispatcher.all_extractions()[0].root)
+    assert len(graphs) > 20 and all(generated[id(g)] == 1 for g in graphs), "once each, after the bridge's edits"
+    assert graph_module._deferred is None
+    assert all("_nnbridge_call_" in g.code or not any(n.op == "call_module" for n in g.graph.nodes) for g in graphs)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+
+
+def _ln_f(pg):
+    [ln] = [g for g in _graphs(pg) if g.graph_meta.node_path == "transformer.ln_f"]
+    return ln
+
+
+def _final_norm():
+    """A GPT-2 PatchableGraph, its final layer norm's graph, an input and the graph's output for it."""
+    pg = PatchableGraph(gpt2(), torch.randint(0, 100, (1, 6)))
+    ln = _ln_f(pg)
+    x = torch.randn(1, 6, ln.weight.shape[0])
+    with torch.no_grad():
+        return pg, ln, x, ln(x)
+
+
+def _negated_output(gm):
+    """Edit ``gm``'s graph: its output is negated."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    value = output.args[0]
+    with gm.graph.inserting_before(output):
+        negated = gm.graph.call_function(operator.neg, (value,))
+    output.args = (negated,)
+
+
+def test_a_graph_waiting_for_its_code_runs_and_shows_its_current_graph():
+    pg, ln, x, before = _final_norm()
+    with code_generation_deferred():
+        _negated_output(ln)
+        ln.recompile()
+        assert id(ln) in graph_module._deferred
+        with torch.no_grad():
+            assert torch.equal(ln(x), -before), "the first call generates the code of the edited graph"
+        assert id(ln) not in graph_module._deferred
+        _negated_output(ln)
+        ln.recompile()
+        assert "neg_1" in ln.code and id(ln) not in graph_module._deferred, "reading code generates it"
+    with torch.no_grad():
+        assert torch.equal(ln(x), before)
+
+
+def test_a_routed_forward_of_the_graph_before_an_edit_does_not_run():
+    """A patch routes the output through its op point; an edit under deferral must not leave the
+    routed code of the old graph in place."""
+    pg, ln, x, before = _final_norm()
+    with torch.no_grad(), pg.patch({"transformer.ln_f.output": AddPatch(value=1.0)}):
+        assert torch.equal(ln(x), before + 1.0)
+        with code_generation_deferred():
+            _negated_output(ln)
+            ln.recompile()
+            assert torch.equal(ln(x), -before + 1.0), "still patched, through the new graph's code"
+    with torch.no_grad():
+        with code_generation_deferred():
+            with pg.patch({"transformer.ln_f.output": AddPatch(value=1.0)}):
+                assert torch.equal(ln(x), -before + 1.0)
+                _negated_output(ln)
+                ln.recompile()
+            # the patch's end switches back to the unrouted forward: the new graph's, not the old one
+            assert torch.equal(ln(x), before)
+        assert "neg_1" in ln.code
+
+
+def test_graphs_waiting_when_the_body_raises_get_their_code_and_the_error_propagates():
+    pg, ln, x, before = _final_norm()
+    with pytest.raises(RuntimeError, match="the body's error"):
+        with code_generation_deferred():
+            _negated_output(ln)
+            ln.recompile()
+            raise RuntimeError("the body's error")
+    assert graph_module._deferred is None and "neg" in ln.__dict__["_code"]
+    with torch.no_grad():
+        assert torch.equal(ln(x), -before)
+
+
+# -- torch.export.unflatten's own graph modules generate no code (compat.export._code_generated_lazily)
+
+def _spy_unflatten(monkeypatch, fail: bool = False):
+    """Keep the graph modules ``torch.fx.GraphModule.recompile`` ran for inside
+    ``torch.export.unflatten`` and what it returned; ``fail``: make it raise after unflattening."""
+    seen = {"inside": False, "recompiled": [], "unflattened": []}
+    real_unflatten, real_recompile = torch.export.unflatten, torch.fx.GraphModule.recompile
+
+    def recompile(self):
+        if seen["inside"]:
+            seen["recompiled"].append(self)
+        return real_recompile(self)
+
+    def unflatten(*args, **kwargs):
+        seen["inside"] = True
+        try:
+            seen["unflattened"].append(real_unflatten(*args, **kwargs))
+        finally:
+            seen["inside"] = False
+        if fail:
+            raise RuntimeError("unflatten failed on purpose")
+        return seen["unflattened"][-1]
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", recompile)
+    monkeypatch.setattr(torch.export, "unflatten", unflatten)
+    return seen
+
+
+@pytest.mark.no_extraction_cache
+def test_unflatten_generates_no_code_for_its_graph_modules_which_still_run_and_the_bridge_equals_eager(monkeypatch):
+    from torch.export.unflatten import InterpreterModule, UnflattenedModule
+    finalizers = (InterpreterModule.finalize, UnflattenedModule.finalize)
+    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits
+    seen = _spy_unflatten(monkeypatch)
+    nnbridge.bridge(model, ids)
+    [unflattened] = seen["unflattened"]
+    made = [m.__dict__["graph_module"] for m in unflattened.modules() if "graph_module" in m.__dict__]
+    assert len(made) > 20, "each unflattened module has its graph module"
+    assert not {id(m) for m in made} & {id(m) for m in seen["recompiled"]}, "none generated its code"
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    assert (InterpreterModule.finalize, UnflattenedModule.finalize) == finalizers
+    # the unflattened modules still run (through fx.Interpreter, which reads their graphs): the first
+    # MLP's activation (no parameters: unflatten's are meta tensors) gives what the model's gives
+    [activation] = [m for name, m in unflattened.named_modules() if name.endswith("h.0.mlp.act")]
+    assert isinstance(activation, InterpreterModule)
+    hidden = torch.randn(1, 6, 4 * model.config.n_embd)
+    with torch.no_grad():
+        assert torch.equal(activation(hidden), model.transformer.h[0].mlp.act(hidden))
+
+
+@pytest.mark.no_extraction_cache
+def test_unflatten_puts_torchs_finalize_back_also_when_it_raises(monkeypatch):
+    from torch.export.unflatten import InterpreterModule, UnflattenedModule
+    finalizers = (InterpreterModule.finalize, UnflattenedModule.finalize)
+    from nnbridge.compat.torch.export import unflatten
+    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
+    exported = torch.export.export(model, (ids,), strict=False)
+    _spy_unflatten(monkeypatch, fail=True)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        unflatten(exported)
+    assert (InterpreterModule.finalize, UnflattenedModule.finalize) == finalizers
+
+
+# -- each distinct generated source compiled once per deferral (compat.fx.sources_compiled_once)
+
+def _calling(function) -> torch.fx.GraphModule:
+    """A graph module whose code calls ``function`` (its name in the code: ``scale``) on its input."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(function, (x,)))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _scale_by(factor):
+    def scale(x):
+        return x * factor
+    return scale
+
+
+def _compiles_counted(monkeypatch) -> list[str]:
+    """The source texts :func:`nnbridge.compat.torch.fx.sources_compiled_once` compiles (its module's
+    ``compile``), appended to the returned list as they are compiled."""
+    from nnbridge.compat.torch import fx
+
+    compiled: list[str] = []
+
+    def counting_compile(*args, **kwargs):
+        compiled.append(args[0])
+        return compile(*args, **kwargs)
+    monkeypatch.setattr(fx, "compile", counting_compile, raising=False)
+    return compiled
+
+
+def test_modules_with_the_same_source_compile_it_once_and_keep_their_own_code_file_name_and_globals(monkeypatch):
+    import linecache
+
+    from nnbridge.compat.torch import fx
+
+    compiled = _compiles_counted(monkeypatch)
+    first, second = _calling(_scale_by(2.0)), _calling(_scale_by(-3.0))
+    assert first.code == second.code and "scale(x)" in first.code
+    real = torch.fx.graph_module._exec_with_source
+    with fx.sources_compiled_once():
+        first.recompile()
+        second.recompile()
+    assert torch.fx.graph_module._exec_with_source is real
+    assert compiled == [first.code]  # once for both
+    codes = type(first).forward.__code__, type(second).forward.__code__
+    # each its own code object (as fx makes them: no specialisation caches shared) and file name
+    assert codes[0] is not codes[1] and codes[0].co_code == codes[1].co_code
+    assert codes[0].co_filename != codes[1].co_filename
+    assert type(first).forward.__globals__ is not type(second).forward.__globals__
+    x = torch.randn(3)
+    assert torch.equal(first(x), x * 2.0) and torch.equal(second(x), x * -3.0)  # each its own ``scale``
+    # a traceback through the copied code shows the generated line under its own file name
+    broken = _calling(_scale_by("text"))
+    with fx.sources_compiled_once():
+        third = _calling(_scale_by(5.0))
+        third.recompile()
+        broken.recompile()
+    assert len(compiled) == 2  # a new block compiles again, once
+    with pytest.raises(TypeError) as raised:
+        broken(x)
+    [frame] = [entry for entry in raised.traceback if entry.frame.code.raw is type(broken).forward.__code__]
+    filename = frame.frame.code.raw.co_filename
+    assert filename not in {code.co_filename for code in codes} | {type(third).forward.__code__.co_filename}
+    assert "scale(x)" in linecache.getline(filename, frame.lineno + 1)
+    assert torch.equal(third(x), x * 5.0)
+    # outside a block, and within one while another patch replaces fx's function: fx compiles each
+    compiled.clear()
+    first.recompile()
+    other_patch = lambda src, globals, co_fields=None: real(src, globals, co_fields)  # noqa: E731
+    torch.fx.graph_module._exec_with_source = other_patch
+    try:
+        with fx.sources_compiled_once():
+            assert torch.fx.graph_module._exec_with_source is other_patch
+            second.recompile()
+    finally:
+        torch.fx.graph_module._exec_with_source = real
+    assert compiled == []
+    assert torch.equal(first(x), x * 2.0) and torch.equal(second(x), x * -3.0)
+
+
+@pytest.mark.no_extraction_cache
+def test_sibling_layers_graphs_compile_their_shared_source_once_and_equal_eager(monkeypatch):
+    compiled = _compiles_counted(monkeypatch)
+    model, ids = gpt2(), torch.randint(0, 100, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits
+    nnbridge.bridge(model, ids)
+    root = bridge_of(model).dispatcher.all_extractions()[0].root
+    by_path = {name: g for name, g in root.named_modules() if isinstance(g, CompiledGraphModule)}
+    assert len(compiled) == len(set(compiled)) == len({g.code for g in by_path.values()}) < len(by_path)
+    mlps = [by_path[f"transformer.h.{i}.mlp"] for i in (0, 1)]
+    assert mlps[0].code == mlps[1].code and mlps[0].code in compiled
+    assert type(mlps[0]).forward.__code__ is not type(mlps[1]).forward.__code__
+    attentions = [by_path[f"transformer.h.{i}.attn"] for i in (0, 1)]
+    assert attentions[0].code != attentions[1].code  # each names its own cache layer
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
