@@ -28,14 +28,14 @@ class NodePathError(NNBridgeError, KeyError):
 class PatchMapError(NNBridgeError, ValueError, TypeError):
     """``pg.patch()`` got something other than a dict of NodePaths to patches or lists of patches.
 
-    A ``ValueError``, as graphpatch raised for an invalid ``patch_map``; also a ``TypeError`` (what
-    nnbridge raised before, so either ``except`` keeps working).
+    A ``ValueError``, as graphpatch raised for an invalid ``patch_map``; also a ``TypeError``, so
+    ``except TypeError`` catches it too.
     """
 
 
 class PatchError(NNBridgeError):
     """A patch returned a value the graph cannot take in place of the node's (another shape, dtype
-    or device, or not a tensor), or a patch context was used on a model that is no longer bridged.
+    or device, or not a tensor), or a patch context was used on a model after ``nnbridge.unbridge``.
     The message names the NodePath and the patch."""
 
 

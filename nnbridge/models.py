@@ -52,9 +52,9 @@ def load_smollm2(*, attn_implementation: str = "eager", dtype: torch.dtype = tor
                  ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2-135M-Instruct as ``(LlamaForCausalLM in eval mode, tokenizer)``.
 
-    The first call dequantizes the package's Q4_1 GGUF (about 25 s on 2 cores) and caches a
-    safetensors copy; later calls load the copy (about a second). The package itself is never
-    imported (its ``__init__`` needs llama.cpp), only located.
+    The first call dequantizes the package's Q4_1 GGUF (slow) and caches a safetensors copy;
+    later calls load the copy (quick). The package itself is never imported (its ``__init__``
+    needs llama.cpp), only located.
 
     Args:
         attn_implementation: ``"eager"`` (attention probabilities are a ``softmax`` op; needed for

@@ -3,14 +3,14 @@
 
 An extraction allocates and frees hundreds of megabytes of small objects (torch.export's nodes,
 fake tensors, sympy expressions). glibc keeps freed heap memory in its free lists, so the process's
-resident set stays at its peak after the objects are gone: measured on SmolLM2-135M, 598 MB more
-after ``bridge()`` + ``unbridge()`` + ``gc.collect()`` than before, with no graph left alive
-(``gc.get_objects()``); ``malloc_trim(0)`` (24 ms) brought it back below the starting level.
+resident set stays at its peak after the objects are gone (hundreds of megabytes more after
+``bridge()`` + ``unbridge()`` + ``gc.collect()`` than before them, with no graph left alive);
+``malloc_trim(0)`` returns those pages to the operating system.
 
 The same allocations start the cyclic garbage collector: torch.export makes millions of Python
 objects (about 400,000 containers per SmolLM2 extraction), and every few hundred thousand
 allocations the collector walks every object the process holds (torch and transformers alone are
-~1e6; ~0.3 s each). :func:`collection_paused` holds it off for an extraction, as torch's
+~1e6), a long walk each time. :func:`collection_paused` holds it off for an extraction, as torch's
 ``distributed.checkpoint.state_dict`` does for its own bulk work; the objects that became cyclic
 garbage meanwhile are collected by the first automatic collection after it.
 """
@@ -69,10 +69,8 @@ def collection_paused() -> Iterator[None]:
 
     Used around export (``extraction.extract``) and around everything else an extraction does
     (``GraphDispatcher.add_extraction``: building, linking op points, generating code; a
-    PatchableGraph's example recording). Measured: GPT-2 12x768 (ids (1, 16), grad on, cold
-    process), export paused: 3 full collections, ~1 s of a 6.7 s extraction saved; SmolLM2-135M
-    ``bridge()`` (9 tokens), the rest paused too: 4.59 -> 3.94 s exporting, 2.48-2.70 -> 2.14-2.28 s
-    from the disk cache, the collections owed afterwards included.
+    PatchableGraph's example recording): each full collection in between would walk every object
+    of the process, the collections owed afterwards included.
     """
     enabled = gc.isenabled()
     gc.disable()

@@ -1,6 +1,6 @@
 """Turn a module into a hierarchy of patchable graphs: one graph per submodule invocation.
 
-Route (measured on torch 2.13, see DESIGN.md): ``torch.export.export(strict=False)`` of the module
+Route (chosen on torch 2.13, see DESIGN.md): ``torch.export.export(strict=False)`` of the module
 with every submodule's call signature preserved, under the caller's grad mode, then
 ``torch.export.unflatten`` with de-duplication off and codegen on. Each per-invocation graph is
 cleaned (:mod:`.cleanup`) and becomes a :class:`CompiledGraphModule` whose parameters and buffers
@@ -249,7 +249,7 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
             for sub_path, graph in graphs:
                 if rebound is not None:
                     rebind_cache_state(graph, rebound, ctx.full(sub_path) or "<root>")
-        except Exception as error:  # noqa: BLE001 - the sibling is exported itself (as before this existed)
+        except Exception as error:  # noqa: BLE001 - the sibling is exported itself
             logger.info("'%s' is extracted itself, not from '%s': %s", path, source.path, describe_failure(error))
             return None
     root.graph_meta.node_path = path

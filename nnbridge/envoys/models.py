@@ -135,8 +135,9 @@ class _Bridged(ModelSlots, _EnvoyBase):
         elif "envoys" not in kwargs:
             kwargs["envoys"] = type(self).envoys
         # a model bridged before it is wrapped: nnsight takes each module's ``forward`` slot, which
-        # holds the bridged body, as the module's own (a module-only trace then recursed between
-        # the two): it wraps the model as it was before bridging, and the bodies go back in after
+        # holds the bridged body, as the module's own (a module-only trace would then recurse
+        # between the two): it wraps the model as it was before bridging, and the bodies go back
+        # in after
         state = bridge_of(model) if isinstance(model, torch.nn.Module) else None
         with state.detached() if state is not None else contextlib.nullcontext():
             super().__init__(model, *args, **kwargs)

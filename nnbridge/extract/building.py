@@ -411,8 +411,8 @@ class GraphBuilder:
         gave the representative's result already (the same graph, since the sibling's copy is the
         representative's); what is the sibling's own is redone here: its children (built from
         their own templates), their invocation counts and module paths, its lifted constants
-        (:meth:`own_constants`) and its tensors. SmolLM2-135M's 29 sibling layers took 0.37 s to
-        build that way and take 0.14 s this way (disk-cache hit, one process, 2-core machine).
+        (:meth:`own_constants`) and its tensors, which costs less than building each sibling
+        from a copy of the pristine graph.
 
         Raises:
             ReuseFallback: a child of the sibling takes its arguments otherwise than the
@@ -454,11 +454,9 @@ class GraphBuilder:
         :meth:`from_template`'s copy of the representative's, as a reused sibling layer's inside
         one export. The builder must have been given the representative's program record (state
         keys, untouched cache layers rebound to the sibling's, see
-        :func:`.sibling_roots.untouched_rebound`); the caller rebinds the cache state. Before, each
-        sibling root copied the representative's unflattened graphs and built them again: SmolLM2's
-        29 sibling roots (the first ``output_attentions=True`` call after ``bridge()``) took
-        0.57-0.62 s that way and take 0.27-0.32 s this way (``extract_sibling`` in all, three
-        alternating runs each, one process each, 2-core machine).
+        :func:`.sibling_roots.untouched_rebound`); the caller rebinds the cache state. This costs
+        less than copying the representative's unflattened graphs for each sibling root and
+        building them again.
 
         Raises:
             ReuseFallback: a graph has no template, or a child takes its arguments otherwise than

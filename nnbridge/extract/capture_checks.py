@@ -134,7 +134,8 @@ def _own_changes(modules: list[tuple[str, torch.nn.Module]], read: Callable[[], 
     finds in ``read()`` across each stretch of a module's own code: from its call (or the return
     of a child it called) to its next child call (or its return). A change is its module's, not
     its callers' nor its children's: a parent drawing a random number before calling a child is
-    found too (before, the child's return reset the parent's saved state and the draw was lost).
+    found too (each module's state is saved in its own frame, so a child's return does not reset
+    the parent's and lose the draw).
     For state that cannot be put back (RNG draws). Returns the hook handles."""
     frames: list[list[Any]] = []  # [path, state when its own code last resumed]
 

@@ -97,7 +97,7 @@ def localize_symbols(graph: Graph) -> list[Node]:
     ``sym_size`` is rewritten to read the same symbol off one of the module's own inputs.
 
     Returns:
-        The extra placeholders. Once the children no longer take them (see ``drop_unused_extras``)
+        The extra placeholders. Once the children stop taking them (see ``drop_unused_extras``)
         and nothing else reads them, the graph takes exactly its module's arguments.
     """
     prologue = input_prologue(graph)

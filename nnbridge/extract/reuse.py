@@ -168,8 +168,8 @@ def same(a: Any, b: Any) -> bool:
 def entry_structure(entry: torch.nn.Module) -> tuple[Any, ...] | None:
     """Module classes, train/eval flags, parameters and buffers of ``entry``'s subtree; None when it
     holds a plain tensor attribute (export would bake it in). (The flags are not among the
-    attributes compared: one layer in train mode among layers in eval mode kept its
-    representative's graph without dropout, silently.)"""
+    attributes compared, so they are here: without them, one layer in train mode among layers in
+    eval mode would keep its representative's graph, without dropout and without an error.)"""
     parts: list[Any] = []
     for path, sub in named_real_modules(entry):
         params = tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad, type(p))
@@ -615,9 +615,9 @@ def _same_traced_layer(layer: Any, rep_layer: Any) -> bool:
 def sibling_zeros(inputs: list[torch.Tensor], size: list[int], dtype: torch.dtype) -> torch.Tensor:
     """Zeros of ``size`` (ints or symbolic sizes) and ``dtype`` on ``inputs[0]``'s device that
     export records as depending on every tensor of ``inputs``: one graph node, where
-    ``new_zeros`` plus ``0 * t.sum()`` for each input took three per input (with 29 sibling stubs,
-    SmolLM2's export spent 1.1 s of 6.6 s in them; see :func:`sibling_stub`). Only sibling stubs
-    and stubbed modules (:func:`~.recording.stub_output`) call it, while exporting; their graphs
+    ``new_zeros`` plus ``0 * t.sum()`` for each input would take three per input, which a deep
+    model's many sibling stubs make a large share of its export (see :func:`sibling_stub`). Only
+    sibling stubs and stubbed modules (:func:`~.recording.stub_output`) call it, while exporting; their graphs
     are replaced by their representative's or by opaque modules, so it never runs in a graph
     nnbridge calls. Gradients: none (``None`` for every input)."""
     return inputs[0].new_zeros(size, dtype=dtype)

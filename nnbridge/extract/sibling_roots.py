@@ -22,7 +22,7 @@ pairing is made across their dispatchers (``ExtractionOptions.reuse_layers``):
   layer (:func:`.reuse.rebind_cache_state`); its shape guard is the representative's for the
   tensors the graphs read (:func:`sibling_guard`).
 
-Anything else means the sibling is exported itself, as before. Example::
+Anything else means the sibling is exported itself. Example::
 
     model(ids, output_attentions=True)   # model.model opaque: layers 1..29 built from layer 0's export
 """

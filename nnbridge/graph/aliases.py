@@ -28,7 +28,7 @@ name, a child module or a ``forward()`` argument of the module; when two assignm
 the same alias (``x_1`` from the second ``x`` and a variable named ``x_1``) neither is created.
 Numbers are still consumed by aliases not created, so the others keep Dynamo's numbers.
 Extractions whose stack traces were recorded without helper frames (disk-cache entries and
-``pg.save`` files written before nnbridge recorded them) get aliases from ``forward`` lines only.
+``pg.save`` files that lack them) get aliases from ``forward`` lines only.
 Example::
 
     aliases_of(attention_graph)   # {"query_states": "getitem", ..., "attn_weights_2": "softmax"}

@@ -372,8 +372,8 @@ def code_generation_deferred() -> Iterator[None]:
     """Within: a :class:`CompiledGraphModule` built or recompiled generates its Python code when
     first needed (its first call, reading ``code``) or when the body ends, once, instead of at each
     ``recompile``. An in-place bridge rewrites every new graph right after extraction (call sites,
-    live tensor reads) and recompiles it, so each graph's code was generated twice: fx's code
-    generation took 0.37 s of SmolLM2-135M's 5.5 s ``bridge()`` (395 graphs). On exit every graph
+    live tensor reads) and recompiles it, so each graph's code would be generated twice, and fx's
+    code generation is a sizeable share of ``bridge()`` (hundreds of graphs). On exit every graph
     still waiting generates its code, also when the body raised (then quietly: the body's error is
     the one raised). Re-entrant (an inner one leaves it to the outer one); used under nnbridge's
     call lock (:meth:`~.dispatcher.GraphDispatcher.add_extraction`), so the state is process-wide.

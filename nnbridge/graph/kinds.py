@@ -2,7 +2,7 @@
 
 They are ``enum.StrEnum``s: a member equals its value (``StubKind.SKIPPED == "skipped"``) and prints
 as it, so reasons recorded as ``"skipped"`` (``OpaqueGraphModule.reason``, ``Extraction.opaque``)
-read the same as before.
+read the same as the plain strings.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Extraction changes shared state for its duration: it clears the model's hooks an
 ``forward`` overrides, registers its own hooks on the model's modules and, while tracing, replaces
 process-wide torch entry points (``torch.autograd.Function.apply``, grad-mode setting; see
 :mod:`nnbridge.compat.torch.capture`). A forward running in another thread at that moment would see
-that state (measured on milestone 1: ``IndexError: pop from empty list`` in extraction, fake-mode
+that state (``IndexError: pop from empty list`` in extraction, fake-mode
 errors, or wrong numbers). So bridged calls (``nnbridge.bridge``'d models, ``PatchableGraph``,
 the nnsight classes) and extractions hold :data:`CALL_LOCK`: calls from several threads run one at
 a time; a thread's nested calls re-enter it. Waiting must start before any hook runs, so every

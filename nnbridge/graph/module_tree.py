@@ -47,7 +47,8 @@ def named_real_modules(module: torch.nn.Module, prefix: str = "") -> Iterator[tu
     """``named_modules()`` without op points and their per-invocation containers (as ``named_modules``
     without its memo: a module object under two parents comes once under each; depth first, in
     registration order). One loop over the registries, no nested generators: it runs before every
-    nnsight trace (GPT-2 4x256 with 471 op points: 106 us as nested ``named_children`` generators)."""
+    nnsight trace and walks hundreds of op points, where nested ``named_children`` generators would
+    be a visible share of a short trace."""
     stack = [(prefix, module)]
     while stack:
         path, current = stack.pop()
@@ -66,7 +67,7 @@ def refuse_instance_forwards(module: torch.nn.Module, what: str,
     has a ``forward`` set on the instance (``layer.mlp.forward = f``, see
     :func:`~nnbridge.compat.instance_forward`): extraction and the eager fallback run a module's
     class forward, so its graphs would compute what the class computes, not what the module
-    computes (found: the bridged logits differed from eager without an error). Called before
+    computes (the bridged outputs would differ from eager without an error). Called before
     anything is extracted, and by a PatchableGraph over a plain model on every call (``since``
     then says the forward was set after it was built).
 
@@ -150,10 +151,9 @@ def op_points_hidden(module: torch.nn.Module) -> Iterator[None]:
     For an export of a module already bridged for another call structure. torch.export walks the
     whole module tree several times (non-strict export snapshots and compares every submodule's
     attributes around the trace, ``_detect_attribute_assignment``), and a bridged SmolLM2-135M has
-    3,878 op points among its 4,275 modules: a new call structure (``output_attentions=True``)
-    took 3.5-3.6 s with them in the tree and 2.7-3.1 s without (measured alternately, one process
-    each). The module's code never reaches an op point (their names avoid its attributes), so
-    the traced code is the same.
+    3,878 op points among its 4,275 modules, so with them in the tree those walks are a sizeable
+    share of the export of a new call structure (``output_attentions=True``). The module's code
+    never reaches an op point (their names avoid its attributes), so the traced code is the same.
     """
     hidden: list[tuple[dict[str, torch.nn.Module | None], list[str], dict[str, torch.nn.Module]]] = []
     seen: set[int] = set()  # a module under two parents is walked under each

@@ -14,7 +14,7 @@ Example::
 
     point = pg.op_point("transformer.h_0.attn.softmax")
     handle = point.register_forward_hook(lambda mod, args, out: out * 0)   # routed from now on
-    handle.remove()                                                        # and no longer
+    handle.remove()                                                        # and unrouted again
 """
 
 from __future__ import annotations

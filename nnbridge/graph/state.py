@@ -56,8 +56,9 @@ def plain_container(value: object) -> bool:
     """Whether a call argument is built only of tuples, lists, dicts (or subclasses), None and leaves.
 
     A leaf, or a value whose own class is a registered pytree node of another kind (a transformers
-    ``DynamicCache``), is decided without flattening it: 0.8 µs instead of 354 µs per call for a
-    30-layer cache (with transformers' cache pytrees registered), asked at each layer's call."""
+    ``DynamicCache``), is decided without flattening it: this is asked at each layer's call, so it
+    must not flatten the cache (with transformers' cache pytrees registered, flattening walks every
+    layer of the cache)."""
     if pytree.tree_is_leaf(value):
         return True
     kind = registered_class(value)
@@ -277,9 +278,8 @@ def _matches(value: Any, expected: Any, trie: Any) -> bool:
     """``_structure(value, untouched) == expected`` (tuple equality: lengths, then items in order,
     each by identity or ``==``), for the ``untouched`` paths ``trie`` holds
     (:func:`_untouched_trie` of them, or the part below this object), compared while walking:
-    nothing is built, and the walk stops at the first difference. A decode step's cache check of
-    a 12-layer GPT-2's attention (11 layers by type), one process: 11.5 us building the structure,
-    7.2 us walking; the root's full check against its remembered structure 38 -> 29 us.
+    nothing is built, and the walk stops at the first difference (it runs in every decode step's
+    cache check).
 
     Raises:
         what a value's ``==`` raises, and RecursionError for a cycle (:class:`SpecCheck` then

@@ -36,8 +36,8 @@ def memory_layout(tensor: torch.Tensor) -> Hashable:
     contiguous; else the order of its dimensions by decreasing stride and which dimensions have
     stride 0 (an ``expand``), size-1 dimensions left out (their strides are arbitrary); a
     non-strided tensor's layout (sparse). As Dynamo's tensor guards check strides: export traces
-    with the example's strides, so ``if x.is_contiguous():`` or ``x.stride(0)`` is baked in (before,
-    a transposed input ran the contiguous branch's graph, silently)."""
+    with the example's strides, so ``if x.is_contiguous():`` or ``x.stride(0)`` is baked in (else
+    a transposed input would run the contiguous branch's graph, without an error)."""
     if tensor.layout is not torch.strided:
         return tensor.layout
     if tensor.is_contiguous():

@@ -577,8 +577,8 @@ def _walked(model: torch.nn.Module, skip: AbstractSet[int] = frozenset()) -> _Wa
     attribute (the bridge's and nnsight's own left out, see :func:`is_plumbing`). An instance
     attribute holding a function, method, ``functools.partial`` (with its plain arguments) or
     built-in (``self.act = torch.relu``) is a binding too: assigning another one re-extracts
-    (before, the graphs kept calling the old one, silently). Modules whose ``id`` is in ``skip``
-    are left out with their subtrees."""
+    (else the graphs would keep calling the old one, without an error). Modules whose ``id`` is
+    in ``skip`` are left out with their subtrees."""
     walk = _Walk()
     skipped: list[str] = []
     for path, module in named_real_modules(model):
@@ -623,10 +623,9 @@ def _partial_arguments(value: functools.partial) -> str:
 def code_digest(model: torch.nn.Module) -> str:
     """sha256 (hex) of the code ``model``'s modules reach (see the module docstring): module
     classes with their inherited methods, function-valued instance attributes, and the functions,
-    classes and function registries their code reads as globals, transitively. 1.4-5 ms on the
-    tests' tiny GPT-2 and Llama (timed in a loop; the classes, not the depth, set the cost).
-    Nothing is kept across calls but each function's own digest, so a replacement made since the
-    last call is seen."""
+    classes and function registries their code reads as globals, transitively. The classes, not
+    the depth, set the cost. Nothing is kept across calls but each function's own digest, so a
+    replacement made since the last call is seen."""
     digest = hashlib.sha256()
     for where, part in _walked(model).entries:
         digest.update(f"{where}={part};".encode())
@@ -675,7 +674,7 @@ def replaced(bindings: list[Binding]) -> str | None:
 class CodeCheck:
     """Whether the code lookups of :func:`code_bindings` still find what they found: grouped per
     namespace, so a check is a few C-level calls per module file and class (GPT-2: 302 lookups in
-    202 namespaces, 48 µs per check, timed in a loop of 1000)."""
+    202 namespaces)."""
 
     def __init__(self, bindings: list[Binding]):
         self.bindings = bindings

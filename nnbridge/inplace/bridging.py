@@ -137,9 +137,9 @@ class _CallSite:
         pending[key] = self.graph
         try:
             # nn.Module's call, not the class's: a class overriding ``__call__`` (``return
-            # super().__call__(x) * 3``) ran its override in the parent's frame, so the parent's graph
-            # holds what it adds, and the call site stands for its ``super().__call__`` (before, the
-            # override ran a second time: outputs x9 instead of x3, silently)
+            # super().__call__(x) * 3``) runs its override in the parent's frame, so the parent's graph
+            # holds what it adds, and the call site stands for its ``super().__call__`` (the class's
+            # call would run the override a second time: outputs x9 instead of x3, without an error)
             return torch.nn.Module.__call__(self.module, *args, **kwargs)
         finally:
             pending.pop(key, None)
@@ -297,7 +297,7 @@ class Bridge:
         """Whether a patch listener or a torch hook is on any of the model's op points (then a
         call must run the graphs: :meth:`running_eagerly` would skip them)."""
         # OpPoint.listened, read off the instance dicts: hundreds of points are checked before every
-        # trace, unless no point of any model is listened (37 us for GPT-2 4x256's 471 points)
+        # trace, unless no point of any model is listened
         return bool(LISTENED) and any(point._listeners or point._hooked for point in self.points.values())
 
     @contextlib.contextmanager
@@ -324,9 +324,9 @@ class Bridge:
     def lazily(self, modules: Iterable[torch.nn.Module]) -> Iterator[None]:
         """Extract only ``modules`` for the body's duration: they run their own graphs (each
         extracted per call structure by its own dispatcher, as a module called on its own), every
-        other module runs its own code, as in :meth:`running_eagerly` (issue "nnsight parity":
-        extract only the modules a trace reaches below the module level). ``modules`` must not
-        contain one another. Op points keep their names and identity across a lazy and a
+        other module runs its own code, as in :meth:`running_eagerly` (so a trace extracts only
+        the modules it reaches below the module level). ``modules`` must not contain one another.
+        Op points keep their names and identity across a lazy and a
         whole-model extraction (points are shared by module, invocation and name).
 
         Raises:
@@ -392,8 +392,8 @@ class Bridge:
     def examples_due(self) -> None:
         """Compute the example summaries of the extractions linked so far, in link order (as if
         each had been computed when linked): on the first read of any graph's examples, since they
-        only describe shapes for printing (SmolLM2 served by the disk cache: 9 % of ``bridge()``
-        under a profiler)."""
+        only describe shapes for printing, and computing them is a visible share of a ``bridge()``
+        served by the disk cache."""
         while self.owed_examples:
             root, inputs = self.owed_examples.pop(0)
             graph = root()

@@ -421,7 +421,7 @@ class PatchableGraph(torch.nn.Module):
                 self._active.remove(listener)
 
     def _check_bridged(self) -> None:
-        """A PatchableGraph made over a bridged model patches the bridge's graphs: they no longer
+        """A PatchableGraph made over a bridged model patches the bridge's graphs: they do not
         run once the model is unbridged."""
         if self._callee is not self._dispatcher and bridge_of(self._callee) is None:
             raise PatchError(

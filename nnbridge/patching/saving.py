@@ -8,7 +8,7 @@ with new call structures), nnbridge's metadata, the example inputs and the shape
 PatchableGraph again from the bundle and the given model: the same steps as a fresh extraction,
 except that each ``torch.export`` is replaced by the saved program and the recording run that
 describes shapes by the saved summaries, so outputs, patches, ``pg.graph`` and NodePaths are those
-of a fresh extraction, about 4x faster (``benchmarks/bench_disk_cache.py``). The loaded
+of a fresh extraction, in less time (``benchmarks/bench_disk_cache.py`` measures it). The loaded
 PatchableGraph takes later extractions from the file too when it holds their program; a call
 structure the file does not hold is extracted (exported) as usual, as it would be by a fresh one.
 
@@ -156,7 +156,7 @@ def load(cls: type[PatchableGraph], source: str | os.PathLike[str] | IO[bytes], 
     stale = [f"{k} {header['versions'].get(k)} (now {v})" for k, v in versions.items() if header["versions"].get(k) != v]
     if header["model"].get("source") != current["source"]:
         stale.append("the model's source files changed")
-    elif header["model"].get("code", current["code"]) != current["code"]:  # files saved before it was recorded have none
+    elif header["model"].get("code", current["code"]) != current["code"]:  # a file that does not record it has none
         stale.append("functions the model runs were replaced at run time (a method or helper function assigned)")
     if stale:
         warn(f"PatchableGraph.load({bundle.source!r}): saved with {', '.join(stale)}; its graphs follow the code as it"

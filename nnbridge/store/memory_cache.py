@@ -9,8 +9,8 @@ extraction made or loaded (the record is owned by the extraction's root graph mo
 ``root.__dict__[PROGRAM_RECORD]``), so an entry goes with its graphs, when the model is garbage
 collected or the extraction evicted: the cache never keeps a model or its weights alive. A hit writes the record into an in-memory bundle
 (the disk cache's format, without weights, :mod:`.storage`) and reads it back bound to the asking
-module's own parameters and buffers, exactly as a disk cache hit (GPT-2 12x768 ``bridge()``:
-2.18 s cold, 0.97 s for a second instance). A record that cannot be serialised is passed over (extraction exports).
+module's own parameters and buffers, exactly as a disk cache hit. A record that cannot be serialised is passed
+over (extraction exports).
 Example::
 
     nnbridge.bridge(first, ids)       # exported

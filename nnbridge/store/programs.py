@@ -117,7 +117,7 @@ def options_fingerprint(options: ExtractionOptions) -> dict[str, Any]:
         "custom_extraction_functions": sorted(_qualname(c) for c in options.custom_extraction_functions),
         "skip_compilation": options.skip_compilation,
         "dynamic_shapes": options.dynamic_shapes,
-        # (only when on: keys of entries recorded before the option existed stay valid)
+        # (only when on: with it off, a key equals that of an entry that does not record the option)
         **({"reuse_layers": True} if options.reuse_layers else {}),
     }
 

@@ -200,7 +200,7 @@ def _untouched_json(untouched: dict[str, list[UntouchedLayers | None]]) -> dict[
 
 
 def _untouched_from_json(value: dict[str, list[Any]]) -> dict[str, list[UntouchedLayers | None]]:
-    """The inverse of :func:`_untouched_json` (an entry written before it was recorded: ``{}``)."""
+    """The inverse of :func:`_untouched_json` (an entry that does not record it: ``{}``)."""
     def path(p: list[Any]) -> StatePath:
         return cast(StatePath, tuple(tuple(step) if isinstance(step, list) else step for step in p))
     return {fqn: [None if u is None else UntouchedLayers(frozenset(map(path, u["paths"])),

@@ -3,8 +3,9 @@
 nnsight 0.8.1 keeps a wrapped module's body in ``State.body`` (``module.__dict__["__nnsight__"]``,
 a ``__slots__`` object); its ``Controller`` runs ``state.body(module, *args, **kwargs)``, and
 ``install_source`` (the first ``envoy.source``) overwrites the slot with the source-instrumented
-forward. A bridge writes the same slot, so whichever wrote last won: ``.source`` touched before
-the first trace lost its operations, touched after it silenced the module's op envoys.
+forward. A bridge writes the same slot, so with one body per slot whichever wrote last would win:
+``.source`` touched before the first trace would lose its operations, touched after it would
+silence the module's op envoys.
 
 Here the state's class becomes :class:`BridgedState` and its slot holds both bodies: a call runs
 the bridged one, and ``install_source`` replaces only nnsight's (plain or instrumented). The

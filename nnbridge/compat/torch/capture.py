@@ -94,7 +94,7 @@ def grad_mode_changes(on_change: Callable[[], None]) -> contextlib.AbstractConte
 def grad_mode_frozen(when: Callable[[], bool]) -> contextlib.AbstractContextManager[None]:
     """Ignore grad-mode changes (``torch.no_grad()``, ``torch.enable_grad()``, their decorators)
     while ``when()`` is true, for the body's duration (see :func:`_grad_setter_replaced`). While
-    it is in place, torch.export no longer records grad-mode changes in the graph, so find them
+    it is in place, torch.export does not record grad-mode changes in the graph, so find them
     all (:func:`mode_regions`) before using this. Other threads' changes are never ignored."""
     def setter(original: Callable[[bool], None], enabled: bool) -> None:
         if not when():

@@ -5,9 +5,9 @@ torch 2.13's non-strict ``torch.export`` gives every ``Dim.AUTO`` dimension a sy
 A transformers ``Cache`` passed to a module (a decoder layer called with ``past_key_values``, a
 ``generate`` step) holds two tensors per layer, so a module called with the cache of 29 filled
 layers starts its export with ~170 symbols, and torch's symbolic reasoning costs grow with them:
-SmolLM2-135M's layer 29 exported in 1.88 s, layer 1 in 0.57 s (the same layer code; with the
-cache's dimensions static, layer 29 took 0.68 s). :func:`duck_sized` makes the dimensions of the
-given tensors ``DimDynamic.DUCK`` instead, as ``torch.compile`` does by default: dimensions of
+a late layer of SmolLM2-135M exports several times slower than its first layer, with the same
+layer code (not so with the cache's dimensions static). :func:`duck_sized` makes the dimensions
+of the given tensors ``DimDynamic.DUCK`` instead, as ``torch.compile`` does by default: dimensions of
 these tensors with equal sizes share one symbol, so every cache layer's sequence length is one
 symbol.
 

@@ -102,8 +102,7 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: An
 
     The graph modules export makes are torch's lazy ones (``_use_lazy_graph_module``, as Inductor
     uses them): export's passes regenerate the whole program's Python code after each change, and
-    a lazy module generates it once, when it is first called or its code read. Measured (warm
-    process, ``bridge()``): SmolLM2-135M 6.0 -> 4.6 s, GPT-2 12x768 1.77 -> 1.50 s.
+    a lazy module generates it once, when it is first called or its code read.
 
     ``duck_sized``: input tensors (leaves of ``args``) whose dynamic dimensions of equal size share
     one symbol (see :mod:`.duck_sizing`); only used with ``dynamic_shapes``."""
@@ -170,8 +169,8 @@ def shape_envs_released() -> Iterator[None]:
     ``ShapeEnv(tracked_fakes=[])`` and appends the fake inputs to ``tracked_fakes``; those fake
     tensors hold the ``ShapeEnv`` through the ``SymNode``s of their symbolic sizes, which sit in C++
     (``TensorImpl`` sizes) where the garbage collector does not see them: a cycle ``gc`` cannot
-    free, so every extraction left its ``ShapeEnv``, fake inputs and symbols alive for ever (one per
-    export, measured with ``gc.get_objects``). ``tracked_fakes`` is read while export produces its
+    free, so every extraction would leave its ``ShapeEnv``, fake inputs and symbols alive for ever
+    (one per export in ``gc.get_objects()``). ``tracked_fakes`` is read while export produces its
     guards; after the export returns (or raises) it is emptied. Only exports made by this thread
     are touched (``make_fake_inputs`` is wrapped in ``torch.export._trace`` for the duration).
     """
@@ -196,8 +195,8 @@ def shape_envs_released() -> Iterator[None]:
 
 def forget_export_state() -> None:
     """Drop what torch.export and its shape environments keep in process-wide state after a trace
-    (called after each extraction; measured on torch 2.13 with ``gc.get_referrers`` walks from a
-    deleted bridged model and from the ``ShapeEnv``s left after it).
+    (called after each extraction; the state listed is what ``gc.get_referrers`` walks from a
+    deleted bridged model and from the ``ShapeEnv``s left after it reach on torch 2.13).
 
     - Non-strict export fills ``torch.fx.experimental.proxy_tensor.
       _FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT`` with the traced graph's nodes for its fake-tensor
@@ -239,8 +238,6 @@ def _code_generated_lazily() -> Iterator[None]:
     and never runs that code. Within, ``finalize`` makes torch's lazy graph module instead (as
     Inductor's passes do), which generates the code only when it is run or read. The modules run
     through ``torch.fx.Interpreter`` (unflatten's default), which reads the graph, not that code.
-    Measured: SmolLM2-135M-Instruct's disk-cached program (48 graph modules) unflattened eight times
-    in one process, alternating: median 0.66 s (fastest 0.37 s) before, 0.43 s (0.27 s) with this.
     """
     classes = (_unflatten_module.InterpreterModule, _unflatten_module.UnflattenedModule)
 
@@ -524,6 +521,6 @@ def guard_view(value: Any) -> Any:
     ``L['kwargs']['past_key_values'][0]`` is the first leaf of a cache object (its flattened
     children), not ``cache[0]`` (see :class:`_Node`). Each node is flattened when a guard first
     reads into it: building the whole view (``tree_flatten_with_path`` of the call, which
-    flattens a ``Cache`` argument twice) took ~4 % of a bridged decode step of a 12-layer GPT-2,
-    whose guard reads one leaf of the cache."""
+    flattens a ``Cache`` argument twice) would be a visible share of a bridged decode step, whose
+    guard reads one leaf of the cache."""
     return _Node(value)

@@ -3,9 +3,8 @@
 fx generates ``torch.ops.aten.addmm.default(bias, x, weight)`` for every op of a graph. In torch
 2.13 ``OpOverload.__call__`` is exactly ``return self._op(*args, **kwargs)`` (``_op`` is the C++
 operator handle, which dispatches through every mode, subclass and Python kernel as usual), so
-calling ``_op`` runs the same operator and skips one Python frame: about 0.35 µs of the 0.66 µs a
-graph op costs over eager (timed on GPT-2's ``NewGELUActivation``, 8 ops), 678 ops per forward of a
-12-layer GPT-2.
+calling ``_op`` runs the same operator and skips one Python frame, a large share of what a graph
+op costs over eager, paid by each of the hundreds of ops of a forward (678 for a 12-layer GPT-2).
 
 :func:`with_fast_ops` makes a twin of a generated function: the same code object (so tracebacks and
 nnbridge's node maps of that code still apply) with globals whose ``torch`` resolves
@@ -22,10 +21,8 @@ The operators of :data:`UNBOXED` (the ones GPT-2 and Llama graphs call most: ``m
 (``torch.mul``'s ``torch._C._VariableFunctions.mul``, ``Tensor.view``'s ``TensorBase.view``):
 the same overload, kernels and result as the handle (each entry is checked by
 ``tests/graph/test_fast_ops.py``: the same dispatched ops and profiler events, ``torch.equal`` outputs),
-without the handle's boxed call (the arguments converted to a stack of ``IValue``s): 0.5-1.1 µs
-less per op (timed: ``linear`` 3.8 -> 3.2 µs, ``add`` 1.8 -> 1.3 µs, ``addmm`` 3.6 -> 2.5 µs on
-tiny tensors), which is what eager code pays. A binding picks its overload from the arguments'
-Python types; each entry is an overload the binding picks for every call of that overload's
+without the handle's boxed call (the arguments converted to a stack of ``IValue``s), which is
+what eager code pays. A binding picks its overload from the arguments' Python types; each entry is an overload the binding picks for every call of that overload's
 schema with the keywords the entry allows (the name's other overloads need an ``out=``/
 ``out_dtype=`` keyword, a ``str`` dimension name, or another kind of operand: a tensor exponent
 for ``pow``, a device or a tensor for ``to``; ``add.Scalar``/``mul.Scalar`` have no binding). A

@@ -8,8 +8,8 @@ its aliasing checks, and exports with fake tensors. So an extraction started ins
 runs outside it (:func:`transforms_suspended`: the interpreter stack popped, and pushed back
 after), from plain example tensors with each input's logical value (:func:`plain_examples`); the
 graph it gives is then run on the wrapped tensors inside the transform, which functorch
-differentiates like any eager code. A call whose inputs ``vmap`` batches is extracted inside the
-transforms, as before (graph code may call an operator functorch has no batching rule for, such
+differentiates like any eager code. A call whose inputs ``vmap`` batches is not: it is extracted
+inside the transforms (graph code may call an operator functorch has no batching rule for, such
 as ``aten::sym_size.int``, where the module's own ``x.size(1)`` calls none; the extraction then
 falls back to the module's own code): see :func:`wrapper_kinds`.
 

@@ -150,7 +150,7 @@ _FX_EXEC = torch.fx.graph_module._exec_with_source
 def sources_compiled_once() -> Iterator[None]:
     """Within: fx compiles each distinct generated source text once; a graph module whose code is
     the same text as one compiled before in the block gets a copy of that compiled code
-    (``code.replace``, ~1.5 µs against ~1 ms for a compile) under its own file name
+    (``code.replace``, far cheaper than a compile) under its own file name
     (``<eval_with_key>.N``, with its ``linecache`` entry, as fx gives it), executed in its own
     globals: the same function, defaults and globals fx would make, and like fx's one code object
     per module (a code object shared by several functions would share CPython's specialisation

@@ -190,14 +190,15 @@ def _unchecked_canonical_form(ep: Any, constants: Any = None) -> Any:
 
 
 def save_program(exported: torch.export.ExportedProgram, stream: IO[bytes]) -> None:
-    """``torch.export.save(exported, stream)``, writing the same bytes about twice as fast.
+    """``torch.export.save(exported, stream)``, writing the same bytes without torch's check of a
+    canonical form.
 
     torch 2.13's ``ExportedProgramSerializer.serialize`` calls ``canonicalize`` on the serialised
     program only to test that a canonical form exists ("Test canonical form is well defined"): it
     deep-copies the whole serialised graph, sorts and renames the copy, and discards it; what is
-    written is the program as serialised (no load path canonicalizes). That check was ~60 % of
-    writing a 12-layer GPT-2 program (1.9 of 3.1 s under cProfile). For the duration the module's
-    ``canonicalize`` global is a function returning its argument; the bytes written are unchanged
+    written is the program as serialised (no load path canonicalizes). That check is the larger
+    part of writing a program. For the duration the module's ``canonicalize`` global is a function
+    returning its argument; the bytes written are unchanged
     (checked by tests/store/test_disk_cache.py). A thread calling ``torch.export.save`` itself meanwhile
     skips the check too; this function and :func:`load_program` swap torch's globals one at a time.
 
@@ -222,38 +223,32 @@ def save_program(exported: torch.export.ExportedProgram, stream: IO[bytes]) -> N
 
 
 def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
-    """``torch.export.load(stream)``, about twice as fast.
+    """``torch.export.load(stream)``, without the deserializer's repeated work.
 
     torch 2.13's deserializer (``torch._export.serde.serialize``) calls ``typing.get_type_hints``
     for every node of the JSON schema and ``sympy.sympify`` for every symbolic size, again for the
     same classes and texts; for the duration the module's ``typing`` and ``sympy`` globals are
     wrappers that memoise both (results are identical: type hints of a class and parsed sympy
-    expressions do not change); the memos live for the process. Measured on the tiny GPT-2 of
-    tests/utils.py, one process, a machine shared with other jobs: the first load 1.0 s, a second
-    one 0.46 s (1.0 s without the memos). Likewise ``dataclasses.fields`` (``serialize``'s
-    ``dataclasses`` global and ``torch._export.serde.union``'s ``fields``), asked for every JSON
-    node: a schema class's fields do not change. SmolLM2-135M-Instruct's program loaded again in one
-    process: medians 0.60-0.63 s without, 0.58-0.60 s with (three alternating runs each).
+    expressions do not change); the memos live for the process, so a second load in a process
+    skips that work. Likewise ``dataclasses.fields`` (``serialize``'s ``dataclasses`` global and
+    ``torch._export.serde.union``'s ``fields``), asked for every JSON node: a schema class's
+    fields do not change.
 
     Each symbolic size's range that the deserializer constrains makes ``ShapeEnv._get_sloc`` walk
     the stack for the first frame outside torch's "uninteresting files", and the first such walk
     imports every module on that list (``torch.export._trace``, ``torch._inductor.sizevars``, the
-    Dynamo frontend, networkx: 344 modules, 0.3-0.4 s) in a process that loads without exporting.
+    Dynamo frontend, networkx: 344 modules) in a process that loads without exporting.
     For the duration, ``ShapeEnv._get_sloc`` returns :data:`LOAD_LOCATION` instead: the source
     location torch keeps for those ranges, shown only in its messages about them (the walk found a
     frame of torch's deserializer, ``_process_sym_expr``). Another thread's ``ShapeEnv`` records
-    that location too meanwhile. Measured on SmolLM2-135M-Instruct from the disk cache, weights
-    resident, ``bridge()`` in a new process: 2.56 and 2.34 s without, 2.19 and 2.08 s with.
+    that location too meanwhile.
 
     Two of the deserializer's methods are swapped too (see :func:`_fake_tensor_meta` and
     :func:`_shared_sym_int`): each node's fake tensor is made by the fake mode's own constructor
     path, not dispatched through the mode, and each distinct symbolic size is made once per
-    deserializer. SmolLM2-135M-Instruct's program (733 fake tensors) loaded again in one process:
-    the fake tensors took 0.21 s before, 0.13 s with the constructor path; the fastest of six loads
-    0.385-0.389 s with the constructor path alone, 0.341-0.346 s with the shared sizes as well.
-    And the module's ``_dict_to_dataclass`` (JSON to the schema's dataclasses) is a
-    :class:`_SchemaReader`, which decides what it can from the class once per class: the same
-    load's first run 0.43 -> 0.38 s, the fastest of six 0.36 -> 0.30 s.
+    deserializer. And the module's ``_dict_to_dataclass`` (JSON to the schema's dataclasses) is a
+    :class:`_SchemaReader`, which decides what it can from the class once per class, not once per
+    JSON node.
     """
     import torch
     from torch._export.serde import serialize, union
@@ -297,8 +292,7 @@ def _fake_tensor_meta(deserializer: Any, tensor_meta: Any) -> Any:
     (``torch._subclasses.fake_impls.constructors``: the meta-device op under
     ``in_kernel_invocation_manager``, wrapped in a ``FakeTensor``), instead of dispatching
     ``torch.empty_strided`` through the mode, whose cache-key and cache-entry work
-    (``_cached_dispatch_impl``) was 0.42 of the 0.66 s the 733 fake tensors of SmolLM2-135M's
-    program took under cProfile (0.21 -> 0.13 s measured without it)."""
+    (``_cached_dispatch_impl``) is most of what making a fake tensor that way costs."""
     import torch
     from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE, deserialize_device
     from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager

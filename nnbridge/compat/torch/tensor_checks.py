@@ -2,9 +2,9 @@
 
 :class:`~nnbridge.guards.module_state.StateGuard` checks on every bridged call that each parameter,
 buffer and tensor attribute keeps its dtype, device, shape and requires_grad (``.double()`` and
-``.to(...)`` change a parameter in place). Read in Python, four properties of 149 tensors (GPT-2
-12 layers) took 45 us per check; torch's own tensor check for Dynamo guards
-(``torch._C._dynamo.guards.TensorGuards``, private in torch 2.13) takes 9 us.
+``.to(...)`` change a parameter in place). Read in Python, four properties of every tensor (149
+for a 12-layer GPT-2) cost several times what torch's own tensor check for Dynamo guards
+(``torch._C._dynamo.guards.TensorGuards``, private in torch 2.13) costs.
 
 That check is stricter: it also compares strides and dispatch keys, which ``torch.inference_mode``
 changes for every tensor. So it only accepts: when it fails, the caller confirms with its exact

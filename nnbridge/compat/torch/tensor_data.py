@@ -6,7 +6,7 @@ merge and unmerge) changes ``tensor`` without bumping ``tensor._version``; ``ten
 swaps its storage, also without a bump. ``data`` is a getset descriptor of ``torch._C.TensorBase``
 that ``torch.Tensor`` and its subclasses (``nn.Parameter``) inherit: while at least one
 :func:`data_accesses` body runs, ``torch.Tensor.data`` is a property that reports the access and
-then runs the original descriptor, so ``tensor.data`` behaves as before (``__torch_function__``
+then runs the original descriptor, so ``tensor.data`` behaves as without it (``__torch_function__``
 subclasses included). :func:`raw_data` is the original descriptor's read, which reports nothing.
 """
 

@@ -57,17 +57,17 @@ def _tracepoint_node(target: Any, args: tuple[Any, ...]) -> bool:
 def tracepoint_bookkeeping_skipped() -> Iterator[None]:
     """While the body runs, the nodes of ``_export_tracepoint`` calls and of the ``getitem``\\ s of
     their outputs get no recorded stack trace (``TracerBase.create_node``) and no ``tensor_meta``
-    (``proxy_tensor.set_meta``; their ``val`` is recorded as before). Restored afterwards, also on
+    (``proxy_tensor.set_meta``; their ``val`` is recorded as usual). Restored afterwards, also on
     error.
 
     torch 2.13's export passes every leaf of a preserved module's inputs and outputs through a
     tracepoint, so a transformers ``Cache`` handed to each decoder layer and attention makes one
     tracepoint output per cache tensor at each boundary (SmolLM2-135M's decode step: 30 layers,
-    60 cache tensors, ~7,000 outputs). Each captured a Python stack and computed symbolic
+    60 cache tensors, ~7,000 outputs). Each would capture a Python stack and compute symbolic
     contiguity for every memory format; ``CollectTracepointsPass`` then removes these nodes,
     replacing each ``getitem`` by the tracepoint's input, and reads only their ``nn_module_stack``
-    (kept) and their inputs' ``val``. Under pyinstrument, that bookkeeping was ~5 s of a 23 s
-    ``generate`` of three tokens.
+    (kept) and their inputs' ``val``, so that bookkeeping is wasted work, and a large share of the
+    exports of a ``generate`` with a cache.
 
     Their recorded ``val`` is the fake tensor that passed through (see :func:`_passed_through`),
     not a detached fake copy of it: a tracepoint returns its inputs themselves, and the pass only
@@ -104,9 +104,9 @@ def _passed_through(val: Any) -> Any:
     where torch's ``extract_val`` makes a detached fake copy of each (``snapshot_fake``) for every
     node. SmolLM2-135M's ``bridge()`` with its cache records 4,290 such values (2,145 tensors pass
     through 96 tracepoints: each layer's and attention's inputs and threaded outputs hold every
-    filled cache layer, once in the tracepoint's tuple and once in its ``getitem``); one
-    ``extract_val`` of a fake tensor with a symbolic size took 20-34 us (4,000 calls, three runs),
-    so ~0.1-0.15 s of the export. Other values are ``extract_val``'s."""
+    filled cache layer, once in the tracepoint's tuple and once in its ``getitem``), and
+    ``extract_val`` of a fake tensor with a symbolic size is costly at that count. Other values are
+    ``extract_val``'s."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     if isinstance(val, FakeTensor):

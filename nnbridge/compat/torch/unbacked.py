@@ -7,8 +7,6 @@ storage offset of every example value looking for the shape environment's unback
 the environment has none, that walk can bind nothing: ``_free_unbacked_symbols_with_path`` records
 a symbol only when it is in the pending set, which is then empty. The pass then only drops the
 nodes' ``unbacked_bindings``, which :func:`unbacked_bindings_pass_narrowed` does without the walk.
-Measured: 0.66 s of 12.8 s for SmolLM2-135M's three exports in ``PatchableGraph`` plus a
-three-token ``generate`` (timed by wrapping the pass).
 """
 
 from __future__ import annotations
