@@ -69,7 +69,7 @@ def wrap(owner: Any, name: str, label: str) -> None:
 
 PHASES = [
     (torch.export, "export", "torch.export.export (trace)"),
-    (exporting, "export", "compat.export around the trace (first import of torch.export._trace)"),
+    (exporting, "export", "compat.torch.export around the trace (first import of torch.export._trace)"),
     (extraction, "export_module", "export_module (hooks, input copies, capture checks)"),
     (extraction, "record_calls", "record_calls (eager runs of stubbed modules)"),
     (building, "record_calls", "record_calls (eager runs of stubbed modules)"),

@@ -188,7 +188,7 @@ class GraphDispatcher(torch.nn.Module):
         """
         key = self.structure_key(args, kwargs) if key is None else key
         # inside torch.func.grad, jvp...: extracted outside the transforms (vmap'd inputs: inside them,
-        # as graph code may call an operator functorch cannot batch; see compat.functorch)
+        # as graph code may call an operator functorch cannot batch; see compat.torch.functorch)
         if transforming():
             self._refuse_transformed_state()
             kinds = wrapper_kinds((args, kwargs))

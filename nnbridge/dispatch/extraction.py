@@ -137,7 +137,7 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             return _extract(module, args, kwargs, options, path, on_extraction, child_dispatcher, watch)
         finally:  # else torch's globals keep this trace, and through it the model, alive
             forget_export_state()
-            release_free_heap()  # the trace's freed memory back to the system (see compat.allocator)
+            release_free_heap()  # the trace's freed memory back to the system (see compat.libc)
 
 
 def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -142,7 +142,7 @@ class _Bridged(ModelSlots, _EnvoyBase):
         with state.detached() if state is not None else contextlib.nullcontext():
             super().__init__(model, *args, **kwargs)
         self.__dict__["_nnbridge_warmed"] = set()
-        # op values may be 0-d: served whole to every invoke (see compat.nnsight.scalar_safe_batcher)
+        # op values may be 0-d: served whole to every invoke (see compat.nnsight.interleaving.scalar_safe_batcher)
         self._nnbridge_use_batcher(scalar_safe_batcher)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:

@@ -116,7 +116,7 @@ def test_graphs_waiting_when_the_body_raises_get_their_code_and_the_error_propag
         assert torch.equal(ln(x), -before)
 
 
-# -- torch.export.unflatten's own graph modules generate no code (compat.export._code_generated_lazily)
+# -- torch.export.unflatten's own graph modules generate no code (compat.torch.export._code_generated_lazily)
 
 def _spy_unflatten(monkeypatch, fail: bool = False):
     """Keep the graph modules ``torch.fx.GraphModule.recompile`` ran for inside
@@ -181,7 +181,7 @@ def test_unflatten_puts_torchs_finalize_back_also_when_it_raises(monkeypatch):
     assert (InterpreterModule.finalize, UnflattenedModule.finalize) == finalizers
 
 
-# -- each distinct generated source compiled once per deferral (compat.fx.sources_compiled_once)
+# -- each distinct generated source compiled once per deferral (compat.torch.fx.sources_compiled_once)
 
 def _calling(function) -> torch.fx.GraphModule:
     """A graph module whose code calls ``function`` (its name in the code: ``scale``) on its input."""

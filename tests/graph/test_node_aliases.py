@@ -75,7 +75,7 @@ def gpt2_pg():
 
 
 def _attention(pg):
-    return pg.graph.transformer.h_0.attn._graph
+    return pg.graph.transformer.h_0.attn._graph_module
 
 
 # -- the alias pass -------------------------------------------------------------------------------
@@ -100,7 +100,7 @@ def test_assigned_names(line, names):
 
 def test_reassigned_names_are_numbered_like_dynamo(reassigning):
     _, _, pg = reassigning
-    assert aliases_of(pg.graph._graph) == {
+    assert aliases_of(pg.graph._graph_module) == {
         "h": "mul", "h_1": "add", "h_2": "softmax",  # three assignments to h, numbered in order
         "a": "getitem", "b": "getitem_1",            # a tuple unpacking: one getitem per name
         "r": "mul_1",                                # a helper's own local names its value first
@@ -120,9 +120,9 @@ def test_gpt2_attention_aliases(gpt2_pg):
     assert "nn.functional.softmax(attn_weights, dim=-1)" in pg.graph[f"{ATTN}.softmax"]._code
     # the block: 'hidden_states = attn_output + residual' is a forward() argument's name (not made,
     # number consumed); the ln_2 call on the next line does not take the add's line over
-    assert aliases_of(pg.graph.transformer.h_0._graph) == {"hidden_states_1": "add_1"}
+    assert aliases_of(pg.graph.transformer.h_0._graph_module) == {"hidden_states_1": "add_1"}
     # 'logits = self.lm_head(...)' is a submodule's value: no alias; the helper's slice is hidden_states
-    assert aliases_of(pg.graph._graph) == {"hidden_states": "slice"}
+    assert aliases_of(pg.graph._graph_module) == {"hidden_states": "slice"}
 
 
 def test_aliases_never_shadow_ops_children_or_arguments():
@@ -131,9 +131,9 @@ def test_aliases_never_shadow_ops_children_or_arguments():
     x = torch.randn(3, 4)
     pg = PatchableGraph(model, x)
     # 'softmax' (the add) would shadow the op, 'linear' the child; 'y_1' is ambiguous: none made
-    assert aliases_of(pg.graph._graph) == {"y": "softmax"}
+    assert aliases_of(pg.graph._graph_module) == {"y": "softmax"}
     assert pg.graph.softmax._path == "softmax" and "torch.softmax" in pg.graph.softmax._code
-    assert pg.graph.linear._graph is not None, "the child module, not the 'linear = y * 3' node"
+    assert pg.graph.linear._graph_module is not None, "the child module, not the 'linear = y * 3' node"
     assert "y_1" not in pg.graph
     with pytest.raises(NodePathError, match="'y_1' is not a node"):
         with pg.patch({"y_1": ZeroPatch()}):
@@ -343,7 +343,7 @@ def test_helper_frames_are_recorded_only_while_asked():
 
 def test_source_lines_read_lazily_give_the_same_stack_traces(monkeypatch):
     """While exporting, frames' source lines are read only for the frames a node keeps
-    (compat.stack_traces._lazy_lines): every node's stack_trace equals torch's own reading, and
+    (compat.torch.stack_traces._lazy_lines): every node's stack_trace equals torch's own reading, and
     torch's function is back afterwards."""
     import torch.utils._traceback as torch_traceback
 

@@ -550,7 +550,7 @@ def test_unchanged_state_reuses_the_extraction():
 
 def test_tensor_properties_fast_check_only_accepts():
     """StateGuard checks parameters' properties with torch's C-level tensor check first
-    (compat.tensor_checks), which also compares strides and dispatch keys: a strides-only change
+    (compat.torch.tensor_checks), which also compares strides and dispatch keys: a strides-only change
     and torch.inference_mode (other dispatch keys) keep the extractions, by the exact check; a dtype,
     shape or requires_grad change still extracts again, and every call equals eager."""
     torch.manual_seed(0)

@@ -532,7 +532,7 @@ def test_opaque_child_programs_are_cached_too(cache_dir, exports, monkeypatch):
 
 
 def test_entries_are_written_with_the_bytes_of_torch_export_save():
-    """compat.serialization.save_program skips torch's discarded canonical-form check only: the
+    """compat.torch.serialization.save_program skips torch's discarded canonical-form check only: the
     bytes equal torch.export.save's, the program loads back equal, and the check is restored."""
     import io
 
@@ -576,7 +576,7 @@ def _saved_dynamic_program(stream):
 
 
 def test_loading_gives_symbol_ranges_the_load_location_and_restores_the_shape_env():
-    """load_program gives the ranges of a loaded program's symbols compat.serialization's
+    """load_program gives the ranges of a loaded program's symbols compat.torch.serialization's
     LOAD_LOCATION (no stack walk), the same ranges and outputs as torch.export.load, and puts
     ShapeEnv._get_sloc back, also when a load fails."""
     import io
@@ -606,7 +606,7 @@ def test_loading_gives_symbol_ranges_the_load_location_and_restores_the_shape_en
 
 
 def test_the_load_memos_delegate_to_the_modules_own_functions():
-    """compat.serialization's typing, sympy and dataclasses stand-ins keep each name they delegate
+    """compat.torch.serialization's typing, sympy and dataclasses stand-ins keep each name they delegate
     after its first look-up: the module's own object, also for the next load; memoised fields are
     dataclasses.fields'; the deserializer's globals are the modules' own again after a load."""
     import dataclasses
@@ -773,7 +773,7 @@ print(sorted(name for name in ("torch.export._trace", "torch._inductor.sizevars"
 
 def test_a_process_that_only_loads_imports_no_exporter(tmp_path):
     """Loading a program with symbolic sizes imports none of the modules torch's stack walk for
-    source locations would (torch.export's tracer, inductor, networkx: compat.serialization)."""
+    source locations would (torch.export's tracer, inductor, networkx: compat.torch.serialization)."""
     import subprocess
     import sys
 
@@ -787,7 +787,7 @@ def test_a_process_that_only_loads_imports_no_exporter(tmp_path):
 
 _SECOND_PROCESS = """
 import torch, nnbridge
-from nnbridge.bridge import extraction
+from nnbridge.dispatch import extraction
 from utils import gpt2
 count = [0]
 real = extraction.export_module
@@ -807,7 +807,7 @@ print("exports", count[0])
 
 _BARRIER = """
 import os, time, warnings
-from nnbridge.bridge import storage
+from nnbridge.store import storage
 from nnbridge.errors import NNBridgeWarning
 warnings.filterwarnings("error", category=NNBridgeWarning)  # a corrupt entry read would warn
 barrier, me = os.environ["BARRIER"], os.environ["PYTHONHASHSEED"]
@@ -864,7 +864,7 @@ def test_the_per_process_generation_config_hash_is_not_in_the_key():
 
 
 def test_the_schema_reader_builds_torchs_objects_and_lets_torch_reject_bad_input(cache_dir, monkeypatch):
-    """compat.serialization's stand-in for torch's JSON-to-schema reader (used while
+    """compat.torch.serialization's stand-in for torch's JSON-to-schema reader (used while
     load_program loads) gives objects equal to torch's own reader's for every artifact of a tiny
     Llama's program with its cache argument and of a program with a dynamic size and a parameter,
     and leaves input torch's reader rejects to it (the same error)."""

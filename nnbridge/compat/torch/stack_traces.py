@@ -36,8 +36,9 @@ def _directory(path: str) -> str:
     return os.path.join(os.path.realpath(path), "")
 
 
+#: torch's directory and nnbridge's (this file is nnbridge/compat/torch/stack_traces.py)
 _LIBRARY_DIRS = (_directory(os.path.dirname(torch.__file__)),
-                 _directory(os.path.dirname(os.path.dirname(__file__))))  # torch, nnbridge
+                 _directory(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 _STDLIB = _directory(sysconfig.get_paths()["stdlib"])
 _INSTALLED = tuple({_directory(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")})
 
