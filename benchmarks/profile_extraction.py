@@ -40,7 +40,7 @@ from nnbridge import models  # noqa: E402
 from nnbridge.extract import building, exporting
 from nnbridge.store import disk_cache, programs, storage
 from nnbridge.dispatch import dispatcher, extraction
-from nnbridge.graph import graph_module
+from nnbridge.graph import codegen, graph_module
 from nnbridge.inplace import bridging as in_place
 
 IMPORT_S = time.perf_counter() - START
@@ -91,7 +91,7 @@ PHASES = [
     (building, "registration_order", "registration_order"),
     (graph_module.CompiledGraphModule, "__init__", "CompiledGraphModule.__init__ (other)"),
     (graph_module.CompiledGraphModule, "recompile", "GraphModule code generation (recompile)"),
-    (graph_module, "_generate_waiting", "deferred code generation (every graph's, once)"),
+    (codegen, "_generate_waiting", "deferred code generation (every graph's, once)"),
     (extraction, "_extract", "_extract (other: contexts, summaries)"),
     (extraction, "_extract_root", "_extract_root (other)"),
     (extraction, "extract", "extract (other: locks, forget_export_state)"),

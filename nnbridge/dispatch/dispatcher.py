@@ -46,7 +46,7 @@ from . import extraction as _extraction
 from .extraction import Extraction
 from ..graph.module_tree import real_modules
 from ..graph.failures import add_note
-from ..graph.graph_module import code_generation_deferred
+from ..graph.codegen import code_generation_deferred
 from ..guards.module_state import StateGuard
 from ..graph.locking import CALL_LOCK
 from ..graph.op_point import OpPoint, OpPointContainer

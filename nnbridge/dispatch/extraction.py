@@ -74,7 +74,7 @@ from ..extract.reuse import (
     confirm as confirm_reuse,
     plan as reuse_plan,
 )
-from ..graph.state import state_keys
+from ..graph.state import Key, UntouchedLayers, state_keys
 from ..compat import (cleared_module_state, constant_outputs, copy_spec, empty_module_calls, forget_export_state,
                       generated_code_released, invocation_graphs, offloaded_weights_loaded, register_cache_pytrees,
                       unflatten)
@@ -265,7 +265,7 @@ def _skip(ctx: ExtractionContext, module: torch.nn.Module) -> bool:
     return ctx.options.skip_compilation or type(module) in ctx.options.classes_to_skip_compiling
 
 
-def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, Any], reuse: bool = False,
+def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, Any], *, reuse: bool = False,
                   watch: RootWatch | None = None) -> tuple[CompiledGraphModule | OpaqueGraphModule, ShapeGuard]:
     module = ctx.module
     static = ShapeGuard.static(tensor_leaves(args, kwargs))
@@ -275,10 +275,10 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         except CustomFunctionFailed as failed:  # as graphpatch: a failing function means fallback
             reason = f"its custom extraction function failed: {describe_failure(failed.error)}"
             ctx.fail("", reason, failed.error, fix=CUSTOM_FIX)
-            return opaque_module(ctx, "", module, args, kwargs, reason), static
+            return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason), static
     if _skip(ctx, module):
         ctx.opaque[ctx.full("") or "<root>"] = StubKind.SKIPPED
-        return opaque_module(ctx, "", module, args, kwargs, StubKind.SKIPPED), static
+        return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=StubKind.SKIPPED), static
     stubs: dict[str, str] = {  # a StubKind, or the reason an export failure made it opaque
         fqn: StubKind.CUSTOM if type(sub) in ctx.options.custom_extraction_functions else StubKind.SKIPPED
         for fqn, sub in named_real_modules(module)
@@ -288,156 +288,257 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     for fqn, reason in shared_container_entries(module).items():
         if fqn == "":
             ctx.fail("", reason, SharedModuleEntry(reason), fix=SharedModuleEntry.FIX)
-            return opaque_module(ctx, "", module, args, kwargs, reason), static
+            return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason), static
         if fqn not in stubs:
             stubs[fqn], errors[fqn] = reason, SharedModuleEntry(reason)
-    dynamic = ctx.options.dynamic_shapes
     # the call's structure before anything runs it: export may record a cache argument's spec
     # after the traced code mutated it (torch 2.13, static shapes)
     input_spec = copy_spec(pytree.tree_flatten((args, kwargs))[1])
     bar = tqdm(total=2, desc=f"extracting {type(module).__name__}", unit="stage", disable=not ctx.options.progress,
                leave=False)
     bar.set_postfix_str("torch.export")
-    # a saved or cached export of this call (see .programs) replaces the loop below
-    request = programs.ExportRequest(module, ctx.path, args, kwargs, ctx.options, ctx.grad_enabled)
-    cache = default_cache() or memory_cache()  # the disk cache, else the process's (see .memory_cache)
-    record = programs.lookup(request, cache)
-    initial_stubs, initial_errors = dict(stubs), dict(errors)
-    eager: _EagerStubs | None = None
-    if record is None:  # an eager run finds modules to stub before the calls are recorded (one recording)
-        eager = _eager_stubs(ctx, module, args, kwargs, stubs, errors)
-        if eager.root is not None:
-            bar.close()
-            return _opaque_root(ctx, module, args, kwargs, eager.root), static
-    else:
-        stubs = dict(record.stubs)
-        exported, dynamic, states = record.exported, record.dynamic, record.states
-        untouched = record.untouched
-        # a shared container entry's error (with its fix) is known again from the module itself
-        errors = {fqn: errors[fqn] if isinstance(errors.get(fqn), SharedModuleEntry) and str(errors[fqn]) == reason
-                  else programs.RecordedFailure(reason) for fqn, reason in stubs.items()}
-    # (a record's plan is derived again from the module as it was derived before its export)
-    candidates = reuse_plan(module, set(stubs if record is None else initial_stubs)) if reuse else ReusePlan()
-    recorded = set(stubs) | set(candidates.siblings) | candidates.representatives()
-    # (layers only compared for reuse keep their tensors shared: deep copies cost more than the run)
-    compared = (set(candidates.siblings) | candidates.representatives()) - set(stubs)
-    calls = record_calls(module, recorded, args, kwargs, shared=compared) if recorded else {}
-    plan = confirm_reuse(module, candidates, calls)
-    if record is not None and record.reuse != plan.siblings:
-        # a record keeps the siblings its export stubbed; the plan is derived again for this call
-        if record.reuse or not reuse:  # another plan than this call's: export again
-            record, stubs, errors = None, initial_stubs, initial_errors
-            eager = _eager_stubs(ctx, module, args, kwargs, stubs, errors)
-            if eager.root is not None:
-                bar.close()
-                return _opaque_root(ctx, module, args, kwargs, eager.root), static
-            calls = record_calls(module, recorded | set(stubs), args, kwargs) if recorded | set(stubs) else {}
-        else:  # the export fell back to per-layer export for this call before: so does this build
-            plan = ReusePlan()
-    # a skipped module called with a cache is traced through (its new cache state must reach its
-    # caller's graph) and only shown as opaque; the others are stubbed while exporting
-    traced = {fqn for fqn in stubs if stubs[fqn] == StubKind.SKIPPED and any(state_keys(a, k) for a, k, _ in calls[fqn])}
-    # traced modules whose own grad-mode changes are ignored while exporting
-    frozen: set[str] = set(eager.frozen) if eager is not None else set()
-    traced |= eager.traced if eager is not None else set()
-    if record is None:
-        untouched = {}
-    watch_reads: list[str] | None = [] if watch is not None else None
-    while record is None:
-        frozen_by = scalar_stub_caller(module, stubs, traced, calls)
-        if frozen_by is not None:
-            caller, cause = frozen_by
-            if caller == "":
-                bar.close()
-                ctx.fail("", describe_failure(cause), cause)
-                return opaque_module(ctx, "", module, args, kwargs, describe_failure(cause)), static
-            stubs[caller] = describe_failure(cause)
-            errors[caller] = cause
-            calls = record_calls(module, set(stubs), args, kwargs)
-            continue
-        try:
-            exported, dynamic, states = export_module(module, args, kwargs,
-                                                {f: r for f, r in stubs.items() if f not in traced}, calls, dynamic,
-                                                ctx.grad_enabled, traced, frozen, plan, untouched, watch, watch_reads)
-            # calls export recorded no node for (nn.Identity): unflatten would fail on them; they
-            # run as themselves, called from their caller's graph (a stub records a node)
-            empty = {fqn.partition("@")[0].partition(".")[2] for fqn in empty_module_calls(exported)} - {""} - set(stubs)
-            if not empty:
-                break
-            for fqn in sorted(empty):
-                stubs[fqn] = StubKind.PASSTHROUGH
-            calls = record_calls(module, set(stubs), args, kwargs)
-            continue
-        except ModuleFailure as failure:
-            fqn, error = failure.fqn, failure.error
-            faults = [(fqn, error), *failure.more]
-            if all(isinstance(e, UnfaithfulCaptureError) and f and f not in stubs for f, e in faults):
-                # their code traces (shapes stay symbolic, cache state is threaded): keep tracing
-                # through them, with grad-mode changes inside them ignored, and show them opaque
-                for fqn, error in faults:
-                    stubs[fqn] = describe_failure(error)
-                    errors[fqn] = error
-                    traced.add(fqn)
-                    if cast(UnfaithfulCaptureError, error).grad_mode:  # all are, checked above
-                        frozen.add(fqn)
-                calls = record_calls(module, set(stubs), args, kwargs)
-                continue
-            while fqn and any(failure.states.get(fqn, [])):
-                # a stub cannot write the cache state the module would have: its caller is opaque
-                fqn = caller_of(module, fqn)
-            if fqn == "" or fqn in stubs:
-                bar.close()
-                ctx.fail("", describe_failure(error), error)
-                return opaque_module(ctx, "", module, args, kwargs, describe_failure(error)), static
-            stubs[fqn] = describe_failure(error)
-            errors[fqn] = error
-            calls = record_calls(module, set(stubs), args, kwargs)
-    for fqn, reason in stubs.items():
-        if reason not in (StubKind.CUSTOM, StubKind.SKIPPED, StubKind.PASSTHROUGH):
-            shared = isinstance(errors[fqn], SharedModuleEntry)
-            ctx.fail(fqn, reason, errors[fqn], fix=SharedModuleEntry.FIX if shared else getattr(errors[fqn], "fix", None))
-        elif reason != StubKind.CUSTOM:  # opaque by design, not by a failure: no warning, never an error
-            ctx.opaque[ctx.full(fqn)] = reason
-    plan = plan.outside(stubs)
-    if plan.siblings:
-        check_reused_export(plan, exported, stubs, states)
-    guard = record.guard if record is not None else ShapeGuard.from_export(exported) if dynamic else static
-    if record is None:
-        record = programs.ProgramRecord(ctx.path, request.call_fingerprint(), exported, dynamic, states, dict(stubs),
-                                        guard, dict(plan.siblings), untouched, watch_reads)
-        programs.store(request, record, cache)
+    exporting = _RootExport(ctx, args, kwargs, bar=bar, stubs=stubs, errors=errors, watch=watch)
+    opaque = exporting.prepare(reuse=reuse)
+    if opaque is None:
+        opaque = exporting.export()
+    if opaque is not None:
+        return opaque, static
+    guard = exporting.report(static)
     bar.update()
     bar.set_postfix_str("unflatten and build graphs")
-    try:  # as graphpatch: any failure while compiling (unflattening, building) means fallback
-        # no op ran (``return x``, ``return 3``): unflatten (torch 2.13) makes no graph for the module
-        holder = None
-        if any(node.op == "call_function" for node in exported.graph.nodes):
-            unflattened = unflatten(exported)
-            unflattened_model = dict(unflattened.named_children()).get("model")
-            holder = invocation_graphs(unflattened_model)[0] if unflattened_model is not None else None
-        if holder is None or not isinstance(getattr(holder, "graph", None), Graph):
-            bar.close()
-            reason = "its forward runs no tensor operation: there is no graph to extract"
-            ctx.fail("", reason, None)
-            return opaque_module(ctx, "", module, args, kwargs, reason), static
-        builder = GraphBuilder(ctx, unflattened, stubs, calls, input_spec, states, constant_outputs(exported),
-                               (args, kwargs), plan, untouched)
-        builder.number_calls(holder)
-        builder.keep_all = watch is not None  # its sibling roots build their graphs from its built ones
-        root = builder.build("", module, holder)
-        ctx.templates = builder.templates
-        # the record lives as long as its graphs: the process's memory cache refers to it weakly
-        root.__dict__[PROGRAM_RECORD] = record
-    except (ExtractionError, ReuseFallback):
-        raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
-    except Exception as error:  # noqa: BLE001
-        bar.close()
-        reason = f"building its graph failed: {describe_failure(error)}"
-        ctx.fail("", reason, error)
-        return opaque_module(ctx, "", module, args, kwargs, reason), static
+    root = exporting.build(input_spec)
+    if isinstance(root, OpaqueGraphModule):
+        return root, static
     bar.update()
     bar.close()
     return root, guard
+
+
+class _RootExport:
+    """One root module's way to a program that serves the call, and the graphs built from it.
+
+    Attributes:
+        stubs: ``{module path: a StubKind, or the reason a failure made it opaque}`` of the modules
+            stubbed (or traced through, see ``traced``) while exporting; ``errors`` their errors.
+        calls: the recorded calls of the stubbed modules (see :func:`.recording.record_calls`).
+        plan: the layers whose graphs are built from their representative's (see :mod:`.reuse`).
+        traced: modules export traces through although they are shown opaque; ``frozen``: those
+            of them whose grad-mode changes are ignored.
+        record: the program's record (looked up for the call, else made after the export).
+        exported, dynamic, states, untouched: the program and what :func:`export_module` said of it.
+        watch_reads: what the export of a watched representative read (see :mod:`.sibling_roots`).
+    """
+
+    def __init__(self, ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, Any], *, bar: tqdm,
+                 stubs: dict[str, str], errors: dict[str, BaseException], watch: RootWatch | None):
+        self.ctx, self.module, self.args, self.kwargs, self.bar = ctx, ctx.module, args, kwargs, bar
+        self.stubs, self.errors = stubs, errors
+        self.watch = watch
+        self.dynamic = ctx.options.dynamic_shapes
+        # a saved or cached export of this call (see .programs) replaces the export loop
+        self.request = programs.ExportRequest(ctx.module, ctx.path, args, kwargs, ctx.options, ctx.grad_enabled)
+        self.cache = default_cache() or memory_cache()  # the disk cache, else the process's (see .memory_cache)
+        self.record: programs.ProgramRecord | None = programs.lookup(self.request, self.cache)
+        self.exported: torch.export.ExportedProgram | None = None
+        self.states: dict[str, list[list[Key]]] = {}
+        self.untouched: dict[str, list[UntouchedLayers | None]] = {}
+        self.eager: _EagerStubs | None = None
+        self.calls: dict[str, list] = {}
+        self.plan = ReusePlan()
+        self.traced: set[str] = set()
+        self.frozen: set[str] = set()
+        self.watch_reads: list[str] | None = None
+
+    def prepare(self, *, reuse: bool) -> OpaqueGraphModule | None:
+        """Stub what an eager run finds (or take a record's stubs), record the stubbed modules'
+        calls and confirm the reuse plan; the root's opaque module when it must run its own code."""
+        module, args, kwargs = self.module, self.args, self.kwargs
+        initial_stubs, initial_errors = dict(self.stubs), dict(self.errors)
+        if self.record is None:  # an eager run finds modules to stub before the calls are recorded (one recording)
+            opaque = self._stub_eagerly()
+            if opaque is not None:
+                return opaque
+        else:
+            self._take(self.record)
+        # (a record's plan is derived again from the module as it was derived before its export)
+        candidates = reuse_plan(module, set(self.stubs if self.record is None else initial_stubs)) \
+            if reuse else ReusePlan()
+        recorded = set(self.stubs) | set(candidates.siblings) | candidates.representatives()
+        # (layers only compared for reuse keep their tensors shared: deep copies cost more than the run)
+        compared = (set(candidates.siblings) | candidates.representatives()) - set(self.stubs)
+        self.calls = record_calls(module, recorded, args, kwargs, shared=compared) if recorded else {}
+        self.plan = confirm_reuse(module, candidates, self.calls)
+        if self.record is not None and self.record.reuse != self.plan.siblings:
+            # a record keeps the siblings its export stubbed; the plan is derived again for this call
+            if self.record.reuse or not reuse:  # another plan than this call's: export again
+                self.record, self.stubs, self.errors = None, initial_stubs, initial_errors
+                opaque = self._stub_eagerly()
+                if opaque is not None:
+                    return opaque
+                stubbed = recorded | set(self.stubs)
+                self.calls = record_calls(module, stubbed, args, kwargs) if stubbed else {}
+            else:  # the export fell back to per-layer export for this call before: so does this build
+                self.plan = ReusePlan()
+        # a skipped module called with a cache is traced through (its new cache state must reach its
+        # caller's graph) and only shown as opaque; the others are stubbed while exporting
+        self.traced = {fqn for fqn in self.stubs if self.stubs[fqn] == StubKind.SKIPPED
+                       and any(state_keys(a, k) for a, k, _ in self.calls[fqn])}
+        # traced modules whose own grad-mode changes are ignored while exporting
+        self.frozen = set(self.eager.frozen) if self.eager is not None else set()
+        self.traced |= self.eager.traced if self.eager is not None else set()
+        if self.record is None:
+            self.untouched = {}
+        self.watch_reads = [] if self.watch is not None else None
+        return None
+
+    def _stub_eagerly(self) -> OpaqueGraphModule | None:
+        self.eager = _eager_stubs(self.ctx, self.module, self.args, self.kwargs, self.stubs, self.errors)
+        if self.eager.root is None:
+            return None
+        self.bar.close()
+        return _opaque_root(self.ctx, self.module, self.args, self.kwargs, self.eager.root)
+
+    def _take(self, record: programs.ProgramRecord) -> None:
+        """Use ``record``'s program and stubs."""
+        self.stubs = dict(record.stubs)
+        self.exported, self.dynamic, self.states = record.exported, record.dynamic, record.states
+        self.untouched = record.untouched
+        # a shared container entry's error (with its fix) is known again from the module itself
+        errors = self.errors
+        self.errors = {fqn: errors[fqn] if isinstance(errors.get(fqn), SharedModuleEntry) and str(errors[fqn]) == reason
+                       else programs.RecordedFailure(reason) for fqn, reason in self.stubs.items()}
+
+    def export(self) -> OpaqueGraphModule | None:
+        """Without a record: export until a program serves the call, stubbing the modules at fault;
+        the root's opaque module when the root itself is at fault."""
+        module, args, kwargs = self.module, self.args, self.kwargs
+        while self.record is None:
+            frozen_by = scalar_stub_caller(module, self.stubs, self.traced, self.calls)
+            if frozen_by is not None:
+                caller, cause = frozen_by
+                if caller == "":
+                    return self._fail_root(cause)
+                self._stub(caller, cause)
+                continue
+            try:
+                self.exported, self.dynamic, self.states = export_module(
+                    module, args, kwargs, stubs={f: r for f, r in self.stubs.items() if f not in self.traced},
+                    calls=self.calls, dynamic=self.dynamic, grad_enabled=self.ctx.grad_enabled, traced=self.traced,
+                    frozen=self.frozen, reuse=self.plan, untouched=self.untouched, root_watch=self.watch,
+                    watch_reads=self.watch_reads)
+                # calls export recorded no node for (nn.Identity): unflatten would fail on them; they
+                # run as themselves, called from their caller's graph (a stub records a node)
+                empty = {fqn.partition("@")[0].partition(".")[2]
+                         for fqn in empty_module_calls(self.exported)} - {""} - set(self.stubs)
+                if not empty:
+                    break
+                for fqn in sorted(empty):
+                    self.stubs[fqn] = StubKind.PASSTHROUGH
+                self.calls = record_calls(module, set(self.stubs), args, kwargs)
+                continue
+            except ModuleFailure as failure:
+                opaque = self._stub_failure(failure)
+                if opaque is not None:
+                    return opaque
+        return None
+
+    def _stub_failure(self, failure: ModuleFailure) -> OpaqueGraphModule | None:
+        """Stub the module ``failure`` is attributed to (or its caller, or trace through the modules
+        whose graphs would differ from their code); the root's opaque module when it is the root."""
+        fqn, error = failure.fqn, failure.error
+        faults = [(fqn, error), *failure.more]
+        if all(isinstance(e, UnfaithfulCaptureError) and f and f not in self.stubs for f, e in faults):
+            # their code traces (shapes stay symbolic, cache state is threaded): keep tracing
+            # through them, with grad-mode changes inside them ignored, and show them opaque
+            for fqn, error in faults:
+                self.stubs[fqn] = describe_failure(error)
+                self.errors[fqn] = error
+                self.traced.add(fqn)
+                if cast(UnfaithfulCaptureError, error).grad_mode:  # all are, checked above
+                    self.frozen.add(fqn)
+            self.calls = record_calls(self.module, set(self.stubs), self.args, self.kwargs)
+            return None
+        while fqn and any(failure.states.get(fqn, [])):
+            # a stub cannot write the cache state the module would have: its caller is opaque
+            fqn = caller_of(self.module, fqn)
+        if fqn == "" or fqn in self.stubs:
+            return self._fail_root(error)
+        self._stub(fqn, error)
+        return None
+
+    def _stub(self, fqn: str, error: BaseException) -> None:
+        self.stubs[fqn] = describe_failure(error)
+        self.errors[fqn] = error
+        self.calls = record_calls(self.module, set(self.stubs), self.args, self.kwargs)
+
+    def _fail_root(self, error: BaseException) -> OpaqueGraphModule:
+        self.bar.close()
+        self.ctx.fail("", describe_failure(error), error)
+        return opaque_module(self.ctx, "", self.module, args=self.args, kwargs=self.kwargs,
+                             reason=describe_failure(error))
+
+    def report(self, static: ShapeGuard) -> ShapeGuard:
+        """Report the stubbed modules (opaque fallbacks), check the reuse plan against the program,
+        make its record when there was none (stored for later calls); the guard of the program."""
+        ctx = self.ctx
+        for fqn, reason in self.stubs.items():
+            if reason not in (StubKind.CUSTOM, StubKind.SKIPPED, StubKind.PASSTHROUGH):
+                shared = isinstance(self.errors[fqn], SharedModuleEntry)
+                ctx.fail(fqn, reason, self.errors[fqn],
+                         fix=SharedModuleEntry.FIX if shared else getattr(self.errors[fqn], "fix", None))
+            elif reason != StubKind.CUSTOM:  # opaque by design, not by a failure: no warning, never an error
+                ctx.opaque[ctx.full(fqn)] = reason
+        exported = self.program
+        self.plan = self.plan.outside(self.stubs)
+        if self.plan.siblings:
+            check_reused_export(self.plan, exported, self.stubs, self.states)
+        record = self.record
+        guard = record.guard if record is not None else ShapeGuard.from_export(exported) if self.dynamic else static
+        if record is None:
+            self.record = programs.ProgramRecord(ctx.path, self.request.call_fingerprint(), exported, self.dynamic,
+                                                 self.states, dict(self.stubs), guard, dict(self.plan.siblings),
+                                                 self.untouched, self.watch_reads)
+            programs.store(self.request, self.record, self.cache)
+        return guard
+
+    @property
+    def program(self) -> torch.export.ExportedProgram:
+        """The program (the record's, or the export's)."""
+        assert self.exported is not None  # set by a record or by export()
+        return self.exported
+
+    def build(self, input_spec: Any) -> CompiledGraphModule | OpaqueGraphModule:
+        """The root's graph module built from the program; its opaque module when there is no graph
+        or, as graphpatch falls back, anything failed while compiling (unflattening, building)."""
+        ctx, module, args, kwargs, exported = self.ctx, self.module, self.args, self.kwargs, self.program
+        try:
+            # no op ran (``return x``, ``return 3``): unflatten (torch 2.13) makes no graph for the module
+            holder = None
+            if any(node.op == "call_function" for node in exported.graph.nodes):
+                unflattened = unflatten(exported)
+                unflattened_model = dict(unflattened.named_children()).get("model")
+                holder = invocation_graphs(unflattened_model)[0] if unflattened_model is not None else None
+            if holder is None or not isinstance(getattr(holder, "graph", None), Graph):
+                self.bar.close()
+                reason = "its forward runs no tensor operation: there is no graph to extract"
+                ctx.fail("", reason, None)
+                return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason)
+            builder = GraphBuilder(ctx, unflattened, self.stubs, self.calls, input_spec, self.states,
+                                   constant_outputs(exported), (args, kwargs), self.plan, self.untouched)
+            builder.number_calls(holder)
+            builder.keep_all = self.watch is not None  # its sibling roots build their graphs from its built ones
+            root = builder.build("", module, holder)
+            ctx.templates = builder.templates
+            # the record lives as long as its graphs: the process's memory cache refers to it weakly
+            root.__dict__[PROGRAM_RECORD] = self.record
+        except (ExtractionError, ReuseFallback):
+            raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
+        except Exception as error:  # noqa: BLE001
+            self.bar.close()
+            reason = f"building its graph failed: {describe_failure(error)}"
+            ctx.fail("", reason, error)
+            return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason)
+        return root
 
 
 class _EagerStubs(NamedTuple):
@@ -508,4 +609,4 @@ def _opaque_root(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
                  root: tuple[str, BaseException, str | None]) -> OpaqueGraphModule:
     reason, error, fix = root
     ctx.fail("", reason, error, fix=fix)
-    return opaque_module(ctx, "", module, args, kwargs, reason)
+    return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason)

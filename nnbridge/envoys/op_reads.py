@@ -259,92 +259,145 @@ def _code_reads(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], t
     :class:`AnyIndex` (``layer.attn`` is ``model.h[1:3][any].attn``); an index computed from
     names (``model.h[i]``) is :class:`AnyIndex`, the names that are not ``range``/``enumerate``
     counters in their loop's body being assumed ints."""
-    reads: set[str] = set()
-    loaded: set[str] = set()
-    chains: list[Chain] = []
-    instructions = list(dis.get_instructions(code))
-    stores = Counter(instruction.argval for instruction in instructions if instruction.opname in _STORES)
-    bindings: dict[str, _Binding] = {}
-    spans: dict[int, tuple[int, Chain]] = {}  # the last instruction of a chain: (its root's, the chain)
-    root: str | None = None
-    chain: list[Element] | None = None  # the chain being read, if any
-    assumed: set[str] = set()
-    start = 0
-    # string constants only ever used as keys of a module's value (``invoker.inputs[1]["input_ids"]``,
-    # ``.output["logits"]``): not paths or names of envoys
-    value_keys: set[str] = set()
-    strings: set[str] = set()
+    reader = _CodeReader(code)
+    reader.read()
+    return reader.result()
 
-    def bound(name: str, offset: int) -> _Binding | None:
-        binding = bindings.get(name)
-        return binding if binding is not None and stores[name] == 1 and offset in binding.body else None
 
-    def end(last: int) -> None:
-        nonlocal chain
-        if chain:
-            read = (root, tuple(chain), frozenset(assumed))
-            chains.append(read)
-            spans[last] = (start, read)
-        chain = None
+class _CodeReader:
+    """One pass over a code object's instructions for :func:`_code_reads`, one method per kind of
+    instruction it follows: attribute loads, string constants, subscripts, loads of a name.
 
-    i = 0
-    while i < len(instructions):
-        instruction = instructions[i]
+    Attributes:
+        chain: the attribute chain being read, if any (its ``root`` name or None, the names
+            ``assumed``, the position of its first instruction ``start``).
+        spans: ``{position of a chain's last instruction: (its first's, the chain)}``.
+        bindings: the ``for`` loop variables followed (see :func:`_loop_bindings`).
+        value_keys: string constants used as keys of a module's value (``.output["logits"]``);
+            ``strings``: the others.
+    """
+
+    def __init__(self, code: types.CodeType):
+        self.code = code
+        self.instructions = list(dis.get_instructions(code))
+        self.stores = Counter(instruction.argval for instruction in self.instructions
+                              if instruction.opname in _STORES)
+        self.reads: set[str] = set()
+        self.loaded: set[str] = set()
+        self.chains: list[Chain] = []
+        self.bindings: dict[str, _Binding] = {}
+        self.spans: dict[int, tuple[int, Chain]] = {}
+        self.root: str | None = None
+        self.chain: list[Element] | None = None
+        self.assumed: set[str] = set()
+        self.start = 0
+        self.value_keys: set[str] = set()
+        self.strings: set[str] = set()
+
+    def read(self) -> None:
+        """Read every instruction."""
+        i = 0
+        while i < len(self.instructions):
+            i = self.step(i)
+        self.end(len(self.instructions) - 1)
+
+    def step(self, i: int) -> int:
+        """Read instruction ``i``; the position of the next instruction to read."""
+        instruction = self.instructions[i]
         name, opname = instruction.argval, instruction.opname
         if opname in _LOAD_ATTRIBUTE and isinstance(name, str):
-            method = (_METHOD and opname == "LOAD_ATTR" and bool((instruction.arg or 0) & 1))
-            if method:
-                if name in WHOLE_MODEL_METHODS and _sees_every_op(code, instructions, i):
-                    reads.add(name)
-                end(i - 1)
-            else:
-                if chain is None:
-                    root, chain, assumed, start = None, [], set(), i
-                chain.append(name)
-                if opname != "LOAD_ATTR":
-                    end(i)
-            i += 1
-            continue
+            self.load_attribute(i, name)
+            return i + 1
         if opname == "LOAD_CONST" and isinstance(name, str):
-            value_key = (chain is not None and i + 1 < len(instructions)
-                         and instructions[i + 1].opname == "BINARY_SUBSCR"
-                         and any(element in _VALUE_PROPERTIES for element in chain if isinstance(element, str)))
-            (value_keys if value_key else strings).add(name)
-        index = _index(instructions, i) if chain is not None else None
+            self.load_string(i, name)
+        chain = self.chain
+        index = _index(self.instructions, i) if chain is not None else None
         if chain is not None and index is not None:
-            element, names, i = index
-            loaded.update(names)
-            for index_name in names:
-                counter = bound(index_name, instruction.offset)
-                assumed.update({index_name} if counter is None or counter.iterable is not None else counter.assumed)
-            chain.append(element)
-            i += 1
-            continue
-        end(i - 1)
+            return self.subscript(instruction, index, chain) + 1
+        self.end(i - 1)
         if opname == "GET_ITER":
-            bindings.update(_loop_bindings(instructions, i, spans))
-        if opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS and _sees_every_op(code, instructions, i):
-            reads.add(name)
+            self.bindings.update(_loop_bindings(self.instructions, i, self.spans))
+        if opname == "LOAD_METHOD" and name in WHOLE_MODEL_METHODS and _sees_every_op(self.code, self.instructions, i):
+            self.reads.add(name)
         elif opname in _ROOT_LOADS and isinstance(name, str):
-            if opname != "LOAD_FAST":
-                loaded.add(name)
-            binding = bound(name, instruction.offset)
-            root, chain, assumed, start = name, [], set(), i
-            if binding is not None and binding.iterable is not None:  # an entry of the container iterated
-                root, elements, iterated = binding.iterable
-                chain, assumed = [*elements, _ANY], set(iterated | binding.assumed)
-        i += 1
-    end(len(instructions) - 1)
-    # the names it assigns; a function's arguments and closure names are not the block's names
-    # resolve() sees either
-    stored = set(stores) | set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
-    nested: list[types.CodeType] = []
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):
-            nested.append(constant)
-        elif isinstance(constant, str) and (constant in strings or constant not in value_keys):
-            reads.update(_identifiers(constant))
-    return frozenset(reads), frozenset(loaded), tuple(nested), tuple(chains), frozenset(stored)
+            self.load_name(instruction, i)
+        return i + 1
+
+    def load_attribute(self, i: int, name: str) -> None:
+        """An attribute read (or written, deleted): extends the chain; a method load ends it."""
+        instruction = self.instructions[i]
+        method = (_METHOD and instruction.opname == "LOAD_ATTR" and bool((instruction.arg or 0) & 1))
+        if method:
+            if name in WHOLE_MODEL_METHODS and _sees_every_op(self.code, self.instructions, i):
+                self.reads.add(name)
+            self.end(i - 1)
+            return
+        if self.chain is None:
+            self.root, self.chain, self.assumed, self.start = None, [], set(), i
+        self.chain.append(name)
+        if instruction.opname != "LOAD_ATTR":
+            self.end(i)
+
+    def load_string(self, i: int, value: str) -> None:
+        """A string constant: a key of a module's value, or a string whose identifiers count."""
+        chain = self.chain
+        value_key = (chain is not None and i + 1 < len(self.instructions)
+                     and self.instructions[i + 1].opname == "BINARY_SUBSCR"
+                     and any(element in _VALUE_PROPERTIES for element in chain if isinstance(element, str)))
+        (self.value_keys if value_key else self.strings).add(value)
+
+    def subscript(self, instruction: dis.Instruction, index: tuple[Element, frozenset[str], int],
+                  chain: list[Element]) -> int:
+        """An index (see :func:`_index`) starting at ``instruction`` extends ``chain``; the position
+        of its subscript."""
+        element, names, position = index
+        self.loaded.update(names)
+        for index_name in names:
+            counter = self.bound(index_name, instruction.offset)
+            self.assumed.update({index_name} if counter is None or counter.iterable is not None else counter.assumed)
+        chain.append(element)
+        return position
+
+    def load_name(self, instruction: dis.Instruction, i: int) -> None:
+        """A load of a name: starts a chain at it (or at the chain of the container a loop variable
+        iterates)."""
+        name = instruction.argval
+        if instruction.opname != "LOAD_FAST":
+            self.loaded.add(name)
+        binding = self.bound(name, instruction.offset)
+        self.root, self.chain, self.assumed, self.start = name, [], set(), i
+        if binding is not None and binding.iterable is not None:  # an entry of the container iterated
+            root, elements, iterated = binding.iterable
+            self.root = root
+            self.chain, self.assumed = [*elements, _ANY], set(iterated | binding.assumed)
+
+    def bound(self, name: str, offset: int) -> _Binding | None:
+        """What the loop variable ``name`` holds at ``offset``, when it is one followed there."""
+        binding = self.bindings.get(name)
+        return binding if binding is not None and self.stores[name] == 1 and offset in binding.body else None
+
+    def end(self, last: int) -> None:
+        """End the chain being read (its last instruction: ``last``)."""
+        if self.chain:
+            read = (self.root, tuple(self.chain), frozenset(self.assumed))
+            self.chains.append(read)
+            self.spans[last] = (self.start, read)
+        self.chain = None
+
+    def result(self) -> tuple[frozenset[str], frozenset[str], tuple[types.CodeType, ...], tuple[Chain, ...],
+                              frozenset[str]]:
+        """What :func:`_code_reads` returns."""
+        code = self.code
+        # the names it assigns; a function's arguments and closure names are not the block's names
+        # resolve() sees either
+        stored = set(self.stores) | set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
+        nested: list[types.CodeType] = []
+        for constant in code.co_consts:
+            if isinstance(constant, types.CodeType):
+                nested.append(constant)
+            elif isinstance(constant, str) and (constant in self.strings or constant not in self.value_keys):
+                self.reads.update(_identifiers(constant))
+        return frozenset(self.reads), frozenset(self.loaded), tuple(nested), tuple(self.chains), frozenset(stored)
 
 
 def _index(instructions: list[dis.Instruction], start: int) -> tuple[Element, frozenset[str], int] | None:

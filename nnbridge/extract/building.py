@@ -312,7 +312,8 @@ class GraphBuilder:
         return args, kwargs
 
     def opaque(self, fqn: str, module: torch.nn.Module, invocation: int, reason: str) -> OpaqueGraphModule:
-        return opaque_module(self.ctx, fqn, module, *self.recorded_call(fqn, invocation), reason)
+        args, kwargs = self.recorded_call(fqn, invocation)
+        return opaque_module(self.ctx, fqn, module, args=args, kwargs=kwargs, reason=reason)
 
     def custom(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
         """The graph of a custom extraction function; opaque when the function raises (as
@@ -382,7 +383,7 @@ class GraphBuilder:
             children.append((str(node.target), child))
             made.append((node, TemplateCall(str(node.target), target, invocation_k, trimmed)))
             update_node_meta(node, module_path=original_path(self.ctx, module, target))
-        forward_state_objects(graph, attrs, threaded, arguments)
+        forward_state_objects(graph, attrs, threaded, arguments=arguments)
         remove_dead_code(graph)
         drop_unused_reads(graph)
         exact_signature = drop_unused_extras(graph, extras)

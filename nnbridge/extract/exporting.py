@@ -141,12 +141,92 @@ def caller_of(module: torch.nn.Module, fqn: str) -> str:
     return parent
 
 
-def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stubs: dict[str, str],
-            calls: dict[str, list], dynamic: bool, grad_enabled: bool = False,
-            traced: AbstractSet[str] = frozenset(), frozen: AbstractSet[str] = frozenset(),
-            reuse: ReusePlan | None = None, untouched: dict[str, list[UntouchedLayers | None]] | None = None,
-            root_watch: RootWatch | None = None, watch_reads: list[str] | None = None
-            ) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
+class _Instruments:
+    """What :func:`export_module` installs on the module for one export, and what it records:
+    hooks keeping ``active`` (the modules running, innermost last) and ``collectors`` (transformers'
+    output collector when each was entered), the stubs replaying ``stubs``' recorded outputs, hooks
+    keeping ``seen`` (``{representative: (inputs, output)}``) and the siblings' stubs built from it
+    (see :mod:`.reuse`). Installed on creation; :meth:`remove` takes it all off again."""
+
+    def __init__(self, module: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list], *,
+                 reuse: ReusePlan, root_watch: RootWatch | None):
+        self.module, self.stubs, self.reuse = module, stubs, reuse
+        self.active: list[str] = []
+        self.collectors: list[dict[str, Any] | None] = []
+        self.stub_counters: Counter[str] = Counter()
+        self.seen: dict[str, tuple[Any, Any]] = {}
+        self.handles: list[Any] = []
+        for fqn, sub in named_real_modules(module):
+            self.handles.append(sub.register_forward_pre_hook(self._enter(fqn)))
+            self.handles.append(sub.register_forward_hook(self._leave))
+        for fqn in stubs:
+            module.get_submodule(fqn).__dict__["forward"] = self._stub(fqn, calls.get(fqn, []))
+        for rep in reuse.representatives():
+            self.handles.append(module.get_submodule(rep).register_forward_hook(self._saw(rep), with_kwargs=True))
+        reps = tuple(reuse.representatives())
+        active = self.active
+        self.trace = CacheTrace(rep_active=lambda: bool(root_watch and root_watch.indices)
+                                or any(a == r or a.startswith(f"{r}.") for a in active for r in reps))
+        self.indices = cache_indices(reuse, module) | (root_watch.indices if root_watch is not None else frozenset())
+        self.watched = [*reuse.watched, *(root_watch.watched if root_watch is not None else ())]
+        for sibling, rep in reuse.siblings.items():
+            rep_modules = frozenset(id(sub) for _, sub in named_real_modules(module.get_submodule(rep)))
+            module.get_submodule(sibling).__dict__["forward"] = sibling_stub(
+                sibling, rep, self.seen, reuse.caches.get(sibling), self.trace, rep_modules)
+
+    def _enter(self, fqn: str) -> Callable[..., None]:
+        def hook(mod: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
+            collector = active_collector()
+            if collector is not None and self.collectors and self.collectors[-1] is not collector:
+                # the caller's body started collecting outputs with hooks (output_attentions...)
+                raise CapturingOutputs(self.active[-1])
+            self.active.append(fqn)
+            self.collectors.append(collector)
+        return hook
+
+    def _leave(self, mod: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        self.active.pop()
+        self.collectors.pop()
+
+    def _stub(self, fqn: str, recorded: list) -> Callable[..., Any]:
+        stub_counters = self.stub_counters
+
+        def stub(*a: Any, _fqn: str = fqn, _recorded: list = recorded, **k: Any) -> Any:
+            i = stub_counters[_fqn]
+            stub_counters[_fqn] += 1
+            return stub_output(a, k, _recorded[min(i, len(_recorded) - 1)][2])
+        return stub
+
+    def _saw(self, fqn: str) -> Callable[..., None]:
+        def hook(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            self.seen[fqn] = ((args, kwargs), output)
+        return hook
+
+    def clear(self) -> None:
+        """Forget what an earlier attempt recorded."""
+        self.active.clear()
+        self.collectors.clear()
+        self.stub_counters.clear()
+        self.seen.clear()
+        self.trace.updates.clear()
+
+    def cache_updates(self) -> contextlib.AbstractContextManager[Any]:
+        """The cache updates traced for reuse (see :func:`~.reuse.cache_updates_traced`), when any."""
+        return cache_updates_traced(self.trace) if self.reuse.caches or self.indices else contextlib.nullcontext()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for fqn in [*self.stubs, *self.reuse.siblings]:
+            self.module.get_submodule(fqn).__dict__.pop("forward", None)
+
+
+def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, stubs: dict[str, str],
+                  calls: dict[str, list], dynamic: bool, grad_enabled: bool = False,
+                  traced: AbstractSet[str] = frozenset(), frozen: AbstractSet[str] = frozenset(),
+                  reuse: ReusePlan | None = None, untouched: dict[str, list[UntouchedLayers | None]] | None = None,
+                  root_watch: RootWatch | None = None, watch_reads: list[str] | None = None
+                  ) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
     """Export once (dynamic, then static on failure); raise ModuleFailure naming the innermost
     module that was running when export failed.
 
@@ -155,80 +235,27 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     argument (only a custom-extraction module can be: a failing one makes its caller opaque)
     keeps a flat signature, since its recorded output cannot carry the state it would have
     written. ``traced`` modules will be opaque although export traces them; inside ``frozen`` ones,
-    grad-mode changes are ignored (see :mod:`.capture_checks`). Returns the program, whether it is dynamic, and the state keys of every threaded
-    call (``{path: [keys per invocation]}``). ``reuse``'s siblings are stubbed with outputs shaped
-    as their representative's (see :mod:`.reuse`); :class:`~.reuse.ReuseFallback` when unsafe.
-    ``untouched``, when given, is filled with the cache layers each threaded call's code never
-    touched (see :func:`~.state.states_returned`), for the successful attempt. ``root_watch`` (the
-    module is the representative of its siblings, see :mod:`.sibling_roots`) watches its attributes
-    that differ between them: their reads, and touches of cache layers other than its own, are put
-    in ``watch_reads`` (not raised: they only make the program unshareable); with ``reuse``
-    siblings of its own, any read raises :class:`~.reuse.ReuseFallback` as without ``root_watch``.
+    grad-mode changes are ignored (see :mod:`.capture_checks`). Returns the program, whether it is
+    dynamic, and the state keys of every threaded call (``{path: [keys per invocation]}``).
+    ``reuse``'s siblings are stubbed with outputs shaped as their representative's (see
+    :mod:`.reuse`); :class:`~.reuse.ReuseFallback` when unsafe. ``untouched``, when given, is
+    filled with the cache layers each threaded call's code never touched (see
+    :func:`~.state.states_returned`), for the successful attempt. ``root_watch`` (the module is the
+    representative of its siblings, see :mod:`.sibling_roots`) watches its attributes that differ
+    between them: their reads, and touches of cache layers other than its own, are put in
+    ``watch_reads`` (not raised: they only make the program unshareable); with ``reuse`` siblings
+    of its own, any read raises :class:`~.reuse.ReuseFallback` as without ``root_watch``.
     """
     reuse = reuse or ReusePlan()
     wrapper = ExportRoot(module)
-    flat = {fqn for fqn in stubs if any(state_keys(a, k) for a, k, _ in calls.get(fqn, []))}
-    preserved = {n: m for n, m in named_real_modules(module) if not isinstance(m, CONTAINERS) and n not in flat}
-    fqns = tuple(f"model.{n}" if n else "model" for n in preserved)
-    threaded = {n: m for n, m in preserved.items() if n not in stubs}
-    active: list[str] = []
-    handles = []
-
-    collectors: list[dict[str, Any] | None] = []  # transformers' output collector when each active module was entered
-
-    def enter(fqn: str) -> Callable[..., None]:
-        def hook(mod: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
-            collector = active_collector()
-            if collector is not None and collectors and collectors[-1] is not collector:
-                # the caller's body started collecting outputs with hooks (output_attentions...)
-                raise CapturingOutputs(active[-1])
-            active.append(fqn)
-            collectors.append(collector)
-        return hook
-
-    def leave(mod: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-        active.pop()
-        collectors.pop()
-
-    for fqn, sub in named_real_modules(module):
-        handles.append(sub.register_forward_pre_hook(enter(fqn)))
-        handles.append(sub.register_forward_hook(leave))
-    stub_counters: Counter[str] = Counter()
-    for fqn in stubs:
-        recorded = calls.get(fqn, [])
-
-        def stub(*a: Any, _fqn: str = fqn, _recorded: list = recorded, **k: Any) -> Any:
-            i = stub_counters[_fqn]
-            stub_counters[_fqn] += 1
-            return stub_output(a, k, _recorded[min(i, len(_recorded) - 1)][2])
-        module.get_submodule(fqn).__dict__["forward"] = stub
-    seen: dict[str, tuple[Any, Any]] = {}  # {representative: (inputs, output)} while exporting
-
-    def saw(fqn: str) -> Callable[..., None]:
-        def hook(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            seen[fqn] = ((args, kwargs), output)
-        return hook
-    for rep in reuse.representatives():
-        handles.append(module.get_submodule(rep).register_forward_hook(saw(rep), with_kwargs=True))
-    reps = tuple(reuse.representatives())
-    trace = CacheTrace(rep_active=lambda: bool(root_watch and root_watch.indices)
-                       or any(a == r or a.startswith(f"{r}.") for a in active for r in reps))
-    indices = cache_indices(reuse, module) | (root_watch.indices if root_watch is not None else frozenset())
-    watched = [*reuse.watched, *(root_watch.watched if root_watch is not None else ())]
-    for sibling, rep in reuse.siblings.items():
-        rep_modules = frozenset(id(sub) for _, sub in named_real_modules(module.get_submodule(rep)))
-        module.get_submodule(sibling).__dict__["forward"] = sibling_stub(sibling, rep, seen, reuse.caches.get(sibling),
-                                                                         trace, rep_modules)
+    fqns, threaded = _kept_signatures(module, stubs, calls)
+    tools = _Instruments(module, stubs, calls, reuse=reuse, root_watch=root_watch)
     try:
         attempts = [True, False] if dynamic else [False]
         last: BaseException | None = None
         states: dict[str, list[list[Key]]] = {}
         for use_dynamic in attempts:
-            active.clear()
-            collectors.clear()
-            stub_counters.clear()
-            seen.clear()
-            trace.updates.clear()
+            tools.clear()
             if watch_reads is not None:
                 watch_reads.clear()
             if untouched is not None:
@@ -236,23 +263,20 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
             # size-1 dimensions are specialised by export anyway (0/1 specialisation); leaving them
             # out of the spec shortens the export
             shapes = dynamic_shapes(args, kwargs) if use_dynamic else None
-            watch = CaptureWatch(list(named_real_modules(module)), active, set(stubs) | traced | set(reuse.siblings))
+            watch = CaptureWatch(list(named_real_modules(module)), tools.active,
+                                 set(stubs) | traced | set(reuse.siblings))
             try:
                 # non-strict export runs the module's Python code, which mutates a cache passed in
                 # (with fake tensors): every attempt traces a fresh copy of the inputs
                 # (a container's repeated entry: its owner is stubbed, see .module_tree)
                 inputs = copy_inputs((args, kwargs))
-                with cache_layers.layer_touches(), states_returned(threaded, untouched) as states, watch.watching(frozen), \
-                        op_points_hidden(module), aliases_hidden(module, in_containers=True), \
-                        reads_watched(watched, indices) as reads, \
-                        (cache_updates_traced(trace) if reuse.caches or indices else contextlib.nullcontext()):
+                with cache_layers.layer_touches(), states_returned(threaded, untouched) as states, \
+                        watch.watching(frozen), op_points_hidden(module), aliases_hidden(module, in_containers=True), \
+                        reads_watched(tools.watched, tools.indices) as reads, tools.cache_updates():
                     exported = export(wrapper, inputs, dynamic_shapes=shapes, preserve_module_call_signature=fqns,
                                       grad_enabled=grad_enabled, duck_sized=custom_pytree_leaves(*inputs))
-                reads += trace.uses
-                if reads and root_watch is not None and watch_reads is not None and not reuse.siblings:
-                    watch_reads[:] = sorted(set(reads))
-                elif reads:
-                    raise ReuseFallback(f"export read attributes that differ between siblings: {sorted(set(reads))}")
+                reads += tools.trace.uses
+                _keep_reads(reads, watching=root_watch is not None and not reuse.siblings, watch_reads=watch_reads)
             except ReuseFallback:
                 raise
             except Exception as error:  # noqa: BLE001 - any export failure means fallback
@@ -263,7 +287,7 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
                 capturing = cause_of(error, CapturingOutputs)
                 if capturing is not None:  # trying static shapes would not help
                     raise ModuleFailure(capturing.fqn, capturing, states) from error
-                failing = active[-1] if active else ""
+                failing = tools.active[-1] if tools.active else ""
                 continue
             faults = watch.faults(exported)  # traced, but a graph would differ from the eager code
             if faults:
@@ -273,10 +297,29 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
         assert last is not None  # every attempt failed: each set ``last``
         raise ModuleFailure(failing, last, states)
     finally:
-        for handle in handles:
-            handle.remove()
-        for fqn in [*stubs, *reuse.siblings]:
-            module.get_submodule(fqn).__dict__.pop("forward", None)
+        tools.remove()
+
+
+def _kept_signatures(module: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list]
+                     ) -> tuple[tuple[str, ...], dict[str, torch.nn.Module]]:
+    """The paths under :class:`ExportRoot` of the modules whose call signatures the export keeps
+    (all but containers, and stubs called with a stateful argument), and ``{path: module}`` of
+    those of them that thread the state of stateful arguments (the ones not stubbed)."""
+    flat = {fqn for fqn in stubs if any(state_keys(a, k) for a, k, _ in calls.get(fqn, []))}
+    preserved = {n: m for n, m in named_real_modules(module) if not isinstance(m, CONTAINERS) and n not in flat}
+    fqns = tuple(f"model.{n}" if n else "model" for n in preserved)
+    return fqns, {n: m for n, m in preserved.items() if n not in stubs}
+
+
+def _keep_reads(reads: list[str], *, watching: bool, watch_reads: list[str] | None) -> None:
+    """Put the reads export made of attributes that differ between siblings (see :mod:`.reuse`) in
+    ``watch_reads`` when the export is ``watching`` them (a representative root without reuse
+    siblings of its own, see :mod:`.sibling_roots`). Raises :class:`~.reuse.ReuseFallback` for any
+    read otherwise."""
+    if reads and watching and watch_reads is not None:
+        watch_reads[:] = sorted(set(reads))
+    elif reads:
+        raise ReuseFallback(f"export read attributes that differ between siblings: {sorted(set(reads))}")
 
 
 def _dim_spec(leaf: Any) -> Any:

@@ -5,7 +5,7 @@ buffers patchable; each child its code calls is extracted from its first call an
 a dispatcher (:attr:`ExtractionContext.child_dispatcher`) that extracts it per call structure.
 Example::
 
-    graph = opaque_module(ctx, "transformer.h.0", block, args, kwargs, "skipped")
+    graph = opaque_module(ctx, "transformer.h.0", block, args=args, kwargs=kwargs, reason="skipped")
 """
 
 from __future__ import annotations
@@ -126,15 +126,12 @@ def direct_forward_calls(callees: list[tuple[str, torch.nn.Module]],
                 child.__dict__["forward"] = previous
 
 
-def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            reason: str) -> OpaqueGraphModule:
-    """Opaque fallback: run the original code, extract each called child from its calls.
-
-    A child called several times in the observed run gets one extraction per invocation
-    (``linear_0``, ``linear_1``, graphpatch's numbering), routed by an :class:`InvocationRouter`;
-    one module object registered under several names is extracted from its first call.
-    """
-    callees = list(direct_callees(module))
+def _captured_calls(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                    callees: list[tuple[str, torch.nn.Module]]
+                    ) -> tuple[dict[int, int], dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]]:
+    """The calls of ``callees`` (``(name, child)``) in one observed run of ``module(*args, **kwargs)``:
+    ``({id(child): how many names it is registered under}, {name: [(args, kwargs) copies]})``; a
+    child registered under several names keeps only its first call under each name."""
     names_of: dict[int, int] = {}
     for _, child in callees:
         names_of[id(child)] = names_of.get(id(child), 0) + 1
@@ -151,6 +148,19 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
     with direct_forward_calls(callees, grabber):
         observed_run(module, args, kwargs, [(child, HookKind.PRE, grabber(name)) for name, child in callees],
                      grad=torch.is_grad_enabled())
+    return names_of, captured
+
+
+def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, *, args: tuple[Any, ...],
+                  kwargs: dict[str, Any], reason: str) -> OpaqueGraphModule:
+    """Opaque fallback: run the original code, extract each called child from its calls.
+
+    A child called several times in the observed run gets one extraction per invocation
+    (``linear_0``, ``linear_1``, graphpatch's numbering), routed by an :class:`InvocationRouter`;
+    one module object registered under several names is extracted from its first call.
+    """
+    callees = list(direct_callees(module))
+    names_of, captured = _captured_calls(module, args, kwargs, callees=callees)
     shown = torch.nn.Module()
     swapped = torch.nn.Module()
     dispatchers: dict[str, ChildDispatcher] = {}
@@ -203,8 +213,8 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, arg
     # uncalled one runs as itself (a patch on its nodes would not apply): another size could call
     # them another number of times
     any_size = not routers and all(name in captured for name, _ in callees)
-    opaque = OpaqueGraphModule(module, reason, dict(modules_of(shown)), dict(modules_of(swapped)), routers,
-                               serves_any_size=any_size)
+    opaque = OpaqueGraphModule(module, reason, dict(modules_of(shown)), callees=dict(modules_of(swapped)),
+                               routers=routers, serves_any_size=any_size)
     # the dispatcher layer's factory makes GraphDispatchers (see ChildDispatcherFactory)
     opaque.graph_meta.child_dispatchers = cast("dict[str, ExtractionHolder]", dispatchers)
     return opaque

@@ -186,49 +186,89 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
         threaded: ``(call, state keys, extra arguments)`` of each call that writes states back.
         arguments: the graph's object arguments (:func:`argument_objects`).
     """
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    # flatten node -> {first leaf index: (spec, object node)}
-    sources: dict[Node, dict[int, tuple[pytree.TreeSpec, Node, tuple[Any, ...]]]] = {}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is fx_pytree.tree_flatten_spec:
-            spec = attrs.get(str(node.args[1].target)) if isinstance(node.args[1], Node) else None
-            if spec is not None:
-                sources[node] = {}
-                for start, sub, obj, path in _objects(node.args[0], spec):
-                    sources[node].setdefault(start, (sub, obj, path))
+    forwarding = _ObjectForwarding(graph, attrs, threaded, arguments)
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is pytree.tree_unflatten and isinstance(node.args[1], Node)):
+            continue
+        spec = attrs.get(str(node.args[1].target))
+        if spec is None:
+            continue
+        leaves, new_spec = forwarding.reuse(list(node.args[0]), spec, node)
+        if new_spec == spec:
+            continue
+        if new_spec.is_leaf():
+            node.replace_all_uses_with(leaves[0])
+            forwarding.replaced[node] = leaves[0]
+            graph.erase_node(node)
+        else:
+            node.args = (leaves, spec_node(graph, attrs, new_spec, node))
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is assign_state and node.args[0] is node.args[1]:
+            graph.erase_node(node)
+    narrow_state_access(graph, attrs, threaded, arguments=arguments)
 
-    replaced: dict[Node, Node] = {}
 
-    def mutated_between(obj: Node, after: Node, before: Node) -> bool:
-        for call, keys, extra in threaded:
-            if order[after] < order[call] < order[before]:
-                states = [call.args[extra + k] if isinstance(k, int) else call.kwargs[k] for k in keys]
-                if any(state is obj for state in states):
-                    return True
-        return False
+def _mutated_between(threaded: list[tuple[Node, list[Key], int]], order: dict[Node, int], obj: Node, *,
+                     after: Node, before: Node) -> bool:
+    """Whether a call that writes states back (``threaded``) is passed ``obj`` as a state argument
+    between the nodes ``after`` and ``before`` (``order``: each node's position in the graph)."""
+    for call, keys, extra in threaded:
+        if order[after] < order[call] < order[before]:
+            states = [call.args[extra + k] if isinstance(k, int) else call.kwargs[k] for k in keys]
+            if any(state is obj for state in states):
+                return True
+    return False
 
-    def empty_source(spec: pytree.TreeSpec, user: Node) -> tuple[Node, tuple[pytree.TreeSpec, Node, tuple]] | None:
+
+class _ObjectForwarding:
+    """Finds, for the leaves a ``tree_unflatten`` rebuilds an object from, the object node they
+    were read off (see :func:`forward_state_objects`).
+
+    Attributes:
+        sources: ``{tree_flatten_spec node: {first leaf index: (spec, object node, key path)}}``
+            of the custom pytree objects each flatten reads leaves off.
+        replaced: ``{rebuilt object node: the object node used instead}``.
+    """
+
+    def __init__(self, graph: Graph, attrs: dict[str, Any], threaded: list[tuple[Node, list[Key], int]],
+                 arguments: list[tuple[pytree.TreeSpec, Node]]):
+        self.graph, self.threaded, self.arguments = graph, threaded, arguments
+        self.order = {node: i for i, node in enumerate(graph.nodes)}
+        self.sources: dict[Node, dict[int, tuple[pytree.TreeSpec, Node, tuple[Any, ...]]]] = {}
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target is fx_pytree.tree_flatten_spec:
+                spec = attrs.get(str(node.args[1].target)) if isinstance(node.args[1], Node) else None
+                if spec is not None:
+                    self.sources[node] = {}
+                    for start, sub, obj, path in _objects(node.args[0], spec):
+                        self.sources[node].setdefault(start, (sub, obj, path))
+        self.replaced: dict[Node, Node] = {}
+
+    def empty_source(self, spec: pytree.TreeSpec, user: Node
+                     ) -> tuple[Node, tuple[pytree.TreeSpec, Node, tuple]] | None:
         """An object without leaves (an empty cache) is matched by its spec when it is the only
         earlier object with that spec."""
-        found = {(obj, path): (flatten, (sub, obj, path)) for flatten, entries in sources.items()
-                 if order[flatten] < order[user] for sub, obj, path in entries.values() if sub == spec}
-        for sub, placeholder in arguments:
+        found = {(obj, path): (flatten, (sub, obj, path)) for flatten, entries in self.sources.items()
+                 if self.order[flatten] < self.order[user] for sub, obj, path in entries.values() if sub == spec}
+        for sub, placeholder in self.arguments:
             if sub == spec:
                 found.setdefault((placeholder, ()), (placeholder, (sub, placeholder, ())))
         return next(iter(found.values())) if len(found) == 1 else None
 
-    def source_of(leaves: list[Any], spec: pytree.TreeSpec, user: Node) -> Node | None:
+    def source_of(self, leaves: list[Any], spec: pytree.TreeSpec, user: Node) -> Node | None:
+        """The object node ``leaves`` (all of ``spec``'s, in order) were read off, unchanged since,
+        as ``user`` sees it (a path into it read with ``getitem`` nodes); None when there is none."""
         if not leaves:
-            match = empty_source(spec, user)
+            match = self.empty_source(spec, user)
             if match is None:
                 return None
             flatten, found = match
         else:
             first = leaves[0]
-            if not (isinstance(first, Node) and first.target is operator.getitem and first.args[0] in sources):
+            if not (isinstance(first, Node) and first.target is operator.getitem and first.args[0] in self.sources):
                 return None
             flatten, index = cast(tuple[Node, int], first.args)
-            entry = sources[flatten].get(index)
+            entry = self.sources[flatten].get(index)
             if entry is None or entry[0] != spec or spec.num_leaves != len(leaves):
                 return None
             found = entry
@@ -236,18 +276,20 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
                 if not (isinstance(leaf, Node) and leaf.target is operator.getitem and leaf.args == (flatten, index + i)):
                     return None
         _, obj, path = found
-        while obj in replaced:  # the object node was itself forwarded to an earlier object
-            obj = replaced[obj]
-        if mutated_between(obj, flatten, user):
+        while obj in self.replaced:  # the object node was itself forwarded to an earlier object
+            obj = self.replaced[obj]
+        if _mutated_between(self.threaded, self.order, obj, after=flatten, before=user):
             return None
-        with graph.inserting_before(user):
+        with self.graph.inserting_before(user):
             for key in path:
-                obj = graph.call_function(operator.getitem, (obj, key))
+                obj = self.graph.call_function(operator.getitem, (obj, key))
         return obj
 
-    def reuse(leaves: list[Any], spec: pytree.TreeSpec, user: Node) -> tuple[list[Any], pytree.TreeSpec]:
+    def reuse(self, leaves: list[Any], spec: pytree.TreeSpec, user: Node) -> tuple[list[Any], pytree.TreeSpec]:
+        """``(leaves, spec)`` for ``user``'s rebuild, each custom object in it that
+        :meth:`source_of` finds being one leaf: the object node itself."""
         if _custom(spec):
-            obj = source_of(leaves, spec, user)
+            obj = self.source_of(leaves, spec, user)
             if obj is not None:
                 return [obj], pytree.treespec_leaf()
         if spec.is_leaf():
@@ -256,31 +298,11 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
         children = []
         start = 0
         for child in spec.children():
-            part, new_child = reuse(leaves[start:start + child.num_leaves], child, user)
+            part, new_child = self.reuse(leaves[start:start + child.num_leaves], child, user)
             start += child.num_leaves
             new_leaves += part
             children.append(new_child)
         return new_leaves, pytree.TreeSpec(spec.type, spec.context, children)
-
-    for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target is pytree.tree_unflatten and isinstance(node.args[1], Node)):
-            continue
-        spec = attrs.get(str(node.args[1].target))
-        if spec is None:
-            continue
-        leaves, new_spec = reuse(list(node.args[0]), spec, node)
-        if new_spec == spec:
-            continue
-        if new_spec.is_leaf():
-            node.replace_all_uses_with(leaves[0])
-            replaced[node] = leaves[0]
-            graph.erase_node(node)
-        else:
-            node.args = (leaves, spec_node(graph, attrs, new_spec, node))
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is assign_state and node.args[0] is node.args[1]:
-            graph.erase_node(node)
-    narrow_state_access(graph, attrs, threaded, arguments)
 
 
 def _layer(path: Path) -> Path:
@@ -458,17 +480,29 @@ def narrow_state_access(graph: Graph, attrs: dict[str, Any], threaded: list[tupl
         threaded: ``(call, state keys, extra arguments)`` of each call that writes states back.
         arguments: the graph's object arguments (:func:`argument_objects`).
     """
-    specs = {placeholder: spec for spec, placeholder in arguments}
-    order = {node: i for i, node in enumerate(graph.nodes)}
+    narrowing = _StateNarrowing(graph, attrs, threaded, arguments)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is assign_state:
+            narrowing.narrow_write(node)
+    for flatten in [n for n in graph.nodes if n.op == "call_function" and n.target is fx_pytree.tree_flatten_spec]:
+        for placeholder, spec in narrowing.specs.items():
+            narrowing.narrow_reads(flatten, placeholder, spec)
+        if not flatten.users:
+            graph.erase_node(flatten)
 
-    def mutated_between(obj: Node, after: Node, before: Node) -> bool:
-        for call, keys, extra in threaded:
-            if order[after] < order[call] < order[before]:
-                if any((call.args[extra + k] if isinstance(k, int) else call.kwargs[k]) is obj for k in keys):
-                    return True
-        return False
 
-    def read_of(leaf: Any, obj: Node) -> tuple[Node, int] | None:
+class _StateNarrowing:
+    """Rewrites a graph's whole-object writes and reads of its state arguments to the parts it
+    changes and uses (see :func:`narrow_state_access`); ``specs``: ``{placeholder: spec}`` of the
+    object arguments."""
+
+    def __init__(self, graph: Graph, attrs: dict[str, Any], threaded: list[tuple[Node, list[Key], int]],
+                 arguments: list[tuple[pytree.TreeSpec, Node]]):
+        self.graph, self.attrs, self.threaded = graph, attrs, threaded
+        self.specs = {placeholder: spec for spec, placeholder in arguments}
+        self.order = {node: i for i, node in enumerate(graph.nodes)}
+
+    def read_of(self, leaf: Any, obj: Node) -> tuple[Node, int] | None:
         """``(flatten, leaf index in obj's spec)`` when ``leaf`` reads a leaf of ``obj`` off a flatten."""
         if not (isinstance(leaf, Node) and leaf.op == "call_function" and leaf.target is operator.getitem):
             return None
@@ -476,35 +510,36 @@ def narrow_state_access(graph: Graph, attrs: dict[str, Any], threaded: list[tupl
         if not (isinstance(flatten, Node) and flatten.target is fx_pytree.tree_flatten_spec
                 and isinstance(flatten.args[1], Node) and isinstance(index, int)):
             return None
-        spec = attrs.get(str(flatten.args[1].target))
+        spec = self.attrs.get(str(flatten.args[1].target))
         if spec is None:
             return None
         for start, sub, found, path in _objects(flatten.args[0], spec):
-            if found is obj and not path and sub == specs[obj] and start <= index < start + sub.num_leaves:
+            if found is obj and not path and sub == self.specs[obj] and start <= index < start + sub.num_leaves:
                 return flatten, index - start
         return None
 
-    for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target is assign_state):
-            continue
-        target, new = node.args
+    def narrow_write(self, node: Node) -> None:
+        """Make the ``assign_state`` ``node`` a :func:`write_state` of what changes, when it can."""
+        graph, attrs, specs = self.graph, self.attrs, self.specs
+        target, new = cast(tuple[Node, Any], node.args)  # an object argument, checked below
         if not (target in specs and isinstance(new, Node) and new.target is pytree.tree_unflatten
                 and isinstance(new.args[1], Node)):
-            continue
+            return
         new_spec, leaves = attrs.get(str(new.args[1].target)), list(cast(list[Any], new.args[0]))
         old_template = _template(specs[target])
         new_template = _template(new_spec) if new_spec is not None else None
         if old_template is None or new_template is None:
-            continue
+            return
 
         def unchanged(old: _Leaf, new_leaf: _Leaf) -> bool:
-            read = read_of(leaves[new_leaf.index], target)
-            return read is not None and read[1] == old.index and not mutated_between(target, read[0], node)
+            read = self.read_of(leaves[new_leaf.index], target)
+            return read is not None and read[1] == old.index and not _mutated_between(
+                self.threaded, self.order, target, after=read[0], before=node)
 
         try:
             changes = list(_changes(old_template, new_template, unchanged))
         except _Unnarrowable:
-            continue
+            return
         deleted = tuple(path for path, value in changes if value is _DELETE)
         written = [(path, leaves[value.index] if isinstance(value, _Leaf) else value)
                    for path, value in changes if value is not _DELETE]
@@ -515,25 +550,25 @@ def narrow_state_access(graph: Graph, attrs: dict[str, Any], threaded: list[tupl
         if not new.users:
             graph.erase_node(new)
 
-    for flatten in [n for n in graph.nodes if n.op == "call_function" and n.target is fx_pytree.tree_flatten_spec]:
-        for placeholder, spec in specs.items():
-            readers = [user for user in flatten.users if read_of(user, placeholder) is not None]
-            template = _template(spec) if readers else None
-            if template is None:
-                continue
-            try:
-                paths = _leaf_paths(template)
-            except _Unnarrowable:
-                continue
-            indices = [cast(tuple[Node, int], read_of(user, placeholder))[1] for user in readers]
-            with graph.inserting_after(flatten):
-                read = graph.call_function(read_state, (placeholder, spec_node(graph, attrs, spec, flatten),
-                                                        tuple(paths[i] for i in indices)))
-            with graph.inserting_after(read):
-                for k, user in enumerate(readers):
-                    value = graph.call_function(operator.getitem, (read, k))
-                    value.meta.update(user.meta)  # the leaf's example value (its symbolic sizes)
-                    user.replace_all_uses_with(value)
-                    graph.erase_node(user)
-        if not flatten.users:
-            graph.erase_node(flatten)
+    def narrow_reads(self, flatten: Node, placeholder: Node, spec: pytree.TreeSpec) -> None:
+        """Make the reads of ``placeholder``'s leaves off ``flatten`` one :func:`read_state` of their
+        paths, when they can be addressed."""
+        graph = self.graph
+        readers = [user for user in flatten.users if self.read_of(user, placeholder) is not None]
+        template = _template(spec) if readers else None
+        if template is None:
+            return
+        try:
+            paths = _leaf_paths(template)
+        except _Unnarrowable:
+            return
+        indices = [cast(tuple[Node, int], self.read_of(user, placeholder))[1] for user in readers]
+        with graph.inserting_after(flatten):
+            read = graph.call_function(read_state, (placeholder, spec_node(graph, self.attrs, spec, flatten),
+                                                    tuple(paths[i] for i in indices)))
+        with graph.inserting_after(read):
+            for k, user in enumerate(readers):
+                value = graph.call_function(operator.getitem, (read, k))
+                value.meta.update(user.meta)  # the leaf's example value (its symbolic sizes)
+                user.replace_all_uses_with(value)
+                graph.erase_node(user)

@@ -60,7 +60,7 @@ def unused_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, top
     elif ctx.options.warn_on_compilation_failure:  # as graphpatch: told, though allowed
         warn(f"Module '{ctx.full(fqn)}' was never called by the example inputs; it is kept as an opaque module")
     children = {name: unused_module(ctx, f"{fqn}.{name}", child, top=False) for name, child in user_children(module)}
-    return OpaqueGraphModule(module, UNUSED_REASON, children, {})
+    return OpaqueGraphModule(module, UNUSED_REASON, children, callees={})
 
 
 def keep_unused(ctx: ExtractionContext, fqn: str, cgm: torch.nn.Module, module: torch.nn.Module) -> None:

@@ -164,57 +164,12 @@ def states_returned(modules: dict[str, torch.nn.Module], untouched: dict[str, li
     """
     calls: dict[str, list[list[Key]]] = {}
     installed: list[tuple[torch.nn.Module, Callable[..., Any] | None, Callable[..., Any] | None]] = []
-
-    def wrap(path: str, module: torch.nn.Module) -> None:
-        inner = module.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            keys = state_keys(args, kwargs)
-            if not keys:
-                return inner(*args, **kwargs)
-            positional, keywords = list(args), dict(kwargs)
-            copies = []
-            for key in keys:
-                copy = _fresh(argument(args, kwargs, key))
-                if isinstance(key, int):
-                    positional[key] = copy
-                else:
-                    keywords[key] = copy
-                copies.append(copy)
-            if untouched is None or len(copies) != 1:
-                return inner(*positional, **keywords), copies
-            with cache_layers.scope(copies, plumbing=(__name__,)) as watched:
-                output = inner(*positional, **keywords)
-            if watched is not None:
-                by_index = {p for _, p in watched.by_index - watched.touched}
-                untouched[path][-1] = UntouchedLayers(
-                    frozenset(p for i, p in watched.paths.values() if (i, p) not in watched.touched) - by_index,
-                    frozenset(by_index))
-            return output, copies
-
-        def call(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            with CALL_LOCK:  # replaces a locked call for the extraction's duration (see .locking)
-                return threaded_call(run, *args, **kwargs)
-
-        def threaded_call(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            keys = state_keys(args, kwargs)
-            calls.setdefault(path, []).append(keys)
-            if untouched is not None:
-                untouched.setdefault(path, []).append(None)  # set by forward when its layers are watched
-            if not keys:
-                return run(*args, **kwargs)
-            output, copies = run(*args, **kwargs)
-            for key, copy in zip(keys, copies):
-                assign_state(argument(args, kwargs, key), copy)
-            return output
-
-        installed.append((module, module.__dict__.get("forward"), call_override(module)))
-        module.__dict__["forward"] = forward
-        call_overridden(module, call)
-
     try:
         for path, module in modules.items():
-            wrap(path, module)
+            forward = _returning_states(path, module.forward, untouched)
+            installed.append((module, module.__dict__.get("forward"), call_override(module)))
+            module.__dict__["forward"] = forward
+            call_overridden(module, _assigning_states(path, calls, untouched))
         yield calls
     finally:
         for module, previous, call_impl in installed:
@@ -225,6 +180,61 @@ def states_returned(modules: dict[str, torch.nn.Module], untouched: dict[str, li
                 module.__dict__.pop("forward", None)
             else:
                 module.__dict__["forward"] = previous
+
+
+def _returning_states(path: str, inner: Callable[..., Any], untouched: dict[str, list[UntouchedLayers | None]] | None
+                      ) -> Callable[..., Any]:
+    """The ``forward`` :func:`states_returned` gives the module at ``path`` (whose forward was
+    ``inner``): a call with stateful arguments runs ``inner`` on fresh copies of them and returns
+    ``(output, [copies])``, recording in ``untouched[path]`` the cache layers it never touched."""
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        keys = state_keys(args, kwargs)
+        if not keys:
+            return inner(*args, **kwargs)
+        positional, keywords = list(args), dict(kwargs)
+        copies = []
+        for key in keys:
+            copy = _fresh(argument(args, kwargs, key))
+            if isinstance(key, int):
+                positional[key] = copy
+            else:
+                keywords[key] = copy
+            copies.append(copy)
+        if untouched is None or len(copies) != 1:
+            return inner(*positional, **keywords), copies
+        with cache_layers.scope(copies, plumbing=(__name__,)) as watched:
+            output = inner(*positional, **keywords)
+        if watched is not None:
+            by_index = {p for _, p in watched.by_index - watched.touched}
+            untouched[path][-1] = UntouchedLayers(
+                frozenset(p for i, p in watched.paths.values() if (i, p) not in watched.touched) - by_index,
+                frozenset(by_index))
+        return output, copies
+    return forward
+
+
+def _assigning_states(path: str, calls: dict[str, list[list[Key]]],
+                      untouched: dict[str, list[UntouchedLayers | None]] | None) -> Callable[..., Any]:
+    """The call override :func:`states_returned` gives the module at ``path`` (around the whole
+    call, hooks included): records the call's state keys in ``calls[path]`` (and a place for its
+    untouched layers), then assigns the states the :func:`_returning_states` forward returned to
+    the caller's objects and returns only the output."""
+    def call(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with CALL_LOCK:  # replaces a locked call for the extraction's duration (see .locking)
+            return threaded_call(run, *args, **kwargs)
+
+    def threaded_call(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        keys = state_keys(args, kwargs)
+        calls.setdefault(path, []).append(keys)
+        if untouched is not None:
+            untouched.setdefault(path, []).append(None)  # set by forward when its layers are watched
+        if not keys:
+            return run(*args, **kwargs)
+        output, copies = run(*args, **kwargs)
+        for key, copy in zip(keys, copies):
+            assign_state(argument(args, kwargs, key), copy)
+        return output
+    return call
 
 
 def _structure(value: Any, untouched: frozenset[Any] = frozenset(), path: tuple[Any, ...] = ()) -> Any:

@@ -1,5 +1,5 @@
 """Code generation of graph modules deferred while a dispatcher adds an extraction
-(:func:`nnbridge.graph.graph_module.code_generation_deferred`): every graph's code is generated
+(:func:`nnbridge.graph.codegen.code_generation_deferred`): every graph's code is generated
 once, after the in-place bridge's edits, and a graph that waits for its code still runs, and shows,
 its current graph."""
 
@@ -14,8 +14,8 @@ import torch
 import nnbridge
 from nnbridge.inplace.bridging import bridge_of
 from nnbridge import AddPatch, CompiledGraphModule, PatchableGraph
-from nnbridge.graph import graph_module
-from nnbridge.graph.graph_module import code_generation_deferred
+from nnbridge.graph import codegen
+from nnbridge.graph.codegen import code_generation_deferred
 from utils import gpt2
 
 
@@ -38,7 +38,7 @@ def test_bridging_generates_each_graphs_code_once_and_equals_eager(monkeypatch):
     nnbridge.bridge(model, ids)
     graphs = _graphs(bridge_of(model).dispatcher.all_extractions()[0].root)
     assert len(graphs) > 20 and all(generated[id(g)] == 1 for g in graphs), "once each, after the bridge's edits"
-    assert graph_module._deferred is None
+    assert codegen._deferred is None
     assert all("_nnbridge_call_" in g.code or not any(n.op == "call_module" for n in g.graph.nodes) for g in graphs)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, expected)
@@ -72,13 +72,13 @@ def test_a_graph_waiting_for_its_code_runs_and_shows_its_current_graph():
     with code_generation_deferred():
         _negated_output(ln)
         ln.recompile()
-        assert id(ln) in graph_module._deferred
+        assert id(ln) in codegen._deferred
         with torch.no_grad():
             assert torch.equal(ln(x), -before), "the first call generates the code of the edited graph"
-        assert id(ln) not in graph_module._deferred
+        assert id(ln) not in codegen._deferred
         _negated_output(ln)
         ln.recompile()
-        assert "neg_1" in ln.code and id(ln) not in graph_module._deferred, "reading code generates it"
+        assert "neg_1" in ln.code and id(ln) not in codegen._deferred, "reading code generates it"
     with torch.no_grad():
         assert torch.equal(ln(x), before)
 
@@ -111,7 +111,7 @@ def test_graphs_waiting_when_the_body_raises_get_their_code_and_the_error_propag
             _negated_output(ln)
             ln.recompile()
             raise RuntimeError("the body's error")
-    assert graph_module._deferred is None and "neg" in ln.__dict__["_code"]
+    assert codegen._deferred is None and "neg" in ln.__dict__["_code"]
     with torch.no_grad():
         assert torch.equal(ln(x), -before)
 

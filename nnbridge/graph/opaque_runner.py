@@ -1,0 +1,109 @@
+"""The opaque module's runner: one run of the original module's code, routed through op points.
+
+:class:`OpaqueRunner` runs an :class:`~.graph_module.OpaqueGraphModule`'s original ``forward`` with
+its arguments, own parameters and buffers passed through their op points (as the caller passed
+each argument: positionally or by keyword) and its children swapped for the modules called in
+their place (the children's graph dispatchers), all put back afterwards, also on error.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..compat.torch.module_dicts import buffers_of, modules_of, parameters_of
+
+
+class Router(Protocol):
+    """A callee that counts its calls within one run of an opaque module (implemented by
+    :class:`nnbridge.extract.opaque.InvocationRouter`)."""
+
+    def restart(self) -> None:
+        """Count from the first invocation again (called before each run)."""
+
+
+class OpaqueRunner:
+    """Runs a module's own ``forward`` with some of its values routed.
+
+    Args:
+        module: the original module (not copied).
+        callees: ``{child name: module called in its place}`` while the original code runs.
+        routers: the callees that count their calls per run (``restart()`` before each run).
+
+    Attributes:
+        signature: ``forward``'s signature without ``self``.
+        tensor_names: the module's own parameter names, then its own buffer names.
+    """
+
+    def __init__(self, module: torch.nn.Module, callees: Mapping[str, torch.nn.Module | None],
+                 routers: Sequence[Router] | None = None):
+        self.module = module
+        self.callees = dict(callees)
+        self.routers = list(routers or [])
+        signature = inspect.signature(type(module).forward)
+        self.signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+        self.tensor_names = [n for n, _ in module.named_parameters(recurse=False)] + [
+            n for n, _ in module.named_buffers(recurse=False)]
+
+    def call_original_children(self) -> None:
+        """Let the original code call the module's own children (nothing swapped in)."""
+        self.callees = {}
+        self.routers = []
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, routed: frozenset[str],
+            call: Callable[[str, Any], Any]) -> Any:
+        """The module's output for ``module(*args, **kwargs)``, each value named in ``routed`` (an
+        argument name, a parameter or buffer name, ``output``) replaced by ``call(name, value)``."""
+        module = self.module
+        if routed:
+            args, kwargs = self.route_arguments(args, kwargs, routed=routed, call=call)
+        saved_modules = {name: modules_of(module)[name] for name in self.callees}
+        saved_tensors: dict[str, tuple[dict[str, Any], Any, Any]] = {}
+        for router in self.routers:
+            router.restart()
+        try:
+            modules_of(module).update(self.callees)
+            for name in self.tensor_names:
+                if name in routed:
+                    store = parameters_of(module) if name in parameters_of(module) else buffers_of(module)
+                    value = call(name, store[name])
+                    saved_tensors[name] = (store, store[name], value)
+                    store[name] = value
+            output = type(module).forward(module, *args, **kwargs)
+        finally:
+            modules_of(module).update(saved_modules)
+            for name, (store, tensor, value) in saved_tensors.items():
+                if store.get(name) is value:  # else the forward re-assigned it (an EMA buffer): keep that
+                    store[name] = tensor
+        if "output" in routed:
+            output = call("output", output)
+        return output
+
+    def route_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, routed: frozenset[str],
+                        call: Callable[[str, Any], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Route each argument through its op point, passing it as the caller did: positionally or
+        by keyword (re-binding keywords positionally makes transformers 5's forward decorators,
+        which fill ``use_cache`` and the like into ``kwargs``, see them twice)."""
+        positional, kwargs = list(args), dict(kwargs)
+        bound = self.signature.bind(*positional, **kwargs)  # raises TypeError as the forward would
+        position = 0
+        for parameter in self.signature.parameters.values():
+            name, kind = parameter.name, parameter.kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                if name in routed and name in bound.arguments:
+                    positional[position:] = list(call(name, tuple(positional[position:])))
+                position = len(positional)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                if name in routed and name in bound.arguments:
+                    extra = {k: v for k, v in kwargs.items() if k not in self.signature.parameters}
+                    kwargs.update(call(name, extra))
+            elif kind is not inspect.Parameter.KEYWORD_ONLY and position < len(positional):
+                if name in routed:
+                    positional[position] = call(name, positional[position])
+                position += 1
+            elif name in kwargs and name in routed:
+                kwargs[name] = call(name, kwargs[name])
+        return tuple(positional), kwargs
