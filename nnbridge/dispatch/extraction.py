@@ -10,10 +10,11 @@ A submodule that cannot be exported is stubbed during export (its recorded outpu
 depending on its inputs) and becomes an :class:`OpaqueGraphModule` whose children are extracted
 separately; the rest stays a graph. So does a module whose graph would silently differ from its
 code (grad-mode changes, custom autograd Functions, Python side effects, Dynamo's ``graph_break()``:
-:mod:`.capture_checks`), one whose graph module cannot be built (any exception while unflattening or
-building), and one whose custom extraction function raises, as graphpatch falls back. Submodules the
-call never runs stay as opaque modules (graphpatch's ``allow_unused_submodules``), and every graph
-module lists its children, parameters and buffers in the module's registration order.
+:mod:`~nnbridge.extract.capture_watch`), one whose graph module cannot be built (any exception
+while unflattening or building), and one whose custom extraction function raises, as graphpatch
+falls back. Submodules the call never runs stay as opaque modules (graphpatch's
+``allow_unused_submodules``), and every graph module lists its children, parameters and buffers
+in the module's registration order.
 Example::
 
     root, guard = extract(model, (input_ids,), {}, ExtractionOptions(), child_dispatcher=...)
@@ -33,16 +34,10 @@ from tqdm.auto import tqdm
 
 from ..extract.building import GraphBuilder
 from ..guards.call_structure import ShapeGuard, tensor_leaves
+from ..guards.preservation import preserved_state
 from ..extract.cleanup import input_prologue
-from ..extract.capture_checks import (
-    DATA_ACCESS_REASON,
-    GRAD_MODE_REASON,
-    MASK_SKIP_FIX,
-    UnfaithfulCaptureError,
-    eager_findings,
-    mask_skip_reason,
-    preserved_state,
-)
+from ..extract.capture_watch import GRAD_MODE_REASON, UnfaithfulCaptureError
+from ..extract.eager_checks import DATA_ACCESS_REASON, MASK_SKIP_FIX, eager_findings, mask_skip_reason
 from ..extract.context import ChildDispatcherFactory, Extraction, ExtractionContext, describe_failure
 from ..extract.custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
 from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
@@ -123,7 +118,8 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             its graph would differ from its code, building its graph module raised, its custom
             extraction function raised, or (``allow_unused_submodules`` off) it was never called;
             in every mode: a custom extraction function returned a malformed graph, or extraction's
-            eager run changed a parameter in place (see :func:`.capture_checks.preserved_state`).
+            eager run changed a parameter in place (see
+            :func:`~nnbridge.guards.preservation.preserved_state`).
     """
     # extraction changes shared state (hooks, forwards, parameters while tracing) for its duration:
     # another thread entering any of the model's modules waits (see .locking)
@@ -553,8 +549,9 @@ class _EagerStubs(NamedTuple):
 def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  stubs: dict[str, str], errors: dict[str, BaseException]) -> _EagerStubs:
     """Stub (in ``stubs`` and ``errors``) what one eager run of the call finds (see
-    :func:`.capture_checks.eager_findings`), before the first export instead of after it failed."""
-    found = eager_findings(module, args, kwargs, ctx.grad_enabled)
+    :func:`~nnbridge.extract.eager_checks.eager_findings`), before the first export instead of
+    after it failed."""
+    found = eager_findings(module, args, kwargs, grad_enabled=ctx.grad_enabled)
     traced: set[str] = set()
     frozen: set[str] = set()
     # modules that change grad mode: traced through with the change ignored from the first export
@@ -595,7 +592,7 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
         if fqn not in stubs:
             stubs[fqn], errors[fqn] = describe_failure(skip), skip
             traced.add(fqn)
-    # modules whose code touches .data: export would fail on them at the root (see capture_checks)
+    # modules whose code touches .data: export would fail on them at the root (see extract.eager_checks)
     for fqn in found.data_access:
         data = UnfaithfulCaptureError(DATA_ACCESS_REASON)
         if fqn == "":

@@ -2,8 +2,9 @@
 
 The steps, in order:
 
-1. *capture checks* (:mod:`.capture_checks`): eager *recording* runs (:mod:`.recording`) notice
-   what ``torch.export`` would drop (in-place writes to module state, hooks, ``.data`` writes);
+1. *capture checks*: eager *recording* runs (:mod:`.recording`, :mod:`.eager_checks`) and a watch
+   on each export (:mod:`.capture_watch`) notice what ``torch.export`` would drop (in-place writes
+   to module state, hooks, ``.data`` writes);
 2. *export* (:mod:`.exporting`): non-strict ``torch.export`` with every submodule's call
    signature kept, failures attributed to the module that caused them;
 3. *clean and name* (:mod:`.cleanup`, :mod:`.naming`): per-invocation graphs, one NodePath per

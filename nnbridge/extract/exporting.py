@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from .capture_checks import CaptureWatch, UnfaithfulCaptureError, state_writer
+from .capture_watch import CaptureWatch, UnfaithfulCaptureError
+from .eager_checks import state_writer
 from ..graph.state import plain_container
 from ..graph.kinds import StubKind
 from ..graph.module_tree import CONTAINERS, aliases_hidden, named_real_modules, op_points_hidden
@@ -126,7 +127,7 @@ def _writer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     module writing its child's attribute: its graph would bake the value in); others stay as found."""
     if error.holder is None:
         return fqn, error
-    writer = state_writer(module, args, kwargs, error.holder, grad_enabled)
+    writer = state_writer(module, args, kwargs, holder=error.holder, grad_enabled=grad_enabled)
     if writer == fqn:
         return fqn, error
     where = f"'{fqn}'" if fqn else "the root module"
@@ -235,7 +236,7 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     argument (only a custom-extraction module can be: a failing one makes its caller opaque)
     keeps a flat signature, since its recorded output cannot carry the state it would have
     written. ``traced`` modules will be opaque although export traces them; inside ``frozen`` ones,
-    grad-mode changes are ignored (see :mod:`.capture_checks`). Returns the program, whether it is
+    grad-mode changes are ignored (see :mod:`.capture_watch`). Returns the program, whether it is
     dynamic, and the state keys of every threaded call (``{path: [keys per invocation]}``).
     ``reuse``'s siblings are stubbed with outputs shaped as their representative's (see
     :mod:`.reuse`); :class:`~.reuse.ReuseFallback` when unsafe. ``untouched``, when given, is
@@ -264,7 +265,7 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
             # out of the spec shortens the export
             shapes = dynamic_shapes(args, kwargs) if use_dynamic else None
             watch = CaptureWatch(list(named_real_modules(module)), tools.active,
-                                 set(stubs) | traced | set(reuse.siblings))
+                                 known=set(stubs) | traced | set(reuse.siblings))
             try:
                 # non-strict export runs the module's Python code, which mutates a cache passed in
                 # (with fake tensors): every attempt traces a fresh copy of the inputs

@@ -44,7 +44,7 @@ from ..guards.call_structure import (
     global_flags,
     memory_layout,
 )
-from ..guards.code_identity import is_plumbing
+from ..guards.code_objects import is_plumbing
 from .reuse import (CacheRebinding, cache_index, entry_attributes, entry_structure, is_cache, layer_key,
                     plan as reuse_plan, same)
 from ..graph.state import UntouchedLayers, state_keys

@@ -10,6 +10,11 @@ tensors in it, and a graph keeps what it saw).
 dimensions export kept dynamic (``Dim.AUTO``), their allowed ranges, and the shape guards export
 recorded (``x.size()[1] % 2 == 0``). The module state a graph bakes in (attribute values,
 children, parameter dtypes) is guarded by :class:`~nnbridge.guards.module_state.StateGuard`.
+
+*State* here means torch's global state (grad mode, autocast state, the default dtype, inference
+mode, deterministic algorithms): process-wide flags read with each call, part of its structure.
+Module state and the module globals a model's code reads are guarded elsewhere
+(:mod:`.module_state`, :mod:`.global_state`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Extraction runs the model's code eagerly (observed runs of opaque modules, example recording, a
 warm-up before an nnsight trace) and must leave no trace of those runs. Most writes to a parameter
-or buffer bump its version counter, which :mod:`.capture_checks` compares. A write through
+or buffer bump its version counter, which :mod:`nnbridge.extract.capture_watch` compares. A write through
 ``tensor.data`` does not (``lin.weight.data -= delta``, ``lin.weight.data = merged``: peft's LoRA
 layers merging or unmerging an adapter), and without care it stayed: each extra run moved the
 weight once more.
@@ -20,7 +20,10 @@ and values back. The choice, against the alternatives:
 
 Not seen: writes through a NumPy array or an ``untyped_storage()`` of a parameter (no torch call
 at all), and ``.data`` aliases taken before the body and written inside it (a plain tensor
-attribute holding one is restored by :mod:`.capture_checks` as any tensor attribute).
+attribute holding one is restored by :mod:`.preservation` as any tensor attribute).
+
+*State* here means saved state: the copies of the parameters and buffers touched through
+``.data``, taken to put them back (see :mod:`.preservation`).
 """
 
 from __future__ import annotations

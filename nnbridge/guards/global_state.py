@@ -6,18 +6,24 @@ A graph replays tensor operations only. Code that writes a module global in a fo
 it is extracted, never when the graph runs: eager code would write it on every call. Dynamo
 replays such writes as side effects after its graph; nnbridge makes the module that wrote the
 global run its own code (opaque), as it does for a module writing its own attributes
-(:mod:`.capture_checks`).
+(:mod:`nnbridge.extract.capture_watch`).
 
-The globals watched are those :mod:`.code_identity` finds the modules' code reading (a name of a
-function's code, transitively through helpers) that hold a plain value, a tensor, or a list, tuple,
-set or dict of them, and such values held as attributes of a global object of settings
-(``STATE.calls += 1``) or of a class the code names (``Flags.calls += 1``). Not watched: a global
+The globals watched are those the code walk (:mod:`.code_walk`, from :mod:`.model_code`) finds
+the modules' code reading (a name of a function's code, transitively through helpers) that hold a
+plain value, a tensor, or a list, tuple, set or dict of them, and such values held as attributes
+of a global object of settings (``STATE.calls += 1``) or of a class the code names
+(``Flags.calls += 1``). Not watched: a global
 the code creates (absent when bridged), one holding another kind of object (``LOG = Recorder()``
 with a list inside), a write reached only through an attribute chain.
 
 :class:`GlobalValues` is both the watch (:meth:`~GlobalValues.changed`, per module call while
 exporting) and the undo (:meth:`~GlobalValues.restore`, after extraction's own eager runs and
 exports: a global list does not keep the fake tensors export appended to it).
+
+*State* here means the values of those globals and attributes (an object, a tensor's version, a
+copy of a container's contents), as :meth:`GlobalValues.state` reads them: not torch's global
+state (grad mode, autocast, the default dtype: part of a call's structure, :mod:`.call_structure`)
+and not module state (:mod:`.module_state`).
 """
 
 from __future__ import annotations
@@ -28,11 +34,25 @@ from typing import Any
 import torch
 
 from ..compat.torch.capture import tensor_version
-from .code_identity import MISSING, value_bindings
+from .bindings import MISSING, Binding
+from .model_code import walked
 from .plain_values import PLAIN_TYPES, plain_value, snapshot
 
 #: Containers whose contents are watched and restored in place.
 _CONTAINERS = (list, dict, set)
+
+
+def value_bindings(model: torch.nn.Module) -> list[tuple[Binding, type | None]]:
+    """The bindings of :func:`~.code_check.code_bindings` whose namespace is a module's globals,
+    an object's ``__dict__`` or a class's attributes (``(binding, the class)`` for those; None
+    else): what :class:`GlobalValues` watches and restores."""
+    walk = walked(model)
+    unique: dict[tuple[int, Any], tuple[Binding, type | None]] = {}
+    for binding in walk.bindings:
+        namespace = binding[1]
+        if type(namespace) is dict or id(namespace) in walk.owners:
+            unique.setdefault((id(namespace), binding[2]), (binding, walk.owners.get(id(namespace))))
+    return list(unique.values())
 
 
 def _watched(value: Any) -> bool:
@@ -44,7 +64,7 @@ class GlobalValues:
     """The plain module globals the code of ``model``'s modules reads, as they are now.
 
     Args:
-        model: the module whose tree's code is walked (:func:`~.code_identity.code_bindings`).
+        model: the module whose tree's code is walked (:func:`value_bindings`).
     """
 
     def __init__(self, model: torch.nn.Module):

@@ -10,7 +10,7 @@ the state of the module tree it ran on, like Dynamo's guards on ``self``:
   the class of every module whose code the graphs hold (``module.__class__ = Sub``);
 - the identity, dtype, device, shape and requires_grad of every parameter, buffer and plain tensor attribute
   (``.double()``, ``.to(...)``, a re-assigned weight or mask);
-- what the code's lookups find (:class:`~.code_identity.CodeCheck`): a method of a module class, a
+- what the code's lookups find (:class:`~.code_check.CodeCheck`): a method of a module class, a
   helper function of a modeling file or an attention-registry entry assigned anew
   (``modeling_gpt2.eager_attention_forward = f``) re-extracts, as Dynamo's guards on globals
   recompile.
@@ -27,6 +27,11 @@ Example::
     model.config.use_cache = False
     guard.holds()            # False
     guard.what_changed()     # "config of '<root>' (GPT2Config): use_cache changed True -> False"
+
+*State* here means module state: everything listed above, as one :class:`StateGuard` snapshots
+it. Not the module globals the code reads (:mod:`.global_state`), nor torch's global state (grad
+mode, autocast: :mod:`.call_structure`), nor the snapshots that put a module back after an eager
+run (:mod:`.preservation`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ import torch
 from ..compat.torch.module_dicts import MODULE_SLOTS, modules_of
 from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.torch.tensor_checks import fast_tensor_check
-from .code_identity import CodeCheck, code_bindings, is_plumbing
+from .code_check import CodeCheck, code_bindings
+from .code_objects import is_plumbing
 from .plain_values import HeldTensor, canonical_repr, class_values, config_like, plain_value, snapshot as plain_snapshot
 
 _config_like = config_like

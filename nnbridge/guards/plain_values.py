@@ -15,6 +15,10 @@ Example::
     plain_value([torch.zeros(1)])              # False
     plain_value([torch.zeros(1)], tensors=True)  # True
     canonical_repr({"b", "a"})                 # "set(['a', 'b'])" in every process
+
+*State* is not kept here: these are the comparisons and copies the guards use for the plain
+values in module state (:mod:`.module_state`), global state (:mod:`.global_state`) and held
+objects (:mod:`.held_objects`).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class HeldTensor:
     """A tensor inside a container value, as a guard keeps it: equal to the very same tensor with
     the same in-place version, dtype, device, shape and requires_grad (export baked its values in
     as a constant, a parameter's too, so a tensor assigned anew or written in place must extract
-    again; one requiring grad makes its module run eagerly, see ``.capture_checks``)."""
+    again; one requiring grad makes its module run eagerly, see ``nnbridge.extract.capture_watch``)."""
 
     __slots__ = ("tensor", "version", "properties")
     __hash__ = None  # type: ignore[assignment]

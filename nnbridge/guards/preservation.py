@@ -1,7 +1,12 @@
 """Extraction's eager runs leave no trace: parameters, buffers, module attributes, the watched module
 globals and the CPU, Python and numpy RNGs are put back after each (:func:`preserved_state`), and
 :func:`snapshot` / :class:`ModuleState` tell what a forward changed on its own modules
-(:mod:`.capture_checks` uses them to find side effects a graph would not repeat)."""
+(:mod:`nnbridge.extract.capture_watch` uses them to find side effects a graph would not repeat).
+
+*State* here means saved state: a snapshot of one module's own parameters, buffers and attributes
+(:class:`ModuleState`), of the watched module globals (:class:`~.global_state.GlobalValues`) and
+of the random number generators, taken to compare or put back. It is not the module state a
+guard compares on each call (:mod:`.module_state`)."""
 
 from __future__ import annotations
 

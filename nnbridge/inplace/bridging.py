@@ -45,7 +45,7 @@ from ..compat import DirectCall, SwappedBody, restore_body, swap_body
 from ..graph.failures import add_note
 from ..errors import NNBridgeError
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
-from ..extract.capture_checks import preserved_state
+from ..guards.preservation import preserved_state
 from ..dispatch.dispatcher import GraphDispatcher
 from ..dispatch.extraction import Extraction
 from ..graph.state import SpecCheck
@@ -548,8 +548,8 @@ def state_restored(model: torch.nn.Module) -> Iterator[None]:
     BatchNorm statistics, counters, draws, an adapter merged or unmerged through ``.data``): torch's
     CPU random state, Python's and numpy's RNGs, every parameter and buffer (the same tensor under
     each name, holding its values from before), module attributes and ``training`` flags, and the
-    module globals its code writes (see :func:`~.capture_checks.preserved_state`). Attributes the
-    body created stay (the run bridges the modules it reaches).
+    module globals its code writes (see :func:`~nnbridge.guards.preservation.preserved_state`).
+    Attributes the body created stay (the run bridges the modules it reaches).
 
     Raises:
         ExtractionError: the run changed a parameter in place other than through ``.data``

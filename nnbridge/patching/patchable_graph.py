@@ -28,7 +28,7 @@ from ..errors import NNBridgeError, NodePathError, PatchError, PatchMapError
 from ..graph import hierarchy, patch_state
 from . import varargs_paths
 from ..dispatch.dispatcher import GraphDispatcher, WeakCallback
-from ..extract.capture_checks import preserved_state
+from ..guards.preservation import preserved_state
 from .capture_forwarding import forward_capturing_hooks
 from ..dispatch.extraction import Extraction
 from ..graph.module_tree import named_real_modules, refuse_instance_forwards

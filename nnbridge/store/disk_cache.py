@@ -17,7 +17,7 @@ module and call, see :mod:`.programs`) is one :mod:`.storage` bundle, ``<key>.nn
   (classes, train flags, plain attribute values, parameter and buffer names, shapes, dtypes) and
   the hash of the source files of every module class in it and the digest of the code its modules
   reach, which sees methods and helpers replaced at run time (:func:`~.programs.model_fingerprint`,
-  :func:`~.code_identity.code_digest`);
+  :func:`~nnbridge.guards.code_digest.code_digest`);
 - the call (:meth:`~.programs.ExportRequest.call_fingerprint`: argument structure, non-tensor
   values, tensor dtypes and sizes, grad mode, train/eval flags, autocast, export-relevant options).
 

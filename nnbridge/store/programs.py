@@ -35,7 +35,7 @@ from ..compat import MODEL_STATE_ATTRIBUTES
 from ..compat.torch.module_dicts import MODULE_SLOTS
 from ..compat.torch.pytree import pytree
 from ..guards.call_structure import ShapeGuard, structure_key
-from ..guards.code_identity import code_digest
+from ..guards.code_digest import code_digest
 from ..extract.options import ExtractionOptions
 from ..graph.state import Key, UntouchedLayers
 from ..guards.module_state import config_values
@@ -144,7 +144,7 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
     source file cannot be read (defined in a notebook cell or by ``exec``) gives
     ``"unavailable:<class>"`` (see :func:`source_known`). ``code``: sha256 of the code the modules
     reach, which sees methods and helper functions replaced at run time, that the source files do
-    not show (:func:`~.code_identity.code_digest`).
+    not show (:func:`~nnbridge.guards.code_digest.code_digest`).
     """
     config = getattr(model, "config", None)
     config_hash = None

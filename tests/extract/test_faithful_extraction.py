@@ -20,7 +20,7 @@ import torch
 
 import nnbridge
 from nnbridge import ExtractionOptions, PatchableGraph
-from nnbridge.extract.capture_checks import EagerFindings
+from nnbridge.extract.eager_checks import EagerFindings
 from nnbridge.inplace.bridging import bridge_of
 from nnbridge.compat.torch.pytree import pytree
 from nnbridge.errors import ExtractionError, NNBridgeWarning
@@ -150,7 +150,7 @@ def test_a_module_changing_grad_mode_costs_one_export_when_found_eagerly(prescan
     from nnbridge.dispatch import extraction
 
     if not prescan:
-        monkeypatch.setattr(extraction, "eager_findings", lambda *args: EagerFindings([], []))
+        monkeypatch.setattr(extraction, "eager_findings", lambda *args, **kwargs: EagerFindings([], []))
     model = _tiny_llama()
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 100, (1, 6))

@@ -1,10 +1,9 @@
-"""code_identity.code_digest: the code a model reaches, which the disk extraction cache keys on
+"""code_digest: the code a model reaches, which the disk extraction cache keys on
 besides the module classes' source files. It stays the same for the same code (another instance,
 bridged, traced by nnsight) and changes when a method or helper is replaced at run time."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import types
 
@@ -16,9 +15,10 @@ from transformers.models.gpt2 import modeling_gpt2
 from utils import gpt2, llama, replace_gpt2_code, wrap
 
 import nnbridge
-
-code_identity = importlib.import_module("nnbridge.guards.code_identity")
-code_digest = code_identity.code_digest
+from nnbridge.guards.bindings import ENVIRONMENT, FunctionParts
+from nnbridge.guards.code_check import code_bindings
+from nnbridge.guards.code_digest import code_digest
+from nnbridge.guards.code_walk import CodeWalk
 
 
 def _replacement(*args, **kwargs):
@@ -99,7 +99,7 @@ def test_a_replacement_with_the_same_code_keeps_the_digest(monkeypatch):
 
 def test_functions_reached_through_helpers_count():
     """A function called by a helper the forward calls (two global reads away) is reached."""
-    walk = code_identity._Walk()
+    walk = CodeWalk()
     walk.cls(type(llama().model.layers[0].self_attn), in_tree=True)
     walk.run()
     reached = {where for where, _ in walk.entries}
@@ -234,9 +234,9 @@ def test_a_function_part_assigned_after_bridging_re_extracts_and_equals_eager(pa
 def test_functions_without_defaults_keep_no_defaults_check():
     """Only defaults that exist are checked (a call of a function without them passed every
     argument); every function's code is."""
-    bindings = code_identity.code_bindings(_Outer())
+    bindings = code_bindings(_Outer())
     checked = {name: {namespace.function.__qualname__ for _, namespace, part, _ in bindings if part == name
-                      and isinstance(namespace, code_identity.FunctionParts)}
+                      and isinstance(namespace, FunctionParts)}
                for name in ("__code__", "__defaults__", "__kwdefaults__")}
     assert checked["__code__"] >= {"_Outer.forward", "_Scaled.forward", "_scaled"}
     assert checked["__defaults__"] == {"_Scaled.forward", "_scaled"}
@@ -283,8 +283,8 @@ def test_environment_variables_the_code_names_count_in_the_digest(monkeypatch):
 
 def test_transformers_sdpa_environment_switch_is_watched():
     """transformers' SDPA attention reads TRANSFORMERS_SDPA_FORCE_GQA in every call."""
-    watched = {where for where, namespace, _, _ in code_identity.code_bindings(llama())
-               if namespace is code_identity.ENVIRONMENT}
+    watched = {where for where, namespace, _, _ in code_bindings(llama())
+               if namespace is ENVIRONMENT}
     assert "os.environ['TRANSFORMERS_SDPA_FORCE_GQA']" in watched
 
 

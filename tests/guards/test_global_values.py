@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import nnbridge
-from nnbridge.guards.code_identity import code_digest
+from nnbridge.guards.code_digest import code_digest
 from nnbridge.inplace.bridging import bridge_of
 
 SCALE = 2.0

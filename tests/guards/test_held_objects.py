@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import nnbridge
-from nnbridge.guards.code_identity import code_digest
+from nnbridge.guards.code_digest import code_digest
 from utils import front_ends
 
 

@@ -1,4 +1,4 @@
-"""Detect what an exported graph would silently drop, and keep extraction from changing the model.
+"""Watch one export for what its graphs would silently drop, and name the module at fault.
 
 A graph replays the tensor operations of one traced call. It does not replay:
 
@@ -12,7 +12,7 @@ A graph replays the tensor operations of one traced call. It does not replay:
   (graphpatch made such a module opaque; non-strict export would run it as a no-op);
 - transformers skipping its sdpa attention mask in eager code, which a traced call builds: equal
   for transformers' own sdpa, not for an attention function registered in its place
-  (:mod:`nnbridge.compat.transformers.mask_skips`; found by :func:`eager_findings`);
+  (:mod:`nnbridge.compat.transformers.mask_skips`; found by :func:`~.eager_checks.eager_findings`);
 - Python side effects on module state: an attribute set in forward (``self.calls += 1``, a tensor
   cached on ``self``), a list/dict/set attribute mutated (``self.seen.append(x)``), a buffer
   re-assigned (``self.ema = 0.9 * self.ema + ...``; in-place buffer updates are replayed), a plain
@@ -25,11 +25,14 @@ A graph replays the tensor operations of one traced call. It does not replay:
 - reads of a stride or storage offset that export keeps as a symbol: torch 2.13's unflatten puts
   the tensor itself where the symbol is used (:func:`nnbridge.compat.torch.capture.layout_reads`);
 - writes to a module global the code reads that holds a plain value, a tensor or a container of
-  them (``global CALLS; CALLS += 1``, ``STORE.append(x)``; see :mod:`.global_state`), found by
-  comparing them around each module's call while exporting, as the RNGs are.
+  them (``global CALLS; CALLS += 1``, ``STORE.append(x)``; see
+  :mod:`nnbridge.guards.global_state`), found by comparing them around each module's call while
+  exporting, as the RNGs are.
 
 :class:`CaptureWatch` notices these while exporting and names the module at fault; extraction
 then makes that module opaque (its original code runs eagerly), like a module export cannot trace.
+What one eager run of the call shows before exporting (grad-mode changes, skipped sdpa masks,
+collected outputs, native fast paths, ``.data`` accesses) is found by :mod:`.eager_checks`.
 
 What cannot be detected: writes to closures, to globals holding other objects or created by the
 forward, or to objects not reachable from a module's own ``__dict__`` (a list held by a helper
@@ -37,72 +40,42 @@ object), changes inside nested containers (a list inside a dict attribute, a ten
 down), mutating an element of a list in place, printing and other I/O. Such modules are extracted
 as graphs and the effect does not happen when the graph runs. A side effect on one module's state
 made by an enclosing module's code (``self.child.n += 1``) makes the writer opaque
-(:func:`state_writer` finds it by one more eager run).
+(:func:`~.eager_checks.state_writer` finds it by one more eager run).
 
-:func:`preserved_state` keeps extraction's own eager runs (observed runs of opaque modules,
-example recording) from changing parameters, buffers, module attributes (plain tensor attributes'
-values and config-like objects' values included), the watched module globals, the CPU RNG or
-Python's and numpy's RNGs.
+:meth:`CaptureWatch.watching` puts back what export changed on the modules it watched (module
+attributes, list/dict attributes export replaced by copies, the watched module globals); the
+model's state around extraction's own eager runs is kept by
+:func:`nnbridge.guards.preservation.preserved_state`.
+
+*State* here means module state as a forward can change it: each watched module's parameters,
+buffers and attributes (:class:`~nnbridge.guards.preservation.ModuleState`), the watched module
+globals (:class:`~nnbridge.guards.global_state.GlobalValues`) and Python's and numpy's RNGs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import random
-from collections.abc import Callable, Iterator, Sequence, Set as AbstractSet
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Set as AbstractSet
+from typing import Any
 
 import torch
 
-from ..compat.transformers.mask_skips import mask_skips as mask_skips_seen
-from ..compat.torch.tensor_data import data_accesses
-from ..compat.transformers.output_capturing import active_collector
-from ..guards.global_state import GlobalValues
-from ..guards.preservation import (
-    ModuleState,
-    _INTERNAL,
-    preserved_state as preserved_state,
-    python_rng_states,
-    snapshot,
-)
-from ..graph.state import state_keys
-from ..compat import MODEL_STATE_ATTRIBUTES
-from ..compat.nnsight.interleaving import NNSIGHT_MODULE_ATTRIBUTES
 from ..compat.torch.capture import (
     autograd_function_calls,
     compile_queries,
     constant_uses,
-    grad_mode_changes,
-    grad_mode_frozen,
     graph_break_calls,
+    grad_mode_frozen,
     layout_reads,
     mode_regions,
-    native_fast_path,
-    tensor_version,
 )
-from ..errors import ExtractionError, NNBridgeError
+from ..errors import NNBridgeError
+from ..guards.global_state import GlobalValues
+from ..guards.preservation import ModuleState, _INTERNAL, python_rng_states, snapshot
 
-#: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
-#: while extracting; ``_parameters``, ``_buffers`` and ``training`` are compared separately.
-
-
-#: the reason of a module that changes grad mode (found by export's regions or by :func:`eager_findings`)
+#: the reason of a module that changes grad mode (found by export's regions or by
+#: :func:`~.eager_checks.eager_findings`)
 GRAD_MODE_REASON = "changes grad mode (torch.no_grad/enable_grad) inside forward, which a graph cannot keep"
-
-
-def mask_skip_reason(replaced: dict[str, str]) -> str:
-    """The reason of a module in which transformers skipped an sdpa mask in eager code while an
-    attention function other than transformers' own is registered for it (``replaced``: see
-    :func:`nnbridge.compat.transformers.mask_skips.replaced_sdpa_functions`)."""
-    functions = ", ".join(f"{function} (as {name!r})" for name, function in sorted(replaced.items()))
-    return (f"transformers passes no sdpa mask here in eager code but an explicit one when traced, and {functions}"
-            " is not transformers' sdpa function, so a graph could compute other numbers")
-
-
-#: What to do about :func:`mask_skip_reason`.
-MASK_SKIP_FIX = ("Register the attention function under a name of its own (AttentionInterface.register('my_attention',"
-                 " f) and attn_implementation='my_attention': transformers then builds no mask, traced or not), or"
-                 " use transformers' sdpa.")
 
 
 class UnfaithfulCaptureError(NNBridgeError):
@@ -113,10 +86,10 @@ class UnfaithfulCaptureError(NNBridgeError):
             trace through it).
         fix: what the user can do to have the module extracted (None: the default advice).
         holder: for a side effect on module state, the path of the module holding that state
-            (the writer may be an enclosing module: see :func:`state_writer`); else None.
+            (the writer may be an enclosing module: see :func:`~.eager_checks.state_writer`); else None.
     """
 
-    def __init__(self, message: str, grad_mode: bool = False, fix: str | None = None, holder: str | None = None):
+    def __init__(self, message: str, grad_mode: bool = False, *, fix: str | None = None, holder: str | None = None):
         super().__init__(message)
         self.grad_mode = grad_mode
         self.fix = fix
@@ -129,7 +102,7 @@ def _rng_drawn(old: tuple[Any, Any], new: tuple[Any, Any]) -> str | None:
 
 
 def _own_changes(modules: list[tuple[str, torch.nn.Module]], read: Callable[[], Any],
-                 change: Callable[[Any, Any], str | None], found: dict[str, str]) -> list[Any]:
+                 change: Callable[[Any, Any], str | None], *, found: dict[str, str]) -> list[Any]:
     """Hooks recording in ``found[path]`` what ``change(before, after)`` (a description or None)
     finds in ``read()`` across each stretch of a module's own code: from its call (or the return
     of a child it called) to its next child call (or its return). A change is its module's, not
@@ -173,7 +146,7 @@ class CaptureWatch:
     copies), so a comparison after export would see nothing (and the copies must be undone).
     """
 
-    def __init__(self, modules: list[tuple[str, torch.nn.Module]], active: list[str], known: set[str]):
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]], active: list[str], *, known: set[str]):
         self.modules = modules
         self.active = active
         self.known = known  # already opaque: faults in them and below them are not reported again
@@ -213,7 +186,7 @@ class CaptureWatch:
                     self.changes.setdefault(path, changed)
         root = self.modules[0][1]
         handles = [root.register_forward_pre_hook(before), root.register_forward_hook(after)]
-        handles += _own_changes(self.modules, python_rng_states, _rng_drawn, self.draws)
+        handles += _own_changes(self.modules, python_rng_states, _rng_drawn, found=self.draws)
         # globals count by a module's whole call, not by stretches: a value set and put back around
         # the children (transformers' output collector) is no write; a child's write is not its callers'
         globals_read = GlobalValues(root)
@@ -340,158 +313,3 @@ def _held_tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     elif depth < 3 and isinstance(value, dict) and not isinstance(value, torch.nn.Module):
         for item in value.values():
             yield from _held_tensors_in(item, depth + 1)
-
-
-def _run_with_call_stack(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                         grad_enabled: bool, active: list[str], watches: Sequence[contextlib.AbstractContextManager[Any]],
-                         boundary: Callable[[], None] | None = None,
-                         entering: Callable[[str, Any, Any], None] | None = None) -> bool:
-    """One eager run of the call under ``grad_enabled`` with ``watches`` entered, keeping ``active``
-    the stack of the running modules' paths (the root is ``""``) and calling ``boundary()`` at every
-    module-call boundary, before the stack changes, and ``entering(path, args, kwargs)`` as a
-    module is entered (``active`` still its caller's). Module state and random state are put back
-    after the run (:func:`preserved_state`). False when the run raised."""
-    from ..graph.module_tree import named_real_modules
-    from .recording import observed_run
-    from ..graph.kinds import HookKind
-
-    modules = list(named_real_modules(module))
-
-    def enter(fqn: str) -> Any:
-        def pre(mod: torch.nn.Module, a: Any, k: Any) -> None:
-            if boundary is not None:
-                boundary()
-            if entering is not None:
-                entering(fqn, a, k)
-            active.append(fqn)
-        return pre
-
-    def leave(mod: torch.nn.Module, a: Any, k: Any, out: Any) -> None:
-        if boundary is not None:
-            boundary()
-        active.pop()
-    hooks = [hook for fqn, sub in modules for hook in ((sub, HookKind.PRE, enter(fqn)), (sub, HookKind.POST, leave))]
-    try:
-        with contextlib.ExitStack() as stack:  # (the run puts module state back itself)
-            for watch in watches:
-                stack.enter_context(watch)
-            observed_run(module, args, kwargs, hooks, grad=grad_enabled)
-    except Exception:  # noqa: BLE001 - the callers fall back to what export finds
-        return False
-    return True
-
-
-def state_writer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], holder: str,
-                 grad_enabled: bool) -> str:
-    """The path of the module whose own code changed ``holder``'s state (see :meth:`ModuleState.changes`)
-    in one eager run of the call: the module running between the two module-call boundaries across
-    which the state changed (``holder`` itself, or an enclosing module writing its child's
-    attribute, ``self.child.n += 1``). ``holder`` when the run shows no change or raises. Module
-    state and random state are put back after the run (:func:`preserved_state`)."""
-    from ..graph.module_tree import named_real_modules
-
-    target = dict(named_real_modules(module))[holder]  # (paths as export's watch named them)
-    active: list[str] = []
-    state = [ModuleState(target, clone=False)]
-    writers: list[str] = []
-
-    def check() -> None:  # the code run since the last boundary is the innermost active module's
-        if not writers and state[0].changes():
-            writers.append(active[-1] if active else "")
-        state[0] = ModuleState(target, clone=False)
-    if not _run_with_call_stack(module, args, kwargs, grad_enabled, active, (), boundary=check):
-        return holder
-    return writers[0] if writers else holder
-
-
-class EagerFindings(NamedTuple):
-    """What one eager run of a call shows before exporting it (:func:`eager_findings`).
-
-    Attributes:
-        grad_mode: paths of the modules (the root ``""`` included: it runs eagerly, there is no
-            caller's graph to trace it into) whose code changed grad mode.
-        mask_skips: paths of the modules (the root ``""`` included) running when transformers
-            skipped building an sdpa attention mask (see :mod:`nnbridge.compat.transformers.mask_skips`).
-        capturing: paths of the modules (the root ``""`` included) to run opaque because their
-            code, or the code of a module they call with a stateful argument, collects submodules'
-            outputs with transformers' hooks (``output_attentions=True``, see
-            :mod:`nnbridge.compat.transformers.output_capturing`): as export finds them (a child entered while
-            another collector is active than when the module itself was entered), and as it then
-            moves up from a module called with a stateful argument (a stub could not write its
-            state) to its caller.
-        fast_paths: ``(path, native op)`` of the modules whose eager call may run a native fast
-            path a graph would not (``nn.MultiheadAttention`` in eval mode without grad, see
-            :func:`nnbridge.compat.torch.capture.native_fast_path`).
-        data_access: paths of the modules (the root ``""`` included) whose own code read or
-            assigned a tensor's ``.data`` (see :data:`DATA_ACCESS_REASON`).
-    """
-
-    grad_mode: list[str]
-    mask_skips: list[str]
-    capturing: list[str] = []
-    fast_paths: list[tuple[str, str]] = []
-    data_access: list[str] = []
-
-
-#: the reason of a module whose code reads or assigns ``tensor.data`` (found by :func:`eager_findings`)
-DATA_ACCESS_REASON = ("reads or assigns a tensor's .data in forward (an alias outside autograd whose writes bump no"
-                      " version counter), which torch.export cannot trace")
-
-
-def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   grad_enabled: bool) -> EagerFindings:
-    """One eager run of the call under ``grad_enabled``, watching which module runs when:
-
-    - the grad mode changes: export would record grad-mode regions for that module
-      (:meth:`CaptureWatch.faults`); found before exporting, one export traces through it (a
-      Llama's rotary embedding is ``@torch.no_grad()``) instead of a second one after the first
-      found it;
-    - transformers skips building an sdpa attention mask, which a graph would build (see
-      :mod:`nnbridge.compat.transformers.mask_skips`);
-    - transformers starts collecting submodules' outputs with hooks (found before exporting, the
-      module is stubbed from the first export on instead of after it failed);
-    - a module may take a native fast path (``nn.MultiheadAttention``), which a trace does not;
-    - a module's code touches a tensor's ``.data`` (export fails on it, at the root: found here,
-      only that module is stubbed).
-
-    Module state and random state are put back after the run (:func:`preserved_state`). The
-    lists are empty when the eager run raises (export reports what the run could not show)."""
-    active: list[str] = []
-    grad_mode: dict[str, None] = {}
-    mask_skips: dict[str, None] = {}
-    capturing: dict[str, None] = {}
-    collectors: list[Any] = []  # the collector active when the module at each depth was entered
-    stateful: set[str] = set()  # modules entered with a stateful argument
-    fast_paths: dict[str, str] = {}
-    data_access: dict[str, None] = {}
-
-    def touched(tensor: torch.Tensor) -> None:
-        data_access.setdefault(active[-1] if active else "")
-
-    def entering(fqn: str, a: Any, k: Any) -> None:
-        op = native_fast_path(module.get_submodule(fqn) if fqn else module, a, k)
-        if op is not None:
-            fast_paths.setdefault(fqn, op)
-        collector, depth = active_collector(), len(active)
-        if collector is not None and depth and collectors[depth - 1] is not collector:
-            opaque = depth - 1
-            while opaque > 0 and active[opaque] in stateful:
-                opaque -= 1
-            capturing.setdefault(active[opaque])
-        del collectors[depth:]
-        collectors.append(collector)
-        if state_keys(a, k):
-            stateful.add(fqn)
-
-    def changed() -> None:
-        if active:
-            grad_mode.setdefault(active[-1])
-
-    def skipped() -> None:
-        mask_skips.setdefault(active[-1] if active else "")
-    if not _run_with_call_stack(module, args, kwargs, grad_enabled, active,
-                                (grad_mode_changes(changed), mask_skips_seen(skipped), data_accesses(touched)),
-                                entering=entering):
-        return EagerFindings([], [])
-    return EagerFindings(list(grad_mode), list(mask_skips), list(capturing), list(fast_paths.items()),
-                         list(data_access))

@@ -1,0 +1,134 @@
+"""Functions as the code walk reads them: what one function's compiled code is (its digest), which
+names and constants it reads, and whose code is followed at all.
+
+A function counts by its qualified name, module and compiled code (bytecode, names and constants,
+nested code objects included, :func:`function_digest`) and by its default argument values
+(:func:`defaults_text`). Torch's, the standard library's and built-in code is not followed
+(:func:`versioned`: their versions are part of the disk-cache key), nor nnbridge's and nnsight's
+own functions set on modules (:func:`is_plumbing`). The value kinds the walk tells apart
+(:data:`PLAIN_READ_TYPES`, :data:`CODE_HOLDERS`, :data:`CONTAINERS`, :data:`BUILTINS`) are
+defined here for :mod:`.code_walk`, :mod:`.held_objects` and :mod:`.model_code`.
+
+*State* is not kept here beyond a memo of each function's digest (per function object and code
+object); a function's code assigned anew gets a new digest.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import sys
+import sysconfig
+import types
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .plain_values import canonical_repr, plain_value
+
+#: Types of the plain values code reads (globals, attributes) that count by their value (``repr``).
+PLAIN_READ_TYPES: tuple[type, ...] = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+PLAIN_READ = frozenset(PLAIN_READ_TYPES)
+#: Values that hold code the walk follows.
+CODE_HOLDERS = (types.FunctionType, types.MethodType, functools.partial)
+#: Global containers followed by value when they hold plain values or tensors (``SCALES = [1.0, 2.0]``).
+CONTAINERS = (list, tuple, set, frozenset, dict)
+#: Built-in callables an instance attribute may hold (``self.act = torch.relu``): they count by name.
+BUILTINS = (types.BuiltinFunctionType, types.BuiltinMethodType)
+#: Names whose reading means the code reads environment variables (``os.environ``, ``os.getenv``).
+ENVIRONMENT_READS = frozenset({"environ", "environb", "getenv", "getenvb"})
+#: The string constants of such code taken for environment variable names.
+_VARIABLE_NAME = re.compile(r"[A-Z][A-Z0-9_]*\Z")
+_STDLIB = sysconfig.get_paths()["stdlib"]
+_FUNCTIONS: weakref.WeakKeyDictionary[types.FunctionType, tuple[types.CodeType, str]] = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=None)
+def versioned(module_name: str | None) -> bool:
+    """Whether code of ``module_name`` is torch's, the standard library's or built in: versioned in
+    the cache key, not followed."""
+    if not module_name:
+        return True
+    top = module_name.split(".")[0]
+    if top in ("torch", "builtins") or top in sys.builtin_module_names:
+        return True
+    module = sys.modules.get(top)
+    path = getattr(module, "__file__", None) or ""
+    return bool(path) and path.startswith(_STDLIB) and "site-packages" not in path
+
+
+def is_plumbing(value: Any) -> bool:
+    """A function nnbridge or nnsight set on a module instance (the bridge's forward and call
+    wrapper, nnsight's wrapping): their versions are part of the key, and a model's digest must not
+    depend on whether it is bridged or traced at the moment."""
+    while isinstance(value, (functools.partial, types.MethodType)):
+        value = value.func if isinstance(value, functools.partial) else value.__func__
+    module = getattr(value, "__module__", None) or ""
+    return module.split(".")[0] in ("nnbridge", "nnsight")
+
+
+def variable_names(code: types.CodeType) -> Iterator[str]:
+    """The string constants of ``code`` (nested code included) that look like environment
+    variable names (upper case, digits, underscores)."""
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from variable_names(constant)
+        elif isinstance(constant, str) and _VARIABLE_NAME.match(constant):
+            yield constant
+
+
+def defaults_text(function: types.FunctionType) -> str:
+    """A function's default argument values as text: their ``repr`` when all are plain values,
+    else their types (a default object counts by its type only)."""
+    defaults = (function.__defaults__, function.__kwdefaults__)
+    if plain_value(defaults):
+        return canonical_repr(defaults)
+    return repr([type(v).__qualname__ for v in (*(function.__defaults__ or ()),
+                                                 *(function.__kwdefaults__ or {}).values())])
+
+
+def _code_text(code: types.CodeType) -> Iterator[bytes]:
+    """What identifies compiled code: its qualified name, bytecode, names and constants (nested
+    code objects recursively)."""
+    yield code.co_qualname.encode()
+    yield code.co_code
+    yield repr(code.co_names).encode()
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _code_text(constant)
+        else:
+            yield repr(constant).encode()
+
+
+def global_names(code: types.CodeType) -> Iterator[str]:
+    """Every name ``code`` (and code nested in it) may read as a global."""
+    yield from code.co_names
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from global_names(constant)
+
+
+def string_constants(code: types.CodeType) -> Iterator[str]:
+    """The string constants of ``code`` and of code nested in it."""
+    for constant in code.co_consts:
+        if isinstance(constant, str):
+            yield constant
+        elif isinstance(constant, types.CodeType):
+            yield from string_constants(constant)
+
+
+def function_digest(function: types.FunctionType) -> str:
+    """sha256 of one function's own code (memoised per function object and code object)."""
+    known = _FUNCTIONS.get(function)
+    if known is not None and known[0] is function.__code__:
+        return known[1]
+    digest = hashlib.sha256()
+    digest.update(f"{function.__module__}:{function.__qualname__}".encode())
+    for part in _code_text(function.__code__):
+        digest.update(part)
+    value = digest.hexdigest()
+    _FUNCTIONS[function] = (function.__code__, value)
+    return value

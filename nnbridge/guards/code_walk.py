@@ -1,0 +1,249 @@
+"""The walk over code: from the classes and functions it is given, every function their code
+reaches, each as a digest entry and each lookup that found it as a binding (:mod:`.bindings`).
+
+A function leads on to its closure cells, the function under a wrapper (``__wrapped__``) and
+every global name its code (nested functions included) reads: one holding a function, a class
+(its methods) or a mapping of them is followed; one holding a plain value, a tensor, a container
+of plain values, a ``contextvars.ContextVar`` or an object of settings is an entry by value and a
+binding. A class's method is followed once some code reached reads its name, or at once when it
+is an entry point (``forward``, ``__call__``). What the walk covers and leaves out, as the
+disk-cache key sees it, is described in :mod:`.code_digest`; where it starts from a model, in
+:mod:`.model_code`; the objects modules hold, in :mod:`.held_objects`.
+
+*State* here is only the walk's own bookkeeping (what it has visited and what is left to visit),
+made for one walk and dropped with it. The values it reads are recorded as they are at that
+moment; nothing of the model is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+import functools
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .bindings import ENVIRONMENT, FUNCTION_PARTS, MISSING, Binding, ContextValue, FunctionParts
+from .code_objects import (
+    CODE_HOLDERS,
+    CONTAINERS,
+    ENVIRONMENT_READS,
+    PLAIN_READ,
+    defaults_text,
+    function_digest,
+    global_names,
+    string_constants,
+    variable_names,
+    versioned,
+)
+from .plain_values import canonical_repr, plain_value, tensor_digest
+
+#: Mappings with more entries than this are not read (a registry of functions is small).
+_MAPPING_LIMIT = 512
+#: Methods visited whether or not code reached names them: what calling a module runs.
+_ENTRY_POINTS = ("forward", "__call__")
+#: What the walk queues: ``(where, value, the bindings that found it)``.
+_Todo = tuple[str, Any, tuple[Binding, ...]]
+
+
+def settings_object(value: Any) -> bool:
+    """An instance holding settings in its ``__dict__`` (a ``SimpleNamespace``, an
+    ``argparse.Namespace``, a dataclass, a config, an instance of a script's own class), not a
+    module, tensor, module object, function or class, nor an object of torch or the standard library."""
+    if isinstance(value, (type, types.ModuleType, torch.nn.Module, torch.Tensor, *CODE_HOLDERS)):
+        return False
+    if not isinstance(getattr(value, "__dict__", None), dict):
+        return False
+    kind = type(value)
+    return kind in (types.SimpleNamespace, argparse.Namespace) or not versioned(kind.__module__)
+
+
+class CodeWalk:
+    """One traversal (a worklist, so deep call chains need no recursion): ``entries`` are
+    ``(where, digest)`` in visiting order. A class's method is visited once some code reached
+    reads its name (``self._update_causal_mask(...)`` reads ``_update_causal_mask``), or at once
+    when it is an entry point (``forward``)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, str]] = []
+        #: ``(where, namespace, name, value)``: each lookup that found code, to check it again
+        #: (:func:`~.code_check.code_bindings`); ``value`` is :data:`~.bindings.MISSING` where a
+        #: class earlier in an MRO must not define the name
+        self.bindings: list[Binding] = []
+        self.seen: set[int] = set()
+        self.keep: list[Any] = []  # keeps visited objects alive, so ids stay unique
+        self.todo: list[_Todo] = []
+        self.names: set[str] = set(_ENTRY_POINTS)
+        self.pending: dict[str, list[_Todo]] = {}
+        #: ``id`` of a class's ``vars()`` proxy (a binding's namespace) -> the class, to assign to it
+        self.owners: dict[int, type] = {}
+        #: ``(where, holder's namespace, name, object)``: objects held by modules (or by held
+        #: objects) that code may read, to follow once the names code reads are known
+        #: (:func:`~.held_objects.follow_held`)
+        self.objects: list[tuple[str, Any, Any, Any]] = []
+
+    def first_visit(self, value: Any) -> bool:
+        if id(value) in self.seen:
+            return False
+        self.seen.add(id(value))
+        self.keep.append(value)
+        return True
+
+    def run(self) -> None:
+        while self.todo:
+            where, value, bindings = self.todo.pop()
+            self.bindings.extend(bindings)
+            self.value(where, value)
+
+    def value(self, where: str, value: Any) -> None:
+        """Note ``value`` (reached as ``where``) and queue what its code reaches."""
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        elif isinstance(value, property):
+            self.todo.extend((f"{where}.{part}", getattr(value, part), ()) for part in ("fdel", "fset", "fget")
+                             if getattr(value, part) is not None)
+            return
+        elif isinstance(value, functools.partial):
+            self.todo.append((f"{where}.func", value.func, ()))
+            return
+        elif isinstance(value, types.MethodType):
+            value = value.__func__
+        if isinstance(value, types.FunctionType):
+            self.function(where, value)
+        elif isinstance(value, type):
+            self.cls(value)
+        elif isinstance(value, Mapping) and not versioned(type(value).__module__):
+            self.mapping(where, value)
+
+    def function(self, where: str, function: types.FunctionType) -> None:
+        self.entries.append((where, function_digest(function)))
+        if versioned(function.__module__) or not self.first_visit(function):
+            return
+        parts, own = FunctionParts(function), f"{function.__module__}.{function.__qualname__}"
+        # defaults count only where there are some: a call of a function without them passed every
+        # argument, so defaults assigned later change none of the calls a graph holds
+        self.bindings.extend((f"{own}.{name}", parts, name, getattr(function, name)) for name in FUNCTION_PARTS
+                             if name == "__code__" or getattr(function, name) is not None)
+        if function.__defaults__ or function.__kwdefaults__:
+            self.entries.append((f"{own}.__defaults__", defaults_text(function)))
+        found: list[_Todo] = []
+        for cell in function.__closure__ or ():
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(content, CODE_HOLDERS):
+                found.append((f"{function.__qualname__}.<closure>", content, ()))
+        wrapped = getattr(function, "__wrapped__", None)
+        if wrapped is not None:
+            found.append((f"{function.__qualname__}.__wrapped__", wrapped, ()))
+        namespace = function.__globals__
+        names = dict.fromkeys(global_names(function.__code__))
+        if not ENVIRONMENT_READS.isdisjoint(names):
+            for variable in dict.fromkeys(variable_names(function.__code__)):
+                where_found, value = f"os.environ[{variable!r}]", ENVIRONMENT[variable]
+                self.entries.append((where_found, repr(value)))
+                self.bindings.append((where_found, ENVIRONMENT, variable, value))
+        for name in names:
+            if name not in self.names:
+                self.names.add(name)
+                found.extend(self.pending.pop(name, ()))
+            self.read_global(namespace, name, module=function.__module__, found=found)
+        # attribute names spelt as string constants (``getattr(self.hp, "scale")``) are read too
+        for constant in string_constants(function.__code__):
+            if constant.isidentifier() and constant not in self.names:
+                self.names.add(constant)
+                found.extend(self.pending.pop(constant, ()))
+        self.todo.extend(reversed(found))
+
+    def read_global(self, namespace: dict[str, Any], name: str, *, module: str, found: list[_Todo]) -> None:
+        """What the global ``name`` of ``module`` (its ``namespace``), read by a function's code,
+        holds: code to follow (appended to ``found``), or a value that is an entry and a binding."""
+        if name not in namespace:
+            return
+        value, where_found = namespace[name], f"{module}.{name}"
+        if isinstance(value, CONTAINERS) and plain_value(value, tensors=True):
+            # a global container of plain values or tensors (``SCALES = [1.0, 2.0]``): by value in
+            # the digest; assigned anew or written in place fails the check (see CodeCheck)
+            self.entries.append((where_found, canonical_repr(value)))
+            self.bindings.append((where_found, namespace, name, value))
+        elif isinstance(value, (*CODE_HOLDERS, type, Mapping)):
+            found.append((where_found, value, ((where_found, namespace, name, value),)))
+        elif type(value) in PLAIN_READ:
+            # a plain global (``SCALE = 2.0``, a flag) a graph bakes in: its value is part of
+            # the digest, and assigning it anew fails the check (re-extraction)
+            self.entries.append((where_found, repr(value)))
+            self.bindings.append((where_found, namespace, name, value))
+        elif isinstance(value, torch.Tensor):
+            # a global tensor a graph bakes in as a constant: its values are part of the digest,
+            # and assigning it anew or writing it in place fails the check (see CodeCheck)
+            self.entries.append((where_found, tensor_digest(value)))
+            self.bindings.append((where_found, namespace, name, value))
+        elif isinstance(value, contextvars.ContextVar):
+            # a context variable (``ABLATE.get()``): its value in the calling context
+            held = ContextValue(value)
+            self.bindings.append((where_found, namespace, name, value))
+            self.entries.append((f"{where_found}.get()", repr(held["value"])))
+            self.bindings.append((f"{where_found}.get()", held, "value", held["value"]))
+        elif settings_object(value):
+            # a global object of settings (``STATE = SimpleNamespace(enabled=False)``, a
+            # dataclass, an instance of the script's own class): its plain attributes
+            self.entries.append((where_found, type(value).__qualname__))
+            self.bindings.append((where_found, namespace, name, value))
+            if self.first_visit(value):
+                self.plain_attributes(where_found, vars(value))
+
+    def plain_attributes(self, where: str, attributes: Mapping[str, Any], *, owner: type | None = None) -> None:
+        """The plain values (and containers of them) in an object's or a class's (``owner``'s)
+        ``attributes``: in the digest by value, each a binding (assigning one anew or writing into
+        a container re-extracts)."""
+        if owner is not None:
+            self.owners[id(attributes)] = owner
+        for name, value in list(attributes.items()):
+            if name.startswith("__") and name.endswith("__"):
+                continue
+            if type(value) in PLAIN_READ or (isinstance(value, CONTAINERS) and plain_value(value, tensors=True)):
+                self.entries.append((f"{where}.{name}", canonical_repr(value)))
+                self.bindings.append((f"{where}.{name}", attributes, name, value))
+
+    def cls(self, cls: type, in_tree: bool = False) -> None:
+        """A class's methods, inherited ones included (``torch.nn.Module``'s and ``object``'s left
+        out); a torch or standard-library class only when it is a module class of the tree."""
+        if (not in_tree and versioned(cls.__module__)) or not self.first_visit(cls):
+            return
+        if not in_tree:  # a class the code names (``if Flags.ablate:``); module classes' own are StateGuard's
+            for owner in cls.__mro__:
+                if owner not in (object, torch.nn.Module) and not versioned(owner.__module__):
+                    self.plain_attributes(owner.__qualname__, vars(owner), owner=owner)
+        resolved: set[str] = set()
+        for index, owner in enumerate(cls.__mro__):
+            if owner in (object, torch.nn.Module):
+                continue
+            for name, attribute in list(vars(owner).items()):
+                if isinstance(attribute, (*CODE_HOLDERS, staticmethod, classmethod, property)):
+                    where = f"{owner.__qualname__}.{name}"
+                    bindings: tuple[Binding, ...] = ()
+                    if name not in resolved:  # what ``cls.name`` finds: no class before ``owner`` may define it
+                        resolved.add(name)
+                        bindings = (*((where, vars(c), name, MISSING) for c in cls.__mro__[:index]),
+                                    (where, vars(owner), name, attribute))
+                    entry = (where, attribute, bindings)
+                    if name in self.names:
+                        self.todo.append(entry)
+                    else:
+                        self.pending.setdefault(name, []).append(entry)
+
+    def mapping(self, where: str, mapping: Mapping[Any, Any]) -> None:
+        if not self.first_visit(mapping):
+            return
+        try:
+            items = list(dict.items(mapping) if isinstance(mapping, dict) else mapping.items())
+        except Exception:  # noqa: BLE001 - a mapping that cannot be listed counts by its type only
+            self.entries.append((where, type(mapping).__qualname__))
+            return
+        if len(items) <= _MAPPING_LIMIT:
+            self.todo.extend(reversed([(f"{where}[{key!r}]", value, ((f"{where}[{key!r}]", mapping, key, value),))
+                                       for key, value in items if isinstance(value, (*CODE_HOLDERS, type))]))

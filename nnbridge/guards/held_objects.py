@@ -1,0 +1,147 @@
+"""Held objects: the objects a module keeps as attributes that no other guard covers (an instance
+of a plain class, a callable object, a numpy scalar, an object with ``__slots__``), and how the
+code walk follows them.
+
+A graph bakes in what the code read from such an object (``self.hp.scale``) as it was when
+extracted. :func:`held_object` tells which attributes hold one; :func:`follow_held` follows them
+through the attribute names the reached code reads (the names in its bytecode and its string
+constants): each object counts by identity on its holder, its class's methods are walked like a
+module class's (a callable object's ``__call__``), each attribute read is a binding (a plain value
+by identity, in the digest by value; a nested object followed in turn), and each name read that
+the object lacks is guarded absent (a class attribute it could shadow, a ``getattr`` default).
+
+*State* here means a held object's attributes: the entries of its ``__dict__`` and its
+``__slots__`` values, read when walked and compared by identity afterwards
+(:class:`~.code_check.CodeCheck`). Module attributes holding plain values, configs and tensors are
+*module state* (:mod:`.module_state`), not held objects.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import types
+from typing import Any
+
+import torch
+
+from ..compat.accelerate import ACCELERATE_ATTRIBUTES
+from ..compat.nnsight.source import NNSIGHT_STATE
+from .bindings import MISSING
+from .code_objects import BUILTINS, CODE_HOLDERS, CONTAINERS, PLAIN_READ, PLAIN_READ_TYPES, is_plumbing
+from .code_walk import CodeWalk
+from .plain_values import canonical_repr, config_like, plain_value
+
+#: Module attributes that are another library's or torch's bookkeeping, never followed as held objects.
+_NOT_HELD = frozenset({NNSIGHT_STATE}) | ACCELERATE_ATTRIBUTES
+#: The most attributes of one held object followed (a larger one counts by identity only).
+_ATTRIBUTE_LIMIT = 256
+
+
+def held_object(name: str, value: Any) -> bool:
+    """Whether a module's attribute ``name`` holds an object whose attributes its code may read
+    and that no other guard covers: an instance of any class (a plain class, a callable object, a
+    numpy scalar) that is not a module, tensor, class, function, built-in, Python module, plain
+    value or container of them (:class:`~.module_state.StateGuard` guards those by value), nor a
+    config (guarded by value with its nested configs), nor nnbridge's or nnsight's own plumbing."""
+    if name in _NOT_HELD or (name.startswith("__") and name.endswith("__")):
+        return False
+    if isinstance(value, (type, types.ModuleType, torch.nn.Module, torch.Tensor, *CODE_HOLDERS, *BUILTINS,
+                          *PLAIN_READ_TYPES, contextvars.ContextVar)):
+        return False
+    if isinstance(value, CONTAINERS) or is_plumbing(value) or is_plumbing(type(value)):
+        return False
+    return not config_like(name, value)
+
+
+def _attributes(value: Any) -> list[tuple[str, Any]]:
+    """A held object's attributes: its ``__dict__``'s items and its ``__slots__``' values (dunder
+    names left out), none when it has more than :data:`_ATTRIBUTE_LIMIT`."""
+    found: list[tuple[str, Any]] = []
+    own = getattr(value, "__dict__", None)
+    if isinstance(own, dict):
+        found.extend(own.items())
+    for owner in type(value).__mro__:
+        for slot in vars(owner).get("__slots__", ()) if isinstance(vars(owner).get("__slots__", ()), (tuple, list)) else ():
+            if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                found.append((slot, getattr(value, slot)))
+    if len(found) > _ATTRIBUTE_LIMIT:
+        return []
+    return [(name, item) for name, item in found if type(name) is str and not (name.startswith("__") and name.endswith("__"))]
+
+
+class _Slots:
+    """An object's ``__slots__`` as a binding's namespace (``get``, ``[]``, ``in``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self.value, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self.value, name, default)
+
+    def __contains__(self, name: str) -> bool:
+        return hasattr(self.value, name)
+
+
+def _namespace(value: Any) -> Any:
+    """Where a binding looks up a held object's attribute: its ``__dict__``, else its slots."""
+    own = getattr(value, "__dict__", None)
+    return own if isinstance(own, dict) else _Slots(value)
+
+
+def _held_text(value: Any) -> str:
+    """A held object's part of the digest: a plain value by value, an object by its class (its
+    attributes are entries of their own), one without attributes by ``repr`` when its class
+    defines one (a numpy scalar), else by identity (never the same in another process)."""
+    if type(value) in PLAIN_READ or (isinstance(value, CONTAINERS) and plain_value(value, tensors=True)):
+        return canonical_repr(value)
+    kind = type(value)
+    if isinstance(getattr(value, "__dict__", None), dict) or any("__slots__" in vars(c) for c in kind.__mro__[:-1]):
+        return f"{kind.__module__}.{kind.__qualname__}"
+    if kind.__repr__ is not object.__repr__:
+        return f"{kind.__module__}.{kind.__qualname__} {value!r}"
+    return f"{kind.__module__}.{kind.__qualname__} id {id(value)}"
+
+
+def follow_held(walk: CodeWalk) -> None:
+    """Follow the objects modules hold (``walk.objects``, see :func:`held_object`) through the
+    attribute names the code reached reads, to a fixed point: each object read is a binding by
+    identity on its holder (an object assigned anew re-extracts), its class's methods are walked
+    like a module class's (a callable object's ``__call__``), and each of its attributes whose
+    name the code reads is a binding too: a plain value by identity (``m.hp.scale = 2.0``
+    re-extracts) and in the digest by value, another object followed in turn. What was read is
+    decided by name (the names of every code object reached), so an attribute read under another
+    name (``getattr(self.hp, name)``) is not followed."""
+    done: set[tuple[int, Any]] = set()
+    followed: list[tuple[str, Any]] = []
+    while True:
+        ready = [item for item in walk.objects
+                 if (id(item[1]), item[2]) not in done and (item[2] in walk.names or type(item[2]) is not str)]
+        if not ready:
+            break
+        for where, namespace, name, value in ready:
+            done.add((id(namespace), name))
+            walk.entries.append((where, _held_text(value)))
+            walk.bindings.append((where, namespace, name, value))
+            if not held_object(str(name), value) or not walk.first_visit(value):
+                continue  # a plain value, or an object already followed
+            walk.cls(type(value))
+            walk.run()
+            followed.append((where, value))
+            attributes = _namespace(value)
+            for attribute, item in _attributes(value):
+                if held_object(attribute, item) or type(item) in PLAIN_READ or (
+                        isinstance(item, CONTAINERS) and plain_value(item, tensors=True)):
+                    walk.objects.append((f"{where}.{attribute}", attributes, attribute, item))
+    # a name the code reads that an object does not hold (a class attribute read through it,
+    # ``self.hp.offset``; a ``getattr(obj, "bias", 0.0)`` default): the object must not get one
+    # of its own later (``m.hp.offset = 1.5`` shadows the class's)
+    read = sorted(name for name in walk.names if not (name.startswith("__") and name.endswith("__")))
+    for where, value in followed:
+        own = getattr(value, "__dict__", None)
+        if isinstance(own, dict):
+            walk.bindings.extend((f"{where}.{name}", own, name, MISSING) for name in read if name not in own)
