@@ -205,11 +205,7 @@ class NodeView:
         found = self._child(item)
         if found is not None:
             return found
-        names = [name for name, _ in self._child_views()]
-        close = difflib.get_close_matches(item, names, n=5, cutoff=0.4) or names[:5]
-        hint = hierarchy.alias_hint(self._graph_module, (item,), self._path) if self._graph_module is not None else ""
-        raise AttributeError(f"{self._path or '<root>'} has no child {item!r}; closest: {close}"
-                             f" ({len(names)} children; dir() lists them).{hint}")
+        raise AttributeError(missing_child(self, item, listing="dir() lists them"))
 
     def __dir__(self) -> list[str]:
         aliases = list(aliases_of(self._graph_module)) if isinstance(self._graph_module, CompiledGraphModule) else []
@@ -355,6 +351,16 @@ class NodeView:
         """A module's view prints its tree (as ``repr``; ``print(pg.graph)``), a node's view its
         NodePath (``str(pg.graph.output.sub_0) == "output|sub_0"``, usable as a patch key)."""
         return repr(self) if self._graph_module is not None else self._path
+
+
+def missing_child(view: NodeView, item: str, *, listing: str) -> str:
+    """Why ``view`` has no child ``item``: the closest children by edit distance, how many there
+    are and how to list them (``listing``: ``"dir() lists them"`` in a REPL, the command in a
+    shell), and an alias close to ``item``."""
+    names = [name for name, _ in view._child_views()]
+    close = difflib.get_close_matches(item, names, n=5, cutoff=0.4) or names[:5]
+    hint = hierarchy.alias_hint(view._graph_module, (item,), view._path) if view._graph_module is not None else ""
+    return f"{view._path or '<root>'} has no child {item!r}; closest: {close} ({len(names)} children; {listing}).{hint}"
 
 
 def format_tree(view: NodeView, depth: int | None = None, *, aliases: bool = False) -> str:
