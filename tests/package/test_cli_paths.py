@@ -110,7 +110,17 @@ def test_cli_tree_in_every_spelling(model_dir, capsys):
 def test_cli_op_typo_after_extraction_lists_without_dir(model_dir, capsys):
     """A name that may be an op is known only once extracted: the error then names the closest
     children and the command that lists them, not ``dir()``."""
-    assert main(["tree", str(model_dir), "--path", "h.0.attn.sofmax"]) == 1
+    assert main(["tree", str(model_dir), "--path", "h.0.attn.getitm"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("nnbridge: error: h_0.attn has no child 'sofmax'; closest: [")
+    assert err.startswith("nnbridge: error: h_0.attn has no child 'getitm'; closest: ['getitem'")
     assert f"'nnbridge tree {model_dir} --path h_0.attn --depth 1' lists them" in err and "dir()" not in err
+
+
+def test_cli_op_of_fused_attention_names_the_implementation(model_dir, capsys):
+    """``AutoModel`` loads sdpa attention: its attention module has no softmax, and the error says
+    why (issue 51: the same explanation as ``pg.patch``, envoys and ``get_submodule``)."""
+    assert main(["tree", str(model_dir), "--path", "h.0.attn.softmax"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("nnbridge: error: h_0.attn has no child 'softmax': h_0.attn (GPT2Attention) computes"
+                          " attention with attn_implementation='sdpa', one fused call ('scaled_dot_product_attention')")
+    assert 'attn_implementation="eager"' in err and "dir()" not in err
