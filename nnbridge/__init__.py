@@ -20,42 +20,77 @@ Or bridge the model in place, so plain torch hooks reach every op::
     nnbridge.bridge(model, ids)
     model.get_submodule("transformer.h.0.attn.softmax").register_forward_hook(
         lambda module, args, output: output * 0)
+
+``import nnbridge`` itself imports nothing heavy: the public names below load on first use (PEP 562
+``__getattr__``), which imports torch, transformers and nnsight, checks the installed versions
+against the verified ones (:func:`nnbridge.compat.registry.check_versions`) and installs nnsight's
+routing into the graph runtime (:func:`nnbridge.envoys.routing.install`). So the ``nnbridge``
+command's ``--help`` and argument errors answer at once (``nnbridge.cli`` imports the rest only for
+the command it runs).
 """
 
-from .compat import registry as _registry
+from __future__ import annotations
 
-_registry.check_versions()  # a correctness patch not verified on the installed versions refuses here
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from .patching.patches import AddPatch as AddPatch  # noqa: E402
-from .graph.graph_module import CompiledGraphModule as CompiledGraphModule
-from .patching.patches import CustomPatch as CustomPatch
-from .extract.options import ExtractionOptions as ExtractionOptions
-from .graph.graph_module import MultiplyInvokedModule as MultiplyInvokedModule
-from .graph.node_path import NodePath as NodePath
-from .graph.graph_module import OpaqueGraphModule as OpaqueGraphModule
-from .graph.op_point import OpPoint as OpPoint
-from .patching.patches import Patch as Patch
-from .patching.patchable_graph import PatchableGraph as PatchableGraph
-from .patching.patches import ProbePatch as ProbePatch
-from .patching.patches import RecordPatch as RecordPatch
-from .patching.patches import ReplacePatch as ReplacePatch
-from .patching.patches import ZeroPatch as ZeroPatch
-from .errors import ExtractionError as ExtractionError
-from .errors import NNBridgeError as NNBridgeError
-from .errors import NNBridgeWarning as NNBridgeWarning
-from .errors import NodePathError as NodePathError
-from .errors import SaveLoadError as SaveLoadError
+if TYPE_CHECKING:  # the names as the type checker sees them; at run time __getattr__ loads them
+    from .errors import ExtractionError as ExtractionError
+    from .errors import NNBridgeError as NNBridgeError
+    from .errors import NNBridgeWarning as NNBridgeWarning
+    from .errors import NodePathError as NodePathError
+    from .errors import SaveLoadError as SaveLoadError
+    from .extract.options import ExtractionOptions as ExtractionOptions
+    from .graph.graph_module import CompiledGraphModule as CompiledGraphModule
+    from .graph.graph_module import MultiplyInvokedModule as MultiplyInvokedModule
+    from .graph.graph_module import OpaqueGraphModule as OpaqueGraphModule
+    from .graph.node_path import NodePath as NodePath
+    from .graph.op_point import OpPoint as OpPoint
+    from .inplace.bridging import bridge as bridge
+    from .inplace.bridging import unbridge as unbridge
+    from .patching.explain import Explanation as Explanation
+    from .patching.explain import explain as explain
+    from .patching.patchable_graph import PatchableGraph as PatchableGraph
+    from .patching.patches import AddPatch as AddPatch
+    from .patching.patches import CustomPatch as CustomPatch
+    from .patching.patches import Patch as Patch
+    from .patching.patches import ProbePatch as ProbePatch
+    from .patching.patches import RecordPatch as RecordPatch
+    from .patching.patches import ReplacePatch as ReplacePatch
+    from .patching.patches import ZeroPatch as ZeroPatch
+    from .envoys import LanguageModel as LanguageModel
+    from .envoys import NNsight as NNsight
+    from .envoys import TransformersModel as TransformersModel
 
-from .inplace.bridging import bridge as bridge  # noqa: E402
-from .inplace.bridging import unbridge as unbridge  # noqa: E402
-from .patching.explain import Explanation as Explanation  # noqa: E402
-from .patching.explain import explain as explain  # noqa: E402
-from .envoys import LanguageModel as LanguageModel  # noqa: E402
-from .envoys import NNsight as NNsight  # noqa: E402
-from .envoys import TransformersModel as TransformersModel  # noqa: E402
-from .envoys.routing import install as _install_routing  # noqa: E402
-
-_install_routing()  # the graph runtime asks nnsight whether a running trace wants an op
+#: ``{public name: module defining it}``, loaded together on the first use of any (see :func:`_load`)
+_EXPORTS: dict[str, str] = {
+    "AddPatch": ".patching.patches",
+    "CompiledGraphModule": ".graph.graph_module",
+    "CustomPatch": ".patching.patches",
+    "ExtractionError": ".errors",
+    "ExtractionOptions": ".extract.options",
+    "Explanation": ".patching.explain",
+    "LanguageModel": ".envoys",
+    "MultiplyInvokedModule": ".graph.graph_module",
+    "NNBridgeError": ".errors",
+    "NNBridgeWarning": ".errors",
+    "NNsight": ".envoys",
+    "NodePath": ".graph.node_path",
+    "NodePathError": ".errors",
+    "OpPoint": ".graph.op_point",
+    "OpaqueGraphModule": ".graph.graph_module",
+    "Patch": ".patching.patches",
+    "PatchableGraph": ".patching.patchable_graph",
+    "ProbePatch": ".patching.patches",
+    "RecordPatch": ".patching.patches",
+    "ReplacePatch": ".patching.patches",
+    "SaveLoadError": ".errors",
+    "TransformersModel": ".envoys",
+    "ZeroPatch": ".patching.patches",
+    "bridge": ".inplace.bridging",
+    "explain": ".patching.explain",
+    "unbridge": ".inplace.bridging",
+}
 
 __all__ = [
     "AddPatch",
@@ -85,3 +120,27 @@ __all__ = [
     "explain",
     "unbridge",
 ]
+
+
+def _load() -> None:
+    """Import the public API into this module, once: refuse correctness patches not verified on the
+    installed versions, then let the graph runtime ask nnsight whether a running trace wants an op."""
+    from .compat import registry
+
+    registry.check_versions()  # a correctness patch not verified on the installed versions refuses here
+    names = {name: getattr(importlib.import_module(module, __name__), name) for name, module in _EXPORTS.items()}
+    from .envoys.routing import install
+
+    install()
+    globals().update(names)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

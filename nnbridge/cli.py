@@ -2,7 +2,9 @@
 
     nnbridge demo [--out ioi_patching.png]     IOI activation patching at op level on SmolLM2
     nnbridge tree MODEL [--path PREFIX] [--depth N] [--aliases]   the NodePath tree with shapes
-                                                  (--aliases: variable aliases next to op names)
+                                                  (--aliases: variable aliases next to op names;
+                                                  --path: a NodePath, layers_0.self_attn, or nnsight's
+                                                  spelling, layers.0.self_attn or model.layers[0])
     nnbridge tree MODEL --explain                     graph or opaque per module, guards, extractions
     nnbridge cache info | clear                        the disk extraction cache ($NNBRIDGE_CACHE)
     nnbridge doctor                                    library versions against the tested ranges, the
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .errors import NNBridgeError
 
@@ -46,12 +49,167 @@ def _load(model: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     return AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
+_INDEX = re.compile(r"""\[\s*(?:'([^']*)'|"([^"]*)"|(-?\d+))\s*\]""")
+_SEGMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|-?\d+")
+#: Module containers: never called, so their entries are reached by index and they have no ops.
+_CONTAINERS = ("ModuleList", "ModuleDict")
+
+
+def path_segments(text: str) -> list[str]:
+    """``--path`` as segments, in any spelling: a NodePath (``layers_0.self_attn``, a dig
+    ``output|sub_0``) or nnsight's (``layers.0.self_attn``, ``model.layers[0]``, ``h['0']``).
+
+    Raises:
+        NNBridgeError: a malformed path (an empty segment, a character no name has).
+    """
+    spelled = _INDEX.sub(lambda match: "." + next(group for group in match.groups() if group is not None), text.strip())
+    segments = spelled.replace("|", ".").split(".")
+    bad = next((segment for segment in segments if not _SEGMENT.fullmatch(segment)), None)
+    if bad is not None:
+        shown = repr(bad) if bad else "an empty name"
+        raise NNBridgeError(f"--path {text!r}: {shown} is no module or op name; write a NodePath"
+                            " (layers_0.self_attn) or nnsight's spelling (layers.0.self_attn, model.layers[0]).")
+    return segments
+
+
+def _children(module: Any) -> dict[str, Any]:
+    return dict(module.named_children())
+
+
+def _container(module: Any) -> bool:
+    return any(klass.__name__ in _CONTAINERS and klass.__module__.startswith("torch.nn") for klass in type(module).__mro__)
+
+
+def _entry(container: Any, segment: str) -> str | None:
+    """The entry name of ``container`` that ``segment`` (an index, negative from the end, or a
+    key) names, or None."""
+    entries = list(_children(container))
+    if segment in entries:
+        return segment
+    if segment.lstrip("-").isdigit() and -len(entries) <= int(segment) < 0:
+        return entries[int(segment)]
+    return None
+
+
+def _walk(model: Any, segments: list[str]) -> tuple[list[str], Any, int]:
+    """Follow ``segments`` through ``model``'s submodules: ``(module path segments, the module
+    reached, segments used)``. ``layers_0`` names entry 0 of container ``layers`` (a NodePath), and
+    ``linear_1`` a second call of ``linear`` (whose submodules are ``linear``'s)."""
+    path: list[str] = []
+    module, used = model, 0
+    while used < len(segments):
+        segment, children = segments[used], _children(module)
+        if _container(module) and (entry := _entry(module, segment)) is not None:
+            path.append(entry)
+            module = children[entry]
+        elif segment in children:
+            path.append(segment)
+            module = children[segment]
+        else:
+            name, _, index = segment.rpartition("_")
+            if not (name in children and index.isdigit()):
+                break
+            entry = _entry(children[name], index) if _container(children[name]) else None
+            if _container(children[name]) and entry is None:
+                break
+            path += [name, entry] if entry is not None else [segment]
+            module = children[name] if entry is None else _children(children[name])[entry]
+        used += 1
+    return path, module, used
+
+
+def _may_be_op(module: Any, segment: str) -> bool:
+    """Whether ``segment`` may name an op of ``module``, known only once it is extracted: anything
+    but a near miss of one of its submodules' names (``self_atn``) that names no argument of its
+    forward, parameter, buffer or torch function (``linear``, ``dropout_1``)."""
+    import difflib
+    import inspect
+
+    import torch
+
+    close = difflib.get_close_matches(segment, list(_children(module)), n=1, cutoff=0.75)
+    if not close or segment in ("output", "input"):
+        return True
+    base = re.sub(r"_\d+$", "", segment)
+    try:
+        arguments = set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        arguments = set()
+    own = {name for name, _ in module.named_parameters(recurse=False)} | {name for name, _ in module.named_buffers(recurse=False)}
+    return (base in arguments or base in own or base.rstrip("_") in own
+            or any(hasattr(namespace, base) for namespace in (torch, torch.nn.functional, torch.Tensor, torch.ops.aten)))
+
+
+def module_path(model: Any, text: str) -> tuple[list[str], list[str]]:
+    """Check ``--path`` against ``model``'s module tree, before anything is extracted: ``(module
+    path segments, the rest)``, the rest naming ops (and dig keys) of the module reached, which
+    only an extraction knows. A leading ``model.`` that names no submodule is nnsight's name of the
+    root, and a path from a transformers model's base model (``layers.0`` for a causal LM whose
+    layers are ``model.layers``) is completed.
+
+    Raises:
+        NNBridgeError: a segment names no entry of a module container, indexes a module that is
+            none, or nearly names a submodule (a typo: the closest names are given).
+    """
+    segments = path_segments(text)
+    tries = [segments]
+    if segments[0] == "model" and len(segments) > 1 and "model" not in _children(model):
+        tries.append(segments[1:])
+    prefix = getattr(model, "base_model_prefix", None)
+    if isinstance(prefix, str) and prefix in _children(model) and segments[0] not in _children(model):
+        tries += [[prefix, *attempt] for attempt in list(tries)]
+    walks = [(_walk(model, attempt), attempt) for attempt in tries]
+    (path, module, used), segments = max(walks, key=lambda found: found[0][2])  # the first that goes furthest
+    if used == len(segments):
+        return path, []
+    segment, where = segments[used], _node_path(model, path) or "<root>"
+    described = f"{where} ({type(module).__name__})"
+    children = list(_children(module))
+    name, _, index = segment.rpartition("_")
+    if name in children and index.isdigit() and _container(_children(module)[name]):  # NodePath spelling
+        path, module, segment = [*path, name], _children(module)[name], index
+        described = f"{_node_path(model, path)} ({type(module).__name__})"
+        children = list(_children(module))
+    if _container(module):
+        raise NNBridgeError(f"--path {text!r}: {described} has no entry {segment!r}; it holds {len(children)}:"
+                            f" {_shown(children)}.")
+    if segment.lstrip("-").isdigit():
+        raise NNBridgeError(f"--path {text!r}: {described} is no module container, so {segment!r} indexes"
+                            f" nothing; its submodules: {_shown(children)}.")
+    if not _may_be_op(module, segment):
+        import difflib
+
+        close = difflib.get_close_matches(segment, children, n=3, cutoff=0.6)
+        raise NNBridgeError(f"--path {text!r}: {described} has no submodule {segment!r}; closest: {close}"
+                            f" (its submodules: {_shown(children)}).")
+    return path, segments[used:]
+
+
+def _node_path(model: Any, path: list[str]) -> str:
+    """A module path as a NodePath: a container's entry joins the container's name (``h.0`` -> ``h_0``)."""
+    out: list[str] = []
+    module = model
+    for segment in path:
+        if _container(module) and out:
+            out[-1] = f"{out[-1]}_{segment}"
+        else:
+            out.append(segment)
+        children = _children(module)  # a second call (``linear_1``) has the submodules of ``linear``
+        module = children.get(segment) or children.get(segment.rpartition("_")[0]) or module
+    return ".".join(out)
+
+
+def _shown(names: list[str], most: int = 8) -> str:
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "") if names else "none"
+
+
 def _tree(args: argparse.Namespace) -> None:
     from .extract.options import ExtractionOptions
     from .patching.patchable_graph import PatchableGraph
-    from .patching.inspection import format_tree
+    from .patching.inspection import format_tree, missing_child
 
     model, tokenizer = _load(args.model)
+    modules, rest = module_path(model, args.path) if args.path else ([], [])  # before extracting: fails fast
     inputs = tokenizer("The quick brown fox jumps over the lazy dog", return_tensors="pt")
     pg = PatchableGraph(model, **inputs, options=ExtractionOptions(progress=sys.stderr.isatty()))
     if args.explain:
@@ -60,12 +218,19 @@ def _tree(args: argparse.Namespace) -> None:
         print(explain(pg))
         return
     view = pg.graph
-    if args.path:
-        for segment in args.path.split("."):
-            try:
-                view = getattr(view, segment)
-            except AttributeError as error:
-                raise NNBridgeError(str(error)) from None
+    segments = [*modules, *rest]
+    used = 0
+    while used < len(segments):  # module path segments are nnsight's (h, 0): a NodePath joins them (h_0)
+        segment = segments[used]
+        found = view._child(segment)
+        if found is None and used + 1 < len(segments):
+            found = view._child(f"{segment}_{segments[used + 1]}")
+            used += found is not None
+        if found is None:
+            listing = f"nnbridge tree {args.model}{f' --path {view._path}' if view._path else ''} --depth 1"
+            raise NNBridgeError(missing_child(view, segment, listing=f"'{listing}' lists them"))
+        view = found
+        used += 1
     print(format_tree(view, args.depth, aliases=args.aliases))
 
 
@@ -153,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--out", default="ioi_patching.png", help="heatmap PNG path (default: ioi_patching.png)")
     tree = commands.add_parser("tree", help="print the NodePath tree with shapes")
     tree.add_argument("model", help="'smollm2', 'minilm' or a local transformers directory")
-    tree.add_argument("--path", default="", help="NodePath prefix to start from, e.g. model.layers_0")
+    tree.add_argument("--path", default="", help="module or node to start from: a NodePath (model.layers_0.self_attn)"
+                      " or nnsight's spelling (model.layers.0.self_attn, model.layers[0]); checked before extracting")
     tree.add_argument("--depth", type=int, default=None, help="levels to print (default: all)")
     tree.add_argument("--aliases", action="store_true",
                       help="show each node's variable alias next to its op name, e.g. 'softmax (attn_weights_2)'")

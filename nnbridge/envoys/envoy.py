@@ -8,7 +8,6 @@ what nnsight cannot know: the op's NodePath, and errors that name the closest va
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import nnsight
@@ -17,7 +16,8 @@ import torch
 from ..compat.nnsight.models import wrapped_module
 from ..compat.nnsight import printing as nnsight_repr
 from ..compat.torch.module_dicts import modules_of
-from ..inplace.bridging import Bridge, bridge_of
+from ..inplace.absence import module_absence
+from ..inplace.bridging import bridge_of
 from ..graph.op_point import OpPoint, OpPointContainer
 
 
@@ -79,41 +79,27 @@ class BridgeEnvoy(nnsight.Envoy):
 
 
 def missing_message(envoy: nnsight.Envoy, name: str) -> str:
-    """Why ``envoy`` has no attribute ``name``, for its ``AttributeError``: the closest op names
-    of its module by edit distance (``difflib``), or why it has no ops (opaque, not extracted yet,
-    not run by the extracted calls), or the entries of a module container."""
-    if name in _OLD_SPELLINGS and name not in modules_of(wrapped_module(envoy) or torch.nn.Module()):
-        return f"{envoy.path}.{name}: {_OLD_SPELLINGS[name]}"
+    """Why ``envoy`` has no attribute ``name``, for its ``AttributeError``: nnbridge's one
+    explanation of a missing op (:func:`~nnbridge.inplace.absence.module_absence`): the module runs
+    eagerly, or its attention implementation has no such op, or the closest op names of its module
+    by edit distance (or why it has no ops yet); the entries of a module container."""
     module = wrapped_module(envoy)
-    ops = [n for n, child in (modules_of(module).items() if module is not None else [])
-           if isinstance(child, (OpPoint, OpPointContainer))]
+    if name in _OLD_SPELLINGS and name not in modules_of(module or torch.nn.Module()):
+        return f"{envoy.path}.{name}: {_OLD_SPELLINGS[name]}"
     where = f"{envoy.path} ({type(module).__name__})"
-    bridge = bridge_of(wrapped_module(envoy.root))
-    if bridge is not None:
-        reason = _opaque_reason(bridge, envoy.path)
-        if reason is not None:
-            return (f"{where} has no op {name!r}: the module is opaque (its graph could not be extracted:"
-                    f" {reason}); only its inputs, output, parameters and buffers are ops.")
-    if isinstance(module, _CONTAINERS):
-        entries = [n for n in modules_of(module) if n not in ops]
-        if name.isdigit() or isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            return f"{where} has no entry {name!r}; it holds {len(entries)}: {entries[:8]}."
-    children = [n for n in (modules_of(module) if module is not None else ()) if n not in ops]
-    close_children = difflib.get_close_matches(name, children, n=3, cutoff=0.6)
-    submodules = f" Closest submodules: {close_children}." if close_children else ""
-    if not ops and close_children:
-        return f"{where} has no attribute or op {name!r}.{submodules}"
-    if not ops:
-        if bridge is not None and any(True for _ in bridge.dispatcher.all_extractions()):
-            return (f"{where} has no attribute or op {name!r}, and no ops: the extracted calls of the"
-                    " model did not run it.")
-        return (f"{where} has no attribute or op {name!r}. Its ops are not known yet: they appear when the"
-                " model is extracted, at the first trace whose code names an op (a trace that reads only"
-                " module inputs and outputs runs the model as is), or with model.extract(*inputs).")
-    close = difflib.get_close_matches(name, ops, n=5, cutoff=0.5)
-    if close_children and not close:
-        return f"{where} has no attribute or op {name!r}.{submodules}"
-    return f"{where} has no attribute or op {name!r}; closest ops: {close or ops[:5]}.{submodules}"
+    root = wrapped_module(envoy.root)
+    bridge = bridge_of(root) if isinstance(root, torch.nn.Module) else None
+    entry = isinstance(module, _CONTAINERS) and (name.isdigit() or isinstance(module, (torch.nn.ModuleList,
+                                                                                        torch.nn.ModuleDict)))
+    subject = f"{where} has no entry {name!r}" if entry else f"{where} has no attribute or op {name!r}"
+    return module_absence(subject, name, module=module, path=envoy.path.partition(".")[2], where=where,
+                          model=root if isinstance(root, torch.nn.Module) else None, bridge=bridge,
+                          entries=entry, unknown=_UNKNOWN)
+
+
+#: How a module envoy's ops become known (said while nothing is extracted).
+_UNKNOWN = ("they appear when the model is extracted, at the first trace whose code names an op (a trace that"
+            " reads only module inputs and outputs runs the model as is), or with model.extract(*inputs).")
 
 
 def bridged_hint(envoy: nnsight.Envoy, name: str) -> str | None:
@@ -139,12 +125,3 @@ def tree_repr(envoy: nnsight.Envoy) -> str:
 
 #: Module containers: their entries are modules, indexed by position or key.
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
-
-
-def _opaque_reason(bridge: Bridge, path: str) -> str | None:
-    fqn = path.partition(".")[2]
-    for extraction in bridge.dispatcher.all_extractions():
-        for opaque_path, reason in extraction.opaque.items():
-            if opaque_path == (fqn or "<root>"):
-                return reason
-    return None

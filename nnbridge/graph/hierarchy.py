@@ -84,11 +84,10 @@ def _named_child(module: GraphModuleBase, segment: str, index: NodeIndex | None
     return (segment, None) if segment in module.point_names else None
 
 
-def alias_hint(module: GraphModuleBase, segments: tuple[str, ...], prefix: str = "") -> str:
-    """For a path that does not resolve: a ``" Did you mean ...?"`` naming the aliases close to
-    the first unknown segment, in the graph the longest resolvable prefix names (see
-    :func:`.aliases.suggestion`); ``""`` when there is none. ``prefix``: ``module``'s own NodePath,
-    put before the suggested paths."""
+def deepest(module: GraphModuleBase, segments: tuple[str, ...]) -> tuple[GraphModuleBase | None, list[str], int] | None:
+    """For a path that does not resolve: ``(the graph its longest resolvable prefix names, or None
+    when that prefix is a node; the prefix's NodePath segments; the index of the first segment
+    after it)``; None when the whole path resolves."""
     for known in range(len(segments) - 1, -1, -1):
         resolved = split_segments(module, segments[:known])
         if resolved is None:
@@ -97,9 +96,21 @@ def alias_hint(module: GraphModuleBase, segments: tuple[str, ...], prefix: str =
         for segment in resolved:
             found = child(current, segment) if current is not None else None
             current = found[1] if found is not None else None
-        where = ".".join([p for p in (prefix, *resolved) if p])
-        return suggestion(current, segments[known], where) if current is not None else ""
-    return ""
+        return current, resolved, known
+    return None
+
+
+def alias_hint(module: GraphModuleBase, segments: tuple[str, ...], prefix: str = "") -> str:
+    """For a path that does not resolve: a ``" Did you mean ...?"`` naming the aliases close to
+    the first unknown segment, in the graph the longest resolvable prefix names (see
+    :func:`.aliases.suggestion`); ``""`` when there is none. ``prefix``: ``module``'s own NodePath,
+    put before the suggested paths."""
+    found = deepest(module, segments)
+    if found is None or found[0] is None:
+        return ""
+    current, resolved, known = found
+    where = ".".join([p for p in (prefix, *resolved) if p])
+    return suggestion(current, segments[known], where)
 
 
 def walk(module: GraphModuleBase, prefix: str = "") -> Iterator[tuple[str, GraphModuleBase, str, GraphModuleBase | None]]:

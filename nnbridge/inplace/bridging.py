@@ -8,7 +8,9 @@ class, ``config``, ``generate()``, ``state_dict()`` keys, parameters) and gives 
   module: ``model.get_submodule("transformer.h.0.attn.softmax")``. Torch hooks on it see and may
   replace the op's value; a node is routed through its op point only while something listens;
 - the user's own torch hooks, and nnsight's or accelerate's wrappers, keep running around each
-  module's body, because only the body is swapped (see :mod:`nnbridge.compat.torch.forwards`).
+  module's body, because only the body is swapped (see :mod:`nnbridge.compat.torch.forwards`);
+- ``model.get_submodule`` of a name the model lacks says why it is no op (the module runs eagerly,
+  its attention implementation has none, or the closest ops: :mod:`.absence`).
 
 Example::
 
@@ -44,6 +46,7 @@ from ..compat.torch.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat import DirectCall, SwappedBody, restore_body, swap_body
 from ..graph.failures import add_note
 from ..errors import NNBridgeError
+from .absence import SubmoduleLookup
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
 from ..guards.preservation import preserved_state
 from ..dispatch.dispatcher import GraphDispatcher
@@ -62,6 +65,9 @@ from ..extract.options import ExtractionOptions
 #: key in a bridged model's ``__dict__`` holding its :class:`Bridge` (removed by :func:`unbridge`);
 #: kept on the model, not in a global registry, so a bridged model is freed like any other.
 BRIDGE_KEY = "_nnbridge_bridge"
+#: key in a bridged model's ``__dict__`` holding its ``get_submodule`` (:class:`~.absence.SubmoduleLookup`:
+#: torch's, whose error for a missing name explains why it is no op)
+LOOKUP_KEY = "get_submodule"
 _LOCAL = threading.local()
 _ENVOY_NAMES = frozenset({"input", "inputs", "output"})
 #: What an extraction gives for a module: its compiled graph, or an opaque stand-in.
@@ -346,6 +352,21 @@ class Bridge:
         finally:
             self.lazy = previous
 
+    def opaque_reason(self, path: str) -> str | None:
+        """Why the module at torch path ``path`` (``""``: the model) runs eagerly in an extraction
+        made so far, or None (a graph everywhere, or not extracted)."""
+        key = path or "<root>"
+        for dispatcher in list(self.dispatchers.values()):
+            for extraction in dispatcher.all_extractions():
+                reason = extraction.opaque.get(key)
+                if reason is not None:
+                    return reason
+        return None
+
+    def extracted(self) -> bool:
+        """Whether the model (or a module of it, lazily) has been extracted."""
+        return any(True for dispatcher in list(self.dispatchers.values()) for _ in dispatcher.all_extractions())
+
     def lazy_allowed(self, modules: Iterable[torch.nn.Module]) -> bool:
         """Whether :meth:`lazily` may serve ``modules``: none is called more than once per forward
         (a whole-model extraction gives each call its own op points, ``invocation_<k>``; a module
@@ -525,11 +546,14 @@ class Bridge:
                 remove_copier(body.module)
             unlock_calls(self.locked)
             entry = self.model.__dict__.pop(BRIDGE_KEY, None)
+            lookup = remove_lookup(self.model)
             try:
                 yield
             finally:
                 if entry is not None:
                     self.model.__dict__[BRIDGE_KEY] = entry
+                if lookup is not None:
+                    self.model.__dict__[LOOKUP_KEY] = lookup
                 self.lock_calls()
                 for body in swapped:
                     self.swap(body.module)
@@ -596,7 +620,16 @@ def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOption
         state.undo()
         raise
     model.__dict__[BRIDGE_KEY] = state
+    if LOOKUP_KEY not in model.__dict__:  # the user's own get_submodule on the instance stays
+        model.__dict__[LOOKUP_KEY] = SubmoduleLookup(model, state)
     return model
+
+
+def remove_lookup(model: torch.nn.Module) -> SubmoduleLookup | None:
+    """Take :class:`~.absence.SubmoduleLookup` off ``model`` (the class's ``get_submodule`` again)."""
+    if isinstance(model.__dict__.get(LOOKUP_KEY), SubmoduleLookup):
+        return cast(SubmoduleLookup, model.__dict__.pop(LOOKUP_KEY))
+    return None
 
 
 def unbridge(model: torch.nn.Module) -> torch.nn.Module:
@@ -609,6 +642,7 @@ def unbridge(model: torch.nn.Module) -> torch.nn.Module:
     state = model.__dict__.pop(BRIDGE_KEY, None)
     if state is None:
         raise NNBridgeError(f"{type(model).__name__} is not bridged; nothing to undo.")
+    remove_lookup(model)
     state.undo()
     del state
     release_garbage()  # the graphs are reference cycles: collected before the heap is trimmed

@@ -18,6 +18,7 @@ import torch
 from torch.fx.node import Argument, Node, map_arg
 
 from ..graph import hierarchy
+from ..graph.absence import absence_reason
 from ..graph.aliases import aliases_by_node, aliases_of, stack_frames
 from ..graph.summaries import describe, summary_children
 from ..graph.graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
@@ -171,9 +172,12 @@ class NodeView:
     _summary: Any
     #: dig keys into the node's value
     _dig: tuple[str, ...]
+    #: the model the hierarchy was extracted from (its config names the attention implementation), or None
+    _model: object
 
     def __init__(self, path: str, owner: GraphModuleBase | None, name: str, graph: GraphModuleBase | None,
-                 summary: Any = None, dig: tuple[str, ...] = ()):
+                 summary: Any = None, dig: tuple[str, ...] = (), model: object = None):
+        object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_path", path)
         object.__setattr__(self, "_owner", owner)
         object.__setattr__(self, "_node_name", name)
@@ -186,10 +190,11 @@ class NodeView:
         prefix = f"{self._path}." if self._path else ""
         if self._graph_module is not None:
             graph = self._graph_module
-            return [(name, NodeView(prefix + name, graph, name, sub, graph.example(name)))
+            return [(name, NodeView(prefix + name, graph, name, sub, graph.example(name), model=self._model))
                     for name, sub in hierarchy.children(self._graph_module)]
         sep = "." if self._dig else "|"
-        return [(key, NodeView(f"{self._path}{sep}{key}", self._owner, self._node_name, None, value, (*self._dig, key)))
+        return [(key, NodeView(f"{self._path}{sep}{key}", self._owner, self._node_name, None, value, (*self._dig, key),
+                               model=self._model))
                 for key, value in summary_children(self._summary)]
 
     def _child(self, item: str) -> NodeView | None:
@@ -205,11 +210,7 @@ class NodeView:
         found = self._child(item)
         if found is not None:
             return found
-        names = [name for name, _ in self._child_views()]
-        close = difflib.get_close_matches(item, names, n=5, cutoff=0.4) or names[:5]
-        hint = hierarchy.alias_hint(self._graph_module, (item,), self._path) if self._graph_module is not None else ""
-        raise AttributeError(f"{self._path or '<root>'} has no child {item!r}; closest: {close}"
-                             f" ({len(names)} children; dir() lists them).{hint}")
+        raise AttributeError(missing_child(self, item, listing="dir() lists them"))
 
     def __dir__(self) -> list[str]:
         aliases = list(aliases_of(self._graph_module)) if isinstance(self._graph_module, CompiledGraphModule) else []
@@ -355,6 +356,24 @@ class NodeView:
         """A module's view prints its tree (as ``repr``; ``print(pg.graph)``), a node's view its
         NodePath (``str(pg.graph.output.sub_0) == "output|sub_0"``, usable as a patch key)."""
         return repr(self) if self._graph_module is not None else self._path
+
+
+def missing_child(view: NodeView, item: str, *, listing: str) -> str:
+    """Why ``view`` has no child ``item``: the closest children by edit distance, how many there
+    are and how to list them (``listing``: ``"dir() lists them"`` in a REPL, the command in a
+    shell), and an alias close to ``item``."""
+    names = [name for name, _ in view._child_views()]
+    graph = view._graph_module
+    subject = f"{view._path or '<root>'} has no child {item!r}"
+    if graph is not None:  # it runs eagerly, or its attention has no such op: the one explanation says so
+        where = f"{view._path or '<root>'} ({graph.original_type.__name__})"
+        reason = absence_reason(item, where=where, ops=names, model=view._model,
+                                opaque=graph.reason if isinstance(graph, OpaqueGraphModule) else None)
+        if reason is not None:
+            return f"{subject}: {reason}"
+    close = difflib.get_close_matches(item, names, n=5, cutoff=0.4) or names[:5]
+    hint = hierarchy.alias_hint(view._graph_module, (item,), view._path) if view._graph_module is not None else ""
+    return f"{subject}; closest: {close} ({len(names)} children; {listing}).{hint}"
 
 
 def format_tree(view: NodeView, depth: int | None = None, *, aliases: bool = False) -> str:

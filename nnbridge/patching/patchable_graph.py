@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import difflib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any, Protocol, SupportsIndex, cast
@@ -26,6 +25,7 @@ from ..compat.libc import collection_paused
 from ..compat.torch.module_dicts import modules_of
 from ..errors import NNBridgeError, NodePathError, PatchError, PatchMapError
 from ..graph import hierarchy, patch_state
+from ..graph.absence import explain_absence
 from . import varargs_paths
 from ..dispatch.dispatcher import GraphDispatcher, WeakCallback
 from ..guards.preservation import preserved_state
@@ -337,7 +337,7 @@ class PatchableGraph(torch.nn.Module):
     @property
     def graph(self) -> NodeView:
         """The NodePath tree of the first extraction (tab-completes; repr shows shapes)."""
-        return NodeView("", None, "", self._graph_module)
+        return NodeView("", None, "", self._graph_module, model=self._dispatcher.module)
 
     def node_paths(self) -> list[str]:
         """Every valid leaf NodePath (dig paths included), in tree order."""
@@ -500,8 +500,7 @@ class PatchableGraph(torch.nn.Module):
         node_path = varargs_paths.canonical(root, NodePath.parse(text))  # graphpatch's "foos|sub_0"
         segments = hierarchy.split_segments(root, node_path.nodes)
         if segments is None:
-            hint = hierarchy.alias_hint(root, node_path.nodes)
-            raise NodePathError(f"{text!r} is not a node.{hint} {self._closest(text)}")
+            raise NodePathError(self._absence(text, node_path.nodes))
         canonical = NodePath(tuple(segments), node_path.dig)
         hits = hierarchy.resolve_all(root, segments)
         if not hits:
@@ -522,13 +521,21 @@ class PatchableGraph(torch.nn.Module):
                 f"'{canonical}{'.' if node_path.dig else '|'}{keys[0]}' (choices: {keys}).")
         return canonical
 
-    def _closest(self, text: str) -> str:
-        candidates = self.node_paths()
-        close = difflib.get_close_matches(text, candidates, n=5, cutoff=0.5)
-        if not close:
-            prefix = text.rpartition(".")[0]
-            close = [p for p in candidates if p.startswith(prefix)][:5] if prefix else candidates[:5]
-        return f"Closest valid NodePaths: {close}." if close else "This graph has no patchable nodes."
+    def _absence(self, text: str, nodes: tuple[str, ...]) -> str:
+        """Why ``text`` is not a node (:func:`~nnbridge.graph.absence.explain_absence`): the module
+        its longest valid prefix names runs eagerly, or its attention implementation has no such
+        op, or the closest valid NodePaths."""
+        root = self._graph_module
+        found = hierarchy.deepest(root, nodes)
+        graph, resolved, missing = found if found is not None else (None, [], 0)
+        children = hierarchy.children(graph) if graph is not None else []
+        where = f"{'.'.join(resolved) or '<root>'} ({graph.original_type.__name__})" if graph is not None else ""
+        return explain_absence(
+            f"{text!r} is not a node", nodes[missing] if nodes else text, where=where,
+            ops=[name for name, _ in children], model=self._dispatcher.module,
+            opaque=graph.reason if isinstance(graph, OpaqueGraphModule) else None,
+            submodules=[name for name, sub in children if sub is not None], paths=self.node_paths(), asked=text,
+            hint=hierarchy.alias_hint(root, nodes))
 
 
 def _leaf_paths(path: str, summary: Any, first: bool) -> list[str]:

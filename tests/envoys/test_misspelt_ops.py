@@ -59,3 +59,40 @@ def test_misspelt_names_before_extraction_and_of_modules():
     with pytest.raises(AttributeError) as error:
         plain.transformer.h[0].attn.sofmax
     assert str(error.value) == "'Envoy' object (nor its module) has attribute 'sofmax'"
+
+
+# -- why an op is missing (issue 51): the same explanation as pg.patch and get_submodule ----------
+def test_default_envoys_name_the_attention_implementation():
+    from nnbridge import PatchableGraph, ZeroPatch
+
+    ids = torch.randint(0, 100, (1, 6))
+    model = nnbridge.NNsight(gpt2("sdpa"))
+    model.extract(ids)
+    assert type(model.transformer.h[0].attn) is nnsight.Envoy
+    with pytest.raises(AttributeError) as envoy:
+        model.transformer.h[0].attn.softmax
+    text = str(envoy.value)
+    assert text.startswith("'Envoy' object (nor its module) has attribute 'softmax'. model.transformer.h.0.attn"
+                           " (GPT2Attention) has no attribute or op 'softmax': the module computes attention with"
+                           " attn_implementation='sdpa', one fused call ('scaled_dot_product_attention') with no 'softmax'")
+    # one explanation: the envoy's, get_submodule's and pg.patch's say the same after naming the module
+    with pytest.raises(AttributeError) as lookup:
+        model._module.get_submodule("transformer.h.0.attn.softmax")
+    pg = PatchableGraph(gpt2("sdpa"), ids)
+    with pytest.raises(KeyError) as patch:
+        with pg.patch({"transformer.h_0.attn.softmax": ZeroPatch()}):
+            pass
+    tails = {str(error.value).partition(" computes attention")[2] for error in (envoy, lookup, patch)}
+    assert len(tails) == 1 and 'attn_implementation="eager"' in tails.pop()
+
+
+def test_default_envoys_of_an_opaque_module_give_its_reason():
+    from fixtures.data_dependent_module import DataDependentModule
+
+    x = torch.randn(2, 3)
+    model = nnbridge.NNsight(DataDependentModule().eval())
+    model.extract(x)
+    with pytest.raises(AttributeError, match=r"model.branchy \(Branchy\) has no attribute or op 'softmax': the module"
+                                             r" is opaque: it runs eagerly \(its graph could not be extracted:"
+                                             r" GuardOnDataDependentSymNode.*nnbridge\.explain\(model\)"):
+        model.branchy.softmax

@@ -170,9 +170,9 @@ def test_every_layer_is_a_documented_subpackage():
 def test_every_module_imports_alone():
     """Each module imported first in a clean interpreter state (torch stays loaded: only nnbridge's
     modules are dropped between imports), so none relies on another having been imported before.
-    Importing any module runs ``nnbridge/__init__`` first, so a module that ``import nnbridge``
-    loads imports alone exactly when ``import nnbridge`` succeeds: it is checked once, and every
-    module it does not load is then imported alone."""
+    A module the public API loads (``import nnbridge``, then every name of ``nnbridge.__all__``,
+    which the package root imports on first use) imports alone exactly when that succeeds: it is
+    checked once, and every module it does not load is then imported alone."""
     names = sorted(n for n in _modules() if not n.endswith("__main__"))  # __main__ runs the CLI
     script = (
         "import importlib, sys, torch, transformers, nnsight\n"
@@ -180,7 +180,7 @@ def test_every_module_imports_alone():
         "    for loaded in [m for m in sys.modules if m == 'nnbridge' or m.startswith('nnbridge.')]:\n"
         "        del sys.modules[loaded]\n"
         "failed, alone = [], []\n"
-        "try:\n    importlib.import_module('nnbridge')\n"
+        "try:\n    root = importlib.import_module('nnbridge')\n    [getattr(root, n) for n in root.__all__]\n"
         "except Exception as error:\n    failed.append(f'nnbridge: {type(error).__name__}: {error}')\n"
         "package = {m for m in sys.modules if m == 'nnbridge' or m.startswith('nnbridge.')}\n"
         f"for name in {names!r}:\n"
