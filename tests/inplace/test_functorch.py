@@ -11,9 +11,11 @@ import nnbridge
 from nnbridge.inplace.bridging import bridge_of
 from utils import gpt2
 
-# torch's forward-mode AD (jvp, hessian) scripts its decompositions on first use, with torch's own
-# deprecation warning of torch.jit.script
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+# torch's forward-mode AD (jvp, hessian) scripts its decompositions on first use (eager torch too),
+# with torch's own deprecation warning of torch.jit.script: a DeprecationWarning on torch 2.13, a
+# FutureWarning from 2.14 on
+pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")]
 
 
 class Mlp(torch.nn.Module):
