@@ -21,10 +21,12 @@ Or bridge the model in place, so plain torch hooks reach every op::
     model.get_submodule("transformer.h.0.attn.softmax").register_forward_hook(
         lambda module, args, output: output * 0)
 
-``import nnbridge`` itself imports nothing heavy: the public names below load on first use (PEP 562
-``__getattr__``), which imports torch, transformers and nnsight, checks the installed versions
-against the verified ones (:func:`nnbridge.compat.registry.check_versions`) and installs nnsight's
-routing into the graph runtime (:func:`nnbridge.envoys.routing.install`). So the ``nnbridge``
+``import nnbridge`` checks the installed versions against the verified ones
+(:func:`nnbridge.compat.registry.check_versions`, read from package metadata: a correctness patch
+not verified on them raises :class:`NNBridgeError` here) and imports nothing heavy: the public
+names below load on first use (PEP 562 ``__getattr__``), which imports torch, transformers and
+nnsight and installs nnsight's routing into the graph runtime
+(:func:`nnbridge.envoys.routing.install`). So the ``nnbridge``
 command's ``--help`` and argument errors answer at once (``nnbridge.cli`` imports the rest only for
 the command it runs).
 """
@@ -33,6 +35,8 @@ from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from .compat import registry as _registry
 
 if TYPE_CHECKING:  # the names as the type checker sees them; at run time __getattr__ loads them
     from .errors import ExtractionError as ExtractionError
@@ -61,6 +65,8 @@ if TYPE_CHECKING:  # the names as the type checker sees them; at run time __geta
     from .envoys import LanguageModel as LanguageModel
     from .envoys import NNsight as NNsight
     from .envoys import TransformersModel as TransformersModel
+
+_registry.check_versions()  # a correctness patch not verified on the installed versions refuses here
 
 #: ``{public name: module defining it}``, loaded together on the first use of any (see :func:`_load`)
 _EXPORTS: dict[str, str] = {
@@ -123,11 +129,8 @@ __all__ = [
 
 
 def _load() -> None:
-    """Import the public API into this module, once: refuse correctness patches not verified on the
-    installed versions, then let the graph runtime ask nnsight whether a running trace wants an op."""
-    from .compat import registry
-
-    registry.check_versions()  # a correctness patch not verified on the installed versions refuses here
+    """Import the public API into this module, once, then let the graph runtime ask nnsight whether
+    a running trace wants an op."""
     names = {name: getattr(importlib.import_module(module, __name__), name) for name, module in _EXPORTS.items()}
     from .envoys.routing import install
 

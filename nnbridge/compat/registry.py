@@ -224,15 +224,21 @@ def major_minor(version: str) -> str:
 
 
 def installed_version(library: str) -> str | None:
-    """The installed version of ``library`` (full text, ``"2.13.0+cpu"``), or None when it is absent."""
-    if library == "torch":
-        import torch
+    """The installed version of ``library`` (full text, ``"2.13.0+cpu"``), or None when it is absent.
 
-        return str(torch.__version__)
+    Read from the package's metadata, so asking imports nothing; torch's own ``__version__`` when
+    torch is importable without metadata (a source build)."""
     try:
         return importlib.metadata.version(library)
     except importlib.metadata.PackageNotFoundError:
-        return None
+        pass
+    if library == "torch":
+        try:
+            import torch
+        except ImportError:
+            return None
+        return str(torch.__version__)
+    return None
 
 
 def _version(library: str, kind: str) -> tuple[str | None, bool]:

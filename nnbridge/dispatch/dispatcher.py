@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import torch
 
-from ..compat import register_cache_pytrees
+from ..compat.torch.export import register_cache_pytrees
 from ..compat.torch.pytree import pytree
 from ..compat.libc import collection_paused
 from ..compat.torch.functorch import (

@@ -70,9 +70,18 @@ from ..extract.reuse import (
     plan as reuse_plan,
 )
 from ..graph.state import Key, UntouchedLayers, state_keys
-from ..compat import (cleared_module_state, constant_outputs, copy_spec, empty_module_calls, forget_export_state,
-                      generated_code_released, invocation_graphs, offloaded_weights_loaded, register_cache_pytrees,
-                      unflatten)
+from ..compat.torch.hooks import cleared_module_state
+from ..compat.torch.export import (
+    constant_outputs,
+    copy_spec,
+    empty_module_calls,
+    forget_export_state,
+    invocation_graphs,
+    register_cache_pytrees,
+    unflatten,
+)
+from ..compat.torch.fx import generated_code_released
+from ..compat.accelerate import offloaded_weights_loaded
 from ..compat.libc import collection_paused, release_free_heap
 from ..compat.torch.fx import fx_patches_confined
 from ..compat.transformers.mask_skips import replaced_sdpa_functions

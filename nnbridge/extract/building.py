@@ -37,7 +37,7 @@ from ..graph.state import Key, UntouchedLayers
 from .state_graphs import (argument_objects, drop_unused_reads, forward_state_objects, read_states_back,
                            write_states_back)
 from .unused import keep_unused, registration_order
-from ..compat import invocation_graphs
+from ..compat.torch.export import invocation_graphs
 from ..compat.torch.pytree import pytree
 from ..errors import ExtractionError
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from torch.fx import Graph, Node
 
-from ..compat import rename_nodes
+from ..compat.torch.export import rename_nodes
 from ..graph.metadata import update_node_meta
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.fx import Graph, Node
 
-from ..compat import forward_from_source
+from ..compat.torch.export import forward_from_source
 from ..compat.torch.fast_ops import bindings_fit, with_fast_ops
 from ..compat.torch.fx import sources_compiled_once
 from .failures import register

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from torch.fx import Graph, GraphModule
 from torch.fx.graph import PythonCode
 
-from ..compat import generated_line_map
+from ..compat.torch.fx import generated_line_map
 from .metadata import GraphMeta, node_meta
 
 if TYPE_CHECKING:  # annotations only: graph_module imports this module

@@ -26,7 +26,7 @@ from ..compat.torch.module_dicts import parameters_of
 from ..compat.torch.pytree import fx_pytree
 from ..compat.torch.pytree import pytree
 
-from ..compat import NoSubmoduleRecompile, generated_code_released, keep_tracebacks
+from ..compat.torch.fx import NoSubmoduleRecompile, generated_code_released, keep_tracebacks
 from ..compat.accelerate import run_hooked
 from . import codegen
 from .failures import register

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import torch
 
-from ..compat import instance_forward
+from ..compat.torch.forwards import instance_forward
 from ..compat.torch.module_dicts import modules_of
 from ..errors import ExtractionError
 from .graph_module import CompiledGraphModule

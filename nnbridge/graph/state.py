@@ -24,7 +24,7 @@ import torch
 
 from ..compat.torch.pytree import node_class, pytree, registered_class
 from ..compat.transformers import cache_layers
-from ..compat import call_overridden
+from ..compat.torch.forwards import call_overridden
 from ..compat.torch.forwards import call_override, restore_call_override
 from .locking import CALL_LOCK
 

@@ -26,7 +26,7 @@ import torch
 from ..compat.torch.pytree import pytree
 from ..compat.torch.symbolic import symbolic_expr, symbolic_hint
 
-from ..compat import compile_guards, export_guards, guard_view
+from ..compat.torch.export import compile_guards, export_guards, guard_view
 
 #: One dimension's rule in a :class:`ShapeGuard`: a static size, ``(symbol, low, high)``, or
 #: ``(symbol, low, high, coefficient, offset)`` (a size derived from a symbol).

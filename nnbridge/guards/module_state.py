@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ..compat.torch.module_dicts import MODULE_SLOTS, modules_of
-from ..compat import MODEL_STATE_ATTRIBUTES
+from ..compat.transformers.output_capturing import MODEL_STATE_ATTRIBUTES
 from ..compat.torch.tensor_checks import fast_tensor_check
 from .code_check import CodeCheck, code_bindings
 from .code_objects import is_plumbing

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..compat import MODEL_STATE_ATTRIBUTES
+from ..compat.transformers.output_capturing import MODEL_STATE_ATTRIBUTES
 from ..compat.torch.capture import tensor_version
 from ..compat.torch.module_dicts import buffers_of, parameters_of
 from ..compat.nnsight.interleaving import NNSIGHT_MODULE_ATTRIBUTES

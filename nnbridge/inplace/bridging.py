@@ -43,7 +43,7 @@ import torch
 
 from ..compat.libc import release_garbage
 from ..compat.torch.module_dicts import buffers_of, modules_of, parameters_of
-from ..compat import DirectCall, SwappedBody, restore_body, swap_body
+from ..compat.torch.forwards import DirectCall, SwappedBody, restore_body, swap_body
 from ..graph.failures import add_note
 from ..errors import NNBridgeError
 from .absence import SubmoduleLookup

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..compat import capturing_hooks
+from ..compat.torch.hooks import capturing_hooks
 from ..graph.graph_module import CompiledGraphModule, GraphModuleBase
 from ..graph.metadata import node_meta
 

@@ -20,7 +20,8 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, SupportsIndex, cast
 import torch
 from ..compat.torch.pytree import pytree
 
-from ..compat import has_user_hooks, restore_body, swap_body
+from ..compat.torch.hooks import has_user_hooks
+from ..compat.torch.forwards import restore_body, swap_body
 from ..compat.libc import collection_paused
 from ..compat.torch.module_dicts import modules_of
 from ..errors import NNBridgeError, NodePathError, PatchError, PatchMapError

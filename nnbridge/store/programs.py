@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..compat import MODEL_STATE_ATTRIBUTES
+from ..compat.transformers.output_capturing import MODEL_STATE_ATTRIBUTES
 from ..compat.torch.module_dicts import MODULE_SLOTS
 from ..compat.torch.pytree import pytree
 from ..guards.call_structure import ShapeGuard, structure_key

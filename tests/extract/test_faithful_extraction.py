@@ -719,7 +719,7 @@ def test_a_forward_set_on_an_instance_after_a_patchable_graph_was_built_is_refus
 
 def test_wrappers_around_the_class_forward_are_not_instance_forwards():
     """nnsight's, accelerate's and a bridge's own wrappers run the class's forward: not refused."""
-    from nnbridge.compat import instance_forward
+    from nnbridge.compat.torch.forwards import instance_forward
     from utils import gpt2, halved_mlp
     model = gpt2()
     mlp = model.transformer.h[0].mlp

@@ -11,7 +11,7 @@ from fixtures.minimal_module import MinimalModule
 from nnbridge import PatchableGraph, ZeroPatch
 from nnbridge.inplace.bridging import bridge_of
 from nnbridge.guards.call_structure import ShapeGuard, memory_layout
-from nnbridge.compat import guard_view
+from nnbridge.compat.torch.export import guard_view
 from nnbridge.compat.torch.pytree import pytree
 from utils import PastPlusNew, assert_same, gpt2, padded_batch, past_plus_new
 

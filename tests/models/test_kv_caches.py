@@ -232,7 +232,7 @@ def test_plain_value_decides_as_the_flattened_spec_does():
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     from nnbridge.extract.cleanup import _simple_spec, plain_value
-    from nnbridge.compat import register_cache_pytrees
+    from nnbridge.compat.torch.export import register_cache_pytrees
     from nnbridge.compat.torch.pytree import pytree, registered_class
 
     def flattened(value):
