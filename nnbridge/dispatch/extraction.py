@@ -66,11 +66,11 @@ from ..extract.options import ExtractionOptions
 from ..extract.recording import record_calls
 from ..extract import sibling_roots
 from ..extract.sibling_roots import CallShape, RootWatch, SharedRoot
-from ..extract.reuse import (
+from ..extract.cache_rebinding import rebind_cache_state
+from ..extract.reuse_export_check import check_reused_export
+from ..extract.reuse_plan import (
     ReuseFallback,
     ReusePlan,
-    check_reused_export,
-    rebind_cache_state,
     confirm as confirm_reuse,
     plan as reuse_plan,
 )
@@ -400,7 +400,7 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
             ctx.opaque[ctx.full(fqn)] = reason
     plan = plan.outside(stubs)
     if plan.siblings:
-        check_reused_export(plan, exported, stubs, states)
+        check_reused_export(plan, exported, stubs, states=states)
     guard = record.guard if record is not None else ShapeGuard.from_export(exported) if dynamic else static
     if record is None:
         record = programs.ProgramRecord(ctx.path, request.call_fingerprint(), exported, dynamic, states, dict(stubs),

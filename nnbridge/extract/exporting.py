@@ -24,10 +24,12 @@ from ..graph.kinds import StubKind
 from ..graph.module_tree import CONTAINERS, aliases_hidden, named_real_modules, op_points_hidden
 from .recording import copy_inputs, stub_output
 from .sibling_roots import RootWatch
-from .reuse import (CacheTrace, ReuseFallback, ReusePlan, cache_indices, cache_updates_traced, reads_watched,
-                    sibling_stub)
+from .reuse_plan import ReuseFallback, ReusePlan, cache_indices
+from .sibling_stubs import sibling_stub
+from .watched_attributes import reads_watched
 from ..graph.state import Key, UntouchedLayers, argument, state_keys, states_returned
 from ..compat.transformers import cache_layers
+from ..compat.transformers.cache_updates import CacheTrace, cache_updates_traced
 from ..compat.torch.export import export
 from ..compat.transformers.output_capturing import active_collector
 from ..compat.torch.pytree import pytree
@@ -157,13 +159,13 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     written. ``traced`` modules will be opaque although export traces them; inside ``frozen`` ones,
     grad-mode changes are ignored (see :mod:`.capture_checks`). Returns the program, whether it is dynamic, and the state keys of every threaded
     call (``{path: [keys per invocation]}``). ``reuse``'s siblings are stubbed with outputs shaped
-    as their representative's (see :mod:`.reuse`); :class:`~.reuse.ReuseFallback` when unsafe.
+    as their representative's (see :mod:`.reuse_plan`); :class:`~.reuse_plan.ReuseFallback` when unsafe.
     ``untouched``, when given, is filled with the cache layers each threaded call's code never
     touched (see :func:`~.state.states_returned`), for the successful attempt. ``root_watch`` (the
     module is the representative of its siblings, see :mod:`.sibling_roots`) watches its attributes
     that differ between them: their reads, and touches of cache layers other than its own, are put
     in ``watch_reads`` (not raised: they only make the program unshareable); with ``reuse``
-    siblings of its own, any read raises :class:`~.reuse.ReuseFallback` as without ``root_watch``.
+    siblings of its own, any read raises :class:`~.reuse_plan.ReuseFallback` as without ``root_watch``.
     """
     reuse = reuse or ReusePlan()
     wrapper = ExportRoot(module)
@@ -217,8 +219,9 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     watched = [*reuse.watched, *(root_watch.watched if root_watch is not None else ())]
     for sibling, rep in reuse.siblings.items():
         rep_modules = frozenset(id(sub) for _, sub in named_real_modules(module.get_submodule(rep)))
-        module.get_submodule(sibling).__dict__["forward"] = sibling_stub(sibling, rep, seen, reuse.caches.get(sibling),
-                                                                         trace, rep_modules)
+        module.get_submodule(sibling).__dict__["forward"] = sibling_stub(sibling, rep, seen,
+                                                                         rebinding=reuse.caches.get(sibling),
+                                                                         trace=trace, rep_modules=rep_modules)
     try:
         attempts = [True, False] if dynamic else [False]
         last: BaseException | None = None
