@@ -72,7 +72,7 @@ import io, json, time, zipfile
 import torch
 import transformers
 from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
-import nnbridge.extract.reuse  # registers the custom op a program of layer reuse calls (sibling_zeros)
+import nnbridge.compat.torch.sibling_zeros  # registers the custom op a program of layer reuse calls (sibling_zeros)
 from nnbridge.compat.torch.serialization import load_program
 register_cache_pytrees_for_model(transformers.LlamaForCausalLM.__new__(transformers.LlamaForCausalLM))
 with zipfile.ZipFile({path!r}) as archive:

@@ -161,7 +161,8 @@ PATCHES: tuple[RuntimePatch, ...] = (
            " its cache."),
     _torch("load_shared_sym_ints", "torch._export.serde.serialize.GraphModuleDeserializer.deserialize_sym_int",
            "speed", "Makes each distinct symbolic size once per deserializer, as a traced graph shares them."),
-    # transformers (compat/mask_skips.py, compat/cache_layers.py, bridge/reuse.py)
+    # transformers (compat/transformers/mask_skips.py, cache_layers.py, cache_updates.py) and the model's own
+    # classes (extract/watched_attributes.py)
     RuntimePatch("mask_skips", "transformers.masking_utils._ignore_causal_mask_sdpa, "
                  "transformers.masking_utils._ignore_bidirectional_mask_sdpa",
                  "Reports when eager code skips building an sdpa mask, which a traced graph always builds (a"

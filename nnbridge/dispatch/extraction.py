@@ -61,11 +61,11 @@ from ..extract.options import ExtractionOptions
 from ..extract.recording import record_calls
 from ..extract import sibling_roots
 from ..extract.sibling_roots import CallShape, RootWatch, SharedRoot
-from ..extract.reuse import (
+from ..extract.cache_rebinding import rebind_cache_state
+from ..extract.reuse_export_check import check_reused_export
+from ..extract.reuse_plan import (
     ReuseFallback,
     ReusePlan,
-    check_reused_export,
-    rebind_cache_state,
     confirm as confirm_reuse,
     plan as reuse_plan,
 )
@@ -326,7 +326,7 @@ class _RootExport:
         stubs: ``{module path: a StubKind, or the reason a failure made it opaque}`` of the modules
             stubbed (or traced through, see ``traced``) while exporting; ``errors`` their errors.
         calls: the recorded calls of the stubbed modules (see :func:`.recording.record_calls`).
-        plan: the layers whose graphs are built from their representative's (see :mod:`.reuse`).
+        plan: the layers whose graphs are built from their representative's (see :mod:`.reuse_plan`).
         traced: modules export traces through although they are shown opaque; ``frozen``: those
             of them whose grad-mode changes are ignored.
         record: the program's record (looked up for the call, else made after the export).
@@ -496,7 +496,7 @@ class _RootExport:
         exported = self.program
         self.plan = self.plan.outside(self.stubs)
         if self.plan.siblings:
-            check_reused_export(self.plan, exported, self.stubs, self.states)
+            check_reused_export(self.plan, exported, self.stubs, states=self.states)
         record = self.record
         guard = record.guard if record is not None else ShapeGuard.from_export(exported) if self.dynamic else static
         if record is None:

@@ -13,8 +13,9 @@ The steps, in order:
    hierarchy's shape;
 5. *opaque fallback* (:mod:`.opaque`): a module that cannot be exported runs its own code, and each
    child it calls is extracted on its own;
-6. *layer reuse* (:mod:`.reuse`, :mod:`.sibling_roots`): one *representative* of identical
-   *sibling* layers is exported; the siblings get copies of its graphs with their own weights.
+6. *layer reuse* (:mod:`.reuse_plan` and the modules it names, :mod:`.sibling_roots`): one
+   *representative* of identical *sibling* layers is exported; the siblings get copies of its
+   graphs with their own weights.
 
 :class:`~.options.ExtractionOptions` holds every setting. This layer imports only
 :mod:`nnbridge.guards`, :mod:`nnbridge.graph`, :mod:`nnbridge.compat` and :mod:`nnbridge.errors`.

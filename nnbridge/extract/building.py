@@ -32,7 +32,9 @@ from ..graph.metadata import node_meta, update_node_meta
 from ..graph.module_tree import safe_name
 from .opaque import opaque_module
 from .recording import record_calls
-from .reuse import ReuseFallback, ReusePlan, ReusedHolder, copy_graph, placeholder_signature, rebind_cache_state
+from .reuse_plan import ReuseFallback, ReusePlan
+from .sibling_graphs import ReusedHolder, copy_graph, placeholder_signature
+from .cache_rebinding import rebind_cache_state
 from ..graph.state import Key, UntouchedLayers
 from .state_graphs import (argument_objects, drop_unused_reads, forward_state_objects, read_states_back,
                            write_states_back)
@@ -157,7 +159,7 @@ class GraphBuilder:
 
     def keep_pristine(self) -> None:
         """Copy every graph of the representatives' subtrees before building changes them: each
-        sibling builds its own copy (see :mod:`.reuse`)."""
+        sibling builds its own copy (see :mod:`.reuse_plan`)."""
         reps = self.reuse.representatives()
         if not reps:
             return
@@ -210,7 +212,7 @@ class GraphBuilder:
 
     def reused_holder(self, fqn: str, source: str, invocation: int) -> ReusedHolder:
         """A sibling's invocation module: a fresh copy of its representative's pristine graph
-        (:class:`~.reuse.ReusedHolder`); the copy's calls keep the representative's numbers."""
+        (:class:`~.sibling_graphs.ReusedHolder`); the copy's calls keep the representative's numbers."""
         holder, graph, numbers = self.pristine_graph(fqn, source, invocation)
         copied, copied_numbers = copy_graph(graph, numbers)
         self.numbers.update(copied_numbers)
@@ -328,7 +330,7 @@ class GraphBuilder:
     def build(self, fqn: str, module: torch.nn.Module, holder: Any,
               invocation: int = 0, source: str | None = None) -> CompiledGraphModule:
         """``fqn``'s graph module from ``holder``'s graph (an unflattened InterpreterModule's, or
-        a :class:`~.reuse.ReusedHolder`'s copy of representative ``source``'s)."""
+        a :class:`~.sibling_graphs.ReusedHolder`'s copy of representative ``source``'s)."""
         source = fqn if source is None else source
         graph = cast(Graph, holder.graph)
         attrs = {str(n.target): resolve_attr(holder, str(n.target)) for n in graph.nodes if n.op == "get_attr"}

@@ -25,10 +25,12 @@ from ..graph.kinds import StubKind
 from ..graph.module_tree import CONTAINERS, aliases_hidden, named_real_modules, op_points_hidden
 from .recording import copy_inputs, stub_output
 from .sibling_roots import RootWatch
-from .reuse import (CacheTrace, ReuseFallback, ReusePlan, cache_indices, cache_updates_traced, reads_watched,
-                    sibling_stub)
+from .reuse_plan import ReuseFallback, ReusePlan, cache_indices
+from .sibling_stubs import sibling_stub
+from .watched_attributes import reads_watched
 from ..graph.state import Key, UntouchedLayers, argument, state_keys, states_returned
 from ..compat.transformers import cache_layers
+from ..compat.transformers.cache_updates import CacheTrace, cache_updates_traced
 from ..compat.torch.export import export
 from ..compat.transformers.output_capturing import active_collector
 from ..compat.torch.pytree import pytree
@@ -147,7 +149,7 @@ class _Instruments:
     hooks keeping ``active`` (the modules running, innermost last) and ``collectors`` (transformers'
     output collector when each was entered), the stubs replaying ``stubs``' recorded outputs, hooks
     keeping ``seen`` (``{representative: (inputs, output)}``) and the siblings' stubs built from it
-    (see :mod:`.reuse`). Installed on creation; :meth:`remove` takes it all off again."""
+    (see :mod:`.reuse_plan`). Installed on creation; :meth:`remove` takes it all off again."""
 
     def __init__(self, module: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list], *,
                  reuse: ReusePlan, root_watch: RootWatch | None):
@@ -173,7 +175,7 @@ class _Instruments:
         for sibling, rep in reuse.siblings.items():
             rep_modules = frozenset(id(sub) for _, sub in named_real_modules(module.get_submodule(rep)))
             module.get_submodule(sibling).__dict__["forward"] = sibling_stub(
-                sibling, rep, self.seen, reuse.caches.get(sibling), self.trace, rep_modules)
+                sibling, rep, self.seen, rebinding=reuse.caches.get(sibling), trace=self.trace, rep_modules=rep_modules)
 
     def _enter(self, fqn: str) -> Callable[..., None]:
         def hook(mod: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
@@ -239,13 +241,13 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     grad-mode changes are ignored (see :mod:`.capture_watch`). Returns the program, whether it is
     dynamic, and the state keys of every threaded call (``{path: [keys per invocation]}``).
     ``reuse``'s siblings are stubbed with outputs shaped as their representative's (see
-    :mod:`.reuse`); :class:`~.reuse.ReuseFallback` when unsafe. ``untouched``, when given, is
+    :mod:`.reuse_plan`); :class:`~.reuse_plan.ReuseFallback` when unsafe. ``untouched``, when given, is
     filled with the cache layers each threaded call's code never touched (see
     :func:`~.state.states_returned`), for the successful attempt. ``root_watch`` (the module is the
     representative of its siblings, see :mod:`.sibling_roots`) watches its attributes that differ
     between them: their reads, and touches of cache layers other than its own, are put in
     ``watch_reads`` (not raised: they only make the program unshareable); with ``reuse`` siblings
-    of its own, any read raises :class:`~.reuse.ReuseFallback` as without ``root_watch``.
+    of its own, any read raises :class:`~.reuse_plan.ReuseFallback` as without ``root_watch``.
     """
     reuse = reuse or ReusePlan()
     wrapper = ExportRoot(module)
@@ -313,9 +315,9 @@ def _kept_signatures(module: torch.nn.Module, stubs: dict[str, str], calls: dict
 
 
 def _keep_reads(reads: list[str], *, watching: bool, watch_reads: list[str] | None) -> None:
-    """Put the reads export made of attributes that differ between siblings (see :mod:`.reuse`) in
+    """Put the reads export made of attributes that differ between siblings (see :mod:`.reuse_plan`) in
     ``watch_reads`` when the export is ``watching`` them (a representative root without reuse
-    siblings of its own, see :mod:`.sibling_roots`). Raises :class:`~.reuse.ReuseFallback` for any
+    siblings of its own, see :mod:`.sibling_roots`). Raises :class:`~.reuse_plan.ReuseFallback` for any
     read otherwise."""
     if reads and watching and watch_reads is not None:
         watch_reads[:] = sorted(set(reads))

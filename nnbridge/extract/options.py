@@ -54,7 +54,7 @@ class ExtractionOptions:
             ``recompile_limit``. Default: ``8``.
         reuse_layers: Export one representative of identical ``ModuleList`` entries (decoder layers
             of one class, config and call) and build the others' graphs from its graph, each over
-            its own parameters, buffers and op points (see :mod:`nnbridge.extract.reuse`). Applies
+            its own parameters, buffers and op points (see :mod:`nnbridge.extract.reuse_plan`). Applies
             to entries called once each, without a stateful argument or with a transformers
             ``DynamicCache`` of which each writes its own layer (``layer_idx``, the default
             ``use_cache=True``); anything else, or any doubt found while exporting (an attribute

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..compat.torch.pytree import pytree
+from ..compat.torch.sibling_zeros import sibling_zeros
 from ..graph.kinds import HookKind
 from ..guards.preservation import preserved_state
 
@@ -82,7 +83,7 @@ def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
                  ) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
     """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules;
     the inputs are copied before the call (a cache argument is updated by it). Calls of ``shared``
-    modules (whose records are only compared, see :mod:`.reuse`) keep their tensors shared
+    modules (whose records are only compared, see :mod:`.reuse_plan`) keep their tensors shared
     (:func:`shared_copy`: deep copies of a decoder layer's inputs cost more than the run)."""
     calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = defaultdict(list)
     pending: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
@@ -102,10 +103,9 @@ def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
 def stub_output(args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
     """The recorded output as zeros that still depend on every tensor input (else export drops
     whatever computed the inputs, e.g. the integer ``position_ids`` a stubbed rotary embedding
-    receives): one :func:`~.reuse.sibling_zeros` node per output tensor, so a decoder stack
+    receives): one :func:`~nnbridge.compat.torch.sibling_zeros.sibling_zeros` node per output tensor, so a decoder stack
     stubbed with its cache and attention maps as output stays small to export.
     Floating outputs require grad when an input does, as the module's would; integer ones do not."""
-    from .reuse import sibling_zeros  # (reuse imports this module's callers)
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
     def stub(t: torch.Tensor) -> torch.Tensor:

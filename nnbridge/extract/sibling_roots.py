@@ -3,23 +3,23 @@
 A module that runs its own code (opaque: transformers' output capturing with
 ``output_attentions=True``, a grad-mode change, ...) has each child it calls extracted on its own,
 as the root of its own export, through its own dispatcher (see :mod:`.opaque`). Layer reuse inside
-one export (:mod:`.reuse`) cannot pair them, so 30 decoder layers meant 30 exports. Here the same
+one export (:mod:`.reuse_plan`) cannot pair them, so 30 decoder layers meant 30 exports. Here the same
 pairing is made across their dispatchers (``ExtractionOptions.reuse_layers``):
 
 - :func:`plan_siblings` pairs the entries of one ``ModuleList`` the opaque module called once each,
-  as :func:`.reuse.plan` does (same classes, shapes and attributes except those that differ between
+  as :func:`.reuse_plan.plan` does (same classes, shapes and attributes except those that differ between
   all of them, such as ``layer_idx``);
 - the representative (the first entry) is exported with those attributes watched
-  (:class:`RootWatch`, :func:`.reuse.reads_watched`; its cache layer index read as a
-  :class:`~.reuse.CacheIndex`): reading one other than as ``Cache.update``'s layer index, or
-  touching another cache layer, makes the export unshareable (recorded in
+  (:class:`RootWatch`, :func:`.watched_attributes.reads_watched`; its cache layer index read as a
+  :class:`~nnbridge.compat.transformers.cache_updates.CacheIndex`): reading one other than as
+  ``Cache.update``'s layer index, or touching another cache layer, makes the export unshareable (recorded in
   :attr:`.programs.ProgramRecord.watched`), never different;
 - a sibling called the same way as the representative (:class:`CallShape`: the same structure,
   non-tensor values and tensor dtypes and ranks; a transformers ``Cache`` whose own layer is in the
   state the representative's own layer was) builds its graphs from the representative's program
   (copies of its built graphs, :meth:`.building.GraphBuilder.from_shared`)
   over its own module (its parameters, buffers and op points) and reads and writes its own cache
-  layer (:func:`.reuse.rebind_cache_state`); its shape guard is the representative's for the
+  layer (:func:`.cache_rebinding.rebind_cache_state`); its shape guard is the representative's for the
   tensors the graphs read (:func:`sibling_guard`).
 
 Anything else means the sibling is exported itself. Example::
@@ -45,8 +45,8 @@ from ..guards.call_structure import (
     memory_layout,
 )
 from ..guards.code_objects import is_plumbing
-from .reuse import (CacheRebinding, cache_index, entry_attributes, entry_structure, is_cache, layer_key,
-                    plan as reuse_plan, same)
+from .reuse_plan import CacheRebinding, cache_index, plan as reuse_plan
+from .sibling_compare import entry_attributes, entry_structure, is_cache, layer_key, same
 from ..graph.state import UntouchedLayers, state_keys
 from ..compat.torch.pytree import pytree
 
@@ -92,7 +92,7 @@ class SiblingLink:
 
 
 def _profile(module: torch.nn.Module) -> tuple[dict[tuple[str, str], Any], Any]:
-    """``module``'s attributes and structure as :func:`.reuse.plan` compares them, without what a
+    """``module``'s attributes and structure as :func:`.reuse_plan.plan` compares them, without what a
     bridge or nnsight set on it (an in-place bridge overrides ``forward`` on the modules it linked,
     the representative's first)."""
     attributes = {k: v for k, v in entry_attributes(module).items() if not is_plumbing(v)}
@@ -113,9 +113,9 @@ class CallShape:
         spec: the pytree spec of the call with the cache replaced by None.
         leaves: its leaves: tensors as ``(rank, dtype, device, requires_grad, layout)`` keys (their
             sizes are the shape guard's, see :func:`sibling_guard`), other values as themselves
-            (compared with :func:`.reuse.same`).
+            (compared with :func:`.sibling_compare.same`).
         cache: ``(type, settings, number of layers, own layer's state)`` of the cache, or None; the
-            own layer's state is :func:`.reuse.layer_key`'s with its tensors' sizes left out (its
+            own layer's state is :func:`.sibling_compare.layer_key`'s with its tensors' sizes left out (its
             layer must be in the state the representative's was; the sizes are the shape guard's,
             so a decode step's longer layers are accepted as the representative's own would be).
         cache_spec: the cache's pytree spec (None without a cache).
@@ -214,7 +214,7 @@ def _sizeless(tensor: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _sizeless_layer(layer: Any) -> Any:
-    """:func:`.reuse.layer_key` of a cache layer, its tensors without their sizes."""
+    """:func:`.sibling_compare.layer_key` of a cache layer, its tensors without their sizes."""
     key = layer_key(layer)
     if key is None:
         return None
@@ -276,7 +276,7 @@ class SiblingPlan:
 
 def plan_siblings(module: torch.nn.Module, called_once: set[str]) -> SiblingPlan:
     """Pair the ``ModuleList`` entries among ``module``'s callees that its code called once each
-    (``called_once``: paths such as ``layers.3``), as :func:`.reuse.plan` pairs them in one export."""
+    (``called_once``: paths such as ``layers.3``), as :func:`.reuse_plan.plan` pairs them in one export."""
     candidates = reuse_plan(module, set())
     result = SiblingPlan()
     pairs = {s: r for s, r in candidates.siblings.items() if s in called_once and r in called_once}
@@ -306,7 +306,7 @@ def sibling_guard(rep_guard: ShapeGuard, rep: CallShape, shape: CallShape, tenso
     """The sizes a sibling's graphs accept, or None when they do not accept its call's: the
     representative's guard for the tensors they read (those outside the cache, and its own cache
     layer's, in place of the representative's own), any size for the cache's other layers, which
-    they do not read (see :func:`.reuse.rebind_cache_state`), and export's own guards (they address
+    they do not read (see :func:`.cache_rebinding.rebind_cache_state`), and export's own guards (they address
     the call by argument, as alike for both). When those guards address the cache, whose layers
     differ, they are rewritten to address the sibling's own layer where they address the
     representative's (its other layers are left as they are: conditions on the call the sibling's
@@ -358,7 +358,7 @@ def untouched_rebound(untouched: dict[str, list[UntouchedLayers | None]], reboun
                       ) -> dict[str, list[UntouchedLayers | None]]:
     """The representative's untouched cache layers (see :func:`~.state.states_returned`) as the
     sibling's: the layer its index selected is untouched by the sibling, whose own is not (unless
-    the representative's own was; see :meth:`.reuse.CacheRebinding.untouched`)."""
+    the representative's own was; see :meth:`.reuse_plan.CacheRebinding.untouched`)."""
     if rebound is None:
         return untouched
     return {path: [UntouchedLayers(rebound.untouched(layers)) if layers is not None else None for layers in per]

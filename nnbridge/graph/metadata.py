@@ -123,7 +123,8 @@ class GraphMeta:
             while exported (:func:`~.state.states_returned`), compared by type only before each
             call; None when unknown (every layer is compared).
         reused_from: the NodePath of the representative layer whose graph this one was built
-            from (:mod:`.reuse`, ``ExtractionOptions.reuse_layers``); None when exported itself.
+            from (:mod:`~nnbridge.extract.reuse_plan`, ``ExtractionOptions.reuse_layers``); None when
+            exported itself.
         examples_due: computes example summaries still owed to this graph (an in-place bridge
             computes them on first read, see :meth:`~.in_place.Bridge.examples_due`); None when
             nothing is owed.

@@ -58,8 +58,8 @@ class ProgramRecord:
         stubs: ``{submodule path: StubKind value or failure reason}`` stubbed while exporting.
         guard: the tensor sizes the program accepts.
         reuse: ``{sibling: representative}`` of the layers the export stubbed because their
-            graphs are built from their representative's (see :mod:`.reuse`); ``{}`` for an
-            export of every layer. Extraction derives the plan again and uses the record only
+            graphs are built from their representative's (see :mod:`~nnbridge.extract.reuse_plan`);
+            ``{}`` for an export of every layer. Extraction derives the plan again and uses the record only
             when it is the same.
         untouched: ``{submodule path: [per invocation: the cache layers its code never
             touched, or None]}`` (see :func:`~.state.states_returned`); ``{}`` when unknown (a

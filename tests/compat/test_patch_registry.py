@@ -506,7 +506,7 @@ def probe_cache_layer_touches() -> None:
 def probe_cache_update_traced() -> None:
     from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-    from nnbridge.extract.reuse import CacheIndex, CacheTrace, cache_updates_traced
+    from nnbridge.compat.transformers.cache_updates import CacheIndex, CacheTrace, cache_updates_traced
 
     assert _parameters(vars(Cache)["update"])[:4] == ["self", "key_states", "value_states", "layer_idx"]
     assert "keys" not in vars(CacheLayerMixin) and "values" not in vars(CacheLayerMixin)
@@ -517,12 +517,12 @@ def probe_cache_update_traced() -> None:
     trace = CacheTrace()
     uses: list[str] = []
     with cache_updates_traced(trace):
-        keys, _ = cache.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), CacheIndex(0, nn.Module(), "i", uses))
+        keys, _ = cache.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), CacheIndex(0, nn.Module(), "i", uses=uses))
     assert keys.shape[2] == 4 and len(trace.updates) == 1 and not uses and not trace.uses
 
 
 def probe_reuse_reads_watched() -> None:
-    from nnbridge.extract.reuse import reads_watched
+    from nnbridge.extract.watched_attributes import reads_watched
 
     layer = nn.Linear(2, 2)
     layer.layer_idx = 3  # type: ignore[assignment]

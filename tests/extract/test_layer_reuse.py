@@ -613,7 +613,8 @@ def test_a_size_read_from_another_cache_layer_that_differs_falls_back():
     """Rebinding a sibling's graph: a size the representative's graph takes from another cache
     layer moves to the sibling's own layer only when, in the export, it equals the size of the
     representative's own layer; otherwise the graph cannot be rebound (per-layer export)."""
-    from nnbridge.extract.reuse import CacheRebinding, ReuseFallback, rebind_cache_state
+    from nnbridge.extract.cache_rebinding import rebind_cache_state
+    from nnbridge.extract.reuse_plan import CacheRebinding, ReuseFallback
     from nnbridge.graph.state import read_state
 
     def graph(other_length: int) -> torch.fx.GraphModule:
@@ -671,7 +672,7 @@ def test_layers_of_a_model_wrapped_by_nnsight_first_are_reused():
 def test_sibling_zeros_is_one_node_depending_on_every_input_and_passes_no_gradient():
     """The stand-in values of a sibling stub: zeros of the asked size and dtype, one export node
     that takes every input (so export keeps what only siblings read), no gradient through it."""
-    from nnbridge.extract.reuse import sibling_zeros
+    from nnbridge.compat.torch.sibling_zeros import sibling_zeros
 
     class Stub(torch.nn.Module):
         def forward(self, x, mask):

@@ -26,7 +26,7 @@ from nnbridge.dispatch import extraction as extraction_module
 from nnbridge.extract.building import GraphBuilder
 from nnbridge.graph.hierarchy import walk
 from nnbridge.inplace.bridging import bridge_of
-from nnbridge.extract.reuse import ReuseFallback
+from nnbridge.extract.reuse_plan import ReuseFallback
 from nnbridge.errors import ExtractionError
 from utils import ToyIndexedLayer, assert_same_records, gemma3, gpt2, llama, toy_layer_cache
 

@@ -1,0 +1,265 @@
+"""Layer reuse (``ExtractionOptions.reuse_layers``): which sibling layers are built from a
+representative's graph instead of being exported.
+
+Its one job: the plan. Entries of one ``ModuleList`` (decoder layers) of the same classes,
+parameter and buffer shapes and non-tensor attributes give the same graph up to parameter
+binding, provided they are called the same way. This module decides which entries qualify
+(:func:`plan`, compared by :mod:`.sibling_compare`; :func:`confirm` against their recorded calls)
+and says so in a :class:`ReusePlan`; :class:`ReuseFallback` makes the extraction start again
+without reuse. The rest of layer reuse, in the order extraction uses it:
+
+- while exporting, the siblings are stubbed (:mod:`.sibling_stubs`: only the representative is
+  traced), and an attribute whose value differs between entries of one class (``layer_idx``) is
+  watched on the representatives (:mod:`.watched_attributes`, :func:`cache_indices`): any read of
+  it makes the extraction start again without reuse;
+- after exporting, :mod:`.reuse_export_check` checks that the export kept the siblings
+  interchangeable;
+- a sibling's graph is then a copy of its representative's built graph, made by
+  :class:`~.building.GraphBuilder` over the sibling's own module (its parameters, buffers,
+  children, lifted constants, op points; :meth:`~.building.GraphBuilder.from_template`), or, when
+  no built graph fits (other state keys), a copy of its representative's unflattened graph built
+  again (:mod:`.sibling_graphs`); either way its node names and NodePaths are those a full
+  extraction gives.
+
+Covered: siblings called once each, with the same call structure (equal non-tensor values, tensor
+leaves of equal shape, dtype, device and ``requires_grad``, the same aliasing between them
+(:func:`~.call_structure.alias_pattern`), the same symbolic shapes while
+exporting), and either no stateful argument or one transformers ``Cache`` (``DynamicCache``,
+``use_cache=True``) of which each sibling writes its own layer. For a cache, the differing int
+attribute (``layer_idx``) is read as a :class:`~nnbridge.compat.transformers.cache_updates.CacheIndex`,
+allowed only as ``Cache.update``'s layer index
+(:func:`~nnbridge.compat.transformers.cache_updates.cache_updates_traced`); the sibling's stub
+makes the same cache update on its own layer (:func:`~.sibling_stubs.sibling_stub`), and the
+sibling's graphs read and write their own layer with their own cache spec (:class:`CacheRebinding`,
+:func:`~.cache_rebinding.rebind_cache_state`). Any doubt means per-layer export. Example::
+
+    extract(model, (ids,), {}, ExtractionOptions(reuse_layers=True), ...)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..graph.module_tree import named_real_modules
+from ..graph.state import Path, UntouchedLayers, state_keys
+from ..compat.torch.pytree import pytree
+from .sibling_compare import entry_attributes, entry_structure, is_cache, layer_key, same, same_call
+
+
+class ReuseFallback(Exception):
+    """Reuse turned out unsafe for this call: extraction starts again with per-layer export."""
+
+
+@dataclass(frozen=True)
+class CacheRebinding:
+    """How a sibling's graphs differ from its representative's when both are called with a
+    transformers ``Cache`` (``past_key_values``, ``cache`` from 5.24) and each writes its own
+    cache layer.
+
+    Attributes:
+        rep_index, index: the cache layer index (``layer_idx``) of the representative and of the
+            sibling: state paths ``("layers", (rep_index,), ...)`` become ``("layers", (index,), ...)``.
+        rep_spec, spec: the cache's pytree spec when the representative, and when the sibling, is
+            called (in prefill, earlier layers are initialized): a graph's state spec ``rep_spec``
+            becomes ``spec``.
+    """
+
+    rep_index: int
+    index: int
+    rep_spec: Any
+    spec: Any
+
+    def untouched(self, layers: UntouchedLayers) -> frozenset[Path]:
+        """The cache layers the sibling's graph never touches, from its representative's
+        (:class:`~.state.UntouchedLayers`): the one the representative's layer index selected is
+        untouched by the sibling, whose own is untouched only if the representative's own was."""
+        own, rep_own = ("layers", (self.index,)), ("layers", (self.rep_index,))
+        paths = layers.paths | layers.by_index
+        return paths if rep_own in layers.paths else paths - {own}
+
+
+@dataclass
+class ReusePlan:
+    """Siblings and their representatives.
+
+    Attributes:
+        siblings: ``{sibling path: representative path}`` (paths from the extracted module).
+        watched: ``[(module, attribute)]`` of the representatives' subtrees whose values differ
+            between siblings: export must not read them.
+    """
+
+    siblings: dict[str, str] = field(default_factory=dict)
+    watched: list[tuple[torch.nn.Module, str]] = field(default_factory=list)
+    #: ``{sibling: CacheRebinding}`` for siblings called with a transformers ``Cache``
+    caches: dict[str, CacheRebinding] = field(default_factory=dict)
+    #: ``{entry path: {(subtree path, attribute): value}}`` of the attributes that differ between siblings
+    distinct: dict[str, dict[tuple[str, str], Any]] = field(default_factory=dict)
+
+    def representatives(self) -> set[str]:
+        return set(self.siblings.values())
+
+    def source(self, fqn: str) -> str:
+        """The path whose graph ``fqn``'s is built from (``fqn`` itself outside siblings)."""
+        for sibling, rep in self.siblings.items():
+            if fqn == sibling or fqn.startswith(f"{sibling}."):
+                return rep + fqn[len(sibling):]
+        return fqn
+
+    def sibling_of(self, fqn: str) -> str | None:
+        """The sibling whose subtree holds ``fqn`` (None outside siblings)."""
+        return next((s for s in self.siblings if fqn == s or fqn.startswith(f"{s}.")), None)
+
+    def outside(self, stubs: dict[str, str]) -> ReusePlan:
+        """The plan without the siblings inside (or equal to) a stubbed module: no graph of theirs
+        is built from this export (an opaque module's children are extracted through their own
+        dispatchers; a stubbed module is opaque), and their call signatures are missing from it
+        (kept, they made extraction start again without reuse). A sibling whose representative
+        alone is stubbed stays: its graph would be the stub's (see
+        :func:`~.reuse_export_check.check_reused_export`)."""
+        def inside(path: str) -> bool:
+            return any(path == s or path.startswith(f"{s}.") for s in stubs)
+        kept = {s: r for s, r in self.siblings.items() if not inside(s)}
+        if kept == self.siblings:
+            return self
+        return ReusePlan(kept, self.watched, {s: c for s, c in self.caches.items() if s in kept}, self.distinct)
+
+    def covers(self, fqn: str) -> bool:
+        """Whether ``fqn`` is in (or is) a representative's or a sibling's subtree."""
+        return any(fqn == root or fqn.startswith(f"{root}.")
+                   for root in (*self.siblings, *self.siblings.values()))
+
+
+def plan(module: torch.nn.Module, excluded: set[str]) -> ReusePlan:
+    """Candidate siblings: entries of one ``ModuleList`` with the same structure and the same
+    attributes, except attributes whose values differ between all of them (``layer_idx``), which
+    are watched. Entries containing or inside an ``excluded`` path (skipped, custom, shared) are
+    left out."""
+    result = ReusePlan()
+    for fqn, container in named_real_modules(module):
+        if not isinstance(container, torch.nn.ModuleList) or len(container) < 2:
+            continue
+        entries = [(f"{fqn}.{name}" if fqn else name, child) for name, child in container.named_children()]
+        entries = [(path, child) for path, child in entries
+                   if not any(e == path or e.startswith(f"{path}.") or path.startswith(f"{e}.") for e in excluded)]
+        by_structure: dict[Any, list[tuple[str, torch.nn.Module]]] = {}
+        ids = [id(child) for _, child in entries]
+        for path, child in entries:
+            if ids.count(id(child)) > 1:
+                continue  # a shared entry
+            key = entry_structure(child)
+            if key is not None:
+                by_structure.setdefault(key, []).append((path, child))
+        for group in by_structure.values():
+            if len(group) < 2:
+                continue
+            values = [entry_attributes(child) for _, child in group]
+            distinct = {k for k in values[0]
+                        if all(not same(values[i][k], values[j][k])
+                               for i in range(len(group)) for j in range(i + 1, len(group)))}
+            classes: list[list[int]] = []
+            for i in range(len(group)):
+                for members in classes:
+                    if all(same(values[i][k], values[members[0]][k]) for k in values[i] if k not in distinct):
+                        members.append(i)
+                        break
+                else:
+                    classes.append([i])
+            for members in classes:
+                if len(members) < 2:
+                    continue
+                rep_path, rep = group[members[0]]
+                for i in members[1:]:
+                    result.siblings[group[i][0]] = rep_path
+                for i in members:
+                    result.distinct[group[i][0]] = {k: values[i][k] for k in distinct}
+                for path, name in sorted(distinct):
+                    result.watched.append((rep.get_submodule(path) if path else rep, name))
+    return result
+
+
+def cache_index(plan: ReusePlan, entry: str) -> int | None:
+    """The one int value of ``entry``'s attributes that differ between siblings (``layer_idx`` of
+    the layer and of its attention), or None when there is not exactly one."""
+    values = {v for v in plan.distinct.get(entry, {}).values() if type(v) is int}
+    kinds = {type(v) for v in plan.distinct.get(entry, {}).values()}
+    return next(iter(values)) if len(values) == 1 and kinds == {int} else None
+
+
+def _same_cache_call(call: tuple[Any, Any], rep_call: tuple[Any, Any], index: int, *, rep_index: int
+                     ) -> tuple[Any, Any] | None:
+    """``(representative's cache spec, sibling's cache spec)`` when the two calls differ only in
+    their cache argument's other layers: one ``Cache`` argument at the same key, of the same type
+    and settings, layer ``index`` of the sibling's in the state of layer ``rep_index`` of the
+    representative's; else None."""
+    (a, k), (ra, rk) = call, rep_call
+    keys, rep_keys = state_keys(a, k), state_keys(ra, rk)
+    if keys != rep_keys or len(keys) != 1:
+        return None
+    key = keys[0]
+    cache, rep_cache = (a[key], ra[key]) if isinstance(key, int) else (k[key], rk[key])
+    if type(cache) is not type(rep_cache) or not is_cache(cache):
+        return None
+    layers, rep_layers = vars(cache)["layers"], vars(rep_cache)["layers"]
+    if len(layers) != len(rep_layers) or index >= len(layers) or rep_index >= len(rep_layers):
+        return None
+    settings = {n: v for n, v in vars(cache).items() if n != "layers"}
+    rep_settings = {n: v for n, v in vars(rep_cache).items() if n != "layers"}
+    if settings.keys() != rep_settings.keys() or not all(same(settings[n], rep_settings[n]) for n in settings):
+        return None
+    if layer_key(layers[index]) != layer_key(rep_layers[rep_index]):
+        return None
+
+    def without(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if isinstance(key, int):
+            return (*args[:key], None, *args[key + 1:]), kwargs
+        return args, {**kwargs, key: None}
+    if not same_call(without(a, k), without(ra, rk)):
+        return None
+    return pytree.tree_flatten(rep_cache)[1], pytree.tree_flatten(cache)[1]
+
+
+def confirm(module: torch.nn.Module, candidates: ReusePlan, calls: dict[str, list]) -> ReusePlan:
+    """The candidates whose recorded calls allow reuse: the representative and the sibling called
+    once each, with the same call structure and output structure, and either no stateful argument
+    or one transformers ``Cache`` whose layer at the sibling's index (its one differing int
+    attribute, ``layer_idx``) is in the state of the representative's layer at its own index
+    (see :class:`CacheRebinding`)."""
+    result = ReusePlan(distinct=candidates.distinct)
+    for sibling, rep in candidates.siblings.items():
+        mine, theirs = calls.get(sibling, []), calls.get(rep, [])
+        if len(mine) != 1 or len(theirs) != 1:
+            continue
+        (a, k, out), (ra, rk, rout) = mine[0], theirs[0]
+        if not same_call(out, rout):
+            continue
+        if state_keys(a, k) or state_keys(ra, rk):
+            index, rep_index = cache_index(candidates, sibling), cache_index(candidates, rep)
+            if index is None or rep_index is None:
+                continue
+            specs = _same_cache_call((a, k), (ra, rk), index, rep_index=rep_index)
+            if specs is None:
+                continue
+            result.caches[sibling] = CacheRebinding(rep_index, index, *specs)
+            result.siblings[sibling] = rep
+        elif same_call((a, k), (ra, rk)):
+            result.siblings[sibling] = rep
+    kept = [id(sub) for rep in result.representatives() for _, sub in named_real_modules(module.get_submodule(rep))]
+    result.watched = [(m, n) for m, n in candidates.watched if id(m) in kept]
+    return result
+
+
+def cache_indices(plan: ReusePlan, module: torch.nn.Module) -> frozenset[tuple[int, str]]:
+    """``(id(submodule), attribute)`` of the representatives' attributes that hold their cache
+    layer index (the attributes that differ between siblings, all of the index's value, of
+    representatives whose siblings are called with a cache)."""
+    found = set()
+    for sibling, rebinding in plan.caches.items():
+        rep = plan.siblings[sibling]
+        root = module.get_submodule(rep)
+        for (path, name), value in plan.distinct.get(rep, {}).items():
+            if type(value) is int and value == rebinding.rep_index:
+                found.add((id(root.get_submodule(path) if path else root), name))
+    return frozenset(found)
