@@ -21,6 +21,24 @@ Or bridge the model in place, so plain torch hooks reach every op::
     model.get_submodule("transformer.h.0.attn.softmax").register_forward_hook(
         lambda module, args, output: output * 0)
 
+Vocabulary (each word names one idea, here and in the code):
+
+- *extraction*: the hierarchy of graph modules made for one module and one call structure
+  (:mod:`nnbridge.extract`, kept by :mod:`nnbridge.dispatch`);
+- *call structure*: what a call must share with the example call for an extraction to serve it
+  (argument kinds, non-symbolic sizes, dtypes, devices, aliasing; :mod:`nnbridge.guards.call_structure`);
+- *guard*: a check, before a call, that what an extraction read still holds (:mod:`nnbridge.guards`);
+- *op point*: the identity module standing for one graph node, the one place patches, torch hooks
+  and nnsight envoys reach its value (:class:`OpPoint`);
+- *listener*: a patch, torch hook or running trace registered on an op point;
+- *NodePath*: the dotted name of a node (``transformer.h_0.attn.softmax``, :class:`NodePath`);
+  a *module path* is ``named_modules()``'s name of a module (``transformer.h.0.attn``);
+- *opaque*: a module that runs its own code instead of a graph, with a recorded reason
+  (:class:`OpaqueGraphModule`); its children may still be graphs;
+- *representative* and *sibling*: under layer reuse, identical layers are exported once, by the
+  representative, and each sibling gets the representative's graph over its own weights;
+- *patch*: what to do to a node's value (graphpatch's classes, :class:`Patch`).
+
 ``import nnbridge`` checks the installed versions against the verified ones
 (:func:`nnbridge.compat.registry.check_versions`, read from package metadata: a correctness patch
 not verified on them raises :class:`NNBridgeError` here) and imports nothing heavy: the public
