@@ -223,20 +223,20 @@ def test_write_states_back_refuses_a_graph_without_threaded_output():
         write_states_back(graph, {}, ["past_key_values"])
 
 
-def test_plain_value_decides_as_the_flattened_spec_does():
-    """``plain_value`` (which call arguments are state) decides a leaf or a registered container of
+def test_plain_container_decides_as_the_flattened_spec_does():
+    """``plain_container`` (which call arguments are state) decides a leaf or a registered container of
     another kind without flattening it: the same answer as walking the whole flattened spec, with
     transformers' cache pytrees registered (as extraction registers them) and without."""
     from collections import namedtuple
 
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
-    from nnbridge.extract.cleanup import _simple_spec, plain_value
+    from nnbridge.graph.state import plain_container, simple_spec
     from nnbridge.compat.torch.export import register_cache_pytrees
     from nnbridge.compat.torch.pytree import pytree, registered_class
 
     def flattened(value):
-        return _simple_spec(pytree.tree_flatten(value)[1], subclasses=True)
+        return simple_spec(pytree.tree_flatten(value)[1], subclasses=True)
 
     pair = namedtuple("pair", "a b")
     cache = DynamicCache()
@@ -245,11 +245,11 @@ def test_plain_value_decides_as_the_flattened_spec_does():
     values = [torch.ones(2), None, 3, "x", torch.float32, torch.Size([1, 2]), (torch.ones(1), None),
               [1, {"a": torch.ones(1)}], pair(1, torch.ones(1)), BaseModelOutputWithPast(last_hidden_state=torch.ones(1)),
               cache, (cache,), {"past": cache}, [pair(cache, 1)], DynamicCache()]
-    unregistered = [plain_value(v) for v in values]
+    unregistered = [plain_container(v) for v in values]
     assert unregistered == [flattened(v) for v in values]
     register_cache_pytrees(llama())
     assert registered_class(cache) is DynamicCache and registered_class(pair(1, 2)) is None
     assert registered_class(torch.ones(1)) is None and registered_class((1,)) is tuple
-    registered = [plain_value(v) for v in values]
+    registered = [plain_container(v) for v in values]
     assert registered == [flattened(v) for v in values]
     assert registered[10:] == [False] * 5 and all(registered[:10])
