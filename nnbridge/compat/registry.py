@@ -43,7 +43,7 @@ Library = Literal["torch", "transformers", "nnsight"]
 #: The versions of each library the test suite runs on (``"major.minor"``, both ends included).
 TESTED_RANGES: dict[str, tuple[str, str]] = {"torch": ("2.13", "2.15"), "transformers": ("5.23", "5.24"),
                                              "nnsight": ("0.8", "0.8")}
-_TORCH = frozenset({"2.13", "2.14"})
+_TORCH = frozenset({"2.13", "2.14", "2.15"})
 _TRANSFORMERS = frozenset({"5.23", "5.24"})
 _NNSIGHT = frozenset({"0.8"})
 #: Environment variables read once, at import (see the module docstring).
