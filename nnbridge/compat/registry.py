@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import os
+import sys
 import threading
 import types
 from collections.abc import Iterable, Iterator
@@ -43,7 +44,7 @@ Library = Literal["torch", "transformers", "nnsight"]
 #: The versions of each library the test suite runs on (``"major.minor"``, both ends included).
 TESTED_RANGES: dict[str, tuple[str, str]] = {"torch": ("2.13", "2.15"), "transformers": ("5.23", "5.24"),
                                              "nnsight": ("0.8", "0.8")}
-_TORCH = frozenset({"2.13", "2.14"})
+_TORCH = frozenset({"2.13", "2.14", "2.15"})
 _TRANSFORMERS = frozenset({"5.23", "5.24"})
 _NNSIGHT = frozenset({"0.8"})
 #: Environment variables read once, at import (see the module docstring).
@@ -227,8 +228,11 @@ def major_minor(version: str) -> str:
 def installed_version(library: str) -> str | None:
     """The installed version of ``library`` (full text, ``"2.13.0+cpu"``), or None when it is absent.
 
-    Read from the package's metadata, so asking imports nothing; torch's own ``__version__`` when
-    torch is importable without metadata (a source build)."""
+    torch's own ``__version__`` once torch is imported (it names the build, ``+cu130``); otherwise
+    the package's metadata, so that asking imports nothing (torch is imported only when it has no
+    metadata, a source build)."""
+    if library == "torch" and "torch" in sys.modules:
+        return str(sys.modules["torch"].__version__)
     try:
         return importlib.metadata.version(library)
     except importlib.metadata.PackageNotFoundError:

@@ -2,8 +2,8 @@
 or nnsight is registered and version-gated, still fits the code it patches on the installed
 versions, and none is made outside the registry.
 
-- ``test_probe``: for each patch, on whichever torch runs the suite (CI: 2.13.0 and 2.14.1), the
-  patched function still has the signature and behaviour the patch assumes.
+- ``test_probe``: for each patch, on whichever torch runs the suite (CI: 2.13.0; 2.14.1 and 2.15.0
+  by hand), the patched function still has the signature and behaviour the patch assumes.
 - ``test_no_unregistered_patch_in_the_sources`` / ``test_scan_finds_planted_patches``: a static
   scan of nnbridge/ (tests/patch_scan.py), and the same scan on a planted module.
 - ``test_no_unregistered_patch_while_extracting`` / ``test_spy_finds_a_planted_patch``: every
@@ -850,6 +850,11 @@ def test_unknown_torch_cache_and_reuse_still_equal_eager():
     assert torch.equal(actual, expected)
 
 
+def _verified(name: str) -> str:
+    """The versions patch ``name`` was verified on, as the gates' messages list them (``"2.13, 2.14"``)."""
+    return ", ".join(sorted(registry.BY_NAME[name].verified, key=registry.version_key))
+
+
 def test_correctness_patch_refuses_at_use():
     from nnbridge.compat.torch.capture import graph_break_calls
 
@@ -857,7 +862,7 @@ def test_correctness_patch_refuses_at_use():
         with graph_break_calls(lambda msg: None):
             pass
     message = str(raised.value)
-    assert "'graph_break'" in message and "torch 2.99 (assumed)" in message and "2.13, 2.14" in message
+    assert "'graph_break'" in message and "torch 2.99 (assumed)" in message and _verified("graph_break") in message
     with pytest.raises(NNBridgeError, match="correctness patch"):
         with registry.disabled("tensor_data"):
             pass
@@ -874,7 +879,7 @@ def test_unknown_torch_refuses_at_import():
     for patch in registry.PATCHES:
         if patch.library == "torch":
             assert (patch.name in result.stderr) == (patch.kind == "correctness"), patch.name
-    assert "torch 2.99 (assumed) is not among the verified 2.13, 2.14" in result.stderr
+    assert f"torch 2.99 (assumed) is not among the verified {_verified('graph_break')}" in result.stderr
 
 
 def test_disabled_speed_patch_is_skipped_and_said():

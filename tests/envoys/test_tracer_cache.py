@@ -161,12 +161,17 @@ def test_language_model_default_cache_equals_nnsights():
 def test_a_remote_default_cache_equals_nnsights_and_ops_are_refused():
     """``remote="local"`` (nnsight's simulation of a server, which runs nnsight): the trace context
     travels as nnsight's, so the default cache equals nnsight's; ``ops=True`` is refused before
-    anything is sent (a server has no op envoys)."""
+    anything is sent (a server has no op envoys).
+
+    The trace's block names no library module: what it names is sent, and ``nnbridge`` sent would
+    be imported anew while the simulation hides the loaded one (a second nnbridge whose import
+    installs its own envoy hint process-wide, over op points of its own classes)."""
     values = {}
     for library in (nnsight, nnbridge):
         model = wrap(library, "gpt2")
         with torch.no_grad(), model.trace("Hello world", remote="local") as tracer:
-            values[library] = tracer.cache()
+            cache = tracer.cache()
+        values[library] = cache
     assert list(values[nnbridge].keys()) == list(values[nnsight].keys())
     assert torch.equal(values[nnbridge]["model.lm_head"].output, values[nnsight]["model.lm_head"].output)
     with pytest.raises(NNBridgeError, match="remote trace may read op envoys"):
