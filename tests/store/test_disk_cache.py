@@ -291,6 +291,18 @@ def test_changed_library_version_misses(cache_dir, exports, monkeypatch):
     assert exports[0] == 2 and len(_entries(cache_dir)) == 2
 
 
+def test_an_entry_written_by_another_torch_is_never_read(cache_dir, exports, monkeypatch):
+    """A cache written under torch 2.13 is not read under 2.15: the torch version is in the key."""
+    x = torch.randn(2, 3)
+    real = disk_cache.library_versions
+    monkeypatch.setattr(disk_cache, "library_versions", lambda: {**real(), "torch": "2.13.0+cpu"})
+    PatchableGraph(_linear(), x)
+    monkeypatch.setattr(disk_cache, "library_versions", lambda: {**real(), "torch": "2.15.0+cu130"})
+    pg = PatchableGraph(_linear(), x)
+    assert exports[0] == 2 and len(_entries(cache_dir)) == 2
+    assert torch.equal(pg(x), pg._dispatcher.module(x))
+
+
 def test_changed_recording_version_misses(cache_dir, exports, monkeypatch):
     """Entries recorded before helper lines were kept in stack traces (no aliases) are not reused."""
     x = torch.randn(2, 3)
