@@ -25,6 +25,7 @@ from nnsight.intervention.interleaver import OutOfOrderError as OutOfOrderError 
 from nnsight.intervention.tracer import InterleavingTracer as InterleavingTracer  # re-exported for envoys
 
 from .. import registry
+from .models import wrapped_module
 from .source import NNSIGHT_STATE
 from .source import count_routes, wanted_below
 
@@ -160,7 +161,7 @@ def envoy_module(value: object) -> torch.nn.Module | None:
     is not an envoy."""
     if not isinstance(value, nnsight.Envoy):
         return None
-    module = value.__dict__.get("_module")
+    module = wrapped_module(value)
     return module if isinstance(module, torch.nn.Module) else None
 
 
