@@ -92,7 +92,7 @@ class BuiltTemplate:
     multi: frozenset[str]
     exact_signature: bool
 
-    def fits(self, builder: GraphBuilder, fqn: str, source: str, invocation: int) -> bool:
+    def fits(self, builder: GraphBuilder, fqn: str, source: str, *, invocation: int) -> bool:
         """Whether sibling ``fqn``'s invocation threads the same state keys as its representative
         ``source``'s (through itself and each of its calls): only then is its built graph the
         representative's."""
@@ -103,7 +103,8 @@ class BuiltTemplate:
 class GraphBuilder:
     """Builds the mirror hierarchy from an unflattened export."""
 
-    def __init__(self, ctx: ExtractionContext, unflattened: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list],
+    def __init__(self, ctx: ExtractionContext, unflattened: torch.nn.Module, stubs: dict[str, str], *,
+                 calls: dict[str, list],
                  input_spec: pytree.TreeSpec | None = None, states: dict[str, list[list[Key]]] | None = None,
                  constants: dict[tuple[str, int], dict[int, Any]] | None = None,
                  example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}), reuse: ReusePlan | None = None,
@@ -267,16 +268,17 @@ class GraphBuilder:
         if fqn in self.stubs:
             if self.stubs[fqn] == StubKind.CUSTOM:
                 return self.custom(fqn, module, invocation)
-            return self.opaque(fqn, module, invocation, self.stubs[fqn])
+            return self.opaque(fqn, module, invocation, reason=self.stubs[fqn])
         try:
             source = self.reuse.source(fqn)
             if source != fqn:
                 extras = self.sibling_extras(fqn, source, invocation)
                 built = self.templates.get((source, invocation))
-                if built is not None and built.fits(self, fqn, source, invocation):
-                    cgm = self.from_template(built, fqn, module, invocation, source)
+                if built is not None and built.fits(self, fqn, source, invocation=invocation):
+                    cgm = self.from_template(built, fqn, module, invocation=invocation, source=source)
                 else:
-                    cgm = self.build(fqn, module, self.reused_holder(fqn, source, invocation), invocation, source)
+                    cgm = self.build(fqn, module, self.reused_holder(fqn, source, invocation), invocation=invocation,
+                                     source=source)
                 if extras and not cgm.graph_meta.exact_signature:
                     raise ReuseFallback(f"'{source}' and '{fqn}' are passed {abs(extras)} different value(s) by"
                                         " their callers")
@@ -293,9 +295,10 @@ class GraphBuilder:
                     cgm.graph_meta.reused_from = self.ctx.full(source)
                 return cgm
             if self.shared is not None:
-                return self.from_template(self.shared_template(fqn, invocation), fqn, module, invocation, fqn)
+                return self.from_template(self.shared_template(fqn, invocation), fqn, module, invocation=invocation,
+                                          source=fqn)
             graphs = self.invocations(fqn)
-            return self.build(fqn, module, graphs[invocation], invocation)
+            return self.build(fqn, module, graphs[invocation], invocation=invocation)
         except (ExtractionError, ReuseFallback):
             raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
         except Exception as error:  # noqa: BLE001 - any other failure means fallback (or a loud error)
@@ -303,17 +306,17 @@ class GraphBuilder:
                 raise
             reason = f"building its graph failed: {describe_failure(error)}"
             self.ctx.fail(fqn, reason, error)
-            return self.opaque(fqn, module, invocation, reason)
+            return self.opaque(fqn, module, invocation, reason=reason)
 
     def recorded_call(self, fqn: str, invocation: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` of invocation ``invocation`` of ``fqn`` in the extracted call."""
         if fqn not in self.calls:
-            self.calls.update(record_calls(self.ctx.module, {fqn}, *self.example))
+            self.calls.update(record_calls(self.ctx.module, {fqn}, self.example[0], kwargs=self.example[1]))
         recorded = self.calls.get(fqn, [])
         args, kwargs, _ = recorded[min(invocation, len(recorded) - 1)]
         return args, kwargs
 
-    def opaque(self, fqn: str, module: torch.nn.Module, invocation: int, reason: str) -> OpaqueGraphModule:
+    def opaque(self, fqn: str, module: torch.nn.Module, invocation: int, *, reason: str) -> OpaqueGraphModule:
         args, kwargs = self.recorded_call(fqn, invocation)
         return opaque_module(self.ctx, fqn, module, args=args, kwargs=kwargs, reason=reason)
 
@@ -325,10 +328,10 @@ class GraphBuilder:
         except CustomFunctionFailed as failed:
             reason = f"its custom extraction function failed: {describe_failure(failed.error)}"
             self.ctx.fail(fqn, reason, failed.error, fix=CUSTOM_FIX)
-            return self.opaque(fqn, module, invocation, reason)
+            return self.opaque(fqn, module, invocation, reason=reason)
 
     def build(self, fqn: str, module: torch.nn.Module, holder: Any,
-              invocation: int = 0, source: str | None = None) -> CompiledGraphModule:
+              *, invocation: int = 0, source: str | None = None) -> CompiledGraphModule:
         """``fqn``'s graph module from ``holder``'s graph (an unflattened InterpreterModule's, or
         a :class:`~.sibling_graphs.ReusedHolder`'s copy of representative ``source``'s)."""
         source = fqn if source is None else source
@@ -339,7 +342,7 @@ class GraphBuilder:
         restore_constant_outputs(graph, self.constants.get((f"model.{source}" if source else "model", invocation), {}))
         keys = self.state_keys(fqn, invocation)
         if keys:
-            write_states_back(graph, attrs, keys, self.ctx.full(fqn))
+            write_states_back(graph, attrs, keys, path=self.ctx.full(fqn))
         arguments = argument_objects(graph, attrs)
         if fqn == "" and self.input_spec is not None:
             prologue = input_prologue(graph)
@@ -368,7 +371,7 @@ class GraphBuilder:
             if trimmed:
                 node.args, extra = node.args[extra:], 0
             if self.state_keys(child_fqn, invocation_k):  # recorded for modules export traced through
-                read_states_back(graph, node, self.state_keys(child_fqn, invocation_k), extra)
+                read_states_back(graph, node, self.state_keys(child_fqn, invocation_k), extra=extra)
                 threaded.append((node, self.state_keys(child_fqn, invocation_k), extra))
             first, *rest = target.split(".")
             safe_target = ".".join([safe_name(first), *rest])
@@ -391,11 +394,13 @@ class GraphBuilder:
         exact_signature = drop_unused_extras(graph, extras)
         name_nodes(graph, type(module).forward, call_names)
         if source == fqn and (self.keep_all or self.reuse.covers(fqn)):  # a representative's subtree
-            self.keep_template(fqn, invocation, graph, attrs, made, multi, exact_signature)
+            self.keep_template(fqn, invocation, graph, attrs=attrs, made=made, multi=multi,
+                               exact_signature=exact_signature)
         root = self.graph_attributes(module, graph, attrs)
-        return self.finish(fqn, module, graph, root, children, multi, exact_signature, invocation, source)
+        return self.finish(fqn, module, graph, root=root, children=children, multi=multi,
+                           exact_signature=exact_signature, invocation=invocation, source=source)
 
-    def keep_template(self, fqn: str, invocation: int, graph: Graph, attrs: dict[str, Any],
+    def keep_template(self, fqn: str, invocation: int, graph: Graph, *, attrs: dict[str, Any],
                       made: list[tuple[Node, TemplateCall]], multi: set[str], exact_signature: bool) -> None:
         """Keep a copy of a representative's built graph (before its graph module exists, which a
         bridge then rewrites): the siblings' graphs are copies of it (see :meth:`from_template`)."""
@@ -406,7 +411,7 @@ class GraphBuilder:
             copy_graph(graph, {})[0], {t: attrs[t] for t in targets if t in attrs}, calls, frozenset(multi),
             exact_signature)
 
-    def from_template(self, built: BuiltTemplate, fqn: str, module: torch.nn.Module, invocation: int,
+    def from_template(self, built: BuiltTemplate, fqn: str, module: torch.nn.Module, *, invocation: int,
                       source: str) -> CompiledGraphModule:
         """A sibling's graph module as :meth:`build` makes it from a copy of its representative's
         pristine graph, made from a copy of the representative's built graph instead: every step of
@@ -437,8 +442,8 @@ class GraphBuilder:
         attrs = dict(built.attrs)
         self.own_constants(fqn, graph, attrs)
         root = self.graph_attributes(module, graph, attrs)
-        return self.finish(fqn, module, graph, root, children, set(built.multi), built.exact_signature,
-                           invocation, source)
+        return self.finish(fqn, module, graph, root=root, children=children, multi=set(built.multi),
+                           exact_signature=built.exact_signature, invocation=invocation, source=source)
 
     def shared_template(self, fqn: str, invocation: int) -> BuiltTemplate:
         """The representative root's built graph of ``fqn``'s invocation (see :meth:`from_shared`).
@@ -465,7 +470,7 @@ class GraphBuilder:
             ReuseFallback: a graph has no template, or a child takes its arguments otherwise than
                 the representative's (see :meth:`from_template`)."""
         self.shared = templates
-        return self.from_template(self.shared_template("", 0), "", module, 0, "")
+        return self.from_template(self.shared_template("", 0), "", module, invocation=0, source="")
 
     @staticmethod
     def graph_attributes(module: torch.nn.Module, graph: Graph, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -482,7 +487,7 @@ class GraphBuilder:
                 root[target] = value if isinstance(value, torch.Tensor) else attrs[target]
         return root
 
-    def finish(self, fqn: str, module: torch.nn.Module, graph: Graph, root: dict[str, Any],
+    def finish(self, fqn: str, module: torch.nn.Module, graph: Graph, *, root: dict[str, Any],
                children: list[tuple[str, torch.nn.Module]], multi: set[str], exact_signature: bool,
                invocation: int, source: str) -> CompiledGraphModule:
         """The graph module of a built graph, with the original module's containers, buffers,
@@ -492,13 +497,13 @@ class GraphBuilder:
         untouched = self.untouched_layers(fqn, invocation) if source == fqn else None  # (a reused sibling's: see child)
         if untouched is not None:
             cgm.graph_meta.untouched = untouched.paths
-        retype_containers(cgm, [target for target, _ in children], renamed_template(module), multi)
+        retype_containers(cgm, [target for target, _ in children], renamed_template(module), multi=multi)
         for target, tensor in root.items():
             if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
                 if not persistent(module, target):
                     *prefix, name = target.split(".")
                     cgm.get_submodule(".".join(prefix)).register_buffer(name, tensor, persistent=False)
-        keep_unused(self.ctx, fqn, cgm, module)
+        keep_unused(self.ctx, fqn, cgm, module=module)
         registration_order(cgm, module)
         if self.ctx.options.postprocessing_function is not None:
             self.ctx.options.postprocessing_function(cgm, module)

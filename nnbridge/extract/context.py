@@ -78,7 +78,7 @@ ChildDispatcherFactory = Callable[[torch.nn.Module, str], ChildDispatcher]
 
 class ExtractionContext:
     def __init__(self, module: torch.nn.Module, options: ExtractionOptions, path: str,
-                 on_extraction: list[Callable[[Any, Extraction], None]],
+                 *, on_extraction: list[Callable[[Any, Extraction], None]],
                  child_dispatcher: ChildDispatcherFactory):
         self.module = module
         self.child_dispatcher = child_dispatcher
@@ -95,7 +95,7 @@ class ExtractionContext:
     def full(self, fqn: str) -> str:
         return ".".join(p for p in (self.path, fqn) if p)
 
-    def fail(self, fqn: str, reason: str, error: BaseException | None, fix: str | None = None) -> None:
+    def fail(self, fqn: str, reason: str, error: BaseException | None, *, fix: str | None = None) -> None:
         """Record an opaque fallback, honouring the warn/error options (``fix``: what the error
         message tells the user to do instead of the default advice)."""
         where = self.full(fqn) or "<root>"

@@ -39,7 +39,7 @@ def user_children(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Modul
             yield name, child
 
 
-def unused_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, top: bool = True) -> torch.nn.Module:
+def unused_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, *, top: bool = True) -> torch.nn.Module:
     """A submodule the extracted call never ran, as graphpatch keeps it: an :class:`OpaqueGraphModule`
     (its own code, parameters and buffers) with its children likewise; containers keep their type.
     With ``allow_unused_submodules`` off it is a compilation failure (see :class:`ExtractionOptions`).
@@ -50,7 +50,7 @@ def unused_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, top
     if isinstance(module, CONTAINERS):
         container = type(module)()
         for name, child in user_children(module):
-            modules_of(container)[name] = unused_module(ctx, f"{fqn}.{name}", child, top)
+            modules_of(container)[name] = unused_module(ctx, f"{fqn}.{name}", child, top=top)
         return container
     if not top:  # inside an unused module: reported with it
         pass
@@ -63,7 +63,7 @@ def unused_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, top
     return OpaqueGraphModule(module, UNUSED_REASON, children, callees={})
 
 
-def keep_unused(ctx: ExtractionContext, fqn: str, cgm: torch.nn.Module, module: torch.nn.Module) -> None:
+def keep_unused(ctx: ExtractionContext, fqn: str, cgm: torch.nn.Module, *, module: torch.nn.Module) -> None:
     """Give ``cgm`` every child of ``module`` the graph never calls (see :func:`unused_module`), also
     inside ModuleList/ModuleDict containers, so its parameters and buffers are the module's."""
     # a child registered under several names (``self.alias = self.linear``) was called if any name was

@@ -175,7 +175,7 @@ class NodeView:
     #: the model the hierarchy was extracted from (its config names the attention implementation), or None
     _model: object
 
-    def __init__(self, path: str, owner: GraphModuleBase | None, name: str, graph: GraphModuleBase | None,
+    def __init__(self, path: str, owner: GraphModuleBase | None, name: str, *, graph: GraphModuleBase | None,
                  summary: Any = None, dig: tuple[str, ...] = (), model: object = None):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_path", path)
@@ -190,10 +190,12 @@ class NodeView:
         prefix = f"{self._path}." if self._path else ""
         if self._graph_module is not None:
             graph = self._graph_module
-            return [(name, NodeView(prefix + name, graph, name, sub, graph.example(name), model=self._model))
+            return [(name, NodeView(prefix + name, graph, name, graph=sub, summary=graph.example(name),
+                                    model=self._model))
                     for name, sub in hierarchy.children(self._graph_module)]
         sep = "." if self._dig else "|"
-        return [(key, NodeView(f"{self._path}{sep}{key}", self._owner, self._node_name, None, value, (*self._dig, key),
+        return [(key, NodeView(f"{self._path}{sep}{key}", self._owner, self._node_name, graph=None, summary=value,
+                               dig=(*self._dig, key),
                                model=self._model))
                 for key, value in summary_children(self._summary)]
 

@@ -338,7 +338,7 @@ class PatchableGraph(torch.nn.Module):
     @property
     def graph(self) -> NodeView:
         """The NodePath tree of the first extraction (tab-completes; repr shows shapes)."""
-        return NodeView("", None, "", self._graph_module, model=self._dispatcher.module)
+        return NodeView("", None, "", graph=self._graph_module, model=self._dispatcher.module)
 
     def node_paths(self) -> list[str]:
         """Every valid leaf NodePath (dig paths included), in tree order."""
