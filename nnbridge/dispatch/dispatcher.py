@@ -49,6 +49,7 @@ from ..graph.failures import add_note
 from ..graph.codegen import code_generation_deferred
 from ..guards.module_state import StateGuard
 from ..graph.locking import CALL_LOCK
+from ..graph.node_path import ROOT_PATH, ModulePath
 from ..graph.op_point import OpPoint, OpPointContainer
 from ..extract.options import ExtractionOptions
 from ..extract.sibling_roots import RootWatch, SiblingLink
@@ -109,7 +110,7 @@ class GraphDispatcher(torch.nn.Module):
     module: torch.nn.Module
     options: ExtractionOptions
     #: NodePath of ``module`` in its hierarchy ("" for a root)
-    path: str
+    path: ModulePath
     #: ``callback(dispatcher, extraction)`` run on each new extraction (shared within one tree)
     on_extraction: list[Callable[[GraphDispatcher, Extraction], None]]
     #: structure key -> the extractions kept for it, oldest first
@@ -136,7 +137,7 @@ class GraphDispatcher(torch.nn.Module):
     #: own under an opaque root (a decode step) keeps one dispatcher
     kept_children: dict[str, GraphDispatcher]
 
-    def __init__(self, module: torch.nn.Module, options: ExtractionOptions, *, path: str = "",
+    def __init__(self, module: torch.nn.Module, options: ExtractionOptions, *, path: ModulePath = ROOT_PATH,
                  on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None):
         super().__init__()
         self.__dict__["module"] = module
@@ -405,7 +406,7 @@ class GraphDispatcher(torch.nn.Module):
 
 
 def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            *, options: ExtractionOptions | None = None, path: str = "",
+            *, options: ExtractionOptions | None = None, path: ModulePath = ROOT_PATH,
             on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None,
             watch: RootWatch | None = None, children: dict[str, GraphDispatcher] | None = None) -> Extraction:
     """Extract ``module`` for the call ``module(*args, **kwargs)``; the children of its opaque
@@ -426,11 +427,12 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def _child_dispatchers(options: ExtractionOptions, callbacks: list[Callable[[GraphDispatcher, Extraction], None]],
-                       children: dict[str, GraphDispatcher] | None) -> Callable[[torch.nn.Module, str], GraphDispatcher]:
+                       children: dict[str, GraphDispatcher] | None
+                       ) -> Callable[[torch.nn.Module, ModulePath], GraphDispatcher]:
     """The factory of an opaque module's children's dispatchers: the one ``children`` keeps for the
     child's NodePath when it dispatches that module object, else a new one (kept there, and
     keeping its own children there too)."""
-    def child_dispatcher(child: torch.nn.Module, child_path: str) -> GraphDispatcher:
+    def child_dispatcher(child: torch.nn.Module, child_path: ModulePath) -> GraphDispatcher:
         known = children.get(child_path) if children is not None else None
         if known is not None and known.module is child:
             return known

@@ -43,6 +43,7 @@ from ..extract.custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_
 from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
 from ..extract.exporting import CapturingOutputs, ModuleFailure, caller_of, export_module, scalar_stub_caller
 from ..graph.hierarchy import walk
+from ..graph.node_path import ROOT_PATH, ModulePath
 from ..graph.summaries import summarize
 from ..graph.kinds import StubKind
 from ..graph.locking import CALL_LOCK, locked_calls
@@ -96,7 +97,8 @@ if TYPE_CHECKING:  # annotations only: the dispatcher layer imports this module
 
 
 def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            *, options: ExtractionOptions | None = None, child_dispatcher: ChildDispatcherFactory, path: str = "",
+            *, options: ExtractionOptions | None = None, child_dispatcher: ChildDispatcherFactory,
+            path: ModulePath = ROOT_PATH,
             on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None,
             watch: RootWatch | None = None) -> Extraction:
     """Extract ``module`` for the call ``module(*args, **kwargs)``.
@@ -147,7 +149,7 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             *, options: ExtractionOptions | None, path: str,
+             *, options: ExtractionOptions | None, path: ModulePath,
              on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None,
              child_dispatcher: ChildDispatcherFactory, watch: RootWatch | None = None) -> Extraction:
     options = options or ExtractionOptions()
@@ -189,8 +191,8 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     return extraction
 
 
-def _shared_root(extraction: Extraction, args: tuple[Any, ...], kwargs: dict[str, Any], *, watch: RootWatch, path: str,
-                 templates: dict[tuple[str, int], Any]) -> SharedRoot | None:
+def _shared_root(extraction: Extraction, args: tuple[Any, ...], kwargs: dict[str, Any], *, watch: RootWatch,
+                 path: ModulePath, templates: dict[tuple[str, int], Any]) -> SharedRoot | None:
     """What siblings need to build their graphs from a representative's extraction, when they may:
     one graph hierarchy (nothing opaque), exported with nothing watched read (see
     :mod:`.sibling_roots`); ``templates`` are its built graphs (``GraphBuilder.keep_all``)."""
@@ -206,7 +208,7 @@ def _shared_root(extraction: Extraction, args: tuple[Any, ...], kwargs: dict[str
 
 def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                     *, options: ExtractionOptions, source: SharedRoot, index: int | None,
-                    child_dispatcher: ChildDispatcherFactory, path: str = "",
+                    child_dispatcher: ChildDispatcherFactory, path: ModulePath = ROOT_PATH,
                     on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None
                     ) -> Extraction | None:
     """Extract ``module`` for the call ``module(*args, **kwargs)`` from a sibling's program, without
@@ -259,7 +261,7 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
                 raise ReuseFallback("its root graph takes its inputs flattened")
             for sub_path, graph in graphs:
                 if rebound is not None:
-                    rebind_cache_state(graph, rebound, ctx.full(sub_path) or "<root>")
+                    rebind_cache_state(graph, rebound, ctx.full(ModulePath(sub_path)) or "<root>")
         except Exception as error:  # noqa: BLE001 - the sibling is exported itself
             logger.info("'%s' is extracted itself, not from '%s': %s", path, source.path, describe_failure(error))
             return None
@@ -282,14 +284,14 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     static = ShapeGuard.static(tensor_leaves(args, kwargs))
     if type(module) in ctx.options.custom_extraction_functions:
         try:
-            return custom_graph(ctx, "", module), static
+            return custom_graph(ctx, ROOT_PATH, module), static
         except CustomFunctionFailed as failed:  # as graphpatch: a failing function means fallback
             reason = f"its custom extraction function failed: {describe_failure(failed.error)}"
-            ctx.fail("", reason, failed.error, fix=CUSTOM_FIX)
-            return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason), static
+            ctx.fail(ROOT_PATH, reason, failed.error, fix=CUSTOM_FIX)
+            return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=reason), static
     if _skip(ctx, module):
-        ctx.opaque[ctx.full("") or "<root>"] = StubKind.SKIPPED
-        return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=StubKind.SKIPPED), static
+        ctx.opaque[ctx.full(ROOT_PATH) or "<root>"] = StubKind.SKIPPED
+        return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=StubKind.SKIPPED), static
     stubs: dict[str, str] = {  # a StubKind, or the reason an export failure made it opaque
         fqn: StubKind.CUSTOM if type(sub) in ctx.options.custom_extraction_functions else StubKind.SKIPPED
         for fqn, sub in named_real_modules(module)
@@ -298,8 +300,8 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     errors: dict[str, BaseException] = {}
     for fqn, reason in shared_container_entries(module).items():
         if fqn == "":
-            ctx.fail("", reason, SharedModuleEntry(reason), fix=SharedModuleEntry.FIX)
-            return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason), static
+            ctx.fail(ROOT_PATH, reason, SharedModuleEntry(reason), fix=SharedModuleEntry.FIX)
+            return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=reason), static
         if fqn not in stubs:
             stubs[fqn], errors[fqn] = reason, SharedModuleEntry(reason)
     # the call's structure before anything runs it: export may record a cache argument's spec
@@ -485,8 +487,8 @@ class _RootExport:
 
     def _fail_root(self, error: BaseException) -> OpaqueGraphModule:
         self.bar.close()
-        self.ctx.fail("", describe_failure(error), error)
-        return opaque_module(self.ctx, "", self.module, args=self.args, kwargs=self.kwargs,
+        self.ctx.fail(ROOT_PATH, describe_failure(error), error)
+        return opaque_module(self.ctx, ROOT_PATH, self.module, args=self.args, kwargs=self.kwargs,
                              reason=describe_failure(error))
 
     def report(self, static: ShapeGuard) -> ShapeGuard:
@@ -496,10 +498,10 @@ class _RootExport:
         for fqn, reason in self.stubs.items():
             if reason not in (StubKind.CUSTOM, StubKind.SKIPPED, StubKind.PASSTHROUGH):
                 shared = isinstance(self.errors[fqn], SharedModuleEntry)
-                ctx.fail(fqn, reason, self.errors[fqn],
+                ctx.fail(ModulePath(fqn), reason, self.errors[fqn],
                          fix=SharedModuleEntry.FIX if shared else getattr(self.errors[fqn], "fix", None))
             elif reason != StubKind.CUSTOM:  # opaque by design, not by a failure: no warning, never an error
-                ctx.opaque[ctx.full(fqn)] = reason
+                ctx.opaque[ctx.full(ModulePath(fqn))] = reason
         exported = self.program
         self.plan = self.plan.outside(self.stubs)
         if self.plan.siblings:
@@ -533,14 +535,14 @@ class _RootExport:
             if holder is None or not isinstance(getattr(holder, "graph", None), Graph):
                 self.bar.close()
                 reason = "its forward runs no tensor operation: there is no graph to extract"
-                ctx.fail("", reason, None)
-                return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason)
+                ctx.fail(ROOT_PATH, reason, None)
+                return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=reason)
             builder = GraphBuilder(ctx, unflattened, self.stubs, calls=self.calls, input_spec=input_spec,
                                    states=self.states, constants=constant_outputs(exported), example=(args, kwargs),
                                    reuse=self.plan, untouched=self.untouched)
             builder.number_calls(holder)
             builder.keep_all = self.watch is not None  # its sibling roots build their graphs from its built ones
-            root = builder.build("", module, holder)
+            root = builder.build(ROOT_PATH, module, holder)
             ctx.templates = builder.templates
             # the record lives as long as its graphs: the process's memory cache refers to it weakly
             root.__dict__[PROGRAM_RECORD] = self.record
@@ -549,8 +551,8 @@ class _RootExport:
         except Exception as error:  # noqa: BLE001
             self.bar.close()
             reason = f"building its graph failed: {describe_failure(error)}"
-            ctx.fail("", reason, error)
-            return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason)
+            ctx.fail(ROOT_PATH, reason, error)
+            return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=reason)
         return root
 
 
@@ -622,5 +624,5 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
 def _opaque_root(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[Any, ...], *, kwargs: dict[str, Any],
                  root: tuple[str, BaseException, str | None]) -> OpaqueGraphModule:
     reason, error, fix = root
-    ctx.fail("", reason, error, fix=fix)
-    return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason)
+    ctx.fail(ROOT_PATH, reason, error, fix=fix)
+    return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=reason)

@@ -51,6 +51,7 @@ from .copies import CarriedOptions, Copier, install_copier, remove_copier
 from ..guards.preservation import preserved_state
 from ..dispatch.dispatcher import GraphDispatcher
 from ..dispatch.extraction import Extraction
+from ..graph.node_path import ModulePath
 from ..graph.state import SpecCheck
 from ..extract.state_graphs import state_argument_specs
 from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
@@ -393,7 +394,8 @@ class Bridge:
         """``module``'s own dispatcher (made on first need, linked like the model's)."""
         dispatcher = self.dispatchers.get(id(module))
         if dispatcher is None:
-            path = next((name for name, m in self.model.named_modules(remove_duplicate=False) if m is module), "")
+            named = self.model.named_modules(remove_duplicate=False)
+            path = ModulePath(next((name for name, m in named if m is module), ""))
             dispatcher = GraphDispatcher(module, self.options, path=path, on_extraction=[self._on_extraction])
             self.dispatchers[id(module)] = dispatcher
         return dispatcher
