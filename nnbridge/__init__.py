@@ -31,8 +31,12 @@ Vocabulary (each word names one idea, here and in the code):
 - *op point*: the identity module standing for one graph node, the one place patches, torch hooks
   and nnsight envoys reach its value (:class:`OpPoint`);
 - *listener*: a patch, torch hook or running trace registered on an op point;
-- *NodePath*: the dotted name of a node (``transformer.h_0.attn.softmax``, :class:`NodePath`);
-  a *module path* is ``named_modules()``'s name of a module (``transformer.h.0.attn``);
+- *NodePath*: the dotted name of a node (``transformer.h_0.attn.softmax``), parsed by
+  :class:`NodePath`; internal signatures annotate its text as ``nnbridge.graph.NodePathStr``;
+- *module path*: ``named_modules()``'s name of a module (``transformer.h.0.attn``, ``""`` the
+  root), annotated ``nnbridge.graph.ModulePath`` where the extraction and dispatch layers pass one
+  (``fqn``, ``path``). Both are ``typing.NewType``s of ``str``: plain strings at run time, told
+  apart by mypy;
 - *opaque*: a module that runs its own code instead of a graph, with a recorded reason
   (:class:`OpaqueGraphModule`); its children may still be graphs;
 - *representative* and *sibling*: under layer reuse, identical layers are exported once, by the

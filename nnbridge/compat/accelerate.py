@@ -48,7 +48,7 @@ def accelerate_hook(module: torch.nn.Module) -> Any:
 
 
 def run_hooked(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-               body: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> Any:
+               *, body: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> Any:
     """Run ``body(args, kwargs)`` as accelerate's wrapper (``add_hook_to_module``'s ``new_forward``,
     accelerate 1.x) runs ``module._old_forward``: ``pre_forward`` first (loads offloaded weights
     onto the execution device, moves the inputs), ``post_forward`` on the output (offloads the

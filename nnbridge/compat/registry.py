@@ -75,7 +75,7 @@ class RuntimePatch:
     verified: frozenset[str]
 
 
-def _torch(name: str, target: str, kind: Kind, why: str) -> RuntimePatch:
+def _torch(name: str, target: str, kind: Kind, *, why: str) -> RuntimePatch:
     return RuntimePatch(name, target, why, kind, "torch", _TORCH)
 
 
@@ -83,85 +83,86 @@ def _torch(name: str, target: str, kind: Kind, why: str) -> RuntimePatch:
 PATCHES: tuple[RuntimePatch, ...] = (
     # extraction: what torch.export cannot capture faithfully (compat/capture.py, tensor_data.py)
     _torch("autograd_function_apply", "torch.autograd.Function.apply", "correctness",
-           "Reports each custom autograd.Function called while a module is exported, as export inlines its"
+           why="Reports each custom autograd.Function called while a module is exported, as export inlines its"
            " forward and drops its backward (the module then runs eagerly)."),
     _torch("set_grad_enabled", "torch._C._set_grad_enabled", "correctness",
-           "Reports grad-mode changes in an eager run and ignores them while exporting the modules found to make"
+           why="Reports grad-mode changes in an eager run and ignores them while exporting the modules found to make"
            " them, so their graphs keep eager's grad mode."),
     _torch("graph_break", "torch._dynamo.decorators.graph_break.__code__", "correctness",
-           "Reports torch._dynamo.graph_break() calls while exporting, which non-strict export runs as a no-op"
+           why="Reports torch._dynamo.graph_break() calls while exporting, which non-strict export runs as a no-op"
            " (the module would silently become one graph)."),
     _torch("compile_queries", "torch.compiler.is_compiling.__code__, torch.compiler.is_exporting.__code__",
            "correctness",
-           "Reports a model's own is_compiling()/is_exporting() questions while exporting, which are True there and"
+           why="Reports a model's own is_compiling()/is_exporting() questions while exporting, which are True there and"
            " False in eager code (a branch on them would keep its compiled side)."),
     _torch("tensor_data", "torch.Tensor.data", "correctness",
-           "Reports tensor.data reads and writes, which change a tensor without bumping its version counter (peft's"
+           why="Reports tensor.data reads and writes, which change a tensor without bumping its version counter (peft's"
            " merge), so state checks see them."),
     # export (compat/export.py, tracepoints.py, stack_traces.py, duck_sizing.py, unbacked.py, fake_tensors.py)
     _torch("string_arguments", "torch.fx.experimental.proxy_tensor.extract_val", "correctness",
-           "Records a str argument of a preserved module call as its own example value, where torch raises"
+           why="Records a str argument of a preserved module call as its own example value, where torch raises"
            " (Gemma 3's rotary embedding would make its caller opaque)."),
     _torch("helper_frames", "torch.fx.proxy.TracerBase._filter_traceback_frames", "correctness",
-           "Keeps the frames of plain functions a forward calls in each node's stack trace, which node aliases and"
+           why="Keeps the frames of plain functions a forward calls in each node's stack trace, which node aliases and"
            " the code shown for a node are read from."),
     _torch("lazy_traceback_lines", "torch.utils._traceback._extract_symbolized_tb", "speed",
-           "Reads the source line of a recorded frame only when it is formatted, not for every frame of every node."),
+           why="Reads the source line of a recorded frame only when it is formatted, not for every frame of every"
+           " node."),
     _torch("tracepoint_bookkeeping", "torch.fx.experimental.proxy_tensor.set_meta, torch.fx.proxy.TracerBase.create_node",
            "speed",
-           "Skips the stack trace and tensor metadata of export's _export_tracepoint nodes, which its own pass"
+           why="Skips the stack trace and tensor metadata of export's _export_tracepoint nodes, which its own pass"
            " removes without reading them."),
     _torch("duck_sizing", "torch._export.non_strict_utils._create_symbolic_context_for_tensor", "speed",
-           "Gives equal dynamic sizes of a cache's tensors one symbol (DimDynamic.DUCK, guarded at call time), so"
+           why="Gives equal dynamic sizes of a cache's tensors one symbol (DimDynamic.DUCK, guarded at call time), so"
            " export reasons about fewer symbols."),
     _torch("unbacked_bindings", "torch.export._trace._replace_unbacked_bindings", "speed",
-           "Skips export's walk for unbacked symbols when the shape environment has none (the pass then only"
+           why="Skips export's walk for unbacked symbols when the shape environment has none (the pass then only"
            " drops each node's unbacked_bindings)."),
     _torch("fake_tensor_cache_off", "torch._dynamo.config.fake_tensor_cache_enabled", "speed",
-           "Turns off the fake-tensor dispatch cache while exporting, whose keys with new symbolic sizes rarely"
+           why="Turns off the fake-tensor dispatch cache while exporting, whose keys with new symbolic sizes rarely"
            " recur."),
     _torch("lazy_export_graph_modules", "torch.fx._lazy_graph_module._use_lazy_graph_module", "speed",
-           "Makes export's graph modules generate their code when first run or read, not after each of export's"
+           why="Makes export's graph modules generate their code when first run or read, not after each of export's"
            " passes."),
     _torch("shape_envs_released", "torch.export._trace.make_fake_inputs", "correctness",
-           "Records each export's fake inputs to empty their ShapeEnv's tracked_fakes afterwards, a cycle through"
+           why="Records each export's fake inputs to empty their ShapeEnv's tracked_fakes afterwards, a cycle through"
            " C++ that kept every export's ShapeEnv alive."),
     _torch("no_module_deduplication", "torch.export.unflatten._deduplicate_modules", "correctness",
-           "Keeps one graph per module invocation in unflatten, which otherwise merges identical invocations"
+           why="Keeps one graph per module invocation in unflatten, which otherwise merges identical invocations"
            " that nnbridge patches separately."),
     _torch("lazy_unflatten_code", "torch.export.unflatten.InterpreterModule.finalize, "
            "torch.export.unflatten.UnflattenedModule.finalize", "speed",
-           "Makes unflatten's graph modules lazy, as nnbridge builds its own modules and never runs their code."),
+           why="Makes unflatten's graph modules lazy, as nnbridge builds its own modules and never runs their code."),
     # fx (compat/fx.py)
     _torch("generated_code_released", "torch.fx.graph_module._method_from_src", "correctness",
-           "Drops the source fx keeps for every generated function (its eval cache and linecache) when the"
+           why="Drops the source fx keeps for every generated function (its eval cache and linecache) when the"
            " function's code dies, which torch never does."),
     _torch("sources_compiled_once", "torch.fx.graph_module._exec_with_source", "speed",
-           "Compiles each distinct generated source once per block and gives later graph modules with the same"
+           why="Compiles each distinct generated source once per block and gives later graph modules with the same"
            " text a renamed copy of the code."),
     _torch("fx_patches_confined", "torch.fx._symbolic_trace._Patcher.patch, torch.fx._symbolic_trace._Patcher."
            "patch_method", "correctness",
-           "Confines the process-wide patches fx makes while tracing (nn.Module.__call__...) to the tracing thread,"
+           why="Confines the process-wide patches fx makes while tracing (nn.Module.__call__...) to the tracing thread,"
            " so another thread's module call is neither recorded nor corrupted."),
     # disk cache (compat/serialization.py)
     _torch("save_without_canonical_check", "torch._export.serde.serialize.canonicalize", "speed",
-           "Skips the canonical-form check torch.export.save makes on a deep copy it discards (the bytes written"
+           why="Skips the canonical-form check torch.export.save makes on a deep copy it discards (the bytes written"
            " are the same)."),
     _torch("load_memoized_schema", "torch._export.serde.serialize.typing, .sympy, .dataclasses, "
            "torch._export.serde.union.fields", "speed",
-           "Memoizes the type hints, sympy parses and dataclass fields the deserializer asks again for every"
+           why="Memoizes the type hints, sympy parses and dataclass fields the deserializer asks again for every"
            " node."),
     _torch("load_schema_reader", "torch._export.serde.serialize._dict_to_dataclass", "speed",
-           "Decides once per schema class how its JSON becomes a dataclass."),
+           why="Decides once per schema class how its JSON becomes a dataclass."),
     _torch("load_location", "torch.fx.experimental.symbolic_shapes.ShapeEnv._get_sloc", "speed",
-           "Gives loaded symbolic-size ranges a fixed source location instead of a stack walk that imports"
+           why="Gives loaded symbolic-size ranges a fixed source location instead of a stack walk that imports"
            " torch's compiler stack."),
     _torch("load_fake_tensor_meta", "torch._export.serde.serialize.GraphModuleDeserializer.deserialize_tensor_meta",
            "speed",
-           "Makes each loaded node's fake tensor through the fake mode's constructor path, not a dispatch through"
+           why="Makes each loaded node's fake tensor through the fake mode's constructor path, not a dispatch through"
            " its cache."),
     _torch("load_shared_sym_ints", "torch._export.serde.serialize.GraphModuleDeserializer.deserialize_sym_int",
-           "speed", "Makes each distinct symbolic size once per deserializer, as a traced graph shares them."),
+           "speed", why="Makes each distinct symbolic size once per deserializer, as a traced graph shares them."),
     # transformers (compat/transformers/mask_skips.py, cache_layers.py, cache_updates.py) and the model's own
     # classes (extract/watched_attributes.py)
     RuntimePatch("mask_skips", "transformers.masking_utils._ignore_causal_mask_sdpa, "
@@ -322,7 +323,7 @@ def enabled(name: str) -> bool:
     return True
 
 
-def _count(name: str, step: int, owner: Any = None, attribute: str = "", previous: Any = _MISSING) -> None:
+def _count(name: str, step: int, owner: Any = None, *, attribute: str = "", previous: Any = _MISSING) -> None:
     with _LOCK:
         _ACTIVE[name] = _ACTIVE.get(name, 0) + step
         if owner is None:
@@ -337,7 +338,7 @@ def _count(name: str, step: int, owner: Any = None, attribute: str = "", previou
                 del _PLACES[key]
 
 
-def install(name: str, owner: Any, attribute: str, value: Any) -> Any:
+def install(name: str, owner: Any, attribute: str, *, value: Any) -> Any:
     """``setattr(owner, attribute, value)`` as patch ``name`` (checked with :func:`enabled` by the
     caller, or installed whatever the version where the caller cannot do without it). Returns what
     :func:`uninstall` puts back: ``owner``'s own entry (``vars(owner)``), or a marker when the
@@ -346,14 +347,14 @@ def install(name: str, owner: Any, attribute: str, value: Any) -> Any:
         raise KeyError(f"unregistered run-time patch {name!r}")
     previous = vars(owner).get(attribute, _MISSING)
     setattr(owner, attribute, value)
-    _count(name, 1, owner, attribute, previous)
+    _count(name, 1, owner, attribute=attribute, previous=previous)
     return previous
 
 
-def uninstall(name: str, owner: Any, attribute: str, previous: Any, *, only_if: Any = _MISSING) -> None:
+def uninstall(name: str, owner: Any, attribute: str, *, previous: Any, only_if: Any = _MISSING) -> None:
     """Undo :func:`install` (``previous`` as it returned). With ``only_if``, the attribute is put
     back only while it still is ``only_if`` (someone else may have patched it since)."""
-    _count(name, -1, owner, attribute)
+    _count(name, -1, owner, attribute=attribute)
     if only_if is not _MISSING and vars(owner).get(attribute, _MISSING) is not only_if:
         return
     if previous is _MISSING:
@@ -364,7 +365,7 @@ def uninstall(name: str, owner: Any, attribute: str, previous: Any, *, only_if: 
 
 
 @contextlib.contextmanager
-def replaced(name: str, owner: Any, attribute: str, value: Any, *, only_if_ours: bool = False,
+def replaced(name: str, owner: Any, attribute: str, *, value: Any, only_if_ours: bool = False,
              gated: bool = True) -> Iterator[bool]:
     """``owner.<attribute>`` is ``value`` for the body's duration, as patch ``name``; put back
     afterwards, also on error (with ``only_if_ours``, only while it still is ``value``).
@@ -377,11 +378,11 @@ def replaced(name: str, owner: Any, attribute: str, value: Any, *, only_if_ours:
     if gated and not enabled(name):
         yield False
         return
-    previous = install(name, owner, attribute, value)
+    previous = install(name, owner, attribute, value=value)
     try:
         yield True
     finally:
-        uninstall(name, owner, attribute, previous, only_if=value if only_if_ours else _MISSING)
+        uninstall(name, owner, attribute, previous=previous, only_if=value if only_if_ours else _MISSING)
 
 
 @contextlib.contextmanager
@@ -393,12 +394,12 @@ def code_replaced(name: str, function: Any, code: types.CodeType) -> Iterator[bo
         return
     original = function.__code__
     function.__code__ = code
-    _count(name, 1, function, "__code__", original)
+    _count(name, 1, function, attribute="__code__", previous=original)
     try:
         yield True
     finally:
         function.__code__ = original
-        _count(name, -1, function, "__code__")
+        _count(name, -1, function, attribute="__code__")
 
 
 @contextlib.contextmanager

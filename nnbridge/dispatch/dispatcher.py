@@ -49,6 +49,7 @@ from ..graph.failures import add_note
 from ..graph.codegen import code_generation_deferred
 from ..guards.module_state import StateGuard
 from ..graph.locking import CALL_LOCK
+from ..graph.node_path import ROOT_PATH, ModulePath
 from ..graph.op_point import OpPoint, OpPointContainer
 from ..extract.options import ExtractionOptions
 from ..extract.sibling_roots import RootWatch, SiblingLink
@@ -109,7 +110,7 @@ class GraphDispatcher(torch.nn.Module):
     module: torch.nn.Module
     options: ExtractionOptions
     #: NodePath of ``module`` in its hierarchy ("" for a root)
-    path: str
+    path: ModulePath
     #: ``callback(dispatcher, extraction)`` run on each new extraction (shared within one tree)
     on_extraction: list[Callable[[GraphDispatcher, Extraction], None]]
     #: structure key -> the extractions kept for it, oldest first
@@ -136,7 +137,7 @@ class GraphDispatcher(torch.nn.Module):
     #: own under an opaque root (a decode step) keeps one dispatcher
     kept_children: dict[str, GraphDispatcher]
 
-    def __init__(self, module: torch.nn.Module, options: ExtractionOptions, *, path: str = "",
+    def __init__(self, module: torch.nn.Module, options: ExtractionOptions, *, path: ModulePath = ROOT_PATH,
                  on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None):
         super().__init__()
         self.__dict__["module"] = module
@@ -168,7 +169,7 @@ class GraphDispatcher(torch.nn.Module):
         return [e for group in self.extractions.values() for e in group]
 
     def add_extraction(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                       key: Hashable | None = None, reason: str = "first call") -> Extraction:
+                       key: Hashable | None = None, *, reason: str = "first call") -> Extraction:
         """Extract for this call and cache the result under its structure key.
 
         Inside a torch.func transform (``grad``, ``jacrev``, ``jvp``, ``hessian``...) the extraction
@@ -195,7 +196,7 @@ class GraphDispatcher(torch.nn.Module):
             if "vmap" not in kinds:
                 args, kwargs = plain_examples((args, kwargs))
                 with transforms_suspended():
-                    return self._add_extraction(args, kwargs, key, reason)
+                    return self._add_extraction(args, kwargs, key, reason=reason)
             if "autograd" in kinds:
                 where = self.path or type(self.module).__name__
                 raise NNBridgeError(
@@ -204,7 +205,7 @@ class GraphDispatcher(torch.nn.Module):
                     " with requires_grad_(), which functorch refuses there. Call the model once outside the"
                     " transforms with one sample's arguments (same structure: requires_grad, grad mode), or"
                     " nnbridge.bridge(model, *example_inputs), then transform it.")
-        return self._add_extraction(args, kwargs, key, reason)
+        return self._add_extraction(args, kwargs, key, reason=reason)
 
     def _refuse_transformed_state(self) -> None:
         """Raise when the module's parameters or buffers are a torch.func transform's tensors
@@ -225,13 +226,14 @@ class GraphDispatcher(torch.nn.Module):
                 " tensors, and the transform's exist only inside it (a new set per call). Transform the inputs"
                 " only, or run the unbridged model (nnbridge.unbridge(model)).")
 
-    def _add_extraction(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: Hashable, reason: str) -> Extraction:
+    def _add_extraction(self, args: tuple[Any, ...], kwargs: dict[str, Any], key: Hashable, *,
+                        reason: str) -> Extraction:
         # each graph's code is generated once, after the callbacks (an in-place bridge's link) edited
         # it; no cyclic garbage collection meanwhile (see .compat.allocator)
         with collection_paused(), code_generation_deferred():
             extraction = self._from_representative(args, kwargs)
             if extraction is None:
-                extraction = extract(self.module, args, kwargs, self.options, path=self.path,
+                extraction = extract(self.module, args, kwargs, options=self.options, path=self.path,
                                      on_extraction=self.on_extraction, watch=self.watch, children=self.kept_children)
             extraction.reason = reason
             extraction.state = StateGuard(self.module, opaque=self._opaque_ids(extraction), skip=_nnbridge_child,
@@ -255,7 +257,7 @@ class GraphDispatcher(torch.nn.Module):
             # (its state guard: the representative is as it was exported)
             if candidate.shared is not None and candidate.state is not None and candidate.state.holds():
                 extraction = _extraction.extract_sibling(
-                    self.module, args, kwargs, self.options, candidate.shared, self.sibling.index,
+                    self.module, args, kwargs, options=self.options, source=candidate.shared, index=self.sibling.index,
                     child_dispatcher=_child_dispatchers(self.options, self.on_extraction, self.kept_children),
                     path=self.path, on_extraction=self.on_extraction)
                 if extraction is not None:
@@ -269,7 +271,7 @@ class GraphDispatcher(torch.nn.Module):
         classes are registered as pytrees before the first one, so a cache argument is keyed by its
         contents' structure."""
         self._register_pytrees()
-        return structure_key(self.flag_modules, args, kwargs, flat)
+        return structure_key(self.flag_modules, args, kwargs, flat=flat)
 
     def _register_pytrees(self) -> None:
         if not self._pytrees_registered:
@@ -404,7 +406,7 @@ class GraphDispatcher(torch.nn.Module):
 
 
 def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            options: ExtractionOptions | None = None, *, path: str = "",
+            *, options: ExtractionOptions | None = None, path: ModulePath = ROOT_PATH,
             on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None,
             watch: RootWatch | None = None, children: dict[str, GraphDispatcher] | None = None) -> Extraction:
     """Extract ``module`` for the call ``module(*args, **kwargs)``; the children of its opaque
@@ -419,17 +421,18 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """
     options = options or ExtractionOptions()
     callbacks = on_extraction if on_extraction is not None else []
-    return _extraction.extract(module, args, kwargs, options,
+    return _extraction.extract(module, args, kwargs, options=options,
                                child_dispatcher=_child_dispatchers(options, callbacks, children), path=path,
                                on_extraction=callbacks, watch=watch)
 
 
 def _child_dispatchers(options: ExtractionOptions, callbacks: list[Callable[[GraphDispatcher, Extraction], None]],
-                       children: dict[str, GraphDispatcher] | None) -> Callable[[torch.nn.Module, str], GraphDispatcher]:
+                       children: dict[str, GraphDispatcher] | None
+                       ) -> Callable[[torch.nn.Module, ModulePath], GraphDispatcher]:
     """The factory of an opaque module's children's dispatchers: the one ``children`` keeps for the
     child's NodePath when it dispatches that module object, else a new one (kept there, and
     keeping its own children there too)."""
-    def child_dispatcher(child: torch.nn.Module, child_path: str) -> GraphDispatcher:
+    def child_dispatcher(child: torch.nn.Module, child_path: ModulePath) -> GraphDispatcher:
         known = children.get(child_path) if children is not None else None
         if known is not None and known.module is child:
             return known

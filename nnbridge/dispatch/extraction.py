@@ -43,6 +43,7 @@ from ..extract.custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_
 from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
 from ..extract.exporting import CapturingOutputs, ModuleFailure, caller_of, export_module, scalar_stub_caller
 from ..graph.hierarchy import walk
+from ..graph.node_path import ROOT_PATH, ModulePath
 from ..graph.summaries import summarize
 from ..graph.kinds import StubKind
 from ..graph.locking import CALL_LOCK, locked_calls
@@ -96,7 +97,8 @@ if TYPE_CHECKING:  # annotations only: the dispatcher layer imports this module
 
 
 def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            options: ExtractionOptions | None = None, *, child_dispatcher: ChildDispatcherFactory, path: str = "",
+            *, options: ExtractionOptions | None = None, child_dispatcher: ChildDispatcherFactory,
+            path: ModulePath = ROOT_PATH,
             on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None,
             watch: RootWatch | None = None) -> Extraction:
     """Extract ``module`` for the call ``module(*args, **kwargs)``.
@@ -139,18 +141,20 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     with CALL_LOCK, fx_patches_confined(CALL_LOCK), locked_calls(module.modules()), collector_suspended(), \
             generated_code_released(), collection_paused():
         try:
-            return _extract(module, args, kwargs, options, path, on_extraction, child_dispatcher, watch)
+            return _extract(module, args, kwargs, options=options, path=path, on_extraction=on_extraction,
+                            child_dispatcher=child_dispatcher, watch=watch)
         finally:  # else torch's globals keep this trace, and through it the model, alive
             forget_export_state()
             release_free_heap()  # the trace's freed memory back to the system (see compat.libc)
 
 
 def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             options: ExtractionOptions | None, path: str,
+             *, options: ExtractionOptions | None, path: ModulePath,
              on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None,
              child_dispatcher: ChildDispatcherFactory, watch: RootWatch | None = None) -> Extraction:
     options = options or ExtractionOptions()
-    ctx = ExtractionContext(module, options, path, on_extraction if on_extraction is not None else [], child_dispatcher)
+    ctx = ExtractionContext(module, options, path, on_extraction=on_extraction if on_extraction is not None else [],
+                            child_dispatcher=child_dispatcher)
     # extraction's eager runs must not consume random numbers (dropout in train mode) nor change
     # buffers (batch norm in train mode) or module attributes
     with preserved_state(list(named_real_modules(module))), cleared_module_state(module), \
@@ -167,7 +171,8 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             # outside the handler: the per-layer export's own failures must not carry the
             # fallback as their context (export failures are searched for a ReuseFallback)
             logger.info("layer reuse fell back to per-layer export: %s", fallback)
-            ctx = ExtractionContext(module, options, path, ctx.on_extraction, child_dispatcher)
+            ctx = ExtractionContext(module, options, path, on_extraction=ctx.on_extraction,
+                                    child_dispatcher=child_dispatcher)
             ctx.renamed = renamed
             root, guard = _extract_root(ctx, args, kwargs, reuse=False)
     if isinstance(root, OpaqueGraphModule) and root.serves_any_size:
@@ -182,12 +187,12 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     extraction = Extraction(root, guard, ctx.opaque, (tuple(summarize(a) for a in args),
                                                       {k: summarize(v) for k, v in kwargs.items()}))
     if watch is not None and fallback is None and options.reuse_layers:
-        extraction.shared = _shared_root(extraction, args, kwargs, watch, path, ctx.templates)
+        extraction.shared = _shared_root(extraction, args, kwargs, watch=watch, path=path, templates=ctx.templates)
     return extraction
 
 
-def _shared_root(extraction: Extraction, args: tuple[Any, ...], kwargs: dict[str, Any], watch: RootWatch, path: str,
-                 templates: dict[tuple[str, int], Any]) -> SharedRoot | None:
+def _shared_root(extraction: Extraction, args: tuple[Any, ...], kwargs: dict[str, Any], *, watch: RootWatch,
+                 path: ModulePath, templates: dict[tuple[str, int], Any]) -> SharedRoot | None:
     """What siblings need to build their graphs from a representative's extraction, when they may:
     one graph hierarchy (nothing opaque), exported with nothing watched read (see
     :mod:`.sibling_roots`); ``templates`` are its built graphs (``GraphBuilder.keep_all``)."""
@@ -201,8 +206,9 @@ def _shared_root(extraction: Extraction, args: tuple[Any, ...], kwargs: dict[str
         if shape is not None else None
 
 
-def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], options: ExtractionOptions,
-                    source: SharedRoot, index: int | None, *, child_dispatcher: ChildDispatcherFactory, path: str = "",
+def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    *, options: ExtractionOptions, source: SharedRoot, index: int | None,
+                    child_dispatcher: ChildDispatcherFactory, path: ModulePath = ROOT_PATH,
                     on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None
                     ) -> Extraction | None:
     """Extract ``module`` for the call ``module(*args, **kwargs)`` from a sibling's program, without
@@ -227,23 +233,25 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
     shape = CallShape.of(args, kwargs, index)
     if shape is None or not shape.matches(source.shape) or sibling_roots.call_mode() != source.mode:
         return None
-    guard = sibling_roots.sibling_guard(source.record.guard, source.shape, shape, tensor_leaves(args, kwargs),
-                                        (args, kwargs))
+    guard = sibling_roots.sibling_guard(source.record.guard, source.shape, shape, tensors=tensor_leaves(args, kwargs),
+                                        call=(args, kwargs))
     if guard is None:  # the representative's program does not serve these sizes
         return None
     quiet = dataclasses.replace(options, warn_on_compilation_failure=False, error_on_compilation_failure=False)
     with CALL_LOCK, generated_code_released(), cleared_module_state(module), offloaded_weights_loaded(module), \
             reserved_names_renamed(module) as renamed, aliases_hidden(module):
-        ctx = ExtractionContext(module, quiet, path, on_extraction if on_extraction is not None else [],
-                                child_dispatcher)
+        ctx = ExtractionContext(module, quiet, path, on_extraction=on_extraction if on_extraction is not None else [],
+                                child_dispatcher=child_dispatcher)
         ctx.renamed = renamed
         record = source.record
         rebound = sibling_roots.rebinding(shape, source, index)
         try:
             # copies of the representative's built graphs; it kept none of a submodule it built from
             # an identical submodule's graph (an expert): such a sibling is exported itself
-            builder = GraphBuilder(ctx, torch.nn.Module(), {}, {}, source.input_spec, record.states, {}, (args, kwargs),
-                                   ReusePlan(), sibling_roots.untouched_rebound(record.untouched, rebound))
+            builder = GraphBuilder(ctx, torch.nn.Module(), {}, calls={}, input_spec=source.input_spec,
+                                   states=record.states, constants={}, example=(args, kwargs),
+                                   reuse=ReusePlan(),
+                                   untouched=sibling_roots.untouched_rebound(record.untouched, rebound))
             root = builder.from_shared(source.templates, module)
             if ctx.opaque:
                 raise ReuseFallback(f"a graph of '{source.path}' could not be built here: {ctx.opaque}")
@@ -253,7 +261,7 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
                 raise ReuseFallback("its root graph takes its inputs flattened")
             for sub_path, graph in graphs:
                 if rebound is not None:
-                    rebind_cache_state(graph, rebound, ctx.full(sub_path) or "<root>")
+                    rebind_cache_state(graph, rebound, ctx.full(ModulePath(sub_path)) or "<root>")
         except Exception as error:  # noqa: BLE001 - the sibling is exported itself
             logger.info("'%s' is extracted itself, not from '%s': %s", path, source.path, describe_failure(error))
             return None
@@ -276,14 +284,14 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     static = ShapeGuard.static(tensor_leaves(args, kwargs))
     if type(module) in ctx.options.custom_extraction_functions:
         try:
-            return custom_graph(ctx, "", module), static
+            return custom_graph(ctx, ROOT_PATH, module), static
         except CustomFunctionFailed as failed:  # as graphpatch: a failing function means fallback
             reason = f"its custom extraction function failed: {describe_failure(failed.error)}"
-            ctx.fail("", reason, failed.error, fix=CUSTOM_FIX)
-            return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason), static
+            ctx.fail(ROOT_PATH, reason, failed.error, fix=CUSTOM_FIX)
+            return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=reason), static
     if _skip(ctx, module):
-        ctx.opaque[ctx.full("") or "<root>"] = StubKind.SKIPPED
-        return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=StubKind.SKIPPED), static
+        ctx.opaque[ctx.full(ROOT_PATH) or "<root>"] = StubKind.SKIPPED
+        return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=StubKind.SKIPPED), static
     stubs: dict[str, str] = {  # a StubKind, or the reason an export failure made it opaque
         fqn: StubKind.CUSTOM if type(sub) in ctx.options.custom_extraction_functions else StubKind.SKIPPED
         for fqn, sub in named_real_modules(module)
@@ -292,8 +300,8 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     errors: dict[str, BaseException] = {}
     for fqn, reason in shared_container_entries(module).items():
         if fqn == "":
-            ctx.fail("", reason, SharedModuleEntry(reason), fix=SharedModuleEntry.FIX)
-            return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason), static
+            ctx.fail(ROOT_PATH, reason, SharedModuleEntry(reason), fix=SharedModuleEntry.FIX)
+            return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=reason), static
         if fqn not in stubs:
             stubs[fqn], errors[fqn] = reason, SharedModuleEntry(reason)
     # the call's structure before anything runs it: export may record a cache argument's spec
@@ -371,7 +379,7 @@ class _RootExport:
         recorded = set(self.stubs) | set(candidates.siblings) | candidates.representatives()
         # (layers only compared for reuse keep their tensors shared: deep copies cost more than the run)
         compared = (set(candidates.siblings) | candidates.representatives()) - set(self.stubs)
-        self.calls = record_calls(module, recorded, args, kwargs, shared=compared) if recorded else {}
+        self.calls = record_calls(module, recorded, args, kwargs=kwargs, shared=compared) if recorded else {}
         self.plan = confirm_reuse(module, candidates, self.calls)
         if self.record is not None and self.record.reuse != self.plan.siblings:
             # a record keeps the siblings its export stubbed; the plan is derived again for this call
@@ -381,7 +389,7 @@ class _RootExport:
                 if opaque is not None:
                     return opaque
                 stubbed = recorded | set(self.stubs)
-                self.calls = record_calls(module, stubbed, args, kwargs) if stubbed else {}
+                self.calls = record_calls(module, stubbed, args, kwargs=kwargs) if stubbed else {}
             else:  # the export fell back to per-layer export for this call before: so does this build
                 self.plan = ReusePlan()
         # a skipped module called with a cache is traced through (its new cache state must reach its
@@ -397,11 +405,12 @@ class _RootExport:
         return None
 
     def _stub_eagerly(self) -> OpaqueGraphModule | None:
-        self.eager = _eager_stubs(self.ctx, self.module, self.args, self.kwargs, self.stubs, self.errors)
+        self.eager = _eager_stubs(self.ctx, self.module, self.args, kwargs=self.kwargs, stubs=self.stubs,
+                                  errors=self.errors)
         if self.eager.root is None:
             return None
         self.bar.close()
-        return _opaque_root(self.ctx, self.module, self.args, self.kwargs, self.eager.root)
+        return _opaque_root(self.ctx, self.module, self.args, kwargs=self.kwargs, root=self.eager.root)
 
     def _take(self, record: programs.ProgramRecord) -> None:
         """Use ``record``'s program and stubs."""
@@ -418,7 +427,7 @@ class _RootExport:
         the root's opaque module when the root itself is at fault."""
         module, args, kwargs = self.module, self.args, self.kwargs
         while self.record is None:
-            frozen_by = scalar_stub_caller(module, self.stubs, self.traced, self.calls)
+            frozen_by = scalar_stub_caller(module, self.stubs, self.traced, calls=self.calls)
             if frozen_by is not None:
                 caller, cause = frozen_by
                 if caller == "":
@@ -439,7 +448,7 @@ class _RootExport:
                     break
                 for fqn in sorted(empty):
                     self.stubs[fqn] = StubKind.PASSTHROUGH
-                self.calls = record_calls(module, set(self.stubs), args, kwargs)
+                self.calls = record_calls(module, set(self.stubs), args, kwargs=kwargs)
                 continue
             except ModuleFailure as failure:
                 opaque = self._stub_failure(failure)
@@ -461,7 +470,7 @@ class _RootExport:
                 self.traced.add(fqn)
                 if cast(UnfaithfulCaptureError, error).grad_mode:  # all are, checked above
                     self.frozen.add(fqn)
-            self.calls = record_calls(self.module, set(self.stubs), self.args, self.kwargs)
+            self.calls = record_calls(self.module, set(self.stubs), self.args, kwargs=self.kwargs)
             return None
         while fqn and any(failure.states.get(fqn, [])):
             # a stub cannot write the cache state the module would have: its caller is opaque
@@ -474,12 +483,12 @@ class _RootExport:
     def _stub(self, fqn: str, error: BaseException) -> None:
         self.stubs[fqn] = describe_failure(error)
         self.errors[fqn] = error
-        self.calls = record_calls(self.module, set(self.stubs), self.args, self.kwargs)
+        self.calls = record_calls(self.module, set(self.stubs), self.args, kwargs=self.kwargs)
 
     def _fail_root(self, error: BaseException) -> OpaqueGraphModule:
         self.bar.close()
-        self.ctx.fail("", describe_failure(error), error)
-        return opaque_module(self.ctx, "", self.module, args=self.args, kwargs=self.kwargs,
+        self.ctx.fail(ROOT_PATH, describe_failure(error), error)
+        return opaque_module(self.ctx, ROOT_PATH, self.module, args=self.args, kwargs=self.kwargs,
                              reason=describe_failure(error))
 
     def report(self, static: ShapeGuard) -> ShapeGuard:
@@ -489,10 +498,10 @@ class _RootExport:
         for fqn, reason in self.stubs.items():
             if reason not in (StubKind.CUSTOM, StubKind.SKIPPED, StubKind.PASSTHROUGH):
                 shared = isinstance(self.errors[fqn], SharedModuleEntry)
-                ctx.fail(fqn, reason, self.errors[fqn],
+                ctx.fail(ModulePath(fqn), reason, self.errors[fqn],
                          fix=SharedModuleEntry.FIX if shared else getattr(self.errors[fqn], "fix", None))
             elif reason != StubKind.CUSTOM:  # opaque by design, not by a failure: no warning, never an error
-                ctx.opaque[ctx.full(fqn)] = reason
+                ctx.opaque[ctx.full(ModulePath(fqn))] = reason
         exported = self.program
         self.plan = self.plan.outside(self.stubs)
         if self.plan.siblings:
@@ -526,13 +535,14 @@ class _RootExport:
             if holder is None or not isinstance(getattr(holder, "graph", None), Graph):
                 self.bar.close()
                 reason = "its forward runs no tensor operation: there is no graph to extract"
-                ctx.fail("", reason, None)
-                return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason)
-            builder = GraphBuilder(ctx, unflattened, self.stubs, self.calls, input_spec, self.states,
-                                   constant_outputs(exported), (args, kwargs), self.plan, self.untouched)
+                ctx.fail(ROOT_PATH, reason, None)
+                return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=reason)
+            builder = GraphBuilder(ctx, unflattened, self.stubs, calls=self.calls, input_spec=input_spec,
+                                   states=self.states, constants=constant_outputs(exported), example=(args, kwargs),
+                                   reuse=self.plan, untouched=self.untouched)
             builder.number_calls(holder)
             builder.keep_all = self.watch is not None  # its sibling roots build their graphs from its built ones
-            root = builder.build("", module, holder)
+            root = builder.build(ROOT_PATH, module, holder)
             ctx.templates = builder.templates
             # the record lives as long as its graphs: the process's memory cache refers to it weakly
             root.__dict__[PROGRAM_RECORD] = self.record
@@ -541,8 +551,8 @@ class _RootExport:
         except Exception as error:  # noqa: BLE001
             self.bar.close()
             reason = f"building its graph failed: {describe_failure(error)}"
-            ctx.fail("", reason, error)
-            return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason)
+            ctx.fail(ROOT_PATH, reason, error)
+            return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=reason)
         return root
 
 
@@ -555,7 +565,7 @@ class _EagerStubs(NamedTuple):
     root: tuple[str, BaseException, str | None] | None
 
 
-def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[Any, ...], *, kwargs: dict[str, Any],
                  stubs: dict[str, str], errors: dict[str, BaseException]) -> _EagerStubs:
     """Stub (in ``stubs`` and ``errors``) what one eager run of the call finds (see
     :func:`~nnbridge.extract.eager_checks.eager_findings`), before the first export instead of
@@ -611,8 +621,8 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
     return _EagerStubs(traced, frozen, None)
 
 
-def _opaque_root(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+def _opaque_root(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[Any, ...], *, kwargs: dict[str, Any],
                  root: tuple[str, BaseException, str | None]) -> OpaqueGraphModule:
     reason, error, fix = root
-    ctx.fail("", reason, error, fix=fix)
-    return opaque_module(ctx, "", module, args=args, kwargs=kwargs, reason=reason)
+    ctx.fail(ROOT_PATH, reason, error, fix=fix)
+    return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=reason)

@@ -18,10 +18,11 @@ from ..compat.nnsight import printing as nnsight_repr
 from ..compat.torch.module_dicts import modules_of
 from ..inplace.absence import module_absence
 from ..inplace.bridging import bridge_of
+from ..graph.node_path import NodePathStr
 from ..graph.op_point import OpPoint, OpPointContainer
 
 
-def node_path(path: str, root: torch.nn.Module) -> str:
+def node_path(path: str, root: torch.nn.Module) -> NodePathStr:
     """graphpatch NodePath of an envoy path (``model.transformer.h.0.attn.softmax`` ->
     ``transformer.h_0.attn.softmax``; ``linear.invocation_1.linear`` -> ``linear_1.linear``)."""
     segments = path.split(".")[1:]
@@ -37,7 +38,7 @@ def node_path(path: str, root: torch.nn.Module) -> str:
             out[-1] = f"{out[-1]}_{segment.rpartition('_')[2]}"
         else:
             out.append(segment)
-    return ".".join(out)
+    return NodePathStr(".".join(out))
 
 
 #: spellings of older nnsight versions, and their nnsight 0.8 replacement (AttributeError, as nnsight)
@@ -53,7 +54,7 @@ class BridgeEnvoy(nnsight.Envoy):
     """An nnsight Envoy whose children include the module's op envoys (see the module docstring)."""
 
     @property
-    def node_path(self) -> str:
+    def node_path(self) -> NodePathStr:
         """The NodePath of this envoy's module or op (``transformer.h_0.attn.softmax``)."""
         return node_path(self.path, wrapped_module(self.root))
 

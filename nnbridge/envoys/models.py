@@ -224,12 +224,12 @@ class _Bridged(ModelSlots, _EnvoyBase):
                 error.add_note(_EAGER_NOTE)
                 raise
         if state is not None and owners and self.lazy_op_traces and not self._nnbridge_extracted(state, fn, call_args,
-                                                                                                 call_kwargs):
+                                                                                                 kwargs=call_kwargs):
             # workers read ops of known modules only: extract those modules alone
             modules = _outermost([wrapped_module(self).get_submodule(path) for path in owners])
             if state.lazy_allowed(modules):
                 with state.lazily(modules):
-                    if self._nnbridge_prepare(fn, call_args, call_kwargs, owners) and state.lazy_allowed(modules):
+                    if self._nnbridge_prepare(fn, call_args, call_kwargs, lazy=owners) and state.lazy_allowed(modules):
                         return self._nnbridge_interleave(fn, batcher)
             # a name read is no op of those modules (misspelt, or named only in a whole-model
             # extraction), or one is called several times per forward: the whole model's graphs
@@ -253,7 +253,7 @@ class _Bridged(ModelSlots, _EnvoyBase):
         known = [name for _, name in state.registered] if state is not None else []
         names = {name.rpartition(".")[2] for name, sub in module.named_modules() if not is_op_point(sub)} \
             if isinstance(module, torch.nn.Module) else set()
-        return NNsightRequest(backend, module, known, names)
+        return NNsightRequest(backend, module, known, module_names=names)
 
     def _nnbridge_op_owners(self, state: Bridge) -> dict[str, frozenset[str]] | None:
         """Where the run about to start may read op envoys (:func:`.op_reads.op_owners`): ``{}``
@@ -264,7 +264,7 @@ class _Bridged(ModelSlots, _EnvoyBase):
         codes, resolve = pending_workers(self)
         if codes is None:
             return None
-        return op_owners(codes, resolve, wrapped_module(self), state.registered_names)
+        return op_owners(codes, resolve, wrapped_module(self), known_ops=state.registered_names)
 
     def _nnbridge_forward_like(self, fn: Any) -> bool:
         """Whether nnsight runs the module for this trace: the module, its forward, or the envoy's
@@ -276,7 +276,7 @@ class _Bridged(ModelSlots, _EnvoyBase):
                 or getattr(target, "__func__", None) in (type(module).__call__, type(module).forward)
                 or (getattr(target, "__self__", None) is self and getattr(target, "__name__", "") == "_call"))
 
-    def _nnbridge_extracted(self, state: Bridge, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    def _nnbridge_extracted(self, state: Bridge, fn: Any, args: tuple[Any, ...], *, kwargs: dict[str, Any]) -> bool:
         """Whether the whole model is already extracted for this call (then its graphs serve the
         trace, rather than extracting modules lazily): a forward of a call structure extracted
         before, or any other method once the model has a whole-model extraction."""
@@ -285,7 +285,7 @@ class _Bridged(ModelSlots, _EnvoyBase):
         return state.dispatcher.structure_key(tuple(args), dict(kwargs)) in state.dispatcher.extractions
 
     def _nnbridge_prepare(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                          lazy: dict[str, frozenset[str]] | None = None) -> bool:
+                          *, lazy: dict[str, frozenset[str]] | None = None) -> bool:
         """Extract what the run about to start needs before its workers start (they may ask for
         op envoys at once), and mirror the new op points as envoys. ``lazy``: the modules (paths)
         extracted alone and the op names read off them (see :meth:`Bridge.lazily`). Returns

@@ -617,7 +617,7 @@ def _argument_like(name: str, arguments: frozenset[str]) -> bool:
 
 
 def possible_ops(codes: Iterable[types.CodeType], resolve: Callable[[str], object], model: torch.nn.Module,
-                 known_ops: Iterable[str]) -> list[str]:
+                 *, known_ops: Iterable[str]) -> list[str]:
     """The names the trace bodies ``codes`` read that may be op envoys of ``model`` whose
     registered op envoy names so far are ``known_ops`` (see the module docstring), sorted."""
     reads = attribute_reads(codes, resolve)
@@ -628,7 +628,7 @@ def possible_ops(codes: Iterable[types.CodeType], resolve: Callable[[str], objec
 
 
 def op_owners(codes: Iterable[types.CodeType], resolve: Callable[[str], object], model: torch.nn.Module,
-              known_ops: Iterable[str] | AbstractSet[str]) -> dict[str, frozenset[str]] | None:
+              *, known_ops: Iterable[str] | AbstractSet[str]) -> dict[str, frozenset[str]] | None:
     """Where the trace bodies ``codes`` may read op envoys, for extracting only there (see
     :meth:`nnbridge.inplace.bridging.Bridge.lazily`): ``{path of a submodule of model: the possible
     op names read off its envoy}`` (empty: no op read).

@@ -40,7 +40,7 @@ class NNsightRequest:
         NNBridgeError: the trace's code may read an op envoy; names the reads and the fix.
     """
 
-    def __init__(self, backend: Any, model: torch.nn.Module, known_ops: Iterable[str], module_names: Iterable[str]):
+    def __init__(self, backend: Any, model: torch.nn.Module, known_ops: Iterable[str], *, module_names: Iterable[str]):
         self.backend = backend
         self.model = model
         self.known_ops = frozenset(known_ops)
@@ -52,7 +52,7 @@ class NNsightRequest:
 
         def resolve(name: str) -> object:
             return next((scope[name] for scope in scopes if name in scope), None)
-        ops = [name for name in possible_ops([tracer.info.code], resolve, self.model, self.known_ops)
+        ops = [name for name in possible_ops([tracer.info.code], resolve, self.model, known_ops=self.known_ops)
                if name not in self.module_names]
         if ops:
             raise NNBridgeError(

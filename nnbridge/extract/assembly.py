@@ -36,7 +36,7 @@ def persistent(owner: torch.nn.Module, target: str) -> bool:
     return name not in non_persistent_buffers_of(holder)
 
 
-def attach(parent: torch.nn.Module, target: str, child: torch.nn.Module, template: torch.nn.Module) -> None:
+def attach(parent: torch.nn.Module, target: str, child: torch.nn.Module, *, template: torch.nn.Module) -> None:
     """Set ``parent.<target> = child``, creating containers of the same types as in ``template``."""
     *prefix, name = target.split(".")
     holder: torch.nn.Module = parent
@@ -77,7 +77,7 @@ def original_path(ctx: ExtractionContext, module: torch.nn.Module, target: str) 
 
 
 def retype_containers(cgm: torch.nn.Module, targets: list[str], template: torch.nn.Module,
-                       multi: set[str]) -> None:
+                       *, multi: set[str]) -> None:
     """fx creates plain ``nn.Module``s on the way to dotted targets; give them the original container
     types (``ModuleList``/``ModuleDict``), or MultiplyInvokedModule for per-invocation lists."""
     for target in targets:

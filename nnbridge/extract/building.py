@@ -35,6 +35,7 @@ from .recording import record_calls
 from .reuse_plan import ReuseFallback, ReusePlan
 from .sibling_graphs import ReusedHolder, copy_graph, placeholder_signature
 from .cache_rebinding import rebind_cache_state
+from ..graph.node_path import ROOT_PATH, ModulePath
 from ..graph.state import Key, UntouchedLayers
 from .state_graphs import (argument_objects, drop_unused_reads, forward_state_objects, read_states_back,
                            write_states_back)
@@ -92,18 +93,20 @@ class BuiltTemplate:
     multi: frozenset[str]
     exact_signature: bool
 
-    def fits(self, builder: GraphBuilder, fqn: str, source: str, invocation: int) -> bool:
+    def fits(self, builder: GraphBuilder, fqn: ModulePath, source: ModulePath, *, invocation: int) -> bool:
         """Whether sibling ``fqn``'s invocation threads the same state keys as its representative
         ``source``'s (through itself and each of its calls): only then is its built graph the
         representative's."""
-        return all(builder.state_keys(f"{fqn}{sub}", k) == builder.state_keys(f"{source}{sub}", k)
+        return all(builder.state_keys(ModulePath(f"{fqn}{sub}"), k)
+                   == builder.state_keys(ModulePath(f"{source}{sub}"), k)
                    for sub, k in [("", invocation), *((f".{c.target}", c.invocation) for c in self.calls)])
 
 
 class GraphBuilder:
     """Builds the mirror hierarchy from an unflattened export."""
 
-    def __init__(self, ctx: ExtractionContext, unflattened: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list],
+    def __init__(self, ctx: ExtractionContext, unflattened: torch.nn.Module, stubs: dict[str, str], *,
+                 calls: dict[str, list],
                  input_spec: pytree.TreeSpec | None = None, states: dict[str, list[list[Key]]] | None = None,
                  constants: dict[tuple[str, int], dict[int, Any]] | None = None,
                  example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}), reuse: ReusePlan | None = None,
@@ -129,7 +132,7 @@ class GraphBuilder:
         # of its sibling roots (see :meth:`from_shared`)
         self.shared: dict[tuple[str, int], BuiltTemplate] | None = None
 
-    def invocations(self, fqn: str) -> list[Any]:
+    def invocations(self, fqn: ModulePath) -> list[Any]:
         """The holders of submodule ``fqn``'s invocation graphs (unflattened modules), in call order."""
         return invocation_graphs(self.unflattened.get_submodule(f"model.{fqn}"))
 
@@ -141,18 +144,18 @@ class GraphBuilder:
         Stubbed modules' children are not numbered (they are extracted separately)."""
         counts: Counter[str] = Counter()
 
-        def walk(fqn: str, graph_holder: torch.nn.Module) -> None:
+        def walk(fqn: ModulePath, graph_holder: torch.nn.Module) -> None:
             graph = cast(Graph, graph_holder.graph)  # an unflattened InterpreterModule's graph
             for node in graph.nodes:
                 if node.op != "call_module":
                     continue
-                child_fqn = f"{fqn}.{node.target}" if fqn else str(node.target)
+                child_fqn = ModulePath(f"{fqn}.{node.target}" if fqn else str(node.target))
                 self.numbers[node] = invocation = counts[child_fqn]
                 counts[child_fqn] += 1
                 if child_fqn not in self.stubs:
                     walk(child_fqn, self.invocations(child_fqn)[invocation])
         try:
-            walk("", holder)
+            walk(ROOT_PATH, holder)
         except Exception:  # noqa: BLE001 - an unexpected structure: count while building instead
             self.numbers.clear()
         self.keep_pristine()
@@ -178,7 +181,8 @@ class GraphBuilder:
     def pristine_paths(self) -> set[str]:
         return {path for path, _ in self.pristine}
 
-    def pristine_graph(self, fqn: str, source: str, invocation: int) -> tuple[Any, Graph, dict[Node, int]]:
+    def pristine_graph(self, fqn: ModulePath, source: ModulePath,
+                       invocation: int) -> tuple[Any, Graph, dict[Node, int]]:
         """``(unflattened holder, pristine graph copy, its call numbers)`` of invocation
         ``invocation`` of representative ``source`` (see :meth:`keep_pristine`).
 
@@ -189,7 +193,7 @@ class GraphBuilder:
             raise ReuseFallback(f"no graph of '{source}' to build '{fqn}' from")
         return entry
 
-    def sibling_extras(self, fqn: str, source: str, invocation: int) -> int:
+    def sibling_extras(self, fqn: ModulePath, source: ModulePath, invocation: int) -> int:
         """How many leading extra inputs the representative's graph has that the sibling's call
         lacks (0 below a sibling's root).
 
@@ -210,7 +214,7 @@ class GraphBuilder:
             raise ReuseFallback(f"'{fqn}' is called with other inputs than '{source}': {mine} vs {theirs}")
         return extras
 
-    def reused_holder(self, fqn: str, source: str, invocation: int) -> ReusedHolder:
+    def reused_holder(self, fqn: ModulePath, source: ModulePath, invocation: int) -> ReusedHolder:
         """A sibling's invocation module: a fresh copy of its representative's pristine graph
         (:class:`~.sibling_graphs.ReusedHolder`); the copy's calls keep the representative's numbers."""
         holder, graph, numbers = self.pristine_graph(fqn, source, invocation)
@@ -218,7 +222,7 @@ class GraphBuilder:
         self.numbers.update(copied_numbers)
         return ReusedHolder(copied, holder)
 
-    def own_constants(self, fqn: str, graph: Graph, attrs: dict[str, Any]) -> None:
+    def own_constants(self, fqn: ModulePath, graph: Graph, attrs: dict[str, Any]) -> None:
         """Give a reused graph the sibling's own lifted constants (the empty tensors a cache
         layer starts from), under the names a full extraction gives them: export numbers them
         per program (``lifted_tensor_2``), and the sibling's stub created its own, in the same
@@ -243,19 +247,19 @@ class GraphBuilder:
                 del attrs[str(node.target)]
                 node.target, attrs[name] = name, value
 
-    def untouched_layers(self, fqn: str, invocation: int) -> UntouchedLayers | None:
+    def untouched_layers(self, fqn: ModulePath, invocation: int) -> UntouchedLayers | None:
         """The cache layers export recorded as untouched by this invocation's code (None: unknown)."""
         recorded = self.untouched.get(fqn, [])
         return recorded[invocation] if invocation < len(recorded) else None
 
-    def state_keys(self, fqn: str, invocation: int) -> list[Key]:
+    def state_keys(self, fqn: ModulePath, invocation: int) -> list[Key]:
         """The state keys export recorded for this invocation ([] when it had no stateful argument)."""
         recorded = self.states.get(fqn)
         if recorded is None:  # a reused sibling's submodule, never traced: its representative's
             recorded = self.states.get(self.reuse.source(fqn), [])
         return recorded[invocation] if invocation < len(recorded) else []
 
-    def child(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
+    def child(self, fqn: ModulePath, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
         """Invocation ``invocation`` of submodule ``fqn``: its graph, or an opaque module when it
         is stubbed, or when building its graph raises and ``error_on_compilation_failure`` is off
         (as graphpatch, any failure while compiling a module falls back to opaque).
@@ -267,16 +271,17 @@ class GraphBuilder:
         if fqn in self.stubs:
             if self.stubs[fqn] == StubKind.CUSTOM:
                 return self.custom(fqn, module, invocation)
-            return self.opaque(fqn, module, invocation, self.stubs[fqn])
+            return self.opaque(fqn, module, invocation, reason=self.stubs[fqn])
         try:
             source = self.reuse.source(fqn)
             if source != fqn:
                 extras = self.sibling_extras(fqn, source, invocation)
                 built = self.templates.get((source, invocation))
-                if built is not None and built.fits(self, fqn, source, invocation):
-                    cgm = self.from_template(built, fqn, module, invocation, source)
+                if built is not None and built.fits(self, fqn, source, invocation=invocation):
+                    cgm = self.from_template(built, fqn, module, invocation=invocation, source=source)
                 else:
-                    cgm = self.build(fqn, module, self.reused_holder(fqn, source, invocation), invocation, source)
+                    cgm = self.build(fqn, module, self.reused_holder(fqn, source, invocation), invocation=invocation,
+                                     source=source)
                 if extras and not cgm.graph_meta.exact_signature:
                     raise ReuseFallback(f"'{source}' and '{fqn}' are passed {abs(extras)} different value(s) by"
                                         " their callers")
@@ -293,9 +298,10 @@ class GraphBuilder:
                     cgm.graph_meta.reused_from = self.ctx.full(source)
                 return cgm
             if self.shared is not None:
-                return self.from_template(self.shared_template(fqn, invocation), fqn, module, invocation, fqn)
+                return self.from_template(self.shared_template(fqn, invocation), fqn, module, invocation=invocation,
+                                          source=fqn)
             graphs = self.invocations(fqn)
-            return self.build(fqn, module, graphs[invocation], invocation)
+            return self.build(fqn, module, graphs[invocation], invocation=invocation)
         except (ExtractionError, ReuseFallback):
             raise  # deliberate and loud (a malformed custom graph; a failure under the error option)
         except Exception as error:  # noqa: BLE001 - any other failure means fallback (or a loud error)
@@ -303,21 +309,21 @@ class GraphBuilder:
                 raise
             reason = f"building its graph failed: {describe_failure(error)}"
             self.ctx.fail(fqn, reason, error)
-            return self.opaque(fqn, module, invocation, reason)
+            return self.opaque(fqn, module, invocation, reason=reason)
 
-    def recorded_call(self, fqn: str, invocation: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def recorded_call(self, fqn: ModulePath, invocation: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` of invocation ``invocation`` of ``fqn`` in the extracted call."""
         if fqn not in self.calls:
-            self.calls.update(record_calls(self.ctx.module, {fqn}, *self.example))
+            self.calls.update(record_calls(self.ctx.module, {fqn}, self.example[0], kwargs=self.example[1]))
         recorded = self.calls.get(fqn, [])
         args, kwargs, _ = recorded[min(invocation, len(recorded) - 1)]
         return args, kwargs
 
-    def opaque(self, fqn: str, module: torch.nn.Module, invocation: int, reason: str) -> OpaqueGraphModule:
+    def opaque(self, fqn: ModulePath, module: torch.nn.Module, invocation: int, *, reason: str) -> OpaqueGraphModule:
         args, kwargs = self.recorded_call(fqn, invocation)
         return opaque_module(self.ctx, fqn, module, args=args, kwargs=kwargs, reason=reason)
 
-    def custom(self, fqn: str, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
+    def custom(self, fqn: ModulePath, module: torch.nn.Module, invocation: int) -> torch.nn.Module:
         """The graph of a custom extraction function; opaque when the function raises (as
         graphpatch's ``custom_extraction_functions``), per the warn/error options."""
         try:
@@ -325,10 +331,10 @@ class GraphBuilder:
         except CustomFunctionFailed as failed:
             reason = f"its custom extraction function failed: {describe_failure(failed.error)}"
             self.ctx.fail(fqn, reason, failed.error, fix=CUSTOM_FIX)
-            return self.opaque(fqn, module, invocation, reason)
+            return self.opaque(fqn, module, invocation, reason=reason)
 
-    def build(self, fqn: str, module: torch.nn.Module, holder: Any,
-              invocation: int = 0, source: str | None = None) -> CompiledGraphModule:
+    def build(self, fqn: ModulePath, module: torch.nn.Module, holder: Any,
+              *, invocation: int = 0, source: ModulePath | None = None) -> CompiledGraphModule:
         """``fqn``'s graph module from ``holder``'s graph (an unflattened InterpreterModule's, or
         a :class:`~.sibling_graphs.ReusedHolder`'s copy of representative ``source``'s)."""
         source = fqn if source is None else source
@@ -339,7 +345,7 @@ class GraphBuilder:
         restore_constant_outputs(graph, self.constants.get((f"model.{source}" if source else "model", invocation), {}))
         keys = self.state_keys(fqn, invocation)
         if keys:
-            write_states_back(graph, attrs, keys, self.ctx.full(fqn))
+            write_states_back(graph, attrs, keys, path=self.ctx.full(fqn))
         arguments = argument_objects(graph, attrs)
         if fqn == "" and self.input_spec is not None:
             prologue = input_prologue(graph)
@@ -359,7 +365,7 @@ class GraphBuilder:
         threaded: list[tuple[Node, list[Key], int]] = []
         for node in calls:
             target = str(node.target)
-            child_fqn = f"{fqn}.{target}" if fqn else target
+            child_fqn = ModulePath(f"{fqn}.{target}" if fqn else target)
             invocation_k = self.numbers[node] if node in self.numbers else self.ctx.invocations[child_fqn]
             self.ctx.invocations[child_fqn] = invocation_k + 1
             child = self.child(child_fqn, module.get_submodule(target), invocation_k)
@@ -368,7 +374,7 @@ class GraphBuilder:
             if trimmed:
                 node.args, extra = node.args[extra:], 0
             if self.state_keys(child_fqn, invocation_k):  # recorded for modules export traced through
-                read_states_back(graph, node, self.state_keys(child_fqn, invocation_k), extra)
+                read_states_back(graph, node, self.state_keys(child_fqn, invocation_k), extra=extra)
                 threaded.append((node, self.state_keys(child_fqn, invocation_k), extra))
             first, *rest = target.split(".")
             safe_target = ".".join([safe_name(first), *rest])
@@ -391,11 +397,13 @@ class GraphBuilder:
         exact_signature = drop_unused_extras(graph, extras)
         name_nodes(graph, type(module).forward, call_names)
         if source == fqn and (self.keep_all or self.reuse.covers(fqn)):  # a representative's subtree
-            self.keep_template(fqn, invocation, graph, attrs, made, multi, exact_signature)
+            self.keep_template(fqn, invocation, graph, attrs=attrs, made=made, multi=multi,
+                               exact_signature=exact_signature)
         root = self.graph_attributes(module, graph, attrs)
-        return self.finish(fqn, module, graph, root, children, multi, exact_signature, invocation, source)
+        return self.finish(fqn, module, graph, root=root, children=children, multi=multi,
+                           exact_signature=exact_signature, invocation=invocation, source=source)
 
-    def keep_template(self, fqn: str, invocation: int, graph: Graph, attrs: dict[str, Any],
+    def keep_template(self, fqn: ModulePath, invocation: int, graph: Graph, *, attrs: dict[str, Any],
                       made: list[tuple[Node, TemplateCall]], multi: set[str], exact_signature: bool) -> None:
         """Keep a copy of a representative's built graph (before its graph module exists, which a
         bridge then rewrites): the siblings' graphs are copies of it (see :meth:`from_template`)."""
@@ -406,8 +414,8 @@ class GraphBuilder:
             copy_graph(graph, {})[0], {t: attrs[t] for t in targets if t in attrs}, calls, frozenset(multi),
             exact_signature)
 
-    def from_template(self, built: BuiltTemplate, fqn: str, module: torch.nn.Module, invocation: int,
-                      source: str) -> CompiledGraphModule:
+    def from_template(self, built: BuiltTemplate, fqn: ModulePath, module: torch.nn.Module, *, invocation: int,
+                      source: ModulePath) -> CompiledGraphModule:
         """A sibling's graph module as :meth:`build` makes it from a copy of its representative's
         pristine graph, made from a copy of the representative's built graph instead: every step of
         :meth:`build` that reads only the graph, the module's class and the recorded state keys
@@ -426,7 +434,7 @@ class GraphBuilder:
         at = {i: node for node, i in positions.items()}
         children: list[tuple[str, torch.nn.Module]] = []
         for call in built.calls:
-            child_fqn = f"{fqn}.{call.target}" if fqn else call.target
+            child_fqn = ModulePath(f"{fqn}.{call.target}" if fqn else call.target)
             self.ctx.invocations[child_fqn] = call.invocation + 1
             child = self.child(child_fqn, module.get_submodule(call.target), call.invocation)
             if call.trimmed != (not isinstance(child, GraphModuleBase) or child.graph_meta.exact_signature):
@@ -437,10 +445,10 @@ class GraphBuilder:
         attrs = dict(built.attrs)
         self.own_constants(fqn, graph, attrs)
         root = self.graph_attributes(module, graph, attrs)
-        return self.finish(fqn, module, graph, root, children, set(built.multi), built.exact_signature,
-                           invocation, source)
+        return self.finish(fqn, module, graph, root=root, children=children, multi=set(built.multi),
+                           exact_signature=built.exact_signature, invocation=invocation, source=source)
 
-    def shared_template(self, fqn: str, invocation: int) -> BuiltTemplate:
+    def shared_template(self, fqn: ModulePath, invocation: int) -> BuiltTemplate:
         """The representative root's built graph of ``fqn``'s invocation (see :meth:`from_shared`).
 
         Raises:
@@ -465,7 +473,7 @@ class GraphBuilder:
             ReuseFallback: a graph has no template, or a child takes its arguments otherwise than
                 the representative's (see :meth:`from_template`)."""
         self.shared = templates
-        return self.from_template(self.shared_template("", 0), "", module, 0, "")
+        return self.from_template(self.shared_template(ROOT_PATH, 0), ROOT_PATH, module, invocation=0, source=ROOT_PATH)
 
     @staticmethod
     def graph_attributes(module: torch.nn.Module, graph: Graph, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -482,9 +490,9 @@ class GraphBuilder:
                 root[target] = value if isinstance(value, torch.Tensor) else attrs[target]
         return root
 
-    def finish(self, fqn: str, module: torch.nn.Module, graph: Graph, root: dict[str, Any],
+    def finish(self, fqn: ModulePath, module: torch.nn.Module, graph: Graph, *, root: dict[str, Any],
                children: list[tuple[str, torch.nn.Module]], multi: set[str], exact_signature: bool,
-               invocation: int, source: str) -> CompiledGraphModule:
+               invocation: int, source: ModulePath) -> CompiledGraphModule:
         """The graph module of a built graph, with the original module's containers, buffers,
         unused parameters and registration order (and the user's postprocessing)."""
         cgm = CompiledGraphModule({**root, **dict(children)}, graph, type(module))
@@ -492,13 +500,13 @@ class GraphBuilder:
         untouched = self.untouched_layers(fqn, invocation) if source == fqn else None  # (a reused sibling's: see child)
         if untouched is not None:
             cgm.graph_meta.untouched = untouched.paths
-        retype_containers(cgm, [target for target, _ in children], renamed_template(module), multi)
+        retype_containers(cgm, [target for target, _ in children], renamed_template(module), multi=multi)
         for target, tensor in root.items():
             if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
                 if not persistent(module, target):
                     *prefix, name = target.split(".")
                     cgm.get_submodule(".".join(prefix)).register_buffer(name, tensor, persistent=False)
-        keep_unused(self.ctx, fqn, cgm, module)
+        keep_unused(self.ctx, fqn, cgm, module=module)
         registration_order(cgm, module)
         if self.ctx.options.postprocessing_function is not None:
             self.ctx.options.postprocessing_function(cgm, module)

@@ -57,7 +57,7 @@ def _spec_of(node: Node, attrs: dict[str, Any]) -> pytree.TreeSpec | None:
     return None
 
 
-def _getitem_chain(graph: Graph, base: Node, path: tuple[Any, ...], cache: _GetitemCache) -> Node:
+def _getitem_chain(graph: Graph, base: Node, path: tuple[Any, ...], *, cache: _GetitemCache) -> Node:
     node = base
     for depth in range(len(path)):
         key = (base, path[: depth + 1])
@@ -153,18 +153,18 @@ def _clean_prologue(graph: Graph, attrs: dict[str, Any]) -> None:
         cache: _GetitemCache = {}
 
         def leaf(i: int, paths: list[tuple[Any, ...] | None] = paths, positional: tuple[Node, ...] = positional,
-                 keywords: dict[str, Node] = keywords) -> Node | None:
+                 *, keywords: dict[str, Node] = keywords) -> Node | None:
             path = paths[i]
             if path is None:
                 return None
             where, key, *rest = path
             arg = positional[key] if where == 0 else keywords[key]
-            return _getitem_chain(graph, arg, tuple(rest), cache) if rest else arg
+            return _getitem_chain(graph, arg, tuple(rest), cache=cache) if rest else arg
 
         _replace_leaf_getitems(graph, node, leaf)
 
 
-def spec_node(graph: Graph, attrs: dict[str, Any], spec: pytree.TreeSpec, before: Node) -> Node:
+def spec_node(graph: Graph, attrs: dict[str, Any], spec: pytree.TreeSpec, *, before: Node) -> Node:
     """A new ``get_attr`` node (inserted before ``before``) reading ``spec`` from a fresh
     ``_spec_N`` attribute of the graph's owner; ``attrs`` gets the new entry."""
     i = len(attrs)
@@ -178,7 +178,7 @@ def spec_node(graph: Graph, attrs: dict[str, Any], spec: pytree.TreeSpec, before
         return graph.create_node("get_attr", name)  # not get_attr(): it warns for non-tensor values
 
 
-def _call_arguments(graph: Graph, attrs: dict[str, Any], call: Node, leaves: list[Any],
+def _call_arguments(graph: Graph, attrs: dict[str, Any], call: Node, *, leaves: list[Any],
                     spec: pytree.TreeSpec) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` of a call from the leaves of its input spec: plain arguments become
     containers of the leaves, an argument of a custom pytree type (a ``Cache``) one
@@ -194,7 +194,7 @@ def _call_arguments(graph: Graph, attrs: dict[str, Any], call: Node, leaves: lis
         if simple_spec(sub):
             return pytree.tree_unflatten(part, sub)
         with graph.inserting_before(call):
-            return graph.call_function(pytree.tree_unflatten, (list(part), spec_node(graph, attrs, sub, call)))
+            return graph.call_function(pytree.tree_unflatten, (list(part), spec_node(graph, attrs, sub, before=call)))
     args = tuple(argument(sub) for sub in positional.children())
     kwargs = {key: argument(sub) for key, sub in zip(keywords.context, keywords.children())}
     return args, kwargs
@@ -208,7 +208,7 @@ def _clean_calls(graph: Graph, attrs: dict[str, Any]) -> None:
             spec = _spec_of(unflatten, attrs)
             if spec is not None:
                 leaves = cast(Sequence[Argument], unflatten.args[0])  # tree_unflatten(leaves, spec)
-                args, kwargs = _call_arguments(graph, attrs, call, list(leaves), spec)
+                args, kwargs = _call_arguments(graph, attrs, call, leaves=list(leaves), spec=spec)
                 extra = 0
                 while extra < len(call.args) and _find_input_unflatten_of(call.args[extra]) is None:
                     extra += 1
@@ -224,9 +224,9 @@ def _clean_calls(graph: Graph, attrs: dict[str, Any]) -> None:
                 cache: _GetitemCache = {}
 
                 def leaf(i: int, paths: list[tuple[Any, ...] | None] = paths, call: Node = call,
-                         cache: _GetitemCache = cache) -> Node | None:
+                         *, cache: _GetitemCache = cache) -> Node | None:
                     path = paths[i]
-                    return None if path is None else _getitem_chain(graph, call, path, cache)
+                    return None if path is None else _getitem_chain(graph, call, path, cache=cache)
 
                 _replace_leaf_getitems(graph, user, leaf)
 

@@ -21,6 +21,7 @@ import torch
 from ..guards.call_structure import ShapeGuard
 from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
 from ..graph.metadata import ExtractionHolder
+from ..graph.node_path import ModulePath
 from ..guards.module_state import StateGuard
 from .options import ExtractionOptions
 from .sibling_roots import RootWatch, SharedRoot, SiblingLink
@@ -73,12 +74,12 @@ class ChildDispatcher(ExtractionHolder, Protocol):
 
 #: ``(child module, its NodePath) -> ChildDispatcher``: supplied by the dispatcher layer, so
 #: extraction does not import it (the dispatcher calls :func:`extract`).
-ChildDispatcherFactory = Callable[[torch.nn.Module, str], ChildDispatcher]
+ChildDispatcherFactory = Callable[[torch.nn.Module, ModulePath], ChildDispatcher]
 
 
 class ExtractionContext:
-    def __init__(self, module: torch.nn.Module, options: ExtractionOptions, path: str,
-                 on_extraction: list[Callable[[Any, Extraction], None]],
+    def __init__(self, module: torch.nn.Module, options: ExtractionOptions, path: ModulePath,
+                 *, on_extraction: list[Callable[[Any, Extraction], None]],
                  child_dispatcher: ChildDispatcherFactory):
         self.module = module
         self.child_dispatcher = child_dispatcher
@@ -92,10 +93,10 @@ class ExtractionContext:
         # a representative root's built graphs, {(path, invocation): BuiltTemplate} (see .sibling_roots)
         self.templates: dict[tuple[str, int], Any] = {}
 
-    def full(self, fqn: str) -> str:
-        return ".".join(p for p in (self.path, fqn) if p)
+    def full(self, fqn: ModulePath) -> ModulePath:
+        return ModulePath(".".join(p for p in (self.path, fqn) if p))
 
-    def fail(self, fqn: str, reason: str, error: BaseException | None, fix: str | None = None) -> None:
+    def fail(self, fqn: ModulePath, reason: str, error: BaseException | None, *, fix: str | None = None) -> None:
         """Record an opaque fallback, honouring the warn/error options (``fix``: what the error
         message tells the user to do instead of the default advice)."""
         where = self.full(fqn) or "<root>"

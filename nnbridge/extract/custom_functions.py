@@ -17,6 +17,7 @@ from .assembly import resolve_attr
 from .context import ExtractionContext
 from ..graph.graph_module import CompiledGraphModule
 from ..graph.metadata import update_node_meta
+from ..graph.node_path import ModulePath
 from ..errors import ExtractionError
 
 
@@ -33,7 +34,7 @@ class CustomFunctionFailed(Exception):
         self.error = error
 
 
-def custom_graph(ctx: ExtractionContext, fqn: str, module: torch.nn.Module) -> CompiledGraphModule:
+def custom_graph(ctx: ExtractionContext, fqn: ModulePath, module: torch.nn.Module) -> CompiledGraphModule:
     """A graph from a user's custom extraction function (graphpatch's custom_extraction_functions).
 
     Raises:

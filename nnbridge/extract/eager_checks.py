@@ -82,7 +82,7 @@ def _run_with_call_stack(module: torch.nn.Module, args: tuple[Any, ...], kwargs:
         with contextlib.ExitStack() as stack:  # (the run puts module state back itself)
             for watch in watches:
                 stack.enter_context(watch)
-            observed_run(module, args, kwargs, hooks, grad=grad_enabled)
+            observed_run(module, args, kwargs, hooks=hooks, grad=grad_enabled)
     except Exception:  # noqa: BLE001 - the callers fall back to what export finds
         return False
     return True

@@ -63,7 +63,7 @@ SCALARS = (bool, int, float, complex, str)
 
 
 def scalar_stub_caller(module: torch.nn.Module, stubs: dict[str, str], traced: set[str],
-                        calls: dict[str, list]) -> tuple[str, UnfaithfulCaptureError] | None:
+                        *, calls: dict[str, list]) -> tuple[str, UnfaithfulCaptureError] | None:
     """The caller of a stub that returned Python scalars, which must then run its own code too.
 
     A stub replays its recorded output while export traces the caller, so an ``int`` it returned
@@ -117,13 +117,13 @@ def cause_of(error: BaseException | None, kind: type[_E]) -> _E | None:
 
 class ModuleFailure(Exception):
     def __init__(self, fqn: str, error: BaseException, states: dict[str, list[list[Key]]],
-                 more: Sequence[tuple[str, BaseException]] | None = None):
+                 *, more: Sequence[tuple[str, BaseException]] | None = None):
         super().__init__(fqn)
         self.fqn, self.error, self.states = fqn, error, states
         self.more: Sequence[tuple[str, BaseException]] = more or []  # further modules at fault found by the same export
 
 
-def _writer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], fqn: str,
+def _writer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, fqn: str,
             error: UnfaithfulCaptureError, grad_enabled: bool) -> tuple[str, UnfaithfulCaptureError]:
     """A side effect on ``fqn``'s state is the fault of the module whose code made it (an enclosing
     module writing its child's attribute: its graph would bake the value in); others stay as found."""
@@ -294,8 +294,9 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
                 continue
             faults = watch.faults(exported)  # traced, but a graph would differ from the eager code
             if faults:
-                faults = [_writer(module, args, kwargs, fqn, error, grad_enabled) for fqn, error in faults]
-                raise ModuleFailure(faults[0][0], faults[0][1], states, faults[1:])
+                faults = [_writer(module, args, kwargs, fqn=fqn, error=error, grad_enabled=grad_enabled)
+                          for fqn, error in faults]
+                raise ModuleFailure(faults[0][0], faults[0][1], states, more=faults[1:])
             return exported, use_dynamic, states
         assert last is not None  # every attempt failed: each set ``last``
         raise ModuleFailure(failing, last, states)

@@ -23,6 +23,7 @@ from ..graph.graph_module import MultiplyInvokedModule, OpaqueGraphModule
 from ..graph.kinds import HookKind
 from ..graph.metadata import ExtractionHolder
 from ..graph.module_tree import direct_callees, safe_name
+from ..graph.node_path import ModulePath
 from .recording import copy_inputs, observed_run
 from .sibling_roots import SiblingLink, SiblingPlan, plan_siblings
 from .unused import unused_module
@@ -146,12 +147,12 @@ def _captured_calls(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
     # in the caller's grad mode: each child's first extraction then has the call structure
     # (``requires_grad`` of its inputs) of the real calls, which reuse it instead of extracting again
     with direct_forward_calls(callees, grabber):
-        observed_run(module, args, kwargs, [(child, HookKind.PRE, grabber(name)) for name, child in callees],
+        observed_run(module, args, kwargs, hooks=[(child, HookKind.PRE, grabber(name)) for name, child in callees],
                      grad=torch.is_grad_enabled())
     return names_of, captured
 
 
-def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, *, args: tuple[Any, ...],
+def opaque_module(ctx: ExtractionContext, fqn: ModulePath, module: torch.nn.Module, *, args: tuple[Any, ...],
                   kwargs: dict[str, Any], reason: str) -> OpaqueGraphModule:
     """Opaque fallback: run the original code, extract each called child from its calls.
 
@@ -174,18 +175,19 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, *, 
     routers: list[InvocationRouter] = []
     template = renamed_template(module)
     for name, child in callees:
-        child_path = ctx.full(f"{fqn}.{name}" if fqn else name)
+        child_path = ctx.full(ModulePath(f"{fqn}.{name}" if fqn else name))
         first, *rest = name.split(".")
         safe = ".".join([safe_name(first), *rest])
         original_name = ".".join([ctx.renamed.get(id(module), {}).get(first, first), *rest])
         if name not in captured:
-            attach(shown, safe, unused_module(ctx, f"{fqn}.{name}" if fqn else name, child), template)
-            attach(swapped, original_name, child, module)
+            attach(shown, safe, unused_module(ctx, ModulePath(f"{fqn}.{name}" if fqn else name), child),
+                   template=template)
+            attach(swapped, original_name, child, template=module)
             continue
         invocations: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         for index, (a, k) in enumerate(captured[name]):
             several = len(captured[name]) > 1
-            dispatcher = ctx.child_dispatcher(child, f"{child_path}_{index}" if several else child_path)
+            dispatcher = ctx.child_dispatcher(child, ModulePath(f"{child_path}_{index}") if several else child_path)
             # a GraphDispatcher (see ChildDispatcher): the original code calls it in the child's place
             assert isinstance(dispatcher, torch.nn.Module), type(dispatcher)
             # (every time: a dispatcher kept from an earlier extraction may have been paired otherwise)
@@ -201,13 +203,13 @@ def opaque_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, *, 
             invocations.append((dispatcher, extraction.root))
             dispatchers[f"{safe.replace('.', '_')}_{index}" if several else safe.replace(".", "_")] = dispatcher
         if len(invocations) == 1:
-            attach(shown, safe, invocations[0][1], template)
-            attach(swapped, original_name, _in_place_of(child, invocations[0][0]), module)
+            attach(shown, safe, invocations[0][1], template=template)
+            attach(swapped, original_name, _in_place_of(child, invocations[0][0]), template=module)
         else:
-            attach(shown, safe, MultiplyInvokedModule([root for _, root in invocations]), template)
+            attach(shown, safe, MultiplyInvokedModule([root for _, root in invocations]), template=template)
             router = InvocationRouter([dispatcher for dispatcher, _ in invocations])
             routers.append(router)
-            attach(swapped, original_name, _in_place_of(child, router), module)
+            attach(swapped, original_name, _in_place_of(child, router), template=module)
     # each child called, once: the children's dispatchers guard their graphs' sizes, so a call of
     # other sizes is served alike. A child called several times has a graph per invocation, and an
     # uncalled one runs as itself (a patch on its nodes would not apply): another size could call

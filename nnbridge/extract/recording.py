@@ -41,7 +41,7 @@ def copy_inputs(value: Any) -> Any:
 
 
 def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]], *, grad: bool = False) -> None:
+                 *, hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]], grad: bool = False) -> None:
     """One eager run of ``module`` on copies of the inputs (a cache would be mutated), with
     temporary hooks: ``(submodule, HookKind, fn)``, both with kwargs. No grad unless ``grad``
     (then the hooks see the ``requires_grad`` of the values a real call in grad mode passes).
@@ -79,7 +79,7 @@ def shared_copy(value: Any) -> Any:
 
 
 def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
-                 kwargs: dict[str, Any], shared: AbstractSet[str] = frozenset()
+                 *, kwargs: dict[str, Any], shared: AbstractSet[str] = frozenset()
                  ) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
     """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules;
     the inputs are copied before the call (a cache argument is updated by it). Calls of ``shared``
@@ -95,7 +95,7 @@ def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
     def after(fqn: str) -> Callable[..., None]:
         copy = shared_copy if fqn in shared else copy_inputs
         return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy(out)))
-    observed_run(module, args, kwargs, [(module.get_submodule(fqn), kind, hook(fqn))
+    observed_run(module, args, kwargs, hooks=[(module.get_submodule(fqn), kind, hook(fqn))
                                         for fqn in fqns for kind, hook in ((HookKind.PRE, before), (HookKind.POST, after))])
     return calls
 

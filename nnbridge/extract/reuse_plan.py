@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ..graph.module_tree import named_real_modules
+from ..graph.node_path import ModulePath
 from ..graph.state import Path, UntouchedLayers, state_keys
 from ..compat.torch.pytree import pytree
 from .sibling_compare import entry_attributes, entry_structure, is_cache, layer_key, same, same_call
@@ -101,16 +102,16 @@ class ReusePlan:
     def representatives(self) -> set[str]:
         return set(self.siblings.values())
 
-    def source(self, fqn: str) -> str:
+    def source(self, fqn: ModulePath) -> ModulePath:
         """The path whose graph ``fqn``'s is built from (``fqn`` itself outside siblings)."""
         for sibling, rep in self.siblings.items():
             if fqn == sibling or fqn.startswith(f"{sibling}."):
-                return rep + fqn[len(sibling):]
+                return ModulePath(rep + fqn[len(sibling):])
         return fqn
 
-    def sibling_of(self, fqn: str) -> str | None:
+    def sibling_of(self, fqn: ModulePath) -> ModulePath | None:
         """The sibling whose subtree holds ``fqn`` (None outside siblings)."""
-        return next((s for s in self.siblings if fqn == s or fqn.startswith(f"{s}.")), None)
+        return next((ModulePath(s) for s in self.siblings if fqn == s or fqn.startswith(f"{s}.")), None)
 
     def outside(self, stubs: dict[str, str]) -> ReusePlan:
         """The plan without the siblings inside (or equal to) a stubbed module: no graph of theirs

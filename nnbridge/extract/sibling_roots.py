@@ -171,7 +171,8 @@ class CallShape:
         own_ids = [id(v) for v in vars(layers[index]).values() if isinstance(v, torch.Tensor)]
         # positions in the whole call's tensors (the order of its shape guard): the cache's
         # tensors are where the cache argument is, in its own flattening order
-        whole = [leaf for leaf in pytree.tree_leaves(_put(args, kwargs, key, cache)) if isinstance(leaf, torch.Tensor)]
+        whole = [leaf for leaf in pytree.tree_leaves(_put(args, kwargs, key, value=cache)) if isinstance(leaf,
+                                                                                                         torch.Tensor)]
         plain = tuple(i for i, t in enumerate(whole) if id(t) not in cache_ids)
         own = tuple(i for i, t in enumerate(whole) if id(t) in own_ids)
         if len(plain) != len(tensors) or len(own) != len(own_ids):
@@ -230,7 +231,7 @@ def _first_key(path: tuple[Any, ...]) -> Any:
     return getattr(entry, "idx", getattr(entry, "key", getattr(entry, "name", None)))
 
 
-def _put(args: tuple[Any, ...], kwargs: dict[str, Any], key: Any, value: Any) -> tuple[Any, Any]:
+def _put(args: tuple[Any, ...], kwargs: dict[str, Any], key: Any, *, value: Any) -> tuple[Any, Any]:
     if isinstance(key, int):
         return (*args[:key], value, *args[key + 1:]), kwargs
     return args, {**kwargs, key: value}
@@ -301,7 +302,7 @@ def rebinding(shape: CallShape, rep: SharedRoot, index: int | None) -> CacheRebi
     return CacheRebinding(rep.index, index, rep.shape.cache_spec, shape.cache_spec)
 
 
-def sibling_guard(rep_guard: ShapeGuard, rep: CallShape, shape: CallShape, tensors: list[torch.Tensor],
+def sibling_guard(rep_guard: ShapeGuard, rep: CallShape, shape: CallShape, *, tensors: list[torch.Tensor],
                   call: tuple[tuple[Any, ...], dict[str, Any]]) -> ShapeGuard | None:
     """The sizes a sibling's graphs accept, or None when they do not accept its call's: the
     representative's guard for the tensors they read (those outside the cache, and its own cache
@@ -317,7 +318,7 @@ def sibling_guard(rep_guard: ShapeGuard, rep: CallShape, shape: CallShape, tenso
         return None
     code = rep_guard.code
     if shape.key is not None and any(_mentions_argument(line, shape.key) for line in code):
-        remapped = _own_layer_guards(code, shape.key, rep.own_keys, shape.own_keys)
+        remapped = _own_layer_guards(code, shape.key, rep.own_keys, keys=shape.own_keys)
         if remapped is None:
             same_sizes = all(tuple(tensors[mine].shape) == rep.sizes[theirs] for mine, theirs in mapped.items())
             return ShapeGuard.static(tensors) if same_sizes else None
@@ -333,7 +334,8 @@ def sibling_guard(rep_guard: ShapeGuard, rep: CallShape, shape: CallShape, tenso
     return guard if guard.matches(tensors, call) else None
 
 
-def _own_layer_guards(code: list[str], key: Any, rep_keys: tuple[Any, ...], keys: tuple[Any, ...]) -> list[str] | None:
+def _own_layer_guards(code: list[str], key: Any, rep_keys: tuple[Any, ...], *, keys: tuple[Any,
+                                                                                           ...]) -> list[str] | None:
     """Export's guard code with the representative's own cache layer's children (``rep_keys``,
     under argument ``key``) replaced by the sibling's (``keys``); None when the keys are not ints
     of equal number."""

@@ -23,7 +23,7 @@ from .cleanup import input_prologue, spec_node
 from ..graph.state import Key, Path, assign_state, read_state, write_state
 
 
-def write_states_back(graph: Graph, attrs: dict[str, Any], keys: list[Key], path: str = "") -> None:
+def write_states_back(graph: Graph, attrs: dict[str, Any], keys: list[Key], *, path: str = "") -> None:
     """Rewrite a state module's raw unflattened graph, whose output is ``(output, [new states])``,
     to assign each new state to its argument (an :func:`assign_state` node) and return ``output``.
 
@@ -52,7 +52,7 @@ def write_states_back(graph: Graph, attrs: dict[str, Any], keys: list[Key], path
     leaves = list(cast(list[Any], cast(Node, value).args[0]))
     with graph.inserting_before(output):
         result = graph.call_function(pytree.tree_unflatten, (leaves[:out_spec.num_leaves],
-                                                             spec_node(graph, attrs, out_spec, output)))
+                                                             spec_node(graph, attrs, out_spec, before=output)))
         start = out_spec.num_leaves
         for key, state_spec in zip(keys, states_spec.children()):
             part, start = leaves[start:start + state_spec.num_leaves], start + state_spec.num_leaves
@@ -62,13 +62,13 @@ def write_states_back(graph: Graph, attrs: dict[str, Any], keys: list[Key], path
                     " that nothing in the traced program reads afterwards, so torch.export dropped it: the"
                     " graph would leave None where eager leaves the tensor. Return the cache from the model,"
                     " or run this module eagerly (ExtractionOptions(classes_to_skip_compiling={...})).")
-            new = graph.call_function(pytree.tree_unflatten, (part, spec_node(graph, attrs, state_spec, output)))
+            new = graph.call_function(pytree.tree_unflatten, (part, spec_node(graph, attrs, state_spec, before=output)))
             graph.call_function(assign_state, (positional[key] if isinstance(key, int) else keywords[key], new))
     output.args = (result,)
     graph.erase_node(value)
 
 
-def read_states_back(graph: Graph, call: Node, keys: list[Key], extra: int) -> None:
+def read_states_back(graph: Graph, call: Node, keys: list[Key], *, extra: int) -> None:
     """Rewrite a cleaned parent graph's call of a state module: the callee now returns only its
     output and writes its new states into the objects it was passed, so every read of the old
     ``(output, [states])`` result reads ``output`` and those objects instead.
@@ -128,7 +128,7 @@ def _custom(spec: pytree.TreeSpec) -> bool:
     return kind is None or not pytree.is_namedtuple_class(kind)
 
 
-def _objects(structure: Any, spec: pytree.TreeSpec, start: int = 0, path: tuple[Any, ...] = ()
+def _objects(structure: Any, spec: pytree.TreeSpec, start: int = 0, *, path: tuple[Any, ...] = ()
              ) -> Iterator[tuple[int, pytree.TreeSpec, Node, tuple[Any, ...]]]:
     """``(first leaf index, spec, node, key path)`` of every custom pytree object (a ``Cache``) in an
     fx argument structure flattened by ``tree_flatten_spec(structure, spec)``; the object is
@@ -141,7 +141,7 @@ def _objects(structure: Any, spec: pytree.TreeSpec, start: int = 0, path: tuple[
             return
         keys = list(spec.context) if issubclass(kind, dict) else list(range(spec.num_children))
         for key, child in zip(keys, spec.children()):
-            yield from _objects(structure, child, start, (*path, key))
+            yield from _objects(structure, child, start, path=(*path, key))
             start += child.num_leaves
         return
     if spec.is_leaf():
@@ -170,7 +170,7 @@ def argument_objects(graph: Graph, attrs: dict[str, Any]) -> list[tuple[pytree.T
 
 
 def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tuple[Node, list[Key], int]],
-                          arguments: list[tuple[pytree.TreeSpec, Node]]) -> None:
+                          *, arguments: list[tuple[pytree.TreeSpec, Node]]) -> None:
     """Pass state objects by reference, as the eager code does, and let each graph touch only the
     parts of them it reads or changes (:func:`narrow_state_access`).
 
@@ -186,7 +186,7 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
         threaded: ``(call, state keys, extra arguments)`` of each call that writes states back.
         arguments: the graph's object arguments (:func:`argument_objects`).
     """
-    forwarding = _ObjectForwarding(graph, attrs, threaded, arguments)
+    forwarding = _ObjectForwarding(graph, attrs, threaded, arguments=arguments)
     for node in list(graph.nodes):
         if not (node.op == "call_function" and node.target is pytree.tree_unflatten and isinstance(node.args[1], Node)):
             continue
@@ -201,7 +201,7 @@ def forward_state_objects(graph: Graph, attrs: dict[str, Any], threaded: list[tu
             forwarding.replaced[node] = leaves[0]
             graph.erase_node(node)
         else:
-            node.args = (leaves, spec_node(graph, attrs, new_spec, node))
+            node.args = (leaves, spec_node(graph, attrs, new_spec, before=node))
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is assign_state and node.args[0] is node.args[1]:
             graph.erase_node(node)
@@ -231,7 +231,7 @@ class _ObjectForwarding:
     """
 
     def __init__(self, graph: Graph, attrs: dict[str, Any], threaded: list[tuple[Node, list[Key], int]],
-                 arguments: list[tuple[pytree.TreeSpec, Node]]):
+                 *, arguments: list[tuple[pytree.TreeSpec, Node]]):
         self.graph, self.threaded, self.arguments = graph, threaded, arguments
         self.order = {node: i for i, node in enumerate(graph.nodes)}
         self.sources: dict[Node, dict[int, tuple[pytree.TreeSpec, Node, tuple[Any, ...]]]] = {}
@@ -406,7 +406,7 @@ def _leaf_paths(template: Any, path: Path = ()) -> dict[int, Path]:
     return found
 
 
-def _changes(old: Any, new: Any, unchanged: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+def _changes(old: Any, new: Any, unchanged: Any, *, path: Path = ()) -> Iterator[tuple[Path, Any]]:
     """``(path, value)`` of each assignment that turns ``old`` into ``new`` as :func:`assign_state`
     does, both :func:`_template` objects; ``value`` is a ``_Leaf`` of ``new``, a constant, or
     :data:`_DELETE` (delete the attribute or item at ``path``).
@@ -442,7 +442,7 @@ def _changes(old: Any, new: Any, unchanged: Any, path: Path = ()) -> Iterator[tu
     old_state = dict(old_members)
     for step, value in new_members:
         if step in old_state:
-            yield from _changes(old_state[step], value, unchanged, (*path, step))
+            yield from _changes(old_state[step], value, unchanged, path=(*path, step))
         elif isinstance(value, _Leaf) or isinstance(value, _ATOMS):
             yield (*path, step), value
         else:
@@ -454,7 +454,7 @@ _DELETE = object()
 
 
 def narrow_state_access(graph: Graph, attrs: dict[str, Any], threaded: list[tuple[Node, list[Key], int]],
-                        arguments: list[tuple[pytree.TreeSpec, Node]]) -> None:
+                        *, arguments: list[tuple[pytree.TreeSpec, Node]]) -> None:
     """Make a graph read and write only the parts of its state arguments it uses or changes.
 
     Export leaves a state module's graph flattening the whole state argument (every layer of a
@@ -480,7 +480,7 @@ def narrow_state_access(graph: Graph, attrs: dict[str, Any], threaded: list[tupl
         threaded: ``(call, state keys, extra arguments)`` of each call that writes states back.
         arguments: the graph's object arguments (:func:`argument_objects`).
     """
-    narrowing = _StateNarrowing(graph, attrs, threaded, arguments)
+    narrowing = _StateNarrowing(graph, attrs, threaded, arguments=arguments)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is assign_state:
             narrowing.narrow_write(node)
@@ -497,7 +497,7 @@ class _StateNarrowing:
     object arguments."""
 
     def __init__(self, graph: Graph, attrs: dict[str, Any], threaded: list[tuple[Node, list[Key], int]],
-                 arguments: list[tuple[pytree.TreeSpec, Node]]):
+                 *, arguments: list[tuple[pytree.TreeSpec, Node]]):
         self.graph, self.attrs, self.threaded = graph, attrs, threaded
         self.specs = {placeholder: spec for spec, placeholder in arguments}
         self.order = {node: i for i, node in enumerate(graph.nodes)}
@@ -544,7 +544,7 @@ class _StateNarrowing:
         written = [(path, leaves[value.index] if isinstance(value, _Leaf) else value)
                    for path, value in changes if value is not _DELETE]
         with graph.inserting_before(node):
-            graph.call_function(write_state, (target, spec_node(graph, attrs, specs[target], node), deleted,
+            graph.call_function(write_state, (target, spec_node(graph, attrs, specs[target], before=node), deleted,
                                               tuple(p for p, _ in written), [v for _, v in written]))
         graph.erase_node(node)
         if not new.users:
@@ -564,7 +564,7 @@ class _StateNarrowing:
             return
         indices = [cast(tuple[Node, int], self.read_of(user, placeholder))[1] for user in readers]
         with graph.inserting_after(flatten):
-            read = graph.call_function(read_state, (placeholder, spec_node(graph, self.attrs, spec, flatten),
+            read = graph.call_function(read_state, (placeholder, spec_node(graph, self.attrs, spec, before=flatten),
                                                     tuple(paths[i] for i in indices)))
         with graph.inserting_after(read):
             for k, user in enumerate(readers):

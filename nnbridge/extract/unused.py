@@ -17,6 +17,7 @@ import torch
 from .context import ExtractionContext
 from ..graph.graph_module import OpaqueGraphModule
 from ..graph.module_tree import CONTAINERS, reorder
+from ..graph.node_path import ModulePath
 from ..graph.op_point import OpPoint, OpPointContainer
 from ..compat.torch.module_dicts import buffers_of, modules_of, parameters_of
 from ..errors import ExtractionError, warn
@@ -39,7 +40,8 @@ def user_children(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Modul
             yield name, child
 
 
-def unused_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, top: bool = True) -> torch.nn.Module:
+def unused_module(ctx: ExtractionContext, fqn: ModulePath, module: torch.nn.Module, *,
+                  top: bool = True) -> torch.nn.Module:
     """A submodule the extracted call never ran, as graphpatch keeps it: an :class:`OpaqueGraphModule`
     (its own code, parameters and buffers) with its children likewise; containers keep their type.
     With ``allow_unused_submodules`` off it is a compilation failure (see :class:`ExtractionOptions`).
@@ -50,7 +52,7 @@ def unused_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, top
     if isinstance(module, CONTAINERS):
         container = type(module)()
         for name, child in user_children(module):
-            modules_of(container)[name] = unused_module(ctx, f"{fqn}.{name}", child, top)
+            modules_of(container)[name] = unused_module(ctx, ModulePath(f"{fqn}.{name}"), child, top=top)
         return container
     if not top:  # inside an unused module: reported with it
         pass
@@ -59,11 +61,12 @@ def unused_module(ctx: ExtractionContext, fqn: str, module: torch.nn.Module, top
             f"'{ctx.full(fqn)}' was never called when running the example inputs"), fix=UNUSED_FIX)
     elif ctx.options.warn_on_compilation_failure:  # as graphpatch: told, though allowed
         warn(f"Module '{ctx.full(fqn)}' was never called by the example inputs; it is kept as an opaque module")
-    children = {name: unused_module(ctx, f"{fqn}.{name}", child, top=False) for name, child in user_children(module)}
+    children = {name: unused_module(ctx, ModulePath(f"{fqn}.{name}"), child, top=False)
+                for name, child in user_children(module)}
     return OpaqueGraphModule(module, UNUSED_REASON, children, callees={})
 
 
-def keep_unused(ctx: ExtractionContext, fqn: str, cgm: torch.nn.Module, module: torch.nn.Module) -> None:
+def keep_unused(ctx: ExtractionContext, fqn: ModulePath, cgm: torch.nn.Module, *, module: torch.nn.Module) -> None:
     """Give ``cgm`` every child of ``module`` the graph never calls (see :func:`unused_module`), also
     inside ModuleList/ModuleDict containers, so its parameters and buffers are the module's."""
     # a child registered under several names (``self.alias = self.linear``) was called if any name was
@@ -71,7 +74,7 @@ def keep_unused(ctx: ExtractionContext, fqn: str, cgm: torch.nn.Module, module: 
 
     def fill(holder: torch.nn.Module, original: torch.nn.Module, prefix: str) -> None:
         for name, child in user_children(original):
-            path = f"{prefix}.{name}" if prefix else name
+            path = ModulePath(f"{prefix}.{name}" if prefix else name)
             existing = modules_of(holder).get(name)
             if existing is None and id(child) not in called:
                 modules_of(holder)[name] = unused_module(ctx, path, child)

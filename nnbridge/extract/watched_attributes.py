@@ -85,5 +85,5 @@ def reads_watched(watched: list[tuple[torch.nn.Module, str]], indices: frozenset
                     break
             watched_attribute = _Watched(name, original if original is not _MISSING else inherited, ids,
                                          reads=reads, indices=indices)
-            stack.enter_context(registry.replaced("reuse_reads_watched", cls, name, watched_attribute))
+            stack.enter_context(registry.replaced("reuse_reads_watched", cls, name, value=watched_attribute))
         yield reads

@@ -16,9 +16,15 @@ Every graph node has an *op point* (:class:`~.op_point.OpPoint`), an identity ``
 is the one hook point for patches, torch hooks and nnsight envoys. A *listener* is anything
 registered on an op point; generated code routes a node through its op point only while it has one.
 A *NodePath* (:mod:`.node_path`) names a node (``transformer.h_0.attn.softmax``), with ``|`` to dig
-into a container value. *Stateful arguments* (:mod:`.state`) are call arguments a module mutates in
+into a container value; signatures annotate its text as :data:`.node_path.NodePathStr` and a module's
+``named_modules()`` name (``transformer.h.0.attn``) as :data:`.node_path.ModulePath`. *Stateful arguments* (:mod:`.state`) are call arguments a module mutates in
 place, such as transformers' ``Cache``; graphs read and write them through :func:`.state.read_state`
 and :func:`.state.write_state`.
 
 This layer imports only :mod:`nnbridge.compat` and :mod:`nnbridge.errors`.
 """
+
+from .node_path import ROOT_PATH as ROOT_PATH
+from .node_path import ModulePath as ModulePath
+from .node_path import NodePath as NodePath
+from .node_path import NodePathStr as NodePathStr

@@ -98,7 +98,7 @@ def absence_reason(name: str, *, where: str, ops: Sequence[str] | None, model: o
     shown = where if module is None else module
     if opaque is not None:
         return f"{shown} {_opaque(opaque)}"
-    return _attention(name, ops, where, shown, model)
+    return _attention(name, ops, where, module=shown, model=model)
 
 
 def _closest(asked: str, candidates: list[str], label: str) -> str:
@@ -127,7 +127,7 @@ def _opaque(reason: str) -> str:
             " module eager on purpose, without trying to extract it.")
 
 
-def _attention(name: str, ops: Sequence[str] | None, where: str, module: str, model: object) -> str | None:
+def _attention(name: str, ops: Sequence[str] | None, where: str, *, module: str, model: object) -> str | None:
     """Why ``name`` (or the eager attention op it nearly spells, ``sofmax``) is no op of an
     attention module whose implementation is not eager, or None."""
     implementation = attention_implementation(model)

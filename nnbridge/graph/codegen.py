@@ -144,7 +144,7 @@ def routed_forward(module: CompiledGraphModule, routed: frozenset[str], *, askin
         node.replace_all_uses_with(routed_node, delete_user_cb=lambda user: user is not routed_node)
     code = graph.python_code(root_module="self")
     forward = forward_from_source(code.src, code.globals)
-    register(module, forward, graph, code)
+    register(module, forward, graph, code=code)
     return forward
 
 

@@ -41,7 +41,7 @@ def _meta(owner: object) -> GraphMeta | None:
 
 
 def register(owner: GraphModuleBase, function: Callable[..., Any], graph: Graph,
-             code: PythonCode | GraphModule) -> None:
+             *, code: PythonCode | GraphModule) -> None:
     """Remember on ``owner`` (a graph module; in its :attr:`GraphMeta.generated`, so the map lives
     with its graph) that ``function``, one of its generated forwards, was compiled from ``graph``
     with fx's ``code``/``GraphModule``, so failures in it can be located."""

@@ -268,7 +268,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         self.__dict__.pop("_trace_forward", None)
         self._forward_cache.clear()
         self._forward_cache[frozenset()] = type(self).forward
-        register(self, type(self).forward, self.graph, self)
+        register(self, type(self).forward, self.graph, code=self)
         self.__dict__["_routed"] = frozenset()
         self.refresh_routing()
 
@@ -377,7 +377,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, routed: frozenset[str], asking: bool) -> Any:
         # inside the module's accelerate hook, if any, as its eager call: offloaded weights load first
         return run_hooked(self.original, args, kwargs,
-                          lambda a, k: self._run_loaded(a, k, routed=routed, asking=asking))
+                          body=lambda a, k: self._run_loaded(a, k, routed=routed, asking=asking))
 
     def _run_loaded(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, routed: frozenset[str],
                     asking: bool) -> Any:

@@ -10,10 +10,25 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NewType
 
 from ..errors import NodePathError
 
 _SUB = re.compile(r"sub_(\d+)")
+
+#: The text of a NodePath as users write it and graphs name their nodes (``"transformer.h_0.attn.softmax"``,
+#: ``"output|sub_0"``); :class:`NodePath` is its parsed form. A ``str`` at run time.
+NodePathStr = NewType("NodePathStr", str)
+
+#: A module's name as ``named_modules()`` gives it (``"transformer.h.0.attn"``; ``""`` is the root),
+#: relative to the module an extraction starts from unless a parameter says otherwise; a child that
+#: an opaque module calls several times has one dispatcher per call, named with ``_<i>`` appended
+#: (``"model.rotary_emb_0"``). A ``str`` at run time; the ``fqn`` and ``path`` parameters of the
+#: extraction and dispatch layers hold one.
+ModulePath = NewType("ModulePath", str)
+
+#: The :data:`ModulePath` of the module an extraction starts from (``named_modules()`` names it ``""``).
+ROOT_PATH = ModulePath("")
 
 
 @dataclass(frozen=True)

@@ -304,7 +304,7 @@ def _matches(value: Any, expected: Any, trie: Any) -> bool:
         return len(expected) == 1 and _same(kind, expected[0])
     if kind is list or kind is tuple:
         return len(expected) == len(value) + 1 and _same(kind, expected[0]) and \
-            _items_match(value, None, expected, 1, trie)
+            _items_match(value, None, expected, start=1, trie=trie)
     mapping = value if kind is dict else getattr(value, "__dict__", None)
     if mapping is None or (kind is not dict and isinstance(value, type)):
         return len(expected) == 2 and _same(kind, expected[0]) and _same(value, expected[1])
@@ -317,10 +317,10 @@ def _matches(value: Any, expected: Any, trie: Any) -> bool:
         if not (key is other or key == other):
             return False
     steps = None if trie is None else [(key,) for key in mapping] if kind is dict else list(mapping)
-    return _items_match(mapping.values(), steps, expected, 1 + n, trie)
+    return _items_match(mapping.values(), steps, expected, start=1 + n, trie=trie)
 
 
-def _items_match(items: Any, steps: list[Any] | None, expected: tuple[Any, ...], start: int, trie: Any) -> bool:
+def _items_match(items: Any, steps: list[Any] | None, expected: tuple[Any, ...], *, start: int, trie: Any) -> bool:
     """:func:`_matches` of each of a container's ``items`` against ``expected[start:]``, with its
     path step (``steps[k]``, or ``(k,)`` for a list's). Tensors and objects compared by type (most
     of a cache) are decided here, without a call; anything else (and any mismatch) by

@@ -102,7 +102,7 @@ def _storage_pointer(tensor: torch.Tensor) -> int:
 
 
 def structure_key(modules: list[torch.nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any],
-                  flat: tuple[list[Any], Any] | None = None) -> Hashable:
+                  *, flat: tuple[list[Any], Any] | None = None) -> Hashable:
     """Hashable description of a call's structure (everything except tensor values and sizes).
 
     Args:

@@ -142,7 +142,7 @@ class StateGuard:
         self._skip = skip
         seen_configs: set[int] = set()
         classes: list[type] = []
-        for where, module in self._walk(root, path, opaque, skip):
+        for where, module in self._walk(root, path, opaque, skip=skip):
             children = {name: child for name, child in modules_of(module).items()
                         if child is not None and not (skip is not None and skip(child))}
             self._child_slots.append((where, modules_of(module), children))
@@ -168,10 +168,10 @@ class StateGuard:
                 self._sizes.append((f"{store_name[1:-1]} of {where}", store, len(store)))
                 for name, tensor in store.items():
                     if tensor is not None:
-                        self._add_tensor(where, store, name, tensor)
+                        self._add_tensor(where, store, name, tensor=tensor)
             for name, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    self._add_tensor(where, state, name, value)
+                    self._add_tensor(where, state, name, tensor=value)
                 elif _config_like(name, value):
                     self._held.append((f"{name} of {where}", state, name, value))
                     if id(value) not in seen_configs:
@@ -212,7 +212,7 @@ class StateGuard:
         self._types = [cls for _, _, cls in self._typed]
 
     @staticmethod
-    def _walk(module: torch.nn.Module, where: str, opaque: set[int], skip: Callable[[torch.nn.Module], bool] | None
+    def _walk(module: torch.nn.Module, where: str, opaque: set[int], *, skip: Callable[[torch.nn.Module], bool] | None
               ) -> Iterator[tuple[str, torch.nn.Module]]:
         seen: set[int] = set()
         stack = [(where or "<root>", module)]
@@ -228,7 +228,7 @@ class StateGuard:
                 if child is not None and not (skip is not None and skip(child)):
                     stack.append((f"{path}.{name}" if path != "<root>" else name, child))
 
-    def _add_tensor(self, where: str, store: dict[str, Any], name: str, tensor: torch.Tensor) -> None:
+    def _add_tensor(self, where: str, store: dict[str, Any], name: str, *, tensor: torch.Tensor) -> None:
         self._tensors.append((f"{where}.{name}" if where != "<root>" else name, store, name, tensor,
                               tensor.dtype, tensor.device, tensor.shape, tensor.requires_grad))
 

@@ -68,10 +68,10 @@ class SubmoduleLookup:
         except AttributeError as error:
             message = str(error)
             bridge = self.bridge_ref()
-            raise AbsenceError(message, lambda: self.explain(model, bridge, target, message)) from None
+            raise AbsenceError(message, lambda: self.explain(model, bridge, target, message=message)) from None
 
     @staticmethod
-    def explain(model: torch.nn.Module, bridge: Bridge | None, target: str, message: str) -> str:
+    def explain(model: torch.nn.Module, bridge: Bridge | None, target: str, *, message: str) -> str:
         """``message`` (torch's), with why the first name of ``target`` that ``model`` lacks is no op."""
         module, path = model, list[str]()
         for name in target.split("."):

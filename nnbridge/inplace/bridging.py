@@ -51,6 +51,7 @@ from .copies import CarriedOptions, Copier, install_copier, remove_copier
 from ..guards.preservation import preserved_state
 from ..dispatch.dispatcher import GraphDispatcher
 from ..dispatch.extraction import Extraction
+from ..graph.node_path import ModulePath
 from ..graph.state import SpecCheck
 from ..extract.state_graphs import state_argument_specs
 from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
@@ -138,7 +139,7 @@ class _CallSite:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # (torch.compile traces the normal call: the check first, so Dynamo never traces DirectCall)
         if not torch.compiler.is_dynamo_compiling() and self.direct():
-            return self.bridge.chosen(self.module, self.graph, args, kwargs)
+            return self.bridge.chosen(self.module, self.graph, args, kwargs=kwargs)
         pending, key = _pending(), id(self.module)
         pending[key] = self.graph
         try:
@@ -228,21 +229,22 @@ class Bridge:
             if self.calls[id(module)] > 1:  # whole-model extractions number its calls (invocation_<k>)
                 self.repeated.add(id(module))
             graph = self._own_dispatcher(module).lookup(args, kwargs).root
-        return self._run(module, graph, args, kwargs)
+        return self._run(module, graph, args, kwargs=kwargs)
 
-    def chosen(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def chosen(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], *, kwargs: dict[str, Any]) -> Any:
         """What :meth:`body` runs for a call whose caller's graph chose ``graph`` (a call site
         calling the body directly outside Dynamo, see :class:`_CallSite`)."""
         with CALL_LOCK:
             if self.eager:
                 return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
-            return self._run_graph(module, self._fitting(module, graph, args, kwargs), args, kwargs, False)
+            return self._run_graph(module, self._fitting(module, graph, args, kwargs=kwargs), args, kwargs=kwargs,
+                                   compiling=False)
 
     def _run(self, module: torch.nn.Module, graph: AnyGraph | None, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> Any:
+             *, kwargs: dict[str, Any]) -> Any:
         compiling = torch.compiler.is_dynamo_compiling()  # Dynamo traces the plain checks and code
         if graph is not None and not compiling:
-            graph = self._fitting(module, graph, args, kwargs)
+            graph = self._fitting(module, graph, args, kwargs=kwargs)
         if graph is None:
             dispatcher = self.dispatchers.get(id(module))
             if dispatcher is None or not (module is self.model or self.depth > 0):
@@ -261,9 +263,10 @@ class Bridge:
                 graph = extraction.root
             else:
                 graph = dispatcher.lookup(args, kwargs).root
-        return self._run_graph(module, graph, args, kwargs, compiling)
+        return self._run_graph(module, graph, args, kwargs=kwargs, compiling=compiling)
 
-    def _fitting(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> AnyGraph:
+    def _fitting(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...],
+                 *, kwargs: dict[str, Any]) -> AnyGraph:
         """``graph``, or ``module``'s own extraction for this call when a state object (a ``Cache``)
         is not in the state the parent's extraction saw: e.g. an earlier layer was skipped (nnsight
         ``.skip()``) and did not write its cache layer, as in eager. Graphs without state arguments
@@ -273,7 +276,7 @@ class Bridge:
             return self._own_dispatcher(module).lookup(args, kwargs).root
         return graph
 
-    def _run_graph(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def _run_graph(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], *, kwargs: dict[str, Any],
                    compiling: bool) -> Any:
         """Run ``graph`` as ``module``'s body for this call (``compiling``: Dynamo traces it, so
         the plain generated code runs)."""
@@ -391,7 +394,8 @@ class Bridge:
         """``module``'s own dispatcher (made on first need, linked like the model's)."""
         dispatcher = self.dispatchers.get(id(module))
         if dispatcher is None:
-            path = next((name for name, m in self.model.named_modules(remove_duplicate=False) if m is module), "")
+            named = self.model.named_modules(remove_duplicate=False)
+            path = ModulePath(next((name for name, m in named if m is module), ""))
             dispatcher = GraphDispatcher(module, self.options, path=path, on_extraction=[self._on_extraction])
             self.dispatchers[id(module)] = dispatcher
         return dispatcher
@@ -482,11 +486,11 @@ class Bridge:
             point = self.points.get(key)
             if point is None:
                 self.points[key] = graph.op_point(name)
-                self._register(module, invocation, name, self.points[key])
+                self._register(module, invocation, name, point=self.points[key])
             else:
                 graph.share_point(name, point)
 
-    def _register(self, module: torch.nn.Module, invocation: int, name: str, point: OpPoint) -> None:
+    def _register(self, module: torch.nn.Module, invocation: int, name: str, *, point: OpPoint) -> None:
         holder = module
         if invocation:
             container_name = f"invocation_{invocation}"
@@ -516,7 +520,7 @@ class Bridge:
     def swap(self, module: torch.nn.Module) -> None:
         """Make ``module``'s body :meth:`body`, and its copies bridged copies (see .copies)."""
         self.swapped[id(module)] = swap_body(module, self.body)
-        install_copier(module, Copier(module, self.detached, bridged_copy, self.options))
+        install_copier(module, Copier(module, self.detached, bridged_copy, options=self.options))
 
     # -- undoing --------------------------------------------------------------------------------
     def undo(self) -> None:

@@ -73,7 +73,7 @@ class Copier:
     """
 
     def __init__(self, module: torch.nn.Module, detached: Callable[[], contextlib.AbstractContextManager[object]],
-                 rebridge: Callable[[torch.nn.Module, CarriedOptions], torch.nn.Module], options: ExtractionOptions):
+                 rebridge: Callable[[torch.nn.Module, CarriedOptions], torch.nn.Module], *, options: ExtractionOptions):
         self.module_ref = weakref.ref(module)  # the module owns this object
         self.detached, self.rebridge, self.options = detached, rebridge, CarriedOptions(options)
 

@@ -29,6 +29,7 @@ from ..compat.nnsight.models import wrapped_module
 from ..graph.graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 from ..inplace.bridging import bridge_of
 from ..graph.kinds import ModuleKind
+from ..graph.node_path import ModulePath
 from ..extract.options import ExtractionOptions
 
 
@@ -58,7 +59,7 @@ class Explanation:
 
     name: str
     recompile_limit: int
-    history: list[tuple[str, str]] = field(default_factory=list)
+    history: list[tuple[ModulePath, str]] = field(default_factory=list)
     guards: list[str] = field(default_factory=list)
     modules: list[ModuleReport] = field(default_factory=list)
 

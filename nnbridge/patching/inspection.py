@@ -20,6 +20,7 @@ from torch.fx.node import Argument, Node, map_arg
 from ..graph import hierarchy
 from ..graph.absence import absence_reason
 from ..graph.aliases import aliases_by_node, aliases_of, stack_frames
+from ..graph.node_path import NodePathStr
 from ..graph.summaries import describe, summary_children
 from ..graph.graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
 
@@ -161,7 +162,7 @@ class NodeView:
 
     # set through object.__setattr__ (the view is read-only: __setattr__ raises)
     #: NodePath of this entry ("" for the root)
-    _path: str
+    _path: NodePathStr
     #: the graph holding the node (None for the root)
     _owner: GraphModuleBase | None
     #: node name in ``_owner``
@@ -175,7 +176,7 @@ class NodeView:
     #: the model the hierarchy was extracted from (its config names the attention implementation), or None
     _model: object
 
-    def __init__(self, path: str, owner: GraphModuleBase | None, name: str, graph: GraphModuleBase | None,
+    def __init__(self, path: NodePathStr, owner: GraphModuleBase | None, name: str, *, graph: GraphModuleBase | None,
                  summary: Any = None, dig: tuple[str, ...] = (), model: object = None):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_path", path)
@@ -190,11 +191,12 @@ class NodeView:
         prefix = f"{self._path}." if self._path else ""
         if self._graph_module is not None:
             graph = self._graph_module
-            return [(name, NodeView(prefix + name, graph, name, sub, graph.example(name), model=self._model))
+            return [(name, NodeView(NodePathStr(prefix + name), graph, name, graph=sub, summary=graph.example(name),
+                                    model=self._model))
                     for name, sub in hierarchy.children(self._graph_module)]
         sep = "." if self._dig else "|"
-        return [(key, NodeView(f"{self._path}{sep}{key}", self._owner, self._node_name, None, value, (*self._dig, key),
-                               model=self._model))
+        return [(key, NodeView(NodePathStr(f"{self._path}{sep}{key}"), self._owner, self._node_name, graph=None,
+                               summary=value, dig=(*self._dig, key), model=self._model))
                 for key, value in summary_children(self._summary)]
 
     def _child(self, item: str) -> NodeView | None:
@@ -247,7 +249,7 @@ class NodeView:
         return True
 
     def __contains__(self, path: object) -> bool:
-        return isinstance(path, str) and self._lookup(path) is not None
+        return isinstance(path, str) and self._lookup(NodePathStr(path)) is not None
 
     def __getitem__(self, path: str) -> NodeView:
         """The view at ``path`` below this one: ``pg.graph["linear.output"]``; a dig may be written
@@ -257,7 +259,7 @@ class NodeView:
             KeyError: no such path (the message lists the closest ones).
             ValueError: this view is a leaf.
         """
-        found = self._lookup(path) if isinstance(path, str) else None
+        found = self._lookup(NodePathStr(path)) if isinstance(path, str) else None
         if found is None:
             close = difflib.get_close_matches(str(path), list(self.keys()), n=5, cutoff=0.4)
             hint = ""
@@ -273,7 +275,7 @@ class NodeView:
 
     def get(self, path: str, default: object = None) -> object:
         """``self[path]``, or ``default`` when there is no such path."""
-        found = self._lookup(path) if isinstance(path, str) else None
+        found = self._lookup(NodePathStr(path)) if isinstance(path, str) else None
         return default if found is None else found
 
     def _require_children(self) -> None:
@@ -281,7 +283,7 @@ class NodeView:
             raise ValueError(f"{self._path or '<root>'} is a leaf ({describe(self._summary)}); the mapping"
                              " interface (in, [], len, keys) applies to graphs and container values.")
 
-    def _lookup(self, path: str) -> NodeView | None:
+    def _lookup(self, path: NodePathStr) -> NodeView | None:
         self._require_children()
         view = self
         for segment in path.replace("|", ".").split("."):

@@ -38,7 +38,7 @@ from ..inplace.bridging import bridge_of
 from ..extract.examples import describe_examples
 from .inspection import NodeView
 from ..graph.summaries import summary_children
-from ..graph.node_path import NodePath, dig_key
+from ..graph.node_path import NodePath, NodePathStr, dig_key
 from ..graph.op_point import OpPoint, refresh_owners
 from ..extract.options import ExtractionOptions
 from .patches import Patch
@@ -338,7 +338,7 @@ class PatchableGraph(torch.nn.Module):
     @property
     def graph(self) -> NodeView:
         """The NodePath tree of the first extraction (tab-completes; repr shows shapes)."""
-        return NodeView("", None, "", self._graph_module, model=self._dispatcher.module)
+        return NodeView(NodePathStr(""), None, "", graph=self._graph_module, model=self._dispatcher.module)
 
     def node_paths(self) -> list[str]:
         """Every valid leaf NodePath (dig paths included), in tree order."""

@@ -93,7 +93,7 @@ def save(pg: PatchableGraph, target: str | os.PathLike[str] | IO[bytes]) -> None
               "options": options_fingerprint(pg._dispatcher.options), "inputs": spec_text,
               "examples": examples_of(pg._graph_module)}
     inputs = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    write_bundle(target, header, list(recorder.records), inputs)
+    write_bundle(target, header, list(recorder.records), inputs=inputs)
 
 
 class BundleSource:

@@ -162,7 +162,7 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
         # ``to_json_string`` leaves out the attention implementation, and a module's own config
         # (``self.config = SimpleNamespace(...)``) is not the model's
         configs = sorted((k, config_values(v)) for k, v in vars(module).items() if config_like(k, v))
-        tensors = [_tensor_entry(owners, f"{name}.{k}" if name else k, k, t)
+        tensors = [_tensor_entry(owners, f"{name}.{k}" if name else k, k, tensor=t)
                    for k, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
         entries.append([name, _qualname(type(module)), module.training, plain, configs, tensors])
     for cls in sorted(classes.values(), key=_qualname):  # plain class attributes (``Cls.gain = 3.0``)
@@ -172,7 +172,7 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
             "code": code_digest(model)}
 
 
-def _tensor_entry(owners: dict[int, str], path: str, name: str, tensor: torch.Tensor) -> list[Any]:
+def _tensor_entry(owners: dict[int, str], path: str, name: str, *, tensor: torch.Tensor) -> list[Any]:
     """A parameter's or buffer's part of :func:`model_fingerprint`: name, shape, dtype and
     requires_grad, and for a tensor an earlier path already holds (tied weights:
     ``lm_head.weight is transformer.wte.weight``) that path. ``torch.export`` gives tied tensors

@@ -67,7 +67,7 @@ def _program_name(index: int) -> str:
 
 
 def write_bundle(target: str | os.PathLike[str] | IO[bytes], header: dict[str, Any], records: list[ProgramRecord],
-                 inputs: list[Any] | None = None) -> None:
+                 *, inputs: list[Any] | None = None) -> None:
     """Write ``records`` (and the example inputs' leaves) with ``header`` as a bundle.
 
     Args:
@@ -85,7 +85,7 @@ def write_bundle(target: str | os.PathLike[str] | IO[bytes], header: dict[str, A
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(handle, "wb") as stream:
-                write_bundle(stream, header, records, inputs)
+                write_bundle(stream, header, records, inputs=inputs)
             os.replace(temporary, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -181,7 +181,7 @@ class Bundle:
                 exported.constants[name] = value.clone()
         for section, name in entry["left_out"]:
             store = exported.state_dict if section == "state_dict" else exported.constants
-            store[name] = _own_tensor(self.source, module, name, store[name])
+            store[name] = _own_tensor(self.source, module, name, meta=store[name])
         dims = [[d if isinstance(d, int) else tuple(d) for d in tensor] for tensor in entry["guard"]["dims"]]
         return ProgramRecord(path=entry["path"], call=entry["call"], exported=exported, dynamic=entry["dynamic"],
                              states=entry["states"], stubs=dict(entry["stubs"]),
@@ -208,7 +208,7 @@ def _untouched_from_json(value: dict[str, list[Any]]) -> dict[str, list[Untouche
             for fqn, per in value.items()}
 
 
-def _own_tensor(source: str, module: torch.nn.Module, name: str, meta: torch.Tensor) -> torch.Tensor:
+def _own_tensor(source: str, module: torch.nn.Module, name: str, *, meta: torch.Tensor) -> torch.Tensor:
     """``module``'s tensor for the program's name ``model.<path>`` (the export root wraps the
     module as ``model``), checked against the saved meta tensor's shape and dtype."""
     value: object = module

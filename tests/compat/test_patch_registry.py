@@ -813,9 +813,9 @@ def test_unknown_torch_speed_patches_skipped_graph_still_equals_eager():
     seen: set[str] = set()
     original_install = registry.install
 
-    def install(name: str, *args: Any) -> Any:
+    def install(name: str, *args: Any, **kwargs: Any) -> Any:
         seen.add(name)
-        return original_install(name, *args)
+        return original_install(name, *args, **kwargs)
 
     model, ids = gpt2(), torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():

@@ -138,40 +138,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from corpus import Call, Edit, Entry
-
-
-class HParams:
-    """A plain object (not a dataclass, not a module) read in forward."""
-
-    def __init__(self, scale=1.0, shift=0.0):
-        self.scale = scale
-        self.shift = shift
-        self.inner = Nested()
-
-
-class Nested:
-    def __init__(self):
-        self.bias = 0.5
-
-
-class Swish:
-    """A callable object (not a module)."""
-
-    def __init__(self, beta=1.0):
-        self.beta = beta
-
-    def __call__(self, x):
-        return x * torch.sigmoid(self.beta * x)
-
-
-class Inner(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-
-    def forward(self, p, q):
-        return self.proj(p) * torch.sigmoid(q)
-'''
+from corpus.program_parts import HParams, Inner, ProgramRoot, Swish'''
 
 
 def _inner_call(style: str, x: str, a: str) -> str:
@@ -213,7 +180,7 @@ def _arity(program: Program, child: int) -> int:
 
 
 def _root_source(program: Program) -> tuple[str, bool]:
-    init = ["super().__init__()"]
+    init = ["super().__init__()  # the state every program's root has (corpus.program_parts)"]
     for i, child in enumerate(program.children):
         if child.kind == "block":
             init.append(f"self.c{i} = B{child.blocks[0]}()")
@@ -221,9 +188,6 @@ def _root_source(program: Program) -> tuple[str, bool]:
             init.append(f"self.c{i} = nn.ModuleList([{', '.join(f'B{b}()' for b in child.blocks)}])")
         else:
             init.append(f"self.c{i} = self.c{child.blocks[0]}  # shared")
-    init += ["self.alpha = 1.0", "self.hp = HParams()", "self.act = Swish(1.0)", "self.k = np.float32(1.0)",
-             "self.calls = 0", 'self.register_buffer("running", torch.zeros(4))',
-             'self.register_buffer("steps", torch.zeros((), dtype=torch.long))']
     body: list[str] = []
     counter = False
     for n, stmt in enumerate(program.stmts, start=1):
@@ -263,7 +227,7 @@ def _root_source(program: Program) -> tuple[str, bool]:
     names = [f"v{i}" for i in outs]
     body.append({"one": f"return {names[0]}", "tuple": f"return ({', '.join(names)},)",
                  "dict": "return {" + ", ".join(f'"out{i}": {name}' for i, name in enumerate(names)) + "}"}[kind])
-    lines = ["class Root(nn.Module):", "    def __init__(self):"] + [f"        {line}" for line in init]
+    lines = ["class Root(ProgramRoot):", "    def __init__(self):"] + [f"        {line}" for line in init]
     lines += ["", "    def forward(self, v0):"] + [f"        {line}" for line in body]
     return "\n".join(lines), counter
 

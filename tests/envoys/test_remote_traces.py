@@ -54,7 +54,7 @@ def test_the_request_names_no_nnbridge_class():
 
     def capture(tracer):
         sent.append(RequestModel.serialize(tracer))
-    request = NNsightRequest(capture, model._module, [], [])
+    request = NNsightRequest(capture, model._module, [], module_names=[])
     with torch.no_grad(), model.trace(PROMPTS[0], backend=request):
         model.transformer.h[0].output.save()
     assert b"nnbridge." not in sent[0]  # no module path of nnbridge's (class references)

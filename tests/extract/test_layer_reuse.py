@@ -260,9 +260,9 @@ def _built_from_templates(monkeypatch, model, ids, **kwargs) -> tuple[PatchableG
     made: list[str] = []
     from_template = GraphBuilder.from_template
 
-    def spy(self, built, fqn, *args):
+    def spy(self, built, fqn, *args, **kwargs):
         made.append(fqn)
-        return from_template(self, built, fqn, *args)
+        return from_template(self, built, fqn, *args, **kwargs)
     monkeypatch.setattr(GraphBuilder, "from_template", spy)
     return PatchableGraph(model, ids, options=REUSE, **kwargs), made
 
@@ -293,7 +293,7 @@ def test_siblings_whose_state_keys_differ_are_built_again_from_the_unflattened_g
     factory, prefix, expected, _ = MODELS["llama"]
     model = factory()
     ids = torch.randint(1, 100, (2, 7))
-    monkeypatch.setattr(BuiltTemplate, "fits", lambda self, builder, fqn, source, invocation: False)
+    monkeypatch.setattr(BuiltTemplate, "fits", lambda self, builder, fqn, source, *, invocation: False)
     reused, made = _built_from_templates(monkeypatch, model, ids)
     assert made == [] and _reused(reused) == expected
     assert_same_records(PatchableGraph(model, ids, options=FULL)._graph_module, reused._graph_module)
@@ -314,10 +314,11 @@ def test_built_graph_fits_only_the_same_state_keys():
             return self.keys.get((fqn, invocation), [])
     rep = {("layers.0", 0): ["cache"], ("layers.0.self_attn", 0): ["cache"]}
     assert template.fits(Builder({**rep, ("layers.1", 0): ["cache"], ("layers.1.self_attn", 0): ["cache"]}),
-                         "layers.1", "layers.0", 0)
-    assert not template.fits(Builder({**rep, ("layers.1", 0): ["cache"]}), "layers.1", "layers.0", 0)  # the call's differ
+                         "layers.1", "layers.0", invocation=0)
+    assert not template.fits(Builder({**rep, ("layers.1", 0): ["cache"]}), "layers.1", "layers.0",
+                             invocation=0)  # the call's differ
     assert not template.fits(Builder({**rep, ("layers.1.self_attn", 0): ["cache"]}),
-                             "layers.1", "layers.0", 0)  # its own differ
+                             "layers.1", "layers.0", invocation=0)  # its own differ
 
 
 @pytest.mark.no_extraction_cache
@@ -330,9 +331,9 @@ def test_a_sibling_child_taking_other_arguments_makes_the_extraction_export_ever
     ids = torch.randint(1, 100, (2, 7))
     keep = GraphBuilder.keep_template
 
-    def flipped(self, fqn, invocation, graph, attrs, made, *rest):
-        return keep(self, fqn, invocation, graph, attrs,
-                    [(node, dataclasses.replace(call, trimmed=not call.trimmed)) for node, call in made], *rest)
+    def flipped(self, fqn, invocation, graph, *, made, **rest):
+        return keep(self, fqn, invocation, graph,
+                    made=[(node, dataclasses.replace(call, trimmed=not call.trimmed)) for node, call in made], **rest)
     monkeypatch.setattr(GraphBuilder, "keep_template", flipped)
     with caplog.at_level(logging.INFO, logger="nnbridge.dispatch.extraction"):
         pg = PatchableGraph(model, ids, use_cache=False, options=REUSE)

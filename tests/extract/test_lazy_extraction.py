@@ -409,7 +409,7 @@ def test_op_owners_places_each_read():
     envoy = nnsight.NNsight(model)
 
     def owners(text):
-        return op_owners(_codes(text), lambda name: envoy if name == "model" else None, model, ())
+        return op_owners(_codes(text), lambda name: envoy if name == "model" else None, model, known_ops=())
     assert owners("model.transformer.h[0].output.save()") == {}
     assert owners("model.transformer.h[0].attn.softmax.output.save(); model.transformer.h[1].add.output") == {
         "transformer.h.0.attn": frozenset({"softmax"}), "transformer.h.1": frozenset({"add"})}
@@ -457,7 +457,7 @@ def test_op_owners_paths_follow_modules_moved_or_replaced_since_the_last_walk(mo
     monkeypatch.setattr(op_reads, "named_real_modules", lambda module: walks.append(1) or walk(module))
 
     def owners(text, known=()):
-        return op_owners(_codes(text), lambda name: envoy if name == "model" else None, model, known)
+        return op_owners(_codes(text), lambda name: envoy if name == "model" else None, model, known_ops=known)
     assert owners("model.transformer.h[0].output.save()") == {} and walks == []
     assert owners("model.transformer.h[0].add.output") == {"transformer.h.0": frozenset({"add"})} and len(walks) == 1
     assert owners("model.transformer.h[0].add.output", {"add"}) == {"transformer.h.0": frozenset({"add"})}
@@ -473,7 +473,8 @@ def test_op_owners_paths_follow_modules_moved_or_replaced_since_the_last_walk(mo
     assert len(walks) == before + 1
     # a module no longer in the model (read through an envoy held since) owns no path: whole model
     old = nnsight.NNsight(h1)
-    assert op_owners(_codes("layer.add.output"), lambda name: old if name == "layer" else None, model, {"add"}) is None
+    assert op_owners(_codes("layer.add.output"), lambda name: old if name == "layer" else None, model,
+                     known_ops={"add"}) is None
     # reads in more entries than LAZY_ENTRIES of one container walk for the containers
     text = "; ".join(f"model.transformer.h[{i}].add" for i in range(2)) + "; model.transformer.h[0].attn.softmax"
     assert set(owners(text, {"add", "softmax"})) == {"transformer.h.0", "transformer.h.1", "transformer.h.0.attn"}
@@ -486,7 +487,7 @@ def test_reads_in_more_than_two_layers_extract_the_whole_model():
     envoy = nnsight.NNsight(model)
 
     def owners(text):
-        return op_owners(_codes(text), lambda name: envoy if name == "model" else None, model, ())
+        return op_owners(_codes(text), lambda name: envoy if name == "model" else None, model, known_ops=())
     assert owners("for layer in model.transformer.h: layer.attn.softmax.output") is None
     assert owners("model.transformer.h[0].add; model.transformer.h[1].attn.softmax; model.transformer.h[2].add") is None
     assert owners("for layer in model.transformer.h[1:]: layer.attn.softmax.output") == {

@@ -576,7 +576,8 @@ def _sibling_builder():
     assert shared is not None
     call = ((model.inp(x),), {})
     return lambda: extraction_module.extract_sibling(
-        sibling.module, *call, REUSE, shared, None, child_dispatcher=lambda child, path: None, path="layers.1")
+        sibling.module, *call, options=REUSE, source=shared, index=None, child_dispatcher=lambda child, path: None,
+        path="layers.1")
 
 
 def test_a_representative_extracted_in_another_grad_mode_serves_no_sibling():

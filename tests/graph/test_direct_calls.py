@@ -41,9 +41,9 @@ def direct_calls(monkeypatch):
     seen = []
     original = Bridge.chosen
 
-    def chosen(self, module, graph, args, kwargs):
+    def chosen(self, module, graph, args, *, kwargs):
         seen.append(module)
-        return original(self, module, graph, args, kwargs)
+        return original(self, module, graph, args, kwargs=kwargs)
     monkeypatch.setattr(Bridge, "chosen", chosen)
     return seen
 

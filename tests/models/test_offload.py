@@ -79,6 +79,6 @@ def test_run_hooked_offloads_again_when_the_body_raises(checkpoint):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        run_hooked(attn.c_attn, (torch.zeros(1, 64),), {}, body)
+        run_hooked(attn.c_attn, (torch.zeros(1, 64),), {}, body=body)
     assert attn.c_attn.weight.device.type == "meta"
-    assert run_hooked(torch.nn.Identity(), (3,), {}, lambda args, kwargs: args[0]) == 3  # no hook: body alone
+    assert run_hooked(torch.nn.Identity(), (3,), {}, body=lambda args, kwargs: args[0]) == 3  # no hook: body alone

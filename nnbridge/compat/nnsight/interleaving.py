@@ -175,7 +175,7 @@ class MissingAttributeError(AttributeError):
     computed when the text is first read (``hasattr``/``getattr(envoy, name, default)`` never pay
     for it)."""
 
-    def __init__(self, message: str, hint: Callable[[], str | None], name: str, obj: Any) -> None:
+    def __init__(self, message: str, hint: Callable[[], str | None], name: str, *, obj: Any) -> None:
         super().__init__(message, name=name, obj=obj)
         self._hint: Callable[[], str | None] | None = hint
         self._text = message
@@ -214,7 +214,7 @@ def install_missing_attribute_hint(hint: Callable[[Any, str], str | None]) -> No
             message = str(error)
             if name.startswith("_") or message != _nnsight_missing(self, name):
                 raise
-            raise MissingAttributeError(message, lambda: hint(self, name), name, self) from None
+            raise MissingAttributeError(message, lambda: hint(self, name), name, obj=self) from None
 
     __getattr__.__nnbridge_original__ = original  # type: ignore[attr-defined]
-    registry.install("envoy_missing_attribute_hint", nnsight.Envoy, "__getattr__", __getattr__)
+    registry.install("envoy_missing_attribute_hint", nnsight.Envoy, "__getattr__", value=__getattr__)

@@ -76,7 +76,7 @@ def _install() -> None:
 
         reducer_override._nnbridge = True  # type: ignore[attr-defined]
         if registry.enabled("nnsight_request_pickler"):  # installed for the rest of the process
-            registry.install("nnsight_request_pickler", pickler, "reducer_override", reducer_override)
+            registry.install("nnsight_request_pickler", pickler, "reducer_override", value=reducer_override)
 
 
 @contextlib.contextmanager

@@ -57,7 +57,7 @@ def autograd_function_calls(on_apply: Callable[[type], None]) -> Iterator[None]:
         # ``classmethod_descriptor`` from 2.14)
         return original.__get__(None, cls)(*args, **kwargs)
 
-    with registry.replaced("autograd_function_apply", function, "apply", classmethod(apply)):
+    with registry.replaced("autograd_function_apply", function, "apply", value=classmethod(apply)):
         yield
 
 
@@ -76,7 +76,7 @@ def _grad_setter_replaced(setter: Callable[[Callable[[bool], None], bool], None]
         else:
             setter(original, enabled)
 
-    with registry.replaced("set_grad_enabled", torch._C, "_set_grad_enabled", set_grad_enabled):
+    with registry.replaced("set_grad_enabled", torch._C, "_set_grad_enabled", value=set_grad_enabled):
         yield
 
 
@@ -129,7 +129,7 @@ def graph_break_calls(on_break: Callable[[str], None]) -> Iterator[None]:
         if threading.get_ident() == thread:
             on_break(msg)
 
-    with registry.replaced("graph_break", decorators, _GRAPH_BREAK_HOOK, hook), \
+    with registry.replaced("graph_break", decorators, _GRAPH_BREAK_HOOK, value=hook), \
             registry.code_replaced("graph_break", function, _reporting_graph_break.__code__):
         yield
 
@@ -196,7 +196,7 @@ def compile_queries(on_query: Callable[[str, str], None]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for (function, template, name, question), original in zip(swapped, originals):
             answer = types.FunctionType(original, function.__globals__, function.__name__)
-            stack.enter_context(registry.replaced("compile_queries", compiler, name, hook(answer, question)))
+            stack.enter_context(registry.replaced("compile_queries", compiler, name, value=hook(answer, question)))
             stack.enter_context(registry.code_replaced("compile_queries", function, template.__code__))
         yield
 

@@ -55,5 +55,5 @@ def duck_sized(tensors: Collection[torch.Tensor]) -> Iterator[None]:
                  for size, constraint in zip(context.dynamic_sizes, context.constraint_sizes)]
         return dataclasses.replace(context, dynamic_sizes=sizes)
 
-    with registry.replaced("duck_sizing", utils, "_create_symbolic_context_for_tensor", duck):
+    with registry.replaced("duck_sizing", utils, "_create_symbolic_context_for_tensor", value=duck):
         yield

@@ -39,7 +39,8 @@ def no_module_deduplication() -> Iterator[None]:
     (``_deduplicate_modules``); nnbridge patches invocations independently, as graphpatch's
     MultiplyInvokedModule did, so de-duplication is switched off for the duration.
     """
-    with registry.replaced("no_module_deduplication", _unflatten_module, "_deduplicate_modules", lambda partitions: {}):
+    with registry.replaced("no_module_deduplication", _unflatten_module, "_deduplicate_modules",
+                           value=lambda partitions: {}):
         yield
 
 
@@ -184,7 +185,7 @@ def shape_envs_released() -> Iterator[None]:
         return result
 
     try:
-        with registry.replaced("shape_envs_released", trace, "make_fake_inputs", recording, only_if_ours=True):
+        with registry.replaced("shape_envs_released", trace, "make_fake_inputs", value=recording, only_if_ours=True):
             yield
     finally:
         for fake_mode in made:
@@ -248,7 +249,7 @@ def _code_generated_lazily() -> Iterator[None]:
             self.arg_names = [node.target for node in self.graph.nodes if node.op == "placeholder"]
     with contextlib.ExitStack() as stack:
         for cls in classes:
-            stack.enter_context(registry.replaced("lazy_unflatten_code", cls, "finalize", finalize))
+            stack.enter_context(registry.replaced("lazy_unflatten_code", cls, "finalize", value=finalize))
         yield
 
 
@@ -392,7 +393,7 @@ def _remember_context_classes(model: torch.nn.Module) -> None:
 
         _path_to_class.__nnbridge_original__ = original  # type: ignore[attr-defined]
         _path_to_class.__doc__ = original.__doc__
-        registry.install("cache_context_classes", exporter_dynamo, "_path_to_class", _path_to_class)
+        registry.install("cache_context_classes", exporter_dynamo, "_path_to_class", value=_path_to_class)
     classes: list[type] = [value for value in vars(cache_utils).values()
                            if isinstance(value, type) and value.__module__ == cache_utils.__name__]
     classes += [value for value in vars(sys.modules.get(type(model).__module__, cache_utils)).values()

@@ -102,7 +102,7 @@ def generated_code_released() -> Iterator[None]:
     with _RELEASE_LOCK:
         if _release_depth == 0 and registry.enabled("generated_code_released"):
             wrapper = _releasing(fx._method_from_src)
-            _installed = (registry.install("generated_code_released", fx, "_method_from_src", wrapper), wrapper)
+            _installed = (registry.install("generated_code_released", fx, "_method_from_src", value=wrapper), wrapper)
         _release_depth += 1
     try:
         yield
@@ -111,7 +111,8 @@ def generated_code_released() -> Iterator[None]:
             _release_depth -= 1
             if _release_depth == 0 and _installed is not None:
                 # (only_if: patched again since, theirs is left)
-                registry.uninstall("generated_code_released", fx, "_method_from_src", _installed[0], only_if=_installed[1])
+                registry.uninstall("generated_code_released", fx, "_method_from_src", previous=_installed[0],
+                                   only_if=_installed[1])
                 _installed = None
 
 
@@ -169,7 +170,7 @@ def sources_compiled_once() -> Iterator[None]:
         owner = _compiled is None and fx._exec_with_source is _FX_EXEC and registry.enabled("sources_compiled_once")
         if owner:
             _compiled = {}
-            previous = registry.install("sources_compiled_once", fx, "_exec_with_source", _exec_compiled_once)
+            previous = registry.install("sources_compiled_once", fx, "_exec_with_source", value=_exec_compiled_once)
     try:
         yield
     finally:
@@ -177,7 +178,8 @@ def sources_compiled_once() -> Iterator[None]:
             with _COMPILE_LOCK:
                 _compiled = None
                 # (only_if: patched again since, theirs is left)
-                registry.uninstall("sources_compiled_once", fx, "_exec_with_source", previous, only_if=_exec_compiled_once)
+                registry.uninstall("sources_compiled_once", fx, "_exec_with_source", previous=previous,
+                                   only_if=_exec_compiled_once)
 
 
 @contextlib.contextmanager
@@ -221,6 +223,6 @@ def fx_patches_confined(wait: contextlib.AbstractContextManager[object]) -> Iter
         new_fn = confined(new_fn, original, waits=issubclass(cls, torch.nn.Module) and name == "__call__")
         return patch_method(self, cls, name, new_fn, deduplicate)
 
-    with registry.replaced("fx_patches_confined", patcher, "patch", confined_patch), \
-            registry.replaced("fx_patches_confined", patcher, "patch_method", confined_patch_method):
+    with registry.replaced("fx_patches_confined", patcher, "patch", value=confined_patch), \
+            registry.replaced("fx_patches_confined", patcher, "patch_method", value=confined_patch_method):
         yield

@@ -216,7 +216,8 @@ def save_program(exported: torch.export.ExportedProgram, stream: IO[bytes]) -> N
         examples = exported._example_inputs
         exported.example_inputs = None
         try:
-            with registry.replaced("save_without_canonical_check", serialize, "canonicalize", _unchecked_canonical_form):
+            with registry.replaced("save_without_canonical_check", serialize, "canonicalize",
+                                   value=_unchecked_canonical_form):
                 torch.export.save(exported, stream)
         finally:
             exported._example_inputs = examples
@@ -270,7 +271,7 @@ def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
                  ("load_shared_sym_ints", deserializer, "deserialize_sym_int",
                   _shared_sym_int(deserializer.__dict__["deserialize_sym_int"]))]
         for name, owner, attribute, value in swaps:
-            stack.enter_context(registry.replaced(name, owner, attribute, value))
+            stack.enter_context(registry.replaced(name, owner, attribute, value=value))
         return torch.export.load(stream)
 
 

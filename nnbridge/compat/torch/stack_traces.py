@@ -88,10 +88,11 @@ def helper_frames_recorded() -> Iterator[None]:
         if _DEPTH == 0:
             if registry.enabled("helper_frames"):
                 patched = _with_helper_frames(TracerBase.__dict__["_filter_traceback_frames"])
-                _ORIGINAL_FILTER[:] = [registry.install("helper_frames", TracerBase, "_filter_traceback_frames", patched)]
+                _ORIGINAL_FILTER[:] = [registry.install("helper_frames", TracerBase, "_filter_traceback_frames",
+                                                        value=patched)]
             if getattr(torch_traceback, "_extract_symbolized_tb", None) is not None and registry.enabled("lazy_traceback_lines"):
                 _ORIGINAL_EXTRACT[:] = [registry.install("lazy_traceback_lines", torch_traceback, "_extract_symbolized_tb",
-                                                         _lazy_lines)]
+                                                         value=_lazy_lines)]
         _DEPTH += 1
     try:
         yield
@@ -100,7 +101,8 @@ def helper_frames_recorded() -> Iterator[None]:
             _DEPTH -= 1
             if _DEPTH == 0:
                 if _ORIGINAL_FILTER:
-                    registry.uninstall("helper_frames", TracerBase, "_filter_traceback_frames", _ORIGINAL_FILTER.pop())
+                    registry.uninstall("helper_frames", TracerBase, "_filter_traceback_frames",
+                                       previous=_ORIGINAL_FILTER.pop())
                 if _ORIGINAL_EXTRACT:
                     registry.uninstall("lazy_traceback_lines", torch_traceback, "_extract_symbolized_tb",
-                                       _ORIGINAL_EXTRACT.pop())
+                                       previous=_ORIGINAL_EXTRACT.pop())

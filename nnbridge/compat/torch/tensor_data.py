@@ -64,7 +64,7 @@ def data_accesses(on_access: Callable[[torch.Tensor], None]) -> Iterator[None]:
     entry = (threading.get_ident(), on_access)
     with _LOCK:
         if not _WATCHERS and registry.enabled("tensor_data"):
-            _PREVIOUS[:] = [registry.install("tensor_data", torch.Tensor, "data", _PROPERTY)]
+            _PREVIOUS[:] = [registry.install("tensor_data", torch.Tensor, "data", value=_PROPERTY)]
         _WATCHERS.append(entry)
     try:
         yield
@@ -72,7 +72,7 @@ def data_accesses(on_access: Callable[[torch.Tensor], None]) -> Iterator[None]:
         with _LOCK:
             _WATCHERS.remove(entry)
             if not _WATCHERS and _PREVIOUS:
-                registry.uninstall("tensor_data", torch.Tensor, "data", _PREVIOUS.pop(), only_if=_PROPERTY)
+                registry.uninstall("tensor_data", torch.Tensor, "data", previous=_PREVIOUS.pop(), only_if=_PROPERTY)
 
 
 def set_raw_data(tensor: torch.Tensor, value: torch.Tensor) -> None:

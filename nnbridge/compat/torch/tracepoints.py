@@ -41,7 +41,7 @@ def string_arguments_traced() -> Iterator[None]:
             return val
         return original(val, include_real)
 
-    with registry.replaced("string_arguments", proxy_tensor, "extract_val", extract_val):
+    with registry.replaced("string_arguments", proxy_tensor, "extract_val", value=extract_val):
         yield
 
 
@@ -93,8 +93,8 @@ def tracepoint_bookkeeping_skipped() -> Iterator[None]:
                 self.record_stack_traces = True
         return original_node(self, kind, target, args, kwargs, name, type_expr)
 
-    with registry.replaced("tracepoint_bookkeeping", proxy_tensor, "set_meta", set_meta), \
-            registry.replaced("tracepoint_bookkeeping", TracerBase, "create_node", create_node):
+    with registry.replaced("tracepoint_bookkeeping", proxy_tensor, "set_meta", value=set_meta), \
+            registry.replaced("tracepoint_bookkeeping", TracerBase, "create_node", value=create_node):
         yield
 
 

@@ -40,5 +40,5 @@ def unbacked_bindings_pass_narrowed() -> Iterator[None]:
         for node in gm.graph.nodes:
             node.meta.pop("unbacked_bindings", None)
 
-    with registry.replaced("unbacked_bindings", trace, "_replace_unbacked_bindings", replace):
+    with registry.replaced("unbacked_bindings", trace, "_replace_unbacked_bindings", value=replace):
         yield

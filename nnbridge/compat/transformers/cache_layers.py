@@ -126,7 +126,7 @@ def layer_touches() -> Iterator[None]:
     if CacheLayerMixin is None or "__getattribute__" in vars(CacheLayerMixin):  # off, or already on
         yield
         return
-    with registry.replaced("cache_layer_touches", CacheLayerMixin, "__getattribute__", _getattribute):
+    with registry.replaced("cache_layer_touches", CacheLayerMixin, "__getattribute__", value=_getattribute):
         yield
 
 

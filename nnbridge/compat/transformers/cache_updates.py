@@ -152,7 +152,8 @@ def cache_updates_traced(trace: CacheTrace) -> Iterator[None]:
 
     names = [n for n in ("keys", "values") if n not in vars(CacheLayerMixin)]
     with contextlib.ExitStack() as stack:
-        if stack.enter_context(registry.replaced("cache_update_traced", Cache, "update", update)):
+        if stack.enter_context(registry.replaced("cache_update_traced", Cache, "update", value=update)):
             for name in names:
-                stack.enter_context(registry.replaced("cache_update_traced", CacheLayerMixin, name, _LayerState(name, trace)))
+                stack.enter_context(registry.replaced("cache_update_traced", CacheLayerMixin, name,
+                                                      value=_LayerState(name, trace)))
         yield

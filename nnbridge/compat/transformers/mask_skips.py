@@ -59,7 +59,7 @@ def mask_skips(on_skip: Callable[[], None]) -> Iterator[None]:
         return skips
     with contextlib.ExitStack() as stack:
         for name, helper in originals.items():
-            stack.enter_context(registry.replaced("mask_skips", _masks, name, noticing(helper)))
+            stack.enter_context(registry.replaced("mask_skips", _masks, name, value=noticing(helper)))
         yield
 
 

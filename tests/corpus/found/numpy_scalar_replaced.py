@@ -11,40 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from corpus import Call, Edit, Entry
-
-
-class HParams:
-    """A plain object (not a dataclass, not a module) read in forward."""
-
-    def __init__(self, scale=1.0, shift=0.0):
-        self.scale = scale
-        self.shift = shift
-        self.inner = Nested()
-
-
-class Nested:
-    def __init__(self):
-        self.bias = 0.5
-
-
-class Swish:
-    """A callable object (not a module)."""
-
-    def __init__(self, beta=1.0):
-        self.beta = beta
-
-    def __call__(self, x):
-        return x * torch.sigmoid(self.beta * x)
-
-
-class Inner(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-
-    def forward(self, p, q):
-        return self.proj(p) * torch.sigmoid(q)
-
+from corpus.program_parts import HParams, Inner, ProgramRoot, Swish
 
 
 class B0(nn.Module):
@@ -61,17 +28,10 @@ class B0Alt(B0):
         return super().forward(x) * 2.0
 
 
-class Root(nn.Module):
+class Root(ProgramRoot):
     def __init__(self):
-        super().__init__()
+        super().__init__()  # the state every program's root has (corpus.program_parts)
         self.c0 = B0()
-        self.alpha = 1.0
-        self.hp = HParams()
-        self.act = Swish(1.0)
-        self.k = np.float32(1.0)
-        self.calls = 0
-        self.register_buffer("running", torch.zeros(4))
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
     def forward(self, v0):
         v1 = self.c0(v0)
