@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..compat.torch.hooks import has_module_hooks, value_hooks
 from .edits import check_replacement
+from .node_path import from_module_path
 from .summaries import describe
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ class OpPoint(torch.nn.Module):
     def node_path(self) -> str:
         """The node's NodePath (``transformer.h_0.attn.softmax``), from its first live graph."""
         for owner in self.owners():
-            prefix = owner.graph_meta.node_path
+            prefix = from_module_path(owner.graph_meta.node_path)
             return f"{prefix}.{self.node_name}" if prefix else self.node_name
         return self.node_name
 
