@@ -18,6 +18,7 @@ Example (the error a torch hook returning a slice of GPT-2's attention weights g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,16 +33,17 @@ def _describe(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: t
     return f"shape {tuple(shape)}, {dtype}, on {device}"
 
 
-def check_replacement(original: torch.Tensor, result: Any, *, node_path: str, edit: str,
-                      shape: torch.Size | None = None) -> None:
+def check_replacement(original: torch.Tensor, result: Any, *, node_path: str | Callable[[], str],
+                      edit: str | Callable[[], str], shape: torch.Size | None = None) -> None:
     """Raise unless ``result`` can stand for ``original``, the tensor the node produced on this call.
 
     Args:
         original: the node's value on this call, before the edit.
         result: the value the edit hands on (the same tensor after an in-place edit).
-        node_path: the node's NodePath (``transformer.h_0.attn.softmax``).
+        node_path: the node's NodePath (``transformer.h_0.attn.softmax``), or a function giving it,
+            called only to word the error.
         edit: who made the edit, as the message's subject (``Patch ZeroPatch(...)``, ``A torch hook
-            on the op point (halve)``).
+            on the op point (halve)``), or a function giving it, called only to word the error.
         shape: ``original``'s shape before the edit, when the edit may have changed it in place
             (``unsqueeze_``); ``original.shape`` otherwise.
 
@@ -61,4 +63,8 @@ def check_replacement(original: torch.Tensor, result: Any, *, node_path: str, ed
     else:
         given = f"{type(result).__name__} {result!r:.60}" if result is not None else "None"
         problem = f"put {given} in place of the node's value of"
+    if callable(node_path):
+        node_path = node_path()
+    if callable(edit):
+        edit = edit()
     raise PatchError(f"{edit} on '{node_path}' {problem} {expected}. {_FIX}")

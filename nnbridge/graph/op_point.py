@@ -219,7 +219,7 @@ def through(point: OpPoint, value: Any) -> Any:
     shape = value.shape
     result = point(value)
     if result is not value or value.shape != shape:
-        check_replacement(value, result, node_path=point.node_path(), edit=point.editors(), shape=shape)
+        check_replacement(value, result, node_path=point.node_path, edit=point.editors, shape=shape)
     return result
 
 
