@@ -21,7 +21,7 @@ from ..compat.torch.fast_ops import bindings_fit, with_fast_ops
 from ..compat.torch.fx import sources_compiled_once
 from .failures import register
 from .metadata import node_name, update_node_meta
-from .op_point import route
+from .op_point import route, through
 
 if TYPE_CHECKING:  # annotations only: graph_module imports this module
     from .graph_module import CompiledGraphModule
@@ -114,8 +114,9 @@ def routed_forward(module: CompiledGraphModule, routed: frozenset[str], *, askin
                    ) -> Callable[..., Any]:
     """The ``forward`` generated from a copy of ``module``'s graph in which the value of each node
     named in ``routed`` (``output``: the returned value) passes through its op point
-    ``self._nnbridge_ops.<name>``: called, or, ``asking``, handed to :func:`~.op_point.route`,
-    which calls it only when something listens. A placeholder's value is routed after the last
+    ``self._nnbridge_ops.<name>``: handed to :func:`~.op_point.through` (which calls it and checks
+    the value it hands on), or, ``asking``, to :func:`~.op_point.route`, which does so only when
+    something listens. A placeholder's value is routed after the last
     placeholder. The code is registered for failure notes (see :mod:`.failures`)."""
     graph = Graph()
     val_map: dict[Node, Node] = {}
@@ -150,8 +151,6 @@ def routed_forward(module: CompiledGraphModule, routed: frozenset[str], *, askin
 
 def _through_point(graph: Graph, target: str, value: Any, *, asking: bool) -> Node:
     """A node passing ``value`` through the op point at ``target`` (see :func:`routed_forward`)."""
-    if not asking:
-        return graph.call_module(target, (value,))
     point = graph.get_attr(target)
     with graph.inserting_after(point):  # fx inserts each new node right after the anchor
-        return graph.call_function(route, (point, value))
+        return graph.call_function(route if asking else through, (point, value))

@@ -21,6 +21,7 @@ from torch.fx.graph import PythonCode
 
 from ..compat.torch.fx import generated_line_map
 from .metadata import GraphMeta, node_meta
+from .node_path import from_module_path
 
 if TYPE_CHECKING:  # annotations only: graph_module imports this module
     from .graph_module import GraphModuleBase
@@ -74,7 +75,7 @@ def describe(error: BaseException) -> str | None:
     entry, index, owner = found
     name, op, target, stack = entry.nodes[index]
     meta = _meta(owner)
-    prefix = meta.node_path if meta is not None else ""
+    prefix = from_module_path(meta.node_path) if meta is not None else ""
     path = f"{prefix}.{name}" if prefix else name
     what = {"route": "in a patch or hook on this op", "call_module": f"in its submodule {target}"}.get(op, f"{op} {target}")
     note = f"nnbridge: raised at NodePath '{path}' ({what})"

@@ -31,7 +31,7 @@ from ..compat.accelerate import run_hooked
 from . import codegen
 from .failures import register
 from .metadata import GraphMeta, node_meta, node_name, update_node_meta
-from .op_point import OpPoint, route
+from .op_point import OpPoint, route, through
 from .opaque_runner import OpaqueRunner, Router
 
 #: Calls that only convert between a custom pytree object and its leaves.
@@ -390,7 +390,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
             points = self._op_points
 
             def call(name: str, value: Any) -> Any:
-                return points[name](value)
+                return through(points[name], value)
         return self._runner.run(args, kwargs, routed=routed, call=call)
 
     def extra_repr(self) -> str:

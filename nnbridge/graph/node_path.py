@@ -65,3 +65,12 @@ def dig_key(segment: str) -> int | str:
     """The container key a dig segment stands for: ``sub_3`` -> ``3``; other names are dict keys."""
     match = _SUB.fullmatch(segment)
     return int(match.group(1)) if match else segment
+
+
+_INDEX = re.compile(r"(?<=[^.])\.(\d+)(?=\.|$)")
+
+
+def from_module_path(path: str) -> str:
+    """The NodePath of a module path as ``named_modules`` spells it: each container index joins the
+    name before it (``transformer.h.0.attn`` -> ``transformer.h_0.attn``); a NodePath is unchanged."""
+    return _INDEX.sub(r"_\1", path)

@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..compat.torch.hooks import has_module_hooks
+from ..compat.torch.hooks import has_module_hooks, value_hooks
+from .edits import check_replacement
+from .node_path import from_module_path
 from .summaries import describe
 
 if TYPE_CHECKING:
@@ -54,9 +56,14 @@ class OpPoint(torch.nn.Module):
             whether something other than this point's listeners and torch hooks wants the op's
             value. Never, until a front-end installs its test (the envoy layer installs nnsight's:
             a running trace parks at, skips or caches one of the op's locations).
+        editing_trace: class-wide ``editing_trace(point) -> path or None``, asked only to word an
+            edit's error: the op's path in a running trace that may have edited its value (the
+            envoy layer installs nnsight's, ``model.transformer.h.0.attn.softmax``); None when no
+            trace runs, or no front-end installed one.
     """
 
     wanted: ClassVar[Callable[[OpPoint], bool]] = staticmethod(lambda point: False)
+    editing_trace: ClassVar[Callable[[OpPoint], str | None]] = staticmethod(lambda point: None)
     _owners: list[weakref.ref[GraphModuleBase]]
     _listeners: list[Listener]
     _hooked: bool
@@ -167,6 +174,27 @@ class OpPoint(torch.nn.Module):
                 return f"{self.node_name}: {describe(example)}"
         return self.node_name
 
+    def node_path(self) -> str:
+        """The node's NodePath (``transformer.h_0.attn.softmax``), from its first live graph."""
+        for owner in self.owners():
+            prefix = from_module_path(owner.graph_meta.node_path)
+            return f"{prefix}.{self.node_name}" if prefix else self.node_name
+        return self.node_name
+
+    def editors(self) -> str:
+        """Who may have replaced the value on its way through this point (for :func:`through`'s
+        error): its torch forward and pre-forward hooks, a running trace (:attr:`editing_trace`),
+        else its listeners (a patch checks its own value first, naming itself)."""
+        hooks = [getattr(hook, "__qualname__", None) or type(hook).__name__ for hook in value_hooks(self)]
+        found = [f"A torch hook on the op point ({', '.join(hooks)})"] if hooks else []
+        path = OpPoint.editing_trace(self)
+        if path is not None:
+            found.append(f"an nnsight edit of {path} (.output = ..., .input = ..., or in place)")
+        if not found:
+            found.append(f"A listener on the op point ({', '.join(type(f).__name__ for f in self._listeners)})")
+        edit = " or ".join(found)
+        return edit[0].upper() + edit[1:]
+
 
 def refresh_owners(points: Iterable[OpPoint]) -> None:
     """Refresh the routing of every distinct owner of ``points`` once (after adding or removing
@@ -176,13 +204,33 @@ def refresh_owners(points: Iterable[OpPoint]) -> None:
         owner.refresh_routing()
 
 
+def through(point: OpPoint, value: Any) -> Any:
+    """``point(value)``, checked: the value its listeners, torch hooks and nnsight hand on in place
+    of a tensor must have the tensor's shape (also after an in-place edit), dtype and device.
+    Every routed node's value passes here; the check runs only when the value was replaced or
+    its shape changed, so a point whose listeners only read pays two comparisons.
+
+    Raises:
+        PatchError: the value handed on cannot stand for the node's (see
+            :func:`~.edits.check_replacement`), naming the NodePath and who may have made the edit.
+    """
+    if not isinstance(value, torch.Tensor):
+        return point(value)
+    shape = value.shape
+    result = point(value)
+    if result is not value or value.shape != shape:
+        check_replacement(value, result, node_path=point.node_path, edit=point.editors, shape=shape)
+    return result
+
+
 def route(point: OpPoint, value: Any) -> Any:
-    """``point(value)`` when a patch or torch hook listens to ``point`` or :attr:`OpPoint.wanted`
-    says a running trace wants it; else ``value`` unchanged. The generated code of a graph running
-    under a trace calls this once per node, so it is kept to two attribute reads and one call."""
+    """:func:`through` ``(point, value)`` when a patch or torch hook listens to ``point`` or
+    :attr:`OpPoint.wanted` says a running trace wants it; else ``value`` unchanged. The generated
+    code of a graph running under a trace calls this once per node, so it is kept to two attribute
+    reads and one call."""
     d = point.__dict__
     if d["_listeners"] or d["_hooked"] or OpPoint.wanted(point):
-        return point(value)
+        return through(point, value)
     return value
 
 

@@ -27,6 +27,7 @@ from ..compat.torch.module_dicts import modules_of
 from ..errors import NNBridgeError, NodePathError, PatchError, PatchMapError
 from ..graph import hierarchy, patch_state
 from ..graph.absence import explain_absence
+from ..graph.edits import check_replacement
 from . import varargs_paths
 from ..dispatch.dispatcher import GraphDispatcher, WeakCallback
 from ..guards.preservation import preserved_state
@@ -118,20 +119,8 @@ class _PatchListener:
         given = pytree.tree_map_only(torch.Tensor, torch.clone, value) if self.patch.requires_clone else value
         result = self.patch(given)
         if isinstance(value, torch.Tensor):
-            self._check(value, result)
+            check_replacement(value, result, node_path=str(self.node_path), edit=f"Patch {self.patch!r}")
         return result
-
-    def _check(self, original: torch.Tensor, result: Any) -> None:
-        if not isinstance(result, torch.Tensor):
-            problem = f"returned {type(result).__name__} {result!r:.60}" if result is not None else "returned None"
-        elif (result.shape, result.dtype, result.device) != (original.shape, original.dtype, original.device):
-            problem = (f"returned a tensor of shape {tuple(result.shape)}, {result.dtype}, on {result.device}"
-                       f" for a node of shape {tuple(original.shape)}, {original.dtype}, on {original.device}")
-        else:
-            return
-        raise PatchError(
-            f"Patch {self.patch!r} on '{self.node_path}' {problem}. A patch must return a tensor of the node's shape,"
-            " dtype and device (the graph after it was traced for those); e.g. expand or .to() the value first.")
 
 
 class PatchableGraph(torch.nn.Module):

@@ -223,8 +223,8 @@ def test_user_patch_subclass_gets_a_clone_and_builtins_do_not_need_one():
 
 @pytest.mark.parametrize("value, problem", [
     (torch.zeros(2, 4), r"shape \(2, 4\)"),
-    (None, "returned None"),
-    (1.5, "returned float"),
+    (None, "put None"),
+    (1.5, "put float"),
     (torch.zeros(3, 4, dtype=torch.float64), "torch.float64"),
     (torch.zeros(3, 4, device="meta"), "on meta"),
 ])

@@ -112,6 +112,16 @@ def trace_running(module: torch.nn.Module) -> bool:
     return state is not None and state.active()[0] is not None
 
 
+def trace_path(module: torch.nn.Module) -> str | None:
+    """The path nnsight's trace interleaving now gives ``module`` (``model.transformer.h.0.attn.softmax``,
+    from ``State.active``); None when no running trace reaches it."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    if state is None:
+        return None
+    interleaver, path, _ = state.active()
+    return path if interleaver is not None else None
+
+
 def source_body(module: torch.nn.Module) -> Callable[..., Any] | None:
     """nnsight's source-instrumented forward of ``module`` when the running trace waits at or
     caches one of its ``.source`` operations (``<path>.source.`` locations), else ``None``."""

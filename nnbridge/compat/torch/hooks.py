@@ -112,3 +112,11 @@ def capturing_hooks(module: torch.nn.Module) -> list[Callable[[torch.nn.Module, 
     registered without kwargs), in registration order; empty when none are installed (yet)."""
     hooks = module.__dict__.get("_forward_hooks") or {}
     return [hook for hook in hooks.values() if is_output_capturing_hook(hook)]
+
+
+def value_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
+    """The torch forward and pre-forward hooks on ``module`` that may replace its input or output
+    (all but transformers' output-capturing ones), pre-forward hooks first, each in registration order."""
+    d = module.__dict__
+    return [hook for name in ("_forward_pre_hooks", "_forward_hooks")
+            for hook in (d.get(name) or {}).values() if not is_output_capturing_hook(hook)]
