@@ -180,7 +180,8 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             sub.graph_meta.node_path = f"{path}.{sub_path}" if path else sub_path
 
     extraction = Extraction(root, guard, ctx.opaque, (tuple(summarize(a) for a in args),
-                                                      {k: summarize(v) for k, v in kwargs.items()}))
+                                                      {k: summarize(v) for k, v in kwargs.items()}),
+                            fallbacks=ctx.fallbacks)
     if watch is not None and fallback is None and options.reuse_layers:
         extraction.shared = _shared_root(extraction, args, kwargs, watch, path, ctx.templates)
     return extraction

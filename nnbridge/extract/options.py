@@ -28,8 +28,10 @@ class ExtractionOptions:
             module cannot be exported, its graph would differ from its code (grad-mode changes,
             side effects, Dynamo's ``graph_break()``), building its graph module raises, or its
             custom extraction function raises. Default: ``False``.
-        warn_on_compilation_failure: Warn (:class:`nnbridge.NNBridgeWarning`) when a module falls
-            back to an opaque module. Default: ``False``.
+        warn_on_compilation_failure: Warn (:class:`nnbridge.NNBridgeWarning`) for each module that
+            falls back to an opaque module, as graphpatch. When ``False``, one warning per
+            extraction lists them all in a table (module path, cause); none when nothing fell back
+            (see :mod:`nnbridge.dispatch.fallback_report`). Default: ``False``.
         postprocessing_function: ``fn(graph_module, original_module)`` called on every extracted
             :class:`CompiledGraphModule`; it may edit ``graph_module.graph`` in place (call
             ``graph_module.recompile()`` afterwards). Default: ``None``.
