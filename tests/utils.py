@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 from fixtures.data_dependent_module import DataDependentModule
 import nnbridge
-from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph
+from nnbridge import CompiledGraphModule, ExtractionOptions, NNBridgeWarning, PatchableGraph
 from nnbridge.graph.metadata import node_meta
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,6 +112,18 @@ def padded_batch(seq):
     mask = torch.ones(2, seq, dtype=torch.long)
     mask[0, : seq // 2] = 0
     return ids, mask
+
+
+@contextlib.contextmanager
+def falls_back(*paths: str) -> Iterator[None]:
+    """Expect the one NNBridgeWarning an extraction with opaque fallbacks gives, naming ``paths``
+    (module paths, ``<root>`` for the root) and no other module."""
+    with pytest.warns(NNBridgeWarning, match="run(s)? eagerly") as caught:
+        yield
+    tables = [str(w.message) for w in caught if "eagerly (opaque" in str(w.message)]
+    assert len(tables) == 1, tables
+    named = [line.split(" | ")[0].strip() for line in tables[0].splitlines()[2:] if " | " in line]
+    assert named == list(paths), (named, paths)
 
 
 def data_dependent():

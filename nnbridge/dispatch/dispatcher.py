@@ -44,6 +44,7 @@ from ..errors import NNBridgeError, warn
 from ..guards.call_structure import describe_key_change, structure_key, tensor_leaves
 from . import extraction as _extraction
 from .extraction import Extraction
+from .fallback_report import fallback_report
 from ..graph.module_tree import real_modules
 from ..graph.failures import add_note
 from ..graph.codegen import code_generation_deferred
@@ -230,7 +231,9 @@ class GraphDispatcher(torch.nn.Module):
                         reason: str) -> Extraction:
         # each graph's code is generated once, after the callbacks (an in-place bridge's link) edited
         # it; no cyclic garbage collection meanwhile (see .compat.allocator)
-        with collection_paused(), code_generation_deferred():
+        # one warning lists the modules that fell back, for this extraction and those it triggers
+        # (see .fallback_report); with warn_on_compilation_failure each was warned about already
+        with fallback_report(self.module) as report, collection_paused(), code_generation_deferred():
             extraction = self._from_representative(args, kwargs)
             if extraction is None:
                 extraction = extract(self.module, args, kwargs, options=self.options, path=self.path,
@@ -245,6 +248,8 @@ class GraphDispatcher(torch.nn.Module):
             self._evict()
             for callback in list(self.on_extraction):
                 callback(self, extraction)
+            if not self.options.warn_on_compilation_failure:
+                report.add(extraction.fallbacks)
         return extraction
 
     def _from_representative(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction | None:

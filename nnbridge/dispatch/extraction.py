@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from torch.fx import Graph
-from tqdm.auto import tqdm
 
 from ..extract.building import GraphBuilder
 from ..guards.call_structure import ShapeGuard, tensor_leaves
@@ -59,6 +58,7 @@ from ..store import programs
 from ..store.disk_cache import default_cache
 from ..store.memory_cache import PROGRAM_RECORD, memory_cache
 from ..extract.options import ExtractionOptions
+from ..extract.progress import Stages, shows_progress
 from ..extract.recording import record_calls
 from ..extract import sibling_roots
 from ..extract.sibling_roots import CallShape, RootWatch, SharedRoot
@@ -185,7 +185,8 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             sub.graph_meta.node_path = f"{path}.{sub_path}" if path else sub_path
 
     extraction = Extraction(root, guard, ctx.opaque, (tuple(summarize(a) for a in args),
-                                                      {k: summarize(v) for k, v in kwargs.items()}))
+                                                      {k: summarize(v) for k, v in kwargs.items()}),
+                            fallbacks=ctx.fallbacks)
     if watch is not None and fallback is None and options.reuse_layers:
         extraction.shared = _shared_root(extraction, args, kwargs, watch=watch, path=path, templates=ctx.templates)
     return extraction
@@ -307,24 +308,21 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
     # the call's structure before anything runs it: export may record a cache argument's spec
     # after the traced code mutated it (torch 2.13, static shapes)
     input_spec = copy_spec(pytree.tree_flatten((args, kwargs))[1])
-    bar = tqdm(total=2, desc=f"extracting {type(module).__name__}", unit="stage", disable=not ctx.options.progress,
-               leave=False)
-    bar.set_postfix_str("torch.export")
-    exporting = _RootExport(ctx, args, kwargs, bar=bar, stubs=stubs, errors=errors, watch=watch)
-    opaque = exporting.prepare(reuse=reuse)
-    if opaque is None:
-        opaque = exporting.export()
-    if opaque is not None:
-        return opaque, static
-    guard = exporting.report(static)
-    bar.update()
-    bar.set_postfix_str("unflatten and build graphs")
-    root = exporting.build(input_spec)
-    if isinstance(root, OpaqueGraphModule):
-        return root, static
-    bar.update()
-    bar.close()
-    return root, guard
+    with Stages(f"extracting {type(module).__name__}", 3,
+                show=shows_progress(ctx.options.progress, module)) as bar:
+        exporting = _RootExport(ctx, args, kwargs, bar=bar, stubs=stubs, errors=errors, watch=watch)
+        bar.stage("exporting" if exporting.record is None else "reading the cache")
+        opaque = exporting.prepare(reuse=reuse)
+        if opaque is None:
+            opaque = exporting.export()
+        if opaque is not None:
+            return opaque, static
+        guard = exporting.report(static)
+        bar.stage("building graphs")
+        root = exporting.build(input_spec)
+        if isinstance(root, OpaqueGraphModule):
+            return root, static
+        return root, guard
 
 
 class _RootExport:
@@ -342,7 +340,7 @@ class _RootExport:
         watch_reads: what the export of a watched representative read (see :mod:`.sibling_roots`).
     """
 
-    def __init__(self, ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, Any], *, bar: tqdm,
+    def __init__(self, ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, Any], *, bar: Stages,
                  stubs: dict[str, str], errors: dict[str, BaseException], watch: RootWatch | None):
         self.ctx, self.module, self.args, self.kwargs, self.bar = ctx, ctx.module, args, kwargs, bar
         self.stubs, self.errors = stubs, errors
@@ -509,6 +507,7 @@ class _RootExport:
         record = self.record
         guard = record.guard if record is not None else ShapeGuard.from_export(exported) if self.dynamic else static
         if record is None:
+            self.bar.stage("writing the cache")
             self.record = programs.ProgramRecord(ctx.path, self.request.call_fingerprint(), exported, self.dynamic,
                                                  self.states, dict(self.stubs), guard, dict(self.plan.siblings),
                                                  self.untouched, self.watch_reads)

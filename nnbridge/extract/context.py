@@ -41,6 +41,10 @@ class Extraction:
         root: the extracted root (:class:`CompiledGraphModule` or :class:`OpaqueGraphModule`).
         guard: the tensor sizes it accepts.
         opaque: ``{module path: reason}`` for every module that fell back to opaque.
+        fallbacks: ``{module path: reason}`` of the modules in ``opaque`` that are opaque because
+            something failed (export, a capture check, building, a custom function, an unused
+            submodule under ``allow_unused_submodules=False``), not by the options' design; the
+            children of opaque modules included.
         example: summaries (``torch.Size`` for tensors) of the call it was extracted from.
         state: the module state it bakes in (:class:`~nnbridge.guards.module_state.StateGuard`), set by
             the dispatcher that made it.
@@ -56,6 +60,7 @@ class Extraction:
     state: StateGuard | None = None
     reason: str = "first call"
     shared: SharedRoot | None = None
+    fallbacks: dict[str, str] = field(default_factory=dict)
 
 
 class ChildDispatcher(ExtractionHolder, Protocol):
@@ -87,6 +92,7 @@ class ExtractionContext:
         self.path = path
         self.on_extraction = on_extraction
         self.opaque: dict[str, str] = {}
+        self.fallbacks: dict[str, str] = {}  # the failures among them (see Extraction.fallbacks)
         self.invocations: Counter[str] = Counter()
         self.renamed: dict[int, dict[str, str]] = {}
         self.grad_enabled = torch.is_grad_enabled()  # graphs follow the grad mode of the extracted call
@@ -111,3 +117,5 @@ class ExtractionContext:
             warn(f"Module '{where}' is opaque (only its inputs, output, parameters and buffers are"
                  f" patchable): {reason}", NNBridgeWarning)
         self.opaque[where] = reason
+        if error is not None:
+            self.fallbacks[where] = reason

@@ -200,6 +200,7 @@ def opaque_module(ctx: ExtractionContext, fqn: ModulePath, module: torch.nn.Modu
             # (a dispatcher kept from an earlier extraction serves a call alike with what it has)
             extraction = dispatcher.lookup(a, k)
             ctx.opaque.update(extraction.opaque)
+            ctx.fallbacks.update(extraction.fallbacks)
             invocations.append((dispatcher, extraction.root))
             dispatchers[f"{safe.replace('.', '_')}_{index}" if several else safe.replace(".", "_")] = dispatcher
         if len(invocations) == 1:

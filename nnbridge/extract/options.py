@@ -28,8 +28,10 @@ class ExtractionOptions:
             module cannot be exported, its graph would differ from its code (grad-mode changes,
             side effects, Dynamo's ``graph_break()``), building its graph module raises, or its
             custom extraction function raises. Default: ``False``.
-        warn_on_compilation_failure: Warn (:class:`nnbridge.NNBridgeWarning`) when a module falls
-            back to an opaque module. Default: ``False``.
+        warn_on_compilation_failure: Warn (:class:`nnbridge.NNBridgeWarning`) for each module that
+            falls back to an opaque module, as graphpatch. When ``False``, one warning per
+            extraction lists them all in a table (module path, cause); none when nothing fell back
+            (see :mod:`nnbridge.dispatch.fallback_report`). Default: ``False``.
         postprocessing_function: ``fn(graph_module, original_module)`` called on every extracted
             :class:`CompiledGraphModule`; it may edit ``graph_module.graph`` in place (call
             ``graph_module.recompile()`` afterwards). Default: ``None``.
@@ -47,7 +49,11 @@ class ExtractionOptions:
         dynamic_shapes: Export every tensor dimension as ``torch.export.Dim.AUTO`` so one
             extraction serves other sequence lengths (and batch sizes when the example batch is
             >= 2); dimensions the model fixes stay static. Default: ``True``.
-        progress: Show a tqdm progress bar over the extraction stages. Default: ``False``.
+        progress: Show a tqdm bar on stderr naming the extraction's stage (exporting, writing the
+            cache, building graphs): ``True`` always, ``False`` never, ``None`` when stderr is a
+            terminal and the module has at least ``nnbridge.extract.progress.AUTO_MODULES`` (100)
+            submodules, the estimate of an extraction longer than a couple of seconds. Default:
+            ``None``.
         recompile_limit: Most extractions kept per module, one per set of guards (call structure,
             sizes, module state); the least recently used is evicted beyond it, and a warning
             (once) names the module and the failed guard when a module reaches it, as Dynamo's
@@ -72,7 +78,7 @@ class ExtractionOptions:
     skip_compilation: bool = False
     allow_unused_submodules: bool | None = None
     dynamic_shapes: bool = True
-    progress: bool = False
+    progress: bool | None = None
     recompile_limit: int = 8
     reuse_layers: bool = True
 

@@ -30,6 +30,7 @@ from ..graph.absence import explain_absence
 from ..graph.edits import check_replacement
 from . import varargs_paths
 from ..dispatch.dispatcher import GraphDispatcher, WeakCallback
+from ..dispatch.fallback_report import fallback_report
 from ..guards.preservation import preserved_state
 from .capture_forwarding import forward_capturing_hooks
 from ..dispatch.extraction import Extraction
@@ -177,41 +178,44 @@ class PatchableGraph(torch.nn.Module):
                 raise TypeError("PatchableGraph got ExtractionOptions twice (positionally and as options=); pass one.")
             options, example_args = example_args[0], example_args[1:]
         self.__dict__["_active"] = []  # [_PatchListener] of open patch contexts (every thread)
-        bridged = bridge_of(module)
-        if bridged is not None:
-            # share the bridge's graphs and op points: patches, torch hooks on op points and nnsight
-            # then act on the same nodes, and calling pg runs the model (its hooks fire)
-            if options is not None:
-                raise TypeError("PatchableGraph over a bridged model uses the bridge's extraction options;"
-                                " pass options to nnbridge.bridge() instead.")
-            self._dispatcher = bridged.dispatcher
-            # weakly: the bridged model must not keep this PatchableGraph alive
-            callbacks = self._dispatcher.on_extraction
-            callbacks.append(WeakCallback(self._apply_active, callbacks))
-            self.__dict__["_callee"] = module
-            self.__dict__["_modules_of_plain"] = None
-            first = self._dispatcher.lookup(tuple(example_args), dict(example_kwargs))
-        else:
-            refuse_instance_forwards(module, "PatchableGraph")
-            self._dispatcher = GraphDispatcher(module, options or ExtractionOptions(),
-                                               on_extraction=[self._apply_active])
-            self.__dict__["_callee"] = self._dispatcher
-            self.__dict__["_modules_of_plain"] = list(named_real_modules(module))
-            recorder = Recorder()  # the exported programs, for pg.save (see .saving)
-            with sources_active(recorder):
-                first = self._dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
-            self.__dict__["_programs"] = recorder
-            # not for extractions later calls make: kept, their programs would keep evicted extractions alive
-            self.__dict__["_sources"] = []
-            self.__dict__["_example"] = (tuple(example_args), dict(example_kwargs))
-        # the recording run may extract children of opaque modules again (under no_grad): pg.save keeps those too
-        recording = [self.__dict__["_programs"]] if "_programs" in self.__dict__ else []
-        root = first.root
-        if not saving.restore_examples(root):  # a load has them from the file
-            with preserved_state(list(named_real_modules(module))), sources_active(*recording), \
-                    collection_paused():
-                describe_examples(root, tuple(example_args), dict(example_kwargs))
-        self._graph_module = root
+        # one warning lists the modules that fell back, for the first extraction and the children of
+        # opaque modules the recording run extracts again (see nnbridge.dispatch.fallback_report)
+        with fallback_report(module):
+            bridged = bridge_of(module)
+            if bridged is not None:
+                # share the bridge's graphs and op points: patches, torch hooks on op points and nnsight
+                # then act on the same nodes, and calling pg runs the model (its hooks fire)
+                if options is not None:
+                    raise TypeError("PatchableGraph over a bridged model uses the bridge's extraction options;"
+                                    " pass options to nnbridge.bridge() instead.")
+                self._dispatcher = bridged.dispatcher
+                # weakly: the bridged model must not keep this PatchableGraph alive
+                callbacks = self._dispatcher.on_extraction
+                callbacks.append(WeakCallback(self._apply_active, callbacks))
+                self.__dict__["_callee"] = module
+                self.__dict__["_modules_of_plain"] = None
+                first = self._dispatcher.lookup(tuple(example_args), dict(example_kwargs))
+            else:
+                refuse_instance_forwards(module, "PatchableGraph")
+                self._dispatcher = GraphDispatcher(module, options or ExtractionOptions(),
+                                                   on_extraction=[self._apply_active])
+                self.__dict__["_callee"] = self._dispatcher
+                self.__dict__["_modules_of_plain"] = list(named_real_modules(module))
+                recorder = Recorder()  # the exported programs, for pg.save (see .saving)
+                with sources_active(recorder):
+                    first = self._dispatcher.add_extraction(tuple(example_args), dict(example_kwargs))
+                self.__dict__["_programs"] = recorder
+                # not for extractions later calls make: kept, their programs would keep evicted extractions alive
+                self.__dict__["_sources"] = []
+                self.__dict__["_example"] = (tuple(example_args), dict(example_kwargs))
+            # the recording run may extract children of opaque modules again (under no_grad): pg.save keeps those too
+            recording = [self.__dict__["_programs"]] if "_programs" in self.__dict__ else []
+            root = first.root
+            if not saving.restore_examples(root):  # a load has them from the file
+                with preserved_state(list(named_real_modules(module))), sources_active(*recording), \
+                        collection_paused():
+                    describe_examples(root, tuple(example_args), dict(example_kwargs))
+            self._graph_module = root
 
     # -- saving (see .saving) --------------------------------------------------------------------
     # -> Any: without a path, whatever nnsight's injected (untyped) ``save`` returns; else None
