@@ -63,6 +63,7 @@ from .compat import registry as _registry
 if TYPE_CHECKING:  # the names as the type checker sees them; at run time __getattr__ loads them
     from .errors import ExtractionError as ExtractionError
     from .errors import NNBridgeError as NNBridgeError
+    from .errors import FallbackWarning as FallbackWarning
     from .errors import NNBridgeWarning as NNBridgeWarning
     from .errors import NodePathError as NodePathError
     from .errors import SaveLoadError as SaveLoadError
@@ -101,6 +102,7 @@ _EXPORTS: dict[str, str] = {
     "LanguageModel": ".envoys",
     "MultiplyInvokedModule": ".graph.graph_module",
     "NNBridgeError": ".errors",
+    "FallbackWarning": ".errors",
     "NNBridgeWarning": ".errors",
     "NNsight": ".envoys",
     "NodePath": ".graph.node_path",
@@ -132,6 +134,7 @@ __all__ = [
     "Explanation",
     "MultiplyInvokedModule",
     "NNBridgeError",
+    "FallbackWarning",
     "NNBridgeWarning",
     "NodePath",
     "NodePathError",

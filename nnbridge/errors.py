@@ -43,6 +43,13 @@ class NNBridgeWarning(UserWarning):
     """Category of every warning nnbridge issues."""
 
 
+class FallbackWarning(NNBridgeWarning):
+    """The one warning an extraction gives when modules fell back to running eagerly (opaque): a
+    table of their module paths and causes. ``warnings.filterwarnings("ignore",
+    category=nnbridge.FallbackWarning)`` silences it; ``nnbridge.explain(model)`` keeps the full
+    report."""
+
+
 def warn(message: str, category: type[Warning] = NNBridgeWarning) -> None:
     """Issue a warning attributed to the first frame outside nnbridge, torch and nnsight (the
     user's line), whatever the depth of the call."""

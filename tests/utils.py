@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 from fixtures.data_dependent_module import DataDependentModule
 import nnbridge
-from nnbridge import CompiledGraphModule, ExtractionOptions, NNBridgeWarning, PatchableGraph
+from nnbridge import CompiledGraphModule, ExtractionOptions, FallbackWarning, NNBridgeWarning, PatchableGraph
 from nnbridge.graph.metadata import node_meta
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,9 +116,9 @@ def padded_batch(seq):
 
 @contextlib.contextmanager
 def falls_back(*paths: str) -> Iterator[None]:
-    """Expect the one NNBridgeWarning an extraction with opaque fallbacks gives, naming ``paths``
+    """Expect the one FallbackWarning an extraction with opaque fallbacks gives, naming ``paths``
     (module paths, ``<root>`` for the root) and no other module."""
-    with pytest.warns(NNBridgeWarning, match="run(s)? eagerly") as caught:
+    with pytest.warns(FallbackWarning, match="run(s)? eagerly") as caught:
         yield
     tables = [str(w.message) for w in caught if "eagerly (opaque" in str(w.message)]
     assert len(tables) == 1, tables

@@ -4,7 +4,7 @@ A module falls back to an opaque module (its own code runs; only its inputs, out
 and buffers are patchable) when its graph cannot be extracted faithfully. Every extraction made
 while a :func:`fallback_report` is open, including those of the children of opaque modules that
 it triggers, adds its :attr:`~nnbridge.extract.context.Extraction.fallbacks`; the outermost report
-issues one :class:`~nnbridge.NNBridgeWarning` when it closes, with a table of module paths and
+issues one :class:`~nnbridge.FallbackWarning` when it closes, with a table of module paths and
 causes. No warning when nothing fell back, when the extraction raised, or for a dispatcher whose
 options ask for a warning per module (``ExtractionOptions.warn_on_compilation_failure``, as
 graphpatch). ``nnbridge.explain(model)`` gives the full report. Example::
@@ -12,7 +12,7 @@ graphpatch). ``nnbridge.explain(model)`` gives the full report. Example::
     with fallback_report(model) as report:
         extraction = extract(model, args, kwargs)
         report.add(extraction.fallbacks)
-    # NNBridgeWarning: 1 module of Model runs eagerly ...
+    # FallbackWarning: 1 module of Model runs eagerly ...
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from contextvars import ContextVar, Token
 
 import torch
 
-from ..errors import NNBridgeWarning, warn
+from ..errors import FallbackWarning, warn
 
 #: rows shown in the table; the rest are counted
 MAX_ROWS = 8
@@ -91,4 +91,4 @@ class fallback_report:  # noqa: N801 - used as a function: ``with fallback_repor
             return
         _OPEN.reset(self.token)
         if kind is None and self.report is not None and self.report.fallbacks:
-            warn(self.report.message(), NNBridgeWarning)
+            warn(self.report.message(), FallbackWarning)

@@ -1,4 +1,4 @@
-"""One NNBridgeWarning per extraction of a model lists the modules that fell back to eager code."""
+"""One FallbackWarning (an NNBridgeWarning) per extraction of a model lists the modules that fell back to eager code."""
 
 import warnings
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import nnbridge
-from nnbridge import ExtractionOptions, NNBridgeWarning, OpaqueGraphModule, PatchableGraph
+from nnbridge import ExtractionOptions, FallbackWarning, NNBridgeWarning, OpaqueGraphModule, PatchableGraph
 from nnbridge.dispatch.fallback_report import MAX_CAUSE, MAX_ROWS, FallbackReport
 from utils import assert_same
 
@@ -43,7 +43,7 @@ class Plain(torch.nn.Module):
 
 def test_one_warning_names_the_module_and_the_cause():
     model, x = WithBranch(), torch.randn(2, 4)
-    with pytest.warns(NNBridgeWarning) as caught:
+    with pytest.warns(FallbackWarning) as caught:
         pg = PatchableGraph(model, x)
     assert len(caught) == 1
     message = str(caught[0].message)
@@ -68,13 +68,13 @@ def test_no_warning_when_nothing_falls_back():
 
 def test_calls_served_by_the_extraction_do_not_warn_again_and_a_new_extraction_does():
     model, x = WithBranch(), torch.randn(2, 4)
-    with pytest.warns(NNBridgeWarning, match="runs eagerly"):
+    with pytest.warns(FallbackWarning, match="runs eagerly"):
         pg = PatchableGraph(model, x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pg(x)
         pg(torch.randn(5, 4))  # other sizes: the same extraction serves them
-    with pytest.warns(NNBridgeWarning, match="runs eagerly") as caught:
+    with pytest.warns(FallbackWarning, match="runs eagerly") as caught:
         pg(x.unsqueeze(0))  # another rank: a new extraction
     assert len(caught) == 1
 
@@ -84,6 +84,7 @@ def test_warn_on_compilation_failure_warns_per_module_instead():
     with pytest.warns(NNBridgeWarning) as caught:
         PatchableGraph(model, x, options=ExtractionOptions(warn_on_compilation_failure=True))
     assert [str(w.message).split(" is opaque")[0] for w in caught] == ["Module 'branch'"]
+    assert not any(isinstance(w.message, FallbackWarning) for w in caught)
 
 
 def test_options_that_make_modules_opaque_do_not_warn():
@@ -110,7 +111,7 @@ class OpaqueRoot(torch.nn.Module):
 
 def test_fallbacks_of_children_of_an_opaque_module_share_the_one_warning():
     model, x = OpaqueRoot(), torch.randn(2, 4)
-    with pytest.warns(NNBridgeWarning) as caught:
+    with pytest.warns(FallbackWarning) as caught:
         nnbridge.bridge(model, x)
     try:
         assert len(caught) == 1

@@ -4,7 +4,7 @@ import nnbridge
 def test_public_api_is_pinned():
     assert sorted(nnbridge.__all__) == sorted([
         "AddPatch", "CompiledGraphModule", "LanguageModel", "NNsight", "TransformersModel", "CustomPatch", "ExtractionError", "ExtractionOptions",
-        "MultiplyInvokedModule", "NNBridgeError", "NNBridgeWarning", "NodePath", "NodePathError",
+        "FallbackWarning", "MultiplyInvokedModule", "NNBridgeError", "NNBridgeWarning", "NodePath", "NodePathError",
         "OpPoint", "OpaqueGraphModule", "Patch", "PatchableGraph", "ProbePatch", "RecordPatch",
         "ReplacePatch", "SaveLoadError", "ZeroPatch", "bridge", "unbridge", "explain", "Explanation",
     ])
@@ -18,6 +18,7 @@ def test_error_hierarchy():
     assert issubclass(nnbridge.ExtractionError, nnbridge.NNBridgeError)
     assert issubclass(nnbridge.SaveLoadError, nnbridge.NNBridgeError)
     assert issubclass(nnbridge.NNBridgeWarning, UserWarning)
+    assert issubclass(nnbridge.FallbackWarning, nnbridge.NNBridgeWarning)
 
 
 def test_bridge_is_the_in_place_function_and_no_package():
