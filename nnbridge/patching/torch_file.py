@@ -4,7 +4,9 @@ The pickle's top object is rebuilt by :func:`_rebuild` from three arguments, in 
 
 1. ``_archive(tensor)``: the :mod:`.saving` archive (exported programs, metadata, example inputs;
    no pickled code) as a ``uint8`` tensor, so ``torch.save`` writes it as a storage record;
-2. the model, pickled as ``torch.save(model)`` pickles it (its class by reference, its weights);
+2. the model, pickled as ``torch.save(model)`` pickles it (its class by reference, its weights),
+   except that accelerate's hooks are added again on unpickling and disk-offloaded weights are
+   written into the file (:class:`~nnbridge.compat.accelerate.Pickler`);
 3. the :class:`~nnbridge.extract.options.ExtractionOptions`.
 
 ``torch.load(f, weights_only=False)`` (a trusted file) calls :func:`_rebuild`, which builds the
@@ -38,6 +40,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
+from ..compat.accelerate import PICKLE_MODULE
 from ..errors import SaveLoadError
 from ..extract.options import ExtractionOptions
 
@@ -134,7 +137,7 @@ def write(target: str | os.PathLike[str] | IO[bytes], archive: bytes, model: tor
         return
     start = target.tell() if target.seekable() else None
     try:
-        torch.save(_Saved(archive, model, options), target)
+        torch.save(_Saved(archive, model, options), target, pickle_module=PICKLE_MODULE)
     except Exception as error:
         if start is not None:
             target.seek(start)
@@ -143,9 +146,8 @@ def write(target: str | os.PathLike[str] | IO[bytes], archive: bytes, model: tor
             raise
         raise SaveLoadError(
             f"pg.save(): torch.save cannot pickle the model {type(model).__name__} ({type(error).__name__}: {error})."
-            " pg.save writes the model as torch.save(model) would; make it picklable (e.g. remove accelerate's"
-            " hooks with accelerate.hooks.remove_hook_from_submodules, or forward methods assigned to an instance)"
-            " and save again.") from error
+            " pg.save writes the model as torch.save(model) would; make it picklable (e.g. no lambdas, locks or open"
+            " files in its attributes) and save again.") from error
 
 
 def read_archive(source: str | os.PathLike[str] | IO[bytes], name: str) -> bytes | None:
