@@ -4,15 +4,13 @@ accelerate keeps offloaded weights on the ``meta`` device and loads them in its 
 ``pre_forward`` (``AlignDevicesHook`` with ``offload=True``, accelerate 1.x), putting them back on
 ``meta`` in ``post_forward``. Extraction clears every module's wrappers, so it loads the weights
 itself for its duration, through the same hook methods, and offloads them again afterwards.
-:class:`Pickler` writes such a model for ``pg.save`` (hooks kept, disk-offloaded weights included).
+:class:`~nnbridge.compat.pickling.Pickler` writes such a model for ``pg.save``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import pickle
 import sys
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +18,24 @@ import torch
 
 #: The attributes accelerate sets on a module it wraps (its hook and the wrapped forward).
 ACCELERATE_ATTRIBUTES = frozenset({"_hf_hook", "_old_forward"})
+#: Instance attributes accelerate adds to a module: the hook, the forward wrappers, and
+#: ``dispatch_model``'s warning wrappers of ``to``/``cuda``/... (accelerate 1.x's
+#: ``accelerate.hooks._accelerate_added_attributes``).
+ADDED_ATTRIBUTES = ACCELERATE_ATTRIBUTES | {"forward", "to", "cuda", "npu", "xpu", "mlu", "sdaa", "musa", "neuron"}
+
+
+def offloaded_loader_type() -> type | None:
+    """``accelerate.utils.offload.OffloadedWeightsLoader`` (the weights map of disk offload), or
+    None when accelerate's offloading was not imported."""
+    module = sys.modules.get("accelerate.utils.offload")
+    return getattr(module, "OffloadedWeightsLoader", None)
+
+
+def hook_added(module: torch.nn.Module, hook: Any) -> None:
+    """``accelerate.hooks.add_hook_to_module(module, hook)``: wraps ``forward`` anew, runs ``init_hook``."""
+    from accelerate.hooks import add_hook_to_module
+
+    add_hook_to_module(module, hook)
 
 
 def _offload_hooks(hook: Any) -> list[Any]:
@@ -74,56 +90,3 @@ def run_hooked(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         raise
     return hook.post_forward(module, output)
 
-
-# -- pickling a dispatched model (pg.save) -------------------------------------------------------
-def _new_module(cls: type[torch.nn.Module]) -> torch.nn.Module:
-    return cls.__new__(cls)
-
-
-def _hooked_state_set(module: torch.nn.Module, state: tuple[dict[str, Any], Any]) -> None:
-    """Unpickling a module :class:`Pickler` wrote: its state, then its hook added again by
-    ``accelerate.hooks.add_hook_to_module`` (which wraps ``forward`` anew and runs ``init_hook``)."""
-    from accelerate.hooks import add_hook_to_module
-
-    plain, hook = state
-    module.__setstate__(plain)
-    add_hook_to_module(module, hook)
-
-
-class Pickler(pickle.Pickler):
-    """A pickler (for ``torch.save(..., pickle_module=PICKLE_MODULE)``) that writes models
-    dispatched by accelerate, whose ``forward`` wrappers (``add_hook_to_module``'s local
-    ``new_forward``, accelerate 1.x) cannot be pickled:
-
-    - a module holding an accelerate hook is written without its wrappers (``forward``,
-      ``_old_forward``, ``_hf_hook``) and rebuilt with ``add_hook_to_module(module, hook)``;
-    - the wrappers ``dispatch_model`` puts on an offloaded model's ``to``/``cuda``/... (warning
-      that a dispatched model should not be moved; ``accelerate.hooks._accelerate_added_attributes``)
-      are left out: the unpickled model has torch's own methods;
-    - an ``accelerate.utils.OffloadedWeightsLoader`` (weights offloaded to disk: memory-mapped
-      files in the offload folder) is written as a dict of its tensors, so the file holds the
-      weights and does not depend on the offload folder (they load into memory: CPU offload).
-    """
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.nn.Module) and _WRAPPERS.intersection(obj.__dict__):
-            plain = {k: v for k, v in obj.__dict__.items() if k not in _WRAPPERS}
-            if "_hf_hook" not in obj.__dict__:
-                return _new_module, (type(obj),), plain
-            return _new_module, (type(obj),), (plain, obj.__dict__["_hf_hook"]), None, None, _hooked_state_set
-        loader = _offloaded_loader_type()
-        if loader is not None and isinstance(obj, loader):
-            return dict, ({key: obj[key] for key in obj},)
-        return NotImplemented
-
-
-def _offloaded_loader_type() -> type | None:
-    module = sys.modules.get("accelerate.utils.offload")  # imported with accelerate's dispatching
-    return getattr(module, "OffloadedWeightsLoader", None)
-
-
-#: Instance attributes accelerate adds to a module (the hook, the forward wrappers, ``dispatch_model``'s
-#: warning wrappers of ``to``/``cuda``/...: ``accelerate.hooks._accelerate_added_attributes``).
-_WRAPPERS = ACCELERATE_ATTRIBUTES | {"forward", "to", "cuda", "npu", "xpu", "mlu", "sdaa", "musa", "neuron"}
-#: ``pickle_module`` for ``torch.save`` (its ``Pickler`` is :class:`Pickler`).
-PICKLE_MODULE = types.SimpleNamespace(__name__="pickle", Pickler=Pickler)

@@ -6,7 +6,7 @@ The pickle's top object is rebuilt by :func:`_rebuild` from three arguments, in 
    no pickled code) as a ``uint8`` tensor, so ``torch.save`` writes it as a storage record;
 2. the model, pickled as ``torch.save(model)`` pickles it (its class by reference, its weights),
    except that accelerate's hooks are added again on unpickling and disk-offloaded weights are
-   written into the file (:class:`~nnbridge.compat.accelerate.Pickler`);
+   written into the file (:mod:`~nnbridge.compat.pickling`);
 3. the :class:`~nnbridge.extract.options.ExtractionOptions`.
 
 ``torch.load(f, weights_only=False)`` (a trusted file) calls :func:`_rebuild`, which builds the
@@ -40,7 +40,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from ..compat.accelerate import PICKLE_MODULE
+from ..compat.pickling import PICKLE_MODULE
 from ..errors import SaveLoadError
 from ..extract.options import ExtractionOptions
 
