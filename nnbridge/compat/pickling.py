@@ -21,7 +21,8 @@ from __future__ import annotations
 import pickle
 import types
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 
@@ -67,7 +68,8 @@ class Pickler(pickle.Pickler):
             return _new_module, (type(obj),), (plain, own["_hf_hook"]), None, None, _hooked_state_set
         loader = offloaded_loader_type()
         if loader is not None and isinstance(obj, loader):
-            return dict, ({key: obj[key] for key in obj},)
+            weights = cast(Mapping[str, torch.Tensor], obj)
+            return dict, ({key: weights[key] for key in weights},)
         return NotImplemented
 
 
