@@ -79,7 +79,7 @@ def save(pg: PatchableGraph, target: str | os.PathLike[str] | IO[bytes]) -> None
     """
     stream = io.BytesIO()
     write_archive(pg, stream)
-    torch_file.write(target, stream.getvalue(), pg._dispatcher.module, pg._dispatcher.options)
+    torch_file.write(target, type(pg), stream.getvalue(), pg._dispatcher.module, options=pg._dispatcher.options)
 
 
 def write_archive(pg: PatchableGraph, target: str | os.PathLike[str] | IO[bytes]) -> None:

@@ -7,7 +7,8 @@ The pickle's top object is rebuilt by :func:`_rebuild` from three arguments, in 
 2. the model, pickled as ``torch.save(model)`` pickles it (its class by reference, its weights),
    except that accelerate's hooks are added again on unpickling and disk-offloaded weights are
    written into the file (:mod:`~nnbridge.compat.pickling`);
-3. the :class:`~nnbridge.extract.options.ExtractionOptions`.
+3. the :class:`~nnbridge.extract.options.ExtractionOptions`;
+4. the PatchableGraph class (by reference).
 
 ``torch.load(f, weights_only=False)`` (a trusted file) calls :func:`_rebuild`, which builds the
 PatchableGraph with ``PatchableGraph.load`` from the archive and the unpickled model (no
@@ -22,7 +23,7 @@ refuses with torch's own message at the first global, and ``PatchableGraph.load`
 
 Example::
 
-    write(path, archive_bytes, model, options)
+    write(path, PatchableGraph, archive_bytes, model, options=options)
     archive = read_archive(path)        # bytes, or None for a torch file not written by pg.save
 """
 
@@ -67,11 +68,12 @@ _READING: contextvars.ContextVar[bool] = contextvars.ContextVar("nnbridge_readin
 class _Saved:
     """What ``pg.save`` pickles (see module docstring)."""
 
-    def __init__(self, archive: bytes, model: torch.nn.Module, options: ExtractionOptions):
-        self.archive, self.model, self.options = archive, model, options
+    def __init__(self, cls: type[PatchableGraph], archive: bytes, model: torch.nn.Module,
+                 options: ExtractionOptions):
+        self.cls, self.archive, self.model, self.options = cls, archive, model, options
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _rebuild, (_ArchiveArgument(self.archive), self.model, self.options)
+        return _rebuild, (_ArchiveArgument(self.archive), self.model, self.options, self.cls)
 
 
 class _ArchiveArgument:
@@ -91,10 +93,11 @@ def _archive(tensor: torch.Tensor) -> bytes:
     return _bytes(tensor)
 
 
-def _rebuild(archive: bytes, model: torch.nn.Module, options: ExtractionOptions) -> PatchableGraph:
-    """Unpickling (``weights_only=False``): ``PatchableGraph.load`` of the archive over the model."""
-    from .patchable_graph import PatchableGraph
-    return PatchableGraph.load(io.BytesIO(archive), model, options)
+def _rebuild(archive: bytes, model: torch.nn.Module, options: ExtractionOptions,
+             cls: type[PatchableGraph]) -> PatchableGraph:
+    """Unpickling (``weights_only=False``): ``cls.load`` (``PatchableGraph.load``) of the archive
+    over the model."""
+    return cls.load(io.BytesIO(archive), model, options)
 
 
 def _weights_only(*args: Any) -> Any:
@@ -114,8 +117,8 @@ def register() -> None:
 register()
 
 
-def write(target: str | os.PathLike[str] | IO[bytes], archive: bytes, model: torch.nn.Module,
-          options: ExtractionOptions) -> None:
+def write(target: str | os.PathLike[str] | IO[bytes], cls: type[PatchableGraph], archive: bytes,
+          model: torch.nn.Module, *, options: ExtractionOptions) -> None:
     """``torch.save`` the file to a path (atomically: temporary file, then rename) or binary file
     (on failure, a seekable file is cut back to where it was).
 
@@ -128,7 +131,7 @@ def write(target: str | os.PathLike[str] | IO[bytes], archive: bytes, model: tor
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(handle, "wb") as stream:
-                write(stream, archive, model, options)
+                write(stream, cls, archive, model, options=options)
             os.replace(temporary, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -137,7 +140,7 @@ def write(target: str | os.PathLike[str] | IO[bytes], archive: bytes, model: tor
         return
     start = target.tell() if target.seekable() else None
     try:
-        torch.save(_Saved(archive, model, options), target, pickle_module=PICKLE_MODULE)
+        torch.save(_Saved(cls, archive, model, options), target, pickle_module=PICKLE_MODULE)
     except Exception as error:
         if start is not None:
             target.seek(start)
