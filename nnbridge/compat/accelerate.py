@@ -4,11 +4,13 @@ accelerate keeps offloaded weights on the ``meta`` device and loads them in its 
 ``pre_forward`` (``AlignDevicesHook`` with ``offload=True``, accelerate 1.x), putting them back on
 ``meta`` in ``post_forward``. Extraction clears every module's wrappers, so it loads the weights
 itself for its duration, through the same hook methods, and offloads them again afterwards.
+:class:`~nnbridge.compat.pickling.Pickler` writes such a model for ``pg.save``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +18,24 @@ import torch
 
 #: The attributes accelerate sets on a module it wraps (its hook and the wrapped forward).
 ACCELERATE_ATTRIBUTES = frozenset({"_hf_hook", "_old_forward"})
+#: Instance attributes accelerate adds to a module: the hook, the forward wrappers, and
+#: ``dispatch_model``'s warning wrappers of ``to``/``cuda``/... (accelerate 1.x's
+#: ``accelerate.hooks._accelerate_added_attributes``).
+ADDED_ATTRIBUTES = ACCELERATE_ATTRIBUTES | {"forward", "to", "cuda", "npu", "xpu", "mlu", "sdaa", "musa", "neuron"}
+
+
+def offloaded_loader_type() -> type | None:
+    """``accelerate.utils.offload.OffloadedWeightsLoader`` (the weights map of disk offload), or
+    None when accelerate's offloading was not imported."""
+    module = sys.modules.get("accelerate.utils.offload")
+    return getattr(module, "OffloadedWeightsLoader", None)
+
+
+def hook_added(module: torch.nn.Module, hook: Any) -> None:
+    """``accelerate.hooks.add_hook_to_module(module, hook)``: wraps ``forward`` anew, runs ``init_hook``."""
+    from accelerate.hooks import add_hook_to_module
+
+    add_hook_to_module(module, hook)
 
 
 def _offload_hooks(hook: Any) -> list[Any]:
@@ -69,3 +89,4 @@ def run_hooked(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         hook.post_forward(module, None)
         raise
     return hook.post_forward(module, output)
+

@@ -60,10 +60,22 @@ def versioned(module_name: str | None) -> bool:
     return bool(path) and path.startswith(_STDLIB) and "site-packages" not in path
 
 
+#: ``torch.nn.Module`` methods that move a module between devices (see :func:`is_plumbing`).
+DEVICE_METHODS = frozenset({"to", "cuda", "npu", "xpu", "mlu", "sdaa", "musa", "neuron", "cpu"})
+
+
 def is_plumbing(value: Any) -> bool:
     """A function nnbridge or nnsight set on a module instance (the bridge's forward and call
     wrapper, nnsight's wrapping): their versions are part of the key, and a model's digest must not
-    depend on whether it is bridged or traced at the moment."""
+    depend on whether it is bridged or traced at the moment. Also a wrapper of the instance's own
+    device-moving method (its class's ``to``, ``cuda``, ...; accelerate's ``dispatch_model`` wraps
+    them to warn), which no forward runs: a model unpickled without them (``pg.save``) has
+    the same digest."""
+    wrapped = getattr(value, "__wrapped__", None)
+    if isinstance(wrapped, types.MethodType) and isinstance(wrapped.__self__, torch.nn.Module) \
+            and wrapped.__name__ in DEVICE_METHODS \
+            and wrapped.__func__ is getattr(type(wrapped.__self__), wrapped.__name__, None):
+        return True
     while isinstance(value, (functools.partial, types.MethodType)):
         value = value.func if isinstance(value, functools.partial) else value.__func__
     module = getattr(value, "__module__", None) or ""

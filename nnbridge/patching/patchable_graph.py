@@ -220,9 +220,13 @@ class PatchableGraph(torch.nn.Module):
     # -- saving (see .saving) --------------------------------------------------------------------
     # -> Any: without a path, whatever nnsight's injected (untyped) ``save`` returns; else None
     def save(self, path: str | os.PathLike[str] | IO[bytes] | None = None, *args: Any) -> Any:
-        """``pg.save(path)``: write this PatchableGraph's extraction (exported programs, metadata,
-        example inputs; no weights, no pickled code) to ``path`` (a path, written atomically, or a
-        binary file). Without a path, nnsight's ``.save()`` (inside a trace) is called.
+        """``pg.save(path)``: write this PatchableGraph to ``path`` (a path, written atomically, or a
+        binary file) as one ``torch.save`` file: the model (pickled, weights included) and this
+        extraction's archive (exported programs, metadata, example inputs). ``torch.load(path,
+        weights_only=False)`` returns the PatchableGraph (trusted files only: it runs the model's
+        pickle); ``PatchableGraph.load(path, model)`` rebuilds it over ``model`` without unpickling
+        anything; ``torch.load(path)`` (weights_only) refuses, naming both. Without a path,
+        nnsight's ``.save()`` (inside a trace) is called.
 
         Raises:
             SaveLoadError: see :func:`nnbridge.patching.saving.save`.
@@ -236,17 +240,25 @@ class PatchableGraph(torch.nn.Module):
     def load(cls, path: str | os.PathLike[str] | IO[bytes], model: torch.nn.Module,
              options: ExtractionOptions | None = None) -> PatchableGraph:
         """The PatchableGraph that ``pg.save(path)`` saved, over ``model`` (the same class, config and
-        modules; its own weights are used), without running ``torch.export``.
+        modules; its own weights are used), without running ``torch.export`` or unpickling the
+        saved model. ``options``: those the PatchableGraph was made with.
 
         Raises:
-            SaveLoadError: corrupt/partial file, another format version, another model or options
-                (see :mod:`nnbridge.patching.saving`, which also gives the version policy).
+            SaveLoadError: corrupt/partial file, a torch.save file not written by ``pg.save``,
+                another format version, another model or options (see
+                :mod:`nnbridge.patching.saving`, which also gives the version policy).
         """
         return saving.load(cls, path, model, options)
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        """``torch.save(pg)``: the ``pg.save`` bundle plus the model itself (weights included)."""
-        return saving.reduce(self)
+        """Refuses: a PatchableGraph is saved with ``pg.save(f)``, not pickled.
+
+        Raises:
+            ValueError: always (``torch.save(pg)``, ``pickle.dumps(pg)``, ``copy.deepcopy(pg)``).
+        """
+        raise ValueError("A PatchableGraph cannot be pickled (torch.save(pg), pickle, copy.deepcopy): call"
+                         " pg.save(f) instead, and load it with torch.load(f, weights_only=False) for a file you"
+                         " trust, or nnbridge.PatchableGraph.load(f, model).")
 
     # -- calling --------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,20 +1,23 @@
-"""``pg.save(path)``, ``PatchableGraph.load(path, model)`` and ``torch.save(pg)`` (graphpatch's
-pickling of PatchableGraphs).
+"""``pg.save(path)`` and ``PatchableGraph.load(path, model)``.
 
-``pg.save`` writes a :mod:`.storage` bundle: every exported program the PatchableGraph's
-construction made (the root's, and those of children of opaque modules; not those of later calls
-with new call structures), nnbridge's metadata, the example inputs and the shape summaries
-``pg.graph`` shows; no weights and no pickled code. ``PatchableGraph.load`` builds the
-PatchableGraph again from the bundle and the given model: the same steps as a fresh extraction,
-except that each ``torch.export`` is replaced by the saved program and the recording run that
-describes shapes by the saved summaries, so outputs, patches, ``pg.graph`` and NodePaths are those
-of a fresh extraction, in less time (``benchmarks/bench_disk_cache.py`` measures it). The loaded
-PatchableGraph takes later extractions from the file too when it holds their program; a call
-structure the file does not hold is extracted (exported) as usual, as it would be by a fresh one.
+A PatchableGraph's *archive* (a :mod:`.storage` bundle, written by :func:`write_archive`) holds
+every exported program the PatchableGraph's construction made (the root's, and those of children
+of opaque modules; not those of later calls with new call structures), nnbridge's metadata, the
+example inputs and the shape summaries ``pg.graph`` shows; no weights and no pickled code.
+``PatchableGraph.load`` builds the PatchableGraph again from an archive and the given model: the
+same steps as a fresh extraction, except that each ``torch.export`` is replaced by the saved
+program and the recording run that describes shapes by the saved summaries, so outputs, patches,
+``pg.graph`` and NodePaths are those of a fresh extraction, in less time
+(``benchmarks/bench_disk_cache.py`` measures it). The loaded PatchableGraph takes later
+extractions from the file too when it holds their program; a call structure the file does not
+hold is extracted (exported) as usual, as it would be by a fresh one.
 
-``torch.save(pg, f)`` pickles the bundle's bytes together with the model (so the file holds the
-weights, as graphpatch's did) and the options; ``torch.load(f, weights_only=False)`` calls
-``PatchableGraph.load`` on them.
+``pg.save`` writes one ``torch.save`` file holding the model (pickled, weights included, as
+graphpatch's ``pg.save`` did) and the archive (:mod:`.torch_file`): ``torch.load(f,
+weights_only=False)`` returns the PatchableGraph (by ``PatchableGraph.load`` over the unpickled
+model); ``torch.load(f)`` (weights_only) refuses without running pickled code, naming both loads;
+``PatchableGraph.load(f, model)`` reads only the archive. It also reads a bare archive file.
+``torch.save(pg)`` / ``pickle.dumps(pg)`` raise ``ValueError`` naming ``pg.save``.
 
 Version policy: a bundle of another format version, or one made for another model class, config
 or module tree, or with other extraction options, is refused with
@@ -56,6 +59,7 @@ from ..store.programs import (
     sources_active,
 )
 from ..store.storage import Bundle, read_bundle, write_bundle
+from . import torch_file
 
 if TYPE_CHECKING:
     from .patchable_graph import PatchableGraph
@@ -66,7 +70,21 @@ _LEAF_TYPES = (torch.Tensor, int, float, bool, str, type(None))
 
 
 def save(pg: PatchableGraph, target: str | os.PathLike[str] | IO[bytes]) -> None:
-    """Write ``pg`` as a bundle (see module docstring) to a path (atomically) or binary file.
+    """Write ``pg`` to a path (atomically) or binary file as a ``torch.save`` file holding the model
+    and the archive (see :mod:`.torch_file` and the module docstring).
+
+    Raises:
+        SaveLoadError: see :func:`write_archive`; or the model cannot be pickled (nothing is left
+            at ``target``).
+    """
+    stream = io.BytesIO()
+    write_archive(pg, stream)
+    torch_file.write(target, type(pg), stream.getvalue(), pg._dispatcher.module, options=pg._dispatcher.options)
+
+
+def write_archive(pg: PatchableGraph, target: str | os.PathLike[str] | IO[bytes]) -> None:
+    """Write ``pg``'s archive (see module docstring; no weights, no pickled code) to a path
+    (atomically) or binary file: what :func:`load` reads, alone or inside a :func:`save` file.
 
     Raises:
         SaveLoadError: ``pg`` was made over a bridged model (save the bridge's model instead:
@@ -137,7 +155,9 @@ def load(cls: type[PatchableGraph], source: str | os.PathLike[str] | IO[bytes], 
             ``options`` differ from the saved ones in what decides the export.
         FileNotFoundError: no file at ``source``.
     """
-    bundle = read_bundle(source)
+    name = str(source) if isinstance(source, (str, os.PathLike)) else getattr(source, "name", "<file object>")
+    archive = torch_file.read_archive(source, name)
+    bundle = read_bundle(source if archive is None else io.BytesIO(archive), name=name)
     header = bundle.header
     if header.get("kind") != KIND:
         raise SaveLoadError(f"{bundle.source} is a {header.get('kind')!r} file, not one written by pg.save().")
@@ -179,16 +199,9 @@ def load(cls: type[PatchableGraph], source: str | os.PathLike[str] | IO[bytes], 
 
 def _restore(cls: type[PatchableGraph], data: bytes, model: torch.nn.Module,
              options: ExtractionOptions) -> PatchableGraph:
-    """Unpickling ``torch.save(pg)``: :func:`load` from the pickled bundle bytes (``cls``, pickled
-    by reference, is the PatchableGraph class)."""
+    """Unpickling, with ``weights_only=False``, a file whose pickle calls this function (a
+    PatchableGraph pickled with its archive as bytes): :func:`load` from the archive."""
     return load(cls, io.BytesIO(data), model, options)
-
-
-def reduce(pg: PatchableGraph) -> tuple[Any, ...]:
-    """``pg.__reduce_ex__``: the bundle's bytes, the model (with its weights) and the options."""
-    stream = io.BytesIO()
-    save(pg, stream)
-    return _restore, (type(pg), stream.getvalue(), pg._dispatcher.module, pg._dispatcher.options)
 
 
 # -- example summaries (what pg.graph shows), saved so a load skips the recording run ------------

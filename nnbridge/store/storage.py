@@ -224,15 +224,17 @@ def _own_tensor(source: str, module: torch.nn.Module, name: str, *, meta: torch.
     return value
 
 
-def read_bundle(source: str | os.PathLike[str] | IO[bytes]) -> Bundle:
-    """Read a bundle written by :func:`write_bundle` (checksums verified).
+def read_bundle(source: str | os.PathLike[str] | IO[bytes], *, name: str | None = None) -> Bundle:
+    """Read a bundle written by :func:`write_bundle` (checksums verified); ``name`` is the file
+    messages name (default: the path, or the file object's ``name``).
 
     Raises:
         SaveLoadError: the file is missing, not a bundle, corrupt or partial (names the file),
             or of another format version.
         FileNotFoundError: ``source`` is a path that does not exist.
     """
-    name = str(source) if isinstance(source, (str, os.PathLike)) else getattr(source, "name", "<file object>")
+    if name is None:
+        name = str(source) if isinstance(source, (str, os.PathLike)) else getattr(source, "name", "<file object>")
     try:
         with zipfile.ZipFile(source) as archive:
             header = json.loads(archive.read(HEADER_NAME))

@@ -45,6 +45,26 @@ def test_nnsight_wrapping_leaves_the_digest_alone():
     assert code_digest(module) == digest
 
 
+def test_a_wrapper_of_a_modules_own_device_method_leaves_the_digest_alone():
+    """accelerate's dispatch_model wraps ``model.to``/``.cuda`` to warn; no forward runs them, and a
+    model unpickled without them (pg.save) keeps its digest. Another wrapped function set on an instance counts."""
+    import functools
+
+    model = gpt2()
+    digest = code_digest(model)
+
+    def warning_wrapper(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+    model.to = warning_wrapper(model.to)
+    model.cuda = warning_wrapper(model.cuda)
+    assert code_digest(model) == digest
+    model.transformer.h[0].mlp.scale = warning_wrapper(lambda t: t * 2)  # not a device method: counts
+    assert code_digest(model) != digest
+
+
 @pytest.mark.parametrize("replace", [
     "class_method", "module_helper", "attention_registry", "cache_method", "instance_forward",
 ])
