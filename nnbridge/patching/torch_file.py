@@ -42,7 +42,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 
 from ..compat.pickling import PICKLE_MODULE
-from ..errors import SaveLoadError
+from ..errors import SaveLoadError, warn
 from ..extract.options import ExtractionOptions
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ _READING: contextvars.ContextVar[bool] = contextvars.ContextVar("nnbridge_readin
 class _Saved:
     """What ``pg.save`` pickles (see module docstring)."""
 
-    def __init__(self, cls: type[PatchableGraph], archive: bytes, model: torch.nn.Module,
+    def __init__(self, cls: type[PatchableGraph], archive: bytes, model: torch.nn.Module | None,
                  options: ExtractionOptions):
         self.cls, self.archive, self.model, self.options = cls, archive, model, options
 
@@ -93,10 +93,16 @@ def _archive(tensor: torch.Tensor) -> bytes:
     return _bytes(tensor)
 
 
-def _rebuild(archive: bytes, model: torch.nn.Module, options: ExtractionOptions,
+def _rebuild(archive: bytes, model: torch.nn.Module | None, options: ExtractionOptions,
              cls: type[PatchableGraph]) -> PatchableGraph:
     """Unpickling (``weights_only=False``): ``cls.load`` (``PatchableGraph.load``) of the archive
-    over the model."""
+    over the model.
+
+    Raises:
+        SaveLoadError: the file holds no model (it could not be pickled when saved)."""
+    if model is None:
+        raise SaveLoadError("this pg.save file holds no model (the model could not be pickled when it was saved):"
+                            " nnbridge.PatchableGraph.load(f, model) loads it over a model you make.")
     return cls.load(io.BytesIO(archive), model, options)
 
 
@@ -122,8 +128,13 @@ def write(target: str | os.PathLike[str] | IO[bytes], cls: type[PatchableGraph],
     """``torch.save`` the file to a path (atomically: temporary file, then rename) or binary file
     (on failure, a seekable file is cut back to where it was).
 
+    A model that cannot be pickled is left out (the file then holds the archive alone, which
+    ``PatchableGraph.load(f, model)`` reads and ``torch.load`` refuses), with an
+    :class:`~nnbridge.errors.NNBridgeWarning` naming the cause.
+
     Raises:
-        SaveLoadError: the model cannot be pickled (names the cause); nothing is left at ``target``.
+        OSError: writing failed; nothing is left at a path ``target``, a seekable file is cut back.
+        SaveLoadError: the model cannot be pickled and ``target`` is a file that cannot be cut back.
     """
     if isinstance(target, (str, os.PathLike)):
         path = Path(target)
@@ -147,10 +158,15 @@ def write(target: str | os.PathLike[str] | IO[bytes], cls: type[PatchableGraph],
             target.truncate()
         if isinstance(error, OSError):
             raise
-        raise SaveLoadError(
-            f"pg.save(): torch.save cannot pickle the model {type(model).__name__} ({type(error).__name__}: {error})."
-            " pg.save writes the model as torch.save(model) would; make it picklable (e.g. no lambdas, locks or open"
-            " files in its attributes) and save again.") from error
+        if start is None:
+            raise SaveLoadError(f"pg.save(): torch.save cannot pickle the model {type(model).__name__}"
+                                f" ({type(error).__name__}: {error}) and the file cannot be cut back to write the"
+                                " archive alone; save to a path or a seekable file.") from error
+        warn(f"pg.save(): torch.save cannot pickle the model {type(model).__name__} ({type(error).__name__}:"
+             f" {str(error)[:200]}), so the file holds nnbridge's archive without it:"
+             " nnbridge.PatchableGraph.load(f, model) loads it over a model you make, torch.load(f) cannot."
+             " To save the model too, make it picklable (no lambdas, locks or open files in its attributes).")
+        torch.save(_Saved(cls, archive, None, options), target, pickle_module=PICKLE_MODULE)
 
 
 def read_archive(source: str | os.PathLike[str] | IO[bytes], name: str) -> bytes | None:

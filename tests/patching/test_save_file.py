@@ -13,7 +13,7 @@ import pytest
 import torch
 from utils import gpt2
 
-from nnbridge import PatchableGraph, ZeroPatch
+from nnbridge import NNBridgeWarning, PatchableGraph, ZeroPatch
 from nnbridge.errors import SaveLoadError
 from nnbridge.patching import saving
 
@@ -133,15 +133,36 @@ class Unpicklable(torch.nn.Module):
         return self.scale(self.linear(x))
 
 
-def test_an_unpicklable_model_is_refused_leaving_nothing(tmp_path):
+def test_an_unpicklable_model_is_left_out_with_a_warning_and_loads_over_a_model(tmp_path):
     model, x = Unpicklable().eval(), torch.randn(2, 3)
     pg = PatchableGraph(model, x)
-    with pytest.raises(SaveLoadError, match=r"cannot pickle the model Unpicklable \(.*lambda"):
+    with pytest.warns(NNBridgeWarning, match=r"cannot pickle the model Unpicklable \(.*lambda.*PatchableGraph.load"):
+        pg.save(tmp_path / "pg.pt")
+    assert [p.name for p in tmp_path.iterdir()] == ["pg.pt"]
+    with pytest.raises(SaveLoadError, match=r"holds no model .*PatchableGraph.load\(f, model\)"):
+        torch.load(tmp_path / "pg.pt", weights_only=False)
+    with pytest.raises(SaveLoadError, match="weights_only=False"):
+        torch.load(tmp_path / "pg.pt")
+    loaded = PatchableGraph.load(tmp_path / "pg.pt", model)
+    assert torch.equal(loaded(x), model(x))
+    with loaded.patch({"linear.output": ZeroPatch()}):
+        assert torch.equal(loaded(x), torch.zeros(2, 3))
+
+
+def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    model, x = _recorded()
+    pg = PatchableGraph(model, x)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match="No space left"):
         pg.save(tmp_path / "pg.pt")
     assert list(tmp_path.iterdir()) == []
     stream = io.BytesIO(b"kept")
     stream.seek(4)
-    with pytest.raises(SaveLoadError, match="cannot pickle"):
+    with pytest.raises(OSError, match="No space left"):
         pg.save(stream)
     assert stream.getvalue() == b"kept"
 
@@ -183,3 +204,25 @@ def test_transformers_output_capturing_hooks_are_installed_again_after_loading()
     assert torch.equal(out.logits, expected.logits)
     assert len(out.attentions) == len(expected.attentions) > 0
     assert all(torch.equal(a, b) for a, b in zip(out.attentions, expected.attentions, strict=True))
+
+
+class _Unseekable(io.RawIOBase):
+    def __init__(self):
+        self.written = bytearray()
+
+    def writable(self):
+        return True
+
+    def seekable(self):
+        return False
+
+    def write(self, data):
+        self.written += data
+        return len(data)
+
+
+def test_an_unpicklable_model_saved_to_an_unseekable_file_is_refused():
+    model, x = Unpicklable().eval(), torch.randn(2, 3)
+    pg = PatchableGraph(model, x)
+    with pytest.raises(SaveLoadError, match=r"cannot pickle the model Unpicklable .*save to a path or a seekable file"):
+        pg.save(_Unseekable())
