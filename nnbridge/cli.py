@@ -291,12 +291,11 @@ def doctor_report() -> str:
                   " or traces):", _indent(registry.describe())]
     value = os.environ.get(ENVIRONMENT_VARIABLE, "")
     root = Path(value).expanduser() if value else Path.home() / ".cache" / "nnbridge"
-    lines += ["", f"cache directory: {root} ({f'${ENVIRONMENT_VARIABLE}' if value else f'${ENVIRONMENT_VARIABLE} unset: the default, holding dequantized models only'}),"
+    lines += ["", f"cache directory: {root} ({f'${ENVIRONMENT_VARIABLE}' if value else f'${ENVIRONMENT_VARIABLE} unset: the default'}),"
                   f" {_directory_size(root) / 1e6:.1f} MB"]
     extractions = cache_directory()
     if extractions is None:
-        why = f"{SWITCH_VARIABLE}=0" if value else f"${ENVIRONMENT_VARIABLE} unset"
-        lines.append(f"extraction cache: off ({why})")
+        lines.append(f"extraction cache: off (${SWITCH_VARIABLE}={os.environ.get(SWITCH_VARIABLE)})")
     else:
         entries = len(list(extractions.glob("*.nnbridge"))) if extractions.is_dir() else 0
         lines.append(f"extraction cache: {extractions}, {entries} entries, {_directory_size(extractions) / 1e6:.1f} MB")

@@ -71,3 +71,17 @@ def test_doctor_prints_versions_patches_and_cache(tmp_path, capsys, monkeypatch)
     verified = ", ".join(sorted(registry.BY_NAME["duck_sizing"].verified, key=registry.version_key))
     assert "duck_sizing" in out and f"skipped: torch 2.99 (assumed) is not among the verified {verified}" in out
     assert "tensor_data                   correctness  ready" in out
+
+
+def test_doctor_says_where_the_cache_is_and_whether_it_is_off(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("NNBRIDGE_CACHE", raising=False)
+    monkeypatch.delenv("NNBRIDGE_EXTRACTION_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    root = tmp_path / ".cache" / "nnbridge"
+    assert f"cache directory: {root} ($NNBRIDGE_CACHE unset: the default), 0.0 MB" in out
+    assert f"extraction cache: {root / 'extractions'}, 0 entries, 0.0 MB" in out
+    monkeypatch.setenv("NNBRIDGE_EXTRACTION_CACHE", "memory")
+    assert main(["doctor"]) == 0
+    assert "extraction cache: off ($NNBRIDGE_EXTRACTION_CACHE=memory)" in capsys.readouterr().out
