@@ -47,6 +47,7 @@ from .extraction import Extraction
 from .fallback_report import fallback_report
 from ..graph.module_tree import real_modules
 from ..graph.failures import add_note
+from ..graph.graph_module import CompiledGraphModule
 from ..graph.codegen import code_generation_deferred
 from ..guards.module_state import StateGuard
 from ..graph.locking import CALL_LOCK
@@ -241,6 +242,8 @@ class GraphDispatcher(torch.nn.Module):
             extraction.reason = reason
             extraction.state = StateGuard(self.module, opaque=self._opaque_ids(extraction), skip=_nnbridge_child,
                                           path=self.path)
+            if isinstance(extraction.root, CompiledGraphModule):
+                extraction.root.set_entry_check(_EntryCheck(extraction, key, self.structure_key, self.module, self.path))
             self.extractions.setdefault(key, []).append(extraction)
             self._recency[id(extraction)] = (key, extraction)
             self.history.append(extraction)
@@ -353,6 +356,8 @@ class GraphDispatcher(torch.nn.Module):
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         root = self.lookup(args, kwargs).root
         try:
+            if isinstance(root, CompiledGraphModule):
+                return root.run_unchecked(*args, **kwargs)
             return root(*args, **kwargs)
         except BaseException as error:
             add_note(error)
@@ -410,6 +415,36 @@ class GraphDispatcher(torch.nn.Module):
              " again each time; keep it fixed, or see nnbridge.explain(model) for every re-extraction.")
 
 
+class _EntryCheck:
+    """A root graph's check of a call made to it directly (``extraction.root(x)``, not through a
+    dispatcher): the call must have the extraction's call structure and pass its size guard (and
+    its module-state guard, once the dispatcher gave it one), else
+    :class:`~nnbridge.errors.NNBridgeError` names the guard that fails."""
+
+    def __init__(self, extraction: Extraction, key: Hashable, key_of: Callable[[tuple[Any, ...], dict[str, Any]], Hashable],
+                 module: torch.nn.Module, path: str):
+        self.guard, self.state, self.key, self.key_of = extraction.guard, extraction.state, key, key_of
+        self.where = f"'{path or type(module).__name__}' ({type(module).__name__})"
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        key = self.key_of(args, kwargs)
+        tensors = tensor_leaves(args, kwargs)
+        if key != self.key:
+            reason = describe_key_change(self.key, key)
+        elif not self.guard.matches(tensors, (args, kwargs)):
+            reason = self.guard.failed(tensors, (args, kwargs))
+        elif self.state is not None and not self.state.holds():
+            reason = self.state.what_changed() or "module state changed"
+        else:
+            return
+        raise NNBridgeError(
+            f"This graph of module {self.where} was extracted for another call ({reason}); run on this call"
+            " it could return wrong values. Call the model through its PatchableGraph (pg(...)) or bridged"
+            " module, which extracts a graph for each call structure and applies the same patches"
+            " (graphpatch's extract() graphs ran on any sizes: see 'Extracted graphs run only the calls they"
+            " were extracted for' in docs/graphpatch.md).")
+
+
 def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             *, options: ExtractionOptions | None = None, path: ModulePath = ROOT_PATH,
             on_extraction: list[Callable[[GraphDispatcher, Extraction], None]] | None = None,
@@ -426,9 +461,16 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """
     options = options or ExtractionOptions()
     callbacks = on_extraction if on_extraction is not None else []
-    return _extraction.extract(module, args, kwargs, options=options,
-                               child_dispatcher=_child_dispatchers(options, callbacks, children), path=path,
-                               on_extraction=callbacks, watch=watch)
+    extraction = _extraction.extract(module, args, kwargs, options=options,
+                                     child_dispatcher=_child_dispatchers(options, callbacks, children), path=path,
+                                     on_extraction=callbacks, watch=watch)
+    if isinstance(extraction.root, CompiledGraphModule):
+        modules = real_modules(module)
+
+        def key_of(a: tuple[Any, ...], k: dict[str, Any]) -> Hashable:
+            return structure_key(modules, a, k)
+        extraction.root.set_entry_check(_EntryCheck(extraction, key_of(args, kwargs), key_of, module, path))
+    return extraction
 
 
 def _child_dispatchers(options: ExtractionOptions, callbacks: list[Callable[[GraphDispatcher, Extraction], None]],

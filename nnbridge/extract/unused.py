@@ -60,7 +60,9 @@ def unused_module(ctx: ExtractionContext, fqn: ModulePath, module: torch.nn.Modu
         ctx.fail(fqn, "it was never called by the example inputs", NeverCalledError(
             f"'{ctx.full(fqn)}' was never called when running the example inputs"), fix=UNUSED_FIX)
     elif ctx.options.warn_on_compilation_failure:  # as graphpatch: told, though allowed
-        warn(f"Module '{ctx.full(fqn)}' was never called by the example inputs; it is kept as an opaque module")
+        # graphpatch's sentence first (its users' scripts match on it)
+        warn(f"Unable to compile {ctx.full(fqn)}; it was never called by the example inputs, so it is kept as an"
+             " opaque module")
     children = {name: unused_module(ctx, ModulePath(f"{fqn}.{name}"), child, top=False)
                 for name, child in user_children(module)}
     return OpaqueGraphModule(module, UNUSED_REASON, children, callees={})

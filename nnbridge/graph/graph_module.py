@@ -241,9 +241,28 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         with generated_code_released():
             code = super().recompile()
         keep_tracebacks(self)
+        setattr(type(self), "__call__", CompiledGraphModule._checked_call)  # mypy forbids assigning to a method
         if "_forward_cache" in self.__dict__:
             self._reset_routing()
         return code
+
+    def set_entry_check(self, check: Callable[[tuple[Any, ...], dict[str, Any]], None] | None) -> None:
+        """Check every call made to this graph from outside (not through :meth:`run_unchecked`):
+        ``check(args, kwargs)`` raises for a call the graph was not extracted for. Set by the
+        dispatcher on the root of each extraction: its graph is specialised to the extracted call
+        structure, and run on other sizes it may return wrong values without any error."""
+        self.__dict__["_entry_check"] = check
+
+    def run_unchecked(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the graph (as ``nn.Module.__call__``: hooks, then ``forward``) without its entry
+        check: for a caller that checked the call's guards itself."""
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+
+    def _checked_call(self, *args: Any, **kwargs: Any) -> Any:
+        check = self.__dict__.get("_entry_check")
+        if check is not None and not torch.compiler.is_compiling():
+            check(args, kwargs)
+        return torch.nn.Module.__call__(self, *args, **kwargs)
 
     def _defer_code(self) -> None:
         codegen.defer(self)

@@ -241,7 +241,10 @@ class SharedModuleEntry(ExtractionError):
     #: what the error (with ``error_on_compilation_failure``) tells the user to do
     FIX = ("Give each container entry its own module object (to share weights, call one module twice"
            " from forward instead), or set error_on_compilation_failure=False to run this module opaque"
-           " (its children are still extracted).")
+           " (its children are still extracted). graphpatch gave each path such an object is called"
+           " through a graph of its own; export cannot tell those calls apart (migration: the"
+           " graphpatch guide, docs/graphpatch.md, 'A ModuleList/ModuleDict holding one module object"
+           " twice').")
 
 
 def shared_container_entries(module: torch.nn.Module) -> dict[str, str]:

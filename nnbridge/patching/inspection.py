@@ -23,6 +23,7 @@ from ..graph.aliases import aliases_by_node, aliases_of, stack_frames
 from ..graph.node_path import NodePathStr
 from ..graph.summaries import describe, summary_children
 from ..graph.graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
+from .varargs_paths import variadic_elements
 
 
 _T = TypeVar("_T")
@@ -206,7 +207,25 @@ class NodeView:
             if name == item:
                 return view
         target = aliases_of(self._graph_module).get(item) if isinstance(self._graph_module, CompiledGraphModule) else None
-        return next((view for name, view in children if name == target), None)
+        found = next((view for name, view in children if name == target), None)
+        if found is None and self._graph_module is not None:
+            found = self._variadic(item)
+        return found
+
+    def _variadic(self, item: str) -> NodeView | None:
+        """graphpatch's ``pg.graph.foos`` for a compiled graph's ``*foos`` (``**bars``): a view
+        whose ``sub_0`` (``a``) is the element's placeholder, spelled ``foos|sub_0`` as graphpatch
+        (see :mod:`.varargs_paths`); None when ``item`` is no variadic parameter."""
+        graph = self._graph_module
+        assert graph is not None
+        elements = variadic_elements(graph, item)
+        if not elements:
+            return None
+        examples = [graph.example(name) for _, name in elements]
+        summary: Any = (tuple(examples) if elements[0][0] == "sub_0" and all(k.startswith("sub_") for k, _ in elements)
+                        else {k: e for (k, _), e in zip(elements, examples)})
+        prefix = f"{self._path}." if self._path else ""
+        return NodeView(NodePathStr(prefix + item), graph, item, graph=None, summary=summary, model=self._model)
 
     def __getattr__(self, item: str) -> NodeView:
         found = self._child(item)
@@ -296,12 +315,20 @@ class NodeView:
     @property
     def _shape(self) -> torch.Size | ShapeView | None:
         """The ``torch.Size`` observed on the example inputs; for a container value a
-        :class:`ShapeView` of its entries' shapes (as graphpatch); None for other values and graphs."""
+        :class:`ShapeView` of its entries' shapes, and for a graph one of its nodes' and child
+        graphs' shapes (``pg.graph._shape.linear.output``, as graphpatch); None for other values."""
         if isinstance(self._summary, torch.Size):
             return self._summary
         if self._graph_module is None and summary_children(self._summary):
             return ShapeView(self._path, self._summary)
+        if self._graph_module is not None:  # graphpatch's shape tree of a graph: pg.graph._shape.add
+            return ShapeView(self._path or "<root>", self._shape_tree())
         return None
+
+    def _shape_tree(self) -> dict[str, Any]:
+        """``{child: its summary}`` of a graph, a child graph as its own such dict."""
+        return {name: view._shape_tree() if view._graph_module is not None else view._summary
+                for name, view in self._child_views()}
 
     @property
     def _code(self) -> str:

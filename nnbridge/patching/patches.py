@@ -112,7 +112,16 @@ class AddPatch(Patch[torch.Tensor]):
 # Python scalar, a tuple or any object the graph passes along.
 @dataclass(kw_only=True)
 class ReplacePatch(Patch[Any]):
-    """Replace the value, or ``value[slice]``, by ``value`` (as graphpatch's ReplacePatch)."""
+    """Replace the value, or ``value[slice]``, by ``value`` (as graphpatch's ReplacePatch).
+
+    A tensor node is replaced as graphpatch's ``original[slice] = value``: ``value`` is broadcast to
+    the node's shape and converted to its dtype and device (``torch.zeros(1, vocab)`` replaces the
+    logits of every position), in a copy of the node's tensor (gradients through it are zero). A
+    non-tensor node is replaced by ``value`` itself.
+
+    Raises:
+        RuntimeError: (torch's) ``value`` does not broadcast to the node's shape or slice.
+    """
 
     requires_clone: bool = field(default=False, init=False)
 
@@ -121,7 +130,9 @@ class ReplacePatch(Patch[Any]):
 
     def op(self, original: Any) -> Any:
         if self.slice is None:
-            return self.value
+            if not isinstance(original, torch.Tensor):
+                return self.value
+            return original.clone().copy_(torch.as_tensor(self.value, device=original.device))
         return _patched(original, self.slice, lambda part: torch.as_tensor(self.value).to(part).expand_as(part))
 
 

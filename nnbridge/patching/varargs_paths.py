@@ -13,8 +13,9 @@ Example::
     with pg.patch({"foos|sub_1": ZeroPatch(), "bars|a": ZeroPatch()}):   # same as "foos_1", "a"
         pg(x, t0, t1, t2, a=ta, b=tb)
 
-Not supported in a compiled graph: the whole ``foos`` / ``bars`` container as one node (graphpatch's
-``foos`` node): patch its elements.
+``pg.graph.foos.sub_1`` and ``pg.graph.bars.a`` (graphpatch's attribute spelling) are views of the
+same elements (see :func:`variadic_elements`). Not supported in a compiled graph: the whole
+``foos`` / ``bars`` container as one node (graphpatch's ``foos`` node): patch its elements.
 """
 
 from __future__ import annotations
@@ -64,3 +65,34 @@ def canonical(root: GraphModuleBase, node_path: NodePath) -> NodePath:
     if hierarchy.child(owner, target) is None:
         return node_path
     return NodePath((*node_path.nodes[:-1], target), node_path.dig[1:])
+
+
+def variadic_elements(owner: GraphModuleBase, name: str) -> list[tuple[str, str]] | None:
+    """``[(graphpatch's dig key, element placeholder)]`` for the variadic parameter ``name`` of a
+    compiled graph's ``forward`` (``[("sub_0", "foos_0"), ("sub_1", "foos_1")]`` for ``*foos``,
+    ``[("a", "a")]`` for ``**bars`` called with ``a=``), or None when ``name`` is no such parameter
+    or the graph is opaque (an opaque module has the ``foos`` node itself)."""
+    if not isinstance(owner, CompiledGraphModule):
+        return None
+    try:
+        parameter = inspect.signature(owner.original_type.forward).parameters.get(name)
+    except (TypeError, ValueError):
+        return None
+    if parameter is None or parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        return None
+    parameters = inspect.signature(owner.original_type.forward).parameters.values()
+    placeholders = [str(node.target) for node in owner.graph.nodes if node.op == "placeholder"]
+
+    def positional(var: str) -> list[str]:
+        found: list[str] = []
+        while f"{var}_{len(found)}" in placeholders:
+            found.append(f"{var}_{len(found)}")
+        return found
+
+    if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+        return [(f"sub_{i}", target) for i, target in enumerate(positional(name))]
+    taken = {p.name for p in parameters}
+    for p in parameters:
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            taken.update(positional(p.name))
+    return [(target, target) for target in placeholders if target not in taken]

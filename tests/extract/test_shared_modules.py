@@ -107,6 +107,7 @@ def test_error_option_names_the_module_the_cause_and_the_fix(cached, tmp_path, m
     message = str(raised.value)
     assert "'stack'" in message and "'stack.layers.0' and 'stack.layers.2' are one module object" in message
     assert "Give each container entry its own module object" in message
+    assert "docs/graphpatch.md, 'A ModuleList/ModuleDict holding one module object twice'" in message
     assert torch.equal(model(x), _made(Outer)(x)), "nothing left half-extracted"
     assert list(dict(model.stack.layers.named_children())) == ["0", "1"] and len(model.stack.layers) == 3
 

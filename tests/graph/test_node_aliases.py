@@ -193,7 +193,7 @@ def test_in_getitem_and_attribute_access(gpt2_pg):
     assert pg.graph.transformer.h_0.attn.attn_weights_2._path == softmax._path
     assert pg.graph.transformer.h_0["attn.attn_weights_2"]._path == softmax._path
     assert pg.graph.transformer.h_0.attn.get("attn_weights_2")._path == softmax._path
-    assert pg.graph.transformer.h_0.attn._shape is None and softmax._shape == torch.Size([1, 4, 8, 8])
+    assert pg.graph.transformer.h_0.attn._shape.softmax == softmax._shape == torch.Size([1, 4, 8, 8])
     assert "attn_weights_2" in dir(pg.graph.transformer.h_0.attn)
     assert f"{ATTN}.attn_weights_99" not in pg.graph
     # aliases are second names, not extra nodes

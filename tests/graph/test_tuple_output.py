@@ -72,7 +72,10 @@ def test_shapes():
     _, pg = make()
     assert pg.graph.linear_0.input._shape == torch.Size([3, 2])
     assert pg.graph.output.sub_1._shape == torch.Size([3, 3])
-    assert pg.graph.linear_0._shape is None
+    # a graph's _shape is its shape tree (graphpatch's pg.graph._shape.linear_0.input)
+    assert pg.graph.linear_0._shape.input == pg.graph._shape.linear_0.input == torch.Size([3, 2])
+    assert pg.graph._shape.output.sub_1 == torch.Size([3, 3])
+    assert "linear_0" in dir(pg.graph._shape)
     assert {"input", "weight", "bias", "linear", "output", "_code", "_shape"} <= set(dir(pg.graph.linear_0))
 
 

@@ -232,7 +232,30 @@ def test_bad_patch_values_name_the_node_path(value, problem):
     model = _model()
     x = torch.randn(3, 4)
     pg = PatchableGraph(model, x)
-    with pg.patch({"fc.output": ReplacePatch(value=value)}):
+    with pg.patch({"fc.output": CustomPatch(custom_op=lambda _original: value)}):
         with pytest.raises(PatchError, match=rf"'fc.output'.*{problem}"):
+            pg(x)
+    assert torch.equal(pg(x), _model()(x)), "nothing stays patched after the error"
+
+
+@pytest.mark.parametrize("value", [torch.zeros(1, 4, dtype=torch.float64), 1.5, torch.arange(4)])
+def test_replace_patch_broadcasts_as_graphpatch(value):
+    """graphpatch's ReplacePatch is ``original[None] = value``: broadcast to the node's shape, in its dtype."""
+    model = _model()
+    x = torch.randn(3, 4)
+    pg = PatchableGraph(model, x)
+    with pg.patch({"fc.output": [ReplacePatch(value=value), probe := RecordPatch()]}):
+        pg(x)
+    expected = _model().fc(x).detach().clone()
+    expected[None] = torch.as_tensor(value)
+    assert torch.equal(probe.activations[0], expected) and probe.activations[0].dtype == expected.dtype
+
+
+def test_replace_patch_value_that_does_not_broadcast_raises():
+    model = _model()
+    x = torch.randn(3, 4)
+    pg = PatchableGraph(model, x)
+    with pg.patch({"fc.output": ReplacePatch(value=torch.zeros(2, 4))}):
+        with pytest.raises(RuntimeError, match="size"):
             pg(x)
     assert torch.equal(pg(x), _model()(x)), "nothing stays patched after the error"

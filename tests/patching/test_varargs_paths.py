@@ -82,6 +82,26 @@ def test_nested_variadic_child(skip_compilation):
     assert torch.equal(patched, model.inner(x, torch.zeros(3, 3), x * 2, gain=torch.zeros(3, 3)))
 
 
+@MODES
+def test_graphpatch_attribute_spelling_views_the_elements(skip_compilation):
+    """``pg.graph.foos.sub_1`` / ``pg.graph.bars.a`` (graphpatch's attribute spelling) name the same
+    elements as ``foos|sub_1`` / ``bars|a``, with their shapes."""
+    torch.manual_seed(0)
+    model = Varargs()
+    x, f0, f1, f2, a, b = _inputs()
+    pg = PatchableGraph(model, ExtractionOptions(skip_compilation=skip_compilation), x, f0, f1, f2, a=a, b=b)
+    assert pg.graph.foos.sub_1._shape == torch.Size([3, 3]) and pg.graph.bars.a._shape == torch.Size([3, 3])
+    assert len(pg.graph.foos._shape) == 3 and sorted(pg.graph.bars._shape.unwrap()) == ["a", "b"]
+    with pg.patch({pg.graph.foos.sub_1: ZeroPatch(), pg.graph.bars.a: AddPatch(value=torch.ones(3, 3))}):
+        patched = pg(x, f0, f1, f2, a=a, b=b)
+    assert torch.equal(patched, model(x, f0, torch.zeros(3, 3), f2, a=a + 1, b=b))
+    with pytest.raises(AttributeError, match="sub_3"):
+        pg.graph.foos.sub_3
+    if not skip_compilation:
+        with pytest.raises(AttributeError, match="blah"):
+            pg.graph.blah  # a keyword argument left at its default is no node of a compiled graph
+
+
 @pytest.mark.parametrize("path", ["foos|sub_3", "bars|c", "foos|a", "bars|sub_0", "nope|sub_0"])
 def test_bad_variadic_paths_are_reported_and_nothing_is_patched(path):
     torch.manual_seed(0)
