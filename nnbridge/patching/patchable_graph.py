@@ -307,9 +307,12 @@ class PatchableGraph(torch.nn.Module):
     def generation_config(self, value: GenerationConfig | None) -> None:
         self.__dict__["_generation_config"] = value
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def generate(self) -> Callable[..., Any]:
         """transformers' ``generate`` with every forward run through this PatchableGraph's graphs,
         so open ``pg.patch`` contexts apply at every step (graphpatch's ``PatchableGraph.generate``).
+        Present only when the module generates: ``hasattr(pg, "generate")`` is False otherwise, as
+        on graphpatch's PatchableGraph.
 
         Unlike graphpatch (which turned the cache off), the KV cache is kept (``use_cache`` as the
         module's generation config says): the cache object flows through the graphs. Each new step
@@ -318,13 +321,27 @@ class PatchableGraph(torch.nn.Module):
         defaults to :attr:`generation_config`.
 
         Raises:
-            NNBridgeError: the module has no ``generate`` (not a transformers generation model).
+            AttributeError: the module has no ``generate`` (not a transformers generation model);
+                the message says to call the PatchableGraph in a loop instead.
         """
+        if not callable(getattr(self._dispatcher.module, "generate", None)):
+            raise AttributeError(self._no_generate())
+        return self._generate
+
+    def _no_generate(self) -> str:
+        return (f"PatchableGraph.generate: {type(self._dispatcher.module).__name__} has no generate() (not a"
+                " transformers model with GenerationMixin); call the PatchableGraph in a loop instead.")
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "generate":  # the property raised: keep its message, not torch's generic one
+                raise AttributeError(self._no_generate()) from None
+            raise
+
+    def _generate(self, *args: Any, **kwargs: Any) -> Any:
         module = self._dispatcher.module
-        if not callable(getattr(module, "generate", None)):
-            raise NNBridgeError(
-                f"PatchableGraph.generate: {type(module).__name__} has no generate() (not a transformers model with"
-                " GenerationMixin); call the PatchableGraph in a loop instead.")
         plain = self._modules_of_plain
         if plain is not None:
             self._refuse_skipped_calls(plain)
@@ -337,7 +354,7 @@ class PatchableGraph(torch.nn.Module):
             return cast(_Generating, self._callee).generate(*args, **kwargs)
         dispatcher = self._dispatcher
         with body_swapped(module, lambda _module, *a, **k: dispatcher(*a, **k)):
-            return cast(_Generating, module).generate(*args, **kwargs)  # checked callable above
+            return cast(_Generating, module).generate(*args, **kwargs)  # checked callable in generate
 
     # -- inspection -----------------------------------------------------------------------------
     @property
