@@ -89,7 +89,28 @@ if TYPE_CHECKING:  # the names as the type checker sees them; at run time __geta
     from .envoys import NNsight as NNsight
     from .envoys import TransformersModel as TransformersModel
 
-_registry.check_versions()  # a correctness patch not verified on the installed versions refuses here
+
+def _doctor_process() -> bool:
+    """Whether this process runs ``nnbridge doctor`` (the console script, or ``python -m nnbridge``,
+    whose ``sys.argv[0]`` is ``-m`` while this package is imported): the one command that imports
+    nnbridge past a refused version check, to report it. A correctness patch still refuses when
+    used (:func:`nnbridge.compat.registry.enabled`)."""
+    import os
+    import sys
+
+    argv = sys.argv
+    return len(argv) >= 2 and argv[1] == "doctor" and (os.path.basename(argv[0]) in ("nnbridge", "-m")
+                                                       or argv[0].endswith(os.path.join("nnbridge", "__main__.py")))
+
+
+#: the version check's refusal, kept instead of raised only in an ``nnbridge doctor`` process
+REFUSAL: Exception | None = None
+try:
+    _registry.check_versions()  # a correctness patch not verified on the installed versions refuses here
+except Exception as _refusal:
+    if not _doctor_process():
+        raise
+    REFUSAL = _refusal
 
 #: ``{public name: module defining it}``, loaded together on the first use of any (see :func:`_load`)
 _EXPORTS: dict[str, str] = {

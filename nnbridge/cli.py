@@ -269,7 +269,9 @@ def _directory_size(directory: Path) -> int:
 
 def doctor_report() -> str:
     """What ``nnbridge doctor`` prints: versions against the tested ranges, the run-time patch table,
-    and the disk cache's location and size."""
+    and the disk cache's location and size. On versions where a correctness patch refuses, doctor
+    still prints this report (its process imports nnbridge past the version check), then the
+    refusal, and exits with status 1."""
     import os
     import platform
 
@@ -283,7 +285,11 @@ def doctor_report() -> str:
         if version is None:
             lines.append(f"{library:<13} not installed (tested: {tested})")
             continue
-        inside = registry.version_key(low) <= registry.version_key(registry.major_minor(version)) <= registry.version_key(high)
+        assumed = os.environ.get(registry.ASSUME_VARIABLES[library], "")
+        if assumed:  # the registry reads this version instead (tests, measurements)
+            version = f"{assumed} (assumed: ${registry.ASSUME_VARIABLES[library]}; installed {version})"
+        inside = (registry.version_key(low) <= registry.version_key(registry.major_minor(assumed or version))
+                  <= registry.version_key(high))
         lines.append(f"{library:<13} {version:<14} tested {tested}: {'yes' if inside else 'NO, outside the tested range'}")
     kinds = [patch.kind for patch in registry.PATCHES]
     lines += ["", f"run-time patches of other libraries ({len(kinds)}: {kinds.count('correctness')} correctness,"
@@ -307,7 +313,11 @@ def _indent(text: str) -> str:
 
 
 def _doctor(args: argparse.Namespace) -> None:
+    import nnbridge
+
     print(doctor_report())
+    if nnbridge.REFUSAL is not None:  # this process imported nnbridge past the version check to report it
+        raise nnbridge.REFUSAL
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -243,7 +243,8 @@ class GraphDispatcher(torch.nn.Module):
             extraction.state = StateGuard(self.module, opaque=self._opaque_ids(extraction), skip=_nnbridge_child,
                                           path=self.path)
             if isinstance(extraction.root, CompiledGraphModule):
-                extraction.root.set_entry_check(_EntryCheck(extraction, key, self.structure_key, self.module, self.path))
+                extraction.root.set_entry_check(_EntryCheck(extraction, key, self.structure_key, module=self.module,
+                                                                   path=self.path))
             self.extractions.setdefault(key, []).append(extraction)
             self._recency[id(extraction)] = (key, extraction)
             self.history.append(extraction)
@@ -422,7 +423,7 @@ class _EntryCheck:
     :class:`~nnbridge.errors.NNBridgeError` names the guard that fails."""
 
     def __init__(self, extraction: Extraction, key: Hashable, key_of: Callable[[tuple[Any, ...], dict[str, Any]], Hashable],
-                 module: torch.nn.Module, path: str):
+                 *, module: torch.nn.Module, path: str):
         self.guard, self.state, self.key, self.key_of = extraction.guard, extraction.state, key, key_of
         self.where = f"'{path or type(module).__name__}' ({type(module).__name__})"
 
@@ -469,7 +470,7 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
         def key_of(a: tuple[Any, ...], k: dict[str, Any]) -> Hashable:
             return structure_key(modules, a, k)
-        extraction.root.set_entry_check(_EntryCheck(extraction, key_of(args, kwargs), key_of, module, path))
+        extraction.root.set_entry_check(_EntryCheck(extraction, key_of(args, kwargs), key_of, module=module, path=path))
     return extraction
 
 

@@ -79,7 +79,8 @@ def save(pg: PatchableGraph, target: str | os.PathLike[str] | IO[bytes]) -> None
     """
     stream = io.BytesIO()
     write_archive(pg, stream)
-    torch_file.write(target, type(pg), stream.getvalue(), pg._dispatcher.module, options=pg._dispatcher.options)
+    torch_file.write(target, type(pg), stream.getvalue(), model=pg._dispatcher.module,
+                     options=pg._dispatcher.options)
 
 
 def write_archive(pg: PatchableGraph, target: str | os.PathLike[str] | IO[bytes]) -> None:

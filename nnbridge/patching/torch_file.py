@@ -23,7 +23,7 @@ refuses with torch's own message at the first global, and ``PatchableGraph.load`
 
 Example::
 
-    write(path, PatchableGraph, archive_bytes, model, options=options)
+    write(path, PatchableGraph, archive_bytes, model=model, options=options)
     archive = read_archive(path)        # bytes, or None for a torch file not written by pg.save
 """
 
@@ -68,7 +68,7 @@ _READING: contextvars.ContextVar[bool] = contextvars.ContextVar("nnbridge_readin
 class _Saved:
     """What ``pg.save`` pickles (see module docstring)."""
 
-    def __init__(self, cls: type[PatchableGraph], archive: bytes, model: torch.nn.Module | None,
+    def __init__(self, cls: type[PatchableGraph], archive: bytes, model: torch.nn.Module | None, *,
                  options: ExtractionOptions):
         self.cls, self.archive, self.model, self.options = cls, archive, model, options
 
@@ -124,7 +124,7 @@ register()
 
 
 def write(target: str | os.PathLike[str] | IO[bytes], cls: type[PatchableGraph], archive: bytes,
-          model: torch.nn.Module, *, options: ExtractionOptions) -> None:
+          *, model: torch.nn.Module, options: ExtractionOptions) -> None:
     """``torch.save`` the file to a path (atomically: temporary file, then rename) or binary file
     (on failure, a seekable file is cut back to where it was).
 
@@ -142,7 +142,7 @@ def write(target: str | os.PathLike[str] | IO[bytes], cls: type[PatchableGraph],
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(handle, "wb") as stream:
-                write(stream, cls, archive, model, options=options)
+                write(stream, cls, archive, model=model, options=options)
             os.replace(temporary, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -151,7 +151,7 @@ def write(target: str | os.PathLike[str] | IO[bytes], cls: type[PatchableGraph],
         return
     start = target.tell() if target.seekable() else None
     try:
-        torch.save(_Saved(cls, archive, model, options), target, pickle_module=PICKLE_MODULE)
+        torch.save(_Saved(cls, archive, model, options=options), target, pickle_module=PICKLE_MODULE)
     except Exception as error:
         if start is not None:
             target.seek(start)
@@ -166,7 +166,7 @@ def write(target: str | os.PathLike[str] | IO[bytes], cls: type[PatchableGraph],
              f" {str(error)[:200]}), so the file holds nnbridge's archive without it:"
              " nnbridge.PatchableGraph.load(f, model) loads it over a model you make, torch.load(f) cannot."
              " To save the model too, make it picklable (no lambdas, locks or open files in its attributes).")
-        torch.save(_Saved(cls, archive, None, options), target, pickle_module=PICKLE_MODULE)
+        torch.save(_Saved(cls, archive, None, options=options), target, pickle_module=PICKLE_MODULE)
 
 
 def read_archive(source: str | os.PathLike[str] | IO[bytes], name: str) -> bytes | None:

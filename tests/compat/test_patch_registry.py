@@ -904,3 +904,24 @@ def test_docs_table_is_the_registry():
 
 def test_source_of_the_planted_module_is_valid_python():
     compile(textwrap.dedent(PLANTED), "planted.py", "exec")
+
+
+def test_doctor_reports_on_an_unknown_torch_where_import_refuses():
+    """``nnbridge doctor`` is the tool for a torch outside the verified versions: it prints the
+    report (torch's version as assumed, every correctness patch refused, every speed patch skipped)
+    and the refusal, and exits 1; ``import nnbridge`` in any other process still refuses."""
+    env = {**os.environ, "NNBRIDGE_ASSUME_TORCH": "2.99", "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-m", "nnbridge", "doctor"], capture_output=True, text=True, env=env,
+                            timeout=300, cwd=REPO.parent)
+    assert result.returncode == 1, result.stderr
+    assert "torch         2.99 (assumed: $NNBRIDGE_ASSUME_TORCH" in result.stdout
+    assert "NO, outside the tested range" in result.stdout
+    for patch in registry.PATCHES:
+        if patch.library == "torch":
+            kind = "refused" if patch.kind == "correctness" else "skipped"
+            assert any(line.startswith(f"  {patch.name} ") and f"{kind}: torch 2.99 (assumed)" in line
+                       for line in result.stdout.splitlines()), patch.name
+    assert result.stderr.startswith("nnbridge: error: nnbridge's correctness patches were not verified")
+    other = subprocess.run([sys.executable, "-c", "import nnbridge", "doctor"], capture_output=True, text=True,
+                           env=env, timeout=300)
+    assert other.returncode != 0 and "NNBridgeError" in other.stderr

@@ -37,6 +37,8 @@ FIXED_ELSEWHERE = {
         "a torch forward hook with kwargs: (module, args, kwargs, output)",
     "nnbridge.extract.exporting:_Instruments._saw.hook":
         "a torch forward hook with kwargs: (module, args, kwargs, output)",
+    "nnbridge.patching.torch_file:_rebuild":
+        "called by unpickling (pickle's REDUCE), which passes the saved arguments positionally",
     "nnbridge.graph.state:write_state":
         "an fx call_function target: graph nodes (and saved programs) call it with positional args",
 }
