@@ -1,9 +1,8 @@
 """Issue 48 item 3c: a module that returns its inputs (``nn.Identity``, in a ``ModuleDict`` as
 peft's ``lora_dropout``) no longer makes graph building fail for it and every ancestor.
 
-torch.export.unflatten makes no graph for a module call that recorded no node; export now records
-a check on every submodule call's outputs (dropped from the built graphs), so such a module gets a
-graph of its own (its inputs straight to its output) and everything around it is a graph.
+torch.export.unflatten makes no graph for a module call that recorded no node; such a module
+now runs as itself (opaque, called from its caller's graph) and everything around it is a graph.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import torch
 import nnbridge
 from nnbridge import ExtractionOptions, PatchableGraph
 from nnbridge.inplace.bridging import bridge_of
+from nnbridge.graph.kinds import StubKind
 from nnbridge.patching.patches import RecordPatch, ZeroPatch
 
 
@@ -66,9 +66,8 @@ def test_patchable_graph_extracts_around_a_module_returning_its_inputs(dropout: 
     model, ref, x = _model(dropout)
     pg = PatchableGraph(model, x, options=STRICT)
     assert torch.equal(pg(x), ref(x))
-    # export keeps every submodule call (see nnbridge.compat.torch.export), so a module returning its
-    # inputs gets a graph too (placeholders straight to the output), as in graphpatch
-    assert pg.extractions[0].opaque == {}
+    opaque = pg.extractions[0].opaque
+    assert opaque == {"layer.lora_dropout.default": StubKind.PASSTHROUGH, "swap": StubKind.PASSTHROUGH}
     record = RecordPatch()
     with pg.patch({"layer.lora_A_default.linear": record, "layer.add": ZeroPatch()}):
         patched = pg(x)
@@ -88,4 +87,4 @@ def test_bridge_runs_the_passthrough_module_with_its_hooks() -> None:
     state = bridge_of(model)
     assert state is not None
     graphs = [e for e in state.dispatcher.all_extractions()]
-    assert set(graphs[0].opaque) == set()
+    assert set(graphs[0].opaque) == {"layer.lora_dropout.default", "swap"}
