@@ -286,13 +286,12 @@ def _remove_checks(graph: Graph) -> None:
 
 
 def remove_dead_code(graph: Graph) -> None:
-    """Erase nodes nothing uses, pytree plumbing included (side-effecting calls stay, and so do
-    submodule calls: eager runs a call whose outputs its caller drops, and so does graphpatch)."""
+    """Erase nodes nothing uses, pytree plumbing included (side-effecting calls stay)."""
     changed = True
     while changed:
         changed = False
         for node in reversed(list(graph.nodes)):
-            if node.op in ("placeholder", "output", "call_module") or node.users:
+            if node.op in ("placeholder", "output") or node.users:
                 continue
             if node.op == "get_attr" or node.target in (operator.getitem, fx_pytree.tree_flatten_spec,
                                                         pytree.tree_unflatten) or not node.is_impure():

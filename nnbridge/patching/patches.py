@@ -120,7 +120,9 @@ class ReplacePatch(Patch[Any]):
     non-tensor node is replaced by ``value`` itself.
 
     Raises:
-        RuntimeError: (torch's) ``value`` does not broadcast to the node's shape or slice.
+        PatchError: (when the graph runs) ``value`` does not broadcast to the node's shape, named
+            with the NodePath as for any patch whose value does not fit.
+        RuntimeError: (torch's) ``value`` does not broadcast to the node's ``slice``.
     """
 
     requires_clone: bool = field(default=False, init=False)
@@ -132,7 +134,14 @@ class ReplacePatch(Patch[Any]):
         if self.slice is None:
             if not isinstance(original, torch.Tensor):
                 return self.value
-            return original.clone().copy_(torch.as_tensor(self.value, device=original.device))
+            value = torch.as_tensor(self.value, device=original.device)
+            try:
+                fits = torch.broadcast_shapes(value.shape, original.shape) == original.shape
+            except RuntimeError:
+                fits = False
+            if not fits:  # handed on as given: the check after every patch names the mismatch (PatchError)
+                return self.value
+            return original.clone().copy_(value)
         return _patched(original, self.slice, lambda part: torch.as_tensor(self.value).to(part).expand_as(part))
 
 

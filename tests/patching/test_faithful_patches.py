@@ -256,6 +256,6 @@ def test_replace_patch_value_that_does_not_broadcast_raises():
     x = torch.randn(3, 4)
     pg = PatchableGraph(model, x)
     with pg.patch({"fc.output": ReplacePatch(value=torch.zeros(2, 4))}):
-        with pytest.raises(RuntimeError, match="size"):
+        with pytest.raises(PatchError, match=r"'fc.output'.*shape \(2, 4\).*shape \(3, 4\)"):
             pg(x)
     assert torch.equal(pg(x), _model()(x)), "nothing stays patched after the error"

@@ -110,39 +110,9 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: An
     with no_partial_graph_on_stderr(), quiet_torch_export(), torch.set_grad_enabled(grad_enabled), \
             _DistinctConversions(), shape_envs_released(), string_arguments_traced(), helper_frames_recorded(), \
             tracepoint_bookkeeping_skipped(), unbacked_bindings_pass_narrowed(), fake_tensor_cache_off(), \
-            _lazy_export_graph_modules(), duck_sized_dims(duck_sized if dynamic_shapes else ()), \
-            _call_outputs_kept(module, preserve_module_call_signature):
+            _lazy_export_graph_modules(), duck_sized_dims(duck_sized if dynamic_shapes else ()):
         return torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes,
                                    preserve_module_call_signature=preserve_module_call_signature)
-
-
-@contextlib.contextmanager
-def _call_outputs_kept(module: torch.nn.Module, paths: Collection[str]) -> Iterator[None]:
-    """Keep every call of the submodules at ``paths`` in the exported graph, also a call whose
-    outputs its caller never uses (``outputs = self.c(x); return outputs[1]`` with ``c`` calling one
-    linear per output).
-
-    Export removes such dead calls, and ``torch.export.unflatten`` (torch 2.13) then fails on the
-    module call signature it still lists for them (``'InterpreterModule' object has no attribute
-    'c_linear@2'``, or ``'Module' object has no attribute '_ty'`` when the first call is dead).
-    Within, a forward hook on each of those submodules checks each output tensor with
-    ``aten._assert_tensor_metadata`` (an op export keeps); extraction's cleanup drops these checks
-    from the built graphs, so a dead call keeps its graph (as graphpatch, which compiles each
-    module alone) and its outputs stay unused, as in eager.
-    """
-    def keep(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-        for leaf in pytree.tree_leaves(output):
-            if isinstance(leaf, torch.Tensor):
-                torch.ops.aten._assert_tensor_metadata.default(leaf)
-
-    handles = []
-    try:
-        for path in paths:
-            handles.append(module.get_submodule(path).register_forward_hook(keep))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextlib.contextmanager
