@@ -29,14 +29,11 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import io
 import os
 import pickle
-import tempfile
 import zipfile
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +41,7 @@ import torch
 from ..compat.pickling import PICKLE_MODULE
 from ..errors import SaveLoadError, warn
 from ..extract.options import ExtractionOptions
+from ..store.storage import write_atomically
 
 if TYPE_CHECKING:
     from .patchable_graph import PatchableGraph
@@ -137,17 +135,7 @@ def write(target: str | os.PathLike[str] | IO[bytes], cls: type[PatchableGraph],
         SaveLoadError: the model cannot be pickled and ``target`` is a file that cannot be cut back.
     """
     if isinstance(target, (str, os.PathLike)):
-        path = Path(target)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(handle, "wb") as stream:
-                write(stream, cls, archive, model=model, options=options)
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
+        write_atomically(target, lambda stream: write(stream, cls, archive, model=model, options=options))
         return
     start = target.tell() if target.seekable() else None
     try:

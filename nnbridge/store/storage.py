@@ -35,6 +35,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import IO, Any, cast
 
 import torch
@@ -66,6 +67,22 @@ def _program_name(index: int) -> str:
     return f"programs/{index}.pt2"
 
 
+def write_atomically(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
+    """Call ``write`` on a temporary file beside ``path``, then rename it to ``path``: a reader never
+    sees a partial file, and on any exception nothing is left (the exception propagates)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            write(stream)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
 def write_bundle(target: str | os.PathLike[str] | IO[bytes], header: dict[str, Any], records: list[ProgramRecord],
                  *, inputs: list[Any] | None = None) -> None:
     """Write ``records`` (and the example inputs' leaves) with ``header`` as a bundle.
@@ -80,17 +97,7 @@ def write_bundle(target: str | os.PathLike[str] | IO[bytes], header: dict[str, A
         SaveLoadError: a program could not be serialised (nothing is left at ``target``).
     """
     if isinstance(target, (str, os.PathLike)):
-        path = Path(target)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(handle, "wb") as stream:
-                write_bundle(stream, header, records, inputs=inputs)
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
+        write_atomically(target, lambda stream: write_bundle(stream, header, records, inputs=inputs))
         return
     entries = []
     with zipfile.ZipFile(target, "w", compression=zipfile.ZIP_STORED) as archive:
