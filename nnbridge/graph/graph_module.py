@@ -241,7 +241,8 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         with generated_code_released():
             code = super().recompile()
         keep_tracebacks(self)
-        setattr(type(self), "__call__", CompiledGraphModule._checked_call)  # mypy forbids assigning to a method
+        if self.__dict__.get("_entry_check") is not None:  # recompile reinstalled torch.fx's __call__
+            self._install_entry_check()
         if "_forward_cache" in self.__dict__:
             self._reset_routing()
         return code
@@ -250,8 +251,14 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         """Check every call made to this graph from outside (not through :meth:`run_unchecked`):
         ``check(args, kwargs)`` raises for a call the graph was not extracted for. Set by the
         dispatcher on the root of each extraction: its graph is specialised to the extracted call
-        structure, and run on other sizes it may return wrong values without any error."""
+        structure, and run on other sizes it may return wrong values without any error. Graphs
+        without a check keep torch.fx's own ``__call__`` (no work added to their calls)."""
         self.__dict__["_entry_check"] = check
+        if check is not None:
+            self._install_entry_check()
+
+    def _install_entry_check(self) -> None:
+        setattr(type(self), "__call__", CompiledGraphModule._checked_call)  # mypy forbids assigning to a method
 
     def run_unchecked(self, *args: Any, **kwargs: Any) -> Any:
         """Call the graph (as ``nn.Module.__call__``: hooks, then ``forward``) without its entry
