@@ -269,6 +269,7 @@ def _shown(names: list[str], most: int = 8) -> str:
 def _tree(args: argparse.Namespace) -> None:
     from .extract.options import ExtractionOptions
     from .patching.patchable_graph import PatchableGraph
+    from .graph.node_path import NodePathStr
     from .patching.inspection import NodeView, format_tree, missing_child
 
     model, tokenizer = _load(args.model)
@@ -281,7 +282,7 @@ def _tree(args: argparse.Namespace) -> None:
     if isinstance(call, tuple):  # only the module asked for, with the graphs the model's extraction gives it
         module, module_args, dims = call
         graph = PatchableGraph(module, *module_args, options=dataclasses.replace(options, dynamic_dims=dims)).graph
-        node_path = _node_path(model, modules)
+        node_path = NodePathStr(_node_path(model, modules))
         view = NodeView(node_path, None, node_path.rpartition(".")[2], graph=graph._graph_module, model=model)
         segments, used = [*modules, *rest], len(modules)
     else:
