@@ -4,7 +4,9 @@
     nnbridge tree MODEL [--path PREFIX] [--depth N] [--aliases]   the NodePath tree with shapes
                                                   (--aliases: variable aliases next to op names;
                                                   --path: a NodePath, layers_0.self_attn, or nnsight's
-                                                  spelling, layers.0.self_attn or model.layers[0])
+                                                  spelling, layers.0.self_attn or model.layers[0];
+                                                  a module the model calls once, with tensors only,
+                                                  is extracted alone)
     nnbridge tree MODEL --explain                     graph or opaque per module, guards, extractions
     nnbridge cache info | clear                        the disk extraction cache ($NNBRIDGE_CACHE)
     nnbridge doctor                                    library versions against the tested ranges, the
@@ -16,6 +18,7 @@ Bad arguments print one line and exit with status 2; failures exit with status 1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -185,6 +188,66 @@ def module_path(model: Any, text: str) -> tuple[list[str], list[str]]:
     return path, segments[used:]
 
 
+#: The prompts of ``nnbridge tree``: the first is extracted; the second, of another token count, tells
+#: which dimensions of a module's inputs follow the sequence length (see :func:`module_call`).
+PROMPTS = ("The quick brown fox jumps over the lazy dog", "The quick brown fox")
+
+
+def module_call(model: Any, path: list[str], runs: list[dict[str, Any]]
+                ) -> tuple[Any, tuple[Any, ...], tuple[tuple[int, ...], ...]] | str:
+    """How to extract the submodule at module path ``path`` alone so that its graphs are those the
+    extraction of ``model(**runs[0])`` gives it: ``(the submodule, copies of the positional tensors
+    it is called with in that run, the dimensions of each that differ between the runs)``, its call
+    and :attr:`ExtractionOptions.dynamic_dims` (the model's inputs fix the others, a hidden size).
+    Each of ``runs`` (the model's keyword arguments, of other sequence lengths) is run eagerly once.
+
+    Returns a one-line reason instead when the whole model must be extracted: ``path`` names no
+    submodule (the root, a further call such as ``linear_1``) or a module container; the module is
+    not called exactly once per run, or is called with keyword arguments (a cache, a mask) or with
+    anything but tensors, or with tensors of other ranks in the runs.
+    """
+    import torch
+
+    from .extract.recording import copy_inputs
+
+    where = _node_path(model, path) or "<root>"
+    try:
+        module = model.get_submodule(".".join(path)) if path else None
+    except AttributeError:
+        module = None
+    if module is None:
+        return f"{where} names no submodule (the root, or a further call of one)"
+    if _container(module):
+        return f"{where} is a module container, never called itself"
+    calls: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = []
+
+    def grab(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        calls[-1].append((args, kwargs))
+        if len(calls[-1]) == 1 and not kwargs and all(isinstance(arg, torch.Tensor) for arg in args):
+            calls[-1][-1] = (copy_inputs(args), kwargs)
+    handle = module.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for inputs in runs:
+            calls.append([])
+            with torch.random.fork_rng(devices=[]):  # the runs draw no number the extraction would see
+                model(**inputs)
+    finally:
+        handle.remove()
+    counts = [len(run) for run in calls]
+    if any(count != 1 for count in counts):
+        return f"{where} is called {' and '.join(map(str, counts))} times in runs of the model, not once"
+    (args, kwargs), (other, _) = calls[0][0], calls[1][0]
+    if kwargs:
+        return f"{where} is called with keyword arguments ({', '.join(kwargs)})"
+    bad = next((i for i, arg in enumerate(args) if not isinstance(arg, torch.Tensor)), None)
+    if bad is not None:
+        return f"{where} is called with a {type(args[bad]).__name__} as positional argument {bad}, not a tensor"
+    if any(a.dim() != b.dim() for a, b in zip(args, other)):
+        return f"{where} is called with tensors of other ranks for other prompts"
+    dims = tuple(tuple(d for d in range(a.dim()) if a.shape[d] != b.shape[d]) for a, b in zip(args, other))
+    return module, args, dims
+
+
 def _node_path(model: Any, path: list[str]) -> str:
     """A module path as a NodePath: a container's entry joins the container's name (``h.0`` -> ``h_0``)."""
     out: list[str] = []
@@ -206,20 +269,30 @@ def _shown(names: list[str], most: int = 8) -> str:
 def _tree(args: argparse.Namespace) -> None:
     from .extract.options import ExtractionOptions
     from .patching.patchable_graph import PatchableGraph
-    from .patching.inspection import format_tree, missing_child
+    from .graph.node_path import NodePathStr
+    from .patching.inspection import NodeView, format_tree, missing_child
 
     model, tokenizer = _load(args.model)
     modules, rest = module_path(model, args.path) if args.path else ([], [])  # before extracting: fails fast
-    inputs = tokenizer("The quick brown fox jumps over the lazy dog", return_tensors="pt")
-    pg = PatchableGraph(model, **inputs, options=ExtractionOptions(progress=sys.stderr.isatty()))
-    if args.explain:
-        from .patching.explain import explain
+    runs = [dict(tokenizer(prompt, return_tensors="pt")) for prompt in PROMPTS]
+    options = ExtractionOptions(progress=sys.stderr.isatty())
+    call = module_call(model, modules, runs) if modules and not args.explain else None
+    if isinstance(call, str):
+        print(f"nnbridge: extracting the whole model, not {_node_path(model, modules)} alone: {call}", file=sys.stderr)
+    if isinstance(call, tuple):  # only the module asked for, with the graphs the model's extraction gives it
+        module, module_args, dims = call
+        graph = PatchableGraph(module, *module_args, options=dataclasses.replace(options, dynamic_dims=dims)).graph
+        node_path = NodePathStr(_node_path(model, modules))
+        view = NodeView(node_path, None, node_path.rpartition(".")[2], graph=graph._graph_module, model=model)
+        segments, used = [*modules, *rest], len(modules)
+    else:
+        pg = PatchableGraph(model, **runs[0], options=options)
+        if args.explain:
+            from .patching.explain import explain
 
-        print(explain(pg))
-        return
-    view = pg.graph
-    segments = [*modules, *rest]
-    used = 0
+            print(explain(pg))
+            return
+        view, segments, used = pg.graph, [*modules, *rest], 0
     while used < len(segments):  # module path segments are nnsight's (h, 0): a NodePath joins them (h_0)
         segment = segments[used]
         found = view._child(segment)
@@ -328,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     tree = commands.add_parser("tree", help="print the NodePath tree with shapes")
     tree.add_argument("model", help="'smollm2', 'minilm' or a local transformers directory")
     tree.add_argument("--path", default="", help="module or node to start from: a NodePath (model.layers_0.self_attn)"
-                      " or nnsight's spelling (model.layers.0.self_attn, model.layers[0]); checked before extracting")
+                      " or nnsight's spelling (model.layers.0.self_attn, model.layers[0]); checked before extracting; a module"
+                      " the model calls once, with tensors only, is extracted alone")
     tree.add_argument("--depth", type=int, default=None, help="levels to print (default: all)")
     tree.add_argument("--aliases", action="store_true",
                       help="show each node's variable alias next to its op name, e.g. 'softmax (attn_weights_2)'")

@@ -436,6 +436,7 @@ class _RootExport:
                 self.exported, self.dynamic, self.states = export_module(
                     module, args, kwargs, stubs={f: r for f, r in self.stubs.items() if f not in self.traced},
                     calls=self.calls, dynamic=self.dynamic, grad_enabled=self.ctx.grad_enabled, traced=self.traced,
+                    dims=self.ctx.options.dynamic_dims if self.ctx.path == ROOT_PATH else None,
                     frozen=self.frozen, reuse=self.plan, untouched=self.untouched, root_watch=self.watch,
                     watch_reads=self.watch_reads)
                 # calls export recorded no node for (nn.Identity): unflatten would fail on them; they

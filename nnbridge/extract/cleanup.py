@@ -270,6 +270,20 @@ def _placeholders_first(graph: Graph) -> None:
         others[0].prepend(placeholder)
 
 
+def _sizes_first(graph: Graph) -> None:
+    """Move the reads of an input's symbolic size (``sym_size(x, d)``, ``x`` a placeholder) before
+    the first op, after the placeholders and the parameter reads that lead the graph (in their
+    order): where :func:`localize_symbols` puts them in a submodule's graph, so a module's graph has
+    the same node order whether it was exported as the root or inside its caller."""
+    reads = [n for n in graph.nodes if n.op == "call_function" and op_base_name(n) == "sym_size"
+             and isinstance(n.args[0], Node) and n.args[0].op == "placeholder"]
+    first = next((n for n in graph.nodes if n.op not in ("placeholder", "get_attr") and n not in reads), None)
+    if first is None:
+        return
+    for read in reads:
+        first.prepend(read)
+
+
 def _remove_checks(graph: Graph) -> None:
     """Drop export's ``_assert_tensor_metadata`` checks and the ``aten.alias`` nodes that
     :func:`nnbridge.compat.torch.export` adds around conversions while tracing: at run time the graph
@@ -342,5 +356,6 @@ def clean_graph(graph: Graph, attrs: dict[str, Any]) -> list[Node]:
     _remove_checks(graph)
     _placeholders_first(graph)
     remove_dead_code(graph)
+    _sizes_first(graph)
     graph.lint()
     return extras

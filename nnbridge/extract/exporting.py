@@ -34,6 +34,7 @@ from ..compat.transformers.cache_updates import CacheTrace, cache_updates_traced
 from ..compat.torch.export import export
 from ..compat.transformers.output_capturing import active_collector
 from ..compat.torch.pytree import pytree
+from ..errors import ExtractionError
 
 
 class ExportRoot(torch.nn.Module):
@@ -226,6 +227,7 @@ class _Instruments:
 
 def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, stubs: dict[str, str],
                   calls: dict[str, list], dynamic: bool, grad_enabled: bool = False,
+                  dims: tuple[tuple[int, ...] | None, ...] | None = None,
                   traced: AbstractSet[str] = frozenset(), frozen: AbstractSet[str] = frozenset(),
                   reuse: ReusePlan | None = None, untouched: dict[str, list[UntouchedLayers | None]] | None = None,
                   root_watch: RootWatch | None = None, watch_reads: list[str] | None = None
@@ -237,7 +239,8 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     :mod:`.state`). ``stubs`` are replaced by their recorded output; one called with a stateful
     argument (only a custom-extraction module can be: a failing one makes its caller opaque)
     keeps a flat signature, since its recorded output cannot carry the state it would have
-    written. ``traced`` modules will be opaque although export traces them; inside ``frozen`` ones,
+    written. ``dims``: the dynamic dimensions of the positional arguments (see
+    :func:`dynamic_shapes`). ``traced`` modules will be opaque although export traces them; inside ``frozen`` ones,
     grad-mode changes are ignored (see :mod:`.capture_watch`). Returns the program, whether it is
     dynamic, and the state keys of every threaded call (``{path: [keys per invocation]}``).
     ``reuse``'s siblings are stubbed with outputs shaped as their representative's (see
@@ -265,7 +268,7 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
                 untouched.clear()
             # size-1 dimensions are specialised by export anyway (0/1 specialisation); leaving them
             # out of the spec shortens the export
-            shapes = dynamic_shapes(args, kwargs) if use_dynamic else None
+            shapes = dynamic_shapes(args, kwargs, dims) if use_dynamic else None
             watch = CaptureWatch(list(named_real_modules(module)), tools.active,
                                  known=set(stubs) | traced | set(reuse.siblings))
             try:
@@ -334,6 +337,27 @@ def _dim_spec(leaf: Any) -> Any:
     return None
 
 
+def _fitting(dims: tuple[tuple[int, ...] | None, ...], args: tuple[Any, ...]) -> tuple[tuple[int, ...] | None, ...]:
+    if len(dims) != len(args):
+        raise ExtractionError(f"ExtractionOptions.dynamic_dims has {len(dims)} entries but the call has {len(args)}"
+                              " positional arguments: give one entry per positional argument (None for a non-tensor).")
+    return dims
+
+
+def _given_dims(arg: Any, entry: tuple[int, ...] | None, position: int) -> Any:
+    """The spec of positional argument ``position`` with dynamic dimensions ``entry``."""
+    if entry is None:
+        return None if not isinstance(arg, torch.Tensor) else {}
+    if not isinstance(arg, torch.Tensor):
+        raise ExtractionError(f"ExtractionOptions.dynamic_dims[{position}] is {entry!r} but positional argument"
+                              f" {position} is a {type(arg).__name__}, not a tensor: give None for it.")
+    if any(dim >= arg.dim() for dim in entry):
+        raise ExtractionError(f"ExtractionOptions.dynamic_dims[{position}] is {entry!r} but positional argument"
+                              f" {position} has {arg.dim()} dimensions: give indices below {arg.dim()}.")
+    # (size-1 dimensions are specialised by export anyway, see _dim_spec)
+    return {dim: torch.export.Dim.AUTO for dim in entry if arg.shape[dim] > 1}
+
+
 def custom_pytree_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors inside the call's custom pytree arguments (transformers ``Cache`` objects):
     exported with duck-sized dimensions (see :mod:`nnbridge.compat.torch.duck_sizing`: a cache of many
@@ -342,9 +366,22 @@ def custom_pytree_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[
             for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
-def dynamic_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def dynamic_shapes(args: tuple[Any, ...], kwargs: dict[str, Any],
+                   dims: tuple[tuple[int, ...] | None, ...] | None = None) -> Any:
     """``Dim.AUTO`` for every dimension of every tensor; a custom pytree argument (a transformers
-    ``Cache``) gets the flat list of its leaves' specs, the form export expects for such nodes."""
+    ``Cache``) gets the flat list of its leaves' specs, the form export expects for such nodes.
+    ``dims`` (:attr:`ExtractionOptions.dynamic_dims`), when given, names the dynamic dimensions of
+    each positional argument instead (the others static).
+
+    Raises:
+        ExtractionError: ``dims`` does not fit ``args`` (another length, dimensions for a
+            non-tensor, an index past a tensor's rank).
+    """
+    if dims is not None:
+        return tuple(_given_dims(arg, entry, position) for position, (arg, entry)
+                     in enumerate(zip(args, _fitting(dims, args), strict=True))), \
+            dynamic_shapes((), kwargs)[1]
+
     def spec(value: Any) -> Any:
         if pytree.is_namedtuple_instance(value):
             # a namedtuple, whose class may refuse dim specs as fields (``PackedSequence``): export

@@ -49,6 +49,18 @@ class ExtractionOptions:
         dynamic_shapes: Export every tensor dimension as ``torch.export.Dim.AUTO`` so one
             extraction serves other sequence lengths (and batch sizes when the example batch is
             >= 2); dimensions the model fixes stay static. Default: ``True``.
+        dynamic_dims: With ``dynamic_shapes``, the dimensions of the extracted call's positional
+            arguments exported as ``torch.export.Dim.AUTO``: one entry per positional argument, a
+            tuple of dimension indices for a tensor (the others stay static) or ``None`` (none: a
+            static tensor, or any other value); keyword arguments keep every dimension dynamic. Only the call of the
+            module given to :class:`PatchableGraph` follows it (its submodules' own extractions
+            do not). For a submodule extracted alone that should get the graphs its model's
+            extraction gives it: the model's inputs fix some of its dimensions (a hidden size),
+            which export would otherwise read as symbols (``sym_size`` nodes). ``None`` (every
+            dimension of size >= 2). Raises :class:`ValueError` when malformed, and
+            :class:`nnbridge.ExtractionError` at extraction when it does not fit the call (another
+            number of positional arguments, dimensions for a non-tensor, an index past a tensor's
+            rank). Default: ``None``.
         progress: Show a tqdm bar on stderr naming the extraction's stage (exporting, writing the
             cache, building graphs): ``True`` always, ``False`` never, ``None`` when stderr is a
             terminal and the module has at least ``nnbridge.extract.progress.AUTO_MODULES`` (100)
@@ -78,6 +90,7 @@ class ExtractionOptions:
     skip_compilation: bool = False
     allow_unused_submodules: bool | None = None
     dynamic_shapes: bool = True
+    dynamic_dims: tuple[tuple[int, ...] | None, ...] | None = None
     progress: bool | None = None
     recompile_limit: int = 8
     reuse_layers: bool = True
@@ -85,3 +98,23 @@ class ExtractionOptions:
     def __post_init__(self) -> None:
         if self.allow_unused_submodules is None:  # graphpatch's default: lenient unless strict
             self.allow_unused_submodules = not self.error_on_compilation_failure
+        if self.dynamic_dims is not None:
+            self.dynamic_dims = _checked_dims(self.dynamic_dims)
+
+
+def _checked_dims(dims: object) -> tuple[tuple[int, ...] | None, ...]:
+    """``dynamic_dims`` as tuples, or ValueError naming the entry at fault and the form expected."""
+    form = ("dynamic_dims must be a tuple with one entry per positional argument: a tuple of non-negative"
+            " dimension indices for a tensor, None for any other value (e.g. ((1,), None))")
+    if not isinstance(dims, (tuple, list)):
+        raise ValueError(f"{form}; got {dims!r}")
+    checked: list[tuple[int, ...] | None] = []
+    for position, entry in enumerate(dims):
+        if entry is None:
+            checked.append(None)
+            continue
+        if not isinstance(entry, (tuple, list)) or not all(
+                isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in entry):
+            raise ValueError(f"{form}; entry {position} is {entry!r}")
+        checked.append(tuple(sorted(set(entry))))
+    return tuple(checked)

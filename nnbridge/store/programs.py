@@ -119,6 +119,7 @@ def options_fingerprint(options: ExtractionOptions) -> dict[str, Any]:
         "dynamic_shapes": options.dynamic_shapes,
         # (only when on: with it off, a key equals that of an entry that does not record the option)
         **({"reuse_layers": True} if options.reuse_layers else {}),
+        **({"dynamic_dims": options.dynamic_dims} if options.dynamic_dims is not None else {}),
     }
 
 

@@ -124,3 +124,105 @@ def test_cli_op_of_fused_attention_names_the_implementation(model_dir, capsys):
     assert err.startswith("nnbridge: error: h_0.attn has no child 'softmax': h_0.attn (GPT2Attention) computes"
                           " attention with attn_implementation='sdpa', one fused call ('scaled_dot_product_attention')")
     assert 'attn_implementation="eager"' in err and "dir()" not in err
+
+
+def _full_subtree(model_dir, node_path):
+    """The subtree at ``node_path`` of the whole model's extraction on the first prompt of ``nnbridge tree``."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from nnbridge import PatchableGraph
+    from nnbridge.cli import PROMPTS
+    from nnbridge.patching.inspection import format_tree
+
+    model = AutoModel.from_pretrained(model_dir).eval()
+    view = PatchableGraph(model, **AutoTokenizer.from_pretrained(model_dir)(PROMPTS[0], return_tensors="pt")).graph
+    for name in node_path.split("."):
+        view = view._child(name)
+    return format_tree(view)
+
+
+def _sequences(text):
+    return re.sub(r"\b(tuple|list)\((\d+)\)", r"sequence(\2)", text)  # see utils.same_tree
+
+
+@pytest.mark.parametrize(("text", "node_path", "alone"), [
+    ("h.0.ln_1", "h_0.ln_1", "LayerNorm"), ("h.0.mlp", "h_0.mlp", "GPT2MLP"), ("h.1.mlp.c_fc", "h_1.mlp.c_fc", "Conv1D"),
+    ("h.0.attn", "h_0.attn", None), ("h.1", "h_1", None)])
+def test_tree_of_a_module_extracts_it_alone_with_the_models_graphs(model_dir, capsys, monkeypatch, text, node_path,
+                                                                    alone):
+    """A module the model calls once with tensors only is extracted alone, with only the sequence
+    length dynamic (as the model's tokens make it), and prints the subtree the whole model's
+    extraction gives it; any other (``h.0.attn`` and ``h.1`` take keyword arguments) is printed
+    from the whole model's extraction, which stderr says in one line."""
+    expected = _full_subtree(model_dir, node_path)
+    extracted = []
+    real = nnbridge.patching.patchable_graph.PatchableGraph
+
+    def spy(module, *args, **kwargs):
+        extracted.append(type(module).__name__)
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(nnbridge.patching.patchable_graph, "PatchableGraph", spy)
+    capsys.readouterr()
+    assert main(["tree", str(model_dir), "--path", text]) == 0
+    out, err = capsys.readouterr()
+    assert _sequences(out.rstrip("\n")) == _sequences(expected)
+    assert extracted == [alone or "GPT2Model"], "one extraction: of the module alone, else of the whole model"
+    said = [line for line in err.splitlines() if "whole model" in line]
+    if alone is None:
+        assert len(said) == 1 and said[0].startswith(f"nnbridge: extracting the whole model, not {node_path} alone:"
+                                                     f" {node_path} is called with keyword arguments ("), said
+    else:
+        assert not said
+
+
+def test_tree_of_an_op_of_a_module_extracted_alone(model_dir, capsys):
+    """Op segments after a module extracted alone are looked up in its graphs; a missing one names
+    the module's full NodePath in the listing command."""
+    assert main(["tree", str(model_dir), "--path", "h.1.mlp.c_fc.addmm"]) == 0
+    assert capsys.readouterr().out.strip() == "addmm: Tensor(9, 128)"
+    assert main(["tree", str(model_dir), "--path", "h.1.mlp.c_fc.adm"]) == 1
+    assert f"'nnbridge tree {model_dir} --path h_1.mlp.c_fc --depth 1' lists them" in capsys.readouterr().err
+
+
+class _Calls(torch.nn.Module):
+    """``twice`` is called twice, ``scaled`` with a number, ``once`` once with a tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.twice, self.once = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.scaled = _Scaled()
+        self.layers = torch.nn.ModuleList([torch.nn.Identity()])
+
+    def forward(self, x):
+        return self.scaled(self.once(self.twice(self.twice(x))), 2.0)
+
+
+class _Scaled(torch.nn.Module):
+    def forward(self, x, factor):
+        return x * factor
+
+
+@pytest.mark.parametrize(("path", "reason"), [
+    ([], "<root> names no submodule (the root, or a further call of one)"),
+    (["twice_1"], "twice_1 names no submodule (the root, or a further call of one)"),
+    (["layers"], "layers is a module container, never called itself"),
+    (["twice"], "twice is called 2 and 2 times in runs of the model, not once"),
+    (["layers", "0"], "layers_0 is called 0 and 0 times in runs of the model, not once"),
+    (["scaled"], "scaled is called with a float as positional argument 1, not a tensor"),
+])
+def test_module_call_says_why_a_module_is_not_extracted_alone(path, reason):
+    from nnbridge.cli import module_call
+
+    runs = [{"x": torch.randn(1, 3, 4)}, {"x": torch.randn(1, 2, 4)}]
+    assert module_call(_Calls(), path, runs) == reason
+
+
+def test_module_call_gives_the_dimensions_that_follow_the_sequence():
+    from nnbridge.cli import module_call
+
+    model = _Calls()
+    runs = [{"x": torch.randn(1, 3, 4)}, {"x": torch.randn(1, 2, 4)}]
+    module, args, dims = module_call(model, ["once"], runs)
+    assert module is model.once and dims == ((1,),)
+    assert torch.equal(args[0], model.twice(model.twice(runs[0]["x"])))
