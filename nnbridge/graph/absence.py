@@ -4,6 +4,8 @@
 has) and ``get_submodule`` on a bridged model all end their error with :func:`explain_absence`,
 which says, first that applies:
 
+0. the name is one ``pg.graph`` keeps for itself (``_shape``, ``_code``): the ``sub_...`` names the
+   module's nodes of that name are known by (:func:`~.node_path.unprotected_names`);
 1. the module runs eagerly (it is opaque): the recorded reason, and what to do about it;
 2. the model's attention implementation has no such op (transformers' ``sdpa``/flash attention
    calls one fused function: no ``softmax``, no ``matmul`` of queries with keys, no ``dropout`` of
@@ -27,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 from ..compat.transformers.attention import attention_implementation
 from .kinds import StubKind
+from .node_path import PROTECTED_NAMES
 
 #: Ops (and the variable aliases of their values) that transformers' eager attention has and its
 #: fused implementations (``scaled_dot_product_attention``, flash, flex) do not: the scores, their
@@ -72,6 +75,10 @@ def explain_absence(subject: str, name: str, *, where: str, ops: Sequence[str] |
     """
     if entries is not None:
         return f"{subject}; it holds {len(entries)}: {list(entries)[:8]}."
+    renamed = [op for op in ops or () if name in PROTECTED_NAMES and re.fullmatch(rf"sub{name}(_\d+)?", op)]
+    if renamed:
+        return (f"{subject}: pg.graph.{name} is the inspection attribute, so a node named {name!r} is known by"
+                f" 'sub{name}' (numbered when taken), as in graphpatch; this module's such nodes: {renamed}.")
     module = "the module" if where and where in subject else where  # said once
     reason = absence_reason(name, where=where, ops=ops, model=model, opaque=opaque, module=module)
     if reason is not None:
