@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from ..compat.torch.module_dicts import buffers_of, modules_of, parameters_of
+from ..errors import PatchError
 
 
 class Router(Protocol):
@@ -86,7 +87,14 @@ class OpaqueRunner:
                         call: Callable[[str, Any], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Route each argument through its op point, passing it as the caller did: positionally or
         by keyword (re-binding keywords positionally makes transformers 5's forward decorators,
-        which fill ``use_cache`` and the like into ``kwargs``, see them twice)."""
+        which fill ``use_cache`` and the like into ``kwargs``, see them twice). An argument the call
+        left at its default passes its default through its op point (graphpatch's opaque placeholder
+        held the default) and is passed, by keyword, only when a patch handed on another value.
+
+        Raises:
+            PatchError: a patch replaced the default of a positional-only argument the call left out
+                (it cannot be passed by keyword).
+        """
         positional, kwargs = list(args), dict(kwargs)
         bound = self.signature.bind(*positional, **kwargs)  # raises TypeError as the forward would
         position = 0
@@ -106,4 +114,14 @@ class OpaqueRunner:
                 position += 1
             elif name in kwargs and name in routed:
                 kwargs[name] = call(name, kwargs[name])
+            elif name in routed and name not in bound.arguments and parameter.default is not parameter.empty:
+                # left at its default: the node's value is the default (graphpatch's placeholder held
+                # it); passed, by keyword, only when a patch handed on another value
+                value = call(name, parameter.default)
+                if value is not parameter.default:
+                    if kind is inspect.Parameter.POSITIONAL_ONLY:
+                        raise PatchError(
+                            f"Cannot patch argument {name!r} of {type(self.module).__qualname__}.forward: it is"
+                            " positional-only and the call left it at its default. Pass it in the call to patch it.")
+                    kwargs[name] = value
         return tuple(positional), kwargs
