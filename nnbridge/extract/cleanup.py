@@ -58,19 +58,23 @@ def _spec_of(node: Node, attrs: dict[str, Any]) -> pytree.TreeSpec | None:
 
 
 def _getitem_chain(graph: Graph, base: Node, path: tuple[Any, ...], *, cache: _GetitemCache) -> Node:
+    """The ``getitem`` chain reading ``path`` off ``base``. New getitems go after the last one made for
+    ``base`` (held under the empty path): made leaf by leaf in flattening order, they stand in
+    depth-first order, as Dynamo made them, so their numbers are graphpatch's (``getitem_5`` reads
+    ``[1][0][0][0]`` of a ``((x,), [([y], z), ...])`` output)."""
     node = base
     for depth in range(len(path)):
         key = (base, path[: depth + 1])
         if key not in cache:
-            with graph.inserting_after(node):
-                cache[key] = graph.call_function(operator.getitem, (node, path[depth]))
+            with graph.inserting_after(cache.get((base, ()), base)):
+                cache[key] = cache[(base, ())] = graph.call_function(operator.getitem, (node, path[depth]))
         node = cache[key]
     return node
 
 
 def _replace_leaf_getitems(graph: Graph, flatten: Node, leaf_value: Callable[[int], Node | None]) -> None:
     """Replace each ``getitem(flatten, i)`` user by ``leaf_value(i)`` where that is not None."""
-    for user in list(flatten.users):
+    for user in sorted(flatten.users, key=lambda u: u.args[1] if len(u.args) > 1 and isinstance(u.args[1], int) else -1):
         if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
             replacement = leaf_value(user.args[1])
             if replacement is not None:

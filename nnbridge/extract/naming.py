@@ -6,7 +6,10 @@
   numbers across the whole model are numbered within the graph (``lifted_tensor_0``), so a module
   extracted alone names them as in a whole-model extraction;
 - ops after the ATen op, numbered within the graph (``softmax``, ``add``, ``add_1``);
-- submodule calls after the child (``h_0``; ``linear_0``/``linear_1`` when called twice).
+- submodule calls after the child (``h_0``; ``linear_0``/``linear_1`` when called twice);
+- a name ``pg.graph``'s ``_shape``/``_code`` would shadow as graphpatch renames it (``sub_shape``, see
+  :func:`~nnbridge.graph.node_path.unprotected_names`), in the NodePath only: the placeholder's
+  target and the fx name stay the argument's name (a call by keyword still binds).
 
 Each name is the node's :class:`~.metadata.NodeMeta` ``name`` and, made legal, its fx name.
 Example::
@@ -26,6 +29,7 @@ from torch.fx import Graph, Node
 
 from ..compat.torch.export import rename_nodes
 from ..graph.metadata import update_node_meta
+from ..graph.node_path import unprotected_names
 
 
 #: export's names of the constants a forward creates (``torch.tensor(...)``), numbered model-wide
@@ -103,6 +107,6 @@ def name_nodes(graph: Graph, forward: Callable[..., Any], call_names: dict[Node,
         if node in names:
             continue
         names[node] = "output" if node.op == "output" else unique(op_base_name(node))
-    for node, name in names.items():
+    for node, name in zip(names, unprotected_names(list(names.values()))):
         update_node_meta(node, name=name)
     rename_nodes(graph, names)

@@ -4,7 +4,11 @@
 has) and ``get_submodule`` on a bridged model all end their error with :func:`explain_absence`,
 which says, first that applies:
 
-1. the module runs eagerly (it is opaque): the recorded reason, and what to do about it;
+0. the name is one ``pg.graph`` keeps for itself (``_shape``, ``_code``): the ``sub_...`` names the
+   module's nodes of that name are known by (:func:`~.node_path.unprotected_names`);
+1. the module runs eagerly (it is opaque): the recorded reason, and what to do about it; when the
+   name is a Python attribute of the module (``self.scale = 8``), that an opaque module's attributes
+   are no nodes (graphpatch made them nodes) and how to change one instead;
 2. the model's attention implementation has no such op (transformers' ``sdpa``/flash attention
    calls one fused function: no ``softmax``, no ``matmul`` of queries with keys, no ``dropout`` of
    the weights): the implementation and the ``attn_implementation="eager"`` setting;
@@ -22,11 +26,15 @@ Example::
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
 from collections.abc import Callable, Sequence
 
+import torch
+
 from ..compat.transformers.attention import attention_implementation
 from .kinds import StubKind
+from .node_path import PROTECTED_NAMES
 
 #: Ops (and the variable aliases of their values) that transformers' eager attention has and its
 #: fused implementations (``scaled_dot_product_attention``, flash, flex) do not: the scores, their
@@ -51,7 +59,7 @@ def base_name(name: str) -> str:
 def explain_absence(subject: str, name: str, *, where: str, ops: Sequence[str] | None, model: object = None,
                     opaque: str | None = None, submodules: Sequence[str] = (), entries: Sequence[str] | None = None,
                     unknown: str = "", paths: Sequence[str] | None = None, asked: str | None = None,
-                    hint: str = "") -> str:
+                    hint: str = "", original: object = None) -> str:
     """``subject`` (what was not found: ``"'x' is not a node"``), followed by why ``name`` is no op
     of the module ``where`` describes (see the module docstring).
 
@@ -69,11 +77,16 @@ def explain_absence(subject: str, name: str, *, where: str, ops: Sequence[str] |
         paths: full NodePaths to suggest instead of op names, matched against ``asked``.
         asked: the whole text asked for (default ``name``), for ``paths``.
         hint: a sentence added to the closest names (an alias close to ``name``).
+        original: the module object itself, when it is opaque (its Python attributes are named as such).
     """
     if entries is not None:
         return f"{subject}; it holds {len(entries)}: {list(entries)[:8]}."
+    renamed = [op for op in ops or () if name in PROTECTED_NAMES and re.fullmatch(rf"sub{name}(_\d+)?", op)]
+    if renamed:
+        return (f"{subject}: pg.graph.{name} is the inspection attribute, so a node named {name!r} is known by"
+                f" 'sub{name}' (numbered when taken), as in graphpatch; this module's such nodes: {renamed}.")
     module = "the module" if where and where in subject else where  # said once
-    reason = absence_reason(name, where=where, ops=ops, model=model, opaque=opaque, module=module)
+    reason = absence_reason(name, where=where, ops=ops, model=model, opaque=opaque, module=module, original=original)
     if reason is not None:
         known = f" Its other ops are not known yet: {unknown}" if opaque is None and ops is None and unknown else ""
         return f"{subject}: {reason}{known}"
@@ -91,12 +104,16 @@ def explain_absence(subject: str, name: str, *, where: str, ops: Sequence[str] |
 
 
 def absence_reason(name: str, *, where: str, ops: Sequence[str] | None, model: object = None,
-                   opaque: str | None = None, module: str | None = None) -> str | None:
+                   opaque: str | None = None, module: str | None = None, original: object = None) -> str | None:
     """Cases 1 and 2 of :func:`explain_absence` alone: why ``name`` is no op of the module ``where``
     describes (shown as ``module``, default ``where``) when it runs eagerly or its attention
-    implementation has no such op; None otherwise (then the closest names are the answer)."""
+    implementation has no such op; None otherwise (then the closest names are the answer).
+    ``original``: the opaque module object (a Python attribute of it is named as such)."""
     shown = where if module is None else module
     if opaque is not None:
+        attribute = _plain_attribute(original, name)
+        if attribute is not None:
+            return f"{shown} {_opaque_attribute(name, attribute)}"
         return f"{shown} {_opaque(opaque)}"
     return _attention(name, ops, where, module=shown, model=model)
 
@@ -107,6 +124,31 @@ def _closest(asked: str, candidates: list[str], label: str) -> str:
         prefix = asked.rpartition(".")[0]
         close = [c for c in candidates if c.startswith(prefix)][:5] if prefix else candidates[:5]
     return f"{label}: {close}." if close else "This graph has no patchable nodes."
+
+
+def _plain_attribute(module: object, name: str) -> object | None:
+    """The value of ``module``'s Python attribute ``name`` (instance or class, read without running a
+    property): None when there is none, or it is a method, property, module or tensor (those are nodes
+    or children when they are anything)."""
+    if not isinstance(module, torch.nn.Module) or name.startswith("__"):
+        return None
+    try:
+        value = inspect.getattr_static(module, name)
+    except AttributeError:
+        return None
+    if (isinstance(value, (torch.nn.Module, torch.Tensor, property)) or inspect.isroutine(value)
+            or isinstance(value, (staticmethod, classmethod)) or hasattr(type(value), "__get__")):
+        return None
+    return value
+
+
+def _opaque_attribute(name: str, value: object) -> str:
+    """Why an opaque module's Python attribute is no node, and what to do instead."""
+    return (f"runs eagerly (it is opaque) and {name!r} is a Python attribute of it ({type(value).__name__}), not a"
+            " node: an opaque module's nodes are its inputs, output, parameters and buffers. graphpatch made"
+            " every attribute of an opaque module a node; nnbridge does not (docs/graphpatch.md, 'Python"
+            f" attributes of opaque modules'). Migrate: set the attribute for the call (module.{name} = ...) and"
+            " restore it after, or hold a tensor as a buffer (register_buffer) to patch it as a node.")
 
 
 def _opaque(reason: str) -> str:

@@ -31,6 +31,7 @@ from ..compat.accelerate import run_hooked
 from . import codegen
 from .failures import register
 from .metadata import GraphMeta, node_meta, node_name, update_node_meta
+from .node_path import unprotected_names
 from .op_point import OpPoint, route, through
 from .opaque_runner import OpaqueRunner, Router
 
@@ -342,7 +343,8 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
     """Runs the original module's code; inputs, output, parameters and buffers stay patchable.
 
     Node names: the ``forward()`` argument names, the module's own parameter and buffer names, and
-    ``output``. Children are still extracted: while this module runs, the original module's children
+    ``output`` (``_shape``/``_code`` renamed as graphpatch does, see
+    :func:`~.node_path.unprotected_names`). Children are still extracted: while this module runs, the original module's children
     are swapped for their graph dispatchers (and put back afterwards, also on error).
 
     Args:
@@ -362,6 +364,8 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
     #: :func:`~.opaque.opaque_module`: its code called each child, once)
     serves_any_size: bool
     _runner: OpaqueRunner
+    _own_names: dict[str, str]
+    _point_of: dict[str, str]
 
     def __init__(self, module: torch.nn.Module, reason: str, children: Mapping[str, torch.nn.Module | None], *,
                  callees: Mapping[str, torch.nn.Module | None], routers: Sequence[Router] | None = None,
@@ -379,7 +383,12 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
             self.add_module(name, child)
         runner = self.__dict__["_runner"] = OpaqueRunner(module, callees, routers)
         self.__dict__["serves_any_size"] = serves_any_size
-        self._set_points([p for p in runner.signature.parameters] + runner.tensor_names + ["output"])
+        own = [p for p in runner.signature.parameters] + runner.tensor_names + ["output"]
+        points = unprotected_names(own)
+        # {op point name: runner's name} where they differ (a ``_shape`` argument is ``sub_shape``)
+        self.__dict__["_own_names"] = {p: o for p, o in zip(points, own) if p != o}
+        self.__dict__["_point_of"] = {o: p for p, o in self._own_names.items()}
+        self._set_points(points)
 
     def refresh_routing(self) -> None:
         self.__dict__["_routed"] = frozenset(n for n, p in self._op_points.items() if p.listened)
@@ -417,6 +426,12 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
 
             def call(name: str, value: Any) -> Any:
                 return through(points[name], value)
+        if self._own_names:  # the runner names values as the module does: map its names to op points
+            routed = frozenset(self._own_names.get(n, n) for n in routed)
+            point_of, named = self._point_of, call
+
+            def call(name: str, value: Any) -> Any:
+                return named(point_of.get(name, name), value)
         return self._runner.run(args, kwargs, routed=routed, call=call)
 
     def extra_repr(self) -> str:

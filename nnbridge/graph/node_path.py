@@ -9,6 +9,7 @@ key. nnsight's spelling ``transformer.h.0.attn.softmax`` is accepted too. This i
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -65,6 +66,31 @@ def dig_key(segment: str) -> int | str:
     """The container key a dig segment stands for: ``sub_3`` -> ``3``; other names are dict keys."""
     match = _SUB.fullmatch(segment)
     return int(match.group(1)) if match else segment
+
+
+#: Node names that ``pg.graph``'s own attributes would shadow (``pg.graph._shape`` is the root's shape tree,
+#: ``pg.graph._code`` its code). As in graphpatch (its ``meta/graph_meta.py``), such a node is known by
+#: ``sub`` + its name (``_shape`` -> ``sub_shape``), numbered when that is taken (``sub_shape_1``).
+PROTECTED_NAMES = frozenset({"_code", "_shape"})
+
+
+def unprotected_names(names: Sequence[str]) -> list[str]:
+    """``names`` (one graph's node names, unique) with each of :data:`PROTECTED_NAMES` renamed to a
+    free ``sub_...`` name, the others unchanged: ``["_shape", "_code", "sub_shape"]`` ->
+    ``["sub_shape_1", "sub_code", "sub_shape"]``."""
+    taken = set(names)
+    result = []
+    for name in names:
+        if name in PROTECTED_NAMES:
+            base = candidate = f"sub{name}"
+            number = 0
+            while candidate in taken:
+                number += 1
+                candidate = f"{base}_{number}"
+            taken.add(candidate)
+            name = candidate
+        result.append(name)
+    return result
 
 
 _INDEX = re.compile(r"(?<=[^.])\.(\d+)(?=\.|$)")

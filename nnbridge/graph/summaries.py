@@ -23,7 +23,7 @@ from torch.fx.node import Argument, Target, map_aggregate
 
 from ..compat.torch.pytree import fx_pytree, node_class, pytree
 from ..compat.torch.symbolic import has_hint, symbolic_hint
-from .metadata import node_meta, update_node_meta
+from .metadata import update_node_meta
 from .state import write_state
 
 if TYPE_CHECKING:
@@ -148,10 +148,11 @@ def plain(summary: Any) -> Any:
 
 
 def bind_inputs(module: GraphModuleBase, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
-    """``{placeholder name: value}`` for a call of a compiled graph (None for other kinds)."""
+    """``{placeholder target (the argument's name): value}`` for a call of a compiled graph (None for
+    other kinds)."""
     if not hasattr(module, "named_nodes"):
         return None
-    placeholders = [name for name, node in module.named_nodes() if node.op == "placeholder"]
+    placeholders = [str(node.target) for _, node in module.named_nodes() if node.op == "placeholder"]
     bound = dict(zip(placeholders, args))
     bound.update(kwargs)
     return bound
@@ -209,7 +210,7 @@ class ExampleSummaries(Interpreter):
         return _from_val(self.node.meta.get("val"))
 
     def placeholder(self, target: Target, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.inputs.get(node_meta(self.node).name, self._val())
+        return self.inputs.get(str(self.node.target), self._val())
 
     def get_attr(self, target: Target, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return summarize(self.fetch_attr(str(target)))

@@ -397,7 +397,8 @@ def missing_child(view: NodeView, item: str, *, listing: str) -> str:
     if graph is not None:  # it runs eagerly, or its attention has no such op: the one explanation says so
         where = f"{view._path or '<root>'} ({graph.original_type.__name__})"
         reason = absence_reason(item, where=where, ops=names, model=view._model,
-                                opaque=graph.reason if isinstance(graph, OpaqueGraphModule) else None)
+                                opaque=graph.reason if isinstance(graph, OpaqueGraphModule) else None,
+                                original=graph.original if isinstance(graph, OpaqueGraphModule) else None)
         if reason is not None:
             return f"{subject}: {reason}"
     close = difflib.get_close_matches(item, names, n=5, cutoff=0.4) or names[:5]

@@ -557,6 +557,7 @@ class PatchableGraph(torch.nn.Module):
             f"{text!r} is not a node", nodes[missing] if nodes else text, where=where,
             ops=[name for name, _ in children], model=self._dispatcher.module,
             opaque=graph.reason if isinstance(graph, OpaqueGraphModule) else None,
+            original=graph.original if isinstance(graph, OpaqueGraphModule) else None,
             submodules=[name for name, sub in children if sub is not None], paths=self.node_paths(), asked=text,
             hint=hierarchy.alias_hint(root, nodes))
 
