@@ -121,9 +121,6 @@ PATCHES: tuple[RuntimePatch, ...] = (
     _torch("fake_tensor_cache_off", "torch._dynamo.config.fake_tensor_cache_enabled", "speed",
            why="Turns off the fake-tensor dispatch cache while exporting, whose keys with new symbolic sizes rarely"
            " recur."),
-    _torch("lazy_export_graph_modules", "torch.fx._lazy_graph_module._use_lazy_graph_module", "speed",
-           why="Makes export's graph modules generate their code when first run or read, not after each of export's"
-           " passes."),
     _torch("shape_envs_released", "torch.export._trace.make_fake_inputs", "correctness",
            why="Records each export's fake inputs to empty their ShapeEnv's tracked_fakes afterwards, a cycle through"
            " C++ that kept every export's ShapeEnv alive."),
@@ -145,9 +142,6 @@ PATCHES: tuple[RuntimePatch, ...] = (
            why="Confines the process-wide patches fx makes while tracing (nn.Module.__call__...) to the tracing thread,"
            " so another thread's module call is neither recorded nor corrupted."),
     # disk cache (compat/serialization.py)
-    _torch("save_without_canonical_check", "torch._export.serde.serialize.canonicalize", "speed",
-           why="Skips the canonical-form check torch.export.save makes on a deep copy it discards (the bytes written"
-           " are the same)."),
     _torch("load_memoized_schema", "torch._export.serde.serialize.typing, .sympy, .dataclasses, "
            "torch._export.serde.union.fields", "speed",
            why="Memoizes the type hints, sympy parses and dataclass fields the deserializer asks again for every"

@@ -278,14 +278,6 @@ def probe_fake_tensor_cache_off() -> None:
         assert FakeTensorMode().cache_enabled is False
 
 
-def probe_lazy_export_graph_modules() -> None:
-    from torch.fx import _lazy_graph_module
-
-    with _lazy_graph_module._use_lazy_graph_module(True):
-        made = _lazy_graph_module._make_graph_module(nn.Module(), torch.fx.Graph())
-    assert isinstance(made, _lazy_graph_module._LazyGraphModule)
-
-
 def probe_shape_envs_released() -> None:
     from torch.export import _trace
 
@@ -393,21 +385,6 @@ def probe_fx_patches_confined() -> None:
 def _program() -> torch.export.ExportedProgram:
     return torch.export.export(_Twice(), (torch.ones(3, 2),), strict=False,
                                dynamic_shapes=({0: torch.export.Dim.AUTO},))
-
-
-def probe_save_without_canonical_check() -> None:
-    from torch._export.serde import serialize
-
-    from nnbridge.compat.torch.serialization import save_program
-
-    assert _parameters(serialize.canonicalize) == ["ep", "constants"]
-    assert "canonicalize" in serialize.ExportedProgramSerializer.serialize.__code__.co_names
-    exported = _program()
-    ours, theirs = io.BytesIO(), io.BytesIO()
-    save_program(exported, ours)
-    exported.example_inputs = None
-    torch.export.save(exported, theirs)
-    assert ours.getvalue() == theirs.getvalue()
 
 
 def _round_trip() -> None:

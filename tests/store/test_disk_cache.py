@@ -546,11 +546,10 @@ def test_opaque_child_programs_are_cached_too(cache_dir, exports, monkeypatch):
 
 
 def test_entries_are_written_with_the_bytes_of_torch_export_save():
-    """compat.torch.serialization.save_program skips torch's discarded canonical-form check only: the
-    bytes equal torch.export.save's, the program loads back equal, and the check is restored."""
+    """compat.torch.serialization.save_program leaves the example inputs out only: the bytes equal
+    torch.export.save's of the program without them, the program loads back equal, and its example
+    inputs are restored."""
     import io
-
-    from torch._export.serde import serialize
 
     from nnbridge.compat.torch.serialization import load_program, save_program
 
@@ -559,11 +558,10 @@ def test_entries_are_written_with_the_bytes_of_torch_export_save():
     register_cache_pytrees_for_model(model)
     with torch.no_grad():
         exported = torch.export.export(model, (ids,), {"use_cache": False}, strict=False)
-    check = serialize.canonicalize
     examples = exported.example_inputs
     ours, theirs = io.BytesIO(), io.BytesIO()
     save_program(exported, ours)
-    assert serialize.canonicalize is check and exported.example_inputs is examples  # both restored
+    assert exported.example_inputs is examples  # restored
     exported.example_inputs = None  # save_program leaves the example inputs out
     torch.export.save(exported, theirs)
     assert ours.getvalue() == theirs.getvalue()
@@ -674,7 +672,7 @@ def test_loads_and_saves_in_several_threads_leave_torchs_globals_as_they_were():
     stream = io.BytesIO()
     exported = _saved_dynamic_program(stream)
     data = stream.getvalue()
-    canonicalize, sloc = serialize.canonicalize, ShapeEnv.__dict__["_get_sloc"]
+    sloc = ShapeEnv.__dict__["_get_sloc"]
     tensor_meta = serialize.GraphModuleDeserializer.__dict__["deserialize_tensor_meta"]
     sym_int = serialize.GraphModuleDeserializer.__dict__["deserialize_sym_int"]
     reader = serialize._dict_to_dataclass
@@ -694,7 +692,7 @@ def test_loads_and_saves_in_several_threads_leave_torchs_globals_as_they_were():
         thread.join()
     assert not errors and len(results) == 12
     assert serialize.typing is typing and serialize.sympy is sympy and serialize.dataclasses is dataclasses
-    assert union.fields is dataclasses.fields and serialize.canonicalize is canonicalize
+    assert union.fields is dataclasses.fields
     assert ShapeEnv.__dict__["_get_sloc"] is sloc
     deserializer = serialize.GraphModuleDeserializer
     assert deserializer.__dict__["deserialize_tensor_meta"] is tensor_meta

@@ -101,26 +101,14 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], *, dynamic_shapes: An
     conversions kept from aliasing (see :class:`_DistinctConversions`) and stack traces that reach
     into the helper functions a forward calls (see :mod:`.stack_traces`).
 
-    The graph modules export makes are torch's lazy ones (``_use_lazy_graph_module``, as Inductor
-    uses them): export's passes regenerate the whole program's Python code after each change, and
-    a lazy module generates it once, when it is first called or its code read.
-
     ``duck_sized``: input tensors (leaves of ``args``) whose dynamic dimensions of equal size share
     one symbol (see :mod:`.duck_sizing`); only used with ``dynamic_shapes``."""
     with no_partial_graph_on_stderr(), quiet_torch_export(), torch.set_grad_enabled(grad_enabled), \
             _DistinctConversions(), shape_envs_released(), string_arguments_traced(), helper_frames_recorded(), \
             tracepoint_bookkeeping_skipped(), unbacked_bindings_pass_narrowed(), fake_tensor_cache_off(), \
-            _lazy_export_graph_modules(), duck_sized_dims(duck_sized if dynamic_shapes else ()):
+            duck_sized_dims(duck_sized if dynamic_shapes else ()):
         return torch.export.export(module, args, strict=False, dynamic_shapes=dynamic_shapes,
                                    preserve_module_call_signature=preserve_module_call_signature)
-
-
-@contextlib.contextmanager
-def _lazy_export_graph_modules() -> Iterator[None]:
-    """torch's lazy graph modules for the body's duration (``_use_lazy_graph_module``)."""
-    with registry.applied("lazy_export_graph_modules") as applying:
-        with _lazy_graph_module._use_lazy_graph_module(True) if applying else contextlib.nullcontext():
-            yield
 
 
 @contextlib.contextmanager

@@ -179,28 +179,12 @@ class _SchemaReader:
 
 
 _MEMO: dict[str, Any] = {}
-#: Held while :func:`save_program` or :func:`load_program` has torch's globals swapped.
+#: Held while :func:`save_program` has a program's example inputs set aside or :func:`load_program` has torch's globals swapped.
 _SWAPPING = threading.Lock()
 
 
-def _unchecked_canonical_form(ep: Any, constants: Any = None) -> Any:
-    """Stands in for ``canonicalize`` while :func:`save_program` serialises: returns ``ep``
-    unchanged (the caller discards the result)."""
-    return ep
-
-
 def save_program(exported: torch.export.ExportedProgram, stream: IO[bytes]) -> None:
-    """``torch.export.save(exported, stream)``, writing the same bytes without torch's check of a
-    canonical form.
-
-    torch 2.13's ``ExportedProgramSerializer.serialize`` calls ``canonicalize`` on the serialised
-    program only to test that a canonical form exists ("Test canonical form is well defined"): it
-    deep-copies the whole serialised graph, sorts and renames the copy, and discards it; what is
-    written is the program as serialised (no load path canonicalizes). That check is the larger
-    part of writing a program. For the duration the module's ``canonicalize`` global is a function
-    returning its argument; the bytes written are unchanged
-    (checked by tests/store/test_disk_cache.py). A thread calling ``torch.export.save`` itself meanwhile
-    skips the check too; this function and :func:`load_program` swap torch's globals one at a time.
+    """``torch.export.save(exported, stream)``, without the program's example inputs.
 
     The program's example inputs are left out (``ExportedProgram.example_inputs`` is None while it
     is written, then restored): nothing that loads it needs them, and torch writes them with
@@ -210,15 +194,12 @@ def save_program(exported: torch.export.ExportedProgram, stream: IO[bytes]) -> N
     raises on errors (pytest's) turns into a failed load.
     """
     import torch
-    from torch._export.serde import serialize
 
     with _SWAPPING:
         examples = exported._example_inputs
         exported.example_inputs = None
         try:
-            with registry.replaced("save_without_canonical_check", serialize, "canonicalize",
-                                   value=_unchecked_canonical_form):
-                torch.export.save(exported, stream)
+            torch.export.save(exported, stream)
         finally:
             exported._example_inputs = examples
 
