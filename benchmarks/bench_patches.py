@@ -39,11 +39,7 @@ ROWS = {
     "cache_update_traced": ("cold", "structure"),
     "lazy_unflatten_code": ("disk",),
     "sources_compiled_once": ("disk",),
-    "load_memoized_schema": ("disk",),
-    "load_schema_reader": ("disk",),
-    "load_location": ("disk",),
     "load_fake_tensor_meta": ("disk",),
-    "load_shared_sym_ints": ("disk",),
 }
 
 _CHILD = """

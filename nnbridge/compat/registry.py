@@ -142,21 +142,10 @@ PATCHES: tuple[RuntimePatch, ...] = (
            why="Confines the process-wide patches fx makes while tracing (nn.Module.__call__...) to the tracing thread,"
            " so another thread's module call is neither recorded nor corrupted."),
     # disk cache (compat/serialization.py)
-    _torch("load_memoized_schema", "torch._export.serde.serialize.typing, .sympy, .dataclasses, "
-           "torch._export.serde.union.fields", "speed",
-           why="Memoizes the type hints, sympy parses and dataclass fields the deserializer asks again for every"
-           " node."),
-    _torch("load_schema_reader", "torch._export.serde.serialize._dict_to_dataclass", "speed",
-           why="Decides once per schema class how its JSON becomes a dataclass."),
-    _torch("load_location", "torch.fx.experimental.symbolic_shapes.ShapeEnv._get_sloc", "speed",
-           why="Gives loaded symbolic-size ranges a fixed source location instead of a stack walk that imports"
-           " torch's compiler stack."),
     _torch("load_fake_tensor_meta", "torch._export.serde.serialize.GraphModuleDeserializer.deserialize_tensor_meta",
            "speed",
            why="Makes each loaded node's fake tensor through the fake mode's constructor path, not a dispatch through"
            " its cache."),
-    _torch("load_shared_sym_ints", "torch._export.serde.serialize.GraphModuleDeserializer.deserialize_sym_int",
-           "speed", why="Makes each distinct symbolic size once per deserializer, as a traced graph shares them."),
     # transformers (compat/transformers/mask_skips.py, cache_layers.py, cache_updates.py) and the model's own
     # classes (extract/watched_attributes.py)
     RuntimePatch("mask_skips", "transformers.masking_utils._ignore_causal_mask_sdpa, "

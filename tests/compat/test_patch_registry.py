@@ -401,34 +401,6 @@ def _round_trip() -> None:
     assert torch.equal(ours.module()(x), theirs.module()(x))
 
 
-def probe_load_memoized_schema() -> None:
-    import dataclasses
-    import typing
-
-    import sympy
-    from torch._export.serde import serialize, union
-
-    assert serialize.typing is typing and serialize.sympy is sympy and serialize.dataclasses is dataclasses
-    assert union.fields is dataclasses.fields
-    _round_trip()
-    assert serialize.typing is typing and union.fields is dataclasses.fields
-
-
-def probe_load_schema_reader() -> None:
-    from torch._export.serde import serialize
-
-    assert _parameters(serialize._dict_to_dataclass) == ["cls", "data"]
-    _round_trip()
-
-
-def probe_load_location() -> None:
-    from torch.fx.experimental.symbolic_shapes import SLoc, ShapeEnv
-
-    assert _parameters(vars(ShapeEnv)["_get_sloc"]) == ["self", "framework_loc"]
-    assert [f for f in SLoc.__dataclass_fields__] == ["framework_loc", "maybe_user_loc"]
-    _round_trip()
-
-
 def probe_load_fake_tensor_meta() -> None:
     from torch._export.serde import serialize
     from torch._subclasses.fake_tensor import in_kernel_invocation_manager
@@ -436,13 +408,6 @@ def probe_load_fake_tensor_meta() -> None:
     deserializer = serialize.GraphModuleDeserializer
     assert _parameters(vars(deserializer)["deserialize_tensor_meta"]) == ["self", "tensor_meta"]
     assert callable(serialize.deserialize_device) and serialize._SERIALIZE_TO_TORCH_DTYPE and in_kernel_invocation_manager
-    _round_trip()
-
-
-def probe_load_shared_sym_ints() -> None:
-    from torch._export.serde import serialize
-
-    assert _parameters(vars(serialize.GraphModuleDeserializer)["deserialize_sym_int"]) == ["self", "s"]
     _round_trip()
 
 
