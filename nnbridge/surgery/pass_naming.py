@@ -10,7 +10,7 @@ child (``fused_0``), attributes after their target. After a pass:
   :class:`~nnbridge.graph.metadata.NodeMeta`, fx's ``val`` and ``stack_trace``, ...), so it keeps
   the old name too;
 - a node copied with its metadata (``graph.node_copy``) keeps the copied name while no other node
-  has it;
+  has it (a new ``call_module`` node is named after its child, as in extraction);
 - every other node is new and is named by the rules above (never fx's ``relu_default``).
 
 Example::
@@ -70,6 +70,8 @@ def name_nodes_after_pass(graph: Graph, kept: Mapping[Node, str]) -> list[Node]:
             names[node] = "output" if node.op == "output" else node_name(node)
             continue
         meta = node.meta.get(NODE_META_KEY)
+        if node.op == "call_module":  # a new child call is named after its child, whatever it copied
+            node.meta[NODE_META_KEY] = meta = None
         base = meta.name if isinstance(meta, NodeMeta) else _base_name(node)
         candidate, number = base, counts.get(base, 0)
         while candidate in taken:
