@@ -62,10 +62,12 @@ def _fake_of_val(val: Any) -> Any:
                                    dtype=val.dtype, device=val.device)
     if isinstance(val, torch.SymInt):
         return symbolic_hint(val) if has_hint(val) else UNKNOWN
-    if val is None or isinstance(val, (bool, int, float)):
+    if val is None or isinstance(val, (bool, int, float, str)):
         return val
     if type(val) in (tuple, list):
         return type(val)(_fake_of_val(v) for v in val)
+    if type(val) is dict:
+        return {k: _fake_of_val(v) for k, v in val.items()}
     return UNKNOWN
 
 
@@ -76,8 +78,10 @@ class FakeValues(Interpreter):
         module: the graph module (a :class:`~nnbridge.graph.graph_module.CompiledGraphModule`, or a
             plain ``GraphModule`` whose ``call_module`` targets are graph modules).
         mode: the fake-tensor mode to run in (children share it).
-        inputs: ``{placeholder target: value}`` for a child's call; placeholders not in it (all, for
-            the graph checked) start from their recorded metadata.
+        inputs: ``{placeholder target: value}`` for a child's call; placeholders not in it start
+            from ``recorded`` or, failing that, their own ``node.meta["val"]``.
+        recorded: ``{placeholder target: recorded value}`` (:func:`~.pass_inputs.recorded_inputs`:
+            fake or real tensors, constants): a fresh fake value like it is the placeholder's.
         where: the graph's NodePath, for :attr:`failure`.
 
     Attributes:
@@ -85,10 +89,12 @@ class FakeValues(Interpreter):
         calls: ``{call_module node name: (args, kwargs)}`` each child call received.
     """
 
-    def __init__(self, module: GraphModule, mode: Any, *, inputs: dict[str, Any] | None = None, where: str = ""):
+    def __init__(self, module: GraphModule, mode: Any, *, inputs: dict[str, Any] | None = None,
+                 recorded: dict[str, Any] | None = None, where: str = ""):
         super().__init__(module, garbage_collect_values=False)
         self.mode = mode
         self.inputs = inputs or {}
+        self.recorded = recorded or {}
         self.where = where
         self.failure: str | None = None
         self.calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
@@ -123,6 +129,8 @@ class FakeValues(Interpreter):
     def placeholder(self, target: Target, args: tuple[Argument, ...], kwargs: dict[str, Any]) -> Any:
         if str(target) in self.inputs:
             return self.inputs[str(target)]
+        if str(target) in self.recorded:
+            return _fake_of_val(self.recorded[str(target)])
         if "val" not in self.node.meta:
             return UNKNOWN
         return _fake_of_val(self.node.meta["val"])

@@ -92,8 +92,8 @@ class _Propagated:
     failure: str | None
 
 
-def _propagate(module: GraphModule) -> _Propagated:
-    values = FakeValues(module, fake_mode())
+def _propagate(module: GraphModule, recorded: dict[str, Any]) -> _Propagated:
+    values = FakeValues(module, fake_mode(), recorded=recorded)
     output = values.propagate()
     calls = {name: leaf_metadata(call) for name, call in values.calls.items()}
     return _Propagated(leaf_metadata(output), calls, values.failure)
@@ -115,22 +115,29 @@ def _compare(what: str, before: tuple[Any, list[Any]], after: tuple[Any, list[An
 
 
 class ShapeCheck(GraphCheck):
+    """Args:
+        recorded: the graph's inputs on the example call (:func:`~.pass_inputs.recorded_inputs`).
+    """
+
     name = "shapes"
 
+    def __init__(self, recorded: dict[str, Any] | None = None) -> None:
+        self.recorded = recorded or {}
+
     def reference(self, before: GraphModule) -> Any:
-        return _propagate(before)
+        return _propagate(before, self.recorded)
 
     def failure(self, reference: Any, after: GraphModule) -> str | None:
-        now = _propagate(after)
-        found = _compare("the output", reference.output, now.output, failure=now.failure)
-        if found is not None:
-            return found
-        for name, call in reference.calls.items():
+        now = _propagate(after, self.recorded)
+        for name, call in reference.calls.items():  # where a change first shows, before the output
             if name in now.calls:
                 found = _compare(f"the arguments of the call {name!r}", call, now.calls[name],
                                  failure=now.failure)
                 if found is not None:
                     return found
+        found = _compare("the output", reference.output, now.output, failure=now.failure)
+        if found is not None:
+            return found
         if reference.failure is None and now.failure is not None:
             return f"fake propagation fails: {now.failure}"
         return None
@@ -156,8 +163,10 @@ _BUILT_IN: dict[str, Callable[[], GraphCheck]] = {"lint": LintCheck, "signature"
 DEFAULT_CHECKS = ("lint", "signature", "shapes")
 
 
-def resolve_checks(checks: Sequence[str | Callable[[GraphModule], Any]]) -> list[GraphCheck]:
-    """The check objects for ``checks`` (built-in names or functions ``check(graph_module)``).
+def resolve_checks(checks: Sequence[str | Callable[[GraphModule], Any]], *,
+                   recorded: dict[str, Any] | None = None) -> list[GraphCheck]:
+    """The check objects for ``checks`` (built-in names or functions ``check(graph_module)``);
+    ``recorded``: the graph's inputs on the example call, for ``"shapes"``.
 
     Raises:
         PassCheckError: an unknown name, or something neither a name nor callable (check ``argument``).
@@ -172,7 +181,7 @@ def resolve_checks(checks: Sequence[str | Callable[[GraphModule], Any]]) -> list
                 raise PassCheckError(f"apply_passes: unknown check {check!r}; the built-in checks are"
                                      f" {sorted(_BUILT_IN)}, or pass a function check(graph_module) that raises.",
                                      check="argument")
-            resolved.append(make())
+            resolved.append(ShapeCheck(recorded) if check == "shapes" else make())
         elif callable(check):
             resolved.append(UserCheck(check))
         else:

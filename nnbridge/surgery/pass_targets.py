@@ -22,6 +22,7 @@ from ..graph.hierarchy import children
 from ..graph.node_path import from_module_path
 from ..inplace.bridging import Bridge, bridge_of
 from ..patching.patchable_graph import PatchableGraph
+from .pass_inputs import Parents
 
 
 def scope_pattern(scope: str) -> re.Pattern[str]:
@@ -44,14 +45,15 @@ def graph_path(graph: GraphModuleBase) -> str:
 
 @dataclass
 class Graphs:
-    """The graphs of a target: ``[(NodePath, graph)]``, each graph once, and the bridge over the
-    model (None for a PatchableGraph over a plain model)."""
+    """The graphs of a target: ``[(NodePath, graph)]``, each graph once; the bridge over the
+    model (None for a PatchableGraph over a plain model); each compiled child's caller."""
 
     graphs: list[tuple[str, CompiledGraphModule]]
     bridge: Bridge | None
+    parents: Parents
 
 
-def _below(root: GraphModuleBase, seen: set[int]) -> Iterator[GraphModuleBase]:
+def _below(root: GraphModuleBase, seen: set[int], parents: Parents) -> Iterator[GraphModuleBase]:
     if id(root) in seen:
         return
     seen.add(id(root))
@@ -59,14 +61,16 @@ def _below(root: GraphModuleBase, seen: set[int]) -> Iterator[GraphModuleBase]:
     if isinstance(root, CompiledGraphModule):
         for node in root.graph.nodes:
             if node.op == "call_module":
-                yield from _below(root.child_graph(node), seen)
+                child = root.child_graph(node)
+                parents.setdefault(id(child), (root, node))
+                yield from _below(child, seen, parents)
     elif isinstance(root, OpaqueGraphModule):
         for _, sub in children(root):
             if sub is not None:
-                yield from _below(sub, seen)
+                yield from _below(sub, seen, parents)
         for holder in root.graph_meta.child_dispatchers.values():
             for extraction in holder.all_extractions():
-                yield from _below(extraction.root, seen)
+                yield from _below(extraction.root, seen, parents)
 
 
 def target_graphs(target: object) -> Graphs:
@@ -93,10 +97,11 @@ def target_graphs(target: object) -> Graphs:
             " Bridge the model first (nnbridge.bridge(model, *example_inputs)) or make a PatchableGraph(model,"
             " *example_inputs).", check="argument")
     seen: set[int] = set()
+    parents: Parents = {}
     graphs = [(graph_path(graph), graph) for dispatcher in dispatchers for extraction in dispatcher.all_extractions()
-              for graph in _below(extraction.root, seen) if isinstance(graph, CompiledGraphModule)]
+              for graph in _below(extraction.root, seen, parents) if isinstance(graph, CompiledGraphModule)]
     if not graphs:
         raise PassCheckError(
             f"apply_passes: {type(target).__name__} has no extracted graph yet (bridged without example inputs and"
             " never called); call it once, or bridge it with example inputs, before applying passes.", check="argument")
-    return Graphs(graphs, bridge)
+    return Graphs(graphs, bridge, parents)

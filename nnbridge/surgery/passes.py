@@ -41,6 +41,7 @@ from ..graph.op_point import OpPoint
 from ..inplace.bridging import Bridge
 from .pass_checks import DEFAULT_CHECKS, resolve_checks
 from .pass_graphs import WorkingCopy, install, module_call_problem, working_copy
+from .pass_inputs import Parents, recorded_inputs
 from .pass_kinds import Pass, PassRunner, pass_runner
 from .pass_naming import carry_metadata, name_nodes_after_pass
 from .pass_targets import Graphs, graph_path, scope_pattern, target_graphs
@@ -130,15 +131,18 @@ class PassEdit:
             _refuse_removed_listened([prepared])
             prepared.install()
 
-    def prepare(self, graph_module: CompiledGraphModule, where: str) -> PreparedPasses:
-        """Run every pass and check on a copy of ``graph_module`` (at NodePath ``where``).
+    def prepare(self, graph_module: CompiledGraphModule, where: str, *, parents: Parents | None = None
+                ) -> PreparedPasses:
+        """Run every pass and check on a copy of ``graph_module`` (at NodePath ``where``);
+        ``parents``: the callers of the graphs of its hierarchy (:mod:`.pass_inputs`), where the
+        shape check finds what the graph's inputs were on the example call.
 
         Raises:
             PassCheckError: a pass raised or a check failed (``graph_module`` is untouched).
         """
         shown = where or "<root>"
         work = working_copy(graph_module)
-        checks = resolve_checks(self.checks)
+        checks = resolve_checks(self.checks, recorded=recorded_inputs(graph_module, parents or {}))
         references = [check.reference(work.module) for check in checks]
         module = work.module
         for runner in self.runners:
@@ -246,7 +250,7 @@ def apply_passes(target: object, passes: Pass | Sequence[Pass], *, scope: str = 
                 f"apply_passes: the scope {scope!r} matches no compiled graph; graphs: {paths[:12]}"
                 f"{' ...' if len(paths) > 12 else ''} ('*' matches within one segment, '**' across segments).",
                 check="scope")
-        prepared = [edit.prepare(graph, path) for path, graph in chosen]
+        prepared = [edit.prepare(graph, path, parents=found.parents) for path, graph in chosen]
         _refuse_removed_listened(prepared)
         links = _links(found, prepared)
         undo: list[Callable[[], None]] = []
