@@ -34,7 +34,7 @@ def _arguments(call: Node, child: CompiledGraphModule) -> dict[str, Any]:
     return bound
 
 
-def _recorded(node: Node, graph: CompiledGraphModule, parents: Parents, depth: int) -> Any:
+def _recorded(node: Node, graph: CompiledGraphModule, parents: Parents, *, depth: int) -> Any:
     if depth > _DEPTH:
         return UNKNOWN
     if "val" in node.meta:
@@ -45,28 +45,28 @@ def _recorded(node: Node, graph: CompiledGraphModule, parents: Parents, depth: i
         child = graph.child_graph(node)
         if isinstance(child, CompiledGraphModule):
             output = next(n for n in child.graph.nodes if n.op == "output")
-            return _argument(output.args[0], child, parents, depth + 1)
+            return _argument(output.args[0], child, parents, depth=depth + 1)
         return UNKNOWN
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], Node):
-        container = _recorded(node.args[0], graph, parents, depth + 1)
+        container = _recorded(node.args[0], graph, parents, depth=depth + 1)
         try:
-            return container[node.args[1]]  # type: ignore[index]  # a tuple, list or dict of values
+            return container[node.args[1]]  # a tuple, list or dict of values
         except (TypeError, KeyError, IndexError):
             return UNKNOWN
     if node.op == "placeholder" and id(graph) in parents:
         parent, call = parents[id(graph)]
         bound = _arguments(call, graph)
         if str(node.target) in bound:
-            return _argument(bound[str(node.target)], parent, parents, depth + 1)
+            return _argument(bound[str(node.target)], parent, parents, depth=depth + 1)
         return node.args[0] if node.args else UNKNOWN
     return UNKNOWN
 
 
-def _argument(argument: Any, graph: CompiledGraphModule, parents: Parents, depth: int) -> Any:
-    return map_aggregate(argument, lambda a: _recorded(a, graph, parents, depth) if isinstance(a, Node) else a)
+def _argument(argument: Any, graph: CompiledGraphModule, parents: Parents, *, depth: int) -> Any:
+    return map_aggregate(argument, lambda a: _recorded(a, graph, parents, depth=depth) if isinstance(a, Node) else a)
 
 
 def recorded_inputs(graph: CompiledGraphModule, parents: Parents) -> dict[str, Any]:
     """``{placeholder target: recorded value}`` (export's fake tensors, constants, parameters;
     :data:`~.fake_values.UNKNOWN` where none was found) for ``graph``'s placeholders."""
-    return {str(node.target): _recorded(node, graph, parents, 0) for node in graph.graph.nodes if node.op == "placeholder"}
+    return {str(node.target): _recorded(node, graph, parents, depth=0) for node in graph.graph.nodes if node.op == "placeholder"}

@@ -95,7 +95,7 @@ def _run_transformer(cls: type[Transformer]) -> Callable[[GraphModule], PassOutc
             if isinstance(result, Proxy) and result.node not in origins:
                 origins[result.node] = node
             return result
-        transformer.run_node = recording  # type: ignore[method-assign]  # this instance's nodes are recorded
+        transformer.run_node = recording  # type: ignore[method-assign, assignment]  # this instance records its nodes
         result = transformer.transform()
         return PassOutcome(result, origins)
     return run

@@ -160,7 +160,7 @@ class PassEdit:
             kept = {node: node.name for node in module.graph.nodes if node in before}
             kept.update((new, old.name) for new, old in outcome.origins.items())
             name_nodes_after_pass(module.graph, kept)
-            failed = self._failure(work, module, checks, references)
+            failed = self._failure(work, module, checks=checks, references=references)
             if failed is not None:
                 check, reason = failed
                 raise PassCheckError(
@@ -170,7 +170,7 @@ class PassEdit:
         return PreparedPasses(work, module, where)
 
     @staticmethod
-    def _failure(work: WorkingCopy, module: GraphModule, checks: list[Any], references: list[Any]
+    def _failure(work: WorkingCopy, module: GraphModule, *, checks: list[Any], references: list[Any]
                  ) -> tuple[str, str] | None:
         for check, reference in zip(checks, references):
             if check.name == "lint":

@@ -258,3 +258,60 @@ def test_a_bridged_model_never_called_is_refused():
         apply_passes(model, replace_add_with_mul)
     model(ids, use_cache=False)
     assert apply_passes(model, replace_add_with_mul, scope="model.layers_0").graphs == ["model.layers_0"]
+
+
+def test_a_call_of_another_graphs_child_is_refused(llama_pg):
+    pg, ids, logits = llama_pg
+    borrowed = graph_at(pg, "model.layers_1.mlp")
+
+    def borrow_the_next_mlp(gm):
+        gm.add_submodule("borrowed", borrowed)
+        next(n for n in gm.graph.nodes if n.op == "call_module" and n.name == "mlp").target = "borrowed"
+    with pytest.raises(PassCheckError) as caught:
+        apply_passes(pg, borrow_the_next_mlp, scope="model.layers_0")
+    assert caught.value.check == "call_module" and "another graph's child" in str(caught.value)
+    assert_unchanged(pg, ids, logits)
+
+
+def test_a_fused_partition_that_calls_modules_is_refused(llama_pg):
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+    from torch.fx.passes.operator_support import OperatorSupportBase
+    pg, ids, logits = llama_pg
+
+    class Everything(OperatorSupportBase):
+        def is_node_supported(self, submodules, node):
+            return node.op in ("call_module", "call_function")
+
+    def fuse_everything(gm):
+        partitioner = CapabilityBasedPartitioner(gm, Everything())
+        return partitioner.fuse_partitions(partitioner.propose_partitions())
+    with pytest.raises(PassCheckError) as caught:
+        apply_passes(pg, fuse_everything, scope="model.layers_0")
+    assert caught.value.check == "call_module" and "calls modules itself" in str(caught.value)
+    assert_unchanged(pg, ids, logits)
+
+
+def test_a_dead_node_that_fake_propagation_cannot_compute_is_refused(llama_pg):
+    pg, ids, logits = llama_pg
+
+    def dead_mismatch(gm):
+        add = _last_add(gm)
+        with gm.graph.inserting_after(add):
+            gm.graph.call_function(aten.mm.default, (add, add))  # (1, 8, 64) is no matrix
+    with pytest.raises(PassCheckError) as caught:
+        apply_passes(pg, dead_mismatch, scope="model.layers_0")
+    assert caught.value.check == "shapes" and "fake propagation fails" in str(caught.value)
+    assert "model.layers_0" in str(caught.value) and "mm" in str(caught.value)
+    assert_unchanged(pg, ids, logits)
+
+
+def test_a_pass_edit_that_fails_leaves_its_graph_unchanged(llama_pg):
+    from nnbridge.surgery import PassEdit
+    pg, ids, logits = llama_pg
+
+    def raises(gm):
+        replace_add_with_mul(gm)
+        raise ValueError("no")
+    with pytest.raises(PassCheckError, match="the pass raises raised on the graph model.layers_0"):
+        PassEdit(raises).apply(graph_at(pg, "model.layers_0"))
+    assert_unchanged(pg, ids, logits)

@@ -117,3 +117,24 @@ def test_fused_partitions_on_a_bridged_model():
     with pg.patch({"model.layers_1.post_attention_layernorm.fused_0.rsqrt": probe}):
         pg(ids, use_cache=False)
     assert probe.activation.shape == (1, 8, 1)
+
+
+def scale_layer_outputs(gm):
+    """Multiplies the layer's output by a tensor constant the pass adds (a new get_attr)."""
+    gm.register_buffer("scale", torch.tensor(2.0))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(output):
+        scale = gm.graph.get_attr("scale")
+        scaled = gm.graph.call_function(aten.mul.Tensor, (output.args[0], scale))
+    output.args = (scaled,)
+
+
+def test_a_pass_that_adds_a_tensor_constant():
+    model, eager, ids = models()
+    nnbridge.bridge(model, ids, use_cache=False)
+    apply_passes(model, scale_layer_outputs, scope="model.layers_*")
+    for layer in eager.model.layers:
+        layer.register_forward_hook(lambda module, args, output: output * torch.tensor(2.0))
+    assert_equal_runs(run_with_grads(lambda: model(ids, use_cache=False), model),
+                      run_with_grads(lambda: eager(ids, use_cache=False), eager))
+    assert "scale" in node_names(graph_at(model, "model.layers_0"))

@@ -91,8 +91,11 @@ def test_remove_detach_gives_the_gradients_of_the_model_without_detach(bridged):
     eager.load_state_dict(model.state_dict())
     target = nnbridge.bridge(model, x) if bridged else PatchableGraph(model, x)
     assert any(node.target == torch.ops.aten.detach.default for node in graph_at(target, "").graph.nodes)
+    if bridged:
+        assert isinstance(model.get_submodule("detach"), nnbridge.OpPoint)
     apply_passes(target, [RemoveDetachPass])
     assert "detach" not in node_names(graph_at(target, ""))
+    assert "detach" not in dict(model.named_children())  # a bridged model's op point is gone with its node
 
     def run(call, module):
         module.zero_grad()
