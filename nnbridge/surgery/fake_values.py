@@ -3,12 +3,12 @@
 :class:`FakeValues` is a ``torch.fx.Interpreter``, as fx's ``FakeTensorProp`` is, run under a
 fake-tensor mode (:func:`~nnbridge.compat.torch.fake_values.fake_mode`). It starts from what
 extraction recorded: a placeholder's value is a fake tensor with the sizes, strides, dtype and
-device of its ``node.meta["val"]`` (export's metadata, sizes at their example values); parameters
-and buffers become fake copies. A ``call_module`` node runs the child's graph the same way (an
-opaque child gives its recorded ``val``, when there is one). A value it cannot compute (a state
-object such as a cache, an opaque child's result, an op that fails on fake tensors) is
-:data:`UNKNOWN`, and so is everything computed from it; the first failure is kept in
-:attr:`FakeValues.failure`. Example::
+device of its recorded value (:mod:`.pass_inputs`, export's metadata, sizes at their example
+values); parameters and buffers become fake copies. A ``call_module`` node runs the child's graph
+the same way (an opaque child gives its recorded ``val``, when there is one). A value it cannot
+rebuild (a state object such as a cache) is :data:`UNKNOWN`; an op with an unknown input takes its
+own recorded ``val`` (fresh), else is unknown too; an op that fails on fake tensors is unknown and
+its failure is kept in :attr:`FakeValues.failure` (the first one). Example::
 
     values = FakeValues(graph_module, fake_mode())
     out = values.propagate()            # the output, with fake tensors as leaves
@@ -108,8 +108,9 @@ class FakeValues(Interpreter):
     def run_node(self, n: Node) -> Any:
         self._node = n
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        if n.op != "output" and has_unknown((args, kwargs)):
-            return UNKNOWN
+        if n.op not in ("output", "call_module") and has_unknown((args, kwargs)):
+            # an op whose inputs were not rebuilt (a cache's tensors): its recorded value, if any
+            return _fake_of_val(n.meta["val"]) if "val" in n.meta else UNKNOWN
         try:
             return getattr(self, n.op)(n.target, args, kwargs)
         except Exception as error:  # noqa: BLE001 - a value not computed; the check decides whether it matters

@@ -107,3 +107,22 @@ def test_remove_detach_gives_the_gradients_of_the_model_without_detach(bridged):
     assert torch.equal(got[0], want[0])
     for name in want[1]:
         assert torch.equal(got[1][name], want[1][name]), name
+
+
+def test_with_a_kv_cache_through_the_layers_passes_apply_and_shape_changes_are_caught():
+    from nnbridge.errors import PassCheckError
+    model, eager, ids = models()
+    pg = PatchableGraph(model, ids)  # use_cache: a DynamicCache flows through every layer graph
+    want_unedited = pg(ids).logits
+
+    def sum_last_dim(gm):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        with gm.graph.inserting_before(output):
+            summed = gm.graph.call_function(torch.ops.aten.sum.dim_IntList, (output.args[0], [-1], True))
+        output.args = (summed,)
+    with pytest.raises(PassCheckError) as caught:
+        apply_passes(pg, sum_last_dim, scope="model.layers_*")
+    assert (caught.value.graph, caught.value.check) == ("model.layers_0", "shapes")
+    assert torch.equal(pg(ids).logits, want_unedited)
+    apply_passes(pg, SEED_PASSES, scope="model.layers_*")
+    assert torch.equal(pg(ids).logits, hand_edited(eager, ReluMulLayer)(ids).logits)
