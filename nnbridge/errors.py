@@ -39,6 +39,25 @@ class PatchError(NNBridgeError):
     The message names the NodePath and the patch."""
 
 
+class PassCheckError(NNBridgeError):
+    """A graph pass (:func:`nnbridge.surgery.apply_passes`) could not be applied to a graph: the
+    pass raised, or a check after it failed (lint, signature, shapes by fake propagation, a module
+    call nnbridge cannot run), or the pass argument is not a pass. Every graph the call had changed
+    is back as it was.
+
+    Attributes:
+        pass_name: the pass (``replace_add_with_mul``, ``ReplaceAddWithMul``); ``""`` when the
+            argument was not a pass.
+        graph: the NodePath of the graph (``model.layers_0``, ``<root>``); ``""`` when none ran.
+        check: the check that failed (``lint``, ``signature``, ``shapes``, ``call_module``,
+            ``get_attr``, ``run``, ``listened``, ``argument``, or a user check's name).
+    """
+
+    def __init__(self, message: str, *, pass_name: str = "", graph: str = "", check: str = ""):
+        super().__init__(message)
+        self.pass_name, self.graph, self.check = pass_name, graph, check
+
+
 class NNBridgeWarning(UserWarning):
     """Category of every warning nnbridge issues."""
 

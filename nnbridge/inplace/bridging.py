@@ -490,6 +490,35 @@ class Bridge:
             else:
                 graph.share_point(name, point)
 
+    def link_of(self, graph: AnyGraph) -> tuple[torch.nn.Module, int] | None:
+        """``(module, invocation)`` whose op points ``graph`` shares (the user's module whose body
+        runs it, and which of the module's calls per forward it serves); None when the graph has no
+        op point registered by this bridge."""
+        keys = {id(point): key for key, point in self.points.items()}
+        for point in graph.op_points_made():
+            key = keys.get(id(point))
+            if key is not None and key[0] in self.swapped:
+                return self.swapped[key[0]].module, key[1]
+        return None
+
+    def add_points(self, graph: AnyGraph, module: torch.nn.Module, invocation: int) -> None:
+        """After an edit of ``graph`` (one of ``module``'s graphs for call ``invocation``): register
+        op points for its new nodes, as :meth:`link` does for an extraction's nodes."""
+        self._share_points(graph, module, invocation)
+
+    def remove_point(self, module: torch.nn.Module, invocation: int, name: str) -> None:
+        """After an edit removed node ``name`` from every graph of ``module``'s call
+        ``invocation``: unregister its op point (a hook on it could never fire)."""
+        point = self.points.pop((id(module), invocation, name), None)
+        if point is None:
+            return
+        for i, (holder, attribute) in enumerate(self.registered):
+            if modules_of(holder).get(attribute) is point:
+                modules_of(holder).pop(attribute)
+                del self.registered[i]
+                self._holders[id(holder)][1].pop(attribute, None)
+                return
+
     def _register(self, module: torch.nn.Module, invocation: int, name: str, *, point: OpPoint) -> None:
         holder = module
         if invocation:

@@ -1,0 +1,72 @@
+"""What a graph's inputs looked like on the example call, for fake propagation (:mod:`.fake_values`).
+
+Extraction keeps export's metadata (``node.meta["val"]``, fake tensors) on a graph's ops, not on
+the placeholders of the graphs unflattening made. A placeholder's metadata is found where its value
+comes from: the argument its parent graph's ``call_module`` node passes (an op's ``val``, a
+constant, a parameter, an item of another child's output, or the parent's own placeholder, looked
+up in turn). An extraction's root has no caller: its inputs stay unknown. Example::
+
+    inputs = recorded_inputs(layer_graph, parents)   # {"hidden_states": FakeTensor(...), "cache": None, ...}
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from torch.fx import Node
+from torch.fx.node import map_aggregate
+
+from ..graph.graph_module import CompiledGraphModule
+from .fake_values import UNKNOWN
+from .pass_graphs import fetch
+
+#: ``{id(child graph): (parent graph, the call_module node calling it)}``
+Parents = dict[int, tuple[CompiledGraphModule, Node]]
+
+_DEPTH = 64  # nesting of modules and item look-ups followed at most
+
+
+def _arguments(call: Node, child: CompiledGraphModule) -> dict[str, Any]:
+    placeholders = [n for n in child.graph.nodes if n.op == "placeholder"]
+    bound: dict[str, Any] = {str(p.target): a for p, a in zip(placeholders, call.args)}
+    bound.update(call.kwargs)
+    return bound
+
+
+def _recorded(node: Node, graph: CompiledGraphModule, parents: Parents, *, depth: int) -> Any:
+    if depth > _DEPTH:
+        return UNKNOWN
+    if "val" in node.meta:
+        return node.meta["val"]
+    if node.op == "get_attr":
+        return fetch(graph, str(node.target))
+    if node.op == "call_module":
+        child = graph.child_graph(node)
+        if isinstance(child, CompiledGraphModule):
+            output = next(n for n in child.graph.nodes if n.op == "output")
+            return _argument(output.args[0], child, parents, depth=depth + 1)
+        return UNKNOWN
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], Node):
+        container = _recorded(node.args[0], graph, parents, depth=depth + 1)
+        try:
+            return container[node.args[1]]  # a tuple, list or dict of values
+        except (TypeError, KeyError, IndexError):
+            return UNKNOWN
+    if node.op == "placeholder" and id(graph) in parents:
+        parent, call = parents[id(graph)]
+        bound = _arguments(call, graph)
+        if str(node.target) in bound:
+            return _argument(bound[str(node.target)], parent, parents, depth=depth + 1)
+        return node.args[0] if node.args else UNKNOWN
+    return UNKNOWN
+
+
+def _argument(argument: Any, graph: CompiledGraphModule, parents: Parents, *, depth: int) -> Any:
+    return map_aggregate(argument, lambda a: _recorded(a, graph, parents, depth=depth) if isinstance(a, Node) else a)
+
+
+def recorded_inputs(graph: CompiledGraphModule, parents: Parents) -> dict[str, Any]:
+    """``{placeholder target: recorded value}`` (export's fake tensors, constants, parameters;
+    :data:`~.fake_values.UNKNOWN` where none was found) for ``graph``'s placeholders."""
+    return {str(node.target): _recorded(node, graph, parents, depth=0) for node in graph.graph.nodes if node.op == "placeholder"}
