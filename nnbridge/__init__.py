@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # the names as the type checker sees them; at run time __geta
     from .errors import NNBridgeWarning as NNBridgeWarning
     from .errors import NodePathError as NodePathError
     from .errors import SaveLoadError as SaveLoadError
+    from .errors import SurgeryError as SurgeryError
     from .extract.options import ExtractionOptions as ExtractionOptions
     from .graph.graph_module import CompiledGraphModule as CompiledGraphModule
     from .graph.graph_module import MultiplyInvokedModule as MultiplyInvokedModule
@@ -136,6 +137,7 @@ _EXPORTS: dict[str, str] = {
     "RecordPatch": ".patching.patches",
     "ReplacePatch": ".patching.patches",
     "SaveLoadError": ".errors",
+    "SurgeryError": ".errors",
     "TransformersModel": ".envoys",
     "ZeroPatch": ".patching.patches",
     "bridge": ".inplace.bridging",
@@ -167,6 +169,7 @@ __all__ = [
     "RecordPatch",
     "ReplacePatch",
     "SaveLoadError",
+    "SurgeryError",
     "ZeroPatch",
     "bridge",
     "explain",

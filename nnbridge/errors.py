@@ -39,6 +39,12 @@ class PatchError(NNBridgeError):
     The message names the NodePath and the patch."""
 
 
+class SurgeryError(NNBridgeError):
+    """A graph edit (:mod:`nnbridge.surgery`: an inserted or replacing module) cannot be made, or
+    no longer applies to a new extraction of its module. The message names the site (NodePath),
+    the module, the rule and the fix; nothing is left half-edited."""
+
+
 class NNBridgeWarning(UserWarning):
     """Category of every warning nnbridge issues."""
 

@@ -61,6 +61,7 @@ from ..graph.summaries import bind_inputs
 from ..graph.locking import CALL_LOCK, lock_calls, locked_call, unlock_calls
 from ..graph.module_tree import named_real_modules, refuse_instance_forwards
 from ..graph.op_point import LISTENED, OpPoint, OpPointContainer
+from ..graph.recipes import withdraw_all
 from ..extract.options import ExtractionOptions
 
 #: key in a bridged model's ``__dict__`` holding its :class:`Bridge` (removed by :func:`unbridge`);
@@ -523,6 +524,37 @@ class Bridge:
         install_copier(module, Copier(module, self.detached, bridged_copy, options=self.options))
 
     # -- undoing --------------------------------------------------------------------------------
+    def adopt(self, holder: torch.nn.Module, attribute: str) -> None:
+        """Count ``holder.<attribute>`` (a module graph surgery inserted) among the modules the
+        bridge registered: front-ends give it an envoy (see :meth:`holders`), :meth:`undo` takes it
+        off, :meth:`release` too."""
+        self._note_registered(holder, attribute)
+
+    def release(self, module: torch.nn.Module) -> None:
+        """Undo the bridge on ``module``'s tree only (a module graph surgery inserted, then took
+        out again): its registration (see :meth:`adopt`), bodies, copiers, op points and
+        dispatchers, as :meth:`undo` does for the model."""
+        ids = {id(m) for m in module.modules()}
+
+        def released(holder: torch.nn.Module, attribute: str) -> bool:
+            return id(holder) in ids or modules_of(holder).get(attribute) is module
+        for holder, attribute in reversed(self.registered):
+            if released(holder, attribute):
+                modules_of(holder).pop(attribute, None)
+                kept = self._holders.get(id(holder))
+                if kept is not None:
+                    kept[1].pop(attribute, None)
+        self.registered = [(h, a) for h, a in self.registered if id(h) not in ids and a in modules_of(h)]
+        for ident in ids:
+            self._holders.pop(ident, None)
+            self.dispatchers.pop(ident, None)
+            swapped = self.swapped.pop(ident, None)
+            if swapped is not None:
+                restore_body(swapped)
+                remove_copier(swapped.module)
+        self.registered_names = {attribute for _, attribute in self.registered}
+        self.points = {key: point for key, point in self.points.items() if key[0] not in ids}
+
     def undo(self) -> None:
         """Put every module back exactly as it was."""
         for holder, attribute in reversed(self.registered):
@@ -637,8 +669,8 @@ def remove_lookup(model: torch.nn.Module) -> SubmoduleLookup | None:
 
 
 def unbridge(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`bridge`: forwards, ``_modules`` and ``named_modules()`` exactly as before; the
-    graphs' memory goes back to the operating system (see :mod:`nnbridge.compat.libc`).
+    """Undo :func:`bridge`: forwards, ``_modules`` and ``named_modules()`` exactly as before (graph
+    surgery's edits are removed, with the modules they inserted); the graphs' memory goes back to the operating system (see :mod:`nnbridge.compat.libc`).
 
     Raises:
         NNBridgeError: ``model`` is not bridged.
@@ -648,6 +680,7 @@ def unbridge(model: torch.nn.Module) -> torch.nn.Module:
         raise NNBridgeError(f"{type(model).__name__} is not bridged; nothing to undo.")
     remove_lookup(model)
     state.undo()
+    withdraw_all(model)  # graph surgery's edits and the modules they inserted
     del state
     release_garbage()  # the graphs are reference cycles: collected before the heap is trimmed
     return model

@@ -39,7 +39,7 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
 #: nnbridge's layers, lowest first (each subpackage's docstring says what it owns): a module imports
 #: only modules of its own layer or of lower ones. The front modules (``nnbridge/__init__``, the
 #: CLI, the demo, the model loaders) sit above every layer.
-LAYERS = ("errors", "compat", "graph", "guards", "extract", "store", "dispatch", "inplace", "patching", "envoys")
+LAYERS = ("errors", "compat", "graph", "guards", "extract", "store", "dispatch", "inplace", "patching", "surgery", "envoys")
 
 
 def layer_of(module: str) -> int:
