@@ -19,6 +19,8 @@ from typing import cast
 import torch
 from torch.fx import Node
 
+from ..compat.torch.fake_tensors import fake_call
+from ..compat.torch.hooks import cleared_module_state
 from ..compat.torch.module_dicts import modules_of
 from ..compat.torch.symbolic import has_hint, symbolic_hint
 from ..errors import SurgeryError
@@ -147,6 +149,7 @@ def value_of(graph: GraphModuleBase, node: object) -> object:
         if isinstance(child, CompiledGraphModule):
             output = next(n for n in child.graph.nodes if n.op == "output")
             return value_of(child, output.args[0])
+        return _opaque_value(graph, node, child)
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
         source = node.args[0]
         if isinstance(source, Node) and source.op == "call_module":
@@ -157,6 +160,23 @@ def value_of(graph: GraphModuleBase, node: object) -> object:
                 if isinstance(items, (tuple, list)) and node.args[1] < len(items):
                     return value_of(child, items[node.args[1]])
     return None
+
+
+def _opaque_value(graph: CompiledGraphModule, node: Node, child: GraphModuleBase) -> object:
+    """The value of a call of an opaque module: its code run on fake tensors of the call's
+    tensor arguments (None when one is unknown, or it takes other arguments)."""
+    if not isinstance(child, OpaqueGraphModule) or node.kwargs:
+        return None
+    values = [value_of(graph, a) for a in node.args]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return None
+    specs = [(cast(torch.Tensor, v).shape, cast(torch.Tensor, v).dtype, cast(torch.Tensor, v).device) for v in values]
+    try:
+        with cleared_module_state(child.original):
+            return fake_call(child.original, [(torch.Size(symbolic_hint(d) for d in size), dtype, device)
+                                              for size, dtype, device in specs])
+    except Exception:  # noqa: BLE001 - unknown: the caller says the value is no known tensor
+        return None
 
 
 def tensor_spec(graph: GraphModuleBase, node: object, *, where: str) -> Spec:

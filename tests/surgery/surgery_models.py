@@ -50,15 +50,15 @@ def sae_reference(sae):
 
 
 def gated_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """transformers' eager attention with ``module.gate`` (when set) applied after the softmax."""
+    """transformers' eager attention with ``module.head_gate`` (when set) applied after the softmax."""
     key_states = modeling_llama.repeat_kv(key, module.num_key_value_groups)
     value_states = modeling_llama.repeat_kv(value, module.num_key_value_groups)
     attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask
     attn_weights = torch.nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32)
-    if "gate" in module._modules:
-        attn_weights = module.gate(attn_weights)
+    if "head_gate" in module._modules:
+        attn_weights = module.head_gate(attn_weights)
     attn_weights = attn_weights.to(query.dtype)
     attn_weights = torch.nn.functional.dropout(attn_weights, p=dropout, training=module.training)
     attn_output = torch.matmul(attn_weights, value_states)

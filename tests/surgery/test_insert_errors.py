@@ -103,17 +103,26 @@ def test_not_extracted_yet():
     nnbridge.unbridge(model)
 
 
+class Doubler(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
 def test_opaque_module():
-    model = llama()
+    model, reference = llama(), llama()
     ids = torch.randint(0, 100, (1, 4), generator=torch.Generator().manual_seed(7))
     nnbridge.bridge(model, ids, options=ExtractionOptions(classes_to_skip_compiling={LlamaMLP}))
     with pytest.raises(SurgeryError, match=r"runs eagerly \(opaque.*edit at its call instead"):
-        surgery.insert_after(model, "model.layers_1.mlp.down_proj.output", SAE())
+        surgery.insert_after(model, "model.layers_1.mlp.output", SAE())
     assert surgery.edits(model) == []
     # its call is in a graph: the edit goes there
     with surgery.insert_after(model, "model.layers_1.mlp", SAE()) as edit:
         assert edit.node_path == "model.layers_1.sae"
         model(ids)
+    # its children still have graphs (extracted by their own dispatchers): edits reach them
+    with surgery.insert_after(model, "model.layers_1.mlp.down_proj.output", Doubler()):
+        reference.model.layers[1].mlp.down_proj.register_forward_hook(lambda module, args, output: output * 2)
+        assert torch.equal(model(ids).logits, reference(ids).logits)
     nnbridge.unbridge(model)
 
 

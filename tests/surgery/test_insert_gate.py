@@ -28,7 +28,7 @@ def setup():
 
 def reference_with(gate):
     reference = llama()
-    reference.model.layers[1].self_attn.gate = copy.deepcopy(gate)
+    reference.model.layers[1].self_attn.head_gate = copy.deepcopy(gate)
     return reference
 
 
@@ -90,10 +90,10 @@ def test_nnsight_target_reads_softmax_and_gate(setup):
     traced.extract(ids)  # the edited graphs (and the gate's op envoys) before the trace
     with traced.trace(ids):
         softmax = traced.model.layers[1].self_attn.softmax.output.save()
+        product = traced.model.layers[1].self_attn.head_gate.mul.output.save()  # the gate's own op
         gated = traced.model.layers[1].self_attn.head_gate.output.save()
-        relu_free = traced.model.layers[1].self_attn.head_gate.mul.output.save()
     assert torch.equal(gated, softmax * gate.g.view(1, -1, 1, 1))
-    assert torch.equal(relu_free, gated)
+    assert torch.equal(product, gated)
     edit.remove()
     with traced.trace(ids):
         plain = traced.model.layers[1].self_attn.softmax.output.save()
