@@ -41,7 +41,7 @@ class PatchError(NNBridgeError):
 
 class SurgeryError(NNBridgeError):
     """A graph edit (:mod:`nnbridge.surgery`: an inserted or replacing module) cannot be made, or
-    no longer applies to a new extraction of its module. The message names the site (NodePath),
+    does not apply to a new extraction of its module. The message names the site (NodePath),
     the module, the rule and the fix; nothing is left half-edited."""
 
 

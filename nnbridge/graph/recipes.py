@@ -48,7 +48,7 @@ class Recipe(Protocol):
         the guard that failed). Applying a recipe twice to one graph must change nothing.
 
         Raises:
-            SurgeryError: the edit no longer applies to this extraction (naming its NodePath,
+            SurgeryError: the edit does not apply to this extraction (naming its NodePath,
                 the reason and the fix).
         """
         ...
@@ -103,7 +103,7 @@ def apply_recipes(module: torch.nn.Module, root: GraphModuleBase, *, options: An
     has recipes.
 
     Raises:
-        SurgeryError: a recipe no longer applies (see :meth:`Recipe.apply`).
+        SurgeryError: a recipe does not apply (see :meth:`Recipe.apply`).
     """
     if not any(RECIPES_KEY in m.__dict__ for m in module.modules()):
         return

@@ -12,8 +12,8 @@ The inserted module becomes a child of the module whose graph holds the site, so
 train with the model, and it is extracted itself: its ops have NodePaths below the new node
 (``model.layers_1.mlp.sae.relu``). An edit is a *recipe* kept on that module
 (:mod:`nnbridge.graph.recipes`), applied to every extraction of it, including those a failed guard
-makes later (another call structure, ``.train()``, another sequence length); an edit that no longer
-applies raises :class:`~nnbridge.SurgeryError` saying why. Example::
+makes later (another call structure, ``.train()``, another sequence length); an edit that does not
+apply to a new extraction raises :class:`~nnbridge.SurgeryError` saying why. Example::
 
     from nnbridge import surgery
 

@@ -32,7 +32,7 @@ from ..dispatch.dispatcher import GraphDispatcher
 from ..errors import SurgeryError
 from ..extract.options import ExtractionOptions
 from ..graph.absence import absence_reason
-from ..graph.graph_module import CompiledGraphModule, GraphModuleBase
+from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
 from ..graph.metadata import node_meta, node_name, update_node_meta
 from ..graph.node_path import ModulePath
 from .sites import Site, Spec, tensor_spec, value_of
@@ -155,7 +155,7 @@ class ModuleInsertion:
         """Edit ``graph`` (see :class:`~nnbridge.graph.recipes.Recipe`).
 
         Raises:
-            SurgeryError: the site is gone, or the module no longer fits the site's value.
+            SurgeryError: the site is gone, or the module does not fit the site's value.
         """
         name = str(self.child)
         if any(n.op == "call_module" and node_name(n) == name for n in graph.graph.nodes):
@@ -185,7 +185,7 @@ class ModuleInsertion:
             graph.graph.erase_node(site)
         graph.recompile()
 
-    def _extracted(self, specs: list[Spec], options: Any) -> GraphModuleBase:
+    def _extracted(self, specs: list[Spec], options: Any) -> CompiledGraphModule | OpaqueGraphModule:
         """The inserted module's graph for the site's value (extracted on first need, per call
         structure, by its own dispatcher; opaque when it cannot export, as any module)."""
         if self._dispatcher is None:
