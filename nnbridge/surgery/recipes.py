@@ -94,7 +94,8 @@ class ModuleInsertion:
         if self.kind == "after":
             value = site.args[0] if site.op == "output" else site
             if not isinstance(value, Node):
-                raise SurgeryError(f"{where} returns a constant, not a tensor node; nothing to transform.")
+                raise SurgeryError(f"{where} returns {type(value).__name__}, not one tensor node; insert after the node"
+                                   " that makes the tensor you want (pg.graph lists them) instead.")
             return [value]
         if self.kind == "before":
             if not 0 <= self.arg < len(site.args):

@@ -60,6 +60,7 @@ def setup():
     (SITE, SAE(), {"name": "not a name"}, r"cannot name a child module"),
     (SITE, SAE(), {"name": "down_proj"}, r"already has a node or attribute 'down_proj'"),
     (SITE, SAE(), {"name": "mul"}, r"already has a node or attribute 'mul'"),
+    ("model.layers_1.mlp.x", SAE(), {}, r"is an input of its module.*insert_before\(target, '<module NodePath>'"),
 ])
 def test_insert_after_refusals(setup, site, module, kwargs, message):
     model, _, _ = setup
@@ -100,6 +101,25 @@ def test_not_extracted_yet():
     nnbridge.bridge(model)
     with pytest.raises(SurgeryError, match=r"no extracted graphs yet.*call it once first"):
         surgery.insert_after(model, SITE, SAE())
+    nnbridge.unbridge(model)
+
+
+def test_module_called_twice_and_tuple_output():
+    from fixtures.tuple_output_module import TupleOutputModule, inputs
+
+    model = TupleOutputModule()
+    (x,), _ = inputs()
+    expected = model(x)
+    nnbridge.bridge(model, x)
+    with pytest.raises(SurgeryError, match=r"one of 2 calls of module 'linear'.*insert at 'linear_0' itself"):
+        surgery.insert_after(model, "linear_0.linear", Doubler())
+    with pytest.raises(SurgeryError, match=r"site 'output' returns tuple, not one tensor node"):
+        surgery.insert_after(model, "output", Doubler())
+    assert surgery.edits(model) == []
+    with surgery.insert_after(model, "linear_1", Doubler()):  # one call, in the caller's graph
+        first, second = model(x)
+        assert torch.equal(first, expected[0]) and torch.equal(second, expected[1] * 2)
+    assert all(torch.equal(a, b) for a, b in zip(model(x), expected))
     nnbridge.unbridge(model)
 
 
