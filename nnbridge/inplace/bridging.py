@@ -125,6 +125,17 @@ def _lookup_outside_dynamo(dispatcher: GraphDispatcher, args: tuple[Any, ...], k
         return dispatcher.lookup(args, kwargs)
 
 
+@torch.compiler.disable(reason="nnbridge extracts this call structure of the model (torch.export), which cannot"
+                               " run inside torch.compile's trace, and the model's own code would lack its graph"
+                               " surgery edits (nnbridge.surgery). Call the model once outside torch.compile with these"
+                               " arguments before compiling with fullgraph=True.")
+def _edited_lookup_outside_dynamo(dispatcher: GraphDispatcher, args: tuple[Any, ...],
+                                  kwargs: dict[str, Any]) -> Extraction:
+    """``dispatcher.lookup`` run eagerly when Dynamo traces the call of an edited model (a graph break)."""
+    with CALL_LOCK:
+        return dispatcher.lookup(args, kwargs)
+
+
 class _CallSite:
     """What a parent graph calls instead of a child graph: the user's module itself (so its hooks
     and wrappers run), told which graph its body should run for this call. When the module's call
@@ -206,6 +217,8 @@ class Bridge:
         self.calls: Counter[int] = Counter()
         self.repeated: set[int] = set()
         self.locked: list[tuple[torch.nn.Module, Callable[..., Any]]] = []  # locked ``_call_impl``s (see .locking)
+        #: ``(holder, attribute)`` of the modules graph surgery inserted (see :meth:`adopt`)
+        self.adopted: list[tuple[torch.nn.Module, str]] = []
 
     # -- running --------------------------------------------------------------------------------
     def body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -258,9 +271,13 @@ class Bridge:
                     # the module's own code computes: Dynamo traces that code (and guards on what
                     # it read here, so a later extraction or hook recompiles). Else the extraction
                     # runs outside the trace (a graph break; fullgraph=True raises, naming why).
-                    if not self.listened():
+                    # (the module's own code lacks graph surgery's edits: then extracted outside too)
+                    if self.adopted:
+                        extraction = _edited_lookup_outside_dynamo(dispatcher, args, kwargs)
+                    elif not self.listened():
                         return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
-                    extraction = _lookup_outside_dynamo(dispatcher, args, kwargs)
+                    else:
+                        extraction = _lookup_outside_dynamo(dispatcher, args, kwargs)
                 graph = extraction.root
             else:
                 graph = dispatcher.lookup(args, kwargs).root
@@ -527,8 +544,10 @@ class Bridge:
     def adopt(self, holder: torch.nn.Module, attribute: str) -> None:
         """Count ``holder.<attribute>`` (a module graph surgery inserted) among the modules the
         bridge registered: front-ends give it an envoy (see :meth:`holders`), :meth:`undo` takes it
-        off, :meth:`release` too."""
+        off, :meth:`release` too. While any is inserted, a call Dynamo traces is never served by
+        the modules' own code (it lacks the edits)."""
         self._note_registered(holder, attribute)
+        self.adopted.append((holder, attribute))
 
     def release(self, module: torch.nn.Module) -> None:
         """Undo the bridge on ``module``'s tree only (a module graph surgery inserted, then took
@@ -545,6 +564,7 @@ class Bridge:
                 if kept is not None:
                     kept[1].pop(attribute, None)
         self.registered = [(h, a) for h, a in self.registered if id(h) not in ids and a in modules_of(h)]
+        self.adopted = [(h, a) for h, a in self.adopted if a in modules_of(h)]
         for ident in ids:
             self._holders.pop(ident, None)
             self.dispatchers.pop(ident, None)
@@ -563,6 +583,7 @@ class Bridge:
             restore_body(swapped)
             remove_copier(swapped.module)
         self.registered.clear()
+        self.adopted = []
         self._holders.clear()
         self.registered_names.clear()
         self.swapped.clear()

@@ -138,3 +138,21 @@ def test_clear(setup):
     surgery.clear(model)
     assert surgery.edits(model) == []
     assert torch.equal(model(ids).logits, clean)
+
+
+def test_torch_compile_runs_the_edits_or_refuses(setup):
+    model, ids, clean = setup
+    sae = SAE()
+    surgery.insert_after(model, SITE, sae)
+    model(ids)
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="eager")(ids).logits
+    assert torch.equal(out, sae_reference(sae)(ids).logits)  # not the model's own (unedited) code
+    torch._dynamo.reset()
+    try:  # fullgraph: the edited graphs, or a refusal naming the edits, never the unedited code
+        full = torch.compile(model, fullgraph=True, backend="eager")(ids).logits
+    except Exception as error:  # noqa: BLE001 - Dynamo wraps the refusal in its own error types
+        assert "graph surgery" in str(error)
+    else:
+        assert torch.equal(full, out)
+    torch._dynamo.reset()
