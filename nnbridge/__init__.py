@@ -67,6 +67,8 @@ if TYPE_CHECKING:  # the names as the type checker sees them; at run time __geta
     from .errors import NNBridgeWarning as NNBridgeWarning
     from .errors import NodePathError as NodePathError
     from .errors import SaveLoadError as SaveLoadError
+    from .errors import PassCheckError as PassCheckError
+    from .errors import SurgeryError as SurgeryError
     from .extract.options import ExtractionOptions as ExtractionOptions
     from .graph.graph_module import CompiledGraphModule as CompiledGraphModule
     from .graph.graph_module import MultiplyInvokedModule as MultiplyInvokedModule
@@ -136,6 +138,8 @@ _EXPORTS: dict[str, str] = {
     "RecordPatch": ".patching.patches",
     "ReplacePatch": ".patching.patches",
     "SaveLoadError": ".errors",
+    "PassCheckError": ".errors",
+    "SurgeryError": ".errors",
     "TransformersModel": ".envoys",
     "ZeroPatch": ".patching.patches",
     "bridge": ".inplace.bridging",
@@ -167,6 +171,8 @@ __all__ = [
     "RecordPatch",
     "ReplacePatch",
     "SaveLoadError",
+    "PassCheckError",
+    "SurgeryError",
     "ZeroPatch",
     "bridge",
     "explain",

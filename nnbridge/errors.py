@@ -58,6 +58,12 @@ class PassCheckError(NNBridgeError):
         self.pass_name, self.graph, self.check = pass_name, graph, check
 
 
+class SurgeryError(NNBridgeError):
+    """A graph edit (:mod:`nnbridge.surgery`: an inserted or replacing module) cannot be made, or
+    does not apply to a new extraction of its module. The message names the site (NodePath),
+    the module, the rule and the fix; nothing is left half-edited."""
+
+
 class NNBridgeWarning(UserWarning):
     """Category of every warning nnbridge issues."""
 

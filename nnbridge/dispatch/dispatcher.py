@@ -53,6 +53,7 @@ from ..guards.module_state import StateGuard
 from ..graph.locking import CALL_LOCK
 from ..graph.node_path import ROOT_PATH, ModulePath
 from ..graph.op_point import OpPoint, OpPointContainer
+from ..graph.recipes import apply_recipes
 from ..extract.options import ExtractionOptions
 from ..extract.sibling_roots import RootWatch, SiblingLink
 
@@ -240,6 +241,8 @@ class GraphDispatcher(torch.nn.Module):
                 extraction = extract(self.module, args, kwargs, options=self.options, path=self.path,
                                      on_extraction=self.on_extraction, watch=self.watch, children=self.kept_children)
             extraction.reason = reason
+            # graph surgery's edits, before the guards record the tree and a bridge links the graphs
+            apply_recipes(self.module, extraction.root, options=self.options, reason=reason)
             extraction.state = StateGuard(self.module, opaque=self._opaque_ids(extraction), skip=_nnbridge_child,
                                           path=self.path)
             if isinstance(extraction.root, CompiledGraphModule):
@@ -378,6 +381,20 @@ class GraphDispatcher(torch.nn.Module):
             except AttributeError:
                 continue  # a renamed (reserved-name) child: guarded like a graph, which is stricter
         return ids
+
+    def discard(self, keep: Callable[[Extraction], bool]) -> None:
+        """Drop the kept extractions ``keep`` refuses (graph surgery removed an edit they hold):
+        the next call that needs one extracts again. :attr:`history` keeps why each was made."""
+        for ident, (key, extraction) in list(self._recency.items()):
+            if keep(extraction):
+                continue
+            del self._recency[ident]
+            group = self.extractions.get(key, [])
+            group[:] = [e for e in group if e is not extraction]
+            if not group:
+                self.extractions.pop(key, None)
+            self.history[:] = [EvictedExtraction(e.reason, dict(e.opaque)) if e is extraction else e
+                               for e in self.history]
 
     def _why(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """Which guard of the most recently used extraction fails for this call."""

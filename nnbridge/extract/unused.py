@@ -19,6 +19,7 @@ from ..graph.graph_module import OpaqueGraphModule
 from ..graph.module_tree import CONTAINERS, reorder
 from ..graph.node_path import ModulePath
 from ..graph.op_point import OpPoint, OpPointContainer
+from ..graph.recipes import inserted_children
 from ..compat.torch.module_dicts import buffers_of, modules_of, parameters_of
 from ..errors import ExtractionError, warn
 
@@ -70,12 +71,16 @@ def unused_module(ctx: ExtractionContext, fqn: ModulePath, module: torch.nn.Modu
 
 def keep_unused(ctx: ExtractionContext, fqn: ModulePath, cgm: torch.nn.Module, *, module: torch.nn.Module) -> None:
     """Give ``cgm`` every child of ``module`` the graph never calls (see :func:`unused_module`), also
-    inside ModuleList/ModuleDict containers, so its parameters and buffers are the module's."""
+    inside ModuleList/ModuleDict containers, so its parameters and buffers are the module's; not a
+    child a recipe inserted (:func:`~nnbridge.graph.recipes.inserted_children`), which the recipe calls."""
     # a child registered under several names (``self.alias = self.linear``) was called if any name was
     called = {id(child) for name, child in user_children(module) if name in modules_of(cgm)}
 
     def fill(holder: torch.nn.Module, original: torch.nn.Module, prefix: str) -> None:
+        inserted = inserted_children(original)  # called by a recipe applied after building (see .recipes)
         for name, child in user_children(original):
+            if name in inserted:
+                continue
             path = ModulePath(f"{prefix}.{name}" if prefix else name)
             existing = modules_of(holder).get(name)
             if existing is None and id(child) not in called:

@@ -61,6 +61,7 @@ from ..graph.summaries import bind_inputs
 from ..graph.locking import CALL_LOCK, lock_calls, locked_call, unlock_calls
 from ..graph.module_tree import named_real_modules, refuse_instance_forwards
 from ..graph.op_point import LISTENED, OpPoint, OpPointContainer
+from ..graph.recipes import withdraw_all
 from ..extract.options import ExtractionOptions
 
 #: key in a bridged model's ``__dict__`` holding its :class:`Bridge` (removed by :func:`unbridge`);
@@ -120,6 +121,17 @@ def _state_specs_hold(graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, 
                                " nnbridge.bridge(model, *example_inputs)) before compiling with fullgraph=True.")
 def _lookup_outside_dynamo(dispatcher: GraphDispatcher, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
     """``dispatcher.lookup`` run eagerly when Dynamo traces the call (a graph break)."""
+    with CALL_LOCK:
+        return dispatcher.lookup(args, kwargs)
+
+
+@torch.compiler.disable(reason="nnbridge extracts this call structure of the model (torch.export), which cannot"
+                               " run inside torch.compile's trace, and the model's own code would lack its graph"
+                               " surgery edits (nnbridge.surgery). Call the model once outside torch.compile with these"
+                               " arguments before compiling with fullgraph=True.")
+def _edited_lookup_outside_dynamo(dispatcher: GraphDispatcher, args: tuple[Any, ...],
+                                  kwargs: dict[str, Any]) -> Extraction:
+    """``dispatcher.lookup`` run eagerly when Dynamo traces the call of an edited model (a graph break)."""
     with CALL_LOCK:
         return dispatcher.lookup(args, kwargs)
 
@@ -205,6 +217,8 @@ class Bridge:
         self.calls: Counter[int] = Counter()
         self.repeated: set[int] = set()
         self.locked: list[tuple[torch.nn.Module, Callable[..., Any]]] = []  # locked ``_call_impl``s (see .locking)
+        #: ``(holder, attribute)`` of the modules graph surgery inserted (see :meth:`adopt`)
+        self.adopted: list[tuple[torch.nn.Module, str]] = []
 
     # -- running --------------------------------------------------------------------------------
     def body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -257,9 +271,13 @@ class Bridge:
                     # the module's own code computes: Dynamo traces that code (and guards on what
                     # it read here, so a later extraction or hook recompiles). Else the extraction
                     # runs outside the trace (a graph break; fullgraph=True raises, naming why).
-                    if not self.listened():
+                    # (the module's own code lacks graph surgery's edits: then extracted outside too)
+                    if self.adopted:
+                        extraction = _edited_lookup_outside_dynamo(dispatcher, args, kwargs)
+                    elif not self.listened():
                         return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
-                    extraction = _lookup_outside_dynamo(dispatcher, args, kwargs)
+                    else:
+                        extraction = _lookup_outside_dynamo(dispatcher, args, kwargs)
                 graph = extraction.root
             else:
                 graph = dispatcher.lookup(args, kwargs).root
@@ -552,6 +570,40 @@ class Bridge:
         install_copier(module, Copier(module, self.detached, bridged_copy, options=self.options))
 
     # -- undoing --------------------------------------------------------------------------------
+    def adopt(self, holder: torch.nn.Module, attribute: str) -> None:
+        """Count ``holder.<attribute>`` (a module graph surgery inserted) among the modules the
+        bridge registered: front-ends give it an envoy (see :meth:`holders`), :meth:`undo` takes it
+        off, :meth:`release` too. While any is inserted, a call Dynamo traces is never served by
+        the modules' own code (it lacks the edits)."""
+        self._note_registered(holder, attribute)
+        self.adopted.append((holder, attribute))
+
+    def release(self, module: torch.nn.Module) -> None:
+        """Undo the bridge on ``module``'s tree only (a module graph surgery inserted, then took
+        out again): its registration (see :meth:`adopt`), bodies, copiers, op points and
+        dispatchers, as :meth:`undo` does for the model."""
+        ids = {id(m) for m in module.modules()}
+
+        def released(holder: torch.nn.Module, attribute: str) -> bool:
+            return id(holder) in ids or modules_of(holder).get(attribute) is module
+        for holder, attribute in reversed(self.registered):
+            if released(holder, attribute):
+                modules_of(holder).pop(attribute, None)
+                kept = self._holders.get(id(holder))
+                if kept is not None:
+                    kept[1].pop(attribute, None)
+        self.registered = [(h, a) for h, a in self.registered if id(h) not in ids and a in modules_of(h)]
+        self.adopted = [(h, a) for h, a in self.adopted if a in modules_of(h)]
+        for ident in ids:
+            self._holders.pop(ident, None)
+            self.dispatchers.pop(ident, None)
+            swapped = self.swapped.pop(ident, None)
+            if swapped is not None:
+                restore_body(swapped)
+                remove_copier(swapped.module)
+        self.registered_names = {attribute for _, attribute in self.registered}
+        self.points = {key: point for key, point in self.points.items() if key[0] not in ids}
+
     def undo(self) -> None:
         """Put every module back exactly as it was."""
         for holder, attribute in reversed(self.registered):
@@ -560,6 +612,7 @@ class Bridge:
             restore_body(swapped)
             remove_copier(swapped.module)
         self.registered.clear()
+        self.adopted = []
         self._holders.clear()
         self.registered_names.clear()
         self.swapped.clear()
@@ -666,8 +719,8 @@ def remove_lookup(model: torch.nn.Module) -> SubmoduleLookup | None:
 
 
 def unbridge(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`bridge`: forwards, ``_modules`` and ``named_modules()`` exactly as before; the
-    graphs' memory goes back to the operating system (see :mod:`nnbridge.compat.libc`).
+    """Undo :func:`bridge`: forwards, ``_modules`` and ``named_modules()`` exactly as before (graph
+    surgery's edits are removed, with the modules they inserted); the graphs' memory goes back to the operating system (see :mod:`nnbridge.compat.libc`).
 
     Raises:
         NNBridgeError: ``model`` is not bridged.
@@ -677,6 +730,7 @@ def unbridge(model: torch.nn.Module) -> torch.nn.Module:
         raise NNBridgeError(f"{type(model).__name__} is not bridged; nothing to undo.")
     remove_lookup(model)
     state.undo()
+    withdraw_all(model)  # graph surgery's edits and the modules they inserted
     del state
     release_garbage()  # the graphs are reference cycles: collected before the heap is trimmed
     return model

@@ -217,6 +217,23 @@ class PatchableGraph(torch.nn.Module):
                     describe_examples(root, tuple(example_args), dict(example_kwargs))
             self._graph_module = root
 
+    def refresh_graph(self) -> None:
+        """Look the example call up again after graph surgery changed the model (a guard fails,
+        so it is extracted again with the edits): ``pg.graph`` and NodePath checks then show the
+        edited graphs. Over a bridged model (no example call kept) the bridge's most recent
+        extraction is shown instead."""
+        if self._modules_of_plain is None:
+            extractions = self._dispatcher.all_extractions()
+            if extractions:
+                self._graph_module = extractions[-1].root
+            return
+        args, kwargs = self._example
+        root = self._dispatcher.lookup(args, kwargs).root
+        if root is not self._graph_module:
+            with preserved_state(list(named_real_modules(self._dispatcher.module))), collection_paused():
+                describe_examples(root, args, kwargs)
+            self._graph_module = root
+
     # -- saving (see .saving) --------------------------------------------------------------------
     # -> Any: without a path, whatever nnsight's injected (untyped) ``save`` returns; else None
     def save(self, path: str | os.PathLike[str] | IO[bytes] | None = None, *args: Any) -> Any:
@@ -364,13 +381,7 @@ class PatchableGraph(torch.nn.Module):
 
     def node_paths(self) -> list[str]:
         """Every valid leaf NodePath (dig paths included), in tree order."""
-        paths = []
-        for path, owner, name, sub in hierarchy.walk(self._graph_module):
-            if sub is not None:
-                continue
-            summary = owner.example(name)
-            paths.extend(_leaf_paths(path, summary, first=True))
-        return paths
+        return leaf_node_paths(self._graph_module)
 
     def op_point(self, path: str | NodeView) -> OpPoint:
         """The :class:`OpPoint` of a node (for torch hooks). Every extraction (call structure) that
@@ -545,21 +556,37 @@ class PatchableGraph(torch.nn.Module):
         return canonical
 
     def _absence(self, text: str, nodes: tuple[str, ...]) -> str:
-        """Why ``text`` is not a node (:func:`~nnbridge.graph.absence.explain_absence`): the module
-        its longest valid prefix names runs eagerly, or its attention implementation has no such
-        op, or the closest valid NodePaths."""
-        root = self._graph_module
-        found = hierarchy.deepest(root, nodes)
-        graph, resolved, missing = found if found is not None else (None, [], 0)
-        children = hierarchy.children(graph) if graph is not None else []
-        where = f"{'.'.join(resolved) or '<root>'} ({graph.original_type.__name__})" if graph is not None else ""
-        return explain_absence(
-            f"{text!r} is not a node", nodes[missing] if nodes else text, where=where,
-            ops=[name for name, _ in children], model=self._dispatcher.module,
-            opaque=graph.reason if isinstance(graph, OpaqueGraphModule) else None,
-            original=graph.original if isinstance(graph, OpaqueGraphModule) else None,
-            submodules=[name for name, sub in children if sub is not None], paths=self.node_paths(), asked=text,
-            hint=hierarchy.alias_hint(root, nodes))
+        """Why ``text`` is not a node (see :func:`absence_message`)."""
+        return absence_message(self._graph_module, text, nodes, model=self._dispatcher.module)
+
+
+def leaf_node_paths(root: GraphModuleBase) -> list[str]:
+    """Every valid leaf NodePath (dig paths included) of the hierarchy under ``root``, in tree order."""
+    paths = []
+    for path, owner, name, sub in hierarchy.walk(root):
+        if sub is not None:
+            continue
+        summary = owner.example(name)
+        paths.extend(_leaf_paths(path, summary, first=True))
+    return paths
+
+
+def absence_message(root: GraphModuleBase, text: str, nodes: tuple[str, ...], *, model: torch.nn.Module) -> str:
+    """Why ``text`` (segments ``nodes``) is not a node of the hierarchy under ``root``, extracted
+    from ``model`` (:func:`~nnbridge.graph.absence.explain_absence`): the module its longest valid
+    prefix names runs eagerly, or its attention implementation has no such op, or the closest valid
+    NodePaths."""
+    found = hierarchy.deepest(root, nodes)
+    graph, resolved, missing = found if found is not None else (None, [], 0)
+    children = hierarchy.children(graph) if graph is not None else []
+    where = f"{'.'.join(resolved) or '<root>'} ({graph.original_type.__name__})" if graph is not None else ""
+    return explain_absence(
+        f"{text!r} is not a node", nodes[missing] if nodes else text, where=where,
+        ops=[name for name, _ in children], model=model,
+        opaque=graph.reason if isinstance(graph, OpaqueGraphModule) else None,
+        original=graph.original if isinstance(graph, OpaqueGraphModule) else None,
+        submodules=[name for name, sub in children if sub is not None], paths=leaf_node_paths(root), asked=text,
+        hint=hierarchy.alias_hint(root, nodes))
 
 
 def _leaf_paths(path: str, summary: Any, first: bool) -> list[str]:

@@ -1,4 +1,4 @@
-"""Export without the fake-tensor dispatch cache.
+"""Export without the fake-tensor dispatch cache; a module run on fake tensors (:func:`fake_call`).
 
 ``FakeTensorMode`` (torch 2.13) caches each op's output metadata, keyed by the op and its
 arguments' metadata, symbolic sizes included; each export makes a new shape environment, so keys
@@ -14,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Iterator
+from typing import Any
+
+import torch
 
 from .. import registry
 
@@ -27,3 +30,18 @@ def fake_tensor_cache_off() -> Iterator[None]:
     with registry.applied("fake_tensor_cache_off") as applying:
         with config.patch(fake_tensor_cache_enabled=False) if applying else contextlib.nullcontext():  # registry: fake_tensor_cache_off
             yield
+
+
+def fake_call(module: torch.nn.Module, specs: list[tuple[torch.Size, torch.dtype, torch.device]]) -> Any:
+    """``module(*inputs)`` on fake tensors (no data, nothing computed) of the given
+    ``(sizes, dtype, device)``, under a new ``torch._subclasses.FakeTensorMode`` that takes the
+    module's real parameters and buffers as constants (``allow_non_fake_inputs``); returns the
+    output (fake tensors carry the output's sizes, dtype and device).
+
+    Raises:
+        Exception: whatever the module raises for such inputs (a size mismatch, say).
+    """
+    mode = importlib.import_module("torch._subclasses.fake_tensor").FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, torch.no_grad():
+        inputs = [torch.empty(size, dtype=dtype, device=device) for size, dtype, device in specs]
+        return module(*inputs)
