@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from ..graph.recipes import add_recipe, all_recipes, remove_recipe
 from .recipes import Kind, ModuleInsertion
 from .sites import resolve_site
 from .targets import Target, target_of
+
+if TYPE_CHECKING:
+    from .passes import AppliedPasses
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -161,14 +164,20 @@ def replace_node(target: Any, site: str, module: torch.nn.Module, *, name: str |
     return _insert("replace", target, site, module=module, name=name)
 
 
-def edits(target: Any) -> list[Edit]:
-    """The live edits of ``target``'s model, in module order.
+def edits(target: Any) -> list[Edit | AppliedPasses]:
+    """The live edits of ``target``'s model, in module order: inserted modules (:class:`Edit`) and
+    passes (:class:`~nnbridge.surgery.passes.AppliedPasses`, once each).
 
     Raises:
         SurgeryError: ``target`` is not a bridged model, PatchableGraph or nnbridge NNsight model.
     """
     model = target_of(target, "edits").model
-    return [r.edit for r in all_recipes(model) if isinstance(r, ModuleInsertion) and r.edit is not None]
+    found: list[Edit | AppliedPasses] = []
+    for recipe in all_recipes(model):
+        handle = recipe.edit if isinstance(recipe, ModuleInsertion) else getattr(recipe, "applied", None)
+        if handle is not None and not any(handle is seen for seen in found):
+            found.append(handle)
+    return found
 
 
 def clear(target: Any) -> None:

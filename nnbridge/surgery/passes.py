@@ -28,23 +28,28 @@ one graph (a fresh extraction's, for instance) when the graph is in scope.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.fx import GraphModule
 
 from ..errors import PassCheckError
 from ..graph.graph_module import CompiledGraphModule
 from ..graph.locking import CALL_LOCK
-from ..graph.metadata import node_name
+from ..graph.metadata import node_meta, node_name
 from ..graph.op_point import OpPoint
+from ..graph.recipes import add_recipe, remove_recipe
 from ..inplace.bridging import Bridge
 from .pass_checks import DEFAULT_CHECKS, resolve_checks
 from .pass_graphs import WorkingCopy, install, module_call_problem, working_copy
 from .pass_inputs import Parents, recorded_inputs
 from .pass_kinds import Pass, PassRunner, pass_runner
+from .pass_recipes import PassRecipe
 from .pass_naming import carry_metadata, name_nodes_after_pass
 from .pass_targets import Graphs, graph_path, scope_pattern, target_graphs
+from .targets import Target, target_of
 
 Check = str | Callable[[GraphModule], Any]
 
@@ -204,16 +209,49 @@ def _refuse_removed_listened(prepared: list[PreparedPasses]) -> None:
 
 @dataclass
 class AppliedPasses:
-    """What :func:`apply_passes` did.
+    """What :func:`apply_passes` did: an edit, kept as recipes (:mod:`.pass_recipes`) that every
+    later extraction of the edited modules applies, until :meth:`remove`. A context manager: the
+    block's end removes it.
 
     Attributes:
         edit: the :class:`PassEdit` (re-applicable to a fresh extraction's graphs).
         graphs: the NodePaths of the graphs edited, in hierarchy order (a NodePath appears once
             per extraction holding it).
+        recipes: one per edited module.
+        target: what the passes were applied to (its :class:`~nnbridge.surgery.targets.Target`).
     """
 
     edit: PassEdit
     graphs: list[str] = field(default_factory=list)
+    recipes: list[PassRecipe] = field(default_factory=list)
+    target: Target | None = None
+    removed: bool = False
+
+    @property
+    def node_path(self) -> str:
+        """The scope the passes were applied to (a glob over graph NodePaths)."""
+        return self.edit.scope
+
+    def remove(self) -> None:
+        """Undo the passes: the recipes are forgotten and every extraction holding the edited
+        graphs is dropped (the next call extracts again, unedited; a PatchableGraph re-extracts its
+        example call now). Removing twice does nothing."""
+        if self.removed:
+            return
+        self.removed = True
+        for recipe in self.recipes:
+            remove_recipe(recipe)
+        if self.target is not None:
+            for dispatcher in self.target.dispatchers():
+                dispatcher.discard(lambda extraction: False)
+            self.target.refresh()
+
+    def __enter__(self) -> AppliedPasses:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.remove()
 
 
 def apply_passes(target: object, passes: Pass | Sequence[Pass], *, scope: str = "**",
@@ -263,7 +301,37 @@ def apply_passes(target: object, passes: Pass | Sequence[Pass], *, scope: str = 
             raise
         if found.bridge is not None:
             _update_bridge(found.bridge, links)
-    return AppliedPasses(edit, [item.where for item in prepared])
+        kept = target_of(target, "apply_passes")
+        modules = _graph_owners(kept)
+        owners: dict[int, torch.nn.Module] = {}
+        for item in prepared:
+            module = modules[id(item.work.live)]
+            owners.setdefault(id(module), module)
+        applied = AppliedPasses(edit, [item.where for item in prepared], [PassRecipe(edit, o) for o in owners.values()],
+                                kept)
+        for recipe in applied.recipes:
+            recipe.applied = applied
+            add_recipe(recipe)
+    return applied
+
+
+def _graph_owners(target: Target) -> dict[int, torch.nn.Module]:
+    """``{id(graph): the module it is a graph of}`` for every compiled graph of ``target``'s
+    extractions (the module whose recipes a later extraction of that graph gets)."""
+    owners: dict[int, torch.nn.Module] = {}
+
+    def visit(graph: Any, owner: torch.nn.Module) -> None:
+        if id(graph) in owners or not isinstance(graph, CompiledGraphModule):
+            return
+        owners[id(graph)] = owner
+        for node in graph.graph.nodes:
+            path = node_meta(node).module_path if node.op == "call_module" else None
+            if path is not None:
+                visit(graph.child_graph(node), owner.get_submodule(path))
+    for dispatcher in target.dispatchers():
+        for extraction in dispatcher.all_extractions():
+            visit(extraction.root, dispatcher.module)
+    return owners
 
 
 _Link = tuple[CompiledGraphModule, Any, int, dict[str, OpPoint]]
