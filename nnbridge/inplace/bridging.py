@@ -44,6 +44,7 @@ import torch
 from ..compat.libc import release_garbage
 from ..compat.torch.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat.torch.forwards import DirectCall, SwappedBody, restore_body, swap_body
+from ..graph import patch_state
 from ..graph.failures import add_note
 from ..errors import NNBridgeError
 from .absence import SubmoduleLookup
@@ -136,6 +137,16 @@ def _edited_lookup_outside_dynamo(dispatcher: GraphDispatcher, args: tuple[Any, 
         return dispatcher.lookup(args, kwargs)
 
 
+@torch.compiler.disable(reason="a patch context (pg.patch) is open in another thread or asyncio task, so whether"
+                               " each patch on this model applies depends on the calling context, which torch.compile"
+                               " cannot check: the model runs uncompiled. Leave the other context, or compile without"
+                               " fullgraph=True.")
+def _body_outside_dynamo(bridge: Bridge, module: torch.nn.Module, args: tuple[Any, ...], *,
+                         kwargs: dict[str, Any]) -> Any:
+    """``bridge.body(module, *args, **kwargs)`` run eagerly when Dynamo traces it (a graph break)."""
+    return bridge.body(module, *args, **kwargs)
+
+
 class _CallSite:
     """What a parent graph calls instead of a child graph: the user's module itself (so its hooks
     and wrappers run), told which graph its body should run for this call. When the module's call
@@ -226,6 +237,10 @@ class Bridge:
         for this call structure, else (called on its own, outside a bridged forward) its code.
         Runs under :data:`.locking.CALL_LOCK` (one bridged call at a time per process)."""
         if torch.compiler.is_dynamo_compiling():  # torch.compile traces through: Dynamo cannot enter a lock
+            # whether each patch applies depends on the caller's context when another thread or task has
+            # patch contexts open (see patch_state): the call then runs uncompiled
+            if not patch_state.all_open_here() and self.listened():
+                return _body_outside_dynamo(self, module, args, kwargs=kwargs)
             return self._body(module, *args, **kwargs)
         with CALL_LOCK:
             return self._body(module, *args, **kwargs)

@@ -97,7 +97,10 @@ class _PatchListener:
         self.patch = patch
 
     def __call__(self, value: Any) -> Any:
-        if not patch_state.is_open(self):
+        # torch.compile cannot read the context variable; a bridged module's body, which every compiled
+        # call into the graphs passes, has checked that every open listener is the caller's (see
+        # patch_state.all_open_here), else the call runs uncompiled and this is not traced
+        if not torch.compiler.is_dynamo_compiling() and not patch_state.is_open(self):
             return value
         return self._apply_patch(value, 0)
 
@@ -119,9 +122,12 @@ class _PatchListener:
     def _patched(self, value: Any) -> Any:
         given = pytree.tree_map_only(torch.Tensor, torch.clone, value) if self.patch.requires_clone else value
         result = self.patch(given)
-        if isinstance(value, torch.Tensor):
-            check_replacement(value, result, node_path=str(self.node_path), edit=f"Patch {self.patch!r}")
+        if isinstance(value, torch.Tensor):  # (worded only on failure: torch.compile traces no repr)
+            check_replacement(value, result, node_path=self.node_path.__str__, edit=self._editor)
         return result
+
+    def _editor(self) -> str:
+        return f"Patch {self.patch!r}"
 
 
 class PatchableGraph(torch.nn.Module):
@@ -442,17 +448,19 @@ class PatchableGraph(torch.nn.Module):
         self._check_bridged()
         listeners = [_PatchListener(node_path, patch) for node_path, patch in plan]
         added: list[_PatchListener] = []
-        try:
-            for listener in listeners:
-                self._listen(listener.node_path, listener, add=True)
-                added.append(listener)
-                self._active.append(listener)
-            with patch_state.opened(listeners):
+        # open before attaching and detached before closing: a listener is on an op point only while
+        # its context is open (what a compiled graph's check relies on, see patch_state.all_open_here)
+        with patch_state.opened(listeners):
+            try:
+                for listener in listeners:
+                    self._listen(listener.node_path, listener, add=True)
+                    added.append(listener)
+                    self._active.append(listener)
                 yield self
-        finally:
-            for listener in reversed(added):
-                self._listen(listener.node_path, listener, add=False)
-                self._active.remove(listener)
+            finally:
+                for listener in reversed(added):
+                    self._listen(listener.node_path, listener, add=False)
+                    self._active.remove(listener)
 
     def _check_bridged(self) -> None:
         """A PatchableGraph made over a bridged model patches the bridge's graphs: they do not
