@@ -6,7 +6,7 @@ offloaded model (same checkpoint, same device map) with ``torch.equal``."""
 import pytest
 import torch
 
-from nnbridge import ExtractionOptions, PatchableGraph, ZeroPatch
+from nnbridge import CompiledGraphModule, ExtractionOptions, PatchableGraph, ZeroPatch
 from nnbridge.compat.accelerate import run_hooked
 from utils import assert_same, gpt2
 
@@ -82,3 +82,19 @@ def test_run_hooked_offloads_again_when_the_body_raises(checkpoint):
         run_hooked(attn.c_attn, (torch.zeros(1, 64),), {}, body=body)
     assert attn.c_attn.weight.device.type == "meta"
     assert run_hooked(torch.nn.Identity(), (3,), {}, body=lambda args, kwargs: args[0]) == 3  # no hook: body alone
+
+
+def test_a_compiled_graph_keeps_the_gradient_of_an_offloaded_weight_on_its_copy(checkpoint):
+    # eager accelerate loads an offloaded weight afresh for each call and drops it, its .grad with it;
+    # the compiled graph holds one CPU copy, whose .grad is the plain model's (docs/graphpatch.md)
+    from transformers import AutoModelForCausalLM
+
+    model, plain = _offloaded(checkpoint, "a"), AutoModelForCausalLM.from_pretrained(checkpoint / "model").eval()
+    ids, name = _ids(), "transformer.h.1.attn.c_attn.weight"
+    pg = PatchableGraph(model, ids, use_cache=False)
+    assert isinstance(pg.extractions[0].root.get_submodule("transformer.h.1.attn.c_attn"), CompiledGraphModule)
+    pg(ids, use_cache=False).logits.sum().backward()
+    plain(ids, use_cache=False).logits.sum().backward()
+    held = dict(pg.extractions[0].root.named_parameters())[name]
+    assert model.get_parameter(name).grad is None and model.get_parameter(name).device.type == "meta"
+    assert held.device.type == "cpu" and torch.equal(held.grad, plain.get_parameter(name).grad)

@@ -10,6 +10,7 @@ import contextlib
 import importlib
 import io
 import logging
+import re
 import sys
 import threading
 import warnings
@@ -216,7 +217,33 @@ def unflatten(exported: torch.export.ExportedProgram) -> torch.nn.Module:
     """
     with no_module_deduplication(), _code_generated_lazily(), \
             contextlib.redirect_stdout(io.StringIO()), quiet_torch_export(), _state_on_meta(exported):
-        return torch.export.unflatten(exported)
+        try:
+            return torch.export.unflatten(exported)
+        except AttributeError as error:
+            lost = _lost_call(error)
+            if lost is None:
+                raise
+            # the first line is what an extraction failure quotes (200 characters): cause and guide first
+            raise UnusedCallOutputError(
+                f"call {lost!r} lost by torch.export.unflatten: its caller never uses (some of) its outputs"
+                " (docs/graphpatch.md, 'A child call whose outputs the caller drops')\nUse every output of the"
+                " call in the caller, or let the caller run opaque (classes_to_skip_compiling, or"
+                " error_on_compilation_failure=False): its children are still graphs.") from error
+
+
+class UnusedCallOutputError(RuntimeError):
+    """``torch.export.unflatten`` (torch 2.13) failed on a module call whose outputs the caller does
+    not use: export drops those outputs (``o = self.c(x); return o[1]`` where ``c`` returns one
+    linear call per output), the call's module is then lost while unflatten rebuilds the calls, and
+    looking it up raises ``AttributeError: 'InterpreterModule' object has no attribute 'c_linear@2'``
+    (or ``... no attribute '_ty'`` when the first call's outputs are the unused ones)."""
+
+
+def _lost_call(error: AttributeError) -> str | None:
+    """The call name torch's unflatten could not find (``"c_linear@2"``, ``"_ty"``), or None when
+    ``error`` is another AttributeError."""
+    match = re.fullmatch(r"'(?:InterpreterModule|Module)' object has no attribute '([^']*@\d+|_ty)'", str(error))
+    return match.group(1) if match else None
 
 
 @contextlib.contextmanager
