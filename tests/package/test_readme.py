@@ -19,8 +19,8 @@ def promises(block: str) -> list[str]:
     return [match.group(1).strip() for line in block.splitlines() if (match := PROMISE.match(line))]
 
 
-def test_readme_has_three_quickstarts_each_promising_output():
-    assert len(BLOCKS) == 3
+def test_readme_has_four_quickstarts_each_promising_output():
+    assert len(BLOCKS) == 4
     assert all(promises(block) for block in BLOCKS)
 
 
