@@ -7,12 +7,14 @@ needed. ``NNBRIDGE_EXTRACTION_CACHE=0`` turns it off (and the process's :mod:`.m
 ``NNBRIDGE_CACHE`` at a directory of its own, so a developer's cache cannot change what tests see).
 The directory is bounded: after each write, the least recently used entries (by modification
 time; a hit touches its entry) are deleted until the entries take at most
-``$NNBRIDGE_CACHE_LIMIT`` bytes (default 2 GB; ``500M``, ``2G`` accepted). Each ``torch.export`` resultEach ``torch.export`` result (one per extracted
+``$NNBRIDGE_CACHE_LIMIT`` bytes (default 2 GB; ``500M``, ``2G`` accepted). Each ``torch.export`` result (one per extracted
 module and call, see :mod:`.programs`) is one :mod:`.storage` bundle, ``<key>.nnbridge``, where
 ``key`` is a sha256 of:
 
-- the bundle format version, the recording version (:data:`RECORDING_VERSION`) and the torch,
-  transformers and nnbridge versions;
+- the bundle format version, the recording version (:data:`RECORDING_VERSION`), the torch,
+  transformers and nnbridge versions, and a digest of nnbridge's own source files
+  (:func:`source_digest`: an entry that another nnbridge code exported, even under the same
+  version number, misses);
 - the module's class, the hash of its transformers config (if any), the hash of its module tree
   (classes, train flags, plain attribute values, parameter and buffer names, shapes, dtypes) and
   the hash of the source files of every module class in it and the digest of the code its modules
@@ -113,12 +115,28 @@ def default_cache() -> DiskCache | None:
 RECORDING_VERSION = 2
 
 
+def source_digest() -> str:
+    """Hex sha256 of every ``.py`` file of the installed nnbridge package (relative paths and
+    contents, in path order), computed once per process."""
+    if not _SOURCE_DIGEST:
+        root = Path(__file__).resolve().parents[1]
+        digest = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+        _SOURCE_DIGEST.append(digest.hexdigest())
+    return _SOURCE_DIGEST[0]
+
+
+#: the digest :func:`source_digest` computed (empty before its first call)
+_SOURCE_DIGEST: list[str] = []
+
+
 def request_key(request: ExportRequest) -> str:
     """The cache key of ``request`` (hex sha256 of the format, recording and library versions, the
     model's fingerprint and the call's; see the module docstring), computed once per request."""
     if request.cache_key is None:
         text = json.dumps({"format": FORMAT_VERSION, "recording": RECORDING_VERSION,
-                           "versions": library_versions(),
+                           "versions": library_versions(), "source": source_digest(),
                            "model": model_fingerprint(request.module), "call": request.call_fingerprint()},
                           sort_keys=True)
         request.cache_key = hashlib.sha256(text.encode()).hexdigest()

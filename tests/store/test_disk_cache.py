@@ -312,6 +312,19 @@ def test_changed_recording_version_misses(cache_dir, exports, monkeypatch):
     assert exports[0] == 2 and len(_entries(cache_dir)) == 2
 
 
+def test_an_entry_written_by_other_nnbridge_code_is_never_read(cache_dir, exports, monkeypatch):
+    """The digest of nnbridge's own source is in the key: an entry another nnbridge code exported
+    (under the same version number) misses; the digest covers every module of the package."""
+    x = torch.randn(2, 3)
+    PatchableGraph(_linear(), x)
+    digest = disk_cache.source_digest()
+    assert len(digest) == 64 and disk_cache.source_digest() is digest  # once per process
+    monkeypatch.setattr(disk_cache, "source_digest", lambda: "0" * 64)
+    pg = PatchableGraph(_linear(), x)
+    assert exports[0] == 2 and len(_entries(cache_dir)) == 2
+    assert torch.equal(pg(x), pg._dispatcher.module(x))
+
+
 def test_changed_model_source_misses(cache_dir, exports, tmp_path, monkeypatch):
     source = tmp_path / "src" / "edited_model.py"
     source.parent.mkdir()
