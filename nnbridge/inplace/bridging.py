@@ -239,7 +239,7 @@ class Bridge:
         if torch.compiler.is_dynamo_compiling():  # torch.compile traces through: Dynamo cannot enter a lock
             # whether each patch applies depends on the caller's context when another thread or task has
             # patch contexts open (see patch_state): the call then runs uncompiled
-            if not patch_state.all_open_here() and self.listened():
+            if not patch_state.all_open_here() and self.listened(traced=True):
                 return _body_outside_dynamo(self, module, args, kwargs=kwargs)
             return self._body(module, *args, **kwargs)
         with CALL_LOCK:
@@ -289,7 +289,7 @@ class Bridge:
                     # (the module's own code lacks graph surgery's edits: then extracted outside too)
                     if self.adopted:
                         extraction = _edited_lookup_outside_dynamo(dispatcher, args, kwargs)
-                    elif not self.listened():
+                    elif not self.listened(traced=True):
                         return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
                     else:
                         extraction = _lookup_outside_dynamo(dispatcher, args, kwargs)
@@ -335,12 +335,17 @@ class Bridge:
         finally:
             self.depth -= 1
 
-    def listened(self) -> bool:
+    def listened(self, *, traced: bool = False) -> bool:
         """Whether a patch listener or a torch hook is on any of the model's op points (then a
-        call must run the graphs: :meth:`running_eagerly` would skip them)."""
+        call must run the graphs: :meth:`running_eagerly` would skip them).
+
+        ``traced``: asked inside Dynamo's trace, which guards on what it reads: the process-wide
+        :data:`LISTENED` is then not read (a weak set whose size changes whenever the garbage
+        collector frees another model's point, which would fail the guard on the frame that made
+        it), only this model's points."""
         # OpPoint.listened, read off the instance dicts: hundreds of points are checked before every
         # trace, unless no point of any model is listened
-        return bool(LISTENED) and any(point._listeners or point._hooked for point in self.points.values())
+        return (traced or bool(LISTENED)) and any(point._listeners or point._hooked for point in self.points.values())
 
     @contextlib.contextmanager
     def running_eagerly(self) -> Iterator[None]:
