@@ -124,3 +124,32 @@ def test_new_call_structure_with_op_hook_under_fullgraph_is_loud(name):
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     with torch.no_grad(), pytest.raises(Exception, match="Call the model once outside torch.compile"):
         other_call(compiled, x)
+
+
+class _UnreadableSet:
+    """Stands in for the process-wide set of listened op points: reading it fails the test."""
+
+    def __bool__(self):
+        raise AssertionError("LISTENED read")
+
+    __len__ = __bool__
+
+
+def test_a_call_dynamo_traces_reads_only_its_own_op_points(monkeypatch):
+    """Inside Dynamo's trace, whether anything listens is read off the model's own op points, never
+    off the process-wide LISTENED weak set: the garbage collector changes that set's size at any
+    time (freeing another model's points), which would fail Dynamo's guard on the frame that made it."""
+    from nnbridge.inplace import bridging
+
+    model, x = mlp(), torch.randn(3, 8)
+    nnbridge.bridge(model, x)
+    state = bridging.bridge_of(model)
+    monkeypatch.setattr(bridging, "LISTENED", _UnreadableSet())
+    assert state.listened(traced=True) is False
+    handle = model.get_submodule("softmax").register_forward_hook(lambda module, args, output: output)
+    assert state.listened(traced=True) is True
+    handle.remove()
+    with pytest.raises(AssertionError, match="LISTENED read"):  # an eager call's check reads the set first
+        state.listened()
+    monkeypatch.undo()
+    nnbridge.unbridge(model)
