@@ -20,6 +20,7 @@ are. Example::
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
 
 
-class GraphCheck:
+class GraphCheck(abc.ABC):
     """A check (see the module docstring). Subclasses set :attr:`name` and implement :meth:`failure`."""
 
     name: str = ""
@@ -45,9 +46,9 @@ class GraphCheck:
         """What the check needs to know of the graph before the passes (computed once per graph)."""
         return None
 
+    @abc.abstractmethod
     def failure(self, reference: Any, after: GraphModule) -> str | None:
         """What is wrong with ``after``, or None."""
-        raise NotImplementedError
 
 
 class LintCheck(GraphCheck):
