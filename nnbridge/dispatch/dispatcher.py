@@ -386,15 +386,9 @@ class GraphDispatcher(torch.nn.Module):
         """Drop the kept extractions ``keep`` refuses (graph surgery removed an edit they hold):
         the next call that needs one extracts again. :attr:`history` keeps why each was made."""
         for ident, (key, extraction) in list(self._recency.items()):
-            if keep(extraction):
-                continue
-            del self._recency[ident]
-            group = self.extractions.get(key, [])
-            group[:] = [e for e in group if e is not extraction]
-            if not group:
-                self.extractions.pop(key, None)
-            self.history[:] = [EvictedExtraction(e.reason, dict(e.opaque)) if e is extraction else e
-                               for e in self.history]
+            if not keep(extraction):
+                del self._recency[ident]
+                self._forget(key, extraction)
 
     def _why(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """Which guard of the most recently used extraction fails for this call."""
@@ -414,13 +408,17 @@ class GraphDispatcher(torch.nn.Module):
         limit = max(1, self.options.recompile_limit)
         while len(self._recency) > limit:
             _, (key, oldest) = self._recency.popitem(last=False)
-            group = self.extractions.get(key, [])
-            group[:] = [e for e in group if e is not oldest]
-            if not group:
-                self.extractions.pop(key, None)
-            # history keeps why it was made, not its graphs (else evicted graphs live on)
-            self.history[:] = [EvictedExtraction(e.reason, dict(e.opaque)) if e is oldest else e
-                               for e in self.history]
+            self._forget(key, oldest)
+
+    def _forget(self, key: Hashable, extraction: Extraction) -> None:
+        """Drop ``extraction`` (already out of the recency order) from its key's group; history
+        keeps why it was made, not its graphs (else dropped graphs live on)."""
+        group = self.extractions.get(key, [])
+        group[:] = [e for e in group if e is not extraction]
+        if not group:
+            self.extractions.pop(key, None)
+        self.history[:] = [EvictedExtraction(e.reason, dict(e.opaque)) if e is extraction else e
+                           for e in self.history]
 
     def _warn_if_thrashing(self, reason: str) -> None:
         if self._warned or len(self.history) < max(1, self.options.recompile_limit):
