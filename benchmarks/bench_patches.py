@@ -37,8 +37,8 @@ ROWS = {
     "lazy_traceback_lines": ("cold", "structure"),
     "cache_layer_touches": ("cold", "structure"),
     "cache_update_traced": ("cold", "structure"),
-    "lazy_unflatten_code": ("disk",),
-    "sources_compiled_once": ("disk",),
+    "lazy_unflatten_code": ("cold", "disk"),
+    "sources_compiled_once": ("cold", "disk"),
     "load_fake_tensor_meta": ("disk",),
 }
 
