@@ -38,7 +38,6 @@ ROWS = {
     "cache_layer_touches": ("cold", "structure"),
     "cache_update_traced": ("cold", "structure"),
     "lazy_unflatten_code": ("cold", "disk"),
-    "sources_compiled_once": ("cold", "disk"),
     "load_fake_tensor_meta": ("disk",),
 }
 

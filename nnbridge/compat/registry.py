@@ -134,9 +134,6 @@ PATCHES: tuple[RuntimePatch, ...] = (
     _torch("generated_code_released", "torch.fx.graph_module._method_from_src", "correctness",
            why="Drops the source fx keeps for every generated function (its eval cache and linecache) when the"
            " function's code dies, which torch never does."),
-    _torch("sources_compiled_once", "torch.fx.graph_module._exec_with_source", "speed",
-           why="Compiles each distinct generated source once per block and gives later graph modules with the same"
-           " text a renamed copy of the code."),
     _torch("fx_patches_confined", "torch.fx._symbolic_trace._Patcher.patch, torch.fx._symbolic_trace._Patcher."
            "patch_method", "correctness",
            why="Confines the process-wide patches fx makes while tracing (nn.Module.__call__...) to the tracing thread,"

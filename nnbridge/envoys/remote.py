@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..graph.op_point import OpPoint, OpPointContainer
-from ..compat.nnsight.remote import serialised_as_nnsight
+from ..compat.nnsight.remote import serialised_as_nnsight, typing_kept
 from ..errors import NNBridgeError
 from .op_reads import possible_ops
 
@@ -59,5 +59,5 @@ class NNsightRequest:
                 f"this remote trace may read op envoys {ops[:5]} of {type(self.model).__name__}: an NDIF server runs"
                 " nnsight, not nnbridge, so only module envoys (inputs, outputs, skips, .source) exist there."
                 " Run the trace locally (remote=False) to read ops, or read module values only remotely.")
-        with serialised_as_nnsight(is_op_point):
+        with serialised_as_nnsight(is_op_point), typing_kept():  # (see typing_kept: nnsight's "local")
             return self.backend(tracer)

@@ -18,7 +18,6 @@ from torch.fx import Graph, Node
 
 from ..compat.torch.export import forward_from_source
 from ..compat.torch.fast_ops import bindings_fit, with_fast_ops
-from ..compat.torch.fx import sources_compiled_once
 from .failures import register
 from .metadata import node_name, update_node_meta
 from .op_point import route, through
@@ -90,13 +89,12 @@ def _generate_waiting(quiet: bool) -> None:
     global _deferred
     waiting = list((_deferred or {}).values())
     _deferred = None
-    with sources_compiled_once():  # sibling layers' graphs generate the same code: compiled once
-        for module in waiting:
-            try:
-                module._generate_code()
-            except Exception:  # noqa: BLE001 - only while another error propagates
-                if not quiet:
-                    raise
+    for module in waiting:
+        try:
+            module._generate_code()
+        except Exception:  # noqa: BLE001 - only while another error propagates
+            if not quiet:
+                raise
 
 
 def fast_forward(forward: Callable[..., Any], graph: Graph) -> Callable[..., Any]:

@@ -347,20 +347,6 @@ def probe_generated_code_released() -> None:
     assert filename not in fx._loader.eval_cache and filename not in linecache.cache
 
 
-def probe_sources_compiled_once() -> None:
-    import torch.fx.graph_module as fx
-
-    from nnbridge.compat.torch.fx import sources_compiled_once
-
-    assert _parameters(fx._exec_with_source) == ["src", "globals", "co_fields"]
-    assert "_exec_with_source" in fx._method_from_src.__code__.co_names
-    assert _parameters(fx._loader.cache) == ["self", "src", "globals", "co_fields"]
-    with sources_compiled_once():
-        first, second = torch.fx.symbolic_trace(nn.ReLU()), torch.fx.symbolic_trace(nn.ReLU())
-    assert first.forward.__code__.co_filename != second.forward.__code__.co_filename
-    assert torch.equal(second(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
-
-
 def probe_fx_patches_confined() -> None:
     from torch.fx._symbolic_trace import _Patcher
 

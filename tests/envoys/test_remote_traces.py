@@ -10,7 +10,7 @@ import torch
 from nnsight.schema.request import RequestModel
 
 import nnbridge
-from nnbridge.compat.nnsight.remote import serialised_as_nnsight
+from nnbridge.compat.nnsight.remote import serialised_as_nnsight, typing_kept
 from nnbridge.envoys.remote import NNsightRequest, is_op_point
 from nnbridge.errors import NNBridgeError
 from utils import PROMPTS, wrap
@@ -34,7 +34,8 @@ def test_local_simulation_of_module_reads_equals_nnsight(extracted):
     """Layer 0's output ``(1, seq, 64)``, a helper's scalar and the logits ``(1, seq, vocab)``:
     torch.equal to nnsight's remote="local" run and to nnbridge's own local run, also once op
     envoys exist (they are left out of the request, not sent)."""
-    expected = module_reads(wrap(nnsight, "gpt2"), "local")
+    with typing_kept():  # plain nnsight's "local" may replace typing's functions (see typing_kept)
+        expected = module_reads(wrap(nnsight, "gpt2"), "local")
     model = wrap(nnbridge, "gpt2")
     if extracted:
         with torch.no_grad(), model.trace(PROMPTS[0]):
@@ -112,6 +113,70 @@ def test_module_names_are_not_refused():
     reference = wrap(nnsight, "llama")
     values = []
     for m in (model, reference):
-        with torch.no_grad(), m.trace(PROMPTS[0], remote="local"):
+        with typing_kept(), torch.no_grad(), m.trace(PROMPTS[0], remote="local"):
             values.append(m.model.norm.output.save())
     assert torch.equal(values[0], values[1])
+
+
+def _typing_extensions_run_again() -> None:
+    """What nnsight 0.8.1's ``remote="local"`` does where its deserialisation imports
+    ``typing_extensions``: the loaded module is hidden from ``sys.modules`` meanwhile, so the import
+    runs the module again (a new copy, dropped when nnsight puts the hidden modules back), and that
+    import replaces functions of ``typing``."""
+    import importlib
+    import sys
+
+    assert "typing_extensions" not in sys.modules, "called while nnsight hides the loaded modules"
+    importlib.import_module("typing_extensions")
+
+
+def _generic_over_a_param_spec() -> object:
+    """``Generic[P, T]`` with ``P`` a typing_extensions ``ParamSpec`` (a base of a class torch's
+    inductor defines when first imported)."""
+    import typing
+
+    import typing_extensions
+
+    return typing.Generic[typing_extensions.ParamSpec("P"), typing.TypeVar("T")]
+
+
+@pytest.mark.parametrize("library", [nnsight, nnbridge], ids=["nnsight", "nnbridge"])
+def test_a_local_request_that_runs_typing_extensions_again_leaves_typing_as_it_was(library, monkeypatch):
+    """nnbridge's ``remote="local"`` puts ``typing``'s attributes back after the request; plain
+    nnsight's leaves them replaced (shown here, then undone), and ``Generic[P, T]`` raises."""
+    import typing
+
+    before = dict(vars(typing))
+    deserialize = RequestModel.deserialize
+
+    def running_it_again(*args, **kwargs):
+        _typing_extensions_run_again()
+        return deserialize(*args, **kwargs)
+    monkeypatch.setattr(RequestModel, "deserialize", running_it_again)
+    model = wrap(library, "gpt2")
+    with typing_kept():
+        with torch.no_grad(), model.trace(PROMPTS[0], remote="local"):
+            logits = model.lm_head.output.save()
+        changed = sorted(name for name, value in vars(typing).items() if before.get(name) is not value)
+        if library is nnsight:
+            assert "_collect_parameters" in changed
+            with pytest.raises(TypeError, match="without a default follows"):
+                _generic_over_a_param_spec()
+        else:
+            assert changed == []
+            _generic_over_a_param_spec()
+    assert logits.shape[:2] == (1, len(model.tokenizer(PROMPTS[0]).input_ids))
+    _generic_over_a_param_spec()
+
+
+def test_typing_kept_puts_back_replaced_added_and_removed_attributes():
+    import typing
+
+    original = typing.cast
+    with pytest.raises(RuntimeError, match="boom"):
+        with typing_kept():
+            typing.cast = len
+            typing.nnbridge_added = 1
+            del typing.overload
+            raise RuntimeError("boom")
+    assert typing.cast is original and not hasattr(typing, "nnbridge_added") and callable(typing.overload)

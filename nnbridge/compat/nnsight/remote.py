@@ -12,6 +12,15 @@ envoys among its children and without nnbridge's own attributes: what the server
 plain nnsight client; a trace context (nnbridge's ``tracer.cache(ops=...)`` tracer) is pickled as its
 nnsight base class. Other threads' pickling is untouched.
 
+nnsight 0.8.1's ``remote="local"`` deserialises the request with every module outside its server
+list (``typing_extensions`` among them) removed from ``sys.modules``, then puts them back. Where
+that deserialisation imports ``typing_extensions`` (it does with the packages of some
+environments), the module runs a second time and its new copy replaces functions of ``typing``
+(``typing._collect_parameters``) with ones comparing against the copy's own ``NoDefault``; every
+later ``Generic[P, T]`` of a ``typing_extensions.ParamSpec`` then raises ``TypeError: Type parameter
+~T without a default follows type parameter with a default`` (``torch.compile``'s inductor, on its
+first import, among them). :func:`typing_kept` puts ``typing``'s attributes back after a request.
+
 nnsight internals used: ``CustomCloudPickler`` (a ``cloudpickle.CloudPickler``; its
 ``reducer_override`` is wrapped, process-wide, on first use) and ``Envoy.__getstate__``,
 ``Envoy._children``, ``Envoy._child_map``, ``Envoy._module`` (nnsight 0.8.1).
@@ -57,6 +66,27 @@ def _plain_state(envoy: Any, is_op: Callable[[torch.nn.Module], bool]) -> dict[s
 def _names_nnbridge(value: Any) -> bool:
     items = value.items() if isinstance(value, dict) else [(value, value)]
     return any(getattr(part, "__module__", "").split(".")[0] == "nnbridge" for pair in items for part in pair)
+
+
+@contextlib.contextmanager
+def typing_kept() -> Iterator[None]:
+    """Within: anything may replace attributes of the ``typing`` module; after, each attribute
+    replaced or added is as it was before (the same objects), and none is left removed."""
+    import typing
+
+    before = dict(vars(typing))
+    try:
+        yield
+    finally:
+        now = vars(typing)
+        for name in [n for n in now if n not in before]:
+            delattr(typing, name)
+        for name, value in before.items():
+            if now.get(name, _MISSING) is not value:
+                setattr(typing, name, value)
+
+
+_MISSING = object()
 
 
 def _install() -> None:
