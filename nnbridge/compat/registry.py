@@ -127,6 +127,9 @@ PATCHES: tuple[RuntimePatch, ...] = (
     _torch("no_module_deduplication", "torch.export.unflatten._deduplicate_modules", "correctness",
            why="Keeps one graph per module invocation in unflatten, which otherwise merges identical invocations"
            " that nnbridge patches separately."),
+    _torch("unused_calls_kept", "torch.export.unflatten._remove_effect_tokens", "correctness",
+           why="Skips the dead-code pass unflatten runs on a program without effect tokens, which drops a module"
+           " call whose outputs the caller never uses while the call graph still lists it."),
     _torch("lazy_unflatten_code", "torch.export.unflatten.InterpreterModule.finalize, "
            "torch.export.unflatten.UnflattenedModule.finalize", "speed",
            why="Makes unflatten's graph modules lazy, as nnbridge builds its own modules and never runs their code."),

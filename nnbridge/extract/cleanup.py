@@ -304,12 +304,16 @@ def _remove_checks(graph: Graph) -> None:
 
 
 def remove_dead_code(graph: Graph) -> None:
-    """Erase nodes nothing uses, pytree plumbing included (side-effecting calls stay)."""
+    """Erase nodes nothing uses, pytree plumbing included (side-effecting calls stay).
+
+    A submodule call stays even when nothing reads its outputs (``b_outputs[0] = self.lin(h)``
+    then dropped): eager runs it, so its graph runs too, and its op points see each call as eager
+    makes it."""
     changed = True
     while changed:
         changed = False
         for node in reversed(list(graph.nodes)):
-            if node.op in ("placeholder", "output") or node.users:
+            if node.op in ("placeholder", "output", "call_module") or node.users:
                 continue
             if node.op == "get_attr" or node.target in (operator.getitem, fx_pytree.tree_flatten_spec,
                                                         pytree.tree_unflatten) or not node.is_impure():

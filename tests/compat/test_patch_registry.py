@@ -314,6 +314,32 @@ def probe_no_module_deduplication() -> None:
     assert len(invocation_graphs(unflattened.lin)) == 2
 
 
+class _DropsOne(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.lin(x)  # output never read: dead code in the program
+        return self.lin(x + 1)
+
+
+def probe_unused_calls_kept() -> None:
+    from torch.export import unflatten as _  # noqa: F401 - the module, shadowed by the function
+
+    from nnbridge.compat.torch.export import invocation_graphs, unflatten
+
+    module = sys.modules["torch.export.unflatten"]
+    assert _parameters(module._remove_effect_tokens) == ["ep"]
+    exported = torch.export.export(_DropsOne(), (torch.ones(1, 2),), strict=False,
+                                   preserve_module_call_signature=("lin",))
+    unflattened = unflatten(exported)
+    assert len(invocation_graphs(unflattened.lin)) == 2
+    # torch's own pass drops the dead call and the program is left without it
+    module._remove_effect_tokens(exported)
+    assert sum(node.target is torch.ops.aten.linear.default for node in exported.graph.nodes) == 1
+
+
 def probe_lazy_unflatten_code() -> None:
     from torch.fx import _lazy_graph_module
 

@@ -297,9 +297,31 @@ class DiscardsACall(Module):
         return self.branch(x)
 
 
-def test_failure_while_unflattening_falls_back_to_opaque():
-    """torch 2.13's unflatten fails on this program (``'Module' object has no attribute
-    'linear@1'``): the root runs its own code and its children are extracted per call."""
+def test_a_call_whose_output_is_discarded_is_kept_in_the_callers_graph():
+    """The first call's output is never read: it still runs, as in eager, with a graph of its own
+    specialised to its branch (torch 2.13's unflatten would drop it, see
+    ``nnbridge.compat.torch.export.unused_calls_kept``)."""
+    model, x = DiscardsACall().eval(), torch.randn(2, 4)
+    expected = model(x)
+    pg = PatchableGraph(model, x, options=STRICT)
+    assert isinstance(pg._graph_module, CompiledGraphModule)
+    branch = pg._graph_module.branch  # called twice: one graph per invocation
+    assert isinstance(branch, MultiplyInvokedModule) and all(isinstance(b, CompiledGraphModule) for b in branch)
+    with pg.patch({"branch_0.output": [probe := nnbridge.ProbePatch()]}):
+        assert torch.equal(pg(x), expected)
+    with torch.no_grad():
+        assert torch.equal(probe.activation, model.branch(x[:1]))
+    assert torch.equal(bridged_output(model, x, error_on_compilation_failure=True), expected)
+
+
+@pytest.mark.no_extraction_cache  # a cold export, whose unflatten fails
+def test_failure_while_unflattening_falls_back_to_opaque(monkeypatch):
+    """With torch's own dead-code pass (a program with effect tokens), unflatten fails on this
+    program (``'Module' object has no attribute 'linear@1'``): the root runs its own code and its
+    children are extracted per call; strict extraction raises naming the call."""
+    from nnbridge.compat.torch import export as torch_export
+
+    monkeypatch.setattr(torch_export, "_has_effect_tokens", lambda exported: True)
     model, x = DiscardsACall().eval(), torch.randn(2, 4)
     with falls_back("<root>"):
         pg = PatchableGraph(model, x)
@@ -309,9 +331,6 @@ def test_failure_while_unflattening_falls_back_to_opaque():
     assert isinstance(branch, MultiplyInvokedModule) and all(isinstance(b, CompiledGraphModule) for b in branch)
     assert {"branch_0.output", "branch_1.output"} <= set(pg.graph.keys())
     assert torch.equal(pg(x), model(x))
-    expected = model(x)
-    with falls_back("<root>"):
-        assert torch.equal(bridged_output(model, x), expected)
     with pytest.raises(ExtractionError, match="module '<root>' \\(DiscardsACall\\).*linear@1"):
         PatchableGraph(model, x, options=STRICT)
 

@@ -208,14 +208,49 @@ def forget_export_state() -> None:
             clear()
 
 
+@contextlib.contextmanager
+def unused_calls_kept() -> Iterator[None]:
+    """Keep the module calls whose outputs nothing uses in ``torch.export.unflatten``.
+
+    torch 2.13's unflatten first removes the program's effect tokens (``_remove_effect_tokens``),
+    which ends with ``graph.eliminate_dead_code()`` on the program's own graph, in place. That drops
+    every call whose outputs the caller never reads (``out = self.c(x); return out[1]`` where ``c``
+    returns one call of its linear per output) while ``module_call_graph`` still lists the call, so
+    unflatten then fails looking its module up (``'InterpreterModule' object has no attribute
+    'c_linear@2'``). Within, a program without effect tokens (no token inputs or outputs, no
+    ``with_effects`` or ``invoke_subgraph`` node in any of its graphs) is left as it is, so the
+    call stays in its caller's graph, run with its output unused as eager runs it; a program with
+    tokens goes through torch's own pass (and such a call still fails, see
+    :class:`UnusedCallOutputError`).
+    """
+    original = _unflatten_module._remove_effect_tokens
+
+    def tokens_removed(exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+        return original(exported) if _has_effect_tokens(exported) else exported
+
+    with registry.replaced("unused_calls_kept", _unflatten_module, "_remove_effect_tokens", value=tokens_removed):
+        yield
+
+
+def _has_effect_tokens(exported: torch.export.ExportedProgram) -> bool:
+    """Whether ``_remove_effect_tokens`` would change ``exported`` other than by removing dead code."""
+    signature = exported.graph_signature
+    if signature.input_tokens or signature.output_tokens:
+        return True
+    effectful = {torch.ops.higher_order.with_effects, torch.ops.higher_order.invoke_subgraph}
+    return any(node.target in effectful for module in exported.graph_module.modules()
+               if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes)
+
+
 def unflatten(exported: torch.export.ExportedProgram) -> torch.nn.Module:
     """``torch.export.unflatten`` with one graph per invocation, whose modules generate their
-    Python code only when first run or read (see :func:`_code_generated_lazily`).
+    Python code only when first run or read (see :func:`_code_generated_lazily`), and with the
+    calls whose outputs the caller drops kept (see :func:`unused_calls_kept`).
 
     torch 2.13.0's unflatten prints a leftover debug line ("Checking mutability ...") for every
     functionalized buffer mutation; its stdout is swallowed here.
     """
-    with no_module_deduplication(), _code_generated_lazily(), \
+    with no_module_deduplication(), unused_calls_kept(), _code_generated_lazily(), \
             contextlib.redirect_stdout(io.StringIO()), quiet_torch_export(), _state_on_meta(exported):
         try:
             return torch.export.unflatten(exported)
@@ -233,9 +268,10 @@ def unflatten(exported: torch.export.ExportedProgram) -> torch.nn.Module:
 
 class UnusedCallOutputError(RuntimeError):
     """``torch.export.unflatten`` (torch 2.13) failed on a module call whose outputs the caller does
-    not use: export drops those outputs (``o = self.c(x); return o[1]`` where ``c`` returns one
-    linear call per output), the call's module is then lost while unflatten rebuilds the calls, and
-    looking it up raises ``AttributeError: 'InterpreterModule' object has no attribute 'c_linear@2'``
+    not use, in a program with effect tokens (without them the call is kept, see
+    :func:`unused_calls_kept`): torch's token pass drops those outputs as dead code
+    (``o = self.c(x); return o[1]`` where ``c`` returns one linear call per output), the call's
+    module is then lost while unflatten rebuilds the calls, and looking it up raises ``AttributeError: 'InterpreterModule' object has no attribute 'c_linear@2'``
     (or ``... no attribute '_ty'`` when the first call's outputs are the unused ones)."""
 
 
