@@ -101,6 +101,8 @@ class PatternPass:
             raise PatternError(f"the replacement {name} must return one tensor computed from its inputs; it returns"
                                f" {result!r} at {match.anchor}.")
         if result is not anchor:
+            if result not in reused and "val" in anchor.meta:
+                result.meta["val"] = anchor.meta["val"]  # what the checks take where inputs were not rebuilt
             anchor.replace_all_uses_with(result)
         pending = [n for n in match.nodes.values() if n not in reused and n is not result]
         while pending:  # users first: the matched nodes have no user outside the match
