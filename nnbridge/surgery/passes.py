@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from ..errors import PassCheckError
+from ..errors import PassCheckError, PatternError
 from ..graph.graph_module import CompiledGraphModule
 from ..graph.locking import CALL_LOCK
 from ..graph.metadata import node_meta, node_name
@@ -161,7 +161,7 @@ class PassEdit:
             before = set(module.graph.nodes)
             try:
                 outcome = runner.run(module)
-            except PassCheckError:
+            except (PassCheckError, PatternError):
                 raise
             except Exception as error:
                 raise PassCheckError(

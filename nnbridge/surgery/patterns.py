@@ -225,7 +225,8 @@ def replace_pattern(target: Any, pattern: Any, replacement: Any, *, scope: str =
     except PatternError:
         raise
     except PassCheckError as error:
-        raise PatternError(f"replace_pattern {traced.name} -> {name_of(replacement)}: {error}") from error
+        message = str(error).removeprefix("apply_passes: ").replace("apply_passes", "replace_pattern")
+        raise PatternError(f"replace_pattern {traced.name} -> {name_of(replacement)}: {message}") from error
     _log_opaque(resolved, edit, traced, log)
     rewrite.matches = [entry.anchor for entry in log.verdicts("MATCHED")]
     return rewrite
