@@ -287,11 +287,11 @@ def apply_passes(target: object, passes: Pass | Sequence[Pass], *, scope: str = 
     """
     edit = PassEdit(passes, scope=scope, checks=checks)
     applied = AppliedPasses(edit)
-    return apply_edit(target, edit, applied, lambda owner: PassRecipe(edit, owner))
+    return apply_edit(target, edit, applied, make_recipe=lambda owner: PassRecipe(edit, owner))
 
 
-def apply_edit(target: object, edit: PassEdit, applied: AppliedPasses,
-               make_recipe: Callable[[torch.nn.Module], PassRecipe], *, verb: str = "apply_passes") -> AppliedPasses:
+def apply_edit(target: object, edit: PassEdit, applied: AppliedPasses, *,
+               make_recipe: Callable[[torch.nn.Module], PassRecipe], verb: str = "apply_passes") -> AppliedPasses:
     """Apply ``edit`` to every compiled graph of ``target`` in its scope (see :func:`apply_passes`)
     and keep it as recipes (``make_recipe(owner)``, one per module whose graphs are in scope) on
     ``applied``, which is returned. Graphs the edit leaves unchanged (``PreparedPasses.changed``

@@ -119,11 +119,11 @@ class _Attempt:
                 raise _Failed(f"{self.path(t)} is {what}; the pattern wants {want}")
         self.found.nodes[p] = t
         self.taken.add(t)
-        self.arguments(p, list(p.args), list(t.args), t)
+        self.arguments(p, list(p.args), list(t.args), t=t)
         for key, value in p.kwargs.items():
             if key not in t.kwargs:
                 raise _Failed(f"{self.path(t)} has no keyword argument {key}={value!r}")
-            self.argument(p, value, t.kwargs[key], t, key)
+            self.argument(p, value, t.kwargs[key], t=t, which=key)
 
     def module_call(self, p: Node, t: Node) -> None:
         slot = str(p.target)
@@ -142,14 +142,14 @@ class _Attempt:
         if node_meta(t).extra_args:
             raise _Failed(f"{self.path(t)} passes state or constants the pattern cannot see")
 
-    def arguments(self, p: Node, pattern_args: list[Any], args: list[Any], t: Node) -> None:
+    def arguments(self, p: Node, pattern_args: list[Any], args: list[Any], *, t: Node) -> None:
         if len(args) < len(pattern_args) or (p.op == "call_module" and len(args) != len(pattern_args)):
             raise _Failed(f"{self.path(t)} takes {len(args)} positional argument(s); the pattern passes"
                           f" {len(pattern_args)}")
         for index, (want, got) in enumerate(zip(pattern_args, args)):
-            self.argument(p, want, got, t, index)
+            self.argument(p, want, got, t=t, which=index)
 
-    def argument(self, p: Node, want: Any, got: Any, t: Node, which: int | str) -> None:
+    def argument(self, p: Node, want: Any, got: Any, *, t: Node, which: int | str) -> None:
         if isinstance(want, Node):
             if want.op == "placeholder":
                 if not isinstance(got, Node):
@@ -166,7 +166,7 @@ class _Attempt:
             return
         if isinstance(want, (list, tuple)) and isinstance(got, (list, tuple)) and len(want) == len(got):
             for w, g in zip(want, got):
-                self.argument(p, w, g, t, which)
+                self.argument(p, w, g, t=t, which=which)
             return
         if isinstance(got, Node) or type(want) is not type(got) or want != got:
             shown = self.path(got) if isinstance(got, Node) else repr(got)

@@ -79,7 +79,7 @@ class PatternPass:
             if node.op == "placeholder":
                 env[node] = match.tensors[str(node.target)]
             elif node.op == "get_attr":
-                env[node] = self._attribute(module, owner, str(node.target), anchor)
+                env[node] = self._attribute(module, owner, str(node.target), anchor=anchor)
             elif node.op == "call_module":
                 call = calls.get(str(node.target))
                 if call is None or call in reused:
@@ -111,7 +111,7 @@ class PatternPass:
             pending.remove(node)
 
     @staticmethod
-    def _attribute(module: GraphModule, owner: torch.nn.Module, target: str, anchor: Node) -> Node:
+    def _attribute(module: GraphModule, owner: torch.nn.Module, target: str, *, anchor: Node) -> Node:
         """A ``get_attr`` node (before ``anchor``) reading ``owner``'s tensor at ``target``, held by
         ``module`` under a flat name (the tensor itself, not a copy)."""
         value = owner.get_submodule(".".join(target.split(".")[:-1])) if "." in target else owner

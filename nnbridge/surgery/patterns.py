@@ -123,7 +123,7 @@ class Rewrite(AppliedPasses):
         return f"Rewrite({self.edit!r}, matches={self.matches}, {state})"
 
 
-def _traced(pattern: Any, constants: Mapping[str, Any] | None, example_inputs: Any, log: MatchLog) -> PatternGraph:
+def _traced(pattern: Any, constants: Mapping[str, Any] | None, *, example_inputs: Any, log: MatchLog) -> PatternGraph:
     if constants is not None and not isinstance(constants, Mapping):
         raise PatternError(f"constants= must be a dict {{argument: value}}; got {type(constants).__name__}.")
     if example_inputs is not None:
@@ -156,7 +156,7 @@ def match(target: Any, pattern: Any, *, scope: str = "**", constants: Mapping[st
         PatternError: a bad pattern or argument, or a scope that matches no graph.
     """
     log = MatchLog()
-    traced = _traced(pattern, constants, example_inputs, log)
+    traced = _traced(pattern, constants, example_inputs=example_inputs, log=log)
     resolved = target_of(target, "match")
     result = MatchResult(log=log, dropped=list(traced.dropped))
     with CALL_LOCK:
@@ -171,11 +171,11 @@ def match(target: Any, pattern: Any, *, scope: str = "**", constants: Mapping[st
                                f" {sorted({p or '<root>' for p, _ in found.graphs})[:12]}.")
         for path, graph in chosen:
             result.matches.extend(match_graph(traced, graph, where=path, log=log))
-        _log_opaque(resolved, edit, traced, log)
+        _log_opaque(resolved, edit, traced, log=log)
     return result
 
 
-def _log_opaque(resolved: Any, edit: PassEdit, traced: PatternGraph, log: MatchLog) -> None:
+def _log_opaque(resolved: Any, edit: PassEdit, traced: PatternGraph, *, log: MatchLog) -> None:
     """A SKIPPED entry for each opaque (eager) graph in scope."""
     seen: set[int] = set()
     for dispatcher in resolved.dispatchers():
@@ -209,7 +209,7 @@ def replace_pattern(target: Any, pattern: Any, replacement: Any, *, scope: str =
             graph). Every graph is then as before.
     """
     log = MatchLog()
-    traced = _traced(pattern, constants, example_inputs, log)
+    traced = _traced(pattern, constants, example_inputs=example_inputs, log=log)
     if not callable(replacement):
         raise PatternError(f"the replacement must be a function or an nn.Module; got {type(replacement).__name__}.")
     rewriter = PatternPass(traced, replacement, constants=dict(constants or {}), log=log)
@@ -221,13 +221,13 @@ def replace_pattern(target: Any, pattern: Any, replacement: Any, *, scope: str =
     resolved = target_of(target, "replace_pattern")
     try:
         apply_edit(resolved.pg if resolved.pg is not None else resolved.model, edit, rewrite,
-                   lambda owner: PatternRecipe(edit, owner), verb="replace_pattern")
+                   make_recipe=lambda owner: PatternRecipe(edit, owner), verb="replace_pattern")
     except PatternError:
         raise
     except PassCheckError as error:
         message = str(error).removeprefix("apply_passes: ").replace("apply_passes", "replace_pattern")
         raise PatternError(f"replace_pattern {traced.name} -> {name_of(replacement)}: {message}") from error
-    _log_opaque(resolved, edit, traced, log)
+    _log_opaque(resolved, edit, traced, log=log)
     rewrite.matches = [entry.anchor for entry in log.verdicts("MATCHED")]
     return rewrite
 
