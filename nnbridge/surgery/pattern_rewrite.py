@@ -75,11 +75,17 @@ class PatternPass:
 
         graph = module.graph
         result: Any = None
+        last: Node = anchor.prev  # the replacement's nodes go after it, in order (the anchor may be re-used)
+        made: set[Node] = set()
         for node in replacement.nodes:
             if node.op == "placeholder":
                 env[node] = match.tensors[str(node.target)]
-            elif node.op == "get_attr":
-                env[node] = self._attribute(module, owner, str(node.target), anchor=anchor)
+                continue
+            if node.op == "output":
+                result = mapped(node.args[0])
+                continue
+            if node.op == "get_attr":
+                new = self._attribute(module, owner, str(node.target), after=last)
             elif node.op == "call_module":
                 call = calls.get(str(node.target))
                 if call is None or call in reused:
@@ -89,21 +95,20 @@ class PatternPass:
                         " parameters.")
                 reused.add(call)
                 call.args, call.kwargs = mapped(node.args), mapped(node.kwargs)
-                if call is not anchor:
-                    anchor.prepend(call)
-                env[node] = call
-            elif node.op == "output":
-                result = mapped(node.args[0])
+                last.append(call)
+                new = call
             else:
-                with graph.inserting_before(anchor):
-                    env[node] = graph.create_node(node.op, node.target, mapped(node.args), mapped(node.kwargs))
+                with graph.inserting_after(last):
+                    new = graph.create_node(node.op, node.target, mapped(node.args), mapped(node.kwargs))
+            env[node] = last = new
+            made.add(new)
         if not isinstance(result, Node):
             raise PatternError(f"the replacement {name} must return one tensor computed from its inputs; it returns"
                                f" {result!r} at {match.anchor}.")
         if result is not anchor:
             if result not in reused and "val" in anchor.meta:
                 result.meta["val"] = anchor.meta["val"]  # what the checks take where inputs were not rebuilt
-            anchor.replace_all_uses_with(result)
+            anchor.replace_all_uses_with(result, delete_user_cb=lambda user: user not in made)
         pending = [n for n in match.nodes.values() if n not in reused and n is not result]
         while pending:  # users first: the matched nodes have no user outside the match
             node = next(n for n in pending if not n.users)
@@ -111,8 +116,8 @@ class PatternPass:
             pending.remove(node)
 
     @staticmethod
-    def _attribute(module: GraphModule, owner: torch.nn.Module, target: str, *, anchor: Node) -> Node:
-        """A ``get_attr`` node (before ``anchor``) reading ``owner``'s tensor at ``target``, held by
+    def _attribute(module: GraphModule, owner: torch.nn.Module, target: str, *, after: Node) -> Node:
+        """A ``get_attr`` node (after ``after``) reading ``owner``'s tensor at ``target``, held by
         ``module`` under a flat name (the tensor itself, not a copy)."""
         value = owner.get_submodule(".".join(target.split(".")[:-1])) if "." in target else owner
         tensor = getattr(value, target.split(".")[-1])
@@ -125,5 +130,5 @@ class PatternPass:
             module.register_buffer(flat, tensor, persistent=False)
         elif existing is not tensor:
             raise PatternError(f"the graph already holds another tensor as {flat!r}")
-        with module.graph.inserting_before(anchor):
+        with module.graph.inserting_after(after):
             return module.graph.get_attr(flat)

@@ -22,6 +22,7 @@ extraction (another call structure, dtype, ``.train()``) until ``.remove()``. Ex
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,12 +46,14 @@ from .targets import target_of
 
 class PatternEdit(PassEdit):
     """The rewrite as a :class:`~nnbridge.surgery.passes.PassEdit`: its one pass is a
-    :class:`~.pattern_rewrite.PatternPass`; a graph without a match is left as it is."""
+    :class:`~.pattern_rewrite.PatternPass`; a graph without a match is left as it is, and a graph
+    rewritten once (one several extractions share) is not rewritten again."""
 
     def __init__(self, rewriter: PatternPass, *, scope: str):
         super().__init__([rewriter], scope=scope, checks=DEFAULT_CHECKS)
         self.rewriter = rewriter
         self._owner: torch.nn.Module | None = None
+        self._done: weakref.WeakSet[CompiledGraphModule] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return f"PatternEdit({self.rewriter.__name__}, scope={self.scope!r})"
@@ -65,7 +68,12 @@ class PatternEdit(PassEdit):
         self.rewriter.bind(owner=self._owner, where=where)
         prepared = super().prepare(graph_module, where, parents=parents)
         prepared.changed = bool(self.rewriter.matches)
+        self._done.add(graph_module)
         return prepared
+
+    def apply(self, graph_module: CompiledGraphModule) -> None:
+        if graph_module not in self._done:
+            super().apply(graph_module)
 
 
 class PatternRecipe(PassRecipe):

@@ -6,7 +6,7 @@ import torch
 
 import nnbridge
 from nnbridge import surgery
-from pattern_models import (Config, ConfigStack, FusedBlock, Model, RmsBlock, assert_same_run, doubled_residual,
+from pattern_models import (Block, Config, ConfigStack, FusedBlock, Model, RmsBlock, assert_same_run, doubled_residual,
                             fused, hand_edited, layer_norm_pattern, pattern, rms_norm, run_with_grads, source_pattern)
 
 
@@ -120,3 +120,26 @@ def test_one_pattern_matches_float32_and_bfloat16_extractions():
     low = x.to(torch.bfloat16)
     assert_same_run(run_with_grads(model, low), run_with_grads(reference, low))
     assert sum(e.verdict == "MATCHED" for e in rewrite.log) == 6  # three blocks, two extractions
+
+
+def doubled_norm(x, ln):
+    return ln(x) * 2
+
+
+class DoubledNormBlock(Block):
+    """Hand-written: the LayerNorm's output is doubled."""
+
+    def forward(self, x):
+        return self.ln(self.l1(self.l0(x)) + x) * 2
+
+
+def test_a_replacement_calling_the_matched_module_is_applied_once_per_graph():
+    x = torch.randn(2, 8)
+    model, eager = bridged(Model(), x)
+    rewrite = surgery.replace_pattern(model, layer_norm_pattern, doubled_norm)
+    reference = hand_edited(eager, DoubledNormBlock)
+    for call in (x, torch.randn(4, 8), x, torch.randn(1, 3, 8), torch.randn(4, 8)):
+        assert_same_run(run_with_grads(model, call), run_with_grads(reference, call))
+    # the LayerNorm call is re-used: its NodePath and op point stay, readable in the rewritten graph
+    assert "blocks_0.ln" in rewrite.matches
+    assert isinstance(model.get_submodule("blocks.0.ln.layer_norm"), torch.nn.Module)
