@@ -182,14 +182,12 @@ def _rooted(holder: torch.nn.Module, function: Callable[..., Any], arguments: li
     return root
 
 
-def trace_replacement(replacement: Any, *, values: Mapping[str, Any], modules: Mapping[str, str],
-                      owner: torch.nn.Module, name: str) -> Graph:
+def trace_replacement(replacement: Any, *, values: Mapping[str, Any], owner: torch.nn.Module, name: str) -> Graph:
     """Trace ``replacement`` for one match.
 
     Args:
-        values: ``{argument: value}``: proxies-to-be for the tensor wildcards are made here;
+        values: ``{argument: value}``: :data:`TENSOR` for a tensor input (traced as a placeholder);
             constants and the matched modules (objects of ``owner``'s tree) are passed as is.
-        modules: ``{argument: the matched module's path relative to owner}``.
         owner: the module whose graph holds the match.
 
     Returns:
@@ -205,7 +203,7 @@ def trace_replacement(replacement: Any, *, values: Mapping[str, Any], modules: M
     if missing:
         raise PatternError(f"the replacement {name} takes {missing}, which the pattern does not bind (the pattern's"
                            f" inputs and constants: {sorted(values)}); give it the pattern's argument names.")
-    tensors = [p.name for p in parameters if p.name in values and values[p.name] is _TENSOR]
+    tensors = [p.name for p in parameters if p.name in values and values[p.name] is TENSOR]
 
     def bound(*proxies: Any) -> Any:
         given = dict(zip(tensors, proxies))
@@ -230,5 +228,4 @@ def trace_replacement(replacement: Any, *, values: Mapping[str, Any], modules: M
 
 
 #: marks a tensor argument in :func:`trace_replacement`'s ``values``
-_TENSOR: Any = object()
-TENSOR = _TENSOR
+TENSOR: Any = object()

@@ -2,7 +2,7 @@
 runs on each graph in scope).
 
 Per match, the replacement is traced with the matched module objects (:func:`.pattern_graphs.trace_replacement`)
-and its nodes go before the anchor: a read of a matched module's parameter or buffer becomes a
+and its nodes go where the matched nodes were: a read of a matched module's parameter or buffer becomes a
 ``get_attr`` of that very tensor (no copy: gradients reach the model's parameter), a call of a
 matched module re-uses that module's call node (its name, child graph and op point stay), other
 ops are new nodes (named by nnbridge's rules after the pass). The anchor's users then read the
@@ -57,8 +57,7 @@ class PatternPass:
         name = name_of(self.replacement)
         dropped = [d for d in self.pattern.dropped if d not in values]
         try:
-            replacement = trace_replacement(self.replacement, values=values, modules=match.modules, owner=owner,
-                                            name=name)
+            replacement = trace_replacement(self.replacement, values=values, owner=owner, name=name)
         except PatternError as error:
             if dropped:
                 raise PatternError(f"{error} (the pattern {self.pattern.name} left {dropped} unused, so they were"
