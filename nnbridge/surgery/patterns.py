@@ -35,7 +35,7 @@ from ..graph.locking import CALL_LOCK
 from .pass_checks import DEFAULT_CHECKS
 from .pass_inputs import Parents
 from .pass_recipes import PassRecipe
-from .pass_targets import _below, graph_path, target_graphs
+from .pass_targets import graph_path, graphs_below, target_graphs
 from .passes import AppliedPasses, PassEdit, PreparedPasses, apply_edit
 from .pattern_graphs import PatternGraph, name_of, trace_pattern
 from .pattern_log import LogEntry, MatchLog
@@ -188,7 +188,7 @@ def _log_opaque(resolved: Any, edit: PassEdit, traced: PatternGraph, *, log: Mat
     seen: set[int] = set()
     for dispatcher in resolved.dispatchers():
         for extraction in dispatcher.all_extractions():
-            for graph in _below(extraction.root, seen, {}):
+            for graph in graphs_below(extraction.root, seen, {}):
                 if isinstance(graph, OpaqueGraphModule) and edit.matches(graph_path(graph)):
                     where = graph_path(graph) or "<root>"
                     log.add(LogEntry(traced.name, where, where, "SKIPPED",
@@ -202,11 +202,15 @@ def replace_pattern(target: Any, pattern: Any, replacement: Any, *, scope: str =
     ``replacement`` (see the module docstring), now and in every later extraction.
 
     Args:
-        target, pattern, scope, constants, example_inputs: as :func:`match`.
+        target: as :func:`match`.
+        pattern: as :func:`match`.
         replacement: a function taking (a subset of) the pattern's arguments by name: tensors, the
             matched module objects, the constants; it returns one tensor of the anchor's shape,
             dtype and device. It may read the matched modules' parameters and call each matched
             module once.
+        scope: as :func:`match`.
+        constants: as :func:`match`; passed to the replacement too when it takes them.
+        example_inputs: as :func:`match`.
 
     Returns:
         :class:`Rewrite`: ``.matches`` (anchor NodePaths), ``.log``, ``.remove()``.
