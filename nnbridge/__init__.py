@@ -68,6 +68,7 @@ if TYPE_CHECKING:  # the names as the type checker sees them; at run time __geta
     from .errors import NodePathError as NodePathError
     from .errors import SaveLoadError as SaveLoadError
     from .errors import PassCheckError as PassCheckError
+    from .errors import PatternError as PatternError
     from .errors import SurgeryError as SurgeryError
     from .extract.options import ExtractionOptions as ExtractionOptions
     from .graph.graph_module import CompiledGraphModule as CompiledGraphModule
@@ -139,6 +140,7 @@ _EXPORTS: dict[str, str] = {
     "ReplacePatch": ".patching.patches",
     "SaveLoadError": ".errors",
     "PassCheckError": ".errors",
+    "PatternError": ".errors",
     "SurgeryError": ".errors",
     "TransformersModel": ".envoys",
     "ZeroPatch": ".patching.patches",
@@ -172,6 +174,7 @@ __all__ = [
     "ReplacePatch",
     "SaveLoadError",
     "PassCheckError",
+    "PatternError",
     "SurgeryError",
     "ZeroPatch",
     "bridge",

@@ -64,6 +64,13 @@ class SurgeryError(NNBridgeError):
     the module, the rule and the fix; nothing is left half-edited."""
 
 
+class PatternError(SurgeryError):
+    """A pattern rewrite (:func:`nnbridge.surgery.replace_pattern`, :func:`nnbridge.surgery.match`)
+    cannot be made: the pattern or replacement cannot be traced or bound, the scope matches no
+    graph, or the replacement fails on a match or on a later extraction. The message names the
+    pattern, the rule and the fix; every graph is as before."""
+
+
 class NNBridgeWarning(UserWarning):
     """Category of every warning nnbridge issues."""
 

@@ -26,6 +26,10 @@ apply to a new extraction raises :class:`~nnbridge.SurgeryError` saying why. Exa
 ``apply_passes(target, passes, scope=...)`` runs torch fx / ATen-IR passes over the compiled
 graphs of a PatchableGraph or bridged model (:mod:`.passes`); :class:`PassEdit` is the same work
 as a reusable edit.
+
+``replace_pattern(target, pattern, replacement, scope=...)`` rewrites every match of a pattern
+that may span module calls (arguments annotated with a module class match calls of that class),
+with a match log by NodePath (:mod:`.patterns`); ``match`` only finds them.
 """
 
 from .insertion import Edit as Edit
@@ -37,6 +41,10 @@ from .insertion import replace_node as replace_node
 from .passes import AppliedPasses as AppliedPasses
 from .passes import PassEdit as PassEdit
 from .passes import apply_passes as apply_passes
+from .patterns import MatchResult as MatchResult
+from .patterns import Rewrite as Rewrite
+from .patterns import match as match
+from .patterns import replace_pattern as replace_pattern
 
-__all__ = ["AppliedPasses", "Edit", "PassEdit", "apply_passes", "clear", "edits", "insert_after", "insert_before",
-           "replace_node"]
+__all__ = ["AppliedPasses", "Edit", "MatchResult", "PassEdit", "Rewrite", "apply_passes", "clear", "edits",
+           "insert_after", "insert_before", "match", "replace_node", "replace_pattern"]

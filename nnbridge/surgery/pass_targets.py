@@ -53,7 +53,10 @@ class Graphs:
     parents: Parents
 
 
-def _below(root: GraphModuleBase, seen: set[int], parents: Parents) -> Iterator[GraphModuleBase]:
+def graphs_below(root: GraphModuleBase, seen: set[int], parents: Parents) -> Iterator[GraphModuleBase]:
+    """``root`` and every graph below it (compiled and opaque, those of opaque children's own
+    dispatchers too), each once (``seen``: ids already given); ``parents`` gets each compiled
+    child's caller."""
     if id(root) in seen:
         return
     seen.add(id(root))
@@ -63,14 +66,14 @@ def _below(root: GraphModuleBase, seen: set[int], parents: Parents) -> Iterator[
             if node.op == "call_module":
                 child = root.child_graph(node)
                 parents.setdefault(id(child), (root, node))
-                yield from _below(child, seen, parents)
+                yield from graphs_below(child, seen, parents)
     elif isinstance(root, OpaqueGraphModule):
         for _, sub in children(root):
             if sub is not None:
-                yield from _below(sub, seen, parents)
+                yield from graphs_below(sub, seen, parents)
         for holder in root.graph_meta.child_dispatchers.values():
             for extraction in holder.all_extractions():
-                yield from _below(extraction.root, seen, parents)
+                yield from graphs_below(extraction.root, seen, parents)
 
 
 def target_graphs(target: object) -> Graphs:
@@ -99,7 +102,7 @@ def target_graphs(target: object) -> Graphs:
     seen: set[int] = set()
     parents: Parents = {}
     graphs = [(graph_path(graph), graph) for dispatcher in dispatchers for extraction in dispatcher.all_extractions()
-              for graph in _below(extraction.root, seen, parents) if isinstance(graph, CompiledGraphModule)]
+              for graph in graphs_below(extraction.root, seen, parents) if isinstance(graph, CompiledGraphModule)]
     if not graphs:
         raise PassCheckError(
             f"apply_passes: {type(target).__name__} has no extracted graph yet (bridged without example inputs and"

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from ..errors import PassCheckError
+from ..errors import PassCheckError, PatternError
 from ..graph.graph_module import CompiledGraphModule
 from ..graph.locking import CALL_LOCK
 from ..graph.metadata import node_meta, node_name
@@ -71,6 +71,7 @@ class PreparedPasses:
     work: WorkingCopy
     result: GraphModule
     where: str
+    changed: bool = True
 
     def removed_listened(self) -> list[str]:
         """Nodes the passes removed whose op point has a patch, torch hook or listener."""
@@ -118,6 +119,10 @@ class PassEdit:
     def __repr__(self) -> str:
         return f"PassEdit([{', '.join(r.name for r in self.runners)}], scope={self.scope!r})"
 
+    def bind_owner(self, owner: torch.nn.Module) -> None:
+        """Called before :meth:`prepare` with the module the graph is a graph of (passes need none;
+        a pattern rewrite reads the matched modules off it)."""
+
     def matches(self, node_path: str) -> bool:
         """Whether the graph at ``node_path`` is in scope."""
         return self._pattern.fullmatch(node_path) is not None
@@ -133,6 +138,8 @@ class PassEdit:
             return
         with CALL_LOCK:
             prepared = self.prepare(graph_module, where)
+            if not prepared.changed:
+                return
             _refuse_removed_listened([prepared])
             prepared.install()
 
@@ -154,7 +161,7 @@ class PassEdit:
             before = set(module.graph.nodes)
             try:
                 outcome = runner.run(module)
-            except PassCheckError:
+            except (PassCheckError, PatternError):
                 raise
             except Exception as error:
                 raise PassCheckError(
@@ -279,16 +286,36 @@ def apply_passes(target: object, passes: Pass | Sequence[Pass], *, scope: str = 
             ``.check`` say which); every graph is then as before the call.
     """
     edit = PassEdit(passes, scope=scope, checks=checks)
+    applied = AppliedPasses(edit)
+    return apply_edit(target, edit, applied, make_recipe=lambda owner: PassRecipe(edit, owner))
+
+
+def apply_edit(target: object, edit: PassEdit, applied: AppliedPasses, *,
+               make_recipe: Callable[[torch.nn.Module], PassRecipe], verb: str = "apply_passes") -> AppliedPasses:
+    """Apply ``edit`` to every compiled graph of ``target`` in its scope (see :func:`apply_passes`)
+    and keep it as recipes (``make_recipe(owner)``, one per module whose graphs are in scope) on
+    ``applied``, which is returned. Graphs the edit leaves unchanged (``PreparedPasses.changed``
+    false) are not put in place again.
+
+    Raises:
+        PassCheckError: as :func:`apply_passes`; every graph is then as before the call.
+    """
     with CALL_LOCK:
         found = target_graphs(target)
         chosen = [(path, graph) for path, graph in found.graphs if edit.matches(path)]
         if not chosen:
             paths = sorted({path or "<root>" for path, _ in found.graphs})
             raise PassCheckError(
-                f"apply_passes: the scope {scope!r} matches no compiled graph; graphs: {paths[:12]}"
+                f"{verb}: the scope {edit.scope!r} matches no compiled graph; graphs: {paths[:12]}"
                 f"{' ...' if len(paths) > 12 else ''} ('*' matches within one segment, '**' across segments).",
                 check="scope")
-        prepared = [edit.prepare(graph, path, parents=found.parents) for path, graph in chosen]
+        kept = target_of(target, verb)
+        modules = _graph_owners(kept)
+        prepared = []
+        for path, graph in chosen:
+            edit.bind_owner(modules[id(graph)])
+            prepared.append(edit.prepare(graph, path, parents=found.parents))
+        prepared = [item for item in prepared if item.changed]
         _refuse_removed_listened(prepared)
         links = _links(found, prepared)
         undo: list[Callable[[], None]] = []
@@ -301,14 +328,13 @@ def apply_passes(target: object, passes: Pass | Sequence[Pass], *, scope: str = 
             raise
         if found.bridge is not None:
             _update_bridge(found.bridge, links)
-        kept = target_of(target, "apply_passes")
-        modules = _graph_owners(kept)
         owners: dict[int, torch.nn.Module] = {}
-        for item in prepared:
-            module = modules[id(item.work.live)]
+        for _, graph in chosen:
+            module = modules[id(graph)]
             owners.setdefault(id(module), module)
-        applied = AppliedPasses(edit, [item.where for item in prepared], [PassRecipe(edit, o) for o in owners.values()],
-                                kept)
+        applied.graphs = [item.where for item in prepared]
+        applied.recipes = [make_recipe(o) for o in owners.values()]
+        applied.target = kept
         for recipe in applied.recipes:
             recipe.applied = applied
             add_recipe(recipe)

@@ -6,7 +6,7 @@ def test_public_api_is_pinned():
         "AddPatch", "CompiledGraphModule", "LanguageModel", "NNsight", "TransformersModel", "CustomPatch", "ExtractionError", "ExtractionOptions",
         "FallbackWarning", "MultiplyInvokedModule", "NNBridgeError", "NNBridgeWarning", "NodePath", "NodePathError",
         "OpPoint", "OpaqueGraphModule", "Patch", "PatchableGraph", "ProbePatch", "RecordPatch",
-        "ReplacePatch", "SaveLoadError", "SurgeryError", "PassCheckError", "ZeroPatch", "bridge", "unbridge", "explain", "Explanation",
+        "ReplacePatch", "SaveLoadError", "SurgeryError", "PassCheckError", "PatternError", "ZeroPatch", "bridge", "unbridge", "explain", "Explanation",
     ])
     for name in nnbridge.__all__:
         assert getattr(nnbridge, name) is not None
@@ -19,6 +19,7 @@ def test_error_hierarchy():
     assert issubclass(nnbridge.SaveLoadError, nnbridge.NNBridgeError)
     assert issubclass(nnbridge.SurgeryError, nnbridge.NNBridgeError)
     assert issubclass(nnbridge.PassCheckError, nnbridge.NNBridgeError)
+    assert issubclass(nnbridge.PatternError, nnbridge.SurgeryError)
     assert issubclass(nnbridge.NNBridgeWarning, UserWarning)
     assert issubclass(nnbridge.FallbackWarning, nnbridge.NNBridgeWarning)
 

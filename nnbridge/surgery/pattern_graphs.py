@@ -1,0 +1,231 @@
+"""Patterns and replacements as torch.fx graphs, for :func:`~nnbridge.surgery.replace_pattern`.
+
+A pattern is a plain function (or an ``nn.Module``'s bound ``forward``). It is traced by torch.fx's
+symbolic tracer: each argument annotated with an ``nn.Module`` subclass (``l0: CustomLinear``) is
+a *module slot*, whose calls become ``call_module`` nodes (target: the argument's name), the form
+nnbridge's per-module graphs give a child's call; each other argument is a tensor wildcard (a
+placeholder); ``constants`` are bound before tracing (Python control flow on them is resolved,
+as with fx's ``concrete_args``). An input no node uses after that is dropped, and said so.
+
+A replacement is traced the same way once per match, with the matched module objects in place of
+the slots, so reading ``l0.weight`` gives a ``get_attr`` of the matched module's own parameter
+(target relative to the graph's module: ``l0.weight``) and calling ``l0(x)`` a ``call_module``
+of it (target ``l0``). Example::
+
+    pattern = trace_pattern(lambda x, l0: l0(x), constants={}, name="p")   # annotations required
+    pattern.slots        # {'l0': CustomLinear}
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node, Tracer
+
+from ..errors import PatternError
+
+
+@dataclass
+class PatternGraph:
+    """A traced pattern.
+
+    Attributes:
+        name: the pattern's name (for messages).
+        graph: the fx graph: placeholders (tensor wildcards and slots), ops, one output value.
+        slots: ``{argument: nn.Module subclass}`` of the module slots still used.
+        tensors: the names of the tensor wildcards still used, in order.
+        dropped: the inputs no node uses after binding ``constants`` (dropped).
+    """
+
+    name: str
+    graph: Graph
+    slots: dict[str, type[torch.nn.Module]]
+    tensors: list[str]
+    dropped: list[str] = field(default_factory=list)
+
+    @property
+    def output(self) -> Node:
+        """The node whose value the pattern returns (the anchor of every match)."""
+        out = next(n for n in self.graph.nodes if n.op == "output")
+        return out.args[0]  # a Node: checked by trace_pattern
+
+
+class _Slot(torch.nn.Module):
+    """Stands for a module argument while a pattern is traced (its calls stay ``call_module``)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.slot = name
+
+
+class _LeafTracer(Tracer):
+    """torch.fx's tracer keeping every module call a ``call_module`` node."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+def _function_of(pattern: Any, what: str) -> Callable[..., Any]:
+    if isinstance(pattern, torch.nn.Module):
+        return pattern.forward
+    if not callable(pattern):
+        raise PatternError(f"{what} must be a function or an nn.Module (its forward is traced); got"
+                           f" {type(pattern).__name__}. Write it as def {what}(x, l0: MyLinear): return l0(x).")
+    return pattern
+
+
+def name_of(pattern: Any) -> str:
+    """A pattern's or replacement's name for messages."""
+    if isinstance(pattern, torch.nn.Module):
+        return f"{type(pattern).__name__}.forward"
+    return getattr(pattern, "__name__", None) or type(pattern).__name__
+
+
+def _parameters(function: Callable[..., Any], name: str) -> list[inspect.Parameter]:
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError) as error:
+        raise PatternError(f"the pattern {name} has no inspectable signature ({error}); write it as a Python"
+                           " function with named arguments.") from error
+    odd = [p.name for p in parameters if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if odd:
+        raise PatternError(f"the pattern {name} takes *args/**kwargs or keyword-only arguments {odd}; each input must"
+                           " be a named positional argument (a tensor, or a module annotated with its class).")
+    return parameters
+
+
+def _annotations(function: Callable[..., Any]) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(function)
+    except Exception:  # noqa: BLE001 - unresolvable string annotations: read them raw
+        return dict(getattr(function, "__annotations__", {}))
+
+
+def _is_module_class(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, torch.nn.Module)
+
+
+def trace_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str) -> PatternGraph:
+    """Trace ``pattern`` (see the module docstring).
+
+    Raises:
+        PatternError: not a function, ``constants`` naming no argument, a called argument without a
+            module annotation, tracing failed, or the pattern does not return one computed value.
+    """
+    function = _function_of(pattern, "pattern")
+    parameters = _parameters(function, name)
+    names = [p.name for p in parameters]
+    unknown = sorted(set(constants) - set(names))
+    if unknown:
+        raise PatternError(f"constants= names {unknown}, which the pattern {name} does not take (its arguments:"
+                           f" {names}); bind only its own arguments.")
+    hints = _annotations(function)
+    slots = {n: hints[n] for n in names if n not in constants and _is_module_class(hints.get(n))}
+    holder = torch.nn.Module()
+    for slot in slots:
+        holder.add_module(slot, _Slot(slot))
+    free = [n for n in names if n not in constants and n not in slots]
+
+    def bound(*tensors: Any) -> Any:
+        values = dict(zip(free, tensors))
+        values.update(constants)
+        values.update((slot, getattr(holder, slot)) for slot in slots)
+        return function(*(values[n] for n in names))
+
+    try:
+        graph = _LeafTracer().trace(_rooted(holder, bound, free))
+    except PatternError:
+        raise
+    except Exception as error:
+        raise PatternError(f"the pattern {name} cannot be traced by torch.fx: {type(error).__name__}: {error}. Bind"
+                           " arguments that steer Python control flow with constants={...}; write tensor code"
+                           " only.") from error
+    called = [n for n in graph.nodes if n.op == "call_method" and n.target == "__call__"]
+    if called:
+        argument = called[0].args[0]
+        raise PatternError(f"the pattern {name} calls its argument {str(argument)!r} like a module, but it has no"
+                           " nn.Module annotation; annotate it with the module class to match (def pattern(x,"
+                           f" {argument}: torch.nn.LayerNorm): ...), or bind it with constants=.")
+    output = next(n for n in graph.nodes if n.op == "output")
+    value = output.args[0]
+    if not isinstance(value, Node) or value.op == "placeholder":
+        raise PatternError(f"the pattern {name} must return one computed value (an op's or a module call's result);"
+                           f" it returns {value!r}. Return a single tensor made inside the pattern.")
+    dropped = []
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and not node.users:
+            dropped.append(str(node.target))
+            graph.erase_node(node)
+    called_slots = {str(n.target) for n in graph.nodes if n.op == "call_module"}
+    used = {str(n.target) for n in graph.nodes if n.op == "placeholder"}
+    return PatternGraph(name, graph, {s: c for s, c in slots.items() if s in called_slots},
+                        [n for n in free if n in used], dropped + [s for s in slots if s not in called_slots])
+
+
+def _rooted(holder: torch.nn.Module, function: Callable[..., Any], arguments: list[str]) -> torch.nn.Module:
+    """A module with ``holder``'s children whose forward takes ``arguments`` and calls ``function``
+    (fx's tracer reads the argument names off the forward's code object)."""
+    for argument in arguments:
+        if not argument.isidentifier():
+            raise PatternError(f"argument name {argument!r} is no identifier")
+    source = f"def forward(self, {', '.join(arguments)}):\n    return _function({', '.join(arguments)})\n"
+    scope: dict[str, Any] = {"_function": function}
+    exec(compile(source, "<nnbridge pattern>", "exec"), scope)  # noqa: S102 - names checked above
+    root = type("PatternRoot", (torch.nn.Module,), {"forward": scope["forward"]})()
+    for child_name, child in holder.named_children():
+        root.add_module(child_name, child)
+    return root
+
+
+def trace_replacement(replacement: Any, *, values: Mapping[str, Any], owner: torch.nn.Module, name: str) -> Graph:
+    """Trace ``replacement`` for one match.
+
+    Args:
+        values: ``{argument: value}``: :data:`TENSOR` for a tensor input (traced as a placeholder);
+            constants and the matched modules (objects of ``owner``'s tree) are passed as is.
+        owner: the module whose graph holds the match.
+
+    Returns:
+        A graph whose placeholders are the replacement's tensor arguments (by name), whose
+        ``get_attr``/``call_module`` targets are paths relative to ``owner``.
+
+    Raises:
+        PatternError: the replacement takes an argument the pattern does not bind, or cannot be traced.
+    """
+    function = _function_of(replacement, "replacement")
+    parameters = _parameters(function, name)
+    missing = [p.name for p in parameters if p.name not in values and p.default is inspect.Parameter.empty]
+    if missing:
+        raise PatternError(f"the replacement {name} takes {missing}, which the pattern does not bind (the pattern's"
+                           f" inputs and constants: {sorted(values)}); give it the pattern's argument names.")
+    tensors = [p.name for p in parameters if p.name in values and values[p.name] is TENSOR]
+
+    def bound(*proxies: Any) -> Any:
+        given = dict(zip(tensors, proxies))
+        return function(*(given.get(p.name, values.get(p.name, p.default)) for p in parameters))
+
+    holder = torch.nn.Module()
+    holder.add_module("owner", owner)
+    root = _rooted(holder, bound, tensors)
+    try:
+        graph = _LeafTracer().trace(root)
+    except Exception as error:
+        raise PatternError(f"the replacement {name} cannot be traced by torch.fx: {type(error).__name__}: {error}."
+                           " Write tensor code over its tensor arguments and the matched modules.") from error
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            target = str(node.target)
+            if not target.startswith("owner."):
+                raise PatternError(f"the replacement {name} uses {target!r}, which is no part of the matched module's"
+                                   " tree; use the matched modules' parameters and calls, or plain tensor code.")
+            node.target = target[len("owner."):]
+    return graph
+
+
+#: marks a tensor argument in :func:`trace_replacement`'s ``values``
+TENSOR: Any = object()

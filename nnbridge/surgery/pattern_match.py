@@ -1,0 +1,234 @@
+"""Finding a traced pattern (:mod:`.pattern_graphs`) in one extracted graph.
+
+Every node of the graph of the pattern's output kind is a candidate anchor: a ``call_module``
+node for a pattern ending in a module call, an op of the same name for one ending in an op. From
+the anchor, the pattern is walked backwards along arguments:
+
+- a module slot matches a ``call_module`` node whose child graph was extracted from a subclass of
+  the slot's annotation (kernl's extended matcher matches ``call_module`` by type likewise);
+- a pattern op matches an ATen op of the same name (``operator.add``, ``torch.add`` and
+  ``Tensor.add`` all match ``aten.add.*``; ``F.linear`` matches ``aten.linear.*``), with equal
+  literal arguments; the target may have more trailing arguments (filled defaults);
+- a tensor input matches any node, the same node wherever the input is used.
+
+A structural match is then REJECTED when a value inside it (not the anchor's) has a user outside
+it (the user is named), or when it shares a node with an earlier match. Candidates and reasons go
+to a :class:`~.pattern_log.MatchLog`; the failure that got furthest is the graph's near miss (as
+onnxscript's MatchingTracer reports the best match attempt of a rule). Example::
+
+    found = match_graph(pattern, graph_module, where="blocks_0", log=log)
+    found[0].modules      # {'l0': 'l0', 'l1': 'l1'}: each slot's module path below the graph's module
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.fx import GraphModule, Node
+
+from ..extract.naming import op_base_name
+from ..graph.graph_module import CompiledGraphModule, GraphModuleBase
+from ..graph.metadata import node_meta, node_name
+from .pass_graphs import fetch
+from .pattern_graphs import PatternGraph
+from .pattern_log import LogEntry, MatchLog
+
+
+@dataclass
+class Match:
+    """One match in one graph.
+
+    Attributes:
+        graph: the graph's NodePath (``""`` for a whole-model graph).
+        anchor: the NodePath of the node whose value the pattern's output matched.
+        nodes: ``{pattern node: graph node}`` for the pattern's ops and module calls.
+        tensors: ``{tensor input: graph node}``.
+        modules: ``{module slot: the matched module's path below the graph's module}``.
+    """
+
+    graph: str
+    anchor: str
+    nodes: dict[Node, Node] = field(default_factory=dict)
+    tensors: dict[str, Node] = field(default_factory=dict)
+    modules: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def anchor_node(self) -> Node:
+        return next(iter(self.nodes.values()))
+
+    def node_paths(self) -> list[str]:
+        """The NodePaths of the matched graph nodes (anchor first)."""
+        return [_path(self.graph, n) for n in self.nodes.values()]
+
+
+def _path(where: str, node: Node) -> str:
+    return f"{where}.{node_name(node)}" if where else node_name(node)
+
+
+def _pattern_op_name(node: Node) -> str:
+    if node.op == "call_method":
+        return str(node.target).strip("_")
+    return (getattr(node.target, "__name__", None) or str(node.target)).strip("_")
+
+
+def _graph_op_name(node: Node) -> str:
+    return op_base_name(node).strip("_")
+
+
+class _Failed(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Attempt:
+    """One walk from one anchor (raises :class:`_Failed` with the reason)."""
+
+    def __init__(self, pattern: PatternGraph, module: GraphModule, where: str):
+        self.pattern, self.module, self.where = pattern, module, where
+        self.found = Match(where, "")
+        self.taken: set[Node] = set()
+
+    def path(self, node: Node) -> str:
+        return _path(self.where, node)
+
+    def module_class(self, node: Node) -> type | None:
+        try:
+            called = fetch(self.module, str(node.target))
+        except AttributeError:
+            return None
+        if not isinstance(called, GraphModuleBase) and isinstance(self.module, CompiledGraphModule):
+            called = self.module.child_graph(node)  # a bridged graph calls its children through call sites
+        return called.original_type if isinstance(called, GraphModuleBase) else type(called)
+
+    def node(self, p: Node, t: Node) -> None:
+        if p in self.found.nodes:
+            if self.found.nodes[p] is not t:
+                raise _Failed(f"the pattern uses one value twice; {self.path(self.found.nodes[p])} and {self.path(t)}"
+                              " differ")
+            return
+        if t in self.taken:
+            raise _Failed(f"{self.path(t)} would stand for two pattern nodes")
+        if p.op == "call_module":
+            self.module_call(p, t)
+        else:
+            want, got = _pattern_op_name(p), (_graph_op_name(t) if t.op == "call_function" else None)
+            if got != want:
+                what = f"the op {t.target}" if got is not None else f"a {t.op} node"
+                raise _Failed(f"{self.path(t)} is {what}; the pattern wants {want}")
+        self.found.nodes[p] = t
+        self.taken.add(t)
+        self.arguments(p, list(p.args), list(t.args), t=t)
+        for key, value in p.kwargs.items():
+            if key not in t.kwargs:
+                raise _Failed(f"{self.path(t)} has no keyword argument {key}={value!r}")
+            self.argument(p, value, t.kwargs[key], t=t, which=key)
+
+    def module_call(self, p: Node, t: Node) -> None:
+        slot = str(p.target)
+        want = self.pattern.slots[slot]
+        if t.op != "call_module":
+            raise _Failed(f"{self.path(t)} is {t.op} {t.target}, not a call of a {want.__name__} ({slot})")
+        got = self.module_class(t)
+        if got is None or not issubclass(got, want):
+            name = got.__name__ if got is not None else "unknown module"
+            raise _Failed(f"module type differs: {self.path(t)} is a {name}; the pattern's {slot} wants a"
+                          f" {want.__name__}")
+        module_path = node_meta(t).module_path or node_name(t)
+        bound = self.found.modules.setdefault(slot, module_path)
+        if bound != module_path:
+            raise _Failed(f"{slot} is bound to {bound} already; {self.path(t)} calls {module_path}")
+        if node_meta(t).extra_args:
+            raise _Failed(f"{self.path(t)} passes state or constants the pattern cannot see")
+
+    def arguments(self, p: Node, pattern_args: list[Any], args: list[Any], *, t: Node) -> None:
+        if len(args) < len(pattern_args) or (p.op == "call_module" and len(args) != len(pattern_args)):
+            raise _Failed(f"{self.path(t)} takes {len(args)} positional argument(s); the pattern passes"
+                          f" {len(pattern_args)}")
+        for index, (want, got) in enumerate(zip(pattern_args, args)):
+            self.argument(p, want, got, t=t, which=index)
+
+    def argument(self, p: Node, want: Any, got: Any, *, t: Node, which: int | str) -> None:
+        if isinstance(want, Node):
+            if want.op == "placeholder":
+                if not isinstance(got, Node):
+                    raise _Failed(f"argument {which} of {self.path(t)} is the literal {got!r}; the pattern's input"
+                                  f" {want.target} wants a computed value")
+                name = str(want.target)
+                bound = self.found.tensors.setdefault(name, got)
+                if bound is not got:
+                    raise _Failed(f"the pattern's input {name} is {self.path(bound)} and {self.path(got)}")
+                return
+            if not isinstance(got, Node):
+                raise _Failed(f"argument {which} of {self.path(t)} is the literal {got!r}; the pattern computes it")
+            self.node(want, got)
+            return
+        if isinstance(want, (list, tuple)) and isinstance(got, (list, tuple)) and len(want) == len(got):
+            for w, g in zip(want, got):
+                self.argument(p, w, g, t=t, which=which)
+            return
+        if isinstance(got, Node) or type(want) is not type(got) or want != got:
+            shown = self.path(got) if isinstance(got, Node) else repr(got)
+            raise _Failed(f"literal differs: argument {which} of {self.path(t)} is {shown}; the pattern has {want!r}")
+
+
+def candidates(pattern: PatternGraph, module: GraphModule) -> list[Node]:
+    """The graph's nodes of the pattern's output kind (see the module docstring)."""
+    anchor = pattern.output
+    if anchor.op == "call_module":
+        return [n for n in module.graph.nodes if n.op == "call_module"]
+    name = _pattern_op_name(anchor)
+    return [n for n in module.graph.nodes if n.op == "call_function" and _graph_op_name(n) == name]
+
+
+def match_graph(pattern: PatternGraph, module: GraphModule, *, where: str, log: MatchLog) -> list[Match]:
+    """The non-overlapping matches of ``pattern`` in ``module``'s graph (at NodePath ``where``), in
+    graph order; each candidate is logged (see the module docstring)."""
+    shown = where or "<root>"
+    found: list[Match] = []
+    consumed: dict[Node, str] = {}
+    best: LogEntry | None = None
+    size = sum(1 for n in pattern.graph.nodes if n.op not in ("placeholder", "output"))
+    for node in candidates(pattern, module):
+        attempt = _Attempt(pattern, module, where)
+        anchor = _path(where, node)
+        try:
+            attempt.node(pattern.output, node)
+            reason = _leak(attempt, pattern) or _overlap(attempt, consumed)
+        except _Failed as failed:
+            reason = failed.reason
+        if reason is None:
+            match = attempt.found
+            match.anchor = anchor
+            found.append(match)
+            consumed.update((n, anchor) for n in match.nodes.values())
+            log.add(LogEntry(pattern.name, shown, anchor, "MATCHED"))
+            continue
+        entry = LogEntry(pattern.name, shown, anchor, "REJECTED", reason, score=len(attempt.found.nodes))
+        log.add(entry)
+        if best is None or entry.score > best.score:
+            best = entry
+    if not found and best is not None:
+        log.add(LogEntry(pattern.name, shown, best.anchor, "NEAR-MISS",
+                         f"{best.score}/{size} pattern nodes matched; {best.reason}", best.score))
+    return found
+
+
+def _leak(attempt: _Attempt, pattern: PatternGraph) -> str | None:
+    inside = set(attempt.found.nodes.values())
+    for p, t in attempt.found.nodes.items():
+        if p is pattern.output:
+            continue
+        for user in t.users:
+            if user not in inside:
+                return (f"the value of {attempt.path(t)} is also used by {attempt.path(user)}, outside the pattern; a"
+                        " replacement would lose it")
+    return None
+
+
+def _overlap(attempt: _Attempt, consumed: dict[Node, str]) -> str | None:
+    for t in attempt.found.nodes.values():
+        if t in consumed:
+            return f"overlaps the earlier match at {consumed[t]} (both use {attempt.path(t)})"
+    return None

@@ -1,0 +1,133 @@
+"""Replacing the matches of a pattern in one graph (the pass :func:`~nnbridge.surgery.replace_pattern`
+runs on each graph in scope).
+
+Per match, the replacement is traced with the matched module objects (:func:`.pattern_graphs.trace_replacement`)
+and its nodes go where the matched nodes were: a read of a matched module's parameter or buffer becomes a
+``get_attr`` of that very tensor (no copy: gradients reach the model's parameter), a call of a
+matched module re-uses that module's call node (its name, child graph and op point stay), other
+ops are new nodes (named by nnbridge's rules after the pass). The anchor's users then read the
+replacement's value, and the matched nodes no replacement call re-used are erased. Example::
+
+    rewriter = PatternPass(pattern, replacement, constants={}, log=log)
+    rewriter.bind(owner=block, where="blocks_0")
+    rewriter(graph_module)          # edits graph_module.graph in place
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..errors import PatternError
+from .pattern_graphs import TENSOR, PatternGraph, name_of, trace_replacement
+from .pattern_log import MatchLog
+from .pattern_match import Match, match_graph
+
+
+class PatternPass:
+    """The pass replacing ``pattern``'s matches by ``replacement`` in one graph (see the module
+    docstring); :meth:`bind` says whose graph it runs on next. ``matches``: those of the last run."""
+
+    def __init__(self, pattern: PatternGraph, replacement: Any, *, constants: Mapping[str, Any], log: MatchLog):
+        self.pattern, self.replacement, self.constants, self.log = pattern, replacement, dict(constants), log
+        self.__name__ = f"replace_pattern({pattern.name})"
+        self._owner: torch.nn.Module | None = None
+        self._where = ""
+        self.matches: list[Match] = []
+
+    def bind(self, *, owner: torch.nn.Module, where: str) -> None:
+        """The next run edits a graph of ``owner`` at NodePath ``where``."""
+        self._owner, self._where = owner, where
+
+    def __call__(self, graph_module: GraphModule) -> None:
+        owner = self._owner
+        if owner is None:
+            raise PatternError(f"{self.__name__} ran on a graph whose module is unknown")
+        self.matches = match_graph(self.pattern, graph_module, where=self._where, log=self.log)
+        for match in self.matches:
+            self._replace(graph_module, match, owner)
+
+    def _replace(self, module: GraphModule, match: Match, owner: torch.nn.Module) -> None:
+        values: dict[str, Any] = {name: TENSOR for name in match.tensors}
+        values.update(self.constants)
+        values.update((slot, owner.get_submodule(path)) for slot, path in match.modules.items())
+        name = name_of(self.replacement)
+        dropped = [d for d in self.pattern.dropped if d not in values]
+        try:
+            replacement = trace_replacement(self.replacement, values=values, owner=owner, name=name)
+        except PatternError as error:
+            if dropped:
+                raise PatternError(f"{error} (the pattern {self.pattern.name} left {dropped} unused, so they were"
+                                   " dropped; a replacement cannot use them)") from error
+            raise
+        anchor = match.anchor_node
+        calls = {path: node for slot, path in match.modules.items() for p, node in match.nodes.items()
+                 if p.op == "call_module" and p.target == slot}
+        reused: set[Node] = set()
+        env: dict[Node, Any] = {}
+
+        def mapped(value: Any) -> Any:
+            return torch.fx.node.map_arg(value, lambda n: env[n])
+
+        graph = module.graph
+        result: Any = None
+        last: Node = anchor.prev  # the replacement's nodes go after it, in order (the anchor may be re-used)
+        made: set[Node] = set()
+        for node in replacement.nodes:
+            if node.op == "placeholder":
+                env[node] = match.tensors[str(node.target)]
+                continue
+            if node.op == "output":
+                result = mapped(node.args[0])
+                continue
+            if node.op == "get_attr":
+                new = self._attribute(module, owner, str(node.target), after=last)
+            elif node.op == "call_module":
+                call = calls.get(str(node.target))
+                if call is None or call in reused:
+                    raise PatternError(
+                        f"the replacement {name} calls {node.target!r}, which is not a module the match bound (or calls"
+                        f" it twice); it may call each matched module ({sorted(match.modules)}) once, or use their"
+                        " parameters.")
+                reused.add(call)
+                call.args, call.kwargs = mapped(node.args), mapped(node.kwargs)
+                last.append(call)
+                new = call
+            else:
+                with graph.inserting_after(last):
+                    new = graph.create_node(node.op, node.target, mapped(node.args), mapped(node.kwargs))
+            env[node] = last = new
+            made.add(new)
+        if not isinstance(result, Node):
+            raise PatternError(f"the replacement {name} must return one tensor computed from its inputs; it returns"
+                               f" {result!r} at {match.anchor}.")
+        if result is not anchor:
+            if result not in reused and "val" in anchor.meta:
+                result.meta["val"] = anchor.meta["val"]  # what the checks take where inputs were not rebuilt
+            anchor.replace_all_uses_with(result, delete_user_cb=lambda user: user not in made)
+        pending = [n for n in match.nodes.values() if n not in reused and n is not result]
+        while pending:  # users first: the matched nodes have no user outside the match
+            node = next(n for n in pending if not n.users)
+            graph.erase_node(node)
+            pending.remove(node)
+
+    @staticmethod
+    def _attribute(module: GraphModule, owner: torch.nn.Module, target: str, *, after: Node) -> Node:
+        """A ``get_attr`` node (after ``after``) reading ``owner``'s tensor at ``target``, held by
+        ``module`` under a flat name (the tensor itself, not a copy)."""
+        value = owner.get_submodule(".".join(target.split(".")[:-1])) if "." in target else owner
+        tensor = getattr(value, target.split(".")[-1])
+        if not isinstance(tensor, torch.Tensor):
+            raise PatternError(f"the replacement reads {target!r}, which is no tensor ({type(tensor).__name__}); read"
+                               " the matched modules' parameters and buffers only.")
+        flat = "pattern_" + target.replace(".", "_")
+        existing = getattr(module, flat, None)
+        if existing is None:
+            module.register_buffer(flat, tensor, persistent=False)
+        elif existing is not tensor:
+            raise PatternError(f"the graph already holds another tensor as {flat!r}")
+        with module.graph.inserting_after(after):
+            return module.graph.get_attr(flat)

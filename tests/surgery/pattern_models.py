@@ -1,0 +1,161 @@
+"""Seed 003's models for the pattern tests, the patterns and replacements, and hand-written
+eager models with the same rewrites."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class CustomLinear(torch.nn.Module):
+    """Seed 003's custom linear (no bias)."""
+
+    def __init__(self, size, out=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(out or size, size) / size ** 0.5)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class Block(torch.nn.Module):
+    """``ln(l1(l0(x)) + x)``: the seed's residual block with a LayerNorm; ``leak=True`` also adds
+    ``l0``'s output to the result (so ``l0``'s value has a user outside ``l1(l0(x))``)."""
+
+    def __init__(self, size=8, leak=False):
+        super().__init__()
+        self.l0, self.l1 = CustomLinear(size), CustomLinear(size)
+        self.ln = torch.nn.LayerNorm(size)
+        self.leak = leak
+
+    def forward(self, x):
+        h = self.l0(x)
+        y = self.l1(h) + x
+        if self.leak:
+            y = y * h
+        return self.ln(y)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, layers=3, size=8, leak_at=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([Block(size, leak=i == leak_at) for i in range(layers)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def pattern(x, l0: CustomLinear, l1: CustomLinear):
+    return l1(l0(x))
+
+
+def fused(x, l0, l1):
+    return F.linear(x, l1.weight @ l0.weight)
+
+
+class FusedBlock(Block):
+    """Hand-written: ``l1(l0(x))`` is one linear by ``l1.weight @ l0.weight`` (unless leaking)."""
+
+    def forward(self, x):
+        if self.leak:
+            return super().forward(x)
+        return self.ln(F.linear(x, self.l1.weight @ self.l0.weight) + x)
+
+
+def layer_norm_pattern(x, ln: torch.nn.LayerNorm):
+    return ln(x)
+
+
+def rms_norm(x, ln):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ln.eps) * ln.weight
+
+
+class RmsBlock(Block):
+    """Hand-written: the LayerNorm call is :func:`rms_norm` of its weight."""
+
+    def forward(self, x):
+        return rms_norm(self.l1(self.l0(x)) + x, self.ln)
+
+
+def hand_edited(model, block_class):
+    edited = copy.deepcopy(model)
+    for block in edited.blocks:
+        block.__class__ = block_class
+    return edited
+
+
+@dataclass
+class Config:
+    """Seed 003's config: ``mlp`` steers the forward's control flow."""
+
+    mlp: bool
+    size: int
+
+
+class ConfigModel(torch.nn.Module):
+    """Seed 003's ``CustomModel`` (the dead-code example): ``forward_pattern`` branches on the config."""
+
+    def __init__(self, config: Config):
+        super().__init__()
+        if config.mlp:
+            self.up_proj = CustomLinear(config.size, config.size * 3)
+            self.down_proj = CustomLinear(config.size * 3, config.size)
+        else:
+            self.proj = CustomLinear(config.size)
+        self.config = config
+
+    def forward(self, x):
+        mlp = self.config.mlp
+        return ConfigModel.forward_pattern(x, self.config, self.up_proj if mlp else self.proj,
+                                           self.down_proj if mlp else None)
+
+    @staticmethod
+    def forward_pattern(x, config: Config, proj, down_proj):
+        residual = x
+        if config.mlp:
+            x = down_proj(proj(x))
+        else:
+            x = proj(x)
+        return x + residual
+
+
+class ConfigStack(torch.nn.Module):
+    def __init__(self, config: Config, layers=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([ConfigModel(config) for _ in range(layers)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def source_pattern(x, config: Config, proj: CustomLinear, down_proj: CustomLinear):
+    return ConfigModel.forward_pattern(x, config, proj, down_proj)
+
+
+def doubled_residual(x, proj):
+    return proj(x) * 2 + x
+
+
+def run_with_grads(model, x):
+    """Output and every parameter's gradient of ``output.sum()``."""
+    model.zero_grad()
+    out = model(x)
+    out.sum().backward()
+    return out.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_run(got, want):
+    (out, grads), (want_out, want_grads) = got, want
+    assert torch.equal(out, want_out)
+    assert grads.keys() == want_grads.keys() and grads
+    for name in grads:
+        assert torch.equal(grads[name], want_grads[name]), name
