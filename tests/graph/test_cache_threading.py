@@ -306,9 +306,34 @@ def test_a_cache_layer_class_that_overrides_getattribute_is_compared_in_full():
     assert_same_cache(mine, reference)
 
 
-def test_a_cache_write_nothing_reads_is_refused_when_extracting():
-    """torch.export drops a written tensor nothing reads; the graph would leave None in the cache
-    where eager leaves the tensor, so extraction raises, naming the module."""
+@pytest.mark.no_extraction_cache
+def test_a_cache_write_nothing_reads_is_kept_as_eager_keeps_it():
+    """A layer writes values into its cache layer that nothing reads afterwards: the graph keeps
+    the write (torch's dead-code pass is skipped for a program without effect tokens), so each
+    layer's graph, called with a cache, leaves the keys and values eager leaves."""
+    torch.manual_seed(0)
+    model = ToyCacheStack(2, use_values=False)
+    plain, x = copy.deepcopy(model), torch.randn(2, 3, 4)
+    nnbridge.bridge(model, x)
+    root = bridge_of(model).dispatcher.all_extractions()[0].root
+    assert all(isinstance(root.get_submodule(f"layers.{i}"), CompiledGraphModule) for i in range(2))  # graphs
+    assert torch.equal(model(x), plain(x))
+    for i in range(2):
+        mine, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        assert torch.equal(model.layers[i](x, past_key_values=mine), plain.layers[i](x, past_key_values=theirs))
+        assert [layer.is_initialized for layer in mine.layers] == [layer.is_initialized for layer in theirs.layers]
+        assert torch.equal(mine.layers[i].keys, theirs.layers[i].keys)
+        assert torch.equal(mine.layers[i].values, theirs.layers[i].values)
+
+
+@pytest.mark.no_extraction_cache
+def test_a_cache_write_torch_drops_is_refused_when_extracting(monkeypatch):
+    """Where torch's token pass runs (a program with effect tokens, forced here), it drops a written
+    tensor nothing reads; the graph would leave None in the cache where eager leaves the tensor, so
+    extraction raises, naming the module."""
+    from nnbridge.compat.torch import export as torch_export
+
+    monkeypatch.setattr(torch_export, "_has_effect_tokens", lambda exported: True)
     model = ToyCacheStack(2, use_values=False)
     with pytest.raises(nnbridge.ExtractionError, match=r"'layers\.0' writes a tensor into its state argument"):
         nnbridge.bridge(model, torch.ones(2, 3, 4))
