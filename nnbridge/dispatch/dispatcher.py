@@ -41,7 +41,7 @@ from ..compat.torch.functorch import (
 )
 from ..compat.torch.overrides import function_override
 from ..errors import NNBridgeError, warn
-from ..guards.call_structure import describe_key_change, structure_key, tensor_leaves
+from ..guards.call_structure import describe_key_change, structure_key, tensor_leaves, with_flags_of
 from . import extraction as _extraction
 from .extraction import Extraction
 from .fallback_report import fallback_report
@@ -243,6 +243,11 @@ class GraphDispatcher(torch.nn.Module):
             extraction.reason = reason
             # graph surgery's edits, before the guards record the tree and a bridge links the graphs
             apply_recipes(self.module, extraction.root, options=self.options, reason=reason)
+            modules = real_modules(self.module)  # children may have been replaced or added (graph surgery)
+            if list(map(id, modules)) != list(map(id, self.flag_modules)):
+                # later calls are keyed with the new tree's flags: so is this extraction
+                key = with_flags_of(key, modules)
+                self.__dict__["flag_modules"] = modules
             extraction.state = StateGuard(self.module, opaque=self._opaque_ids(extraction), skip=_nnbridge_child,
                                           path=self.path)
             if isinstance(extraction.root, CompiledGraphModule):
@@ -251,7 +256,6 @@ class GraphDispatcher(torch.nn.Module):
             self.extractions.setdefault(key, []).append(extraction)
             self._recency[id(extraction)] = (key, extraction)
             self.history.append(extraction)
-            self.__dict__["flag_modules"] = real_modules(self.module)  # children may have been replaced
             self._evict()
             for callback in list(self.on_extraction):
                 callback(self, extraction)

@@ -116,6 +116,14 @@ def structure_key(modules: list[torch.nn.Module], args: tuple[Any, ...], kwargs:
             alias_pattern([leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]))
 
 
+def with_flags_of(key: Hashable, modules: list[torch.nn.Module]) -> Hashable:
+    """``key`` (a :func:`structure_key`) with the train/eval flags of ``modules`` in place of the
+    ones it was made with: the key a call with the same structure gets once the module tree is
+    ``modules`` (an extraction that added children, as graph surgery's edits do)."""
+    parts = tuple(key)  # type: ignore[arg-type]
+    return (*parts[:2], tuple(m.training for m in modules), *parts[3:])
+
+
 def global_flags() -> tuple[bool, bool, bool]:
     """Inference mode and deterministic algorithms (``torch.use_deterministic_algorithms``, with
     its ``warn_only``): code may branch on them, and a graph keeps the branch it was exported with."""

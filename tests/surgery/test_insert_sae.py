@@ -140,19 +140,38 @@ def test_clear(setup):
     assert torch.equal(model(ids).logits, clean)
 
 
-def test_torch_compile_runs_the_edits_or_refuses(setup):
+def test_torch_compile_fullgraph_runs_the_edits(setup):
+    """Compiled with and without fullgraph=True, the model runs its edited graphs (not its own,
+    unedited code), at the extraction's sequence length and another; a call structure never run
+    outside torch.compile is refused under fullgraph, naming the edits."""
     model, ids, clean = setup
     sae = SAE()
     surgery.insert_after(model, SITE, sae)
     model(ids)
+    expected = sae_reference(sae)(ids).logits
     torch._dynamo.reset()
-    out = torch.compile(model, backend="eager")(ids).logits
-    assert torch.equal(out, sae_reference(sae)(ids).logits)  # not the model's own (unedited) code
-    torch._dynamo.reset()
-    try:  # fullgraph: the edited graphs, or a refusal naming the edits, never the unedited code
-        full = torch.compile(model, fullgraph=True, backend="eager")(ids).logits
-    except Exception as error:  # noqa: BLE001 - Dynamo wraps the refusal in its own error types
-        assert "graph surgery" in str(error)
-    else:
-        assert torch.equal(full, out)
-    torch._dynamo.reset()
+    try:
+        full = torch.compile(model, fullgraph=True, backend="eager")  # (first: no eager lookup ran since the call)
+        assert torch.equal(full(ids).logits, expected)
+        longer = torch.randint(0, 100, (2, 11), generator=torch.Generator().manual_seed(1))
+        assert torch.equal(full(longer).logits, sae_reference(sae)(longer).logits)  # the graphs take any length
+        with pytest.raises(Exception, match="graph surgery"):  # Dynamo wraps the refusal in its own error types
+            full(ids, output_hidden_states=True)  # a call structure with no extraction yet
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(model, backend="eager")(ids).logits, expected)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_an_insertion_re_extracts_once(setup):
+    """The call after an insertion re-extracts (the module tree changed) and the calls after it
+    reuse that extraction: it is keyed by the new tree's train/eval flags, as later calls are."""
+    model, ids, _ = setup
+    dispatcher = bridge_of(model).dispatchers[id(model)]
+    surgery.insert_after(model, SITE, SAE())
+    before = len(dispatcher.history)
+    model(ids)
+    model(ids)
+    model(ids)
+    assert len(dispatcher.history) == before + 1
+    assert "were added or removed" in dispatcher.history[-1].reason
