@@ -120,7 +120,7 @@ def with_flags_of(key: Hashable, modules: list[torch.nn.Module]) -> Hashable:
     """``key`` (a :func:`structure_key`) with the train/eval flags of ``modules`` in place of the
     ones it was made with: the key a call with the same structure gets once the module tree is
     ``modules`` (an extraction that added children, as graph surgery's edits do)."""
-    parts = tuple(key)  # type: ignore[arg-type]
+    parts: tuple[Any, ...] = tuple(key)  # type: ignore[arg-type]
     return (*parts[:2], tuple(m.training for m in modules), *parts[3:])
 
 
