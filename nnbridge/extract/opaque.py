@@ -20,7 +20,6 @@ import wrapt
 from .assembly import attach, renamed_template
 from .context import ChildDispatcher, ExtractionContext
 from ..graph.graph_module import MultiplyInvokedModule, OpaqueGraphModule
-from ..graph.kinds import HookKind
 from ..graph.metadata import ExtractionHolder
 from ..graph.module_tree import direct_callees, safe_name
 from ..graph.node_path import ModulePath
@@ -83,72 +82,57 @@ class InvocationRouter(torch.nn.Module):
         return self.dispatchers[index](*args, **kwargs)
 
 
+class _Recorder(torch.nn.Module):
+    """Called in a child's place (through a :class:`ChildCall`) while the opaque code is observed:
+    reports each call as ``record(name, args, kwargs)``, then calls the child."""
+
+    def __init__(self, name: str, child: torch.nn.Module, record: Callable[[str, tuple[Any, ...], dict[str, Any]], None]):
+        super().__init__()
+        self.__dict__["_name"], self.__dict__["_child"], self.__dict__["_record"] = name, child, record
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._record(self._name, args, kwargs)
+        return self._child(*args, **kwargs)
+
+
 @contextlib.contextmanager
-def direct_forward_calls(callees: list[tuple[str, torch.nn.Module]],
-                         grabber: Callable[[str], Callable[..., None]]) -> Iterator[None]:
-    """Report, as ``grabber(name)(child, args, kwargs)``, the calls of each child's ``forward``
-    made directly by the opaque code (``self.model.forward(x)``, not ``self.model(x)``: no torch
-    hook sees them), for the body's duration: each child gets an instance ``forward`` that reports
-    a call not announced by the child's own pre-hook (which sets a mark ``forward`` consumes).
-    Extraction cleared the children's instance forwards (bridges', nnsight's) before; put back
-    after, also on error."""
-    marks: dict[int, int] = {}
-    saved: list[tuple[torch.nn.Module, object]] = []
-    handles = []
-    _missing = object()
-
-    def wrapped(name: str, child: torch.nn.Module) -> Callable[..., Any]:
-        body = type(child).forward.__get__(child)
-
-        def forward(*a: Any, **k: Any) -> Any:
-            if marks.get(id(child)):
-                marks[id(child)] -= 1
-            else:
-                grabber(name)(child, a, k)
-            return body(*a, **k)
-        return forward
-
-    def mark(m: torch.nn.Module, a: Any) -> None:
-        marks[id(m)] = marks.get(id(m), 0) + 1
+def _recorders_in_place(module: torch.nn.Module, callees: list[tuple[str, torch.nn.Module]],
+                        record: Callable[[str, tuple[Any, ...], dict[str, Any]], None]) -> Iterator[None]:
+    """For the body's duration, each of ``module``'s registrations ``name`` (through containers:
+    ``blocks.0``) holds a :class:`ChildCall` reporting the calls made through that name, as the
+    opaque module later swaps in its dispatchers (:class:`~.opaque_runner.OpaqueRunner`). So a call
+    is counted under the name the code reached the child by: one object held under several names
+    (``self.linear`` and ``self.blocks[1]``) gets each name's own calls, and a call made inside
+    another child (a Sequential holding the same object) is that child's, not this module's. Put
+    back after, also on error."""
+    swapped = torch.nn.Module()
+    for name, child in callees:
+        attach(swapped, name, _in_place_of(child, _Recorder(name, child, record)), template=module)
+    saved = {name: modules_of(module)[name] for name in modules_of(swapped)}
     try:
-        for name, child in callees:
-            if all(c is not child for c, _ in saved):
-                saved.append((child, child.__dict__.get("forward", _missing)))
-                handles.append(child.register_forward_pre_hook(mark, prepend=True))
-            child.__dict__["forward"] = wrapped(name, child)
+        modules_of(module).update(modules_of(swapped))
         yield
     finally:
-        for handle in handles:
-            handle.remove()
-        for child, previous in saved:
-            if previous is _missing:
-                child.__dict__.pop("forward", None)
-            else:
-                child.__dict__["forward"] = previous
+        modules_of(module).update(saved)
 
 
 def _captured_calls(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                     callees: list[tuple[str, torch.nn.Module]]
                     ) -> tuple[dict[int, int], dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]]:
-    """The calls of ``callees`` (``(name, child)``) in one observed run of ``module(*args, **kwargs)``:
-    ``({id(child): how many names it is registered under}, {name: [(args, kwargs) copies]})``; a
-    child registered under several names keeps only its first call under each name."""
+    """The calls made through each of ``callees`` (``(name, child)``) in one observed run of
+    ``module(*args, **kwargs)``: ``({id(child): how many names it is registered under}, {name:
+    [(args, kwargs) copies]})``, counted per name (see :func:`_recorders_in_place`)."""
     names_of: dict[int, int] = {}
     for _, child in callees:
         names_of[id(child)] = names_of.get(id(child), 0) + 1
     captured: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
 
-    def grabber(name: str) -> Callable[..., None]:
-        def grab(m: torch.nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> None:
-            calls = captured.setdefault(name, [])
-            if not calls or names_of[id(m)] == 1:
-                calls.append((copy_inputs(a), copy_inputs(k)))
-        return grab
+    def record(name: str, a: tuple[Any, ...], k: dict[str, Any]) -> None:
+        captured.setdefault(name, []).append((copy_inputs(a), copy_inputs(k)))
     # in the caller's grad mode: each child's first extraction then has the call structure
     # (``requires_grad`` of its inputs) of the real calls, which reuse it instead of extracting again
-    with direct_forward_calls(callees, grabber):
-        observed_run(module, args, kwargs, hooks=[(child, HookKind.PRE, grabber(name)) for name, child in callees],
-                     grad=torch.is_grad_enabled())
+    observed_run(module, args, kwargs, hooks=[], grad=torch.is_grad_enabled(),
+                 around=lambda: _recorders_in_place(module, callees, record))
     return names_of, captured
 
 
@@ -157,8 +141,9 @@ def opaque_module(ctx: ExtractionContext, fqn: ModulePath, module: torch.nn.Modu
     """Opaque fallback: run the original code, extract each called child from its calls.
 
     A child called several times in the observed run gets one extraction per invocation
-    (``linear_0``, ``linear_1``, graphpatch's numbering), routed by an :class:`InvocationRouter`;
-    one module object registered under several names is extracted from its first call.
+    (``linear_0``, ``linear_1``, graphpatch's numbering), routed by an :class:`InvocationRouter`.
+    Calls are counted per name the code reaches the child by (:func:`_recorders_in_place`): one
+    module object held under several names has each name's own invocations, as in graphpatch.
     """
     callees = list(direct_callees(module))
     names_of, captured = _captured_calls(module, args, kwargs, callees=callees)

@@ -10,6 +10,7 @@ may mutate (:func:`copy_inputs`; a ``DynamicCache`` is updated in place). Exampl
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import defaultdict
 from collections.abc import Callable, Set as AbstractSet
@@ -41,10 +42,12 @@ def copy_inputs(value: Any) -> Any:
 
 
 def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 *, hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]], grad: bool = False) -> None:
+                 *, hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]], grad: bool = False,
+                 around: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
     """One eager run of ``module`` on copies of the inputs (a cache would be mutated), with
     temporary hooks: ``(submodule, HookKind, fn)``, both with kwargs. No grad unless ``grad``
     (then the hooks see the ``requires_grad`` of the values a real call in grad mode passes).
+    ``around()`` is entered just around the call (after the state to restore is taken).
     The run leaves no trace (:func:`~.preservation.preserved_state`): the next run or export
     starts from the module's state before it, as the user's call will (a forward that unmerges an
     adapter and clears its flag unmerges again in each).
@@ -59,7 +62,7 @@ def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         for sub, kind, fn in hooks:
             register = sub.register_forward_pre_hook if kind == HookKind.PRE else sub.register_forward_hook
             handles.append(register(fn, with_kwargs=True))
-        with torch.set_grad_enabled(grad), preserved_state(list(named_real_modules(module))):
+        with torch.set_grad_enabled(grad), preserved_state(list(named_real_modules(module))), around():
             module(*copy_inputs(args), **copy_inputs(kwargs))
     finally:
         for handle in handles:
