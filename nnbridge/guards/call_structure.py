@@ -161,6 +161,8 @@ def describe_key_change(old: Hashable, new: Hashable) -> str:
             if name == "default dtype":
                 return f"default dtype changed ({a} -> {b})"
             if name == "train/eval flags":
+                if len(a) != len(b):  # one flag per module: the tree itself changed (an insertion)
+                    return f"modules were added or removed ({len(a)} -> {len(b)} modules)"
                 return "train/eval mode of a module changed"
             if name.startswith("non-tensor") and len(a) == len(b):
                 layouts = [i for i, (x, y) in enumerate(zip(a, b)) if x != y and x[:5] == y[:5] and x[0] == "tensor"]

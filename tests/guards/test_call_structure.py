@@ -228,3 +228,19 @@ def test_guard_view_reads_every_leaf_by_its_key_path_as_tree_flatten_with_path_g
         view["kwargs"]["cache"][4]  # the cache has four leaves
     with pytest.raises(AttributeError):
         view["kwargs"]["pair"].third
+
+
+def test_a_changed_module_tree_is_named_as_such_not_as_a_mode_change():
+    """The key holds one train/eval flag per module: a key with more flags means modules were
+    added (graph surgery's insertions), which the reason says instead of a mode change."""
+    from nnbridge.guards.call_structure import describe_key_change, structure_key
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2)).eval()
+    x = torch.randn(1, 2)
+    before = structure_key(list(model.modules()), (x,), {})
+    model.append(torch.nn.ReLU())  # in training mode, as torch makes it
+    grown = structure_key(list(model.modules()), (x,), {})
+    assert describe_key_change(before, grown) == "modules were added or removed (2 -> 3 modules)"
+    model.train()
+    retrained = structure_key(list(model.modules()), (x,), {})
+    assert describe_key_change(grown, retrained) == "train/eval mode of a module changed"
