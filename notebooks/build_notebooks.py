@@ -260,12 +260,193 @@ GRAPHPATCH_DEMOS = [
 ]
 
 
+GRAPH_SURGERY = [
+    new_markdown_cell(
+        "# Graph surgery on SmolLM2: an SAE, head gates, an ATen pass\n\n"
+        "`nnbridge.surgery` changes what a bridged model computes (see `docs/surgery.md` and\n"
+        "`docs/passes.md`). On **SmolLM2-135M-Instruct**, on CPU, this notebook\n\n"
+        "1. trains a small sparse autoencoder on one layer's MLP output and splices it in there;\n"
+        "2. inserts a gate after every layer's attention softmax and finds the heads that carry the\n"
+        "   IOI answer;\n"
+        "3. runs a pass from torch's *Writing Graph Transformations on ATen IR* over all 30 layers;\n"
+        "4. removes every edit and gets the clean logits back, bit for bit.\n\n"
+        "One bridged model serves all sections. Every call runs with gradients on: grad mode is part\n"
+        "of a call's structure, so a `torch.no_grad()` call would extract the graphs a second time."),
+    new_code_cell(
+        "import torch\n"
+        "import torch.nn.functional as F\n\n"
+        "import nnbridge\n"
+        "from nnbridge import surgery\n"
+        "from nnbridge.models import load_smollm2\n\n"
+        "torch.manual_seed(0)\n"
+        "model, tokenizer = load_smollm2()   # eager attention: the softmax is an op\n"
+        "prompt = 'When Mary and John went to the store, John gave a drink to'\n"
+        "ids = tokenizer(prompt, return_tensors='pt').input_ids\n"
+        "mary, john = tokenizer(' Mary').input_ids[-1], tokenizer(' John').input_ids[-1]\n\n"
+        "def run(input_ids):\n"
+        "    return model(input_ids, use_cache=False).logits.detach()\n\n"
+        "def logit_diff(logits):\n"
+        "    return (logits[0, -1, mary] - logits[0, -1, john]).item()\n\n"
+        "def top(logits, k=3):\n"
+        "    return [tokenizer.decode([int(t)]) for t in logits[0, -1].topk(k).indices]\n\n"
+        "clean = run(ids)                                  # the untouched model\n"
+        "nnbridge.bridge(model, ids, use_cache=False)      # the same object, now made of graphs\n"
+        "print('bridged == eager:', torch.equal(run(ids), clean))\n"
+        "print('clean:', top(clean), 'logit diff Mary - John: %.2f' % logit_diff(clean))"),
+    new_markdown_cell(
+        "## 1. A sparse autoencoder on layer 8's MLP output\n"
+        "Training activations: a forward hook on the MLP (torch hooks work on a bridged model) over a\n"
+        "few made-up sentences; a held-out text checks the SAE on tokens it has not seen. With about a\n"
+        "hundred rows and a hundred Adam steps the SAE fits its training rows far better than new ones."),
+    new_code_cell(
+        "LAYER = 8\n"
+        "names = ['Alice', 'Bob', 'Sara', 'Tom', 'Emma', 'Paul']\n"
+        "things = ['a book', 'an apple', 'a letter', 'the keys', 'some tea', 'a map']\n"
+        "places = ['park', 'school', 'station', 'kitchen', 'garden', 'office']\n"
+        "train_text = ' '.join(f'{a} went to the {p} and gave {b} {x}.' for a, b, x, p in\n"
+        "                      zip(names * 2, names[1:] + names[:3] + names[3:], things * 2, places[::-1] + places))\n"
+        "held_text = ('The cat sat near the window while it rained. Emma found an old letter in the '\n"
+        "             'kitchen and read it to Paul, who laughed.')\n"
+        "train_ids, held_ids = (tokenizer(t, return_tensors='pt').input_ids for t in (train_text, held_text))\n\n"
+        "captured = []\n"
+        "hook = model.model.layers[LAYER].mlp.register_forward_hook(lambda module, args, out: captured.append(out.detach()[0]))\n"
+        "run(train_ids)\n"
+        "held_clean = run(held_ids)\n"
+        "hook.remove()\n"
+        "train_acts, held_acts = captured\n"
+        "print('activation rows: train', tuple(train_acts.shape), 'held out', tuple(held_acts.shape))"),
+    new_code_cell(
+        "class SAE(torch.nn.Module):\n"
+        "    def __init__(self, width=576, latents=256):\n"
+        "        super().__init__()\n"
+        "        self.enc, self.dec = torch.nn.Linear(width, latents), torch.nn.Linear(latents, width)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.dec(torch.relu(self.enc(x)))\n\n"
+        "def explained(x, reconstruction):   # fraction of variance explained\n"
+        "    return (1 - (reconstruction - x).pow(2).sum() / (x - x.mean(0)).pow(2).sum()).item()\n\n"
+        "torch.manual_seed(0)\n"
+        "sae = SAE()\n"
+        "with torch.no_grad():\n"
+        "    sae.dec.bias.copy_(train_acts.mean(0))\n"
+        "optimizer = torch.optim.Adam(sae.parameters(), lr=2e-3)\n"
+        "for step in range(100):\n"
+        "    latents = torch.relu(sae.enc(train_acts))\n"
+        "    mse = (sae.dec(latents) - train_acts).pow(2).mean()\n"
+        "    loss = mse + 1e-3 * latents.abs().sum(-1).mean()\n"
+        "    optimizer.zero_grad(); loss.backward(); optimizer.step()\n"
+        "    if step % 25 == 0 or step == 99:\n"
+        "        print(f'step {step:3d}  reconstruction MSE {mse.item():.4f}  L0 {(latents > 0).sum(-1).float().mean():.1f}')\n"
+        "with torch.no_grad():\n"
+        "    print('variance explained: train %.3f, held out %.3f' % (explained(train_acts, sae(train_acts)),\n"
+        "                                                              explained(held_acts, sae(held_acts))))"),
+    new_markdown_cell(
+        "Splice it in with `insert_after`: the SAE becomes a child of the MLP, and its output replaces\n"
+        "the MLP's for every reader. Its own ops are op points (`...mlp.sae.relu`: the latents). For\n"
+        "scale, the same held-out text with the MLP output replaced by its mean (a forward hook)."),
+    new_code_cell(
+        "def kl(reference, logits):   # KL(reference || logits) per token, averaged\n"
+        "    return F.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True,\n"
+        "                    reduction='none').sum(-1).mean().item()\n\n"
+        "def agreement(reference, logits):   # share of positions whose top token is unchanged\n"
+        "    return (reference.argmax(-1) == logits.argmax(-1)).float().mean().item()\n\n"
+        "mean = train_acts.mean(0)\n"
+        "hook = model.model.layers[LAYER].mlp.register_forward_hook(lambda module, args, out: mean.expand_as(out))\n"
+        "held_mean = run(held_ids)\n"
+        "hook.remove()\n\n"
+        "sae_edit = surgery.insert_after(model, f'model.layers_{LAYER}.mlp.output', sae)\n"
+        "print(sae_edit.node_path, '| a child:', model.model.layers[LAYER].mlp.sae is sae,\n"
+        "      '| trains with the model:', any(p is sae.enc.weight for p in model.parameters()))\n"
+        "held_sae = run(held_ids)                          # the first call extracts the edited graphs\n"
+        "active = []\n"
+        "relu = model.get_submodule(f'model.layers.{LAYER}.mlp.sae.relu')\n"
+        "hook = relu.register_forward_hook(lambda module, args, out: active.append((out > 0).sum(-1).float().mean().item()))\n"
+        "ioi_sae = run(ids)\n"
+        "hook.remove()\n"
+        "print(f'held out, {held_ids.shape[1]} tokens:   KL      top-1 agreement')\n"
+        "print(f'  SAE spliced in            {kl(held_clean, held_sae):.4f}  {agreement(held_clean, held_sae):.3f}')\n"
+        "print(f'  MLP output -> its mean    {kl(held_clean, held_mean):.4f}  {agreement(held_clean, held_mean):.3f}')\n"
+        "print('IOI prompt: logit diff %.2f with the SAE (clean %.2f), %.1f latents active per token'\n"
+        "      % (logit_diff(ioi_sae), logit_diff(clean), active[0]))"),
+    new_markdown_cell(
+        "## 2. Head gates after the attention softmax\n"
+        "A gate scales each head's attention weights, `(batch, heads, q, k) * g[heads]`. One gate after\n"
+        "every layer's `self_attn.softmax` (`...softmax` still names the softmax; `...head_gate` is the\n"
+        "new node its users read). With `g = 1` the model is unchanged. One backward pass gives every\n"
+        "head's gradient `d(logit diff)/dg`: `-grad` estimates the effect of zeroing that head\n"
+        "(attribution patching, a linear estimate); the four largest are then checked by zeroing those\n"
+        "heads, one at a time and together."),
+    new_code_cell(
+        "class HeadGate(torch.nn.Module):\n"
+        "    def __init__(self, heads=9):\n"
+        "        super().__init__()\n"
+        "        self.g = torch.nn.Parameter(torch.ones(heads))\n\n"
+        "    def forward(self, weights):\n"
+        "        return weights * self.g.view(1, -1, 1, 1)\n\n"
+        "sae_edit.remove()\n"
+        "gates = [HeadGate() for _ in range(30)]\n"
+        "for layer, gate in enumerate(gates):\n"
+        "    surgery.insert_after(model, f'model.layers_{layer}.self_attn.softmax', gate, name='head_gate')\n"
+        "logits = model(ids, use_cache=False).logits\n"
+        "print('gates at 1 == clean:', torch.equal(logits.detach(), clean))\n"
+        "assert torch.equal(logits.detach(), clean)\n"
+        "(logits[0, -1, mary] - logits[0, -1, john]).backward()\n"
+        "estimate = -torch.stack([gate.g.grad for gate in gates])   # (layer, head)\n"
+        "order = estimate.flatten().argsort()\n"
+        "for index in order[:4].tolist():\n"
+        "    layer, head = divmod(index, 9)\n"
+        "    with torch.no_grad():\n"
+        "        gates[layer].g[head] = 0\n"
+        "    print(f'layer {layer:2d} head {head}: zeroed, logit diff {logit_diff(run(ids)):5.2f}'\n"
+        "          f'  (clean {logit_diff(clean):.2f}, estimate {logit_diff(clean) + estimate[layer, head]:5.2f})')\n"
+        "    with torch.no_grad():\n"
+        "        gates[layer].g[head] = 1\n"
+        "with torch.no_grad():\n"
+        "    for index in order[:4].tolist():\n"
+        "        gates[index // 9].g[index % 9] = 0\n"
+        "together = run(ids)\n"
+        "print('the four zeroed together: logit diff %.2f, top tokens %s' % (logit_diff(together), top(together)))\n"
+        "with torch.no_grad():\n"
+        "    for gate in gates:\n"
+        "        gate.g.fill_(1)"),
+    new_markdown_cell(
+        "## 3. A pass over all 30 layers\n"
+        "`insert_relu_after_add`, as torch's ATen-IR guide writes it (with `delete_user_cb`, so the new\n"
+        "relu does not read itself), run by `apply_passes` on each decoder layer's graph: a relu after\n"
+        "both residual `add`s. The new nodes get NodePaths (`model.layers_0.relu`)."),
+    new_code_cell(
+        "def insert_relu_after_add(gm):\n"
+        "    for node in gm.graph.nodes:\n"
+        "        if node.op == 'call_function' and node.target == torch.ops.aten.add.Tensor:\n"
+        "            with gm.graph.inserting_after(node):\n"
+        "                relu = gm.graph.call_function(torch.ops.aten.relu.default, args=(node,))\n"
+        "            node.replace_all_uses_with(relu, delete_user_cb=lambda user: user is not relu)\n\n"
+        "applied = surgery.apply_passes(model, [insert_relu_after_add], scope='model.layers_*')\n"
+        "edited = sorted(set(applied.graphs), key=lambda path: int(path.split('_')[-1]))\n"
+        "print(len(edited), 'layer graphs edited (%s ... %s), new nodes in layer 0:' % (edited[0], edited[-1]),\n"
+        "      [name for name in ('relu', 'relu_1') if hasattr(model.model.layers[0], name)])\n"
+        "relued = run(ids)\n"
+        "print('with the pass: top tokens %s, logit diff %.2f; clean: %s, %.2f'\n"
+        "      % (top(relued), logit_diff(relued), top(clean), logit_diff(clean)))"),
+    new_markdown_cell("## 4. Undo everything\n"
+                      "`surgery.edits` lists the live edits (30 gates and the pass); `surgery.clear` removes them all."),
+    new_code_cell(
+        "print(len(surgery.edits(model)), 'edits live')\n"
+        "surgery.clear(model)\n"
+        "print(len(surgery.edits(model)), 'edits live; gates still children:',\n"
+        "      hasattr(model.model.layers[0].self_attn, 'head_gate'))\n"
+        "back = run(ids)\n"
+        "print('clean logits back:', torch.equal(back, clean))\n"
+        "assert torch.equal(back, clean) and not surgery.edits(model)"),
+]
+
+
 def build(names: list[str] | None = None) -> None:
     """Execute and write the notebooks (``names``: only these; all when None or empty)."""
     from nbclient import NotebookClient
 
     for name, cells in [("reach_any_op", REACH_ANY_OP), ("migrating_an_nnsight_script", MIGRATING),
-                        ("graphpatch_on_torch_2_13", GRAPHPATCH), ("graphpatch_demos_on_smollm2", GRAPHPATCH_DEMOS)]:
+                        ("graphpatch_on_torch_2_13", GRAPHPATCH), ("graphpatch_demos_on_smollm2", GRAPHPATCH_DEMOS),
+                        ("graph_surgery_on_smollm2", GRAPH_SURGERY)]:
         if names and name not in names:
             continue
         notebook = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",

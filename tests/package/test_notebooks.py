@@ -30,10 +30,12 @@ def test_notebook_runs(path, monkeypatch):
         assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2, "figures render"
     if path.stem == "graphpatch_demos_on_smollm2":
         assert any("patch == weight-edited model: True" in o.get("text", "") for o in outputs), "ROME edit equals eager"
+    if path.stem == "graph_surgery_on_smollm2":
+        assert any("clean logits back: True" in o.get("text", "") for o in outputs), "surgery.clear restores the model"
     if path.stem == "migrating_an_nnsight_script":
         assert any("True" in o.get("text", "") for o in outputs), "both imports give the same numbers"
 
 
 def test_at_least_three_notebooks():
     assert {p.stem for p in NOTEBOOKS} >= {"reach_any_op", "migrating_an_nnsight_script", "graphpatch_on_torch_2_13",
-                                          "graphpatch_demos_on_smollm2"}
+                                          "graphpatch_demos_on_smollm2", "graph_surgery_on_smollm2"}
