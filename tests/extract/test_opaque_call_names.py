@@ -87,3 +87,27 @@ def test_a_patch_changes_that_call_only(name, call):
         got = pg(x)
     assert torch.equal(got, want)
     assert not torch.equal(got, _made()(x))
+
+
+class Aliased(nn.Module):
+    """``self.alias`` is ``self.linear`` (not in a container): export knows it by its first name."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.alias = self.linear
+
+    def forward(self, x):
+        return self.alias(self.linear(x)) + self.linear(x)
+
+
+def test_a_call_through_a_second_name_is_no_invocation_of_the_first():
+    """In an opaque module the calls through ``alias`` run the child eagerly; ``linear_k`` are the
+    calls through ``linear`` only, so none is listed that never runs (before: ``linear_2``)."""
+    torch.manual_seed(0)
+    model, x = Aliased(), torch.randn(1, 2)
+    pg = PatchableGraph(model, x, options=ExtractionOptions(skip_compilation=True))
+    assert sorted(k for k in pg.graph.keys() if k.endswith(".output")) == ["linear_0.output", "linear_1.output"]
+    with pg.patch({"linear_1.output": ZeroPatch()}):
+        got = pg(x)
+    assert torch.equal(got, model.alias(model.linear(x)))  # the last call, through ``linear``, zeroed
