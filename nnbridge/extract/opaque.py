@@ -97,27 +97,35 @@ class _Recorder(torch.nn.Module):
 
 @contextlib.contextmanager
 def _recorders_in_place(module: torch.nn.Module, callees: list[tuple[str, torch.nn.Module]],
-                        record: Callable[[str, tuple[Any, ...], dict[str, Any]], None]) -> Iterator[None]:
+                        record: Callable[[str, tuple[Any, ...], dict[str, Any]], None], *,
+                        renamed: dict[str, str]) -> Iterator[None]:
     """For the body's duration, each of ``module``'s registrations ``name`` (through containers:
     ``blocks.0``) holds a :class:`ChildCall` reporting the calls made through that name, as the
-    opaque module later swaps in its dispatchers (:class:`~.opaque_runner.OpaqueRunner`). So a call
+    opaque module later swaps in its dispatchers (:class:`~nnbridge.graph.opaque_runner.OpaqueRunner`). So a call
     is counted under the name the code reached the child by: one object held under several names
     (``self.linear`` and ``self.blocks[1]``) gets each name's own calls, and a call made inside
-    another child (a Sequential holding the same object) is that child's, not this module's. Put
-    back after, also on error."""
+    another child (a Sequential holding the same object) is that child's, not this module's. A
+    child under a reserved name (``renamed``: ``{safe name: original}``, see
+    :func:`~nnbridge.graph.module_tree.reserved_names_renamed`) is reached through its instance attribute, which
+    holds the recorder too. Put back after, also on error."""
     swapped = torch.nn.Module()
     for name, child in callees:
         attach(swapped, name, _in_place_of(child, _Recorder(name, child, record)), template=module)
     saved = {name: modules_of(module)[name] for name in modules_of(swapped)}
+    attributes = {renamed[name]: module.__dict__[renamed[name]] for name in saved
+                  if name in renamed and renamed[name] in module.__dict__}
     try:
         modules_of(module).update(modules_of(swapped))
+        module.__dict__.update({original: modules_of(swapped)[safe] for safe, original in renamed.items()
+                                if original in attributes})
         yield
     finally:
         modules_of(module).update(saved)
+        module.__dict__.update(attributes)
 
 
 def _captured_calls(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                    callees: list[tuple[str, torch.nn.Module]]
+                    callees: list[tuple[str, torch.nn.Module]], renamed: dict[str, str]
                     ) -> tuple[dict[int, int], dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]]]:
     """The calls made through each of ``callees`` (``(name, child)``) in one observed run of
     ``module(*args, **kwargs)``: ``({id(child): how many names it is registered under}, {name:
@@ -132,7 +140,7 @@ def _captured_calls(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
     # in the caller's grad mode: each child's first extraction then has the call structure
     # (``requires_grad`` of its inputs) of the real calls, which reuse it instead of extracting again
     observed_run(module, args, kwargs, hooks=[], grad=torch.is_grad_enabled(),
-                 around=lambda: _recorders_in_place(module, callees, record))
+                 around=lambda: _recorders_in_place(module, callees, record, renamed=renamed))
     return names_of, captured
 
 
@@ -146,7 +154,8 @@ def opaque_module(ctx: ExtractionContext, fqn: ModulePath, module: torch.nn.Modu
     module object held under several names has each name's own invocations, as in graphpatch.
     """
     callees = list(direct_callees(module))
-    names_of, captured = _captured_calls(module, args, kwargs, callees=callees)
+    names_of, captured = _captured_calls(module, args, kwargs, callees=callees,
+                                         renamed=ctx.renamed.get(id(module), {}))
     shown = torch.nn.Module()
     swapped = torch.nn.Module()
     dispatchers: dict[str, ChildDispatcher] = {}
