@@ -39,12 +39,12 @@ class Callers:
 
     Attributes:
         parents: ``{id(child graph): (the graph calling it, its call_module node)}``.
-        inputs: ``{placeholder name: value}`` of the extraction's root graph on the call it was
-            extracted for (the module's forward arguments by name; real tensors).
+        inputs: ``{id(root graph): {placeholder name: value}}``: an extraction root's inputs on
+            the call it was extracted for (the module's forward arguments by name).
     """
 
     parents: dict[int, tuple[CompiledGraphModule, Node]] = field(default_factory=dict)
-    inputs: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 def bound_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -141,7 +141,7 @@ def apply_recipes(module: torch.nn.Module, root: GraphModuleBase, *, options: An
     if not any(RECIPES_KEY in m.__dict__ for m in module.modules()):
         return
     seen: set[int] = set()
-    callers = Callers(inputs=dict(inputs or {}))
+    callers = Callers(inputs={id(root): dict(inputs or {})})
 
     def visit(graph: GraphModuleBase, owner: torch.nn.Module) -> None:
         if id(graph) in seen or not isinstance(graph, CompiledGraphModule):

@@ -37,7 +37,7 @@ def _arguments(call: Node, child: CompiledGraphModule) -> dict[str, Any]:
 
 
 def _recorded(node: Node, graph: CompiledGraphModule, parents: Parents, *, depth: int,
-              root: Mapping[str, Any]) -> Any:
+              root: Mapping[int, Mapping[str, Any]]) -> Any:
     if depth > _DEPTH:
         return UNKNOWN
     if "val" in node.meta:
@@ -62,13 +62,13 @@ def _recorded(node: Node, graph: CompiledGraphModule, parents: Parents, *, depth
         if str(node.target) in bound:
             return _argument(bound[str(node.target)], parent, parents, depth=depth + 1, root=root)
         return node.args[0] if node.args else UNKNOWN
-    if node.op == "placeholder" and str(node.target) in root:
-        return root[str(node.target)]
+    if node.op == "placeholder" and str(node.target) in root.get(id(graph), {}):
+        return root[id(graph)][str(node.target)]
     return UNKNOWN
 
 
 def _argument(argument: Any, graph: CompiledGraphModule, parents: Parents, *, depth: int,
-              root: Mapping[str, Any]) -> Any:
+              root: Mapping[int, Mapping[str, Any]]) -> Any:
     return map_aggregate(argument, lambda a: _recorded(a, graph, parents, depth=depth, root=root)
                          if isinstance(a, Node) else a)
 
@@ -81,8 +81,8 @@ def recorded_inputs(graph: CompiledGraphModule, parents: Parents) -> dict[str, A
 
 
 def recorded_value(node: Node, graph: CompiledGraphModule, parents: Parents, *,
-                   root: Mapping[str, Any] | None = None) -> Any:
-    """The recorded value of one node of ``graph`` (see the module docstring; ``root``: the
-    inputs of the extraction's root graph by name), :data:`~.fake_values.UNKNOWN` when none was
-    found."""
+                   root: Mapping[int, Mapping[str, Any]] | None = None) -> Any:
+    """The recorded value of one node of ``graph`` (see the module docstring; ``root``:
+    ``{id(root graph): its inputs by name}``: a value, or ``(sizes, dtype, device)``),
+    :data:`~.fake_values.UNKNOWN` when none was found."""
     return _recorded(node, graph, parents, depth=0, root=root or {})

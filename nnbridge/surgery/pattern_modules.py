@@ -41,7 +41,7 @@ from ..dispatch.dispatcher import GraphDispatcher
 from ..errors import PatternError, SurgeryError
 from ..graph.graph_module import CompiledGraphModule
 from ..graph.metadata import node_meta, node_name, update_node_meta
-from ..graph.recipes import Callers, add_recipe, bound_inputs, remove_recipe
+from ..graph.recipes import Callers, add_recipe, remove_recipe
 from .fake_values import UNKNOWN
 from .pass_inputs import Parents, recorded_value
 from .pass_targets import graph_path
@@ -82,12 +82,13 @@ def _describe(specs: list[Spec]) -> str:
 
 
 def input_specs(pattern: PatternGraph, graph: CompiledGraphModule, match: Match, *, parents: Parents,
-                root: dict[str, Any], where: str) -> list[Spec]:
-    """``(sizes, dtype, device)`` of each tensor input of ``match``, in :attr:`PatternMatch.inputs` order.
+                root: dict[int, dict[str, Any]], where: str) -> list[Spec]:
+    """``(sizes, dtype, device)`` of each tensor input of ``match``, in :attr:`PatternMatch.inputs`
+    order, from the values recorded for the graph's nodes, its callers' and (``root``) the
+    extraction's own inputs.
 
     Raises:
-        PatternError: an input whose value is unknown (the model's own input, over a bridged model)
-            or no tensor.
+        PatternError: an input whose value is unknown or no tensor.
     """
     specs = []
     for name in pattern.tensors:
@@ -96,12 +97,14 @@ def input_specs(pattern: PatternGraph, graph: CompiledGraphModule, match: Match,
         if isinstance(value, torch.Tensor) and all(has_hint(s) for s in value.shape):
             specs.append((torch.Size(symbolic_hint(s) for s in value.shape), value.dtype, value.device))
             continue
+        if isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], torch.dtype):
+            specs.append((torch.Size(value[0]), value[1], value[2]))  # an extraction's input, as recorded
+            continue
         what = "unknown" if value is UNKNOWN else f"a {type(value).__name__}"
         raise PatternError(
             f"replace_pattern: the pattern's input {name} is {match.graph or '<root>'}.{node_name(node)} at {where},"
-            f" whose value is {what}; a replacement_module is checked and extracted for tensor inputs of known size."
-            " A model's own input is known through a PatchableGraph (it keeps its example call), not through a"
-            " bridged model; otherwise start the pattern at a computed value, or pass a replacement function.")
+            f" whose value is {what}; a replacement_module takes tensors of known size (it is checked and extracted"
+            " for them). Start the pattern at a tensor, or pass a replacement function.")
     return specs
 
 
@@ -137,7 +140,8 @@ def check_module(module: torch.nn.Module, specs: list[Spec], expected: list[Spec
                            f" ({_describe(specs)}): {type(error).__name__}: {error}. Nothing was edited.") from error
     values = list(out) if several and isinstance(out, (tuple, list)) else [out]
     if several and (not isinstance(out, (tuple, list)) or len(values) != len(expected)):
-        arity = f"a tuple of {len(values)}" if isinstance(out, (tuple, list)) else type(out).__name__
+        arity = (f"a tuple of {len(values)}" if isinstance(out, (tuple, list))
+                 else "one tensor" if isinstance(out, torch.Tensor) else type(out).__name__)
         raise PatternError(f"replace_pattern: the replacement module {name} returns {arity} at {where}, but the pattern"
                            f" returns a tuple of {len(expected)} values; return one tensor per pattern output, in"
                            " order. Nothing was edited.")
@@ -331,7 +335,7 @@ def insert_modules(target: Target, pattern: PatternGraph, factory: Factory, *,
         PatternError: the factory raises or returns no new module, a module does not fit its match,
             an input's value is unknown; nothing is edited then.
     """
-    root = bound_inputs(target.model, *target.pg._example) if target.pg is not None else {}
+    root: dict[int, dict[str, Any]] = {id(e.root): dict(e.inputs) for e in target.extractions()}
     paths = {id(m): p for p, m in target.model.named_modules(remove_duplicate=False)}
     planned: dict[tuple[int, str], _Planned] = {}
     for where, graph, owner in found:

@@ -219,3 +219,51 @@ def with_adapters(model, adapters):
         wrapper.lora_b.load_state_dict(adapter.lora_b.state_dict())
         setattr(holder, name, wrapper)
     return edited
+
+
+class TwoOutputBlock(torch.nn.Module):
+    """``h = tanh(x)``; ``a = h * 2`` and ``b = h + 1`` both used after; ``leak=True`` also uses
+    ``h`` itself after (so ``h``, inside the pattern's match, leaks)."""
+
+    def __init__(self, size=8, leak=False):
+        super().__init__()
+        self.proj = CustomLinear(size)
+        self.leak = leak
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        a, b = h * 2, h + 1
+        y = self.proj(a) + torch.sin(b)
+        return y * h if self.leak else y
+
+
+class TwoOutputModel(torch.nn.Module):
+    def __init__(self, layers=3, size=8, leak_at=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([TwoOutputBlock(size, leak=i == leak_at) for i in range(layers)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def two_outputs(x):
+    h = torch.tanh(x)
+    return h * 2, h + 1
+
+
+def two_replaced(x):
+    h = torch.sigmoid(x)
+    return h * 3, h - 1
+
+
+class TwoReplacedBlock(TwoOutputBlock):
+    """Hand-written: :func:`two_outputs` replaced by :func:`two_replaced` (unless leaking)."""
+
+    def forward(self, x):
+        if self.leak:
+            return super().forward(x)
+        a, b = two_replaced(x)
+        return self.proj(a) + torch.sin(b)

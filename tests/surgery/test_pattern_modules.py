@@ -167,11 +167,33 @@ def test_a_refused_module_edits_nothing(factory, message):
         assert torch.equal(model(x), eager(x))
 
 
-def test_an_input_of_unknown_value_is_refused_over_a_bridged_model():
+def test_a_bridged_models_own_input_is_known():
     x = torch.randn(2, 8)
     model, eager = bridged(x)
-    with pytest.raises(PatternError, match=r"input x is <root>.x at embed, whose value is unknown.*PatchableGraph"):
-        surgery.replace_pattern(model, linear_pattern, replacement_module=lora, scope="*")
+    torch.manual_seed(5)
+    rewrite = surgery.replace_pattern(model, linear_pattern, replacement_module=lora, scope="*")
+    assert rewrite.matches[0] == "embed"
+    reference = with_adapters(eager, adapters_by_path(model, rewrite))
+    assert_same(model, reference, adapters_by_path(model, rewrite), x)
+
+
+class ScaledBySequence(torch.nn.Module):
+    def forward(self, x):
+        return torch.tanh(x * x.shape[1])
+
+
+def scaled(x, n):
+    return x * n
+
+
+def test_an_input_that_is_no_tensor_is_refused():
+    x = torch.randn(2, 3, 8)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), ScaledBySequence())
+    eager = copy.deepcopy(model)
+    nnbridge.bridge(model, x)
+    with pytest.raises(PatternError, match=r"the pattern's input n is 1.sym_size at 1.mul, whose value is a"
+                                           r" SymInt; a replacement_module takes tensors of known size"):
+        surgery.replace_pattern(model, scaled, replacement_module=lambda match: torch.nn.Identity())
     assert surgery.edits(model) == []
     with torch.no_grad():
         assert torch.equal(model(x), eager(x))
