@@ -31,6 +31,7 @@ from .targets import Target, target_of
 
 if TYPE_CHECKING:
     from .passes import AppliedPasses
+    from .pattern_modules import ModuleRewrite
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -164,15 +165,16 @@ def replace_node(target: Any, site: str, module: torch.nn.Module, *, name: str |
     return _insert("replace", target, site, module=module, name=name)
 
 
-def edits(target: Any) -> list[Edit | AppliedPasses]:
-    """The live edits of ``target``'s model, in module order: inserted modules (:class:`Edit`) and
-    passes (:class:`~nnbridge.surgery.passes.AppliedPasses`, once each).
+def edits(target: Any) -> list[Edit | AppliedPasses | ModuleRewrite]:
+    """The live edits of ``target``'s model, in module order: inserted modules (:class:`Edit`),
+    passes and pattern rewrites (:class:`~nnbridge.surgery.passes.AppliedPasses`,
+    :class:`~nnbridge.surgery.pattern_modules.ModuleRewrite`), each once.
 
     Raises:
         SurgeryError: ``target`` is not a bridged model, PatchableGraph or nnbridge NNsight model.
     """
     model = target_of(target, "edits").model
-    found: list[Edit | AppliedPasses] = []
+    found: list[Edit | AppliedPasses | ModuleRewrite] = []
     for recipe in all_recipes(model):
         handle = recipe.edit if isinstance(recipe, InsertedModule) else getattr(recipe, "applied", None)
         if handle is not None and not any(handle is seen for seen in found):
