@@ -111,3 +111,39 @@ def test_a_pattern_returning_one_value_twice_is_refused():
     model, _ = bridged(TwoOutputModel(), x)
     with pytest.raises(PatternError, match=r"or a tuple of distinct ones.*each once"):
         surgery.match(model, twice)
+
+
+class Chained(torch.nn.Module):
+    """``a = x * 2`` is used to compute ``y``, the input of ``b = y + 1``."""
+
+    def forward(self, x):
+        a = x * 2
+        y = torch.cos(torch.sin(a))
+        return a + (y + 1)
+
+
+def doubled_and_incremented(x, y):
+    return x * 2, y + 1
+
+
+class OtherSecondValue(torch.nn.Module):
+    def forward(self, x):
+        h = torch.tanh(x)
+        return (h * 2) * (h - 1)
+
+
+@pytest.mark.parametrize("module, pattern, reason", [
+    (Chained(), doubled_and_incremented,
+     "the input 1.cos is computed after 1.sin, which uses an output of the match; one replacement cannot stand"
+     " before that user"),
+    (OtherSecondValue(), two_outputs, "no node completes the match as the pattern's output 1 (add): no node of its kind"),
+])
+def test_the_log_says_why_a_several_output_candidate_is_rejected(module, pattern, reason):
+    x = torch.randn(2, 8)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), module)
+    nnbridge.bridge(model, x)
+    found = surgery.match(model, pattern, scope="1")
+    assert found.matches == []
+    first = found.log.verdicts("REJECTED")[0]
+    assert (first.anchor, first.reason) == ("1.mul", reason)
+    assert found.log.verdicts("NEAR-MISS")[0].anchor == "1.mul"
