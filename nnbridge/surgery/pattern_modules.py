@@ -352,7 +352,7 @@ def insert_modules(target: Target, pattern: PatternGraph, factory: Factory, *,
         given = PatternMatch(match.graph, match.anchor,
                              {slot: plan.owner.get_submodule(path) for slot, path in match.modules.items()},
                              tuple(pattern.tensors), {n: s[0] for n, s in zip(pattern.tensors, plan.specs)})
-        module = _made(factory, given, target.model, [m for _, m in made])
+        module = _made(factory, given, target.model, earlier=[m for _, m in made])
         check_module(module, plan.specs, plan.expected, several=pattern.returns_tuple, where=match.anchor)
         made.append((plan, module))
     rewrite = ModuleRewrite(log=log, scope=scope, target=target, before={id(e) for e in target.extractions()})
@@ -381,7 +381,7 @@ def insert_modules(target: Target, pattern: PatternGraph, factory: Factory, *,
     return rewrite
 
 
-def _made(factory: Factory, match: PatternMatch, model: torch.nn.Module, earlier: list[torch.nn.Module]
+def _made(factory: Factory, match: PatternMatch, model: torch.nn.Module, *, earlier: list[torch.nn.Module]
           ) -> torch.nn.Module:
     """``factory(match)``, checked to be a new module.
 
