@@ -53,7 +53,7 @@ from ..guards.module_state import StateGuard
 from ..graph.locking import CALL_LOCK
 from ..graph.node_path import ROOT_PATH, ModulePath
 from ..graph.op_point import OpPoint, OpPointContainer
-from ..graph.recipes import apply_recipes
+from ..graph.recipes import apply_recipes, bound_inputs
 from ..extract.options import ExtractionOptions
 from ..extract.sibling_roots import RootWatch, SiblingLink
 
@@ -241,8 +241,11 @@ class GraphDispatcher(torch.nn.Module):
                 extraction = extract(self.module, args, kwargs, options=self.options, path=self.path,
                                      on_extraction=self.on_extraction, watch=self.watch, children=self.kept_children)
             extraction.reason = reason
+            inputs = bound_inputs(self.module, args, kwargs)
+            extraction.inputs = {name: (value.shape, value.dtype, value.device) for name, value in inputs.items()
+                                 if isinstance(value, torch.Tensor)}
             # graph surgery's edits, before the guards record the tree and a bridge links the graphs
-            apply_recipes(self.module, extraction.root, options=self.options, reason=reason)
+            apply_recipes(self.module, extraction.root, options=self.options, reason=reason, inputs=inputs)
             modules = real_modules(self.module)  # children may have been replaced or added (graph surgery)
             if list(map(id, modules)) != list(map(id, self.flag_modules)):
                 # later calls are keyed with the new tree's flags: so is this extraction

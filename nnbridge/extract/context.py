@@ -46,6 +46,8 @@ class Extraction:
             submodule under ``allow_unused_submodules=False``), not by the options' design; the
             children of opaque modules included.
         example: summaries (``torch.Size`` for tensors) of the call it was extracted from.
+        inputs: ``{forward argument name: (sizes, dtype, device)}`` of that call's tensor
+            arguments (the root graph's placeholders carry these names), set by the dispatcher.
         state: the module state it bakes in (:class:`~nnbridge.guards.module_state.StateGuard`), set by
             the dispatcher that made it.
         reason: why it was made: ``"first call"``, or the guard that failed for the call.
@@ -57,6 +59,7 @@ class Extraction:
     guard: ShapeGuard
     opaque: dict[str, str] = field(default_factory=dict)
     example: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    inputs: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = field(default_factory=dict)
     state: StateGuard | None = None
     reason: str = "first call"
     shared: SharedRoot | None = None

@@ -17,15 +17,45 @@ Example::
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch.fx import Node
 
 from .graph_module import CompiledGraphModule, GraphModuleBase
 from .metadata import node_meta
 
 #: key in an owner module's ``__dict__`` of its recipes, in the order they were added
 RECIPES_KEY = "_nnbridge_recipes"
+
+
+@dataclass
+class Callers:
+    """Where the graphs of one extraction get their inputs, for a recipe that needs the value of a
+    graph's input (a placeholder, whose example value the graph does not record).
+
+    Attributes:
+        parents: ``{id(child graph): (the graph calling it, its call_module node)}``.
+        inputs: ``{id(root graph): {placeholder name: value}}``: an extraction root's inputs on
+            the call it was extracted for (the module's forward arguments by name).
+    """
+
+    parents: dict[int, tuple[CompiledGraphModule, Node]] = field(default_factory=dict)
+    inputs: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def bound_inputs(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``{forward argument name: value}`` of a call of ``module`` (the root graph's placeholders
+    carry these names), bound to its class's ``forward`` (not to a wrapper set on the instance);
+    empty when the arguments do not bind to the signature."""
+    try:
+        bound = inspect.signature(type(module).forward).bind_partial(module, *args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return {}
+    return {name: value for index, (name, value) in enumerate(bound.items()) if index > 0}
 
 
 class Recipe(Protocol):
@@ -42,10 +72,12 @@ class Recipe(Protocol):
     owner: torch.nn.Module
     child: str | None
 
-    def apply(self, graph: CompiledGraphModule, *, options: Any, reason: str) -> None:
+    def apply(self, graph: CompiledGraphModule, *, options: Any, reason: str, callers: Callers | None = None
+              ) -> None:
         """Edit ``graph`` (one graph of :attr:`owner`, not yet code-generated) in place.
         ``options``: the extraction's options; ``reason``: why it was extracted (``"first call"``,
-        the guard that failed). Applying a recipe twice to one graph must change nothing.
+        the guard that failed); ``callers``: where the extraction's graphs get their inputs.
+        Applying a recipe twice to one graph must change nothing.
 
         Raises:
             SurgeryError: the edit does not apply to this extraction (naming its NodePath,
@@ -95,12 +127,13 @@ def withdraw_all(model: torch.nn.Module) -> None:
         recipe.withdraw()
 
 
-def apply_recipes(module: torch.nn.Module, root: GraphModuleBase, *, options: Any, reason: str) -> None:
+def apply_recipes(module: torch.nn.Module, root: GraphModuleBase, *, options: Any, reason: str,
+                  inputs: Mapping[str, Any] | None = None) -> None:
     """Apply the recipes of ``module``'s tree to the graphs of one new extraction of ``module``
     (``root``: its root graph), each graph once: the recipes of a module to every compiled graph
     of it (one per invocation). The children of opaque graphs are extracted by their own
     dispatchers, which apply theirs. Does nothing (one walk of the module tree) when no module
-    has recipes.
+    has recipes. ``inputs``: the root graph's inputs by name (see :class:`Callers`).
 
     Raises:
         SurgeryError: a recipe does not apply (see :meth:`Recipe.apply`).
@@ -108,14 +141,18 @@ def apply_recipes(module: torch.nn.Module, root: GraphModuleBase, *, options: An
     if not any(RECIPES_KEY in m.__dict__ for m in module.modules()):
         return
     seen: set[int] = set()
+    callers = Callers(inputs={id(root): dict(inputs or {})})
 
     def visit(graph: GraphModuleBase, owner: torch.nn.Module) -> None:
         if id(graph) in seen or not isinstance(graph, CompiledGraphModule):
             return
         seen.add(id(graph))
         calls = [(graph.child_graph(n), node_meta(n).module_path) for n in graph.graph.nodes if n.op == "call_module"]
+        for node in graph.graph.nodes:
+            if node.op == "call_module":
+                callers.parents.setdefault(id(graph.child_graph(node)), (graph, node))
         for recipe in recipes_of(owner):
-            recipe.apply(graph, options=options, reason=reason)
+            recipe.apply(graph, options=options, reason=reason, callers=callers)
         for child, path in calls:
             if path is not None:
                 visit(child, owner.get_submodule(path))

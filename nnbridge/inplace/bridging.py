@@ -598,11 +598,14 @@ class Bridge:
         self._note_registered(holder, attribute)
         self.adopted.append((holder, attribute))
 
-    def release(self, module: torch.nn.Module) -> None:
+    def release(self, module: torch.nn.Module, *, keep: Iterable[torch.nn.Module] = ()) -> None:
         """Undo the bridge on ``module``'s tree only (a module graph surgery inserted, then took
         out again): its registration (see :meth:`adopt`), bodies, copiers, op points and
-        dispatchers, as :meth:`undo` does for the model."""
-        ids = {id(m) for m in module.modules()}
+        dispatchers, as :meth:`undo` does for the model. Modules in ``keep`` (the model's own
+        modules the inserted one held as children, such as a LoRA adapter's base layer) stay
+        bridged."""
+        spared = {id(m) for m in keep}
+        ids = {id(m) for m in module.modules() if id(m) not in spared}
 
         def released(holder: torch.nn.Module, attribute: str) -> bool:
             return id(holder) in ids or modules_of(holder).get(attribute) is module

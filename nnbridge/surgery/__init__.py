@@ -29,7 +29,9 @@ as a reusable edit.
 
 ``replace_pattern(target, pattern, replacement, scope=...)`` rewrites every match of a pattern
 that may span module calls (arguments annotated with a module class match calls of that class),
-with a match log by NodePath (:mod:`.patterns`); ``match`` only finds them.
+with a match log by NodePath (:mod:`.patterns`); ``match`` only finds them. With
+``replacement_module=factory`` it inserts a new module per match instead, as LoRA injection does
+(:mod:`.pattern_modules`).
 """
 
 from .insertion import Edit as Edit
@@ -41,10 +43,13 @@ from .insertion import replace_node as replace_node
 from .passes import AppliedPasses as AppliedPasses
 from .passes import PassEdit as PassEdit
 from .passes import apply_passes as apply_passes
+from .pattern_modules import ModuleRewrite as ModuleRewrite
+from .pattern_modules import PatternMatch as PatternMatch
 from .patterns import MatchResult as MatchResult
 from .patterns import Rewrite as Rewrite
 from .patterns import match as match
 from .patterns import replace_pattern as replace_pattern
 
-__all__ = ["AppliedPasses", "Edit", "MatchResult", "PassEdit", "Rewrite", "apply_passes", "clear", "edits",
-           "insert_after", "insert_before", "match", "replace_node", "replace_pattern"]
+__all__ = ["AppliedPasses", "Edit", "MatchResult", "ModuleRewrite", "PassEdit", "PatternMatch", "Rewrite",
+           "apply_passes", "clear", "edits", "insert_after", "insert_before", "match", "replace_node",
+           "replace_pattern"]

@@ -25,12 +25,13 @@ from ..errors import SurgeryError
 from ..graph.module_tree import RESERVED_NAMES
 from ..graph.metadata import node_name
 from ..graph.recipes import add_recipe, all_recipes, remove_recipe
-from .recipes import Kind, ModuleInsertion
+from .recipes import InsertedModule, Kind, ModuleInsertion
 from .sites import resolve_site
 from .targets import Target, target_of
 
 if TYPE_CHECKING:
     from .passes import AppliedPasses
+    from .pattern_modules import ModuleRewrite
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -78,7 +79,7 @@ class Edit:
         self.remove()
 
 
-def _default_name(module: torch.nn.Module) -> str:
+def default_name(module: torch.nn.Module) -> str:
     """``SparseAutoencoder`` -> ``sparse_autoencoder``."""
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", type(module).__name__).lower()
 
@@ -90,7 +91,7 @@ def _insert(kind: Kind, target: Any, site: Any, *, module: Any, name: str | None
                            f" got {type(module).__name__}. Wrap a function in an nn.Module.")
     resolved = target_of(target, verb)
     found = resolve_site(resolved, site, what=verb)
-    chosen = _default_name(module) if name is None else name
+    chosen = default_name(module) if name is None else name
     taken = {node_name(n) for n in found.graph.graph.nodes}
     if not isinstance(chosen, str) or not _IDENTIFIER.fullmatch(chosen) or chosen in RESERVED_NAMES:
         raise SurgeryError(f"{verb}: name={chosen!r} cannot name a child module and a node; pass a Python identifier"
@@ -164,17 +165,18 @@ def replace_node(target: Any, site: str, module: torch.nn.Module, *, name: str |
     return _insert("replace", target, site, module=module, name=name)
 
 
-def edits(target: Any) -> list[Edit | AppliedPasses]:
-    """The live edits of ``target``'s model, in module order: inserted modules (:class:`Edit`) and
-    passes (:class:`~nnbridge.surgery.passes.AppliedPasses`, once each).
+def edits(target: Any) -> list[Edit | AppliedPasses | ModuleRewrite]:
+    """The live edits of ``target``'s model, in module order: inserted modules (:class:`Edit`),
+    passes and pattern rewrites (:class:`~nnbridge.surgery.passes.AppliedPasses`,
+    :class:`~nnbridge.surgery.pattern_modules.ModuleRewrite`), each once.
 
     Raises:
         SurgeryError: ``target`` is not a bridged model, PatchableGraph or nnbridge NNsight model.
     """
     model = target_of(target, "edits").model
-    found: list[Edit | AppliedPasses] = []
+    found: list[Edit | AppliedPasses | ModuleRewrite] = []
     for recipe in all_recipes(model):
-        handle = recipe.edit if isinstance(recipe, ModuleInsertion) else getattr(recipe, "applied", None)
+        handle = recipe.edit if isinstance(recipe, InsertedModule) else getattr(recipe, "applied", None)
         if handle is not None and not any(handle is seen for seen in found):
             found.append(handle)
     return found

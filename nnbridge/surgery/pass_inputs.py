@@ -4,7 +4,8 @@ Extraction keeps export's metadata (``node.meta["val"]``, fake tensors) on a gra
 the placeholders of the graphs unflattening made. A placeholder's metadata is found where its value
 comes from: the argument its parent graph's ``call_module`` node passes (an op's ``val``, a
 constant, a parameter, an item of another child's output, or the parent's own placeholder, looked
-up in turn). An extraction's root has no caller: its inputs stay unknown. Example::
+up in turn). An extraction's root has no caller: its inputs are the ones given (``root``: the call
+it was extracted for, by argument name), or unknown. Example::
 
     inputs = recorded_inputs(layer_graph, parents)   # {"hidden_states": FakeTensor(...), "cache": None, ...}
 """
@@ -12,6 +13,7 @@ up in turn). An extraction's root has no caller: its inputs stay unknown. Exampl
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 from torch.fx import Node
@@ -34,7 +36,8 @@ def _arguments(call: Node, child: CompiledGraphModule) -> dict[str, Any]:
     return bound
 
 
-def _recorded(node: Node, graph: CompiledGraphModule, parents: Parents, *, depth: int) -> Any:
+def _recorded(node: Node, graph: CompiledGraphModule, parents: Parents, *, depth: int,
+              root: Mapping[int, Mapping[str, Any]]) -> Any:
     if depth > _DEPTH:
         return UNKNOWN
     if "val" in node.meta:
@@ -45,10 +48,10 @@ def _recorded(node: Node, graph: CompiledGraphModule, parents: Parents, *, depth
         child = graph.child_graph(node)
         if isinstance(child, CompiledGraphModule):
             output = next(n for n in child.graph.nodes if n.op == "output")
-            return _argument(output.args[0], child, parents, depth=depth + 1)
+            return _argument(output.args[0], child, parents, depth=depth + 1, root=root)
         return UNKNOWN
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], Node):
-        container = _recorded(node.args[0], graph, parents, depth=depth + 1)
+        container = _recorded(node.args[0], graph, parents, depth=depth + 1, root=root)
         try:
             return container[node.args[1]]  # a tuple, list or dict of values
         except (TypeError, KeyError, IndexError):
@@ -57,16 +60,29 @@ def _recorded(node: Node, graph: CompiledGraphModule, parents: Parents, *, depth
         parent, call = parents[id(graph)]
         bound = _arguments(call, graph)
         if str(node.target) in bound:
-            return _argument(bound[str(node.target)], parent, parents, depth=depth + 1)
+            return _argument(bound[str(node.target)], parent, parents, depth=depth + 1, root=root)
         return node.args[0] if node.args else UNKNOWN
+    if node.op == "placeholder" and str(node.target) in root.get(id(graph), {}):
+        return root[id(graph)][str(node.target)]
     return UNKNOWN
 
 
-def _argument(argument: Any, graph: CompiledGraphModule, parents: Parents, *, depth: int) -> Any:
-    return map_aggregate(argument, lambda a: _recorded(a, graph, parents, depth=depth) if isinstance(a, Node) else a)
+def _argument(argument: Any, graph: CompiledGraphModule, parents: Parents, *, depth: int,
+              root: Mapping[int, Mapping[str, Any]]) -> Any:
+    return map_aggregate(argument, lambda a: _recorded(a, graph, parents, depth=depth, root=root)
+                         if isinstance(a, Node) else a)
 
 
 def recorded_inputs(graph: CompiledGraphModule, parents: Parents) -> dict[str, Any]:
     """``{placeholder target: recorded value}`` (export's fake tensors, constants, parameters;
     :data:`~.fake_values.UNKNOWN` where none was found) for ``graph``'s placeholders."""
-    return {str(node.target): _recorded(node, graph, parents, depth=0) for node in graph.graph.nodes if node.op == "placeholder"}
+    return {str(node.target): _recorded(node, graph, parents, depth=0, root={})
+            for node in graph.graph.nodes if node.op == "placeholder"}
+
+
+def recorded_value(node: Node, graph: CompiledGraphModule, parents: Parents, *,
+                   root: Mapping[int, Mapping[str, Any]] | None = None) -> Any:
+    """The recorded value of one node of ``graph`` (see the module docstring; ``root``:
+    ``{id(root graph): its inputs by name}``: a value, or ``(sizes, dtype, device)``),
+    :data:`~.fake_values.UNKNOWN` when none was found."""
+    return _recorded(node, graph, parents, depth=0, root=root or {})

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import PassCheckError, SurgeryError
 from ..graph.graph_module import CompiledGraphModule
+from ..graph.recipes import Callers
 
 if TYPE_CHECKING:
     from .passes import AppliedPasses, PassEdit
@@ -45,7 +46,8 @@ class PassRecipe:
     def __repr__(self) -> str:
         return f"PassRecipe({self.edit!r}, owner={type(self.owner).__name__})"
 
-    def apply(self, graph: CompiledGraphModule, *, options: Any, reason: str) -> None:
+    def apply(self, graph: CompiledGraphModule, *, options: Any, reason: str, callers: Callers | None = None
+              ) -> None:
         """Run the passes on ``graph`` when it is in scope.
 
         Raises:

@@ -310,7 +310,7 @@ def apply_edit(target: object, edit: PassEdit, applied: AppliedPasses, *,
                 f"{' ...' if len(paths) > 12 else ''} ('*' matches within one segment, '**' across segments).",
                 check="scope")
         kept = target_of(target, verb)
-        modules = _graph_owners(kept)
+        modules = graph_owners(kept)
         prepared = []
         for path, graph in chosen:
             edit.bind_owner(modules[id(graph)])
@@ -341,7 +341,7 @@ def apply_edit(target: object, edit: PassEdit, applied: AppliedPasses, *,
     return applied
 
 
-def _graph_owners(target: Target) -> dict[int, torch.nn.Module]:
+def graph_owners(target: Target) -> dict[int, torch.nn.Module]:
     """``{id(graph): the module it is a graph of}`` for every compiled graph of ``target``'s
     extractions (the module whose recipes a later extraction of that graph gets)."""
     owners: dict[int, torch.nn.Module] = {}

@@ -36,7 +36,8 @@ class PatternGraph:
 
     Attributes:
         name: the pattern's name (for messages).
-        graph: the fx graph: placeholders (tensor wildcards and slots), ops, one output value.
+        graph: the fx graph: placeholders (tensor wildcards and slots), ops, and the output: one
+            value or a tuple of distinct values.
         slots: ``{argument: nn.Module subclass}`` of the module slots still used.
         tensors: the names of the tensor wildcards still used, in order.
         dropped: the inputs no node uses after binding ``constants`` (dropped).
@@ -49,10 +50,23 @@ class PatternGraph:
     dropped: list[str] = field(default_factory=list)
 
     @property
-    def output(self) -> Node:
-        """The node whose value the pattern returns (the anchor of every match)."""
+    def outputs(self) -> list[Node]:
+        """The nodes whose values the pattern returns, in order (one, or the items of a returned
+        tuple)."""
         out = next(n for n in self.graph.nodes if n.op == "output")
-        return out.args[0]  # a Node: checked by trace_pattern
+        value = out.args[0]
+        return list(value) if isinstance(value, (tuple, list)) else [value]  # Nodes: checked by trace_pattern
+
+    @property
+    def output(self) -> Node:
+        """The node of the pattern's (first) output value: the anchor of every match."""
+        return self.outputs[0]
+
+    @property
+    def returns_tuple(self) -> bool:
+        """Whether the pattern returns a tuple of values (its replacement must too)."""
+        out = next(n for n in self.graph.nodes if n.op == "output")
+        return isinstance(out.args[0], (tuple, list))
 
 
 class _Slot(torch.nn.Module):
@@ -115,7 +129,8 @@ def trace_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str) -> P
 
     Raises:
         PatternError: not a function, ``constants`` naming no argument, a called argument without a
-            module annotation, tracing failed, or the pattern does not return one computed value.
+            module annotation, tracing failed, or the pattern returns no computed value (nor a tuple of
+            distinct ones).
     """
     function = _function_of(pattern, "pattern")
     parameters = _parameters(function, name)
@@ -153,9 +168,12 @@ def trace_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str) -> P
                            f" {argument}: torch.nn.LayerNorm): ...), or bind it with constants=.")
     output = next(n for n in graph.nodes if n.op == "output")
     value = output.args[0]
-    if not isinstance(value, Node) or value.op == "placeholder":
-        raise PatternError(f"the pattern {name} must return one computed value (an op's or a module call's result);"
-                           f" it returns {value!r}. Return a single tensor made inside the pattern.")
+    values = list(value) if isinstance(value, (tuple, list)) else [value]
+    if not values or any(not isinstance(v, Node) or v.op == "placeholder" for v in values) or len(
+            set(values)) != len(values):
+        raise PatternError(f"the pattern {name} must return one computed value (an op's or a module call's result)"
+                           f" or a tuple of distinct ones; it returns {value!r}. Return tensors made inside the"
+                           " pattern (return a, b), each once.")
     dropped = []
     for node in list(graph.nodes):
         if node.op == "placeholder" and not node.users:

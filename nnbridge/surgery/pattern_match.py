@@ -11,8 +11,14 @@ the anchor, the pattern is walked backwards along arguments:
   literal arguments; the target may have more trailing arguments (filled defaults);
 - a tensor input matches any node, the same node wherever the input is used.
 
-A structural match is then REJECTED when a value inside it (not the anchor's) has a user outside
-it (the user is named), or when it shares a node with an earlier match. Candidates and reasons go
+A pattern returning a tuple (``return a, b``) is anchored at its first value; each other value
+is the node of its kind that completes the match consistently (a value the walk from the anchor
+reached already, or one found among the graph's nodes of that kind).
+
+A structural match is then REJECTED when a value inside it (not one of the outputs) has a user
+outside it (the user is named), when it shares a node with an earlier match, or (several
+outputs) when an input of the match is computed after an outside user of one of its outputs
+(one replacement cannot then stand before that user). Candidates and reasons go
 to a :class:`~.pattern_log.MatchLog`; the failure that got furthest is the graph's near miss (as
 onnxscript's MatchingTracer reports the best match attempt of a rule). Example::
 
@@ -45,6 +51,7 @@ class Match:
         nodes: ``{pattern node: graph node}`` for the pattern's ops and module calls.
         tensors: ``{tensor input: graph node}``.
         modules: ``{module slot: the matched module's path below the graph's module}``.
+        outputs: the graph nodes of the pattern's output values, in order.
     """
 
     graph: str
@@ -52,6 +59,7 @@ class Match:
     nodes: dict[Node, Node] = field(default_factory=dict)
     tensors: dict[str, Node] = field(default_factory=dict)
     modules: dict[str, str] = field(default_factory=dict)
+    outputs: list[Node] = field(default_factory=list)
 
     @property
     def anchor_node(self) -> Node:
@@ -173,13 +181,36 @@ class _Attempt:
             raise _Failed(f"literal differs: argument {which} of {self.path(t)} is {shown}; the pattern has {want!r}")
 
 
-def candidates(pattern: PatternGraph, module: GraphModule) -> list[Node]:
-    """The graph's nodes of the pattern's output kind (see the module docstring)."""
-    anchor = pattern.output
+def candidates(pattern: PatternGraph, module: GraphModule, *, node: Node | None = None) -> list[Node]:
+    """The graph's nodes of the kind of the pattern's output (or of its ``node``): see the module
+    docstring."""
+    anchor = pattern.output if node is None else node
     if anchor.op == "call_module":
         return [n for n in module.graph.nodes if n.op == "call_module"]
     name = _pattern_op_name(anchor)
     return [n for n in module.graph.nodes if n.op == "call_function" and _graph_op_name(n) == name]
+
+
+def _other_outputs(attempt: _Attempt, pattern: PatternGraph, module: GraphModule) -> None:
+    """Bind the pattern's outputs after the first (see the module docstring)."""
+    for index, p in enumerate(pattern.outputs[1:], start=1):
+        if p in attempt.found.nodes:
+            continue
+        reason = "no node of its kind"
+        for t in candidates(pattern, module, node=p):
+            if t in attempt.taken:
+                continue
+            found, taken = attempt.found, set(attempt.taken)
+            attempt.found = Match(found.graph, found.anchor, dict(found.nodes), dict(found.tensors),
+                                  dict(found.modules))
+            try:
+                attempt.node(p, t)
+                break
+            except _Failed as failed:
+                reason = f"{attempt.path(t)}: {failed.reason}"
+                attempt.found, attempt.taken = found, taken
+        else:
+            raise _Failed(f"no node completes the match as the pattern's output {index} ({p.name}): {reason}")
 
 
 def match_graph(pattern: PatternGraph, module: GraphModule, *, where: str, log: MatchLog) -> list[Match]:
@@ -195,12 +226,14 @@ def match_graph(pattern: PatternGraph, module: GraphModule, *, where: str, log: 
         anchor = _path(where, node)
         try:
             attempt.node(pattern.output, node)
-            reason = _leak(attempt, pattern) or _overlap(attempt, consumed)
+            _other_outputs(attempt, pattern, module)
+            reason = _leak(attempt, pattern) or _overlap(attempt, consumed) or _order(attempt, pattern, module)
         except _Failed as failed:
             reason = failed.reason
         if reason is None:
             match = attempt.found
             match.anchor = anchor
+            match.outputs = [match.nodes[p] for p in pattern.outputs]
             found.append(match)
             consumed.update((n, anchor) for n in match.nodes.values())
             log.add(LogEntry(pattern.name, shown, anchor, "MATCHED"))
@@ -217,13 +250,31 @@ def match_graph(pattern: PatternGraph, module: GraphModule, *, where: str, log: 
 
 def _leak(attempt: _Attempt, pattern: PatternGraph) -> str | None:
     inside = set(attempt.found.nodes.values())
+    outputs = set(pattern.outputs)
     for p, t in attempt.found.nodes.items():
-        if p is pattern.output:
+        if p in outputs:
             continue
         for user in t.users:
             if user not in inside:
                 return (f"the value of {attempt.path(t)} is also used by {attempt.path(user)}, outside the pattern; a"
                         " replacement would lose it")
+    return None
+
+
+def _order(attempt: _Attempt, pattern: PatternGraph, module: GraphModule) -> str | None:
+    """(Several outputs) an input of the match computed after an outside user of an output."""
+    if len(pattern.outputs) == 1:
+        return None
+    position = {node: index for index, node in enumerate(module.graph.nodes)}
+    inside = set(attempt.found.nodes.values())
+    users = [u for p in pattern.outputs for u in attempt.found.nodes[p].users if u not in inside]
+    if not users:
+        return None
+    first = min(users, key=position.__getitem__)
+    late = [t for t in attempt.found.tensors.values() if position[t] > position[first]]
+    if late:
+        return (f"the input {attempt.path(late[0])} is computed after {attempt.path(first)}, which uses an output of"
+                " the match; one replacement cannot stand before that user")
     return None
 
 

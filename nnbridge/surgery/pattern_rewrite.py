@@ -6,7 +6,9 @@ and its nodes go where the matched nodes were: a read of a matched module's para
 ``get_attr`` of that very tensor (no copy: gradients reach the model's parameter), a call of a
 matched module re-uses that module's call node (its name, child graph and op point stay), other
 ops are new nodes (named by nnbridge's rules after the pass). The anchor's users then read the
-replacement's value, and the matched nodes no replacement call re-used are erased. Example::
+replacement's value (for a pattern returning a tuple, each output's users read the replacement's
+value at the same position), and the matched nodes no replacement call re-used are erased.
+Example::
 
     rewriter = PatternPass(pattern, replacement, constants={}, log=log)
     rewriter.bind(owner=block, where="blocks_0")
@@ -63,7 +65,6 @@ class PatternPass:
                 raise PatternError(f"{error} (the pattern {self.pattern.name} left {dropped} unused, so they were"
                                    " dropped; a replacement cannot use them)") from error
             raise
-        anchor = match.anchor_node
         calls = {path: node for slot, path in match.modules.items() for p, node in match.nodes.items()
                  if p.op == "call_module" and p.target == slot}
         reused: set[Node] = set()
@@ -74,7 +75,7 @@ class PatternPass:
 
         graph = module.graph
         result: Any = None
-        last: Node = anchor.prev  # the replacement's nodes go after it, in order (the anchor may be re-used)
+        last: Node = insertion_point(module, match)
         made: set[Node] = set()
         for node in replacement.nodes:
             if node.op == "placeholder":
@@ -101,18 +102,40 @@ class PatternPass:
                     new = graph.create_node(node.op, node.target, mapped(node.args), mapped(node.kwargs))
             env[node] = last = new
             made.add(new)
-        if not isinstance(result, Node):
-            raise PatternError(f"the replacement {name} must return one tensor computed from its inputs; it returns"
-                               f" {result!r} at {match.anchor}.")
-        if result is not anchor:
-            if result not in reused and "val" in anchor.meta:
-                result.meta["val"] = anchor.meta["val"]  # what the checks take where inputs were not rebuilt
-            anchor.replace_all_uses_with(result, delete_user_cb=lambda user: user not in made)
-        pending = [n for n in match.nodes.values() if n not in reused and n is not result]
+        results = self._results(result, match, name=name)
+        for output, value in zip(match.outputs, results):
+            if value is output:
+                continue
+            if value not in reused and "val" in output.meta:
+                value.meta["val"] = output.meta["val"]  # what the checks take where inputs were not rebuilt
+            output.replace_all_uses_with(value, delete_user_cb=lambda user: user not in made)
+        pending = [n for n in match.nodes.values() if n not in reused and n not in results]
         while pending:  # users first: the matched nodes have no user outside the match
             node = next(n for n in pending if not n.users)
             graph.erase_node(node)
             pending.remove(node)
+
+    def _results(self, result: Any, match: Match, *, name: str) -> list[Node]:
+        """The replacement's value(s), one per pattern output.
+
+        Raises:
+            PatternError: a value that is no computed node, or a tuple of another length than the
+                pattern's (or a tuple where the pattern returns one value, or the reverse).
+        """
+        want = len(match.outputs)
+        if self.pattern.returns_tuple:
+            if not isinstance(result, (tuple, list)) or len(result) != want:
+                got = f"a tuple of {len(result)}" if isinstance(result, (tuple, list)) else f"{result!r}"
+                raise PatternError(f"the replacement {name} returns {got} at {match.anchor}, but the pattern"
+                                   f" {self.pattern.name} returns a tuple of {want} values; return a tuple of {want}"
+                                   " tensors, one per pattern output, in the same order.")
+            values = list(result)
+        else:
+            values = [result]
+        if not all(isinstance(v, Node) for v in values):
+            raise PatternError(f"the replacement {name} must return {'tensors' if want > 1 else 'one tensor'} computed"
+                               f" from its inputs; it returns {result!r} at {match.anchor}.")
+        return values
 
     @staticmethod
     def _attribute(module: GraphModule, owner: torch.nn.Module, target: str, *, after: Node) -> Node:
@@ -131,3 +154,17 @@ class PatternPass:
             raise PatternError(f"the graph already holds another tensor as {flat!r}")
         with module.graph.inserting_after(after):
             return module.graph.get_attr(flat)
+
+
+def insertion_point(module: GraphModule, match: Match) -> Node:
+    """The node the replacement's nodes go after, in order: before the anchor (which may be
+    re-used); for several outputs, before the first outside user of any of them (the matcher
+    checked that the match's inputs come before it)."""
+    if len(match.outputs) == 1:
+        return match.anchor_node.prev
+    inside = set(match.nodes.values())
+    position = {node: index for index, node in enumerate(module.graph.nodes)}
+    users = [u for output in match.outputs for u in output.users if u not in inside]
+    if not users:
+        return max(match.outputs, key=position.__getitem__)
+    return min(users, key=position.__getitem__).prev

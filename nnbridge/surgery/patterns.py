@@ -32,14 +32,16 @@ import torch
 from ..errors import PassCheckError, PatternError
 from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
 from ..graph.locking import CALL_LOCK
+from ..graph.recipes import Callers
 from .pass_checks import DEFAULT_CHECKS
 from .pass_inputs import Parents
 from .pass_recipes import PassRecipe
 from .pass_targets import graph_path, graphs_below, target_graphs
-from .passes import AppliedPasses, PassEdit, PreparedPasses, apply_edit
+from .passes import AppliedPasses, PassEdit, PreparedPasses, apply_edit, graph_owners
 from .pattern_graphs import PatternGraph, name_of, trace_pattern
 from .pattern_log import LogEntry, MatchLog
 from .pattern_match import Match, match_graph
+from .pattern_modules import Factory, ModuleRewrite, insert_modules
 from .pattern_rewrite import PatternPass
 from .targets import target_of
 
@@ -82,7 +84,8 @@ class PatternRecipe(PassRecipe):
 
     edit: PatternEdit
 
-    def apply(self, graph: CompiledGraphModule, *, options: Any, reason: str) -> None:
+    def apply(self, graph: CompiledGraphModule, *, options: Any, reason: str, callers: Callers | None = None
+              ) -> None:
         """Rewrite ``graph``'s matches (when it is in scope).
 
         Raises:
@@ -196,32 +199,52 @@ def _log_opaque(resolved: Any, edit: PassEdit, traced: PatternGraph, *, log: Mat
                                      " (nnbridge.explain(model) says why)"))
 
 
-def replace_pattern(target: Any, pattern: Any, replacement: Any, *, scope: str = "**",
-                    constants: Mapping[str, Any] | None = None, example_inputs: Any = None) -> Rewrite:
+def replace_pattern(target: Any, pattern: Any, replacement: Any = None, *, replacement_module: Factory | None = None,
+                    scope: str = "**", constants: Mapping[str, Any] | None = None,
+                    example_inputs: Any = None) -> Rewrite | ModuleRewrite:
     """Replace every match of ``pattern`` in ``target``'s compiled graphs in ``scope`` by
-    ``replacement`` (see the module docstring), now and in every later extraction.
+    ``replacement`` (see the module docstring), now and in every later extraction; or, with
+    ``replacement_module=``, by a call of a new module per match (:mod:`.pattern_modules`).
 
     Args:
         target: as :func:`match`.
-        pattern: as :func:`match`.
+        pattern: as :func:`match`. It returns one value, or a tuple of values (``return a, b``),
+            each of whose users outside the match then read the replacement's value at the
+            same position.
         replacement: a function taking (a subset of) the pattern's arguments by name: tensors, the
             matched module objects, the constants; it returns one tensor of the anchor's shape,
-            dtype and device. It may read the matched modules' parameters and call each matched
-            module once.
+            dtype and device (a tuple of as many as the pattern returns). It may read the matched
+            modules' parameters and call each matched module once.
+        replacement_module: instead of ``replacement``: ``factory(match)`` (``match``: a
+            :class:`~.pattern_modules.PatternMatch`: ``.modules`` by slot name, ``.inputs``,
+            ``.shapes``, ``.anchor``) returning a new ``nn.Module`` whose forward takes the
+            pattern's tensor inputs in order and returns what ``replacement`` would (peft's
+            ``inject_adapter_in_model`` inserts one adapter per layer likewise).
         scope: as :func:`match`.
         constants: as :func:`match`; passed to the replacement too when it takes them.
         example_inputs: as :func:`match`.
 
     Returns:
-        :class:`Rewrite`: ``.matches`` (anchor NodePaths), ``.log``, ``.remove()``.
+        :class:`Rewrite` (``.matches``: anchor NodePaths, ``.log``, ``.remove()``); with
+        ``replacement_module``, a :class:`~.pattern_modules.ModuleRewrite` (also ``.modules``:
+        ``{NodePath of the new node: module}``).
 
     Raises:
-        PatternError: a bad pattern or replacement, a scope that matches no graph, a replacement
-            that fails to trace or changes the value's shape, dtype or device (the check names the
-            graph). Every graph is then as before.
+        PatternError: a bad pattern or replacement (or both or neither of ``replacement`` and
+            ``replacement_module``), a scope that matches no graph, a replacement that fails to
+            trace, returns another number of values than the pattern, or changes a value's shape,
+            dtype or device (the check names the graph); a factory that raises or returns no new
+            module; a module input whose value is unknown. Every graph is then as before.
     """
+    if (replacement is None) == (replacement_module is None):
+        given = "both" if replacement is not None else "neither"
+        raise PatternError(f"replace_pattern takes exactly one of replacement (a function) and replacement_module (a"
+                           f" factory making a module per match); got {given}. Pass replacement=fn or"
+                           " replacement_module=factory.")
     log = MatchLog()
     traced = _traced(pattern, constants, example_inputs=example_inputs, log=log)
+    if replacement_module is not None:
+        return _replace_by_modules(target, traced, replacement_module, scope=scope, log=log)
     if not callable(replacement):
         raise PatternError(f"the replacement must be a function or an nn.Module; got {type(replacement).__name__}.")
     rewriter = PatternPass(traced, replacement, constants=dict(constants or {}), log=log)
@@ -243,3 +266,29 @@ def replace_pattern(target: Any, pattern: Any, replacement: Any, *, scope: str =
     rewrite.matches = [entry.anchor for entry in log.verdicts("MATCHED")]
     return rewrite
 
+
+def _replace_by_modules(target: Any, traced: PatternGraph, factory: Any, *, scope: str, log: MatchLog
+                        ) -> ModuleRewrite:
+    """The module form of :func:`replace_pattern` (:mod:`.pattern_modules`)."""
+    if not callable(factory) or isinstance(factory, torch.nn.Module):
+        raise PatternError(f"replacement_module must be a function making a new nn.Module per match (factory(match));"
+                           f" got {type(factory).__name__}. Write replacement_module=lambda match: MyModule(...).")
+    resolved = target_of(target, "replace_pattern")
+    try:
+        scoped = PassEdit(lambda gm: None, scope=scope)
+    except PassCheckError as error:
+        raise PatternError(str(error).replace("apply_passes", "replace_pattern")) from error
+    with CALL_LOCK:
+        try:
+            found = target_graphs(resolved.pg if resolved.pg is not None else resolved.model)
+        except PassCheckError as error:
+            raise PatternError(str(error).replace("apply_passes", "replace_pattern")) from error
+        chosen = [(path, graph) for path, graph in found.graphs if scoped.matches(path)]
+        if not chosen:
+            raise PatternError(f"replace_pattern: the scope {scope!r} matches no compiled graph; graphs:"
+                               f" {sorted({p or '<root>' for p, _ in found.graphs})[:12]}.")
+        owners = graph_owners(resolved)
+        rewrite = insert_modules(resolved, traced, factory, found=[(p, g, owners[id(g)]) for p, g in chosen],
+                                 parents=found.parents, scope=scope, log=log)
+    _log_opaque(resolved, scoped, traced, log=log)
+    return rewrite

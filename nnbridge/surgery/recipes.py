@@ -35,6 +35,7 @@ from ..graph.absence import absence_reason
 from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
 from ..graph.metadata import node_meta, node_name, update_node_meta
 from ..graph.node_path import ModulePath
+from ..graph.recipes import Callers
 from .sites import Site, Spec, tensor_spec, value_of
 
 #: Where a module goes relative to its site.
@@ -42,7 +43,45 @@ Kind = Literal["after", "before", "replace"]
 _VERBS = {"after": "insert_after", "before": "insert_before", "replace": "replace_node"}
 
 
-class ModuleInsertion:
+class InsertedModule:
+    """What the recipes that insert a module share: ``module`` is registered on ``owner`` (torch
+    path ``owner_path``) as the child ``child`` and called from its graphs; its own graphs are
+    extracted by its own dispatcher, per call structure of the site's values.
+
+    Attributes:
+        node_path: the NodePath of the new node (for messages and ``Edit.node_path``).
+        edit: the user's handle on the edit, set by the verb.
+    """
+
+    owner: torch.nn.Module
+    owner_path: str
+    child: str | None
+    module: torch.nn.Module
+    node_path: str
+    edit: Any
+    _dispatcher: GraphDispatcher | None
+
+    def _extracted(self, specs: list[Spec], options: Any) -> CompiledGraphModule | OpaqueGraphModule:
+        """The inserted module's graph for the site's value (extracted on first need, per call
+        structure, by its own dispatcher; opaque when it cannot export, as any module)."""
+        if self._dispatcher is None:
+            own = dataclasses.replace(options, dynamic_dims=None) if isinstance(options, ExtractionOptions) else options
+            path = ModulePath(f"{self.owner_path}.{self.child}" if self.owner_path else str(self.child))
+            self._dispatcher = GraphDispatcher(self.module, own, path=path)
+        example = tuple(torch.zeros(size, dtype=dtype, device=device) for size, dtype, device in specs)
+        root = self._dispatcher.lookup(example, {}).root
+        if isinstance(root, CompiledGraphModule):
+            root.set_entry_check(None)  # run as a child: its caller's guards hold for it
+        return root
+
+    def withdraw(self) -> None:
+        """Take the inserted module off its owner."""
+        modules = modules_of(self.owner)
+        if modules.get(str(self.child)) is self.module:
+            del modules[str(self.child)]
+
+
+class ModuleInsertion(InsertedModule):
     """Insert ``module`` at a site of ``owner``'s graphs (see the module docstring); a
     :class:`~nnbridge.graph.recipes.Recipe`.
 
@@ -152,7 +191,8 @@ class ModuleInsertion:
         return specs
 
     # -- applying -------------------------------------------------------------------------------
-    def apply(self, graph: CompiledGraphModule, *, options: Any, reason: str) -> None:
+    def apply(self, graph: CompiledGraphModule, *, options: Any, reason: str, callers: Callers | None = None
+              ) -> None:
         """Edit ``graph`` (see :class:`~nnbridge.graph.recipes.Recipe`).
 
         Raises:
@@ -185,25 +225,6 @@ class ModuleInsertion:
             site.replace_all_uses_with(new)
             graph.graph.erase_node(site)
         graph.recompile()
-
-    def _extracted(self, specs: list[Spec], options: Any) -> CompiledGraphModule | OpaqueGraphModule:
-        """The inserted module's graph for the site's value (extracted on first need, per call
-        structure, by its own dispatcher; opaque when it cannot export, as any module)."""
-        if self._dispatcher is None:
-            own = dataclasses.replace(options, dynamic_dims=None) if isinstance(options, ExtractionOptions) else options
-            path = ModulePath(f"{self.owner_path}.{self.child}" if self.owner_path else str(self.child))
-            self._dispatcher = GraphDispatcher(self.module, own, path=path)
-        example = tuple(torch.zeros(size, dtype=dtype, device=device) for size, dtype, device in specs)
-        root = self._dispatcher.lookup(example, {}).root
-        if isinstance(root, CompiledGraphModule):
-            root.set_entry_check(None)  # run as a child: its caller's guards hold for it
-        return root
-
-    def withdraw(self) -> None:
-        """Take the inserted module off its owner."""
-        modules = modules_of(self.owner)
-        if modules.get(str(self.child)) is self.module:
-            del modules[str(self.child)]
 
 
 def _describe(specs: list[Spec]) -> str:

@@ -159,3 +159,111 @@ def assert_same_run(got, want):
     assert grads.keys() == want_grads.keys() and grads
     for name in grads:
         assert torch.equal(grads[name], want_grads[name]), name
+
+
+class LoraAdapter(torch.nn.Module):
+    """peft's LoRA on a linear layer: ``base(x) + B(A(x))``, rank 2; ``base`` is the model's own
+    layer (shared, not copied)."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base = base
+        self.lora_a = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = torch.nn.Linear(rank, base.out_features, bias=False)
+        torch.nn.init.normal_(self.lora_b.weight)  # peft starts B at zero; non-zero so the adapter shows
+
+    def forward(self, x):
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class ProjBlock(torch.nn.Module):
+    """``x + o(relu(q(x)))`` with built-in linears."""
+
+    def __init__(self, size=8):
+        super().__init__()
+        self.q, self.o = torch.nn.Linear(size, size), torch.nn.Linear(size, size)
+
+    def forward(self, x):
+        return x + self.o(torch.relu(self.q(x)))
+
+
+class ProjModel(torch.nn.Module):
+    """A linear embedding, then :class:`ProjBlock` layers."""
+
+    def __init__(self, layers=2, size=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(size, size)
+        self.blocks = torch.nn.ModuleList([ProjBlock(size) for _ in range(layers)])
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def linear_pattern(x, base: torch.nn.Linear):
+    return base(x)
+
+
+def with_adapters(model, adapters):
+    """Hand-written: ``model`` (an eager copy) with each ``{torch path of a linear: adapter}``'s
+    copy wrapping its linear, the adapters' own weights copied."""
+    edited = copy.deepcopy(model)
+    for path, adapter in adapters.items():
+        parent, _, name = path.rpartition(".")
+        holder = edited.get_submodule(parent)
+        wrapper = LoraAdapter(getattr(holder, name), rank=adapter.lora_a.out_features)
+        wrapper.lora_a.load_state_dict(adapter.lora_a.state_dict())
+        wrapper.lora_b.load_state_dict(adapter.lora_b.state_dict())
+        setattr(holder, name, wrapper)
+    return edited
+
+
+class TwoOutputBlock(torch.nn.Module):
+    """``h = tanh(x)``; ``a = h * 2`` and ``b = h + 1`` both used after; ``leak=True`` also uses
+    ``h`` itself after (so ``h``, inside the pattern's match, leaks)."""
+
+    def __init__(self, size=8, leak=False):
+        super().__init__()
+        self.proj = CustomLinear(size)
+        self.leak = leak
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        a, b = h * 2, h + 1
+        y = self.proj(a) + torch.sin(b)
+        return y * h if self.leak else y
+
+
+class TwoOutputModel(torch.nn.Module):
+    def __init__(self, layers=3, size=8, leak_at=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([TwoOutputBlock(size, leak=i == leak_at) for i in range(layers)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def two_outputs(x):
+    h = torch.tanh(x)
+    return h * 2, h + 1
+
+
+def two_replaced(x):
+    h = torch.sigmoid(x)
+    return h * 3, h - 1
+
+
+class TwoReplacedBlock(TwoOutputBlock):
+    """Hand-written: :func:`two_outputs` replaced by :func:`two_replaced` (unless leaking)."""
+
+    def forward(self, x):
+        if self.leak:
+            return super().forward(x)
+        a, b = two_replaced(x)
+        return self.proj(a) + torch.sin(b)
