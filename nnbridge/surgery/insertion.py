@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..compat.torch.module_dicts import modules_of
-from ..errors import SurgeryError
+from ..errors import PassCheckError, SurgeryError
 from ..graph.module_tree import RESERVED_NAMES
 from ..graph.metadata import node_name
-from ..graph.recipes import add_recipe, all_recipes, remove_recipe
+from ..graph.recipes import Callers, add_recipe, all_recipes, remove_recipe
+from .pass_targets import target_graphs
 from .recipes import InsertedModule, Kind, ModuleInsertion
 from .sites import resolve_site
 from .targets import Target, target_of
@@ -84,6 +85,16 @@ def default_name(module: torch.nn.Module) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", type(module).__name__).lower()
 
 
+def _callers(resolved: Target) -> Callers | None:
+    """Where the target's graphs get their inputs (for a site that is a graph input), or None
+    when its graphs cannot be listed."""
+    try:
+        found = target_graphs(resolved.pg if resolved.pg is not None else resolved.model)
+    except PassCheckError:
+        return None
+    return Callers(found.parents, {id(e.root): dict(e.inputs) for e in resolved.extractions()})
+
+
 def _insert(kind: Kind, target: Any, site: Any, *, module: Any, name: str | None, arg: int = 0) -> Edit:
     verb = {"after": "insert_after", "before": "insert_before", "replace": "replace_node"}[kind]
     if not isinstance(module, torch.nn.Module):
@@ -102,8 +113,13 @@ def _insert(kind: Kind, target: Any, site: Any, *, module: Any, name: str | None
     if any(m is module for m in resolved.model.modules()):
         raise SurgeryError(f"{verb}: this {type(module).__name__} is already part of the model (inserted elsewhere, or"
                            " one of its modules); insert a new instance, or remove the other edit first.")
+    if type(found.owner).forward is torch.nn.Sequential.forward:
+        raise SurgeryError(
+            f"{verb}: site {site!r} is in the graph of '{found.prefix or '<root>'}', a {type(found.owner).__name__},"
+            " whose forward runs every child it holds: an inserted child would run there too. Edit one of its"
+            " entries' graphs (an op inside '<entry>.'), or the Sequential's caller.")
     recipe = ModuleInsertion(kind, found, module, name=chosen, arg=arg, model=resolved.model)
-    recipe.check(found.graph)
+    recipe.check(found.graph, callers=_callers(resolved))
     before = {id(e) for e in resolved.extractions()}
     modules_of(found.owner)[chosen] = module
     if resolved.bridge is not None:

@@ -50,7 +50,7 @@ from .pattern_log import MatchLog
 from .pattern_match import Match, match_graph
 from .pattern_rewrite import insertion_point
 from .insertion import default_name
-from .recipes import InsertedModule, Spec
+from .recipes import INSERTED_KEY, InsertedModule, Spec
 from .sites import tensor_spec, value_of
 from .targets import Target
 
@@ -201,8 +201,8 @@ class PatternInsertion(InsertedModule):
             PatternError: the match is gone, or the module does not fit it on this extraction.
         """
         name = str(self.child)
-        if any(n.op == "call_module" and node_name(n) == name for n in graph.graph.nodes):
-            return  # applied already (a graph several extractions share)
+        if self._applied(graph, name, PatternError):
+            return
         match = self._match(graph, reason)
         where = match.anchor
         known = callers or Callers()
@@ -215,6 +215,7 @@ class PatternInsertion(InsertedModule):
         inputs = tuple(match.tensors[t] for t in self.pattern.tensors)
         with fx.inserting_after(insertion_point(graph, match)):
             new = fx.call_module(name, inputs)
+        new.meta[INSERTED_KEY] = id(self)
         made = {new}
         if self.pattern.returns_tuple:
             new.meta["val"] = tuple(value_of(graph, n) for n in match.outputs)

@@ -28,6 +28,7 @@ from torch.fx import Node
 from ..compat.torch.fake_tensors import fake_call
 from ..compat.torch.hooks import cleared_module_state
 from ..compat.torch.module_dicts import modules_of
+from ..compat.torch.symbolic import has_hint, symbolic_hint
 from ..dispatch.dispatcher import GraphDispatcher
 from ..errors import SurgeryError
 from ..extract.options import ExtractionOptions
@@ -36,11 +37,28 @@ from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
 from ..graph.metadata import node_meta, node_name, update_node_meta
 from ..graph.node_path import ModulePath
 from ..graph.recipes import Callers
+from .pass_inputs import recorded_value
 from .sites import Site, Spec, tensor_spec, value_of
 
 #: Where a module goes relative to its site.
 Kind = Literal["after", "before", "replace"]
 _VERBS = {"after": "insert_after", "before": "insert_before", "replace": "replace_node"}
+
+
+
+def _spec(graph: CompiledGraphModule, node: Node, callers: Callers | None, *, where: str) -> Spec:
+    """:func:`~.sites.tensor_spec`, but a graph input (placeholder) is looked up where its value
+    comes from: its caller's argument, or the extraction's own input (see :mod:`.pass_inputs`)."""
+    if node.op == "placeholder" and callers is not None:
+        value = recorded_value(node, graph, callers.parents, root=callers.inputs)
+        if isinstance(value, torch.Tensor) and all(has_hint(s) for s in value.shape):
+            return torch.Size(symbolic_hint(s) for s in value.shape), value.dtype, value.device
+        if isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], torch.dtype):
+            return torch.Size(value[0]), value[1], value[2]  # an extraction's input, as recorded
+    return tensor_spec(graph, node, where=where)
+
+#: ``node.meta`` key marking a ``call_module`` node an insertion recipe made (its ``id``)
+INSERTED_KEY = "nnbridge_inserted_by"
 
 
 class InsertedModule:
@@ -60,6 +78,22 @@ class InsertedModule:
     node_path: str
     edit: Any
     _dispatcher: GraphDispatcher | None
+
+    def _applied(self, graph: CompiledGraphModule, name: str, error: type[SurgeryError] = SurgeryError) -> bool:
+        """Whether ``graph`` calls the inserted module already: True when this recipe made that
+        call (a graph several extractions share). A call the owner's own code made (its forward
+        iterates its children, as ``nn.Sequential``'s does, so registering the module added a call)
+        raises ``error``: the extraction would run the module where the code put it."""
+        calls = [n for n in graph.graph.nodes if n.op == "call_module" and node_name(n) == name]
+        if not calls:
+            return False
+        if all(n.meta.get(INSERTED_KEY) == id(self) for n in calls):
+            return True
+        raise error(
+            f"{self!r}: the code of '{self.owner_path or '<root>'}' ({type(self.owner).__name__}) calls the inserted"
+            f" module {name!r} itself (its forward runs every child it holds, as nn.Sequential's does), so it would"
+            " run where that code puts it, not at the site. Edit a module whose forward names its children (the"
+            " Sequential's caller, or one of its entries' graphs) instead; remove this edit (edit.remove()).")
 
     def _extracted(self, specs: list[Spec], options: Any) -> CompiledGraphModule | OpaqueGraphModule:
         """The inserted module's graph for the site's value (extracted on first need, per call
@@ -161,17 +195,20 @@ class ModuleInsertion(InsertedModule):
             return cast(Node, site.args[self.arg])  # a node: checked by _inputs
         return site
 
-    def check(self, graph: CompiledGraphModule, reason: str = "the current extraction") -> list[Spec]:
+    def check(self, graph: CompiledGraphModule, reason: str = "the current extraction", *,
+              callers: Callers | None = None) -> list[Spec]:
         """Check, on fake tensors, that the module takes the site's value(s) and returns a tensor
-        of the replaced value's sizes, dtype and device; returns the inputs' specs.
+        of the replaced value's sizes, dtype and device; returns the inputs' specs. ``callers``:
+        where the graph's inputs come from, for a site that is (or takes) a graph input.
 
         Raises:
             SurgeryError: the site vanished, or the module raises or changes sizes, dtype or device.
         """
         site = self._site_node(graph, reason)
-        specs = [tensor_spec(graph, n, where=f"{self.verb}: the value at {self.site_text!r}") for n in self._inputs(site)]
-        expected = tensor_spec(graph, self._output_node(site),
-                               where=f"{self.verb}: the value {self.site_text!r} stands for")
+        specs = [_spec(graph, n, callers, where=f"{self.verb}: the value at {self.site_text!r}")
+                 for n in self._inputs(site)]
+        expected = _spec(graph, self._output_node(site), callers,
+                         where=f"{self.verb}: the value {self.site_text!r} stands for")
         name = type(self.module).__name__
         try:
             with cleared_module_state(self.module):  # the check runs no user hook, nor a bridged body
@@ -199,9 +236,9 @@ class ModuleInsertion(InsertedModule):
             SurgeryError: the site is gone, or the module does not fit the site's value.
         """
         name = str(self.child)
-        if any(n.op == "call_module" and node_name(n) == name for n in graph.graph.nodes):
-            return  # applied already (a graph several extractions share)
-        specs = self.check(graph, reason)
+        if self._applied(graph, name):
+            return
+        specs = self.check(graph, reason, callers=callers)
         child = self._extracted(specs, options)
         site = self._site_node(graph, reason)
         inputs = self._inputs(site)
@@ -214,6 +251,7 @@ class ModuleInsertion(InsertedModule):
             with graph.graph.inserting_before(site):
                 new = graph.graph.call_module(name, tuple(inputs))
         new.meta["val"] = value_of(graph, replaced)
+        new.meta[INSERTED_KEY] = id(self)
         update_node_meta(new, name=name, module_path=name, example=node_meta(replaced).example)
         if self.kind == "after" and site.op == "output":
             site.args = (new,)
