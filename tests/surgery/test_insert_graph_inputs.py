@@ -94,3 +94,23 @@ def test_an_owner_running_its_children_itself_raises_instead_of_running_the_modu
         edit.remove()
     assert "gate" not in dict(model.named_children())
     assert torch.equal(model(X), reference(X))
+
+
+def test_insert_after_a_child_graphs_input_in_a_llama():
+    """``model.layers_1.mlp.x`` (the MLP graph's input) takes an SAE: the MLP reads the SAE's
+    output, as a hand-written pre-hook feeding the MLP through the same SAE."""
+    import copy
+
+    from surgery_models import SAE
+    from utils import llama
+
+    model, reference = llama(), llama()
+    ids = torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(3))
+    nnbridge.bridge(model, ids)
+    sae = SAE()
+    twin = copy.deepcopy(sae)
+    reference.model.layers[1].mlp.register_forward_pre_hook(lambda module, args: (twin(args[0]),))
+    edit = surgery.insert_after(model, "model.layers_1.mlp.x", sae)
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+    edit.remove()
+    assert torch.equal(model(ids).logits, llama()(ids).logits)
