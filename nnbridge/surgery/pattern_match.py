@@ -22,6 +22,7 @@ onnxscript's MatchingTracer reports the best match attempt of a rule). Example::
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,8 +86,9 @@ class _Failed(Exception):
 class _Attempt:
     """One walk from one anchor (raises :class:`_Failed` with the reason)."""
 
-    def __init__(self, pattern: PatternGraph, module: GraphModule, where: str):
+    def __init__(self, pattern: PatternGraph, module: GraphModule, where: str, *, lenient: bool = False):
         self.pattern, self.module, self.where = pattern, module, where
+        self.lenient = lenient  # literals not compared (a generic pattern's: see .pattern_spec)
         self.found = Match(where, "")
         self.taken: set[Node] = set()
 
@@ -121,6 +123,8 @@ class _Attempt:
         self.taken.add(t)
         self.arguments(p, list(p.args), list(t.args), t=t)
         for key, value in p.kwargs.items():
+            if key not in t.kwargs and _default_of(p, key) == (value,):
+                continue  # F.silu(x, inplace=False) traced by fx: the ATen op has no such keyword
             if key not in t.kwargs:
                 raise _Failed(f"{self.path(t)} has no keyword argument {key}={value!r}")
             self.argument(p, value, t.kwargs[key], t=t, which=key)
@@ -168,9 +172,22 @@ class _Attempt:
             for w, g in zip(want, got):
                 self.argument(p, w, g, t=t, which=which)
             return
+        if self.lenient and not isinstance(got, Node):
+            return
         if isinstance(got, Node) or type(want) is not type(got) or want != got:
             shown = self.path(got) if isinstance(got, Node) else repr(got)
             raise _Failed(f"literal differs: argument {which} of {self.path(t)} is {shown}; the pattern has {want!r}")
+
+
+def _default_of(p: Node, key: str) -> tuple[Any, ...]:
+    """``(default,)`` of keyword ``key`` of a pattern's Python function; ``()`` when it has none."""
+    if p.op != "call_function":
+        return ()
+    try:
+        parameter = inspect.signature(p.target).parameters.get(key)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return ()
+    return () if parameter is None or parameter.default is inspect.Parameter.empty else (parameter.default,)
 
 
 def candidates(pattern: PatternGraph, module: GraphModule) -> list[Node]:
@@ -182,22 +199,42 @@ def candidates(pattern: PatternGraph, module: GraphModule) -> list[Node]:
     return [n for n in module.graph.nodes if n.op == "call_function" and _graph_op_name(n) == name]
 
 
-def match_graph(pattern: PatternGraph, module: GraphModule, *, where: str, log: MatchLog) -> list[Match]:
+class _Plain:
+    """The search of a pattern matched as it was traced."""
+
+    def __init__(self, pattern: PatternGraph, module: GraphModule, where: str):
+        self.pattern, self.module, self.where = pattern, module, where
+
+    def candidates(self) -> list[Node]:
+        return candidates(self.pattern, self.module)
+
+    def attempt(self, node: Node) -> tuple[_Attempt, str | None]:
+        attempt = _Attempt(self.pattern, self.module, self.where)
+        try:
+            attempt.node(self.pattern.output, node)
+        except _Failed as failed:
+            return attempt, failed.reason
+        return attempt, None
+
+
+def match_graph(pattern: PatternGraph, module: GraphModule, *, where: str, log: MatchLog,
+                recorded: dict[str, Any] | None = None) -> list[Match]:
     """The non-overlapping matches of ``pattern`` in ``module``'s graph (at NodePath ``where``), in
-    graph order; each candidate is logged (see the module docstring)."""
+    graph order; each candidate is logged (see the module docstring). A pattern traced from values
+    is specialised per candidate (:mod:`.pattern_spec`; ``recorded``: the graph's recorded inputs,
+    :func:`~.pass_inputs.recorded_inputs`, for the candidates' values)."""
     shown = where or "<root>"
     found: list[Match] = []
     consumed: dict[Node, str] = {}
     best: LogEntry | None = None
     size = sum(1 for n in pattern.graph.nodes if n.op not in ("placeholder", "output"))
-    for node in candidates(pattern, module):
-        attempt = _Attempt(pattern, module, where)
+    search = (_Plain(pattern, module, where) if pattern.specialiser is None
+              else pattern.specialiser.search(module, where=where, recorded=recorded))
+    for node in search.candidates():
+        attempt, reason = search.attempt(node)
         anchor = _path(where, node)
-        try:
-            attempt.node(pattern.output, node)
-            reason = _leak(attempt, pattern) or _overlap(attempt, consumed)
-        except _Failed as failed:
-            reason = failed.reason
+        if reason is None:
+            reason = _leak(attempt, attempt.pattern) or _overlap(attempt, consumed)
         if reason is None:
             match = attempt.found
             match.anchor = anchor
