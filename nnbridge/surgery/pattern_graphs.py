@@ -1,11 +1,13 @@
 """Patterns and replacements as torch.fx graphs, for :func:`~nnbridge.surgery.replace_pattern`.
 
 A pattern is a plain function (or an ``nn.Module``'s bound ``forward``). It is traced by torch.fx's
-symbolic tracer: each argument annotated with an ``nn.Module`` subclass (``l0: CustomLinear``) is
+tracer: each argument annotated with an ``nn.Module`` subclass (``l0: CustomLinear``) is
 a *module slot*, whose calls become ``call_module`` nodes (target: the argument's name), the form
 nnbridge's per-module graphs give a child's call; each other argument is a tensor wildcard (a
 placeholder); ``constants`` are bound before tracing (Python control flow on them is resolved,
-as with fx's ``concrete_args``). An input no node uses after that is dropped, and said so.
+as with fx's ``concrete_args``). An input no node uses after that is dropped, and said so. Traced
+from values instead (``example_inputs=``, :mod:`.pattern_spec`), reads of tensor metadata give the
+values' dtypes and sizes; traced symbolically, a pattern reading them is refused.
 
 A replacement is traced the same way once per match, with the matched module objects in place of
 the slots, so reading ``l0.weight`` gives a ``get_attr`` of the matched module's own parameter

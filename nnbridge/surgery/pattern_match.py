@@ -8,10 +8,13 @@ the anchor, the pattern is walked backwards along arguments:
   the slot's annotation (kernl's extended matcher matches ``call_module`` by type likewise);
 - a pattern op matches an ATen op of the same name (``operator.add``, ``torch.add`` and
   ``Tensor.add`` all match ``aten.add.*``; ``F.linear`` matches ``aten.linear.*``), with equal
-  literal arguments; the target may have more trailing arguments (filled defaults);
+  literal arguments; the target may have more trailing arguments (filled defaults), and may lack
+  a keyword the pattern passes at its Python function's default (``F.silu``'s ``inplace=False``);
 - a tensor input matches any node, the same node wherever the input is used.
 
-A structural match is then REJECTED when a value inside it (not the anchor's) has a user outside
+A pattern traced from values (``example_inputs=``) is searched by :mod:`.pattern_spec`: its
+generic traces are walked with literals not compared, then each candidate's specialised trace with
+every literal compared. A structural match is then REJECTED when a value inside it (not the anchor's) has a user outside
 it (the user is named), or when it shares a node with an earlier match. Candidates and reasons go
 to a :class:`~.pattern_log.MatchLog`; the failure that got furthest is the graph's near miss (as
 onnxscript's MatchingTracer reports the best match attempt of a rule). Example::

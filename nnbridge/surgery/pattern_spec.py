@@ -105,14 +105,14 @@ class ValueTracer(LeafTracer):
             proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
             self.values[proxy.node] = self.inputs.get(str(target), NO_VALUE) if kind == "placeholder" else NO_VALUE
             return proxy
-        value = self._value(kind, target, args, kwargs)
+        value = self._value(kind, target, args, kwargs=kwargs)
         if value is not NO_VALUE and not _holds_tensor(value):
             return value
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         self.values[proxy.node] = value
         return proxy
 
-    def _value(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _value(self, kind: str, target: Any, args: tuple[Any, ...], *, kwargs: dict[str, Any]) -> Any:
         if kind == "call_module":
             slot = str(target)
             first = slot not in self._called
@@ -229,6 +229,19 @@ class Specialiser:
                                    " its ops); give tensors it runs on, of the dtypes and sizes it expects.") from error
         return self._generic[dtype]
 
+    def cast(self, dtype: torch.dtype) -> list[PatternGraph]:
+        """``[the pattern traced with the example inputs cast to dtype]``; ``[]`` when it cannot be
+        (such a graph's candidates are walked with the example's own trace only)."""
+        try:
+            return [self.generic(dtype)]
+        except PatternError:
+            return []
+
+    @property
+    def specialisations(self) -> int:
+        """How many specialised traces are cached (one per distinct key)."""
+        return len(self._specialised)
+
     def specialised(self, inputs: Mapping[str, Any], *, calls: Mapping[str, Any], slots: Mapping[str, type],
                     mode: Any) -> PatternGraph:
         """The pattern traced for one candidate, cached by its values' dtypes, sizes and devices
@@ -256,8 +269,8 @@ class Search:
         dtypes = sorted({n.meta["val"].dtype for n in module.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
                          and n.meta["val"].is_floating_point()}, key=str)
         own = {v.dtype for v in specialiser.example.values() if v.is_floating_point()}
-        self.generic = [specialiser.generic()] + [specialiser.generic(d) for d in dtypes if own != {d}]
-        self._values: tuple[dict[Node, Any], Any] | None = None
+        self.generic = [specialiser.generic()] + [g for d in dtypes if own != {d} for g in specialiser.cast(d)]
+        self._propagated: tuple[dict[Node, Any], Any] | None = None
 
     def candidates(self) -> list[Node]:
         """Every generic pattern's candidate anchors, in graph order."""
@@ -266,12 +279,12 @@ class Search:
 
     def values(self) -> tuple[dict[Node, Any], Any]:
         """``({graph node: fake value}, the fake mode)`` by fake propagation of the graph (once)."""
-        if self._values is None:
+        if self._propagated is None:
             mode = fake_mode()
             propagation = FakeValues(self.module, mode, recorded=self.recorded, where=self.where)
             propagation.propagate()
-            self._values = ({n: NO_VALUE if v is UNKNOWN else v for n, v in propagation.env.items()}, mode)
-        return self._values
+            self._propagated = ({n: NO_VALUE if v is UNKNOWN else v for n, v in propagation.env.items()}, mode)
+        return self._propagated
 
     def attempt(self, node: Node) -> tuple[_Attempt, str | None]:
         """The walk from anchor ``node`` and why it failed (None: a match)."""

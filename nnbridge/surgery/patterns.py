@@ -3,7 +3,8 @@
 A pattern is a plain function whose arguments are tensors (match any value) and modules annotated
 with their class (match a call of a child of that class; nnbridge's per-module graphs keep each
 child call as one ``call_module`` node, so a pattern can span modules, as ``l1(l0(x))``). It is
-traced once (:mod:`.pattern_graphs`), found in every compiled graph in ``scope``
+traced once (:mod:`.pattern_graphs`; with ``example_inputs=``, from values and again per candidate,
+:mod:`.pattern_spec`), found in every compiled graph in ``scope``
 (:mod:`.pattern_match`), and each match is replaced by the replacement traced with the matched
 modules themselves (:mod:`.pattern_rewrite`): no weight is copied, parameter names with ``.`` are
 no problem. The rewrite is an edit like :func:`~nnbridge.surgery.apply_passes`' (it runs as a pass,

@@ -154,7 +154,7 @@ def test_a_size_specialised_pattern_matches_each_width():
     want.blocks[0].__class__ = want.blocks[1].__class__ = MeanByTorch
     assert_same_run(run_with_grads(model, x), run_with_grads(want, x))
     # one specialised trace per width, whatever the number of layers
-    assert len(rewrite.edit.rewriter.pattern.specialiser._specialised) == 2
+    assert rewrite.edit.rewriter.pattern.specialiser.specialisations == 2
 
 
 def reads_module_result_dtype(h, l1: CustomLinear):
