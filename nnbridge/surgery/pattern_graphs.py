@@ -195,7 +195,7 @@ def trace_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str, trac
 
 
 #: tensor methods giving metadata, not a tensor
-_METADATA_METHODS = frozenset({"size", "dim", "stride", "numel", "element_size", "is_floating_point",
+METADATA_METHODS = frozenset({"size", "dim", "stride", "numel", "element_size", "is_floating_point",
                                "is_complex", "is_contiguous", "get_device"})
 
 
@@ -204,7 +204,7 @@ def _refuse_metadata_reads(graph: Graph, name: str) -> None:
     extracted graph has (its sizes and dtypes are literals there): such a pattern could never match."""
     for node in graph.nodes:
         read = (node.op == "call_function" and node.target is getattr) or (
-            node.op == "call_method" and node.target in _METADATA_METHODS)
+            node.op == "call_method" and node.target in METADATA_METHODS)
         if read:
             what = node.args[1] if node.op == "call_function" else f"{node.target}()"
             raise PatternError(f"the pattern {name} reads the tensor metadata {what!s} of {node.args[0]}, which a"

@@ -19,7 +19,9 @@ A search (:meth:`Specialiser.search`) over one graph:
    of the graph (:class:`~.fake_values.FakeValues`), give the specialised pattern (cached by the
    inputs' and calls' dtypes, sizes and devices and the slots' classes: one trace serves every
    layer alike), matched from the same anchor with every literal compared. It must bind the tensor
-   inputs to the nodes whose values it was traced with.
+   inputs to the nodes whose values it was traced with. An input with no value (an extraction's own
+   input: propagation does not reach it) is traced without one: fine, unless the pattern reads its
+   metadata, which rejects the candidate, saying so.
 
 Example::
 
@@ -42,7 +44,7 @@ from ..compat.torch.fake_values import fake_from, fake_mode
 from ..compat.torch.pytree import pytree
 from ..errors import PatternError
 from .fake_values import UNKNOWN, FakeValues
-from .pattern_graphs import LeafTracer, PatternGraph, tensor_arguments, trace_pattern
+from .pattern_graphs import METADATA_METHODS, LeafTracer, PatternGraph, tensor_arguments, trace_pattern
 from .pattern_match import _Attempt, _Failed, candidates
 
 
@@ -129,9 +131,13 @@ class ValueTracer(LeafTracer):
             return item
         concrete = map_aggregate((args, kwargs), value_of)
         if unknown:
-            if kind == "call_function" and target is getattr:
-                raise PatternError(f"it reads .{args[1]} of {unknown[0]}, whose value is known only per candidate (a"
-                                   " module call's result); read the metadata of tensor arguments only")
+            read = (f".{args[1]}" if kind == "call_function" and target is getattr else
+                    f".{target}()" if kind == "call_method" and target in METADATA_METHODS else None)
+            if read is not None:
+                raise PatternError(f"it reads {read} of {unknown[0].node.name}, whose value is unknown here (in the trace from"
+                                   " example_inputs=, a module call's result; for a candidate, a graph input fake"
+                                   " propagation does not reach, as an extraction's own input); read the metadata of"
+                                   " tensor arguments only")
             return NO_VALUE
         call_args, call_kwargs = concrete
         function = getattr(call_args[0], target) if kind == "call_method" else target
@@ -307,12 +313,7 @@ class Search:
         calls = {str(p.target): values.get(t, NO_VALUE) for p, t in first.found.nodes.items() if p.op == "call_module"}
         slots = {slot: first.module_class(t) or object for p, t in first.found.nodes.items() if p.op == "call_module"
                  for slot in [str(p.target)]}
-        shown = ", ".join(f"{n}: {describe(v)}" for n, v in inputs.items())
-        missing = [name for name, value in inputs.items() if value is NO_VALUE]
-        if missing:
-            return first, (f"the value of {', '.join(first.path(first.found.tensors[m]) for m in missing)} is unknown"
-                           " (fake propagation of the graph did not reach it): the pattern cannot be specialised for"
-                           " this candidate")
+        shown = ", ".join(f"{n}: {describe(v)}" for n, v in inputs.items())  # an unknown one is fine unless read
         try:
             special = self.specialiser.specialised(inputs, calls=calls, slots=slots, mode=mode)
         except PatternError as error:

@@ -188,7 +188,8 @@ def bridged():
      r"the pattern mismatched cannot be traced with the values \{h: float32\[2, 8\]\}: matmul fails.*"
      r"example_inputs= are the values the pattern is first traced with"),
     (reads_module_result_dtype, (torch.randn(2, 8),),
-     r"reads_module_result_dtype cannot be traced with the values .*reads \.dtype of .*known only per candidate"),
+     r"reads_module_result_dtype cannot be traced with the values .*reads \.dtype of l1, whose value is unknown"
+     r" here \(in the trace from example_inputs=, a module call's result"),
 ])
 def test_example_inputs_errors_edit_nothing(bridged, pattern, example, message):
     with pytest.raises(PatternError, match=message):
@@ -200,3 +201,26 @@ def test_example_inputs_errors_edit_nothing(bridged, pattern, example, message):
 def test_a_symbolic_pattern_reading_sizes_is_refused(bridged):
     with pytest.raises(PatternError, match=r"mean_pattern reads the tensor metadata shape of h.*give example_inputs="):
         surgery.replace_pattern(bridged, mean_pattern, mean_replacement)
+
+
+def test_an_input_with_no_value_is_fine_unless_its_metadata_is_read():
+    from pattern_models import FusedBlock, Model, fused, pattern
+
+    x = torch.randn(2, 8)
+    model = Model()
+    eager = copy.deepcopy(model)
+    nnbridge.bridge(model, x)
+    # blocks_0's x is the extraction's own input: fake propagation has no value for it
+    rewrite = surgery.replace_pattern(model, pattern, fused, example_inputs=(torch.randn(3, 8),))
+    assert rewrite.matches == ["blocks_0.l1", "blocks_1.l1", "blocks_2.l1"]
+    assert_same_run(run_with_grads(model, x), run_with_grads(hand_edited(eager, FusedBlock), x))
+    rewrite.remove()
+    model(x)  # extracted again, unedited
+
+    def float_only(x, l0: CustomLinear, l1: CustomLinear):
+        return l1(l0(x)) if x.dtype == torch.float32 else l0(x)
+
+    found = surgery.match(model, float_only, example_inputs=(torch.randn(3, 8),))
+    assert [m.anchor for m in found.matches] == ["blocks_1.l1", "blocks_2.l1"]
+    rejected = [e for e in found.log.verdicts("REJECTED") if e.anchor == "blocks_0.l1"]
+    assert len(rejected) == 1 and "reads .dtype of x, whose value is unknown here" in rejected[0].reason
