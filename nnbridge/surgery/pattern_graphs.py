@@ -206,10 +206,11 @@ def _refuse_metadata_reads(graph: Graph, name: str) -> None:
         read = (node.op == "call_function" and node.target is getattr) or (
             node.op == "call_method" and node.target in METADATA_METHODS)
         if read:
-            what = node.args[1] if node.op == "call_function" else f"{node.target}()"
-            raise PatternError(f"the pattern {name} reads the tensor metadata {what!s} of {node.args[0]}, which a"
-                               " symbolic trace leaves unresolved; give example_inputs=(...) (a tensor per tensor"
-                               " argument) so that the pattern is traced with values and specialised per candidate.")
+            what = f".{node.args[1]}" if node.op == "call_function" else f".{node.target}()"
+            raise PatternError(f"the pattern {name} reads {node.args[0]}{what}, which a symbolic trace leaves as a node"
+                               " no extracted graph has (sizes and dtypes are literals there); give example_inputs=(...)"
+                               " (a tensor per tensor argument) so that the pattern is traced with values and"
+                               " specialised per candidate.")
 
 
 def _rooted(holder: torch.nn.Module, function: Callable[..., Any], arguments: list[str]) -> torch.nn.Module:

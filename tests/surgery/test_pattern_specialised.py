@@ -199,7 +199,7 @@ def test_example_inputs_errors_edit_nothing(bridged, pattern, example, message):
 
 
 def test_a_symbolic_pattern_reading_sizes_is_refused(bridged):
-    with pytest.raises(PatternError, match=r"mean_pattern reads the tensor metadata shape of h.*give example_inputs="):
+    with pytest.raises(PatternError, match=r"mean_pattern reads h\.shape, which a symbolic trace leaves.*give example_inputs="):
         surgery.replace_pattern(bridged, mean_pattern, mean_replacement)
 
 
