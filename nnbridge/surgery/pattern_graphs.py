@@ -1,11 +1,13 @@
 """Patterns and replacements as torch.fx graphs, for :func:`~nnbridge.surgery.replace_pattern`.
 
 A pattern is a plain function (or an ``nn.Module``'s bound ``forward``). It is traced by torch.fx's
-symbolic tracer: each argument annotated with an ``nn.Module`` subclass (``l0: CustomLinear``) is
+tracer: each argument annotated with an ``nn.Module`` subclass (``l0: CustomLinear``) is
 a *module slot*, whose calls become ``call_module`` nodes (target: the argument's name), the form
 nnbridge's per-module graphs give a child's call; each other argument is a tensor wildcard (a
 placeholder); ``constants`` are bound before tracing (Python control flow on them is resolved,
-as with fx's ``concrete_args``). An input no node uses after that is dropped, and said so.
+as with fx's ``concrete_args``). An input no node uses after that is dropped, and said so. Traced
+from values instead (``example_inputs=``, :mod:`.pattern_spec`), reads of tensor metadata give the
+values' dtypes and sizes; traced symbolically, a pattern reading them is refused.
 
 A replacement is traced the same way once per match, with the matched module objects in place of
 the slots, so reading ``l0.weight`` gives a ``get_attr`` of the matched module's own parameter
@@ -41,6 +43,8 @@ class PatternGraph:
         slots: ``{argument: nn.Module subclass}`` of the module slots still used.
         tensors: the names of the tensor wildcards still used, in order.
         dropped: the inputs no node uses after binding ``constants`` (dropped).
+        specialiser: the :class:`~.pattern_spec.Specialiser` that traced it from values and re-traces
+            it per candidate; None for a symbolic trace, matched as it is.
     """
 
     name: str
@@ -48,6 +52,7 @@ class PatternGraph:
     slots: dict[str, type[torch.nn.Module]]
     tensors: list[str]
     dropped: list[str] = field(default_factory=list)
+    specialiser: Any = None
 
     @property
     def outputs(self) -> list[Node]:
@@ -77,7 +82,7 @@ class _Slot(torch.nn.Module):
         self.slot = name
 
 
-class _LeafTracer(Tracer):
+class LeafTracer(Tracer):
     """torch.fx's tracer keeping every module call a ``call_module`` node."""
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
@@ -124,13 +129,31 @@ def _is_module_class(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, torch.nn.Module)
 
 
-def trace_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str) -> PatternGraph:
-    """Trace ``pattern`` (see the module docstring).
+def tensor_arguments(pattern: Any, *, constants: Mapping[str, Any], name: str) -> list[str]:
+    """The names of ``pattern``'s tensor arguments (neither bound by ``constants`` nor annotated
+    with a module class), in order.
+
+    Raises:
+        PatternError: as :func:`trace_pattern` for a pattern that is no function or takes
+            ``*args``/``**kwargs``.
+    """
+    function = _function_of(pattern, "pattern")
+    hints = _annotations(function)
+    return [p.name for p in _parameters(function, name) if p.name not in constants
+            and not _is_module_class(hints.get(p.name))]
+
+
+def trace_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str, tracer: Tracer | None = None
+                  ) -> PatternGraph:
+    """Trace ``pattern`` (see the module docstring); ``tracer``: the fx tracer to trace with (it must
+    keep module calls as ``call_module`` nodes, as :class:`~.pattern_spec.ValueTracer` does), else
+    torch.fx's symbolic tracer.
 
     Raises:
         PatternError: not a function, ``constants`` naming no argument, a called argument without a
-            module annotation, tracing failed, or the pattern returns no computed value (nor a tuple of
-            distinct ones).
+            module annotation, tracing failed, the pattern returns no computed value (nor a tuple of
+            distinct ones), or a symbolically traced pattern reads tensor metadata (``x.dtype``,
+            ``x.shape``).
     """
     function = _function_of(pattern, "pattern")
     parameters = _parameters(function, name)
@@ -153,13 +176,17 @@ def trace_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str) -> P
         return function(*(values[n] for n in names))
 
     try:
-        graph = _LeafTracer().trace(_rooted(holder, bound, free))
+        graph = (tracer or LeafTracer()).trace(_rooted(holder, bound, free))
     except PatternError:
         raise
     except Exception as error:
-        raise PatternError(f"the pattern {name} cannot be traced by torch.fx: {type(error).__name__}: {error}. Bind"
-                           " arguments that steer Python control flow with constants={...}; write tensor code"
-                           " only.") from error
+        hint = (" Check that the pattern runs on example_inputs=." if tracer is not None else
+                " Bind arguments that steer Python control flow with constants={...}, or give example_inputs= so that"
+                " tensor metadata (x.dtype, x.shape) is read from values, per candidate; write tensor code only.")
+        raise PatternError(f"the pattern {name} cannot be traced by torch.fx: {type(error).__name__}: {error}."
+                           f"{hint}") from error
+    if tracer is None:
+        _refuse_metadata_reads(graph, name)
     called = [n for n in graph.nodes if n.op == "call_method" and n.target == "__call__"]
     if called:
         argument = called[0].args[0]
@@ -183,6 +210,25 @@ def trace_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str) -> P
     used = {str(n.target) for n in graph.nodes if n.op == "placeholder"}
     return PatternGraph(name, graph, {s: c for s, c in slots.items() if s in called_slots},
                         [n for n in free if n in used], dropped + [s for s in slots if s not in called_slots])
+
+
+#: tensor methods giving metadata, not a tensor
+METADATA_METHODS = frozenset({"size", "dim", "stride", "numel", "element_size", "is_floating_point",
+                               "is_complex", "is_contiguous", "get_device"})
+
+
+def _refuse_metadata_reads(graph: Graph, name: str) -> None:
+    """A symbolically traced pattern reading tensor metadata has ``getattr``/``size`` nodes no
+    extracted graph has (its sizes and dtypes are literals there): such a pattern could never match."""
+    for node in graph.nodes:
+        read = (node.op == "call_function" and node.target is getattr) or (
+            node.op == "call_method" and node.target in METADATA_METHODS)
+        if read:
+            what = f".{node.args[1]}" if node.op == "call_function" else f".{node.target}()"
+            raise PatternError(f"the pattern {name} reads {node.args[0]}{what}, which a symbolic trace leaves as a node"
+                               " no extracted graph has (sizes and dtypes are literals there); give example_inputs=(...)"
+                               " (a tensor per tensor argument) so that the pattern is traced with values and"
+                               " specialised per candidate.")
 
 
 def _rooted(holder: torch.nn.Module, function: Callable[..., Any], arguments: list[str]) -> torch.nn.Module:
@@ -231,7 +277,7 @@ def trace_replacement(replacement: Any, *, values: Mapping[str, Any], owner: tor
     holder.add_module("owner", owner)
     root = _rooted(holder, bound, tensors)
     try:
-        graph = _LeafTracer().trace(root)
+        graph = LeafTracer().trace(root)
     except Exception as error:
         raise PatternError(f"the replacement {name} cannot be traced by torch.fx: {type(error).__name__}: {error}."
                            " Write tensor code over its tensor arguments and the matched modules.") from error

@@ -8,12 +8,17 @@ the anchor, the pattern is walked backwards along arguments:
   the slot's annotation (kernl's extended matcher matches ``call_module`` by type likewise);
 - a pattern op matches an ATen op of the same name (``operator.add``, ``torch.add`` and
   ``Tensor.add`` all match ``aten.add.*``; ``F.linear`` matches ``aten.linear.*``), with equal
-  literal arguments; the target may have more trailing arguments (filled defaults);
+  literal arguments; the target may have more trailing arguments (filled defaults), and may lack
+  a keyword the pattern passes at its Python function's default (``F.silu``'s ``inplace=False``);
 - a tensor input matches any node, the same node wherever the input is used.
 
 A pattern returning a tuple (``return a, b``) is anchored at its first value; each other value
 is the node of its kind that completes the match consistently (a value the walk from the anchor
 reached already, or one found among the graph's nodes of that kind).
+
+A pattern traced from values (``example_inputs=``) is searched by :mod:`.pattern_spec`: its
+generic traces are walked with literals not compared, then each candidate's specialised trace with
+every literal compared.
 
 A structural match is then REJECTED when a value inside it (not one of the outputs) has a user
 outside it (the user is named), when it shares a node with an earlier match, or (several
@@ -28,6 +33,7 @@ onnxscript's MatchingTracer reports the best match attempt of a rule). Example::
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,8 +99,9 @@ class _Failed(Exception):
 class _Attempt:
     """One walk from one anchor (raises :class:`_Failed` with the reason)."""
 
-    def __init__(self, pattern: PatternGraph, module: GraphModule, where: str):
+    def __init__(self, pattern: PatternGraph, module: GraphModule, where: str, *, lenient: bool = False):
         self.pattern, self.module, self.where = pattern, module, where
+        self.lenient = lenient  # literals not compared (a generic pattern's: see .pattern_spec)
         self.found = Match(where, "")
         self.taken: set[Node] = set()
 
@@ -129,6 +136,8 @@ class _Attempt:
         self.taken.add(t)
         self.arguments(p, list(p.args), list(t.args), t=t)
         for key, value in p.kwargs.items():
+            if key not in t.kwargs and _default_of(p, key) == (value,):
+                continue  # F.silu(x, inplace=False) traced by fx: the ATen op has no such keyword
             if key not in t.kwargs:
                 raise _Failed(f"{self.path(t)} has no keyword argument {key}={value!r}")
             self.argument(p, value, t.kwargs[key], t=t, which=key)
@@ -176,9 +185,22 @@ class _Attempt:
             for w, g in zip(want, got):
                 self.argument(p, w, g, t=t, which=which)
             return
+        if self.lenient and not isinstance(got, Node):
+            return
         if isinstance(got, Node) or type(want) is not type(got) or want != got:
             shown = self.path(got) if isinstance(got, Node) else repr(got)
             raise _Failed(f"literal differs: argument {which} of {self.path(t)} is {shown}; the pattern has {want!r}")
+
+
+def _default_of(p: Node, key: str) -> tuple[Any, ...]:
+    """``(default,)`` of keyword ``key`` of a pattern's Python function; ``()`` when it has none."""
+    if p.op != "call_function":
+        return ()
+    try:
+        parameter = inspect.signature(p.target).parameters.get(key)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return ()
+    return () if parameter is None or parameter.default is inspect.Parameter.empty else (parameter.default,)
 
 
 def candidates(pattern: PatternGraph, module: GraphModule, *, node: Node | None = None) -> list[Node]:
@@ -213,23 +235,47 @@ def _other_outputs(attempt: _Attempt, pattern: PatternGraph, module: GraphModule
             raise _Failed(f"no node completes the match as the pattern's output {index} ({p.name}): {reason}")
 
 
-def match_graph(pattern: PatternGraph, module: GraphModule, *, where: str, log: MatchLog) -> list[Match]:
+class _Plain:
+    """The search of a pattern matched as it was traced."""
+
+    def __init__(self, pattern: PatternGraph, module: GraphModule, where: str):
+        self.pattern, self.module, self.where = pattern, module, where
+
+    def candidates(self) -> list[Node]:
+        return candidates(self.pattern, self.module)
+
+    def attempt(self, node: Node) -> tuple[_Attempt, str | None]:
+        attempt = _Attempt(self.pattern, self.module, self.where)
+        try:
+            attempt.node(self.pattern.output, node)
+        except _Failed as failed:
+            return attempt, failed.reason
+        return attempt, None
+
+
+def match_graph(pattern: PatternGraph, module: GraphModule, *, where: str, log: MatchLog,
+                recorded: dict[str, Any] | None = None) -> list[Match]:
     """The non-overlapping matches of ``pattern`` in ``module``'s graph (at NodePath ``where``), in
-    graph order; each candidate is logged (see the module docstring)."""
+    graph order; each candidate is logged (see the module docstring). A pattern traced from values
+    is specialised per candidate (:mod:`.pattern_spec`; ``recorded``: the graph's recorded inputs,
+    :func:`~.pass_inputs.recorded_inputs`, for the candidates' values)."""
     shown = where or "<root>"
     found: list[Match] = []
     consumed: dict[Node, str] = {}
     best: LogEntry | None = None
     size = sum(1 for n in pattern.graph.nodes if n.op not in ("placeholder", "output"))
-    for node in candidates(pattern, module):
-        attempt = _Attempt(pattern, module, where)
+    search = (_Plain(pattern, module, where) if pattern.specialiser is None
+              else pattern.specialiser.search(module, where=where, recorded=recorded))
+    for node in search.candidates():
+        attempt, reason = search.attempt(node)
         anchor = _path(where, node)
-        try:
-            attempt.node(pattern.output, node)
-            _other_outputs(attempt, pattern, module)
-            reason = _leak(attempt, pattern) or _overlap(attempt, consumed) or _order(attempt, pattern, module)
-        except _Failed as failed:
-            reason = failed.reason
+        if reason is None:
+            try:
+                _other_outputs(attempt, attempt.pattern, module)
+                reason = (_leak(attempt, attempt.pattern) or _overlap(attempt, consumed)
+                          or _order(attempt, attempt.pattern, module))
+            except _Failed as failed:
+                reason = failed.reason
         if reason is None:
             match = attempt.found
             match.anchor = anchor

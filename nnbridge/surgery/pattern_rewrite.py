@@ -38,17 +38,20 @@ class PatternPass:
         self.__name__ = f"replace_pattern({pattern.name})"
         self._owner: torch.nn.Module | None = None
         self._where = ""
+        self._recorded: dict[str, Any] | None = None
         self.matches: list[Match] = []
 
-    def bind(self, *, owner: torch.nn.Module, where: str) -> None:
-        """The next run edits a graph of ``owner`` at NodePath ``where``."""
-        self._owner, self._where = owner, where
+    def bind(self, *, owner: torch.nn.Module, where: str, recorded: dict[str, Any] | None = None) -> None:
+        """The next run edits a graph of ``owner`` at NodePath ``where`` (``recorded``: its inputs'
+        recorded values, for a pattern specialised per candidate)."""
+        self._owner, self._where, self._recorded = owner, where, recorded
 
     def __call__(self, graph_module: GraphModule) -> None:
         owner = self._owner
         if owner is None:
             raise PatternError(f"{self.__name__} ran on a graph whose module is unknown")
-        self.matches = match_graph(self.pattern, graph_module, where=self._where, log=self.log)
+        self.matches = match_graph(self.pattern, graph_module, where=self._where, log=self.log,
+                                   recorded=self._recorded)
         for match in self.matches:
             self._replace(graph_module, match, owner)
 

@@ -3,7 +3,8 @@
 A pattern is a plain function whose arguments are tensors (match any value) and modules annotated
 with their class (match a call of a child of that class; nnbridge's per-module graphs keep each
 child call as one ``call_module`` node, so a pattern can span modules, as ``l1(l0(x))``). It is
-traced once (:mod:`.pattern_graphs`), found in every compiled graph in ``scope``
+traced once (:mod:`.pattern_graphs`; with ``example_inputs=``, from values and again per candidate,
+:mod:`.pattern_spec`), found in every compiled graph in ``scope``
 (:mod:`.pattern_match`), and each match is replaced by the replacement traced with the matched
 modules themselves (:mod:`.pattern_rewrite`): no weight is copied, parameter names with ``.`` are
 no problem. The rewrite is an edit like :func:`~nnbridge.surgery.apply_passes`' (it runs as a pass,
@@ -34,7 +35,7 @@ from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
 from ..graph.locking import CALL_LOCK
 from ..graph.recipes import Callers
 from .pass_checks import DEFAULT_CHECKS
-from .pass_inputs import Parents
+from .pass_inputs import Parents, recorded_inputs
 from .pass_recipes import PassRecipe
 from .pass_targets import graph_path, graphs_below, target_graphs
 from .passes import AppliedPasses, PassEdit, PreparedPasses, apply_edit, graph_owners
@@ -43,6 +44,7 @@ from .pattern_log import LogEntry, MatchLog
 from .pattern_match import Match, match_graph
 from .pattern_modules import Factory, ModuleRewrite, insert_modules
 from .pattern_rewrite import PatternPass
+from .pattern_spec import Specialiser
 from .targets import target_of
 
 
@@ -67,7 +69,7 @@ class PatternEdit(PassEdit):
                 ) -> PreparedPasses:
         if self._owner is None:
             raise PatternError(f"{self!r}: the module of the graph {where or '<root>'} is unknown")
-        self.rewriter.bind(owner=self._owner, where=where)
+        self.rewriter.bind(owner=self._owner, where=where, recorded=recorded_inputs(graph_module, parents or {}))
         prepared = super().prepare(graph_module, where, parents=parents)
         prepared.changed = bool(self.rewriter.matches)
         self._done.add(graph_module)
@@ -138,9 +140,11 @@ def _traced(pattern: Any, constants: Mapping[str, Any] | None, *, example_inputs
     if constants is not None and not isinstance(constants, Mapping):
         raise PatternError(f"constants= must be a dict {{argument: value}}; got {type(constants).__name__}.")
     if example_inputs is not None:
-        raise PatternError("example_inputs= is not supported yet: patterns are matched by op names and module"
-                           " types, whatever the dtypes and sizes; leave it out.")
-    traced = trace_pattern(pattern, constants=dict(constants or {}), name=name_of(pattern))
+        specialiser = Specialiser(pattern, constants=dict(constants or {}), name=name_of(pattern),
+                                  example=example_inputs)
+        traced = specialiser.generic()
+    else:
+        traced = trace_pattern(pattern, constants=dict(constants or {}), name=name_of(pattern))
     if not traced.slots and not any(n.op in ("call_function", "call_method") for n in traced.graph.nodes):
         raise PatternError(f"the pattern {traced.name} has no op and no module call to match.")
     for dropped in traced.dropped:
@@ -158,13 +162,17 @@ def match(target: Any, pattern: Any, *, scope: str = "**", constants: Mapping[st
             subclass match calls of modules of that class, others match any tensor.
         scope: a glob over graph NodePaths (``"blocks_*"``; ``"**"``: every graph).
         constants: ``{argument: value}`` bound before tracing (a config steering control flow).
-        example_inputs: not supported (must be None).
+        example_inputs: a tensor per tensor argument (a tuple in order, or a dict by name): the
+            pattern is then traced with values, and again per candidate with the candidate's own
+            (its dtypes and sizes: ``x.dtype`` and ``x.shape`` read them), see :mod:`.pattern_spec`.
+            None: one symbolic trace, matched as it is (it must not read tensor metadata).
 
     Returns:
         :class:`MatchResult` (``.matches``, ``.log``).
 
     Raises:
-        PatternError: a bad pattern or argument, or a scope that matches no graph.
+        PatternError: a bad pattern or argument, ``example_inputs`` not one tensor per tensor
+            argument or a pattern that cannot be traced with them, or a scope that matches no graph.
     """
     log = MatchLog()
     traced = _traced(pattern, constants, example_inputs=example_inputs, log=log)
@@ -181,7 +189,8 @@ def match(target: Any, pattern: Any, *, scope: str = "**", constants: Mapping[st
             raise PatternError(f"match: the scope {scope!r} matches no compiled graph; graphs:"
                                f" {sorted({p or '<root>' for p, _ in found.graphs})[:12]}.")
         for path, graph in chosen:
-            result.matches.extend(match_graph(traced, graph, where=path, log=log))
+            result.matches.extend(match_graph(traced, graph, where=path, log=log,
+                                              recorded=recorded_inputs(graph, found.parents)))
         _log_opaque(resolved, edit, traced, log=log)
     return result
 

@@ -31,6 +31,8 @@ FIXED_ELSEWHERE = {
         "replaces torch.fx's _Patcher.patch_method, called by torch.fx positionally",
     "nnbridge.compat.torch.tracepoints:tracepoint_bookkeeping_skipped.create_node":
         "replaces torch.fx's Tracer.create_node, called by torch.fx positionally",
+    "nnbridge.surgery.pattern_spec:ValueTracer.create_proxy":
+        "overrides torch.fx's Tracer.create_proxy, called by torch.fx positionally",
     "nnbridge.envoys.tracer:OpCacheTracer.cache":
         "overrides nnsight's InterleavingTracer.cache: same positional arguments as nnsight documents",
     "nnbridge.extract.eager_checks:_run_with_call_stack.leave":

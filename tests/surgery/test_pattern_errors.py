@@ -64,10 +64,11 @@ def test_constants_for_no_argument(setup):
         surgery.match(model, pattern, constants=[1])
 
 
-def test_example_inputs_are_refused(setup):
+def test_example_inputs_for_a_module_argument(setup):
     model, _, x = setup
-    with pytest.raises(PatternError, match=r"example_inputs= is not supported"):
-        surgery.match(model, pattern, example_inputs=(x,))
+    with pytest.raises(PatternError, match=r"a tensor per tensor argument \['x'\] \(a tuple in that order.*module and"
+                       r" constant arguments take none\); got 3 value\(s\)"):
+        surgery.match(model, pattern, example_inputs=(x, CustomLinear(8), CustomLinear(8)))
 
 
 def test_a_scope_matching_nothing(setup):
