@@ -279,7 +279,7 @@ def match_graph(pattern: PatternGraph, module: GraphModule, *, where: str, log: 
         if reason is None:
             match = attempt.found
             match.anchor = anchor
-            match.outputs = [match.nodes[p] for p in pattern.outputs]
+            match.outputs = [match.nodes[p] for p in attempt.pattern.outputs]
             found.append(match)
             consumed.update((n, anchor) for n in match.nodes.values())
             log.add(LogEntry(pattern.name, shown, anchor, "MATCHED"))
