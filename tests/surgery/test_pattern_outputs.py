@@ -147,3 +147,13 @@ def test_the_log_says_why_a_several_output_candidate_is_rejected(module, pattern
     first = found.log.verdicts("REJECTED")[0]
     assert (first.anchor, first.reason) == ("1.mul", reason)
     assert found.log.verdicts("NEAR-MISS")[0].anchor == "1.mul"
+
+
+def test_both_outputs_with_a_pattern_specialised_per_candidate():
+    """``example_inputs=`` (traced from values, re-traced per candidate) with a tuple pattern."""
+    x = torch.randn(2, 5, 8)
+    model, eager = bridged(TwoOutputModel(), x)
+    rewrite = surgery.replace_pattern(model, two_outputs, two_replaced, scope="blocks_*",
+                                      example_inputs=(torch.randn(2, 5, 8),))
+    assert rewrite.matches == ["blocks_0.mul", "blocks_1.mul", "blocks_2.mul"]
+    assert_same_run(run_with_grads(model, x), run_with_grads(hand_edited(eager, TwoReplacedBlock), x))
