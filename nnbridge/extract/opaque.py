@@ -86,17 +86,17 @@ class _Recorder(torch.nn.Module):
     """Called in a child's place (through a :class:`ChildCall`) while the opaque code is observed:
     reports each call as ``record(name, args, kwargs)``, then calls the child."""
 
-    _name: str
-    _child: torch.nn.Module
-    _record: Callable[[str, tuple[Any, ...], dict[str, Any]], None]
+    label: str
+    callee: torch.nn.Module
+    report: Callable[[str, tuple[Any, ...], dict[str, Any]], None]
 
     def __init__(self, name: str, child: torch.nn.Module, record: Callable[[str, tuple[Any, ...], dict[str, Any]], None]):
         super().__init__()
-        self.__dict__["_name"], self.__dict__["_child"], self.__dict__["_record"] = name, child, record
+        self.__dict__["label"], self.__dict__["callee"], self.__dict__["report"] = name, child, record
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._record(self._name, args, kwargs)
-        return self._child(*args, **kwargs)
+        self.report(self.label, args, kwargs)
+        return self.callee(*args, **kwargs)
 
 
 @contextlib.contextmanager
