@@ -98,6 +98,21 @@ class _Recorder(torch.nn.Module):
         self.report(self.label, args, kwargs)
         return self.callee(*args, **kwargs)
 
+    def direct(self, *args: Any, **kwargs: Any) -> Any:
+        """``self.child.forward(...)`` in the observed code: reported, then the child's forward
+        without its torch hooks, as eager runs it."""
+        self.report(self.label, args, kwargs)
+        return self.callee.forward(*args, **kwargs)
+
+
+class _RecordingCall(ChildCall):
+    """A :class:`ChildCall` for the observed run: ``.forward`` reports, then runs the child's
+    forward directly (:meth:`_Recorder.direct`)."""
+
+    @property
+    def forward(self) -> Callable[..., Any]:  # type: ignore[override]
+        return cast(_Recorder, self._self_call).direct
+
 
 @contextlib.contextmanager
 def _recorders_in_place(module: torch.nn.Module, callees: list[tuple[str, torch.nn.Module]],
@@ -114,7 +129,8 @@ def _recorders_in_place(module: torch.nn.Module, callees: list[tuple[str, torch.
     holds the recorder too. Put back after, also on error."""
     swapped = torch.nn.Module()
     for name, child in callees:
-        attach(swapped, name, _in_place_of(child, _Recorder(name, child, record)), template=module)
+        recording = cast(torch.nn.Module, _RecordingCall(child, _Recorder(name, child, record)))
+        attach(swapped, name, recording, template=module)
     saved = {name: modules_of(module)[name] for name in modules_of(swapped)}
     attributes = {renamed[name]: module.__dict__[renamed[name]] for name in saved
                   if name in renamed and renamed[name] in module.__dict__}
