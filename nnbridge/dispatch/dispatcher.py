@@ -41,7 +41,7 @@ from ..compat.torch.functorch import (
 )
 from ..compat.torch.overrides import function_override
 from ..errors import NNBridgeError, warn
-from ..guards.call_structure import describe_key_change, structure_key, tensor_leaves, with_flags_of
+from ..guards.call_structure import describe_key_change, structure_key, tensor_leaves, with_flags_of, with_grad_mode
 from . import extraction as _extraction
 from .extraction import Extraction
 from .fallback_report import fallback_report
@@ -245,7 +245,8 @@ class GraphDispatcher(torch.nn.Module):
             extraction.inputs = {name: (value.shape, value.dtype, value.device) for name, value in inputs.items()
                                  if isinstance(value, torch.Tensor)}
             # graph surgery's edits, before the guards record the tree and a bridge links the graphs
-            apply_recipes(self.module, extraction.root, options=self.options, reason=reason, inputs=inputs)
+            if apply_recipes(self.module, extraction.root, options=self.options, reason=reason, inputs=inputs):
+                extraction.serves_no_grad = False  # (the edits' code was not in the eager run that looked for reads)
             modules = real_modules(self.module)  # children may have been replaced or added (graph surgery)
             if list(map(id, modules)) != list(map(id, self.flag_modules)):
                 # later calls are keyed with the new tree's flags: so is this extraction
@@ -334,17 +335,28 @@ class GraphDispatcher(torch.nn.Module):
         if not torch.compiler.is_compiling():
             self._refuse_function_overrides(tensors)
         key = self.structure_key(args, kwargs, flat)
-        candidates = self.extractions.get(key)
-        if candidates:
-            call = (args, kwargs)
-            for extraction in candidates:
-                # every cached extraction has the state guard add_extraction gave it
-                if extraction.guard.matches(tensors, call) and cast(StateGuard, extraction.state).holds():
-                    # (recency only orders eviction; not kept while Dynamo traces the call)
-                    if len(self._recency) > 1 and not torch.compiler.is_dynamo_compiling():
-                        self._recency.move_to_end(id(extraction))
-                    return key, extraction
-        return key, None
+        call = (args, kwargs)
+        found = self._serving(self.extractions.get(key), tensors, call)
+        if found is None and not torch.is_grad_enabled():
+            # a graph extracted with grad enabled from code that reads no grad mode serves the
+            # same call under torch.no_grad() (see Extraction.serves_no_grad)
+            found = self._serving(self.extractions.get(with_grad_mode(key, True)), tensors, call, no_grad=True)
+        return key, found
+
+    def _serving(self, candidates: list[Extraction] | None, tensors: list[torch.Tensor],
+                 call: tuple[tuple[Any, ...], dict[str, Any]], *, no_grad: bool = False) -> Extraction | None:
+        """The first of ``candidates`` whose guards hold for the call (with ``no_grad``: of those
+        that serve calls made with grad disabled), or None."""
+        for extraction in candidates or ():
+            if no_grad and not extraction.serves_no_grad:
+                continue
+            # every cached extraction has the state guard add_extraction gave it
+            if extraction.guard.matches(tensors, call) and cast(StateGuard, extraction.state).holds():
+                # (recency only orders eviction; not kept while Dynamo traces the call)
+                if len(self._recency) > 1 and not torch.compiler.is_dynamo_compiling():
+                    self._recency.move_to_end(id(extraction))
+                return extraction
+        return None
 
     def _refuse_function_overrides(self, tensors: list[torch.Tensor]) -> None:
         """Raise when eager PyTorch would run ``__torch_function__`` code for this call that the
@@ -447,12 +459,13 @@ class _EntryCheck:
     def __init__(self, extraction: Extraction, key: Hashable, key_of: Callable[[tuple[Any, ...], dict[str, Any]], Hashable],
                  *, module: torch.nn.Module, path: str):
         self.guard, self.state, self.key, self.key_of = extraction.guard, extraction.state, key, key_of
+        self.serves_no_grad = extraction.serves_no_grad
         self.where = f"'{path or type(module).__name__}' ({type(module).__name__})"
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         key = self.key_of(args, kwargs)
         tensors = tensor_leaves(args, kwargs)
-        if key != self.key:
+        if key != self.key and not (self.serves_no_grad and with_grad_mode(key, True) == self.key):
             reason = describe_key_change(self.key, key)
         elif not self.guard.matches(tensors, (args, kwargs)):
             reason = self.guard.failed(tensors, (args, kwargs))

@@ -187,6 +187,9 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     extraction = Extraction(root, guard, ctx.opaque, (tuple(summarize(a) for a in args),
                                                       {k: summarize(v) for k, v in kwargs.items()}),
                             fallbacks=ctx.fallbacks)
+    record = root.__dict__.get(PROGRAM_RECORD)
+    extraction.serves_no_grad = (ctx.grad_enabled and isinstance(root, CompiledGraphModule)
+                                 and isinstance(record, programs.ProgramRecord) and record.grad_reads == [])
     if watch is not None and fallback is None and options.reuse_layers:
         extraction.shared = _shared_root(extraction, args, kwargs, watch=watch, path=path, templates=ctx.templates)
     return extraction
@@ -511,7 +514,8 @@ class _RootExport:
             self.bar.stage("writing the cache")
             self.record = programs.ProgramRecord(ctx.path, self.request.call_fingerprint(), exported, self.dynamic,
                                                  self.states, dict(self.stubs), guard, dict(self.plan.siblings),
-                                                 self.untouched, self.watch_reads)
+                                                 self.untouched, self.watch_reads,
+                                                 self.eager.grad_reads if self.eager is not None else None)
             programs.store(self.request, self.record, self.cache)
         return guard
 
@@ -558,11 +562,13 @@ class _RootExport:
 
 class _EagerStubs(NamedTuple):
     """What :func:`_eager_stubs` added: modules traced through though shown opaque, those of them
-    whose grad-mode changes are ignored, and why the root itself is opaque (reason, error, fix) or None."""
+    whose grad-mode changes are ignored, and why the root itself is opaque (reason, error, fix) or
+    None; and the modules whose code read grad mode (``EagerFindings.grad_reads``)."""
 
     traced: set[str]
     frozen: set[str]
     root: tuple[str, BaseException, str | None] | None
+    grad_reads: list[str] | None = None
 
 
 def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[Any, ...], *, kwargs: dict[str, Any],
@@ -618,7 +624,7 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
             return _EagerStubs(traced, frozen, (describe_failure(data), data, None))
         if fqn not in stubs:
             stubs[fqn], errors[fqn] = describe_failure(data), data
-    return _EagerStubs(traced, frozen, None)
+    return _EagerStubs(traced, frozen, None, found.grad_reads)
 
 
 def _opaque_root(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[Any, ...], *, kwargs: dict[str, Any],

@@ -53,6 +53,11 @@ class Extraction:
         reason: why it was made: ``"first call"``, or the guard that failed for the call.
         shared: set when it is a representative's whose siblings may build their graphs from it
             (:class:`~.sibling_roots.SharedRoot`, see :mod:`.sibling_roots`).
+        serves_no_grad: its graphs also serve calls made with grad disabled: it was extracted with
+            grad enabled, its root is a graph, and the eager run before its export saw no code
+            read grad mode (see :mod:`nnbridge.compat.torch.grad_reads`). Its ops then run as the
+            eager code would under ``torch.no_grad()``, and modules that change grad mode run
+            their own code.
     """
 
     root: CompiledGraphModule | OpaqueGraphModule
@@ -64,6 +69,7 @@ class Extraction:
     reason: str = "first call"
     shared: SharedRoot | None = None
     fallbacks: dict[str, str] = field(default_factory=dict)
+    serves_no_grad: bool = False
 
 
 class ChildDispatcher(ExtractionHolder, Protocol):

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..compat.torch.capture import grad_mode_changes, native_fast_path
+from ..compat.torch.grad_reads import grad_mode_reads
 from ..compat.torch.tensor_data import data_accesses
 from ..compat.transformers.mask_skips import mask_skips as mask_skips_seen
 from ..compat.transformers.output_capturing import active_collector
@@ -133,6 +134,10 @@ class EagerFindings(NamedTuple):
             :func:`nnbridge.compat.torch.capture.native_fast_path`).
         data_access: paths of the modules (the root ``""`` included) whose own code read or
             assigned a tensor's ``.data`` (see :data:`DATA_ACCESS_REASON`).
+        grad_reads: paths of the modules (the root ``""`` included) whose code read grad mode
+            (see :mod:`nnbridge.compat.torch.grad_reads`) or enabled grad while it was enabled
+            (``torch.enable_grad()``); None when unknown (the run raised, or another profile
+            function was set: ``cProfile``, a debugger).
     """
 
     grad_mode: list[str]
@@ -140,6 +145,7 @@ class EagerFindings(NamedTuple):
     capturing: list[str] = []
     fast_paths: list[tuple[str, str]] = []
     data_access: list[str] = []
+    grad_reads: list[str] | None = None
 
 
 #: the reason of a module whose code reads or assigns ``tensor.data`` (found by :func:`eager_findings`)
@@ -161,7 +167,9 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
       module is stubbed from the first export on instead of after it failed);
     - a module may take a native fast path (``nn.MultiheadAttention``), which a trace does not;
     - a module's code touches a tensor's ``.data`` (export fails on it, at the root: found here,
-      only that module is stubbed).
+      only that module is stubbed);
+    - a module's code reads grad mode (see :mod:`nnbridge.compat.torch.grad_reads`): only a graph
+      of code that reads none serves calls made under another grad mode.
 
     Module state and random state are put back after the run
     (:func:`~nnbridge.guards.preservation.preserved_state`). The lists are empty when the eager
@@ -174,6 +182,8 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     stateful: set[str] = set()  # modules entered with a stateful argument
     fast_paths: dict[str, str] = {}
     data_access: dict[str, None] = {}
+    grad_reads: dict[str, None] = {}
+    unwatched: list[bool] = []  # grad-mode reads could not be watched (another profile function is set)
 
     def touched(tensor: torch.Tensor) -> None:
         data_access.setdefault(active[-1] if active else "")
@@ -199,9 +209,14 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
 
     def skipped() -> None:
         mask_skips.setdefault(active[-1] if active else "")
-    watches = (grad_mode_changes(changed), mask_skips_seen(skipped), data_accesses(touched))
+
+    def read() -> None:  # (what runs outside every module is the run's own machinery)
+        if active:
+            grad_reads.setdefault(active[-1])
+    watches = (grad_mode_changes(changed, on_enable=read), mask_skips_seen(skipped), data_accesses(touched),
+               grad_mode_reads(read, on_unwatched=lambda: unwatched.append(True)))
     if not _run_with_call_stack(module, args, kwargs, grad_enabled=grad_enabled, active=active, watches=watches,
                                 entering=entering):
         return EagerFindings([], [])
     return EagerFindings(list(grad_mode), list(mask_skips), list(capturing), list(fast_paths.items()),
-                         list(data_access))
+                         list(data_access), None if unwatched else list(grad_reads))

@@ -128,18 +128,19 @@ def withdraw_all(model: torch.nn.Module) -> None:
 
 
 def apply_recipes(module: torch.nn.Module, root: GraphModuleBase, *, options: Any, reason: str,
-                  inputs: Mapping[str, Any] | None = None) -> None:
+                  inputs: Mapping[str, Any] | None = None) -> bool:
     """Apply the recipes of ``module``'s tree to the graphs of one new extraction of ``module``
     (``root``: its root graph), each graph once: the recipes of a module to every compiled graph
     of it (one per invocation). The children of opaque graphs are extracted by their own
     dispatchers, which apply theirs. Does nothing (one walk of the module tree) when no module
-    has recipes. ``inputs``: the root graph's inputs by name (see :class:`Callers`).
+    has recipes. ``inputs``: the root graph's inputs by name (see :class:`Callers`). Returns
+    whether any module of the tree has recipes.
 
     Raises:
         SurgeryError: a recipe does not apply (see :meth:`Recipe.apply`).
     """
     if not any(RECIPES_KEY in m.__dict__ for m in module.modules()):
-        return
+        return False
     seen: set[int] = set()
     callers = Callers(inputs={id(root): dict(inputs or {})})
 
@@ -157,3 +158,4 @@ def apply_recipes(module: torch.nn.Module, root: GraphModuleBase, *, options: An
             if path is not None:
                 visit(child, owner.get_submodule(path))
     visit(root, module)
+    return True

@@ -124,6 +124,13 @@ def with_flags_of(key: Hashable, modules: list[torch.nn.Module]) -> Hashable:
     return (*parts[:2], tuple(m.training for m in modules), *parts[3:])
 
 
+def with_grad_mode(key: Hashable, enabled: bool) -> Hashable:
+    """``key`` (a :func:`structure_key`) with grad mode ``enabled``: the key of the same call made
+    under the other grad mode."""
+    parts: tuple[Any, ...] = tuple(key)  # type: ignore[arg-type]
+    return (*parts[:3], enabled, *parts[4:])
+
+
 def global_flags() -> tuple[bool, bool, bool]:
     """Inference mode and deterministic algorithms (``torch.use_deterministic_algorithms``, with
     its ``warn_only``): code may branch on them, and a graph keeps the branch it was exported with."""

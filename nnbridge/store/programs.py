@@ -68,6 +68,8 @@ class ProgramRecord:
             :mod:`.sibling_roots`): the reads of attributes that differ between them (and touches of
             other cache layers) the export saw, ``[]`` when none (its siblings may then build their
             graphs from this program); None when not watched.
+        grad_reads: paths of the modules whose code read grad mode in the eager run before the
+            export (see :mod:`nnbridge.compat.torch.grad_reads`); None when unknown (the run raised).
     """
 
     path: str
@@ -80,6 +82,7 @@ class ProgramRecord:
     reuse: dict[str, str] = field(default_factory=dict)
     untouched: dict[str, list[UntouchedLayers | None]] = field(default_factory=dict)
     watched: list[str] | None = None
+    grad_reads: list[str] | None = None
 
 
 @dataclass

@@ -110,6 +110,7 @@ def write_bundle(target: str | os.PathLike[str] | IO[bytes], header: dict[str, A
                 "stubs": {k: str(v) for k, v in record.stubs.items()},
                 "guard": {"dims": record.guard.dims, "code": record.guard.code}, "left_out": left_out,
                 "reuse": record.reuse, "untouched": _untouched_json(record.untouched), "watched": record.watched,
+                "grad_reads": record.grad_reads,
             })
         if inputs is not None:
             buffer = io.BytesIO()
@@ -194,7 +195,7 @@ class Bundle:
                              states=entry["states"], stubs=dict(entry["stubs"]),
                              guard=ShapeGuard(dims, entry["guard"]["code"]), reuse=dict(entry.get("reuse", {})),
                              untouched=_untouched_from_json(entry.get("untouched", {})),
-                             watched=entry.get("watched"))
+                             watched=entry.get("watched"), grad_reads=entry.get("grad_reads"))
 
 
 def _untouched_json(untouched: dict[str, list[UntouchedLayers | None]]) -> dict[str, list[Any]]:

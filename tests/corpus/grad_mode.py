@@ -103,6 +103,50 @@ class Detach(nn.Module):
         return self.fc2(h) + self.fc2(h.detach())
 
 
+class BranchOnHiddenRequiresGrad(nn.Module):
+    """A branch on a computed tensor's ``requires_grad``, read in a helper: True under grad mode,
+    False under ``torch.no_grad()`` for the same call."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if _tracked(h):
+            return h * 2
+        return h - 1
+
+
+def _tracked(t):
+    return t.requires_grad
+
+
+class BranchOnGradFn(nn.Module):
+    """A branch on a computed tensor's ``grad_fn``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 3 if h.grad_fn is not None else h + 3
+
+
+class EnableGradInside(nn.Module):
+    """``torch.enable_grad()`` inside forward: a no-op under grad mode, a change under
+    ``torch.no_grad()`` (the output then requires grad in eager code)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.enable_grad():
+            return self.fc(x) * 2
+
+
 def _x():
     return torch.randn(2, 4)
 
@@ -118,6 +162,13 @@ ENTRIES = [
     Entry("branch_is_grad_enabled_nograd_first", BranchOnGradEnabled,
           calls(lambda: Call((_x(),), grad=False), lambda: (_x(),)), item=3),
     Entry("branch_requires_grad", BranchOnRequiresGrad, calls(lambda: (_x(),), lambda: (_x_req(),)), item=3),
+    Entry("no_grad_inside_grad_then_no_grad", NoGradInside,
+          calls(lambda: (_x(),), lambda: Call((_x(),), grad=False), lambda: (_x(),))),
+    Entry("branch_hidden_requires_grad", BranchOnHiddenRequiresGrad,
+          calls(lambda: (_x(),), lambda: Call((_x(),), grad=False), lambda: (_x(),))),
+    Entry("branch_grad_fn", BranchOnGradFn, calls(lambda: (_x(),), lambda: Call((_x(),), grad=False))),
+    Entry("enable_grad_inside_forward", EnableGradInside,
+          calls(lambda: (_x(),), lambda: Call((_x(),), grad=False), lambda: (_x(),))),
     Entry("straight_through_estimator", StraightThrough, calls(lambda: (_x(),)), item=4),
     Entry("gradient_reversal", GradReversal, calls(lambda: (_x(),)), item=4),
     Entry("detach_inside_forward", Detach, calls(lambda: (_x(),))),

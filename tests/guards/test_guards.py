@@ -419,14 +419,16 @@ def test_inference_mode_and_deterministic_algorithms_are_part_of_the_call_struct
 
 
 def test_grad_mode_is_part_of_the_call_structure():
+    """A graph extracted under torch.no_grad() does not serve a call with grad enabled (it may hold
+    code that ran without grad: a ``@torch.no_grad`` helper inlined), and the history says why."""
     torch.manual_seed(0)
     model = Stack().eval()
     x = torch.randn(3, 4)
-    pg = PatchableGraph(model, x)
     with torch.no_grad():
-        pg(x)
+        pg = PatchableGraph(model, x)
+    pg(x)
     assert len(pg.extractions) == 2
-    assert pg._dispatcher.history[-1].reason == "grad mode changed (enabled -> disabled)"
+    assert pg._dispatcher.history[-1].reason == "grad mode changed (disabled -> enabled)"
 
 
 def test_shape_guards_recorded_by_export_are_checked():
@@ -502,12 +504,12 @@ def test_evicted_extractions_are_freed(front):
 def test_explain_tree_opaque_reasons_guards_and_history():
     model = DataDependentModule().eval()
     x = torch.randn(4, 3)
-    nnbridge.bridge(model, x)
     with torch.no_grad():
-        model(x)
+        nnbridge.bridge(model, x)
+    model(x)
     explanation = nnbridge.explain(model)
     assert [h for h in explanation.history if h[0] == ""] == [("", "first call"),
-                                                              ("", "grad mode changed (enabled -> disabled)")]
+                                                              ("", "grad mode changed (disabled -> enabled)")]
     assert ("branchy.inner", "first call") in explanation.history, "the opaque module's children have their own"
     assert set(explanation.opaque) == {"branchy"}
     assert "GuardOnDataDependentSymNode" in explanation.opaque["branchy"]

@@ -80,13 +80,18 @@ def _grad_setter_replaced(setter: Callable[[Callable[[bool], None], bool], None]
         yield
 
 
-def grad_mode_changes(on_change: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
+def grad_mode_changes(on_change: Callable[[], None], *,
+                      on_enable: Callable[[], None] | None = None) -> contextlib.AbstractContextManager[None]:
     """Call ``on_change()`` before every grad-mode change in the body (a call of
     ``torch._C._set_grad_enabled`` with a value other than the current mode), in the thread that
-    entered it; the change itself happens as usual."""
+    entered it, and ``on_enable()`` before every call enabling grad while it is enabled already
+    (``torch.enable_grad()`` under grad mode: a change for a call made under ``torch.no_grad()``);
+    the call itself happens as usual."""
     def setter(original: Callable[[bool], None], enabled: bool) -> None:
         if bool(enabled) != torch.is_grad_enabled():
             on_change()
+        elif enabled and on_enable is not None:
+            on_enable()
         original(enabled)
     return _grad_setter_replaced(setter)
 

@@ -1,0 +1,92 @@
+"""Reads of grad mode by the code of one eager run (torch 2.0 - 2.15).
+
+A graph replays tensor operations; the Python code around them ran once, under the grad mode of
+the extracted call. Code that branches on grad mode keeps, in its graph, the branch it took then.
+Such code reads grad mode in one of two ways:
+
+- it calls ``torch.is_grad_enabled()`` (``nn.MultiheadAttention`` chooses its native fast path so;
+  transformers' gradient checkpointing asks it);
+- it reads a tensor's ``requires_grad``, ``grad_fn`` or ``is_leaf``, which for a tensor computed in
+  the call depend on grad mode.
+
+:func:`grad_mode_reads` reports both from the interpreter's profiling events
+(``sys.setprofile``), patching nothing: a call of ``torch.is_grad_enabled`` is a ``c_call`` event
+(found by identity, whatever name the code calls it by), and each Python function entered outside
+torch's own package is checked once for those attribute names (a function naming them counts
+whether or not the line ran: conservative). Not counted: torch's own grad-mode context managers
+(``torch.no_grad()``, ``torch.set_grad_enabled``), which read the mode only to put it back, and
+nnbridge's own code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Attribute names whose values, for a tensor computed under the call, depend on grad mode.
+GRAD_ATTRIBUTES = frozenset({"requires_grad", "grad_fn", "is_leaf"})
+
+
+def _prefixes(*paths: Path, folder: bool) -> tuple[str, ...]:
+    """Each path as imported and resolved (a folder's with a trailing separator)."""
+    return tuple({str(p) + (os.sep if folder else "") for path in paths for p in (path, path.resolve())})
+
+
+#: Where a call of ``torch.is_grad_enabled`` is no branch on grad mode: torch's grad-mode context
+#: managers (they read the mode to put it back) and nnbridge's own package.
+_CALLS_NOT_COUNTED = (*_prefixes(Path(torch.autograd.grad_mode.__file__), folder=False),
+                      *_prefixes(Path(__file__).parents[2], folder=True))
+#: Where naming ``requires_grad``, ``grad_fn`` or ``is_leaf`` is not counted: torch's own package,
+#: whose forward code asks ``torch.is_grad_enabled()`` where it branches on them
+#: (``nn.MultiheadAttention``'s fast path) and otherwise reads them in its hook and copy machinery
+#: (``nn.Module.__call__`` with hooks, ``Tensor.__deepcopy__``), and nnbridge's own package.
+_NAMES_NOT_COUNTED = _prefixes(Path(torch.__file__).parent, Path(__file__).parents[2], folder=True)
+
+
+def _outside(code: types.CodeType, prefixes: tuple[str, ...], verdicts: dict[types.CodeType, bool]) -> bool:
+    verdict = verdicts.get(code)
+    if verdict is None:
+        verdict = verdicts[code] = not code.co_filename.startswith(prefixes)
+    return verdict
+
+
+@contextlib.contextmanager
+def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], None]) -> Iterator[None]:
+    """Call ``on_read()`` each time code run in the body, in the thread that entered it, reads
+    grad mode (see the module docstring): a call of ``torch.is_grad_enabled``, or the entry into a
+    function outside torch whose code names ``requires_grad``, ``grad_fn`` or ``is_leaf``.
+
+    When another profile function is set in this thread (``cProfile``, a debugger), it is left in
+    place, nothing is watched, and ``on_unwatched()`` is called once on entry."""
+    if sys.getprofile() is not None:
+        on_unwatched()
+        yield
+        return
+    calls: dict[types.CodeType, bool] = {}
+    names: dict[types.CodeType, bool] = {}
+
+    def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "c_call":
+            if arg is torch.is_grad_enabled and _outside(frame.f_code, _CALLS_NOT_COUNTED, calls):
+                on_read()
+        elif event == "call":
+            code = frame.f_code
+            named = names.get(code)
+            if named is None:
+                named = names[code] = (not GRAD_ATTRIBUTES.isdisjoint(code.co_names)
+                                       and not code.co_filename.startswith(_NAMES_NOT_COUNTED))
+            if named:
+                on_read()
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
