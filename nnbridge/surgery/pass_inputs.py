@@ -16,9 +16,11 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch.fx import Node
 from torch.fx.node import map_aggregate
 
+from ..compat.torch.symbolic import has_hint, symbolic_hint
 from ..graph.graph_module import CompiledGraphModule
 from .fake_values import UNKNOWN
 from .pass_graphs import fetch
@@ -78,6 +80,17 @@ def recorded_inputs(graph: CompiledGraphModule, parents: Parents) -> dict[str, A
     :data:`~.fake_values.UNKNOWN` where none was found) for ``graph``'s placeholders."""
     return {str(node.target): _recorded(node, graph, parents, depth=0, root={})
             for node in graph.graph.nodes if node.op == "placeholder"}
+
+
+def recorded_spec(value: Any) -> tuple[torch.Size, torch.dtype, torch.device] | None:
+    """``(sizes, dtype, device)`` of a :func:`recorded_value`: a tensor whose sizes are known (a
+    symbol's hint stands for it), or an extraction input, recorded as that triple; None for
+    anything else (:data:`~.fake_values.UNKNOWN` included)."""
+    if isinstance(value, torch.Tensor) and all(has_hint(s) for s in value.shape):
+        return torch.Size(symbolic_hint(s) for s in value.shape), value.dtype, value.device
+    if isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], torch.dtype):
+        return torch.Size(value[0]), value[1], value[2]
+    return None
 
 
 def recorded_value(node: Node, graph: CompiledGraphModule, parents: Parents, *,

@@ -36,14 +36,13 @@ from torch.fx import Node
 from ..compat.torch.fake_tensors import fake_call
 from ..compat.torch.hooks import cleared_module_state
 from ..compat.torch.module_dicts import modules_of
-from ..compat.torch.symbolic import has_hint, symbolic_hint
 from ..dispatch.dispatcher import GraphDispatcher
 from ..errors import PatternError, SurgeryError
 from ..graph.graph_module import CompiledGraphModule
 from ..graph.metadata import node_meta, node_name, update_node_meta
 from ..graph.recipes import Callers, add_recipe, remove_recipe
 from .fake_values import UNKNOWN
-from .pass_inputs import Parents, recorded_value
+from .pass_inputs import Parents, recorded_spec, recorded_value
 from .pass_targets import graph_path
 from .pattern_graphs import PatternGraph, name_of
 from .pattern_log import MatchLog
@@ -94,11 +93,9 @@ def input_specs(pattern: PatternGraph, graph: CompiledGraphModule, match: Match,
     for name in pattern.tensors:
         node = match.tensors[name]
         value = recorded_value(node, graph, parents, root=root)
-        if isinstance(value, torch.Tensor) and all(has_hint(s) for s in value.shape):
-            specs.append((torch.Size(symbolic_hint(s) for s in value.shape), value.dtype, value.device))
-            continue
-        if isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], torch.dtype):
-            specs.append((torch.Size(value[0]), value[1], value[2]))  # an extraction's input, as recorded
+        spec = recorded_spec(value)
+        if spec is not None:
+            specs.append(spec)
             continue
         what = "unknown" if value is UNKNOWN else f"a {type(value).__name__}"
         raise PatternError(

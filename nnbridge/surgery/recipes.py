@@ -28,7 +28,6 @@ from torch.fx import Node
 from ..compat.torch.fake_tensors import fake_call
 from ..compat.torch.hooks import cleared_module_state
 from ..compat.torch.module_dicts import modules_of
-from ..compat.torch.symbolic import has_hint, symbolic_hint
 from ..dispatch.dispatcher import GraphDispatcher
 from ..errors import SurgeryError
 from ..extract.options import ExtractionOptions
@@ -37,7 +36,7 @@ from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
 from ..graph.metadata import node_meta, node_name, update_node_meta
 from ..graph.node_path import ModulePath
 from ..graph.recipes import Callers
-from .pass_inputs import recorded_value
+from .pass_inputs import recorded_spec, recorded_value
 from .sites import Site, Spec, tensor_spec, value_of
 
 #: Where a module goes relative to its site.
@@ -50,11 +49,9 @@ def _spec(graph: CompiledGraphModule, node: Node, callers: Callers | None, *, wh
     """:func:`~.sites.tensor_spec`, but a graph input (placeholder) is looked up where its value
     comes from: its caller's argument, or the extraction's own input (see :mod:`.pass_inputs`)."""
     if node.op == "placeholder" and callers is not None:
-        value = recorded_value(node, graph, callers.parents, root=callers.inputs)
-        if isinstance(value, torch.Tensor) and all(has_hint(s) for s in value.shape):
-            return torch.Size(symbolic_hint(s) for s in value.shape), value.dtype, value.device
-        if isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], torch.dtype):
-            return torch.Size(value[0]), value[1], value[2]  # an extraction's input, as recorded
+        spec = recorded_spec(recorded_value(node, graph, callers.parents, root=callers.inputs))
+        if spec is not None:
+            return spec
     return tensor_spec(graph, node, where=where)
 
 #: ``node.meta`` key marking a ``call_module`` node an insertion recipe made (its ``id``)
