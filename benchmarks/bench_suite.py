@@ -184,7 +184,8 @@ def report(outcomes: Sequence[Outcome], *, command: str, machine: str, how: Sett
     mode = "quick (a smoke test)" if how.quick else "full"
     return (f"Command: `{command}`\n\nMachine: {machine}\n\n"
             f"Settings: {mode}; {how.repeats} interleaved repetitions per in-process ratio, {how.processes} new"
-            f" process(es) per cold time (medians); the run took {elapsed / 60:.1f} min. Times are wall clock on"
+            f" process(es) per cold time (medians); the run took {elapsed / 60:.1f} min, load average at its end"
+            f" {os.getloadavg()[0]:.2f}. Times are wall clock (depth rows: CPU time) on"
             f" this machine's CPU: on a shared machine they are noisy (see the load average).\n\n"
             + table(outcomes))
 
