@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,7 @@ def _depth(how: Settings, use_cache: bool) -> dict[int, float]:
     return {depth: float(bench_depth.point(depth, use_cache=use_cache)["cpu"]) for depth in depths}  # type: ignore[arg-type]
 
 
-def depth(use_cache: bool) -> Any:
+def depth(use_cache: bool) -> Callable[[Settings], Result]:
     def measure(how: Settings) -> Result:
         cpu = _depth(how, use_cache)
         ratio = cpu[80] / cpu[20]
@@ -105,7 +106,8 @@ def depth(use_cache: bool) -> Any:
 # Forward and op-read ratios (in this process, interleaved)
 
 
-def forward(layers: int, width: int, tokens: int, *, use_cache: bool, threads: int = 0) -> Any:
+def forward(layers: int, width: int, tokens: int, *, use_cache: bool, threads: int = 0
+            ) -> Callable[[Settings], Result]:
     def measure(how: Settings) -> Result:
         import torch
 
