@@ -219,7 +219,7 @@ ROWS: list[Row] = [
     Row("op-read", "one op read in a trace, GPT-2 4x256, 32 tokens", "≤ 1.0x nnsight .source", 1.0, op_read,
         "bench_targets.op_read_medians in this process: a trace saving h[0].add.output (nnbridge) against"
         " h[0].source.hidden_states_1.output (nnsight 0.8), interleaved"),
-    Row("compiled-sweep", "activation-patching sweep, GPT-2 12x768, torch.compile(bridged)",
+    Row("compiled-sweep", "activation-patching sweep, GPT-2 12x768 (--quick: 4x128), torch.compile(bridged)",
         "≤ 0.9x eager hooks", 0.9, compiled_sweep,
         "bench_compiled_sweep.measure in this process (--full; --quick: 4x128): one sweep patches each layer's"
         " block output in turn; medians of 7 interleaved sweeps (--quick: 3); compile time apart"),

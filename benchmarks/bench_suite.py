@@ -147,7 +147,7 @@ def _commit() -> str:
 
 
 def machine_line(load: tuple[float, float, float]) -> str:
-    """Cores, the load average given (taken before the run), library versions and the commit."""
+    """Cores, the load average given, library versions and the commit checked out now."""
     return (f"{os.cpu_count()} cores ({platform.machine()}), load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
             f" before the run; python {platform.python_version()}, torch {_version('torch')}, transformers"
             f" {_version('transformers')}, nnsight {_version('nnsight')}; commit {_commit()}")
@@ -215,13 +215,12 @@ def main(argv: Sequence[str] | None = None, *, rows: Sequence[Row] | None = None
         from bench_rows import ROWS
         rows = ROWS
     selected = select(rows, args.rows, parser)
-    load = os.getloadavg()
+    machine = machine_line(os.getloadavg())  # before the run: its load, and the commit it measures
     how = settings(args.quick)
     start = time.perf_counter()
     outcomes = run(selected, how, log)
     command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
-    text = report(outcomes, command=command, machine=machine_line(load), how=how,
-                  elapsed=time.perf_counter() - start)
+    text = report(outcomes, command=command, machine=machine, how=how, elapsed=time.perf_counter() - start)
     out.write(text)
     if args.write:
         results.write_text(_RESULTS_HEAD + text)
