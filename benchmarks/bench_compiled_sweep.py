@@ -107,22 +107,20 @@ def nnbridge_way(model: torch.nn.Module, pg: PatchableGraph, saved: list[torch.T
     return sweep
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="GPT-2 12 x 768 (default: 4 x 128)")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--changed", type=int, default=4, help="tokens that differ between the prompts")
-    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    base = make_model(args.full)
+def measure(*, full: bool, repeats: int, tokens: int = 64, changed: int = 4, threads: int = 0) -> dict[str, object]:
+    """One run of the four ways: ``medians`` (ms per sweep, by row name), ``compile_s`` (the first
+    compiled sweep), ``bridge_s`` (``bridge`` + ``PatchableGraph``), ``equal`` (nnsight's and nnbridge
+    graphs' logits ``torch.equal`` to eager hooks at every layer, by row name), ``max_diff`` (the
+    compiled logits' max abs difference to eager hooks), ``layers``, ``graphs`` and ``recompiled``
+    (graphs Dynamo compiled in the first compiled sweep, and while timing)."""
+    if threads:
+        torch.set_num_threads(threads)
+    base = make_model(full)
     layers = base.config.n_layer
     torch.manual_seed(1)
-    clean = torch.randint(0, base.config.vocab_size, (1, args.tokens))
+    clean = torch.randint(0, base.config.vocab_size, (1, tokens))
     corrupt = clean.clone()
-    corrupt[:, :args.changed] = torch.randint(0, base.config.vocab_size, (1, args.changed))
+    corrupt[:, :changed] = torch.randint(0, base.config.vocab_size, (1, changed))
 
     with torch.no_grad():
         hooks = hooks_way(copy.deepcopy(base), clean, corrupt)
@@ -140,24 +138,39 @@ def main() -> None:
         start = time.perf_counter()
         first = compiled()  # compiles one graph per patched node
         compile_s = time.perf_counter() - start
-        for name, got in (("nnsight", ns()), ("nnbridge graphs", graphs())):
-            same = all(torch.equal(a, b) for a, b in zip(got, expected))
-            print(f"{name}: logits torch.equal to eager hooks at every layer: {same}")
+        equal = {name: all(torch.equal(a, b) for a, b in zip(got, expected))
+                 for name, got in (("nnsight", ns()), ("nnbridge graphs", graphs()))}
         diff = max((a - b).abs().max().item() for a, b in zip(first, expected))
-        print(f"nnbridge compiled (inductor): max abs logit difference to eager hooks {diff:.3g}")
 
         graphs_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         medians = interleaved_medians({"eager hooks": hooks, "nnsight": ns, "nnbridge graphs": graphs,
-                                       "nnbridge compiled": compiled}, args.repeats)
+                                       "nnbridge compiled": compiled}, repeats)
         recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_compiled
-        print(f"graphs Dynamo compiled: {graphs_compiled} in the first compiled sweep, {recompiled} while timing"
-              " (new pg.patch contexts and patches each sweep)")
+    return {"medians": medians, "compile_s": compile_s, "bridge_s": bridge_s, "equal": equal, "max_diff": diff,
+            "layers": layers, "graphs": graphs_compiled, "recompiled": recompiled}
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="GPT-2 12 x 768 (default: 4 x 128)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--changed", type=int, default=4, help="tokens that differ between the prompts")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    args = parser.parse_args()
+    result = measure(full=args.full, repeats=args.repeats, tokens=args.tokens, changed=args.changed,
+                     threads=args.threads)
+    medians: dict[str, float] = result["medians"]  # type: ignore[assignment]
+    for name, same in result["equal"].items():  # type: ignore[attr-defined]
+        print(f"{name}: logits torch.equal to eager hooks at every layer: {same}")
+    print(f"nnbridge compiled (inductor): max abs logit difference to eager hooks {result['max_diff']:.3g}")
+    print(f"graphs Dynamo compiled: {result['graphs']} in the first compiled sweep, {result['recompiled']} while"
+          " timing (new pg.patch contexts and patches each sweep)")
     shape = "12 x 768" if args.full else "4 x 128"
-    print(f"\nGPT-2 {shape}, {args.tokens} tokens, {layers} patched forwards per sweep; torch {torch.__version__},"
-          f" {torch.get_num_threads()} threads, {os.cpu_count()} cores, load average"
+    print(f"\nGPT-2 {shape}, {args.tokens} tokens, {result['layers']} patched forwards per sweep; torch"
+          f" {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, load average"
           f" {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print(f"bridge + PatchableGraph: {bridge_s:.2f} s; compile (first compiled sweep): {compile_s:.2f} s")
+    print(f"bridge + PatchableGraph: {result['bridge_s']:.2f} s; compile (first compiled sweep): {result['compile_s']:.2f} s")
     width = max(len(name) for name in medians) + 2
     print(f"{'row':<{width}}{'ms/sweep':>10}{'x eager hooks':>15}")
     for name, ms in medians.items():

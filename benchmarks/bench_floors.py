@@ -115,6 +115,19 @@ def child(code: str, cache: str) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def plain_export(layers: int) -> dict[str, float]:
+    """Seconds of ``torch.export.export`` (key ``export``) and of export + ``torch.export.unflatten``
+    (key ``total``) of a random GPT-2 with ``layers`` layers x 768, 64 tokens, in a new process."""
+    return child(_GPT2_EXPORT.format(layers=layers), "")
+
+
+def entry_load(path: str, loader: str, cache: str) -> dict[str, float]:
+    """Seconds to read the programs of the disk-cache entry ``path`` with ``loader``
+    (``"torch.export.load"`` or ``"load_program"``; key ``load``) and then unflatten them (key
+    ``total``), in a new process."""
+    return child(_LOAD.format(path=path, loader=loader), cache)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="new processes per row, run in turn (median)")
@@ -123,10 +136,10 @@ def main() -> None:
     args = parser.parse_args()
     runs: dict[str, list[float]] = {"export12": [], "unflatten12": [], "export1": [], "bridge12": []}
     for _ in range(args.repeats):  # in turn, so machine drift hits every row alike
-        twelve = child(_GPT2_EXPORT.format(layers=12), "")
+        twelve = plain_export(12)
         runs["export12"].append(twelve["export"])
         runs["unflatten12"].append(twelve["total"])
-        runs["export1"].append(child(_GPT2_EXPORT.format(layers=1), "")["export"])
+        runs["export1"].append(plain_export(1)["export"])
         with tempfile.TemporaryDirectory() as cache:  # empty: a cold extraction, as bench_targets.py's
             runs["bridge12"].append(bench_targets.child(bench_targets._GPT2, cache)["bridge"])
     median = {name: statistics.median(values) for name, values in runs.items()}
@@ -144,7 +157,7 @@ def main() -> None:
                                             "hit": []}
             for _ in range(args.repeats):
                 for loader, name in (("torch.export.load", "torch"), ("load_program", "nnbridge")):
-                    result = child(_LOAD.format(path=str(entry), loader=loader), cache)
+                    result = entry_load(str(entry), loader, cache)
                     load[name].append(result["load"])
                     load[f"{name} total"].append(result["total"])
                 load["hit"].append(bench_targets.child(bench_targets._SMOLLM2, cache)["bridge"])

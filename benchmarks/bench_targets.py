@@ -83,7 +83,7 @@ sampler.join()
 peak[0] = max(peak[0], rss())
 size = sum(p.numel() * 4 for p in model.parameters())
 result = {{"bridge": bridge_s, "peak_ratio": (peak[0] - before_load) / size, "increase_ratio": (peak[0] - before) / size,
-          "process_ratio": peak[0] / before}}
+          "process_ratio": peak[0] / before, "size_mb": size / 1e6, "before_mb": before / 1e6}}
 if {new_structure}:
     start = time.perf_counter()
     model(ids, output_attentions=True)
@@ -128,6 +128,13 @@ def gpt2(layers: int, width: int) -> GPT2LMHeadModel:
 
 def forward_ratio(layers: int, width: int, tokens: int, use_cache: bool, repeats: int) -> float:
     """Median bridged / eager forward time under no_grad, measured interleaved."""
+    medians = forward_medians(layers, width, tokens, use_cache, repeats)
+    return medians["bridged"] / medians["eager"]
+
+
+def forward_medians(layers: int, width: int, tokens: int, use_cache: bool, repeats: int) -> dict[str, float]:
+    """Median forward times in ms of the eager and the bridged model (keys ``eager``, ``bridged``),
+    under no_grad, measured interleaved."""
     import nnbridge
     from timing import interleaved_medians
     plain = gpt2(layers, width)
@@ -137,7 +144,7 @@ def forward_ratio(layers: int, width: int, tokens: int, use_cache: bool, repeats
         nnbridge.bridge(bridged, ids, use_cache=use_cache)
         medians = interleaved_medians({"eager": lambda: plain(ids, use_cache=use_cache),
                                        "bridged": lambda: bridged(ids, use_cache=use_cache)}, repeats)
-    return medians["bridged"] / medians["eager"]
+    return medians
 
 
 def decode_ratio(layers: int, width: int, tokens: int, repeats: int) -> float:
@@ -170,6 +177,13 @@ def decode_ratio(layers: int, width: int, tokens: int, repeats: int) -> float:
 
 def op_read_ratio(repeats: int) -> float:
     """Median nnbridge op-envoy read / nnsight ``.source`` read of the same op (GPT-2 4x256, 32 tokens)."""
+    medians = op_read_medians(repeats)
+    return medians["op"] / medians["source"]
+
+
+def op_read_medians(repeats: int) -> dict[str, float]:
+    """Median trace times in ms of one op read: nnbridge's op envoy (key ``op``) and nnsight's
+    ``.source`` (key ``source``), GPT-2 4x256, 32 tokens, measured interleaved."""
     import nnsight
     import nnbridge
     from timing import interleaved_medians
@@ -187,7 +201,7 @@ def op_read_ratio(repeats: int) -> float:
             nb.transformer.h[0].add.output.save()
     with torch.no_grad():
         medians = interleaved_medians({"source": source, "op": op}, repeats)
-    return medians["op"] / medians["source"]
+    return medians
 
 
 def demo_seconds(cache: str) -> float:

@@ -1,5 +1,5 @@
 """Docstrings and comments under ``nnbridge/`` keep shapes, units, errors and sources: no timings
-(they belong in ``benchmarks/RESULTS.md``), no history (commit messages) and no issue tags.
+(they belong to the benchmarks: ``python -m benchmarks``), no history (commit messages) and no issue tags.
 
 Only docstrings (any string that is a statement of its own: module, class, function and attribute
 docstrings) and ``#`` comments are read; strings the code uses, such as error messages, are not.
@@ -77,7 +77,7 @@ def lab_notes(path: Path, root: Path | None = None) -> list[str]:
 def test_no_timings_history_or_issue_tags_in_docstrings_and_comments() -> None:
     found = [note for path in sorted(PACKAGE.rglob("*.py")) for note in lab_notes(path, PACKAGE.parent)]
     assert not found, ("docstrings and comments keep shapes, units, errors and sources; timings go to"
-                       " benchmarks/RESULTS.md, history to commit messages:\n" + "\n".join(found))
+                       " the benchmarks (python -m benchmarks), history to commit messages:\n" + "\n".join(found))
 
 
 PLANTED = '''"""A module.

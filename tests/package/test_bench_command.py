@@ -1,0 +1,96 @@
+"""``python -m benchmarks``: the table built from fake measurements, row selection, --write, and the
+error for a --rows glob that matches no row. Nothing here is timed."""
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCHMARKS = REPO / "benchmarks"
+
+
+@pytest.fixture
+def suite(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_suite
+    return bench_suite
+
+
+def fake_rows(suite, calls):
+    def ratio_row(how):
+        calls.append(how)
+        return suite.Result("bridged 10.50 ms", 1.05, 1.05, "eager 10.00 ms", "a note")
+
+    def seconds_row(how):
+        return suite.Result("0.50 s", 0.5)
+
+    def broken_row(how):
+        raise RuntimeError("benchmark child failed:\nTraceback ...")
+
+    return [suite.Row("fake-ratio", "a ratio", "≤ 1.02x eager", 1.02, ratio_row, "ratio_row in this process"),
+            suite.Row("fake-seconds", "a time", "< 1 s", 1.0, seconds_row, "seconds_row", strict=True),
+            suite.Row("fake-missing", "not there", "≤ 2x hooks", 2.0, None, "", reason="no script measures it"),
+            suite.Row("other-broken", "raises", "< 1 s", 1.0, broken_row, "broken_row")]
+
+
+def run(suite, argv, rows, tmp_path):
+    out, log = io.StringIO(), io.StringIO()
+    code = suite.main(argv, rows=rows, results=tmp_path / "RESULTS.md", out=out, log=log)
+    return code, out.getvalue(), log.getvalue()
+
+
+def table_lines(text):
+    return [line for line in text.splitlines() if line.startswith("| `")]
+
+
+def test_table_of_fake_measurements(suite, tmp_path):
+    calls = []
+    code, out, _ = run(suite, ["--rows", "fake-*", "--quick"], fake_rows(suite, calls), tmp_path)
+    assert code == 0
+    assert calls == [suite.Settings(quick=True, repeats=5, processes=1)]
+    assert out.startswith("Command: `python -m benchmarks --rows fake-* --quick`")
+    machine = next(line for line in out.splitlines() if line.startswith("Machine:"))
+    for part in ("cores", "load average", "torch ", "transformers ", "nnsight ", "commit "):
+        assert part in machine, part
+    ratio, seconds, missing = table_lines(out)
+    assert ratio == ("| `fake-ratio` | a ratio | ≤ 1.02x eager | bridged 10.50 ms | 1.050x | eager 10.00 ms | no |")
+    assert seconds == "| `fake-seconds` | a time | < 1 s | 0.50 s | — | — | yes |"
+    assert missing == "| `fake-missing` | not there | ≤ 2x hooks | not measured: no script measures it | — | — | — |"
+    assert "- `fake-ratio`: a note" in out and "- `fake-seconds`: seconds_row" in out
+    assert not (tmp_path / "RESULTS.md").exists(), "only --write writes"
+
+
+def test_a_failing_row_is_reported_and_the_exit_status_is_1(suite, tmp_path):
+    code, out, log = run(suite, ["--rows", "other-*,fake-seconds", "--write"], fake_rows(suite, []), tmp_path)
+    assert code == 1
+    assert [line.split(" | ")[0] for line in table_lines(out)] == ["| `fake-seconds`", "| `other-broken`"], \
+        "table order, not glob order"
+    assert "| error: RuntimeError: benchmark child failed: | — | — | — |" in table_lines(out)[1]
+    assert "Traceback" in log
+    written = (tmp_path / "RESULTS.md").read_text()
+    assert written.startswith("# Benchmark results") and written.endswith(out), "RESULTS.md holds this run only"
+
+
+def test_unknown_glob_names_the_argument_and_the_known_rows(suite, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        run(suite, ["--rows", "fake-*,nothing-like-this"], fake_rows(suite, []), tmp_path)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert ("argument --rows: 'nothing-like-this' matches no row; known rows: fake-ratio, fake-seconds,"
+            " fake-missing, other-broken") in err
+    with pytest.raises(SystemExit) as exited:
+        run(suite, ["--rows", " , "], fake_rows(suite, []), tmp_path)
+    assert exited.value.code == 2
+    assert "argument --rows: give at least one glob; known rows: fake-ratio," in capsys.readouterr().err
+
+
+def test_module_entry_point_lists_the_real_rows_without_measuring():
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--rows", "no-such-row"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "argument --rows: 'no-such-row' matches no row; known rows: gpt2-cold-extraction," in done.stderr
+    for name in ("depth-cache", "compiled-sweep", "unbridge-anon-kept", "smollm2-memory-4x512"):
+        assert name in done.stderr
