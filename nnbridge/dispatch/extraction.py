@@ -55,7 +55,7 @@ from ..graph.module_tree import (
     shared_container_entries,
 )
 from ..extract.opaque import opaque_module
-from ..extract.shared_names import stateful_callers
+from ..extract.shared_names import spread_to_aliases, stateful_callers
 from ..store import programs
 from ..store.disk_cache import default_cache
 from ..store.memory_cache import PROGRAM_RECORD, memory_cache
@@ -81,6 +81,7 @@ from ..compat.torch.export import (
     forget_export_state,
     invocation_graphs,
     register_cache_pytrees,
+    uncalled_module_names,
     unflatten,
 )
 from ..compat.torch.fx import generated_code_released
@@ -288,8 +289,6 @@ def _by_name(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, An
     run calls with a stateful argument): with none, the tree is exported by name (``ctx.by_name``,
     see :mod:`nnbridge.extract.shared_names`)."""
     module = ctx.module
-    if ctx.options.skip_compilation or type(module) in ctx.options.classes_to_skip_compiling:
-        return
     ctx.shared_entries = shared_container_entries(module)
     if ctx.shared_entries:
         ctx.stateful = stateful_callers(module, args, kwargs)
@@ -324,11 +323,16 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         reason = (f"{sharing}, and the call passes a stateful argument to {callers}: nnbridge threads its state"
                   " through forwards set on the modules, which hide from torch.export the name a shared module"
                   " is called by, so the calls of one module under two names cannot be kept apart")
-        if fqn == "":
+        owner = fqn
+        while owner and owner in ctx.stateful:  # its stub could not hand the state it writes back to a graph
+            owner = caller_of(module, owner)
+        if owner != fqn:
+            reason += f"; {fqn!r} is called with the stateful argument, so its caller {owner or '<root>'!r} runs its code"
+        if owner == "":
             ctx.fail(ROOT_PATH, reason, SharedModuleEntry(reason), fix=SharedModuleEntry.FIX)
             return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=reason), static
-        if fqn not in stubs:
-            stubs[fqn], errors[fqn] = reason, SharedModuleEntry(reason)
+        if owner not in stubs:
+            stubs[owner], errors[owner] = reason, SharedModuleEntry(reason)
     # the call's structure before anything runs it: export may record a cache argument's spec
     # after the traced code mutated it (torch 2.13, static shapes)
     input_spec = copy_spec(pytree.tree_flatten((args, kwargs))[1])
@@ -449,6 +453,8 @@ class _RootExport:
         the root's opaque module when the root itself is at fault."""
         module, args, kwargs = self.module, self.args, self.kwargs
         while self.record is None:
+            if self.ctx.by_name:
+                self._spread_to_aliases()
             frozen_by = scalar_stub_caller(module, self.stubs, self.traced, calls=self.calls)
             if frozen_by is not None:
                 caller, cause = frozen_by
@@ -465,8 +471,10 @@ class _RootExport:
                     watch_reads=self.watch_reads, by_name=self.ctx.by_name)
                 # calls export recorded no node for (nn.Identity): unflatten would fail on them; they
                 # run as themselves, called from their caller's graph (a stub records a node)
+                # (a name of a shared module the code never called is no call, see .shared_names)
+                uncalled = uncalled_module_names(self.exported) if self.ctx.by_name else set()
                 empty = {fqn.partition("@")[0].partition(".")[2]
-                         for fqn in empty_module_calls(self.exported)} - {""} - set(self.stubs)
+                         for fqn in empty_module_calls(self.exported) if fqn not in uncalled} - {""} - set(self.stubs)
                 if not empty:
                     break
                 for fqn in sorted(empty):
@@ -478,6 +486,17 @@ class _RootExport:
                 if opaque is not None:
                     return opaque
         return None
+
+    def _spread_to_aliases(self) -> None:
+        """Stub (or trace through) every name of a module object stubbed (traced through) under one
+        name (see :func:`~nnbridge.extract.shared_names.spread_to_aliases`); record the calls again
+        when that stubs more."""
+        stubs = spread_to_aliases(self.module, self.stubs)
+        self.traced = set(spread_to_aliases(self.module, dict.fromkeys(self.traced)))
+        self.frozen = set(spread_to_aliases(self.module, dict.fromkeys(self.frozen)))
+        if stubs != self.stubs:
+            self.stubs, self.errors = stubs, spread_to_aliases(self.module, self.errors)
+            self.calls = record_calls(self.module, set(self.stubs), self.args, kwargs=self.kwargs)
 
     def _stub_failure(self, failure: ModuleFailure) -> OpaqueGraphModule | None:
         """Stub the module ``failure`` is attributed to (or its caller, or trace through the modules

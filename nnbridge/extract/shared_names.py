@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..graph.kinds import HookKind
-from ..graph.module_tree import named_real_modules, shared_container_entries
+from ..graph.module_tree import named_real_modules, named_registrations, shared_container_entries
 from ..graph.state import state_keys
 from .recording import observed_run
 
@@ -53,3 +53,25 @@ def by_name(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     it is called with a stateful argument (an eager run checks, see :func:`stateful_callers`).
     Without shared container entries nothing runs."""
     return bool(shared_container_entries(module)) and not stateful_callers(module, args, kwargs)
+
+
+def same_object_paths(module: torch.nn.Module) -> dict[str, list[str]]:
+    """``{path: every path of the same module object}`` over every registration of ``module``'s
+    tree (see :func:`~nnbridge.graph.module_tree.named_registrations`), for the objects registered
+    under more than one name."""
+    paths: dict[int, list[str]] = {}
+    for fqn, sub in named_registrations(module):
+        paths.setdefault(id(sub), []).append(fqn)
+    return {fqn: names for names in paths.values() if len(names) > 1 for fqn in names}
+
+
+def spread_to_aliases(module: torch.nn.Module, marked: dict[str, Any]) -> dict[str, Any]:
+    """``marked`` (``{path: value}``: stubs, their errors) with every other name of each marked module
+    object marked with the same value: a stub or a traced-through module replaces or runs the object,
+    whichever name a call goes through, so each of its names must be shown as it is (opaque)."""
+    spread = dict(marked)
+    for fqn, names in same_object_paths(module).items():
+        for other in names:
+            if other in marked and fqn not in spread:
+                spread[fqn] = marked[other]
+    return spread
