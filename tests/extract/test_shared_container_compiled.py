@@ -211,3 +211,67 @@ def test_with_a_stateful_argument_the_error_option_names_the_module_the_cause_an
     assert "docs/graphpatch.md, 'A ModuleList/ModuleDict holding one module object twice'" in message
     assert torch.equal(model(x, DynamicCache()), before(x, DynamicCache())), "nothing left half-extracted"
     assert list(dict(model.stack.layers.named_children())) == ["0", "1"] and len(model.stack.layers) == 3
+
+
+class Branchy(nn.Module):
+    """A forward export cannot trace (a branch on a tensor's value): it runs opaque."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) if x.sum() > 0 else -self.lin(x)
+
+
+class SharedBranchy(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+        self.layers = nn.ModuleList([block, nn.Linear(4, 4)])
+        self.table = nn.ModuleDict({"again": block})
+
+    def forward(self, x):
+        h = self.block(x)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.table["again"](h) * 2
+
+
+def _branchy(block_cls=Branchy):
+    torch.manual_seed(0)
+    return SharedBranchy(block_cls())
+
+
+@pytest.mark.parametrize("how", ["export-failure", "classes_to_skip_compiling"])
+def test_a_shared_module_that_runs_opaque_is_opaque_under_every_name(how):
+    """An opaque stand-in replaces the module object, whichever name a call goes through: every
+    name of it is opaque (a name left a graph would hold the stand-in's zeros)."""
+    x = _input()[:, :3].repeat(1, 2)[:, :4]
+    options = ExtractionOptions(classes_to_skip_compiling={Branchy}) if how != "export-failure" else ExtractionOptions()
+    pg = PatchableGraph(_branchy(), x, options=options)
+    assert torch.equal(pg(x), _branchy()(x))
+    assert torch.equal(pg(-x), _branchy()(-x))
+    root = pg._graph_module
+    assert isinstance(root, CompiledGraphModule)
+    assert all(isinstance(root.get_submodule(path), OpaqueGraphModule) for path in ("block", "layers.0", "table.again"))
+    assert isinstance(root.get_submodule("layers.1"), CompiledGraphModule)
+    assert "relu_1" in pg.graph.keys(), "the owner's own ops are a graph"
+
+
+def test_lock_overrides_are_lifted_only_while_the_body_runs_and_put_back_after_an_error():
+    from nnbridge.compat.torch.forwards import call_override
+    from nnbridge.graph.locking import calls_unlocked, lock_calls, unlock_calls
+
+    model = _made()
+    installed = lock_calls(model.modules())
+    overrides = {id(m): call_override(m) for m in model.modules()}
+    assert all(o is not None for o in overrides.values())
+    with pytest.raises(RuntimeError, match="inside"):
+        with calls_unlocked(model.modules()):
+            assert all(call_override(m) is None for m in model.modules())
+            assert torch.equal(model(_input()), _made()(_input()))
+            raise RuntimeError("inside")
+    assert all(call_override(m) is overrides[id(m)] for m in model.modules())
+    unlock_calls(installed)
+    assert all(call_override(m) is None for m in model.modules())
