@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -54,6 +55,7 @@ from ..graph.module_tree import (
     shared_container_entries,
 )
 from ..extract.opaque import opaque_module
+from ..extract.shared_names import spread_to_aliases, stateful_callers
 from ..store import programs
 from ..store.disk_cache import default_cache
 from ..store.memory_cache import PROGRAM_RECORD, memory_cache
@@ -79,6 +81,7 @@ from ..compat.torch.export import (
     forget_export_state,
     invocation_graphs,
     register_cache_pytrees,
+    uncalled_module_names,
     unflatten,
 )
 from ..compat.torch.fx import generated_code_released
@@ -158,22 +161,27 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     # extraction's eager runs must not consume random numbers (dropout in train mode) nor change
     # buffers (batch norm in train mode) or module attributes
     with preserved_state(list(named_real_modules(module))), cleared_module_state(module), \
-            offloaded_weights_loaded(module), reserved_names_renamed(module) as renamed, aliases_hidden(module):
+            offloaded_weights_loaded(module), reserved_names_renamed(module) as renamed, \
+            contextlib.ExitStack() as hiding:
+        _by_name(ctx, args, kwargs)
+        if not ctx.by_name:
+            hiding.enter_context(aliases_hidden(module))
         ctx.renamed = renamed
         register_cache_pytrees(module)
         fallback: ReuseFallback | None = None
         try:
-            root, guard = _extract_root(ctx, args, kwargs, reuse=options.reuse_layers,
-                                        watch=watch if options.reuse_layers else None)
+            reuse = options.reuse_layers and not ctx.by_name  # (layer reuse stubs by path)
+            root, guard = _extract_root(ctx, args, kwargs, reuse=reuse, watch=watch if reuse else None)
         except ReuseFallback as unsafe:  # reuse turned out unsafe for this call: export every layer
             fallback = unsafe
         if fallback is not None:
             # outside the handler: the per-layer export's own failures must not carry the
             # fallback as their context (export failures are searched for a ReuseFallback)
             logger.info("layer reuse fell back to per-layer export: %s", fallback)
+            shared_entries, stateful = ctx.shared_entries, ctx.stateful
             ctx = ExtractionContext(module, options, path, on_extraction=ctx.on_extraction,
                                     child_dispatcher=child_dispatcher)
-            ctx.renamed = renamed
+            ctx.renamed, ctx.shared_entries, ctx.stateful = renamed, shared_entries, stateful
             root, guard = _extract_root(ctx, args, kwargs, reuse=False)
     if isinstance(root, OpaqueGraphModule) and root.serves_any_size:
         # its own code runs (no graph is specialised to the call's sizes) and the children it calls
@@ -190,7 +198,7 @@ def _extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     record = root.__dict__.get(PROGRAM_RECORD)
     extraction.serves_no_grad = (ctx.grad_enabled and isinstance(root, CompiledGraphModule)
                                  and isinstance(record, programs.ProgramRecord) and record.grad_reads == [])
-    if watch is not None and fallback is None and options.reuse_layers:
+    if watch is not None and fallback is None and options.reuse_layers and not ctx.by_name:
         extraction.shared = _shared_root(extraction, args, kwargs, watch=watch, path=path, templates=ctx.templates)
     return extraction
 
@@ -278,6 +286,17 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
     return Extraction(root, guard, {}, (tuple(summarize(a) for a in args), {k: summarize(v) for k, v in kwargs.items()}))
 
 
+def _by_name(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Set ``ctx.shared_entries`` (the modules holding a shared module at a container entry, see
+    :func:`shared_container_entries`) and, when there are any, ``ctx.stateful`` (the modules an eager
+    run calls with a stateful argument): with none, the tree is exported by name (``ctx.by_name``,
+    see :mod:`nnbridge.extract.shared_names`)."""
+    module = ctx.module
+    ctx.shared_entries = shared_container_entries(module)
+    if ctx.shared_entries:
+        ctx.stateful = stateful_callers(module, args, kwargs)
+
+
 def _skip(ctx: ExtractionContext, module: torch.nn.Module) -> bool:
     return ctx.options.skip_compilation or type(module) in ctx.options.classes_to_skip_compiling
 
@@ -302,12 +321,21 @@ def _extract_root(ctx: ExtractionContext, args: tuple[Any, ...], kwargs: dict[st
         if fqn and (type(sub) in ctx.options.custom_extraction_functions
                     or type(sub) in ctx.options.classes_to_skip_compiling)}
     errors: dict[str, BaseException] = {}
-    for fqn, reason in shared_container_entries(module).items():
-        if fqn == "":
+    for fqn, sharing in ({} if ctx.by_name else ctx.shared_entries).items():
+        callers = ", ".join(repr(p or "<root>") for p in ctx.stateful)
+        reason = (f"{sharing}, and the call passes a stateful argument to {callers}: nnbridge threads its state"
+                  " through forwards set on the modules, which hide from torch.export the name a shared module"
+                  " is called by, so the calls of one module under two names cannot be kept apart")
+        owner = fqn
+        while owner and owner in ctx.stateful:  # its stub could not hand the state it writes back to a graph
+            owner = caller_of(module, owner)
+        if owner != fqn:
+            reason += f"; {fqn!r} is called with the stateful argument, so its caller {owner or '<root>'!r} runs its code"
+        if owner == "":
             ctx.fail(ROOT_PATH, reason, SharedModuleEntry(reason), fix=SharedModuleEntry.FIX)
             return opaque_module(ctx, ROOT_PATH, module, args=args, kwargs=kwargs, reason=reason), static
-        if fqn not in stubs:
-            stubs[fqn], errors[fqn] = reason, SharedModuleEntry(reason)
+        if owner not in stubs:
+            stubs[owner], errors[owner] = reason, SharedModuleEntry(reason)
     # the call's structure before anything runs it: export may record a cache argument's spec
     # after the traced code mutated it (torch 2.13, static shapes)
     input_spec = copy_spec(pytree.tree_flatten((args, kwargs))[1])
@@ -428,6 +456,8 @@ class _RootExport:
         the root's opaque module when the root itself is at fault."""
         module, args, kwargs = self.module, self.args, self.kwargs
         while self.record is None:
+            if self.ctx.by_name:
+                self._spread_to_aliases()
             frozen_by = scalar_stub_caller(module, self.stubs, self.traced, calls=self.calls)
             if frozen_by is not None:
                 caller, cause = frozen_by
@@ -441,11 +471,13 @@ class _RootExport:
                     calls=self.calls, dynamic=self.dynamic, grad_enabled=self.ctx.grad_enabled, traced=self.traced,
                     dims=self.ctx.options.dynamic_dims if self.ctx.path == ROOT_PATH else None,
                     frozen=self.frozen, reuse=self.plan, untouched=self.untouched, root_watch=self.watch,
-                    watch_reads=self.watch_reads)
+                    watch_reads=self.watch_reads, by_name=self.ctx.by_name)
                 # calls export recorded no node for (nn.Identity): unflatten would fail on them; they
                 # run as themselves, called from their caller's graph (a stub records a node)
+                # (a name of a shared module the code never called is no call, see .shared_names)
+                uncalled = uncalled_module_names(self.exported) if self.ctx.by_name else set()
                 empty = {fqn.partition("@")[0].partition(".")[2]
-                         for fqn in empty_module_calls(self.exported)} - {""} - set(self.stubs)
+                         for fqn in empty_module_calls(self.exported) if fqn not in uncalled} - {""} - set(self.stubs)
                 if not empty:
                     break
                 for fqn in sorted(empty):
@@ -457,6 +489,17 @@ class _RootExport:
                 if opaque is not None:
                     return opaque
         return None
+
+    def _spread_to_aliases(self) -> None:
+        """Stub (or trace through) every name of a module object stubbed (traced through) under one
+        name (see :func:`~nnbridge.extract.shared_names.spread_to_aliases`); record the calls again
+        when that stubs more."""
+        stubs = spread_to_aliases(self.module, self.stubs)
+        self.traced = set(spread_to_aliases(self.module, dict.fromkeys(self.traced)))
+        self.frozen = set(spread_to_aliases(self.module, dict.fromkeys(self.frozen)))
+        if stubs != self.stubs:
+            self.stubs, self.errors = stubs, spread_to_aliases(self.module, self.errors)
+            self.calls = record_calls(self.module, set(self.stubs), self.args, kwargs=self.kwargs)
 
     def _stub_failure(self, failure: ModuleFailure) -> OpaqueGraphModule | None:
         """Stub the module ``failure`` is attributed to (or its caller, or trace through the modules

@@ -107,6 +107,16 @@ class ExtractionContext:
         self.grad_enabled = torch.is_grad_enabled()  # graphs follow the grad mode of the extracted call
         # a representative root's built graphs, {(path, invocation): BuiltTemplate} (see .sibling_roots)
         self.templates: dict[tuple[str, int], Any] = {}
+        # {module path: reason} of the modules holding a shared module at a container entry, and the
+        # modules called with a stateful argument when there are any (see .shared_names)
+        self.shared_entries: dict[str, str] = {}
+        self.stateful: list[str] = []
+
+    @property
+    def by_name(self) -> bool:
+        """Whether the module is exported with every name of its shared modules kept (see
+        :mod:`.shared_names`)."""
+        return bool(self.shared_entries) and not self.stateful
 
     def full(self, fqn: ModulePath) -> ModulePath:
         return ModulePath(".".join(p for p in (self.path, fqn) if p))

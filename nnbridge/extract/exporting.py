@@ -22,7 +22,8 @@ from .capture_watch import CaptureWatch, UnfaithfulCaptureError
 from .eager_checks import state_writer
 from ..graph.state import plain_container
 from ..graph.kinds import StubKind
-from ..graph.module_tree import CONTAINERS, aliases_hidden, named_real_modules, op_points_hidden
+from ..graph.locking import calls_unlocked
+from ..graph.module_tree import CONTAINERS, aliases_hidden, named_real_modules, named_registrations, op_points_hidden
 from .recording import copy_inputs, stub_output
 from .sibling_roots import RootWatch
 from .reuse_plan import ReuseFallback, ReusePlan, cache_indices
@@ -230,8 +231,8 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
                   dims: tuple[tuple[int, ...] | None, ...] | None = None,
                   traced: AbstractSet[str] = frozenset(), frozen: AbstractSet[str] = frozenset(),
                   reuse: ReusePlan | None = None, untouched: dict[str, list[UntouchedLayers | None]] | None = None,
-                  root_watch: RootWatch | None = None, watch_reads: list[str] | None = None
-                  ) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
+                  root_watch: RootWatch | None = None, watch_reads: list[str] | None = None,
+                  by_name: bool = False) -> tuple[torch.export.ExportedProgram, bool, dict[str, list[list[Key]]]]:
     """Export once (dynamic, then static on failure); raise ModuleFailure naming the innermost
     module that was running when export failed.
 
@@ -251,10 +252,13 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     between them: their reads, and touches of cache layers other than its own, are put in
     ``watch_reads`` (not raised: they only make the program unshareable); with ``reuse`` siblings
     of its own, any read raises :class:`~.reuse_plan.ReuseFallback` as without ``root_watch``.
+    ``by_name`` (see :mod:`.shared_names`; no call passes a stateful argument): every name a module
+    is registered under keeps its signature, nothing is hidden or threaded, and the modules' lock
+    overrides are off while tracing, so each call is known by the name it went through.
     """
     reuse = reuse or ReusePlan()
     wrapper = ExportRoot(module)
-    fqns, threaded = _kept_signatures(module, stubs, calls)
+    fqns, threaded = _kept_signatures(module, stubs, calls, by_name=by_name)
     tools = _Instruments(module, stubs, calls, reuse=reuse, root_watch=root_watch)
     try:
         attempts = [True, False] if dynamic else [False]
@@ -277,7 +281,8 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
                 # (a container's repeated entry: its owner is stubbed, see .module_tree)
                 inputs = copy_inputs((args, kwargs))
                 with cache_layers.layer_touches(), states_returned(threaded, untouched) as states, \
-                        watch.watching(frozen), op_points_hidden(module), aliases_hidden(module, in_containers=True), \
+                        watch.watching(frozen), op_points_hidden(module), \
+                        calls_unlocked(wrapper.modules()) if by_name else aliases_hidden(module, in_containers=True), \
                         reads_watched(tools.watched, tools.indices) as reads, tools.cache_updates():
                     exported = export(wrapper, inputs, dynamic_shapes=shapes, preserve_module_call_signature=fqns,
                                       grad_enabled=grad_enabled, duck_sized=custom_pytree_leaves(*inputs))
@@ -307,11 +312,15 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
         tools.remove()
 
 
-def _kept_signatures(module: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list]
+def _kept_signatures(module: torch.nn.Module, stubs: dict[str, str], calls: dict[str, list], *, by_name: bool = False
                      ) -> tuple[tuple[str, ...], dict[str, torch.nn.Module]]:
     """The paths under :class:`ExportRoot` of the modules whose call signatures the export keeps
     (all but containers, and stubs called with a stateful argument), and ``{path: module}`` of
-    those of them that thread the state of stateful arguments (the ones not stubbed)."""
+    those of them that thread the state of stateful arguments (the ones not stubbed). ``by_name``:
+    every name of every module, none threading."""
+    if by_name:
+        names = [n for n, m in named_registrations(module) if not isinstance(m, CONTAINERS)]
+        return tuple(f"model.{n}" if n else "model" for n in names), {}
     flat = {fqn for fqn in stubs if any(state_keys(a, k) for a, k, _ in calls.get(fqn, []))}
     preserved = {n: m for n, m in named_real_modules(module) if not isinstance(m, CONTAINERS) and n not in flat}
     fqns = tuple(f"model.{n}" if n else "model" for n in preserved)

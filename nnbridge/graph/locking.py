@@ -13,7 +13,10 @@ takes the lock in its ``__call__`` (:func:`locked_calls`): a thread entering the
 its submodules directly, waits until the extraction has put everything back.
 
 Not covered: a call of a *plain* (never bridged) model that was already running when another
-thread started extracting that model (``PatchableGraph(model)`` while ``model`` runs elsewhere).
+thread started extracting that model (``PatchableGraph(model)`` while ``model`` runs elsewhere);
+a call entering a module while torch.export traces a tree that holds one module object at several
+container entries (:func:`calls_unlocked`: it waits in the module's body, a bridged one's, not in
+its ``__call__``).
 
 Patch contexts are per thread / per asyncio task (see :mod:`.patch_state`), so serialising calls
 does not mix patches.
@@ -28,7 +31,7 @@ from typing import Any, cast
 
 import torch
 
-from ..compat.torch.forwards import call_override, call_overridden
+from ..compat.torch.forwards import call_override, call_overridden, restore_call_override
 
 #: Re-entrant: a bridged forward extracting its children, or calling other bridged models, holds it
 #: already.
@@ -74,3 +77,26 @@ def locked_calls(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
         yield
     finally:
         unlock_calls(installed)
+
+
+@contextlib.contextmanager
+def calls_unlocked(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Take the :func:`locked_call` overrides (an extraction's or a bridge's) off ``modules`` for the
+    body's duration, putting each back on exit, also on error; the caller holds :data:`CALL_LOCK`.
+
+    For a torch.export that must know each call of a shared module by the name the code reached it
+    through: the override runs the call on the module object (its ``_call_impl`` bound to it), so
+    the body runs outside export's attribute proxy of the module and the calls inside lose their
+    path (see :mod:`nnbridge.extract.shared_names`)."""
+    lifted: list[tuple[torch.nn.Module, Callable[..., Any]]] = []
+    for module in modules:
+        override = call_override(module)
+        if override is not None and getattr(override, "func", None) is locked_call:
+            lifted.append((module, override))
+    try:
+        for module, _ in lifted:
+            call_overridden(module, None)
+        yield
+    finally:
+        for module, override in lifted:
+            restore_call_override(module, override)

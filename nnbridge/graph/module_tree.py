@@ -61,6 +61,16 @@ def named_real_modules(module: torch.nn.Module, prefix: str = "") -> Iterator[tu
 
 
 
+def named_registrations(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
+    """Every path a submodule is registered under (``named_modules(remove_duplicate=False)``
+    without op points): one module object held at two entries of one container, or as
+    ``self.linear`` and ``self.alias``, comes once per name; depth first, in registration order."""
+    yield prefix, module
+    for name, child in modules_of(module).items():
+        if child is not None and not isinstance(child, _POINT_TYPES):
+            yield from named_registrations(child, f"{prefix}.{name}" if prefix else name)
+
+
 def refuse_instance_forwards(module: torch.nn.Module, what: str,
                              modules: Iterable[tuple[str, torch.nn.Module]] | None = None, *, since: str = "") -> None:
     """Raise when a module of ``module``'s tree (or of ``modules``, its ``(path, module)`` pairs)
@@ -185,7 +195,9 @@ def aliases_hidden(module: torch.nn.Module, *, in_containers: bool = False) -> I
 
     torch.export (2.13, non-strict) traces a model with shared submodules through attribute
     proxies whose paths break when a forward is overridden on the instance (``KeyError: 'linear'``
-    in its tracepoint pass). The hidden name stays an instance attribute, so the module's code
+    in its tracepoint pass), as extraction's threading of stateful arguments does; a tree holding a
+    shared module at a container entry is exported with no override and no alias hidden instead
+    when it can be (see :mod:`nnbridge.extract.shared_names`). The hidden name stays an instance attribute, so the module's code
     still reaches the child through it; export then knows the child by its first name only, and
     every call of it, under any name, is an invocation of that name (``linear_0``, ``linear_1``).
     Restores every registration in its place on exit, also on error.
@@ -241,8 +253,8 @@ class SharedModuleEntry(ExtractionError):
     #: what the error (with ``error_on_compilation_failure``) tells the user to do
     FIX = ("Give each container entry its own module object (to share weights, call one module twice"
            " from forward instead), or set error_on_compilation_failure=False to run this module opaque"
-           " (its children are still extracted). graphpatch gave each path such an object is called"
-           " through a graph of its own; export cannot tell those calls apart (migration: the"
+           " (its children are still extracted). Called without stateful arguments, such a module is"
+           " extracted with a graph per name each call went through, as graphpatch did (migration: the"
            " graphpatch guide, docs/graphpatch.md, 'A ModuleList/ModuleDict holding one module object"
            " twice').")
 
@@ -251,12 +263,13 @@ def shared_container_entries(module: torch.nn.Module) -> dict[str, str]:
     """``{fqn: reason}`` for each module whose ModuleList/ModuleDict holds a module object that is
     registered more than once in ``module``'s tree (``nn.ModuleList([block, other, block])``), and
     for each Sequential that holds one (``nn.Sequential(linear, relu)`` where ``self.linear`` is the
-    same object, or ``nn.Sequential(block, block)``).
+    same object, or ``nn.Sequential(block, block)``). The reason names the registrations.
 
     Iterating, indexing and ``len()`` of a container go through its registrations, so hiding a
-    repeated one from export (:func:`aliases_hidden`) would change what the module runs, and
-    export (torch 2.13) cannot keep the calls of one object under two paths apart: such a module
-    runs opaque, its children extracted one by one (each entry its own invocation).
+    repeated one from export (:func:`aliases_hidden`) would change what the module runs: such a
+    tree is exported with every name kept (:mod:`nnbridge.extract.shared_names`), or, when a call
+    passes a stateful argument, these modules run opaque, their children extracted one by one
+    (each entry its own invocation).
     """
     registrations: dict[int, list[str]] = {}
     for fqn, sub in named_real_modules(module):
@@ -273,13 +286,11 @@ def shared_container_entries(module: torch.nn.Module) -> dict[str, str]:
                 paths = registrations.get(id(child), [])
                 if len(paths) > 1 and fqn not in found:
                     found[fqn] = (f"{' and '.join(repr(p) for p in paths)} are one module object, and"
-                                  f" {fqn or '<root>'!r} is a Sequential, which runs every entry it holds: export"
-                                  f" cannot keep the calls of one module under two paths apart")
+                                  f" {fqn or '<root>'!r} is a Sequential, which runs every entry it holds")
             continue
         for name, child in direct_callees(sub):
             paths = registrations.get(id(child), [])
             if len(paths) > 1 and "." in name and fqn not in found:
                 found[fqn] = (f"{' and '.join(repr(p) for p in paths)} are one module object, held in a"
-                              f" {type(sub.get_submodule(name.rsplit('.', 1)[0])).__name__}: export cannot keep"
-                              f" the calls of one module under two paths apart")
+                              f" {type(sub.get_submodule(name.rsplit('.', 1)[0])).__name__}")
     return found

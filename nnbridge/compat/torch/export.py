@@ -347,6 +347,15 @@ def empty_module_calls(exported: torch.export.ExportedProgram) -> list[str]:
             if entry.fqn and entry.signature is not None and entry.fqn not in recorded]
 
 
+def uncalled_module_names(exported: torch.export.ExportedProgram) -> set[str]:
+    """The preserved-signature fqns (``"model.layers.0"``) whose signature recorded neither inputs nor
+    outputs: a module object preserved under several names that the code never called through
+    this one (export records each call under the name it went through only). torch 2.13's
+    unflatten makes an empty submodule for it."""
+    return {entry.fqn for entry in exported.module_call_graph
+            if entry.fqn and entry.signature is not None and not entry.signature.inputs and not entry.signature.outputs}
+
+
 def invocation_graphs(unflattened: torch.nn.Module) -> list[torch.nn.Module]:
     """The per-invocation graph modules behind one unflattened submodule.
 
