@@ -7,14 +7,14 @@ of its names: iterating or indexing the container goes through its registrations
 attribute proxies), when every registration's call signature is preserved and no forward of the
 tree is overridden on the instance (an override bound to the module object runs its body outside
 the proxy, and the calls inside lose their path: ``KeyError`` in torch's ``CollectTracepointsPass``).
-Extraction then keeps every name (:func:`by_name`): each name is its own graph and NodePath
+Extraction then keeps every name (``ExtractionContext.by_name``): each name is its own graph and NodePath
 (``module_dict_foo``, ``linear_0``), as graphpatch made them.
 
 nnbridge threads the state of stateful arguments (a transformers ``Cache``) through such
 overrides (see :func:`~nnbridge.graph.state.states_returned`), so a call of the tree passing one
 keeps the refusal (:func:`stateful_callers`): the module owning the container runs opaque. Example::
 
-    if by_name(model, (x,), {}):
+    if shared_container_entries(model) and not stateful_callers(model, (x,), {}):
         ...  # export with every registration's signature, no alias hidden
 """
 
@@ -44,15 +44,6 @@ def stateful_callers(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dic
         return check
     observed_run(module, args, kwargs, hooks=[(sub, HookKind.PRE, hook(fqn)) for fqn, sub in named_real_modules(module)])
     return list(found)
-
-
-def by_name(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``module`` is extracted for this call with every registration of a shared module as
-    a call path of its own: its tree holds a module object at a container entry that is registered
-    more than once (:func:`~nnbridge.graph.module_tree.shared_container_entries`) and no module of
-    it is called with a stateful argument (an eager run checks, see :func:`stateful_callers`).
-    Without shared container entries nothing runs."""
-    return bool(shared_container_entries(module)) and not stateful_callers(module, args, kwargs)
 
 
 def same_object_paths(module: torch.nn.Module) -> dict[str, list[str]]:
