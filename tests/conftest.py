@@ -1,4 +1,5 @@
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", f"{NO_CACHE_MARKER}: runs with the test run's extraction cache off "
                                        "(the test counts exports, tests caching or needs a cold extraction)")
     os.environ["NNBRIDGE_CACHE"] = str(_run_cache(config))
+
+
+def pytest_unconfigure(config):
+    """The run's cache goes with the run (a dequantized SmolLM2 and every exported bundle: about a
+    gigabyte). The controller removes it, after its workers have ended; a link to the developer's
+    weights is removed, never followed."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not hasattr(config, "_tmp_path_factory"):
+        return
+    directory = config._tmp_path_factory.getbasetemp() / "nnbridge-cache"  # type: ignore[attr-defined]
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)
