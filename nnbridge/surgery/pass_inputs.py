@@ -20,6 +20,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_aggregate
 
+from ..compat.torch.fake_values import fake_mode
 from ..compat.torch.symbolic import has_hint, symbolic_hint
 from ..graph.graph_module import CompiledGraphModule
 from .fake_values import UNKNOWN
@@ -65,8 +66,17 @@ def _recorded(node: Node, graph: CompiledGraphModule, parents: Parents, *, depth
             return _argument(bound[str(node.target)], parent, parents, depth=depth + 1, root=root)
         return node.args[0] if node.args else UNKNOWN
     if node.op == "placeholder" and str(node.target) in root.get(id(graph), {}):
-        return root[id(graph)][str(node.target)]
+        return _root_value(root[id(graph)][str(node.target)])
     return UNKNOWN
+
+
+def _root_value(value: Any) -> Any:
+    """An extraction input recorded as ``(sizes, dtype, device)`` as a fake tensor of those (no
+    memory); any other value as is."""
+    if isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], torch.dtype):
+        with fake_mode():
+            return torch.empty(value[0], dtype=value[1], device=value[2])
+    return value
 
 
 def _argument(argument: Any, graph: CompiledGraphModule, parents: Parents, *, depth: int,
@@ -75,10 +85,12 @@ def _argument(argument: Any, graph: CompiledGraphModule, parents: Parents, *, de
                          if isinstance(a, Node) else a)
 
 
-def recorded_inputs(graph: CompiledGraphModule, parents: Parents) -> dict[str, Any]:
+def recorded_inputs(graph: CompiledGraphModule, parents: Parents,
+                    root: Mapping[int, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """``{placeholder target: recorded value}`` (export's fake tensors, constants, parameters;
-    :data:`~.fake_values.UNKNOWN` where none was found) for ``graph``'s placeholders."""
-    return {str(node.target): _recorded(node, graph, parents, depth=0, root={})
+    :data:`~.fake_values.UNKNOWN` where none was found) for ``graph``'s placeholders (``root``:
+    ``{id(extraction root graph): its inputs on the call it was extracted for, by name}``)."""
+    return {str(node.target): _recorded(node, graph, parents, depth=0, root=root or {})
             for node in graph.graph.nodes if node.op == "placeholder"}
 
 

@@ -55,7 +55,7 @@ class PassRecipe:
                 message names the passes, the graph, why it was extracted, and the fix.
         """
         try:
-            self.edit.apply(graph)
+            self.edit.apply(graph, callers)
         except PassCheckError as error:
             raise SurgeryError(
                 f"{self.edit!r} no longer applies to a new extraction of {type(self.owner).__name__} (extracted for:"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,11 +47,13 @@ def graph_path(graph: GraphModuleBase) -> str:
 @dataclass
 class Graphs:
     """The graphs of a target: ``[(NodePath, graph)]``, each graph once; the bridge over the
-    model (None for a PatchableGraph over a plain model); each compiled child's caller."""
+    model (None for a PatchableGraph over a plain model); each compiled child's caller; each
+    extraction root's inputs on the call it was extracted for (``{id(root graph): {name: value}}``)."""
 
     graphs: list[tuple[str, CompiledGraphModule]]
     bridge: Bridge | None
     parents: Parents
+    inputs: dict[int, dict[str, Any]]
 
 
 def graphs_below(root: GraphModuleBase, seen: set[int], parents: Parents) -> Iterator[GraphModuleBase]:
@@ -107,4 +110,6 @@ def target_graphs(target: object) -> Graphs:
         raise PassCheckError(
             f"apply_passes: {type(target).__name__} has no extracted graph yet (bridged without example inputs and"
             " never called); call it once, or bridge it with example inputs, before applying passes.", check="argument")
-    return Graphs(graphs, bridge, parents)
+    inputs = {id(extraction.root): dict(extraction.inputs) for dispatcher in dispatchers
+              for extraction in dispatcher.all_extractions()}
+    return Graphs(graphs, bridge, parents, inputs)

@@ -40,7 +40,7 @@ from ..graph.graph_module import CompiledGraphModule
 from ..graph.locking import CALL_LOCK
 from ..graph.metadata import node_meta, node_name
 from ..graph.op_point import OpPoint
-from ..graph.recipes import add_recipe, remove_recipe
+from ..graph.recipes import Callers, add_recipe, remove_recipe
 from ..inplace.bridging import Bridge
 from .pass_checks import DEFAULT_CHECKS, resolve_checks
 from .pass_graphs import WorkingCopy, install, module_call_problem, working_copy
@@ -127,8 +127,9 @@ class PassEdit:
         """Whether the graph at ``node_path`` is in scope."""
         return self._pattern.fullmatch(node_path) is not None
 
-    def apply(self, graph_module: CompiledGraphModule) -> None:
-        """Run the passes on ``graph_module`` when its NodePath is in scope (see the class docstring).
+    def apply(self, graph_module: CompiledGraphModule, callers: Callers | None = None) -> None:
+        """Run the passes on ``graph_module`` when its NodePath is in scope (see the class docstring;
+        ``callers``: where its extraction's graphs get their inputs, for the checks' values).
 
         Raises:
             PassCheckError: a pass raised or a check failed; ``graph_module`` is unchanged.
@@ -137,24 +138,26 @@ class PassEdit:
         if not self.matches(where):
             return
         with CALL_LOCK:
-            prepared = self.prepare(graph_module, where)
+            prepared = self.prepare(graph_module, where, parents=callers.parents if callers else None,
+                                    root=callers.inputs if callers else None)
             if not prepared.changed:
                 return
             _refuse_removed_listened([prepared])
             prepared.install()
 
-    def prepare(self, graph_module: CompiledGraphModule, where: str, *, parents: Parents | None = None
-                ) -> PreparedPasses:
+    def prepare(self, graph_module: CompiledGraphModule, where: str, *, parents: Parents | None = None,
+                root: dict[int, dict[str, Any]] | None = None) -> PreparedPasses:
         """Run every pass and check on a copy of ``graph_module`` (at NodePath ``where``);
-        ``parents``: the callers of the graphs of its hierarchy (:mod:`.pass_inputs`), where the
-        shape check finds what the graph's inputs were on the example call.
+        ``parents``: the callers of the graphs of its hierarchy and ``root``: its extraction roots'
+        inputs (:mod:`.pass_inputs`), where the shape check finds what the graph's inputs were on
+        the example call.
 
         Raises:
             PassCheckError: a pass raised or a check failed (``graph_module`` is untouched).
         """
         shown = where or "<root>"
         work = working_copy(graph_module)
-        checks = resolve_checks(self.checks, recorded=recorded_inputs(graph_module, parents or {}))
+        checks = resolve_checks(self.checks, recorded=recorded_inputs(graph_module, parents or {}, root))
         references = [check.reference(work.module) for check in checks]
         module = work.module
         for runner in self.runners:
@@ -314,7 +317,7 @@ def apply_edit(target: object, edit: PassEdit, applied: AppliedPasses, *,
         prepared = []
         for path, graph in chosen:
             edit.bind_owner(modules[id(graph)])
-            prepared.append(edit.prepare(graph, path, parents=found.parents))
+            prepared.append(edit.prepare(graph, path, parents=found.parents, root=found.inputs))
         prepared = [item for item in prepared if item.changed]
         _refuse_removed_listened(prepared)
         links = _links(found, prepared)

@@ -246,13 +246,17 @@ def _rooted(holder: torch.nn.Module, function: Callable[..., Any], arguments: li
     return root
 
 
-def trace_replacement(replacement: Any, *, values: Mapping[str, Any], owner: torch.nn.Module, name: str) -> Graph:
+def trace_replacement(replacement: Any, *, values: Mapping[str, Any], owner: torch.nn.Module, name: str,
+                      tracer: Tracer | None = None) -> Graph:
     """Trace ``replacement`` for one match.
 
     Args:
         values: ``{argument: value}``: :data:`TENSOR` for a tensor input (traced as a placeholder);
             constants and the matched modules (objects of ``owner``'s tree) are passed as is.
         owner: the module whose graph holds the match.
+        tracer: the tracer (default :class:`LeafTracer`, symbolic); a ``ValueTracer`` of
+            :mod:`.pattern_spec` traces it from the match's values, so that reading ``x.dtype`` or
+            ``x.shape[-1]`` gives the match's own (module call targets are ``owner.<path>``).
 
     Returns:
         A graph whose placeholders are the replacement's tensor arguments (by name), whose
@@ -277,7 +281,9 @@ def trace_replacement(replacement: Any, *, values: Mapping[str, Any], owner: tor
     holder.add_module("owner", owner)
     root = _rooted(holder, bound, tensors)
     try:
-        graph = LeafTracer().trace(root)
+        graph = (tracer or LeafTracer()).trace(root)
+    except PatternError as error:
+        raise PatternError(f"the replacement {name} cannot be traced with this match's values: {error}.") from error
     except Exception as error:
         raise PatternError(f"the replacement {name} cannot be traced by torch.fx: {type(error).__name__}: {error}."
                            " Write tensor code over its tensor arguments and the matched modules.") from error

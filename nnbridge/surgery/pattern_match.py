@@ -58,6 +58,9 @@ class Match:
         tensors: ``{tensor input: graph node}``.
         modules: ``{module slot: the matched module's path below the graph's module}``.
         outputs: the graph nodes of the pattern's output values, in order.
+        values: ``{graph node: fake value}`` of the graph, by fake propagation, and ``mode`` their
+            fake-tensor mode, where the search computed them (a pattern traced from values); else
+            ``None`` (the rewrite computes them when it traces the replacement).
     """
 
     graph: str
@@ -66,6 +69,8 @@ class Match:
     tensors: dict[str, Node] = field(default_factory=dict)
     modules: dict[str, str] = field(default_factory=dict)
     outputs: list[Node] = field(default_factory=list)
+    values: dict[Node, Any] | None = field(default=None, repr=False, compare=False)
+    mode: Any = field(default=None, repr=False, compare=False)
 
     @property
     def anchor_node(self) -> Node:

@@ -2,7 +2,9 @@
 runs on each graph in scope).
 
 Per match, the replacement is traced with the matched module objects (:func:`.pattern_graphs.trace_replacement`)
-and its nodes go where the matched nodes were: a read of a matched module's parameter or buffer becomes a
+and from the match's own values (fake values of the graph, :class:`.pattern_spec.ValueTracer`): reading
+``x.dtype``, ``x.shape[-1]`` or ``l0.weight.dtype`` gives the match's, and a branch on them takes the
+match's branch, as Dynamo specialises. Its nodes go where the matched nodes were: a read of a matched module's parameter or buffer becomes a
 ``get_attr`` of that very tensor (no copy: gradients reach the model's parameter), a call of a
 matched module re-uses that module's call node (its name, child graph and op point stay), other
 ops are new nodes (named by nnbridge's rules after the pass). The anchor's users then read the
@@ -27,6 +29,7 @@ from ..errors import PatternError
 from .pattern_graphs import TENSOR, PatternGraph, name_of, trace_replacement
 from .pattern_log import MatchLog
 from .pattern_match import Match, match_graph
+from .pattern_spec import NO_VALUE, ValueTracer, graph_values
 
 
 class PatternPass:
@@ -52,8 +55,22 @@ class PatternPass:
             raise PatternError(f"{self.__name__} ran on a graph whose module is unknown")
         self.matches = match_graph(self.pattern, graph_module, where=self._where, log=self.log,
                                    recorded=self._recorded)
+        unvalued = [m for m in self.matches if m.mode is None]
+        if unvalued:  # matched as traced: the graph's values once, for every match
+            values, mode = graph_values(graph_module, recorded=self._recorded, where=self._where)
+            for match in unvalued:
+                match.values, match.mode = values, mode
         for match in self.matches:
             self._replace(graph_module, match, owner)
+
+    @staticmethod
+    def _tracer(match: Match, calls: Mapping[str, Node]) -> ValueTracer:
+        """A tracer of the replacement from ``match``'s values (``calls``: ``{matched module path: its
+        call node}``)."""
+        values = match.values or {}
+        return ValueTracer({name: values.get(node, NO_VALUE) for name, node in match.tensors.items()},
+                           calls={f"owner.{path}": values.get(node, NO_VALUE) for path, node in calls.items()},
+                           mode=match.mode)
 
     def _replace(self, module: GraphModule, match: Match, owner: torch.nn.Module) -> None:
         values: dict[str, Any] = {name: TENSOR for name in match.tensors}
@@ -61,15 +78,16 @@ class PatternPass:
         values.update((slot, owner.get_submodule(path)) for slot, path in match.modules.items())
         name = name_of(self.replacement)
         dropped = [d for d in self.pattern.dropped if d not in values]
+        calls = {path: node for slot, path in match.modules.items() for p, node in match.nodes.items()
+                 if p.op == "call_module" and p.target == slot}
         try:
-            replacement = trace_replacement(self.replacement, values=values, owner=owner, name=name)
+            replacement = trace_replacement(self.replacement, values=values, owner=owner, name=name,
+                                            tracer=self._tracer(match, calls))
         except PatternError as error:
             if dropped:
                 raise PatternError(f"{error} (the pattern {self.pattern.name} left {dropped} unused, so they were"
                                    " dropped; a replacement cannot use them)") from error
             raise
-        calls = {path: node for slot, path in match.modules.items() for p, node in match.nodes.items()
-                 if p.op == "call_module" and p.target == slot}
         reused: set[Node] = set()
         env: dict[Node, Any] = {}
 

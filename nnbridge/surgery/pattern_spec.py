@@ -114,6 +114,15 @@ class ValueTracer(LeafTracer):
         self.values[proxy.node] = value
         return proxy
 
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        """torch.fx's proxy for a module's parameter or buffer (``l0.weight`` in a replacement),
+        carrying a fake copy of that tensor as its value."""
+        proxy = super().getattr(attr, attr_val, parameter_proxy_cache)
+        if isinstance(proxy, Proxy) and isinstance(attr_val, torch.Tensor) \
+                and self.values.get(proxy.node, NO_VALUE) is NO_VALUE:
+            self.values[proxy.node] = fake_from(self.mode, attr_val)
+        return proxy
+
     def _value(self, kind: str, target: Any, args: tuple[Any, ...], *, kwargs: dict[str, Any]) -> Any:
         if kind == "call_module":
             slot = str(target)
@@ -286,10 +295,7 @@ class Search:
     def values(self) -> tuple[dict[Node, Any], Any]:
         """``({graph node: fake value}, the fake mode)`` by fake propagation of the graph (once)."""
         if self._propagated is None:
-            mode = fake_mode()
-            propagation = FakeValues(self.module, mode, recorded=self.recorded, where=self.where)
-            propagation.propagate()
-            self._propagated = ({n: NO_VALUE if v is UNKNOWN else v for n, v in propagation.env.items()}, mode)
+            self._propagated = graph_values(self.module, recorded=self.recorded, where=self.where)
         return self._propagated
 
     def attempt(self, node: Node) -> tuple[_Attempt, str | None]:
@@ -327,5 +333,16 @@ class Search:
         if moved:
             return second, (f"the pattern specialised for {shown} binds {moved} to other nodes than those it was"
                             " specialised for")
+        second.found.values, second.found.mode = values, mode
         return second, None
+
+
+def graph_values(module: GraphModule, *, recorded: Mapping[str, Any] | None, where: str) -> tuple[dict[Node, Any], Any]:
+    """``({graph node: fake value, or NO_VALUE where propagation does not reach}, the fake mode)``
+    for ``module``'s graph at NodePath ``where`` (``recorded``: its inputs' recorded values,
+    :func:`~.pass_inputs.recorded_inputs`)."""
+    mode = fake_mode()
+    propagation = FakeValues(module, mode, recorded=dict(recorded or {}), where=where)
+    propagation.propagate()
+    return {n: NO_VALUE if v is UNKNOWN else v for n, v in propagation.env.items()}, mode
 

@@ -65,19 +65,19 @@ class PatternEdit(PassEdit):
     def bind_owner(self, owner: torch.nn.Module) -> None:
         self._owner = owner
 
-    def prepare(self, graph_module: CompiledGraphModule, where: str, *, parents: Parents | None = None
-                ) -> PreparedPasses:
+    def prepare(self, graph_module: CompiledGraphModule, where: str, *, parents: Parents | None = None,
+                root: dict[int, dict[str, Any]] | None = None) -> PreparedPasses:
         if self._owner is None:
             raise PatternError(f"{self!r}: the module of the graph {where or '<root>'} is unknown")
-        self.rewriter.bind(owner=self._owner, where=where, recorded=recorded_inputs(graph_module, parents or {}))
-        prepared = super().prepare(graph_module, where, parents=parents)
+        self.rewriter.bind(owner=self._owner, where=where, recorded=recorded_inputs(graph_module, parents or {}, root))
+        prepared = super().prepare(graph_module, where, parents=parents, root=root)
         prepared.changed = bool(self.rewriter.matches)
         self._done.add(graph_module)
         return prepared
 
-    def apply(self, graph_module: CompiledGraphModule) -> None:
+    def apply(self, graph_module: CompiledGraphModule, callers: Callers | None = None) -> None:
         if graph_module not in self._done:
-            super().apply(graph_module)
+            super().apply(graph_module, callers)
 
 
 class PatternRecipe(PassRecipe):
@@ -95,7 +95,7 @@ class PatternRecipe(PassRecipe):
         """
         try:
             self.edit.bind_owner(self.owner)
-            self.edit.apply(graph)
+            self.edit.apply(graph, callers)
         except (PassCheckError, PatternError) as error:
             raise PatternError(
                 f"{self.edit!r} no longer applies to a new extraction of {type(self.owner).__name__} (extracted for:"
@@ -190,7 +190,7 @@ def match(target: Any, pattern: Any, *, scope: str = "**", constants: Mapping[st
                                f" {sorted({p or '<root>' for p, _ in found.graphs})[:12]}.")
         for path, graph in chosen:
             result.matches.extend(match_graph(traced, graph, where=path, log=log,
-                                              recorded=recorded_inputs(graph, found.parents)))
+                                              recorded=recorded_inputs(graph, found.parents, found.inputs)))
         _log_opaque(resolved, edit, traced, log=log)
     return result
 
