@@ -14,13 +14,8 @@ Usage: python benchmarks/bench_generation.py
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from processes import run_json
 
-REPO = Path(__file__).resolve().parent.parent
 TOKENS, LAYER, HEAD = 8, 0, 0
 
 _CHILD = """
@@ -62,12 +57,7 @@ print(json.dumps({{"first": times[0], "steady": times[1], "tokens": tokens}}))
 
 def child(how: str) -> dict:
     """The JSON result of one new process generating ``how`` ("hooks" or "nnbridge")."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NNBRIDGE_EXTRACTION_CACHE": "0"}
-    done = subprocess.run([sys.executable, "-c", _CHILD.format(how=how, tokens=TOKENS, layer=LAYER, head=HEAD)],
-                          env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"benchmark child failed:\n{done.stderr[-3000:]}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return run_json(_CHILD.format(how=how, tokens=TOKENS, layer=LAYER, head=HEAD), NNBRIDGE_EXTRACTION_CACHE="0")
 
 
 def measure() -> dict:

@@ -15,13 +15,8 @@ Usage: python benchmarks/bench_memory.py
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from processes import run_json
 
-REPO = Path(__file__).resolve().parent.parent
 BATCH, TOKENS = 4, 512
 
 _CHILD = """
@@ -66,12 +61,7 @@ print(json.dumps({{"increase_mb": (peak[0] - before) / 1e6, "before_mb": before 
 
 def child(how: str, grad: bool) -> dict:
     """The JSON result of one new process running ``how`` ("eager" or "bridge") with grad mode ``grad``."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NNBRIDGE_EXTRACTION_CACHE": "0"}
-    done = subprocess.run([sys.executable, "-c", _CHILD.format(how=how, grad=grad, batch=BATCH, tokens=TOKENS)],
-                          env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"benchmark child failed:\n{done.stderr[-3000:]}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return run_json(_CHILD.format(how=how, grad=grad, batch=BATCH, tokens=TOKENS), NNBRIDGE_EXTRACTION_CACHE="0")
 
 
 def measure() -> dict:
