@@ -260,7 +260,8 @@ def trace_replacement(replacement: Any, *, values: Mapping[str, Any], owner: tor
 
     Returns:
         A graph whose placeholders are the replacement's tensor arguments (by name), whose
-        ``get_attr``/``call_module`` targets are paths relative to ``owner``.
+        ``get_attr``/``call_module`` targets are paths relative to ``owner``, except a ``get_attr``
+        of a tensor the replacement made (its value in ``node.meta[CONSTANT_KEY]``).
 
     Raises:
         PatternError: the replacement takes an argument the pattern does not bind, or cannot be traced.
@@ -290,12 +291,20 @@ def trace_replacement(replacement: Any, *, values: Mapping[str, Any], owner: tor
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module"):
             target = str(node.target)
+            constant = getattr(root, target, None) if node.op == "get_attr" and "." not in target else None
+            if isinstance(constant, torch.Tensor):  # a tensor the replacement made (torch.ones(x.shape[-1]))
+                node.meta[CONSTANT_KEY] = constant
+                continue
             if not target.startswith("owner."):
                 raise PatternError(f"the replacement {name} uses {target!r}, which is no part of the matched module's"
                                    " tree; use the matched modules' parameters and calls, or plain tensor code.")
             node.target = target[len("owner."):]
     return graph
 
+
+#: ``node.meta`` key of a ``get_attr`` node of :func:`trace_replacement`'s graph reading a tensor the
+#: replacement made while it was traced (torch.fx keeps such a tensor as a constant); its value
+CONSTANT_KEY = "nnbridge_replacement_constant"
 
 #: marks a tensor argument in :func:`trace_replacement`'s ``values``
 TENSOR: Any = object()

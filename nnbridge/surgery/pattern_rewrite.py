@@ -26,7 +26,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..errors import PatternError
-from .pattern_graphs import TENSOR, PatternGraph, name_of, trace_replacement
+from .pattern_graphs import CONSTANT_KEY, TENSOR, PatternGraph, name_of, trace_replacement
 from .pattern_log import MatchLog
 from .pattern_match import Match, match_graph
 from .pattern_spec import NO_VALUE, ValueTracer, graph_values
@@ -66,11 +66,12 @@ class PatternPass:
     @staticmethod
     def _tracer(match: Match, calls: Mapping[str, Node]) -> ValueTracer:
         """A tracer of the replacement from ``match``'s values (``calls``: ``{matched module path: its
-        call node}``)."""
+        call node}``); an op failing on fake values leaves its value unknown (the pass's checks then
+        run the replacement's graph and refuse what does not fit)."""
         values = match.values or {}
         return ValueTracer({name: values.get(node, NO_VALUE) for name, node in match.tensors.items()},
                            calls={f"owner.{path}": values.get(node, NO_VALUE) for path, node in calls.items()},
-                           mode=match.mode)
+                           mode=match.mode, strict=False)
 
     def _replace(self, module: GraphModule, match: Match, owner: torch.nn.Module) -> None:
         values: dict[str, Any] = {name: TENSOR for name in match.tensors}
@@ -105,7 +106,9 @@ class PatternPass:
             if node.op == "output":
                 result = mapped(node.args[0])
                 continue
-            if node.op == "get_attr":
+            if node.op == "get_attr" and CONSTANT_KEY in node.meta:
+                new = self._constant(module, node.meta[CONSTANT_KEY], after=last)
+            elif node.op == "get_attr":
                 new = self._attribute(module, owner, str(node.target), after=last)
             elif node.op == "call_module":
                 call = calls.get(str(node.target))
@@ -175,6 +178,22 @@ class PatternPass:
             raise PatternError(f"the graph already holds another tensor as {flat!r}")
         with module.graph.inserting_after(after):
             return module.graph.get_attr(flat)
+
+    @staticmethod
+    def _constant(module: GraphModule, tensor: torch.Tensor, *, after: Node) -> Node:
+        """A ``get_attr`` node (after ``after``) reading ``tensor``, a tensor the replacement made,
+        held by ``module`` as a constant (``pattern_constant_<n>``, not in any state_dict)."""
+        name = _constant_name(module)
+        module.register_buffer(name, tensor, persistent=False)
+        with module.graph.inserting_after(after):
+            return module.graph.get_attr(name)
+
+
+def _constant_name(module: GraphModule) -> str:
+    number = 0
+    while hasattr(module, f"pattern_constant_{number}"):
+        number += 1
+    return f"pattern_constant_{number}"
 
 
 def insertion_point(module: GraphModule, match: Match) -> Node:

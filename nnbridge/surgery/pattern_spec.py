@@ -90,11 +90,15 @@ class ValueTracer(LeafTracer):
         inputs: ``{tensor argument: value}`` (fake tensors of ``mode``, or :data:`NO_VALUE`).
         calls: ``{module slot: the value its (one) call gives}``.
         mode: the fake-tensor mode the values belong to.
+        strict: an op failing on its fake values, or a metadata read of a value that is unknown,
+            raises :class:`PatternError`; otherwise the value is unknown (a data-dependent op, as
+            ``nonzero``, has no fake value without a shape environment) and the trace goes on
+            symbolically from there (a read of its metadata becomes a node).
     """
 
-    def __init__(self, inputs: Mapping[str, Any], *, calls: Mapping[str, Any], mode: Any):
+    def __init__(self, inputs: Mapping[str, Any], *, calls: Mapping[str, Any], mode: Any, strict: bool = True):
         super().__init__()
-        self.inputs, self.calls, self.mode = dict(inputs), dict(calls), mode
+        self.inputs, self.calls, self.mode, self.strict = dict(inputs), dict(calls), mode, strict
         self.values: dict[Node, Any] = {}
         self._called: set[str] = set()
 
@@ -139,6 +143,8 @@ class ValueTracer(LeafTracer):
                 return found
             return item
         concrete = map_aggregate((args, kwargs), value_of)
+        if unknown and not self.strict:
+            return NO_VALUE  # traced on symbolically
         if unknown:
             read = (f".{args[1]}" if kind == "call_function" and target is getattr else
                     f".{target}()" if kind == "call_method" and target in METADATA_METHODS else None)
@@ -156,6 +162,8 @@ class ValueTracer(LeafTracer):
             with self.mode:
                 return function(*call_args, **call_kwargs)
         except Exception as error:
+            if not self.strict:
+                return NO_VALUE
             name = getattr(target, "__name__", str(target))
             raise PatternError(f"{name} fails on the values it is traced with ({type(error).__name__}:"
                                f" {(str(error).splitlines() or [''])[0][:200]})") from error

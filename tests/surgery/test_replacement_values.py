@@ -37,6 +37,16 @@ class ScaledFusedBlock(Block):
         return self.ln(scaled_fused(x, self.l0, self.l1) + x)
 
 
+def weighted_fused(x, l0, l1):
+    """Makes a tensor from the match's sizes (a constant of the traced replacement)."""
+    return F.linear(x, l1.weight @ l0.weight) * torch.linspace(0.5, 1.5, x.shape[-1])
+
+
+class WeightedFusedBlock(Block):
+    def forward(self, x):
+        return self.ln(weighted_fused(x, self.l0, self.l1) + x)
+
+
 @pytest.mark.parametrize("example", [None, (torch.randn(3, 8),)], ids=["traced-as-written", "example_inputs"])
 def test_a_replacement_branching_on_dtype_takes_each_extractions_branch(example):
     x = torch.randn(2, 8)
@@ -75,6 +85,20 @@ def test_a_replacement_reading_sizes_and_a_parameters_dtype():
     assert "sym_size" not in code and "getattr" not in code, code
 
 
+def test_a_replacement_making_a_tensor_from_the_matchs_sizes():
+    x = torch.randn(2, 8)
+    model = Model(layers=2)
+    eager = copy.deepcopy(model)
+    nnbridge.bridge(model, x)
+    rewrite = surgery.replace_pattern(model, pattern, weighted_fused)
+    reference = hand_edited(eager, WeightedFusedBlock)
+    assert_same_run(run_with_grads(model, x), run_with_grads(reference, x))
+    assert "pattern_constant" not in str(model.state_dict().keys())
+    rewrite.remove()
+    with torch.no_grad():
+        assert torch.equal(model(x), eager(x))
+
+
 def test_a_replacement_failing_on_a_matchs_values_edits_nothing():
     x = torch.randn(2, 8)
     model = Model(layers=2)
@@ -84,9 +108,28 @@ def test_a_replacement_failing_on_a_matchs_values_edits_nothing():
     def wrong_shapes(x, l0, l1):
         return x @ torch.ones(x.shape[-1] + 1, 4)  # (2, 8) @ (9, 4)
 
-    with pytest.raises(PatternError, match=r"replacement wrong_shapes cannot be traced with this match's values.*"
-                                           r"matmul fails on the values it is traced with"):
+    # traced on past the failing matmul; the shape check after the pass refuses it
+    with pytest.raises(nnbridge.NNBridgeError, match=r"wrong_shapes: after the pass .* the check 'shapes' failed on the"
+                                                     r" graph blocks_0: fake propagation fails: matmul.*Nothing was"
+                                                     r" changed"):
         surgery.replace_pattern(model, pattern, wrong_shapes)
+    assert surgery.edits(model) == []
+    with torch.no_grad():
+        assert torch.equal(model(x), eager(x))
+
+
+def test_a_replacement_with_a_data_dependent_op_is_refused_by_the_shape_check():
+    x = torch.randn(2, 8)
+    model = Model(layers=2)
+    eager = copy.deepcopy(model)
+    nnbridge.bridge(model, x)
+
+    def masked(x, l0, l1):
+        y = F.linear(x, l1.weight @ l0.weight)
+        return y.masked_fill(y.nonzero().numel() == 0, 0.0)
+
+    with pytest.raises(nnbridge.NNBridgeError, match=r"masked: after the pass .* the check 'shapes' failed.*nonzero"):
+        surgery.replace_pattern(model, pattern, masked)
     assert surgery.edits(model) == []
     with torch.no_grad():
         assert torch.equal(model(x), eager(x))
