@@ -274,7 +274,7 @@ ROWS: list[Row] = [
         " softmax in pg.patch around pg.generate, from PatchableGraph() on, extraction cache off; against a"
         " pre-hook on o_proj), one new process each"),
     Row("generate-op-edits-steady", "the same generation again (steady state)", "≤ 1.2x hook-based", 1.2,
-        generation("steady"), "as generate-op-edits-first (the same processes, second generation)"),
+        generation("steady"), "as generate-op-edits-first (the same processes: the median of generations 2-4)"),
     Row("smollm2-memory-4x512", "SmolLM2-135M bridge() peak RSS at ids (4, 512), grad mode on",
         "peak ≤ eager peak + 0.5x model size", 0.5, memory("grad"),
         "bench_memory.measure: new processes, weights resident; peak RSS (sampled every 5 ms) minus RSS just"
