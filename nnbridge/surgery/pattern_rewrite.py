@@ -1,11 +1,12 @@
 """Replacing the matches of a pattern in one graph (the pass :func:`~nnbridge.surgery.replace_pattern`
 runs on each graph in scope).
 
-Per match, the replacement is traced with the matched module objects (:func:`.pattern_graphs.trace_replacement`)
-and from the match's own values (fake values of the graph, :class:`.pattern_spec.ValueTracer`): reading
-``x.dtype``, ``x.shape[-1]`` or ``l0.weight.dtype`` gives the match's, and a branch on them takes the
-match's branch, as Dynamo specialises. Its nodes go where the matched nodes were: a read of a matched module's parameter or buffer becomes a
-``get_attr`` of that very tensor (no copy: gradients reach the model's parameter), a call of a
+Per match, the replacement is traced with the matched module objects
+(:func:`.pattern_graphs.trace_replacement`) and from the match's own values (fake values of the
+graph, :class:`.pattern_spec.ValueTracer`): reading ``x.dtype``, ``x.shape[-1]`` or
+``l0.weight.dtype`` gives the match's, and a branch on them takes the match's branch, as Dynamo
+specialises. Its nodes go where the matched nodes were: a read of a matched module's parameter or
+buffer becomes a ``get_attr`` of that very tensor (no copy: gradients reach the model's parameter), a call of a
 matched module re-uses that module's call node (its name, child graph and op point stay), other
 ops are new nodes (named by nnbridge's rules after the pass). The anchor's users then read the
 replacement's value (for a pattern returning a tuple, each output's users read the replacement's
