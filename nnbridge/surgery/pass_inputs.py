@@ -96,12 +96,9 @@ def recorded_inputs(graph: CompiledGraphModule, parents: Parents,
 
 def recorded_spec(value: Any) -> tuple[torch.Size, torch.dtype, torch.device] | None:
     """``(sizes, dtype, device)`` of a :func:`recorded_value`: a tensor whose sizes are known (a
-    symbol's hint stands for it), or an extraction input, recorded as that triple; None for
-    anything else (:data:`~.fake_values.UNKNOWN` included)."""
+    symbol's hint stands for it); None for anything else (:data:`~.fake_values.UNKNOWN` included)."""
     if isinstance(value, torch.Tensor) and all(has_hint(s) for s in value.shape):
         return torch.Size(symbolic_hint(s) for s in value.shape), value.dtype, value.device
-    if isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], torch.dtype):
-        return torch.Size(value[0]), value[1], value[2]
     return None
 
 

@@ -146,18 +146,21 @@ class PassEdit:
             prepared.install()
 
     def prepare(self, graph_module: CompiledGraphModule, where: str, *, parents: Parents | None = None,
-                root: dict[int, dict[str, Any]] | None = None) -> PreparedPasses:
+                root: dict[int, dict[str, Any]] | None = None,
+                recorded: dict[str, Any] | None = None) -> PreparedPasses:
         """Run every pass and check on a copy of ``graph_module`` (at NodePath ``where``);
         ``parents``: the callers of the graphs of its hierarchy and ``root``: its extraction roots'
         inputs (:mod:`.pass_inputs`), where the shape check finds what the graph's inputs were on
-        the example call.
+        the example call (``recorded``: those inputs when the caller already looked them up).
 
         Raises:
             PassCheckError: a pass raised or a check failed (``graph_module`` is untouched).
         """
         shown = where or "<root>"
         work = working_copy(graph_module)
-        checks = resolve_checks(self.checks, recorded=recorded_inputs(graph_module, parents or {}, root))
+        if recorded is None:
+            recorded = recorded_inputs(graph_module, parents or {}, root)
+        checks = resolve_checks(self.checks, recorded=recorded)
         references = [check.reference(work.module) for check in checks]
         module = work.module
         for runner in self.runners:

@@ -323,17 +323,17 @@ class _Planned:
 
 
 def insert_modules(target: Target, pattern: PatternGraph, factory: Factory, *,
-                   found: list[tuple[str, CompiledGraphModule, torch.nn.Module]], parents: Parents, scope: str,
-                   log: MatchLog) -> ModuleRewrite:
+                   found: list[tuple[str, CompiledGraphModule, torch.nn.Module]], parents: Parents,
+                   inputs: dict[int, dict[str, Any]], scope: str, log: MatchLog) -> ModuleRewrite:
     """Match ``pattern`` in each ``(NodePath, graph, owner)`` of ``found``, make a module per match
     with ``factory``, check it on fake values, then register every module and recipe (see the
-    module docstring).
+    module docstring). ``parents`` and ``inputs``: each compiled graph's caller and each extraction
+    root's inputs (:class:`~.pass_targets.Graphs`).
 
     Raises:
         PatternError: the factory raises or returns no new module, a module does not fit its match,
             an input's value is unknown; nothing is edited then.
     """
-    root: dict[int, dict[str, Any]] = {id(e.root): dict(e.inputs) for e in target.extractions()}
     paths = {id(m): p for p, m in target.model.named_modules(remove_duplicate=False)}
     planned: dict[tuple[int, str], _Planned] = {}
     for where, graph, owner in found:
@@ -342,7 +342,7 @@ def insert_modules(target: Target, pattern: PatternGraph, factory: Factory, *,
             if key in planned:
                 continue  # another graph of the same module (a module called twice): one module serves both
             planned[key] = _Planned(match, graph, owner, paths.get(id(owner), ""),
-                                    input_specs(pattern, graph, match, parents=parents, root=root, where=match.anchor),
+                                    input_specs(pattern, graph, match, parents=parents, root=inputs, where=match.anchor),
                                     output_specs(graph, match, where=match.anchor))
     made: list[tuple[_Planned, torch.nn.Module]] = []
     for plan in planned.values():

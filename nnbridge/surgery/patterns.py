@@ -66,11 +66,14 @@ class PatternEdit(PassEdit):
         self._owner = owner
 
     def prepare(self, graph_module: CompiledGraphModule, where: str, *, parents: Parents | None = None,
-                root: dict[int, dict[str, Any]] | None = None) -> PreparedPasses:
+                root: dict[int, dict[str, Any]] | None = None,
+                recorded: dict[str, Any] | None = None) -> PreparedPasses:
         if self._owner is None:
             raise PatternError(f"{self!r}: the module of the graph {where or '<root>'} is unknown")
-        self.rewriter.bind(owner=self._owner, where=where, recorded=recorded_inputs(graph_module, parents or {}, root))
-        prepared = super().prepare(graph_module, where, parents=parents, root=root)
+        if recorded is None:
+            recorded = recorded_inputs(graph_module, parents or {}, root)
+        self.rewriter.bind(owner=self._owner, where=where, recorded=recorded)
+        prepared = super().prepare(graph_module, where, parents=parents, root=root, recorded=recorded)
         prepared.changed = bool(self.rewriter.matches)
         self._done.add(graph_module)
         return prepared
@@ -298,6 +301,6 @@ def _replace_by_modules(target: Any, traced: PatternGraph, factory: Any, *, scop
                                f" {sorted({p or '<root>' for p, _ in found.graphs})[:12]}.")
         owners = graph_owners(resolved)
         rewrite = insert_modules(resolved, traced, factory, found=[(p, g, owners[id(g)]) for p, g in chosen],
-                                 parents=found.parents, scope=scope, log=log)
+                                 parents=found.parents, inputs=found.inputs, scope=scope, log=log)
     _log_opaque(resolved, scoped, traced, log=log)
     return rewrite
