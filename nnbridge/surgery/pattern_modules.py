@@ -42,7 +42,7 @@ from ..graph.graph_module import CompiledGraphModule
 from ..graph.metadata import node_meta, node_name, update_node_meta
 from ..graph.recipes import Callers, add_recipe, remove_recipe
 from .fake_values import UNKNOWN
-from .pass_inputs import Parents, recorded_spec, recorded_value
+from .pass_inputs import Parents, recorded_inputs, recorded_spec, recorded_value
 from .pass_targets import graph_path
 from .pattern_graphs import PatternGraph, name_of
 from .pattern_log import MatchLog
@@ -161,12 +161,13 @@ class PatternInsertion(InsertedModule):
         pattern: the traced pattern.
         module: the new module (registered on ``owner`` as ``name`` by the caller).
         owner: the module whose graphs hold the match; ``owner_path`` its torch path.
-        prefix: the NodePath of its graph; ``anchor``: the anchor node's name there.
+        prefix: the NodePath of its graph; ``anchor``: the anchor node's name there; ``modules``:
+            the match's module slots (a graph where the anchor's match binds others raises).
     """
 
     def __init__(self, pattern: PatternGraph, module: torch.nn.Module, *, owner: torch.nn.Module, owner_path: str,
-                 prefix: str, anchor: str, name: str):
-        self.pattern, self.module, self.anchor = pattern, module, anchor
+                 prefix: str, anchor: str, modules: dict[str, str], name: str):
+        self.pattern, self.module, self.anchor, self.modules = pattern, module, anchor, modules
         self.owner, self.owner_path, self.prefix = owner, owner_path, prefix
         self.child: str | None = name
         self.node_path = f"{prefix}.{name}" if prefix else name
@@ -177,30 +178,44 @@ class PatternInsertion(InsertedModule):
         where = f"{self.prefix}.{self.anchor}" if self.prefix else self.anchor
         return f"replace_pattern({self.pattern.name} at {where!r}, {type(self.module).__name__}) -> {self.node_path!r}"
 
-    def _match(self, graph: CompiledGraphModule, reason: str) -> Match:
+    def _match(self, graph: CompiledGraphModule, reason: str) -> Match | None:
+        """The match at :attr:`anchor` in ``graph``; None when ``graph`` has no node of that name
+        (a call structure that does not reach the match, as eager would not call its module)."""
+        if not any(node_name(n) == self.anchor for n in graph.graph.nodes):
+            return None
         log = MatchLog()
         where = graph_path(graph)
         for match in match_graph(self.pattern, graph, where=where, log=log):
             if node_name(match.anchor_node) == self.anchor:
+                if match.modules != self.modules:
+                    why = f"it binds the modules {match.modules}, the module was made for {self.modules}"
+                    break
                 return match
-        why = [e.reason for e in log if e.anchor.rsplit(".", 1)[-1] == self.anchor and e.reason]
+        else:
+            found = [e.reason for e in log if e.anchor.rsplit(".", 1)[-1] == self.anchor and e.reason]
+            why = found[0] if found else "the pattern does not match there"
         raise PatternError(
             f"{self!r} no longer applies: the graph of '{self.prefix or '<root>'}' extracted now ({reason}) has no"
-            f" match of {self.pattern.name} at {self.anchor!r}" + (f": {why[0]}" if why else " (no such node)")
-            + ". Remove the rewrite (its .remove(), or nnbridge.surgery.clear(model)) or undo the change; nothing was"
-            " run.")
+            f" match of {self.pattern.name} at {self.anchor!r}: {why}. Remove the rewrite (its .remove(), or"
+            " nnbridge.surgery.clear(model)) or undo the change; nothing was run.")
 
     def apply(self, graph: CompiledGraphModule, *, options: Any, reason: str, callers: Callers | None = None
               ) -> None:
         """Replace the match in ``graph`` (see :class:`~nnbridge.graph.recipes.Recipe`).
 
+        A graph with no node named :attr:`anchor` (a call structure not reaching the match) is
+        left as is.
+
         Raises:
-            PatternError: the match is gone, or the module does not fit it on this extraction.
+            PatternError: the anchor's node is no match now, or binds other modules, or the module
+                does not fit it on this extraction.
         """
         name = str(self.child)
         if self._applied(graph, name, PatternError):
             return
         match = self._match(graph, reason)
+        if match is None:
+            return
         where = match.anchor
         known = callers or Callers()
         specs = input_specs(self.pattern, graph, match, parents=known.parents, root=known.inputs, where=where)
@@ -244,6 +259,53 @@ class PatternInsertion(InsertedModule):
         graph.recompile()
 
 
+class PatternWatch:
+    """The module form's check of later extractions, kept on each module whose graphs were in
+    scope (after that module's :class:`PatternInsertion` recipes): a match that a new extraction
+    has and no insertion replaced (another call structure of the module reaching the pattern
+    elsewhere) raises, since the factory ran once, for the matches ``replace_pattern`` saw.
+
+    Attributes:
+        node_path: the scope asked for; ``owner``: the module; ``applied``: the
+            :class:`ModuleRewrite` (listed by ``surgery.edits``).
+    """
+
+    child: str | None = None
+
+    def __init__(self, pattern: PatternGraph, *, owner: torch.nn.Module, owner_path: str, scope: str,
+                 in_scope: Callable[[str], bool], applied: ModuleRewrite):
+        self.pattern, self.owner, self.owner_path = pattern, owner, owner_path
+        self.node_path, self.in_scope, self.applied = scope, in_scope, applied
+
+    def __repr__(self) -> str:
+        return f"PatternWatch({self.pattern.name} in {self.node_path!r}, owner={self.owner_path or '<root>'!r})"
+
+    def apply(self, graph: CompiledGraphModule, *, options: Any, reason: str, callers: Callers | None = None
+              ) -> None:
+        """Check ``graph`` (when in scope) for a match no insertion replaced.
+
+        Raises:
+            PatternError: there is one; it names the match, why the module was extracted, and the fix.
+        """
+        where = graph_path(graph)
+        if not self.in_scope(where):
+            return
+        known = callers or Callers()
+        for match in match_graph(self.pattern, graph, where=where, log=MatchLog(),
+                                 recorded=recorded_inputs(graph, known.parents, known.inputs)):
+            if any(INSERTED_KEY in node.meta for node in match.nodes.values()):
+                continue  # the call of a module this rewrite inserted
+            raise PatternError(
+                f"replace_pattern({self.pattern.name}, replacement_module=...): the extraction of"
+                f" '{self.owner_path or '<root>'}' made now (extracted for: {reason}) has a match at {match.anchor}"
+                " that the rewrite made no module for (its factory ran once, for the matches of the extractions"
+                " replace_pattern saw). Remove the rewrite (its .remove(), or surgery.clear(target)), run this call"
+                " once, then call replace_pattern again: its factory then gets this match too. Nothing was run.")
+
+    def withdraw(self) -> None:
+        """Nothing to undo on the model (the watch inserts nothing)."""
+
+
 def _free(base: str, taken: set[str]) -> str:
     name, number = base, 0
     while name in taken:
@@ -261,14 +323,15 @@ class ModuleRewrite:
         matches: the NodePaths of the anchors replaced.
         modules: ``{NodePath of the new node: the new module}``.
         log: the match log of the call (the matching of later extractions is not logged).
-        recipes: one :class:`PatternInsertion` per match.
+        recipes: one :class:`PatternInsertion` per match, then one :class:`PatternWatch` per
+            module whose graphs were in scope.
         scope: the scope asked for.
     """
 
     matches: list[str] = field(default_factory=list)
     modules: dict[str, torch.nn.Module] = field(default_factory=dict)
     log: MatchLog = field(default_factory=MatchLog)
-    recipes: list[PatternInsertion] = field(default_factory=list)
+    recipes: list[PatternInsertion | PatternWatch] = field(default_factory=list)
     scope: str = "**"
     target: Target | None = None
     before: set[int] = field(default_factory=set)
@@ -299,7 +362,8 @@ class ModuleRewrite:
         if target.bridge is not None:
             own = list(target.model.modules())
             for recipe in self.recipes:
-                target.bridge.release(recipe.module, keep=own)
+                if isinstance(recipe, PatternInsertion):
+                    target.bridge.release(recipe.module, keep=own)
         for dispatcher in target.dispatchers():
             dispatcher.discard(lambda extraction: id(extraction) in self.before)
         target.refresh()
@@ -324,11 +388,13 @@ class _Planned:
 
 def insert_modules(target: Target, pattern: PatternGraph, factory: Factory, *,
                    found: list[tuple[str, CompiledGraphModule, torch.nn.Module]], parents: Parents,
-                   inputs: dict[int, dict[str, Any]], scope: str, log: MatchLog) -> ModuleRewrite:
+                   inputs: dict[int, dict[str, Any]], scope: str, in_scope: Callable[[str], bool],
+                   log: MatchLog) -> ModuleRewrite:
     """Match ``pattern`` in each ``(NodePath, graph, owner)`` of ``found``, make a module per match
     with ``factory``, check it on fake values, then register every module and recipe (see the
     module docstring). ``parents`` and ``inputs``: each compiled graph's caller and each extraction
-    root's inputs (:class:`~.pass_targets.Graphs`).
+    root's inputs (:class:`~.pass_targets.Graphs`); ``scope``: the glob asked for, ``in_scope``
+    whether a graph's NodePath is in it.
 
     Raises:
         PatternError: the factory raises or returns no new module, a module does not fit its match,
@@ -360,17 +426,22 @@ def insert_modules(target: Target, pattern: PatternGraph, factory: Factory, *,
                                                   for n in g.graph.nodes})
         name = _free(default_name(module), taken | {n for n in dir(plan.owner) if not n.startswith("__")})
         taken.add(name)
-        recipe = PatternInsertion(pattern, module, owner=plan.owner, owner_path=plan.owner_path,
-                                  prefix=plan.match.graph, anchor=node_name(plan.match.anchor_node), name=name)
-        recipe.edit = rewrite
-        rewrite.recipes.append(recipe)
-        rewrite.modules[recipe.node_path] = module
+        insertion = PatternInsertion(pattern, module, owner=plan.owner, owner_path=plan.owner_path,
+                                     prefix=plan.match.graph, anchor=node_name(plan.match.anchor_node),
+                                     modules=dict(plan.match.modules), name=name)
+        insertion.edit = rewrite
+        rewrite.recipes.append(insertion)
+        rewrite.modules[insertion.node_path] = module
         rewrite.matches.append(plan.match.anchor)
+    owners = {id(o): (o, paths.get(id(o), "")) for _, _, o in found}
+    rewrite.recipes.extend(PatternWatch(pattern, owner=owner, owner_path=path, scope=scope, in_scope=in_scope,
+                                        applied=rewrite) for owner, path in owners.values())
     try:
         for recipe in rewrite.recipes:
-            modules_of(recipe.owner)[str(recipe.child)] = recipe.module
-            if target.bridge is not None:
-                target.bridge.adopt(recipe.owner, str(recipe.child))  # an envoy for it, as for op points
+            if isinstance(recipe, PatternInsertion):
+                modules_of(recipe.owner)[str(recipe.child)] = recipe.module
+                if target.bridge is not None:
+                    target.bridge.adopt(recipe.owner, str(recipe.child))  # an envoy for it, as for op points
             add_recipe(recipe)
         target.refresh()
     except BaseException:

@@ -301,6 +301,7 @@ def _replace_by_modules(target: Any, traced: PatternGraph, factory: Any, *, scop
                                f" {sorted({p or '<root>' for p, _ in found.graphs})[:12]}.")
         owners = graph_owners(resolved)
         rewrite = insert_modules(resolved, traced, factory, found=[(p, g, owners[id(g)]) for p, g in chosen],
-                                 parents=found.parents, inputs=found.inputs, scope=scope, log=log)
+                                 parents=found.parents, inputs=found.inputs, scope=scope,
+                                 in_scope=scoped.matches, log=log)
     _log_opaque(resolved, scoped, traced, log=log)
     return rewrite

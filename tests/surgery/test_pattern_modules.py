@@ -46,10 +46,16 @@ def assert_same(model, reference, adapters, x):
             continue
         prefix = next((p for p in wrapped if name.startswith(p)), None)
         other = theirs[wrapped[prefix] + name[len(prefix):]] if prefix else theirs[name]
+        if parameter.grad is None or other.grad is None:  # a parameter this call does not use
+            assert parameter.grad is None and other.grad is None, name
+            continue
         assert torch.equal(parameter.grad, other.grad), name
     for path, adapter in adapters.items():
         for mine, other in ((adapter.lora_a, reference.get_submodule(path).lora_a),
                             (adapter.lora_b, reference.get_submodule(path).lora_b)):
+            if mine.weight.grad is None or other.weight.grad is None:  # an adapter this call does not run
+                assert mine.weight.grad is None and other.weight.grad is None, path
+                continue
             assert torch.equal(mine.weight.grad, other.weight.grad), path
 
 
@@ -210,3 +216,93 @@ def test_replacement_and_replacement_module_are_exclusive(kwargs, message):
     with pytest.raises(PatternError, match=message):
         surgery.replace_pattern(model, linear_pattern, **kwargs)
     assert surgery.edits(model) == []
+
+
+class GrowingBlock(torch.nn.Module):
+    """``o`` runs only on batches of more than 2: an extraction for such a batch has a match of
+    ``linear_pattern`` that a batch of 2's extraction lacks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.o = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = x + self.q(x)
+        if x.shape[0] > 2:
+            y = y + self.o(y)
+        return y
+
+
+def test_a_match_only_a_later_extraction_has_raises_until_replace_pattern_sees_it():
+    small, large = torch.randn(2, 8), torch.randn(4, 8)
+    model = GrowingBlock()
+    eager = copy.deepcopy(model)
+    nnbridge.bridge(model, small)
+    torch.manual_seed(5)
+    rewrite = surgery.replace_pattern(model, linear_pattern, replacement_module=lora)
+    assert rewrite.matches == ["q"]
+    assert surgery.edits(model) == [rewrite]
+    with pytest.raises(PatternError, match=r"replace_pattern\(linear_pattern, replacement_module=...\): the extraction"
+                                           r" of '<root>' made now \(extracted for: .*\) has a match at o that the"
+                                           r" rewrite made no module for.*Remove the rewrite.*run this call once, then"
+                                           r" call replace_pattern again"):
+        model(large)
+    reference = with_adapters(eager, adapters_by_path(model, rewrite))
+    assert_same(model, reference, adapters_by_path(model, rewrite), small)  # the first extraction still serves
+    rewrite.remove()
+    with torch.no_grad():
+        assert torch.equal(model(large), eager(large))
+    torch.manual_seed(5)
+    again = surgery.replace_pattern(model, linear_pattern, replacement_module=lora)
+    assert sorted(again.matches) == ["o", "q"]
+    adapters = adapters_by_path(model, again)
+    reference = with_adapters(eager, adapters)
+    for x in (small, large):
+        assert_same(model, reference, adapters, x)
+    again.remove()
+    assert surgery.edits(model) == []
+
+
+class ShiftingBlock(torch.nn.Module):
+    """On batches of more than 2, ``relu(o(x))`` comes first and takes the node name ``relu`` that
+    ``relu(q(x))`` has on smaller batches."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.o = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[0] > 2:
+            x = x + torch.relu(self.o(x))
+        return x + torch.relu(self.q(x))
+
+
+def relu_pattern(x, base: torch.nn.Linear):
+    return torch.relu(base(x))
+
+
+class Doubled(torch.nn.Module):
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+
+    def forward(self, x):
+        return torch.relu(self.base(x)) * 2
+
+
+def test_a_later_extraction_whose_anchor_binds_other_modules_raises():
+    small, large = torch.randn(2, 8), torch.randn(4, 8)
+    model = ShiftingBlock()
+    eager = copy.deepcopy(model)
+    nnbridge.bridge(model, small)
+    rewrite = surgery.replace_pattern(model, relu_pattern, replacement_module=lambda m: Doubled(m.modules["base"]))
+    assert rewrite.matches == ["relu"]
+    with pytest.raises(PatternError, match=r"no longer applies: .* at 'relu': it binds the modules \{'base': 'o'\},"
+                                           r" the module was made for \{'base': 'q'\}.*Remove the rewrite"):
+        model(large)
+    rewrite.remove()
+    with torch.no_grad():
+        assert torch.equal(model(large), eager(large))
+        assert torch.equal(model(small), eager(small))
