@@ -145,10 +145,11 @@ def _plain_attribute(module: object, name: str) -> object | None:
 def _opaque_attribute(name: str, value: object) -> str:
     """Why an opaque module's Python attribute is no node, and what to do instead."""
     return (f"runs eagerly (it is opaque) and {name!r} is a Python attribute of it ({type(value).__name__}), not a"
-            " node: an opaque module's nodes are its inputs, output, parameters and buffers. graphpatch made"
-            " every attribute of an opaque module a node; nnbridge does not (docs/graphpatch.md, 'Python"
-            f" attributes of opaque modules'). Migrate: set the attribute for the call (module.{name} = ...) and"
-            " restore it after, or hold a tensor as a buffer (register_buffer) to patch it as a node.")
+            " node: an opaque module's nodes are its inputs, output, parameters, buffers and the attributes its"
+            " instance holds with a number, bool or tensor value. graphpatch made every attribute of an opaque"
+            " module a node; nnbridge does not make class attributes or other values nodes (docs/graphpatch.md,"
+            f" 'Python attributes of opaque modules'). Migrate: set the attribute for the call (module.{name} ="
+            " ...) and restore it after, or hold a tensor as a buffer (register_buffer) to patch it as a node.")
 
 
 def _opaque(reason: str) -> str:

@@ -342,8 +342,10 @@ class MultiplyInvokedModule(torch.nn.ModuleList):
 class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
     """Runs the original module's code; inputs, output, parameters and buffers stay patchable.
 
-    Node names: the ``forward()`` argument names, the module's own parameter and buffer names, and
-    ``output`` (``_shape``/``_code`` renamed as graphpatch does, see
+    Node names: the ``forward()`` argument names, the module's own parameter and buffer names, its
+    attributes holding a number, bool or tensor
+    (:func:`~.opaque_runner.patchable_attributes`), and ``output`` (``_shape``/``_code`` renamed
+    as graphpatch does, see
     :func:`~.node_path.unprotected_names`). Children are still extracted: while this module runs, the original module's children
     are swapped for their graph dispatchers (and put back afterwards, also on error).
 
@@ -383,7 +385,7 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
             self.add_module(name, child)
         runner = self.__dict__["_runner"] = OpaqueRunner(module, callees, routers)
         self.__dict__["serves_any_size"] = serves_any_size
-        own = [p for p in runner.signature.parameters] + runner.tensor_names + ["output"]
+        own = [p for p in runner.signature.parameters] + runner.tensor_names + runner.attribute_names + ["output"]
         points = unprotected_names(own)
         # {op point name: runner's name} where they differ (a ``_shape`` argument is ``sub_shape``)
         self.__dict__["_own_names"] = {p: o for p, o in zip(points, own) if p != o}

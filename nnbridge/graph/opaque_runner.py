@@ -18,6 +18,24 @@ from ..compat.torch.module_dicts import buffers_of, modules_of, parameters_of
 from ..errors import PatchError
 
 
+_ABSENT = object()
+
+#: the Python values an opaque module's attribute node may hold
+_NODE_VALUES = (bool, int, float, complex, torch.Tensor)
+
+
+def patchable_attributes(module: torch.nn.Module, *, taken: set[str]) -> list[str]:
+    """The names of ``module``'s attributes that are nodes when it runs opaque, as graphpatch made
+    an opaque module's attributes nodes: those its instance holds (``self.scale = 8`` in
+    ``__init__``, in ``__dict__``) whose value is a number, bool or plain tensor, except private
+    names (``_x``), ``training`` and the names in ``taken`` (arguments, parameters, buffers,
+    ``output``). Class attributes (``bar = 5`` in the class body) are not: they are the class's,
+    shared by its instances."""
+    return [name for name, value in module.__dict__.items()
+            if not name.startswith("_") and name != "training" and name not in taken
+            and isinstance(value, _NODE_VALUES)]
+
+
 class Router(Protocol):
     """A callee that counts its calls within one run of an opaque module (implemented by
     :class:`nnbridge.extract.opaque.InvocationRouter`)."""
@@ -37,6 +55,7 @@ class OpaqueRunner:
     Attributes:
         signature: ``forward``'s signature without ``self``.
         tensor_names: the module's own parameter names, then its own buffer names.
+        attribute_names: its :func:`patchable_attributes`.
     """
 
     def __init__(self, module: torch.nn.Module, callees: Mapping[str, torch.nn.Module | None],
@@ -48,6 +67,8 @@ class OpaqueRunner:
         self.signature = signature.replace(parameters=list(signature.parameters.values())[1:])
         self.tensor_names = [n for n, _ in module.named_parameters(recurse=False)] + [
             n for n, _ in module.named_buffers(recurse=False)]
+        self.attribute_names = patchable_attributes(
+            module, taken=set(self.signature.parameters) | set(self.tensor_names) | {"output"})
 
     def call_original_children(self) -> None:
         """Let the original code call the module's own children (nothing swapped in)."""
@@ -57,12 +78,16 @@ class OpaqueRunner:
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, routed: frozenset[str],
             call: Callable[[str, Any], Any]) -> Any:
         """The module's output for ``module(*args, **kwargs)``, each value named in ``routed`` (an
-        argument name, a parameter or buffer name, ``output``) replaced by ``call(name, value)``."""
+        argument name, a parameter or buffer name, an attribute name, ``output``) replaced by
+        ``call(name, value)``. A routed attribute holds the value ``call`` handed on while the
+        forward runs (set on the instance, shadowing a class attribute), and its own value after,
+        unless the forward assigned it another one (kept, as eager keeps it)."""
         module = self.module
         if routed:
             args, kwargs = self.route_arguments(args, kwargs, routed=routed, call=call)
         saved_modules = {name: modules_of(module)[name] for name in self.callees}
         saved_tensors: dict[str, tuple[dict[str, Any], Any, Any]] = {}
+        saved_attributes: dict[str, tuple[Any, Any]] = {}
         for router in self.routers:
             router.restart()
         try:
@@ -73,12 +98,23 @@ class OpaqueRunner:
                     value = call(name, store[name])
                     saved_tensors[name] = (store, store[name], value)
                     store[name] = value
+            for name in self.attribute_names:
+                if name in routed:
+                    value = call(name, getattr(module, name))
+                    saved_attributes[name] = (module.__dict__.get(name, _ABSENT), value)
+                    module.__dict__[name] = value
             output = type(module).forward(module, *args, **kwargs)
         finally:
             modules_of(module).update(saved_modules)
             for name, (store, tensor, value) in saved_tensors.items():
                 if store.get(name) is value:  # else the forward re-assigned it (an EMA buffer): keep that
                     store[name] = tensor
+            for name, (own, value) in saved_attributes.items():
+                if module.__dict__.get(name, _ABSENT) is value:  # else the forward assigned it: keep that
+                    if own is _ABSENT:
+                        del module.__dict__[name]  # the class attribute shows again
+                    else:
+                        module.__dict__[name] = own
         if "output" in routed:
             output = call("output", output)
         return output
