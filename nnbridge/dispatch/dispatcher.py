@@ -256,7 +256,7 @@ class GraphDispatcher(torch.nn.Module):
                                           path=self.path)
             if isinstance(extraction.root, CompiledGraphModule):
                 extraction.root.set_entry_check(_EntryCheck(extraction, key, self.structure_key, module=self.module,
-                                                                   path=self.path))
+                                                            path=self.path, options=self.options, dispatcher=self))
             self.extractions.setdefault(key, []).append(extraction)
             self._recency[id(extraction)] = (key, extraction)
             self.history.append(extraction)
@@ -452,33 +452,29 @@ class GraphDispatcher(torch.nn.Module):
 
 class _EntryCheck:
     """A root graph's check of a call made to it directly (``extraction.root(x)``, not through a
-    dispatcher): the call must have the extraction's call structure and pass its size guard (and
-    its module-state guard, once the dispatcher gave it one), else
-    :class:`~nnbridge.errors.NNBridgeError` names the guard that fails."""
+    dispatcher): a call with the extraction's call structure that passes its size guard (and its
+    module-state guard, once the dispatcher gave it one) runs the graph; any other call runs
+    through a graph extracted for it, as graphpatch's ``extract()`` graphs ran any call: its
+    dispatcher's (``dispatcher``), or for a graph of :func:`extract` one made on the first such
+    call (``module``, ``options``, ``path``)."""
 
     def __init__(self, extraction: Extraction, key: Hashable, key_of: Callable[[tuple[Any, ...], dict[str, Any]], Hashable],
-                 *, module: torch.nn.Module, path: str):
+                 *, module: torch.nn.Module, path: ModulePath, options: ExtractionOptions,
+                 dispatcher: GraphDispatcher | None = None):
         self.guard, self.state, self.key, self.key_of = extraction.guard, extraction.state, key, key_of
         self.serves_no_grad = extraction.serves_no_grad
-        self.where = f"'{path or type(module).__name__}' ({type(module).__name__})"
+        self.module, self.path, self.options, self.dispatcher = module, path, options, dispatcher
 
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphDispatcher | None:
+        """None when the graph serves the call, else the dispatcher that runs it."""
         key = self.key_of(args, kwargs)
-        tensors = tensor_leaves(args, kwargs)
-        if key != self.key and not (self.serves_no_grad and with_grad_mode(key, True) == self.key):
-            reason = describe_key_change(self.key, key)
-        elif not self.guard.matches(tensors, (args, kwargs)):
-            reason = self.guard.failed(tensors, (args, kwargs))
-        elif self.state is not None and not self.state.holds():
-            reason = self.state.what_changed() or "module state changed"
-        else:
-            return
-        raise NNBridgeError(
-            f"This graph of module {self.where} was extracted for another call ({reason}); run on this call"
-            " it could return wrong values. Call the model through its PatchableGraph (pg(...)) or bridged"
-            " module, which extracts a graph for each call structure and applies the same patches"
-            " (graphpatch's extract() graphs ran on any sizes: see 'Extracted graphs run only the calls they"
-            " were extracted for' in docs/graphpatch.md).")
+        if key == self.key or self.serves_no_grad and with_grad_mode(key, True) == self.key:
+            tensors = tensor_leaves(args, kwargs)
+            if self.guard.matches(tensors, (args, kwargs)) and (self.state is None or self.state.holds()):
+                return None
+        if self.dispatcher is None:
+            self.dispatcher = GraphDispatcher(self.module, self.options, path=self.path)
+        return self.dispatcher
 
 
 def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -505,7 +501,8 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
         def key_of(a: tuple[Any, ...], k: dict[str, Any]) -> Hashable:
             return structure_key(modules, a, k)
-        extraction.root.set_entry_check(_EntryCheck(extraction, key_of(args, kwargs), key_of, module=module, path=path))
+        extraction.root.set_entry_check(_EntryCheck(extraction, key_of(args, kwargs), key_of, module=module, path=path,
+                                                    options=options))
     return extraction
 
 

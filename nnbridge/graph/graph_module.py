@@ -248,12 +248,15 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
             self._reset_routing()
         return code
 
-    def set_entry_check(self, check: Callable[[tuple[Any, ...], dict[str, Any]], None] | None) -> None:
+    def set_entry_check(self, check: Callable[[tuple[Any, ...], dict[str, Any]], Callable[..., Any] | None] | None
+                        ) -> None:
         """Check every call made to this graph from outside (not through :meth:`run_unchecked`):
-        ``check(args, kwargs)`` raises for a call the graph was not extracted for. Set by the
-        dispatcher on the root of each extraction: its graph is specialised to the extracted call
-        structure, and run on other sizes it may return wrong values without any error. Graphs
-        without a check keep torch.fx's own ``__call__`` (no work added to their calls)."""
+        ``check(args, kwargs)`` returns None for a call the graph was extracted for, else the
+        callable that runs the call instead (a dispatcher, extracting a graph for it), or raises.
+        Set by the dispatcher on the root of each extraction: its graph is specialised to the
+        extracted call structure, and run on other sizes it may return wrong values without any
+        error. Graphs without a check keep torch.fx's own ``__call__`` (no work added to their
+        calls)."""
         self.__dict__["_entry_check"] = check
         if check is not None:
             self._install_entry_check()
@@ -269,7 +272,9 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
     def _checked_call(self, *args: Any, **kwargs: Any) -> Any:
         check = self.__dict__.get("_entry_check")
         if check is not None and not torch.compiler.is_compiling():
-            check(args, kwargs)
+            other = check(args, kwargs)
+            if other is not None:
+                return other(*args, **kwargs)
         return torch.nn.Module.__call__(self, *args, **kwargs)
 
     def _defer_code(self) -> None:
