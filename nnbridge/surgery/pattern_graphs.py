@@ -45,6 +45,8 @@ class PatternGraph:
         dropped: the inputs no node uses after binding ``constants`` (dropped).
         specialiser: the :class:`~.pattern_spec.Specialiser` that traced it from values and re-traces
             it per candidate; None for a symbolic trace, matched as it is.
+        exported: the graph module of an extracted pattern (:mod:`.pattern_export`), whose graph
+            this is; None for a torch.fx trace.
     """
 
     name: str
@@ -53,6 +55,7 @@ class PatternGraph:
     tensors: list[str]
     dropped: list[str] = field(default_factory=list)
     specialiser: Any = None
+    exported: Any = None
 
     @property
     def outputs(self) -> list[Node]:
@@ -89,7 +92,7 @@ class LeafTracer(Tracer):
         return True
 
 
-def _function_of(pattern: Any, what: str) -> Callable[..., Any]:
+def function_of(pattern: Any, what: str) -> Callable[..., Any]:
     if isinstance(pattern, torch.nn.Module):
         return pattern.forward
     if not callable(pattern):
@@ -105,7 +108,7 @@ def name_of(pattern: Any) -> str:
     return getattr(pattern, "__name__", None) or type(pattern).__name__
 
 
-def _parameters(function: Callable[..., Any], name: str) -> list[inspect.Parameter]:
+def parameters_of(function: Callable[..., Any], name: str) -> list[inspect.Parameter]:
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError) as error:
@@ -118,14 +121,14 @@ def _parameters(function: Callable[..., Any], name: str) -> list[inspect.Paramet
     return parameters
 
 
-def _annotations(function: Callable[..., Any]) -> dict[str, Any]:
+def annotations_of(function: Callable[..., Any]) -> dict[str, Any]:
     try:
         return typing.get_type_hints(function)
     except Exception:  # noqa: BLE001 - unresolvable string annotations: read them raw
         return dict(getattr(function, "__annotations__", {}))
 
 
-def _is_module_class(annotation: Any) -> bool:
+def is_module_class(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, torch.nn.Module)
 
 
@@ -137,10 +140,10 @@ def tensor_arguments(pattern: Any, *, constants: Mapping[str, Any], name: str) -
         PatternError: as :func:`trace_pattern` for a pattern that is no function or takes
             ``*args``/``**kwargs``.
     """
-    function = _function_of(pattern, "pattern")
-    hints = _annotations(function)
-    return [p.name for p in _parameters(function, name) if p.name not in constants
-            and not _is_module_class(hints.get(p.name))]
+    function = function_of(pattern, "pattern")
+    hints = annotations_of(function)
+    return [p.name for p in parameters_of(function, name) if p.name not in constants
+            and not is_module_class(hints.get(p.name))]
 
 
 def trace_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str, tracer: Tracer | None = None
@@ -155,15 +158,15 @@ def trace_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str, trac
             distinct ones), or a symbolically traced pattern reads tensor metadata (``x.dtype``,
             ``x.shape``).
     """
-    function = _function_of(pattern, "pattern")
-    parameters = _parameters(function, name)
+    function = function_of(pattern, "pattern")
+    parameters = parameters_of(function, name)
     names = [p.name for p in parameters]
     unknown = sorted(set(constants) - set(names))
     if unknown:
         raise PatternError(f"constants= names {unknown}, which the pattern {name} does not take (its arguments:"
                            f" {names}); bind only its own arguments.")
-    hints = _annotations(function)
-    slots = {n: hints[n] for n in names if n not in constants and _is_module_class(hints.get(n))}
+    hints = annotations_of(function)
+    slots = {n: hints[n] for n in names if n not in constants and is_module_class(hints.get(n))}
     holder = torch.nn.Module()
     for slot in slots:
         holder.add_module(slot, _Slot(slot))
@@ -176,7 +179,7 @@ def trace_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str, trac
         return function(*(values[n] for n in names))
 
     try:
-        graph = (tracer or LeafTracer()).trace(_rooted(holder, bound, free))
+        graph = (tracer or LeafTracer()).trace(rooted(holder, bound, free))
     except PatternError:
         raise
     except Exception as error:
@@ -231,7 +234,7 @@ def _refuse_metadata_reads(graph: Graph, name: str) -> None:
                                " specialised per candidate.")
 
 
-def _rooted(holder: torch.nn.Module, function: Callable[..., Any], arguments: list[str]) -> torch.nn.Module:
+def rooted(holder: torch.nn.Module, function: Callable[..., Any], arguments: list[str]) -> torch.nn.Module:
     """A module with ``holder``'s children whose forward takes ``arguments`` and calls ``function``
     (fx's tracer reads the argument names off the forward's code object)."""
     for argument in arguments:
@@ -240,7 +243,9 @@ def _rooted(holder: torch.nn.Module, function: Callable[..., Any], arguments: li
     source = f"def forward(self, {', '.join(arguments)}):\n    return _function({', '.join(arguments)})\n"
     scope: dict[str, Any] = {"_function": function}
     exec(compile(source, "<nnbridge pattern>", "exec"), scope)  # noqa: S102 - names checked above
-    root = type("PatternRoot", (torch.nn.Module,), {"forward": scope["forward"]})()
+    # a class made here, of no module with a source file: no extraction cache keys a program by it
+    # (its code is the pattern's, which the source of this module does not show)
+    root = type("PatternRoot", (torch.nn.Module,), {"forward": scope["forward"], "__module__": "<nnbridge pattern>"})()
     for child_name, child in holder.named_children():
         root.add_module(child_name, child)
     return root
@@ -266,8 +271,8 @@ def trace_replacement(replacement: Any, *, values: Mapping[str, Any], owner: tor
     Raises:
         PatternError: the replacement takes an argument the pattern does not bind, or cannot be traced.
     """
-    function = _function_of(replacement, "replacement")
-    parameters = _parameters(function, name)
+    function = function_of(replacement, "replacement")
+    parameters = parameters_of(function, name)
     missing = [p.name for p in parameters if p.name not in values and p.default is inspect.Parameter.empty]
     if missing:
         raise PatternError(f"the replacement {name} takes {missing}, which the pattern does not bind (the pattern's"
@@ -280,7 +285,7 @@ def trace_replacement(replacement: Any, *, values: Mapping[str, Any], owner: tor
 
     holder = torch.nn.Module()
     holder.add_module("owner", owner)
-    root = _rooted(holder, bound, tensors)
+    root = rooted(holder, bound, tensors)
     try:
         graph = (tracer or LeafTracer()).trace(root)
     except PatternError as error:

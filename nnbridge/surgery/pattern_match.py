@@ -86,6 +86,8 @@ def _path(where: str, node: Node) -> str:
 
 
 def _pattern_op_name(node: Node) -> str:
+    if getattr(node.target, "overloadpacket", None) is not None:  # an ATen op of an extracted pattern
+        return op_base_name(node).strip("_")
     if node.op == "call_method":
         return str(node.target).strip("_")
     return (getattr(node.target, "__name__", None) or str(node.target)).strip("_")
@@ -132,16 +134,20 @@ class _Attempt:
             raise _Failed(f"{self.path(t)} would stand for two pattern nodes")
         if p.op == "call_module":
             self.module_call(p, t)
+        elif self.pattern.exported is not None and p.op == "call_function" and not self.lenient:  # the same overload
+            if t.op != "call_function" or t.target != p.target:
+                what = f"the op {t.target}" if t.op == "call_function" else f"a {t.op} node"
+                raise _Failed(f"{self.path(t)} is {what}; the pattern wants {p.target}")
         else:
             want, got = _pattern_op_name(p), (_graph_op_name(t) if t.op == "call_function" else None)
-            if got != want:
+            if got != want and not (self.lenient and got is not None and p is not self.pattern.output):
                 what = f"the op {t.target}" if got is not None else f"a {t.op} node"
                 raise _Failed(f"{self.path(t)} is {what}; the pattern wants {want}")
         self.found.nodes[p] = t
         self.taken.add(t)
         self.arguments(p, list(p.args), list(t.args), t=t)
         for key, value in p.kwargs.items():
-            if key not in t.kwargs and _default_of(p, key) == (value,):
+            if key not in t.kwargs and (_default_of(p, key) == (value,) or self.lenient and not isinstance(value, Node)):
                 continue  # F.silu(x, inplace=False) traced by fx: the ATen op has no such keyword
             if key not in t.kwargs:
                 raise _Failed(f"{self.path(t)} has no keyword argument {key}={value!r}")
@@ -165,6 +171,11 @@ class _Attempt:
             raise _Failed(f"{self.path(t)} passes state or constants the pattern cannot see")
 
     def arguments(self, p: Node, pattern_args: list[Any], args: list[Any], *, t: Node) -> None:
+        if self.lenient and p.op != "call_module":  # literals are compared (in ATen form) once specialised
+            if any(isinstance(want, Node) for want in pattern_args[len(args):]):
+                raise _Failed(f"{self.path(t)} takes {len(args)} positional argument(s); the pattern passes a value as"
+                              f" argument {len(args)}")
+            pattern_args = pattern_args[:len(args)]
         if len(args) < len(pattern_args) or (p.op == "call_module" and len(args) != len(pattern_args)):
             raise _Failed(f"{self.path(t)} takes {len(args)} positional argument(s); the pattern passes"
                           f" {len(pattern_args)}")

@@ -44,6 +44,7 @@ from ..compat.torch.fake_values import fake_from, fake_mode
 from ..compat.torch.pytree import pytree
 from ..errors import PatternError
 from .fake_values import UNKNOWN, FakeValues
+from .pattern_export import export_pattern, exportable
 from .pattern_graphs import METADATA_METHODS, LeafTracer, PatternGraph, tensor_arguments, trace_pattern
 from .pattern_match import _Attempt, _Failed, candidates
 
@@ -192,9 +193,9 @@ class Specialiser:
         PatternError: ``example`` does not give one real tensor per tensor argument.
     """
 
-    def __init__(self, pattern: Any, *, constants: Mapping[str, Any], name: str, example: Any):
+    def __init__(self, pattern: Any, *, constants: Mapping[str, Any], name: str, example: Any = None):
         self.pattern, self.constants, self.name = pattern, dict(constants), name
-        self.example = self._example(example)
+        self.example = self._example(example) if example is not None else None
         self._mode = fake_mode()
         self._generic: dict[Any, PatternGraph] = {}
         self._specialised: dict[tuple[Any, ...], PatternGraph] = {}
@@ -242,15 +243,29 @@ class Specialiser:
         Raises:
             PatternError: the pattern cannot be traced with them (the message says the rule and the fix).
         """
-        if dtype not in self._generic:
-            values = {name: fake_from(self._mode, value.to(dtype) if dtype is not None and value.is_floating_point()
-                                      else value) for name, value in self.example.items()}
-            try:
-                self._generic[dtype] = self.trace(values, calls={}, mode=self._mode)
-            except PatternError as error:
-                raise PatternError(f"{error} example_inputs= are the values the pattern is first traced with (to know"
-                                   " its ops); give tensors it runs on, of the dtypes and sizes it expects.") from error
-        return self._generic[dtype]
+        if dtype in self._generic:
+            return self._generic[dtype]
+        if self.example is None:
+            traced = trace_pattern(self.pattern, constants=self.constants, name=self.name)
+            traced.specialiser = self
+            self._generic[dtype] = traced
+            return traced
+        values = {name: value.to(dtype) if dtype is not None and value.is_floating_point() else value
+                  for name, value in self.example.items()}
+        try:  # torch.fx's trace first: it refuses what no candidate could specialise (see ValueTracer)
+            traced = self.trace({n: fake_from(self._mode, v) for n, v in values.items()}, calls={}, mode=self._mode)
+        except PatternError as error:
+            raise PatternError(f"{error} example_inputs= are the values the pattern is first traced with (to know"
+                               " its ops); give tensors it runs on, of the dtypes and sizes it expects.") from error
+        try:  # the ATen form, in which a candidate's ops are found by their names
+            exported = export_pattern(self.pattern, constants=self.constants, name=self.name, inputs=values, calls={})
+        except PatternError:  # (a module call's guessed value does not fit the code after it): the fx trace
+            exported = None
+        if exported is not None:
+            exported.specialiser, exported.dropped = self, traced.dropped
+            traced = exported
+        self._generic[dtype] = traced
+        return traced
 
     def cast(self, dtype: torch.dtype) -> list[PatternGraph]:
         """``[the pattern traced with the example inputs cast to dtype]``; ``[]`` when it cannot be
@@ -275,7 +290,13 @@ class Specialiser:
         """
         key = (_key(inputs), _key(calls), tuple(sorted((s, c.__qualname__) for s, c in slots.items())))
         if key not in self._specialised:
-            self._specialised[key] = self.trace(inputs, calls=calls, mode=mode)
+            if exportable(inputs, calls, tensor_arguments(self.pattern, constants=self.constants, name=self.name)):
+                special = export_pattern(self.pattern, constants=self.constants, name=self.name, inputs=inputs,
+                                         calls=calls)
+                special.specialiser = self
+                self._specialised[key] = special
+            else:
+                self._specialised[key] = self.trace(inputs, calls=calls, mode=mode)
         return self._specialised[key]
 
     def search(self, module: GraphModule, *, where: str, recorded: Mapping[str, Any] | None) -> Search:
@@ -291,8 +312,10 @@ class Search:
         self.specialiser, self.module, self.where, self.recorded = specialiser, module, where, recorded
         dtypes = sorted({n.meta["val"].dtype for n in module.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
                          and n.meta["val"].is_floating_point()}, key=str)
-        own = {v.dtype for v in specialiser.example.values() if v.is_floating_point()}
-        self.generic = [specialiser.generic()] + [g for d in dtypes if own != {d} for g in specialiser.cast(d)]
+        example = specialiser.example
+        own = {v.dtype for v in example.values() if v.is_floating_point()} if example is not None else set()
+        casts = [g for d in dtypes if own != {d} for g in specialiser.cast(d)] if example is not None else []
+        self.generic = [specialiser.generic()] + casts
         self._propagated: tuple[dict[Node, Any], Any] | None = None
 
     def candidates(self) -> list[Node]:

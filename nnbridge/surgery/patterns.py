@@ -39,7 +39,7 @@ from .pass_inputs import Parents, recorded_inputs
 from .pass_recipes import PassRecipe
 from .pass_targets import graph_path, graphs_below, target_graphs
 from .passes import AppliedPasses, PassEdit, PreparedPasses, apply_edit, graph_owners
-from .pattern_graphs import PatternGraph, name_of, trace_pattern
+from .pattern_graphs import PatternGraph, name_of
 from .pattern_log import LogEntry, MatchLog
 from .pattern_match import Match, match_graph
 from .pattern_modules import Factory, ModuleRewrite, insert_modules
@@ -142,12 +142,8 @@ class Rewrite(AppliedPasses):
 def _traced(pattern: Any, constants: Mapping[str, Any] | None, *, example_inputs: Any, log: MatchLog) -> PatternGraph:
     if constants is not None and not isinstance(constants, Mapping):
         raise PatternError(f"constants= must be a dict {{argument: value}}; got {type(constants).__name__}.")
-    if example_inputs is not None:
-        specialiser = Specialiser(pattern, constants=dict(constants or {}), name=name_of(pattern),
-                                  example=example_inputs)
-        traced = specialiser.generic()
-    else:
-        traced = trace_pattern(pattern, constants=dict(constants or {}), name=name_of(pattern))
+    specialiser = Specialiser(pattern, constants=dict(constants or {}), name=name_of(pattern), example=example_inputs)
+    traced = specialiser.generic()
     if not traced.slots and not any(n.op in ("call_function", "call_method") for n in traced.graph.nodes):
         raise PatternError(f"the pattern {traced.name} has no op and no module call to match.")
     for dropped in traced.dropped:
