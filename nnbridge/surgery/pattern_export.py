@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Graph, GraphModule, Node
 
 from ..compat.torch.pytree import pytree
 from ..errors import PatternError
@@ -126,16 +126,15 @@ def export_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str, inp
 
     root = rooted(holder, bound, free)
     options = ExtractionOptions(error_on_compilation_failure=True, allow_unused_submodules=True, dynamic_shapes=False,
-                                reuse_layers=False,
-                                progress=False)
+                                reuse_layers=False, progress=False)
     try:
-        with torch.no_grad():
-            extraction = extract(root, tuple(_real(inputs[n]) for n in free), {}, options=options)
+        extraction = extract(root, tuple(_real(inputs[n]) for n in free), {}, options=options)
     except Exception as error:  # noqa: BLE001 - any failure of the pattern's own code, said with its cause
         raise PatternError(f"the pattern {name} cannot be extracted with these values ({type(error).__name__}:"
                            f" {(str(error).splitlines() or [''])[0][:300]})") from error
-    graph = extraction.root.graph
-    return _pattern_graph(graph, name=name, free=free, slots=slots, keep=extraction.root)
+    if not isinstance(extraction.root, GraphModule):
+        raise PatternError(f"the pattern {name} has no graph for these values (it runs eagerly)")
+    return _pattern_graph(extraction.root.graph, name=name, free=free, slots=slots, keep=extraction.root)
 
 
 def _pattern_graph(graph: Graph, *, name: str, free: list[str], slots: Mapping[str, type[torch.nn.Module]],

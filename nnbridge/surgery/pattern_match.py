@@ -6,19 +6,22 @@ the anchor, the pattern is walked backwards along arguments:
 
 - a module slot matches a ``call_module`` node whose child graph was extracted from a subclass of
   the slot's annotation (kernl's extended matcher matches ``call_module`` by type likewise);
-- a pattern op matches an ATen op of the same name (``operator.add``, ``torch.add`` and
+- an op of a pattern extracted by nnbridge's exporter (:mod:`.pattern_export`) matches the same
+  ATen op and overload with equal arguments;
+- an op of a torch.fx trace matches an ATen op of the same name (``operator.add``, ``torch.add`` and
   ``Tensor.add`` all match ``aten.add.*``; ``F.linear`` matches ``aten.linear.*``), with equal
   literal arguments; the target may have more trailing arguments (filled defaults), and may lack
   a keyword the pattern passes at its Python function's default (``F.silu``'s ``inplace=False``);
+  walked leniently (a generic pattern, :mod:`.pattern_spec`) literals, keywords, argument counts
+  and the names of ops other than the anchor are not compared;
 - a tensor input matches any node, the same node wherever the input is used.
 
 A pattern returning a tuple (``return a, b``) is anchored at its first value; each other value
 is the node of its kind that completes the match consistently (a value the walk from the anchor
 reached already, or one found among the graph's nodes of that kind).
 
-A pattern traced from values (``example_inputs=``) is searched by :mod:`.pattern_spec`: its
-generic traces are walked with literals not compared, then each candidate's specialised trace with
-every literal compared.
+A pattern is searched by :mod:`.pattern_spec`: its generic traces are walked leniently, then each
+candidate's specialised pattern with every op and literal compared.
 
 A structural match is then REJECTED when a value inside it (not one of the outputs) has a user
 outside it (the user is named), when it shares a node with an earlier match, or (several

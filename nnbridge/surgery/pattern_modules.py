@@ -178,14 +178,17 @@ class PatternInsertion(InsertedModule):
         where = f"{self.prefix}.{self.anchor}" if self.prefix else self.anchor
         return f"replace_pattern({self.pattern.name} at {where!r}, {type(self.module).__name__}) -> {self.node_path!r}"
 
-    def _match(self, graph: CompiledGraphModule, reason: str) -> Match | None:
-        """The match at :attr:`anchor` in ``graph``; None when ``graph`` has no node of that name
-        (a call structure that does not reach the match, as eager would not call its module)."""
+    def _match(self, graph: CompiledGraphModule, reason: str, callers: Callers | None) -> Match | None:
+        """The match at :attr:`anchor` in ``graph`` (``callers``: its callers and inputs, for the
+        candidates' values); None when ``graph`` has no node of that name (a call structure that
+        does not reach the match, as eager would not call its module)."""
         if not any(node_name(n) == self.anchor for n in graph.graph.nodes):
             return None
         log = MatchLog()
         where = graph_path(graph)
-        for match in match_graph(self.pattern, graph, where=where, log=log):
+        known = callers or Callers()
+        for match in match_graph(self.pattern, graph, where=where, log=log,
+                                 recorded=recorded_inputs(graph, known.parents, known.inputs)):
             if node_name(match.anchor_node) == self.anchor:
                 if match.modules != self.modules:
                     why = f"it binds the modules {match.modules}, the module was made for {self.modules}"
@@ -213,7 +216,7 @@ class PatternInsertion(InsertedModule):
         name = str(self.child)
         if self._applied(graph, name, PatternError):
             return
-        match = self._match(graph, reason)
+        match = self._match(graph, reason, callers)
         if match is None:
             return
         where = match.anchor
@@ -403,7 +406,8 @@ def insert_modules(target: Target, pattern: PatternGraph, factory: Factory, *,
     paths = {id(m): p for p, m in target.model.named_modules(remove_duplicate=False)}
     planned: dict[tuple[int, str], _Planned] = {}
     for where, graph, owner in found:
-        for match in match_graph(pattern, graph, where=where, log=log):
+        for match in match_graph(pattern, graph, where=where, log=log,
+                                 recorded=recorded_inputs(graph, parents, inputs)):
             key = (id(owner), node_name(match.anchor_node))
             if key in planned:
                 continue  # another graph of the same module (a module called twice): one module serves both

@@ -1,27 +1,32 @@
-"""Patterns traced from values and specialised per candidate, for ``example_inputs=`` of
-:func:`~nnbridge.surgery.replace_pattern` and :func:`~nnbridge.surgery.match`.
+"""Patterns specialised per candidate, for :func:`~nnbridge.surgery.replace_pattern` and
+:func:`~nnbridge.surgery.match`.
 
-Borrowed from inductor's ``register_replacement``: a pattern is traced once from example inputs
-(to know what to look for) and traced again for each match from the match's own values, and the
-match stands only if that specialised pattern matches too. Here the trace is torch.fx's, with a
-:class:`ValueTracer` whose proxies carry fake values: reading ``x.dtype``, ``x.shape[-1]`` or
-``x.size(-1)`` gives the value's own dtype or size (a literal in the pattern, as Dynamo
-specialises static sizes), so ``if x.dtype == torch.bfloat16:`` takes the candidate's branch.
-Module slots stay ``call_module`` nodes; a slot's call has the value the matched call node has.
+Borrowed from inductor's ``register_replacement``: a pattern is traced once (to know what to look
+for) and again for each match from the match's own values, and the match stands only if that
+specialised pattern matches too. The first trace is torch.fx's: symbolic, or with
+``example_inputs=`` by a :class:`ValueTracer` whose proxies carry fake values: reading
+``x.dtype``, ``x.shape[-1]`` or ``x.size(-1)`` gives the value's own dtype or size (a literal in
+the pattern, as Dynamo specialises static sizes), so ``if x.dtype == torch.bfloat16:`` takes the
+example's branch. Module slots stay ``call_module`` nodes; a slot's call has the value the matched
+call node has. The specialised pattern is extracted by nnbridge's exporter
+(:mod:`.pattern_export`), in the ATen normal form of the graphs it is matched in.
 
 A search (:meth:`Specialiser.search`) over one graph:
 
-1. *Generic patterns*: the pattern traced with the example inputs, and with them cast to each
-   other floating dtype the graph's recorded values have (a bfloat16 extraction gets the
-   pattern's bfloat16 branch). They find a candidate's nodes, with literals not compared (a size or
-   dtype in them is the example's, not the candidate's).
+1. *Generic patterns*: the symbolic trace; or the pattern extracted from the example inputs (the
+   torch.fx trace when it cannot be), and from them cast to each other floating dtype the graph's
+   recorded values have (a bfloat16 extraction gets the pattern's bfloat16 branch). They find a
+   candidate's nodes from an anchor op of the same name, with literals, argument counts and the
+   names of the ops inside not compared (a size or dtype in them is the example's, and torch.fx
+   names ops as torch does: ``float``, not ``to``).
 2. *Specialisation*: the values of the matched tensor inputs and module calls, by fake propagation
    of the graph (:class:`~.fake_values.FakeValues`), give the specialised pattern (cached by the
-   inputs' and calls' dtypes, sizes and devices and the slots' classes: one trace serves every
-   layer alike), matched from the same anchor with every literal compared. It must bind the tensor
-   inputs to the nodes whose values it was traced with. An input with no value (an extraction's own
-   input: propagation does not reach it) is traced without one: fine, unless the pattern reads its
-   metadata, which rejects the candidate, saying so.
+   inputs' and calls' dtypes, sizes and devices and the slots' classes: one extraction serves every
+   layer alike), matched from the same anchor with every op (overload included) and literal
+   compared. It must bind the tensor inputs to the nodes whose values it was made from. A
+   candidate with an input without a value (an extraction's own input: propagation does not
+   reach it) is traced by torch.fx without one and compared by op names: fine, unless the pattern
+   reads its metadata, which rejects the candidate, saying so.
 
 Example::
 
@@ -179,15 +184,15 @@ def _key(values: Mapping[str, Any]) -> tuple[Any, ...]:
 
 
 class Specialiser:
-    """Traces one pattern from values: :meth:`generic` from the example inputs, :meth:`specialised`
-    from a candidate's (see the module docstring).
+    """Traces one pattern: :meth:`generic` (symbolically, or from the example inputs),
+    :meth:`specialised` from a candidate's values (see the module docstring).
 
     Args:
         pattern: the pattern function or module.
         constants: the bound constants.
         name: the pattern's name, for messages.
         example: ``example_inputs=``: a tensor per tensor argument, a tuple in argument order or a
-            dict by name.
+            dict by name; None: the generic pattern is the symbolic trace.
 
     Raises:
         PatternError: ``example`` does not give one real tensor per tensor argument.
@@ -237,11 +242,12 @@ class Specialiser:
         return traced
 
     def generic(self, dtype: torch.dtype | None = None) -> PatternGraph:
-        """The pattern traced with the example inputs (their floating ones cast to ``dtype``);
-        module calls have no value.
+        """The pattern extracted from the example inputs (their floating ones cast to ``dtype``),
+        or traced by torch.fx from them when it cannot be; module calls have no value (see
+        :data:`~.pattern_export.LIKE_INPUT`). Without example inputs, the symbolic trace.
 
         Raises:
-            PatternError: the pattern cannot be traced with them (the message says the rule and the fix).
+            PatternError: the pattern cannot be traced (the message says the rule and the fix).
         """
         if dtype in self._generic:
             return self._generic[dtype]
@@ -282,8 +288,9 @@ class Specialiser:
 
     def specialised(self, inputs: Mapping[str, Any], *, calls: Mapping[str, Any], slots: Mapping[str, type],
                     mode: Any) -> PatternGraph:
-        """The pattern traced for one candidate, cached by its values' dtypes, sizes and devices
-        and the slots' classes.
+        """The pattern for one candidate, cached by its values' dtypes, sizes and devices and the
+        slots' classes: extracted (:mod:`.pattern_export`) when every value is known, else traced
+        by torch.fx.
 
         Raises:
             PatternError: the pattern cannot be traced with these values.

@@ -3,9 +3,10 @@
 A pattern is a plain function whose arguments are tensors (match any value) and modules annotated
 with their class (match a call of a child of that class; nnbridge's per-module graphs keep each
 child call as one ``call_module`` node, so a pattern can span modules, as ``l1(l0(x))``). It is
-traced once (:mod:`.pattern_graphs`; with ``example_inputs=``, from values and again per candidate,
-:mod:`.pattern_spec`), found in every compiled graph in ``scope``
-(:mod:`.pattern_match`), and each match is replaced by the replacement traced with the matched
+traced by torch.fx once (:mod:`.pattern_graphs`; with ``example_inputs=``, from values), which finds
+candidates in every compiled graph in ``scope`` (:mod:`.pattern_match`); each candidate stands only
+if the pattern extracted by nnbridge's exporter from the candidate's own values
+(:mod:`.pattern_export`, :mod:`.pattern_spec`) matches it in ATen form; and each match is replaced by the replacement traced with the matched
 modules themselves (:mod:`.pattern_rewrite`): no weight is copied, parameter names with ``.`` are
 no problem. The rewrite is an edit like :func:`~nnbridge.surgery.apply_passes`' (it runs as a pass,
 with the same checks, and is undone on any failure), kept as recipes re-applied to every later
@@ -162,9 +163,10 @@ def match(target: Any, pattern: Any, *, scope: str = "**", constants: Mapping[st
         scope: a glob over graph NodePaths (``"blocks_*"``; ``"**"``: every graph).
         constants: ``{argument: value}`` bound before tracing (a config steering control flow).
         example_inputs: a tensor per tensor argument (a tuple in order, or a dict by name): the
-            pattern is then traced with values, and again per candidate with the candidate's own
-            (its dtypes and sizes: ``x.dtype`` and ``x.shape`` read them), see :mod:`.pattern_spec`.
-            None: one symbolic trace, matched as it is (it must not read tensor metadata).
+            pattern is then traced with values (``x.dtype`` and ``x.shape`` read them), and its
+            candidates found by their ATen op names, see :mod:`.pattern_spec`. None: a symbolic trace
+            finds candidates (it must not read tensor metadata). Either way each candidate is
+            matched by the pattern extracted from its own values.
 
     Returns:
         :class:`MatchResult` (``.matches``, ``.log``).
