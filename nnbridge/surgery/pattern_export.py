@@ -73,15 +73,15 @@ def _real(value: torch.Tensor) -> torch.Tensor:
     return torch.zeros(value.shape, dtype=value.dtype, device=value.device)
 
 
-def exportable(inputs: Mapping[str, Any], calls: Mapping[str, Any], names: list[str]) -> bool:
-    """Whether every tensor argument (``names``) has a tensor in ``inputs`` and every slot call's
-    value is known (tensors and plain values, at least one tensor): a pattern is extracted from
-    values; one without them is traced by torch.fx instead (:mod:`.pattern_spec`)."""
+def exportable(inputs: Mapping[str, Any], calls: Mapping[str, Any]) -> bool:
+    """Whether every value in ``inputs`` is a tensor and every slot call's value is known
+    (tensors and plain values, at least one tensor): a pattern is extracted from values; one
+    without them is traced by torch.fx instead (:mod:`.pattern_spec`)."""
     def known(value: Any) -> bool:
         leaves = pytree.tree_leaves(value)
         return any(isinstance(v, torch.Tensor) for v in leaves) and all(
             isinstance(v, (torch.Tensor, bool, int, float, type(None))) for v in leaves)
-    return all(isinstance(inputs.get(n), torch.Tensor) for n in names) and all(known(v) for v in calls.values())
+    return all(isinstance(v, torch.Tensor) for v in inputs.values()) and all(known(v) for v in calls.values())
 
 
 def export_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str, inputs: Mapping[str, torch.Tensor],
@@ -91,13 +91,15 @@ def export_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str, inp
     Args:
         constants: the bound constants.
         name: the pattern's name, for messages.
-        inputs: ``{tensor argument: the candidate's value}`` (fake or real tensors; see :func:`exportable`).
+        inputs: ``{tensor argument: the candidate's value}`` (fake or real tensors); an argument
+            without one is passed as None (a pattern that uses it fails to extract).
         calls: ``{module slot: the value of the candidate's call of the matched module}``; a slot
             not given stands for zeros shaped as its call's first tensor argument (:data:`LIKE_INPUT`).
 
     Returns:
         A :class:`~.pattern_graphs.PatternGraph` of the extracted graph (ATen ops, ``call_module``
-        nodes for slots, placeholders named by the tensor arguments).
+        nodes for slots, placeholders named by the tensor arguments); ``dropped``: the tensor
+        arguments unused for these values.
 
     Raises:
         PatternError: extraction failed, or the extracted pattern returns no computed value (for
@@ -110,10 +112,7 @@ def export_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str, inp
     names = [p.name for p in parameters_of(function, name)]
     hints = annotations_of(function)
     slots = {n: hints[n] for n in names if n not in constants and is_module_class(hints.get(n))}
-    free = [n for n in names if n not in constants and n not in slots]
-    missing = [n for n in free if not isinstance(inputs.get(n), torch.Tensor)]
-    if missing:
-        raise PatternError(f"the pattern {name} is extracted from a tensor per tensor argument; {missing} have none")
+    free = [n for n in names if n not in constants and n not in slots and isinstance(inputs.get(n), torch.Tensor)]
     holder = torch.nn.Module()
     for slot in slots:
         holder.add_module(slot, SlotStandIn(calls.get(slot, LIKE_INPUT)))
@@ -122,7 +121,7 @@ def export_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str, inp
         values = dict(zip(free, tensors))
         values.update(constants)
         values.update((slot, getattr(holder, slot)) for slot in slots)
-        return function(*(values[n] for n in names))
+        return function(*(values.get(n) for n in names))  # a tensor argument without a value is None
 
     root = rooted(holder, bound, free)
     options = ExtractionOptions(error_on_compilation_failure=True, allow_unused_submodules=True, dynamic_shapes=False,
@@ -134,7 +133,10 @@ def export_pattern(pattern: Any, *, constants: Mapping[str, Any], name: str, inp
                            f" {(str(error).splitlines() or [''])[0][:300]})") from error
     if not isinstance(extraction.root, GraphModule):
         raise PatternError(f"the pattern {name} has no graph for these values (it runs eagerly)")
-    return _pattern_graph(extraction.root.graph, name=name, free=free, slots=slots, keep=extraction.root)
+    made = _pattern_graph(extraction.root.graph, name=name, free=free, slots=slots, keep=extraction.root)
+    # (extracted with None for them: unused for these values)
+    made.dropped += [n for n in names if n not in constants and n not in slots and n not in free]
+    return made
 
 
 def _pattern_graph(graph: Graph, *, name: str, free: list[str], slots: Mapping[str, type[torch.nn.Module]],

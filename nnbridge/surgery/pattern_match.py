@@ -302,6 +302,10 @@ def match_graph(pattern: PatternGraph, module: GraphModule, *, where: str, log: 
             found.append(match)
             consumed.update((n, anchor) for n in match.nodes.values())
             log.add(LogEntry(pattern.name, shown, anchor, "MATCHED"))
+            for unused in attempt.pattern.dropped:
+                if unused not in pattern.dropped:  # unused in the pattern specialised for this candidate
+                    log.add(LogEntry(pattern.name, shown, anchor, "DROPPED",
+                                     f"input {unused} unused in the pattern specialised for {anchor}"))
             continue
         entry = LogEntry(pattern.name, shown, anchor, "REJECTED", reason, score=len(attempt.found.nodes))
         log.add(entry)

@@ -297,13 +297,18 @@ class Specialiser:
         """
         key = (_key(inputs), _key(calls), tuple(sorted((s, c.__qualname__) for s, c in slots.items())))
         if key not in self._specialised:
-            if exportable(inputs, calls, tensor_arguments(self.pattern, constants=self.constants, name=self.name)):
-                special = export_pattern(self.pattern, constants=self.constants, name=self.name, inputs=inputs,
-                                         calls=calls)
-                special.specialiser = self
-                self._specialised[key] = special
-            else:
-                self._specialised[key] = self.trace(inputs, calls=calls, mode=mode)
+            special: PatternGraph | None = None
+            if exportable(inputs, calls):
+                try:
+                    special = export_pattern(self.pattern, constants=self.constants, name=self.name, inputs=inputs,
+                                             calls=calls)
+                    special.specialiser = self
+                except PatternError:
+                    names = tensor_arguments(self.pattern, constants=self.constants, name=self.name)
+                    if all(n in inputs for n in names):
+                        raise
+                    # an argument the walk did not bind (a later output's input) is used: torch.fx's trace
+            self._specialised[key] = special if special is not None else self.trace(inputs, calls=calls, mode=mode)
         return self._specialised[key]
 
     def search(self, module: GraphModule, *, where: str, recorded: Mapping[str, Any] | None) -> Search:

@@ -190,3 +190,23 @@ def test_an_extracted_pattern_that_is_an_identity_for_the_values_is_refused():
     with pytest.raises(nnbridge.PatternError, match=r"returns x, no value it computes|returns h, no value it computes"):
         export_pattern(returns_its_input, constants={}, name="returns_its_input", inputs={"h": torch.randn(2, 3)},
                        calls={})
+
+
+def scaled_unless_bfloat16(h, y):
+    return h / h.shape[-1] if h.dtype == torch.bfloat16 else h / y
+
+
+def test_an_input_unused_once_specialised_is_dropped_with_a_log_line():
+    class Halving(torch.nn.Module):
+        def forward(self, x):
+            return torch.div(torch.tanh(x), 8)  # (x.shape[-1] would be a dynamic size: no literal)
+
+    model = Halving().to(torch.bfloat16)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    nnbridge.bridge(model, x)
+    # from float32 examples the pattern divides by y; the bfloat16 candidate's own pattern divides
+    # by its width and leaves y unused
+    found = surgery.match(model, scaled_unless_bfloat16, example_inputs=(torch.randn(2, 8), torch.randn(2, 8)))
+    assert [m.anchor for m in found.matches] == ["div"]
+    assert [(e.anchor, e.reason) for e in found.log.verdicts("DROPPED")] == [
+        ("div", "input y unused in the pattern specialised for div")]
