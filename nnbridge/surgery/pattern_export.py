@@ -12,8 +12,10 @@ has, so the slot's call stays one ``call_module`` node (target: the slot's name)
 child's call has in nnbridge's per-module graphs. Tensor arguments are zeros of the candidate's
 values' sizes, dtypes and devices. Example::
 
-    graph = export_pattern(pattern, constants={}, name="p", inputs={"x": fake_x}, calls={"l0": fake_out},
-                           slots={"l0": CustomLinear})
+    def pattern(x, l0: CustomLinear):
+        return torch.relu(l0(x))
+
+    graph = export_pattern(pattern, constants={}, name="p", inputs={"x": fake_x}, calls={"l0": fake_out})
     [n.target for n in graph.graph.nodes]   # ['x', 'l0', aten.relu.default, 'output']
 """
 

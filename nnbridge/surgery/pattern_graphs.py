@@ -43,8 +43,8 @@ class PatternGraph:
         slots: ``{argument: nn.Module subclass}`` of the module slots still used.
         tensors: the names of the tensor wildcards still used, in order.
         dropped: the inputs no node uses after binding ``constants`` (dropped).
-        specialiser: the :class:`~.pattern_spec.Specialiser` that traced it from values and re-traces
-            it per candidate; None for a symbolic trace, matched as it is.
+        specialiser: the :class:`~.pattern_spec.Specialiser` that made it and specialises it per
+            candidate (None only while :func:`trace_pattern` makes it).
         exported: the graph module of an extracted pattern (:mod:`.pattern_export`), whose graph
             this is; None for a torch.fx trace.
     """

@@ -3,7 +3,8 @@
 One :class:`LogEntry` per candidate: the graph (its NodePath), the anchor node (the target node
 the pattern's output was tried on, by NodePath), the verdict (``MATCHED``, ``REJECTED``,
 ``SKIPPED``) and the reason; per graph where nothing matched, the best near miss (``NEAR-MISS``:
-the rejected candidate that matched most pattern nodes). Each entry also goes to the logger
+the rejected candidate that matched most pattern nodes); when no graph in scope had a candidate,
+one ``NO-CANDIDATE`` entry naming the pattern's last op and the fix. Each entry also goes to the logger
 ``nnbridge.surgery`` (``DEBUG``); with the environment variable ``NNBRIDGE_MATCH_LOG`` set to a
 glob over graph NodePaths (``model.layers_*``, ``**``), the entries of those graphs only, at
 ``INFO``. Example::
@@ -32,7 +33,8 @@ class LogEntry:
         pattern: the pattern's name.
         graph: the graph's NodePath (``"<root>"`` for a whole-model graph).
         anchor: the candidate node's NodePath (the graph's for a skipped graph).
-        verdict: ``MATCHED``, ``REJECTED``, ``SKIPPED`` or ``NEAR-MISS``.
+        verdict: ``MATCHED``, ``REJECTED``, ``SKIPPED``, ``NEAR-MISS``, ``DROPPED`` (an input
+            unused) or ``NO-CANDIDATE``.
         reason: why (empty for a match).
         score: how many pattern nodes matched before the reason (for near misses).
     """

@@ -42,6 +42,7 @@ from typing import Any
 
 from torch.fx import GraphModule, Node
 
+from ..errors import PatternError
 from ..extract.naming import op_base_name
 from ..graph.graph_module import CompiledGraphModule, GraphModuleBase
 from ..graph.metadata import node_meta, node_name
@@ -254,24 +255,6 @@ def _other_outputs(attempt: _Attempt, pattern: PatternGraph, module: GraphModule
             raise _Failed(f"no node completes the match as the pattern's output {index} ({p.name}): {reason}")
 
 
-class _Plain:
-    """The search of a pattern matched as it was traced."""
-
-    def __init__(self, pattern: PatternGraph, module: GraphModule, where: str):
-        self.pattern, self.module, self.where = pattern, module, where
-
-    def candidates(self) -> list[Node]:
-        return candidates(self.pattern, self.module)
-
-    def attempt(self, node: Node) -> tuple[_Attempt, str | None]:
-        attempt = _Attempt(self.pattern, self.module, self.where)
-        try:
-            attempt.node(self.pattern.output, node)
-        except _Failed as failed:
-            return attempt, failed.reason
-        return attempt, None
-
-
 def match_graph(pattern: PatternGraph, module: GraphModule, *, where: str, log: MatchLog,
                 recorded: dict[str, Any] | None = None) -> list[Match]:
     """The non-overlapping matches of ``pattern`` in ``module``'s graph (at NodePath ``where``), in
@@ -283,8 +266,9 @@ def match_graph(pattern: PatternGraph, module: GraphModule, *, where: str, log: 
     consumed: dict[Node, str] = {}
     best: LogEntry | None = None
     size = sum(1 for n in pattern.graph.nodes if n.op not in ("placeholder", "output"))
-    search = (_Plain(pattern, module, where) if pattern.specialiser is None
-              else pattern.specialiser.search(module, where=where, recorded=recorded))
+    if pattern.specialiser is None:
+        raise PatternError(f"the pattern {pattern.name} was not made by a Specialiser (see .pattern_spec)")
+    search = pattern.specialiser.search(module, where=where, recorded=recorded)
     for node in search.candidates():
         attempt, reason = search.attempt(node)
         anchor = _path(where, node)

@@ -197,7 +197,9 @@ def match(target: Any, pattern: Any, *, scope: str = "**", constants: Mapping[st
 
 
 def _log_opaque(resolved: Any, edit: PassEdit, traced: PatternGraph, *, log: MatchLog) -> None:
-    """A SKIPPED entry for each opaque (eager) graph in scope."""
+    """A SKIPPED entry for each opaque (eager) graph in scope, and a NO-CANDIDATE entry when no
+    graph in scope had a candidate."""
+    _log_no_candidate(traced, edit.scope, log=log)
     seen: set[int] = set()
     for dispatcher in resolved.dispatchers():
         for extraction in dispatcher.all_extractions():
@@ -207,6 +209,27 @@ def _log_opaque(resolved: Any, edit: PassEdit, traced: PatternGraph, *, log: Mat
                     log.add(LogEntry(traced.name, where, where, "SKIPPED",
                                      f"opaque: {graph.original_type.__name__} runs eagerly, with no graph to match"
                                      " (nnbridge.explain(model) says why)"))
+
+
+def _log_no_candidate(traced: PatternGraph, scope: str, *, log: MatchLog) -> None:
+    """One NO-CANDIDATE entry when no candidate was tried in any graph in ``scope``: the pattern's
+    last op (its anchor) is of a kind no node has, with the rule and the fix."""
+    if any(e.verdict in ("MATCHED", "REJECTED") for e in log):
+        return
+    anchor = traced.output
+    if anchor.op == "call_module":
+        what = "a module call"
+        fix = "check the scope; a module called by an opaque (eager) graph is no node of any graph"
+    elif traced.exported is not None:
+        what = f"the op {anchor.target}"
+        fix = "read the graphs' code (print(graph.code)) for the ATen op this model uses instead"
+    else:
+        what = f"an op named {anchor.target if anchor.op == 'call_method' else getattr(anchor.target, '__name__', anchor.target)}"
+        fix = ("without example_inputs= an op is found by the name torch.fx gives it, which may not be its ATen"
+               " name (operator.truediv is aten.div): give example_inputs= to find it by its ATen name, or call"
+               " the torch function of the graphs' op (torch.div)")
+    log.add(LogEntry(traced.name, scope, "-", "NO-CANDIDATE",
+                     f"no node in the graphs in scope {scope!r} is {what} (the pattern's last op); {fix}"))
 
 
 def replace_pattern(target: Any, pattern: Any, replacement: Any = None, *, replacement_module: Factory | None = None,

@@ -116,6 +116,12 @@ def test_an_operator_without_example_inputs_is_found_by_its_torch_name(bridged):
     found = surgery.match(model, eighth, scope="blocks_0")
     assert found.matches == []
     assert not found.log.verdicts("REJECTED")
+    (entry,) = found.log.verdicts("NO-CANDIDATE")
+    assert entry.reason.startswith("no node in the graphs in scope 'blocks_0' is an op named truediv (the pattern's"
+                                   " last op); without example_inputs= an op is found by the name torch.fx gives it")
+    assert "give example_inputs= to find it by its ATen name" in entry.reason
+    found = surgery.match(model, eighth, scope="blocks_0", example_inputs=(torch.randn(2, 8),))
+    assert [m.anchor for m in found.matches] == ["blocks_0.div"] and not found.log.verdicts("NO-CANDIDATE")
 
 
 def total(h):
