@@ -52,7 +52,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 REPO = Path(__file__).resolve().parent.parent
 
 _CHILD = """
-import gc, json, threading, time, torch
+import gc, json, sys, threading, time, torch
 torch.manual_seed(0)
 
 def rss(field="VmRSS"):
@@ -74,6 +74,7 @@ if {warm_weights}:  # weights resident (one eager forward) before bridge(): only
         model(ids)
     gc.collect()
 before, anon_before = rss(), rss("RssAnon")
+modules_before = set(sys.modules)
 sampler.start()
 start = time.perf_counter()
 nnbridge.bridge(model, ids)
@@ -92,7 +93,33 @@ nnbridge.unbridge(model)
 gc.collect()
 result["released_mb"] = (rss() - before) / 1e6
 result["released_anon_mb"] = (rss("RssAnon") - anon_before) / 1e6
+result["new_modules"] = sorted(set(sys.modules) - modules_before)
 print(json.dumps(result))
+"""
+
+_IMPORTS = """
+import gc, importlib, json, sys, torch
+torch.manual_seed(0)
+
+def rss(field="VmRSS"):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
+
+{load}
+import nnbridge
+with torch.no_grad():
+    model(ids)
+gc.collect()
+anon_before = rss("RssAnon")
+imported = 0
+for name in {modules!r}:
+    try:
+        importlib.import_module(name)
+        imported += 1
+    except Exception:
+        pass
+gc.collect()
+print(json.dumps({{"imports_anon_mb": (rss("RssAnon") - anon_before) / 1e6, "imported": imported}}))
 """
 
 _GPT2 = """
@@ -114,6 +141,19 @@ def child(load: str, cache: str, *, new_structure: bool = False, warm_weights: b
     env = {**os.environ, "NNBRIDGE_CACHE": cache, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", _CHILD.format(load=load, new_structure=new_structure,
                                                                warm_weights=warm_weights)], env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark child failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def imports_floor(load: str, modules: list[str]) -> dict[str, float]:
+    """The anonymous memory (MB) that importing ``modules`` takes in a new process set up as
+    :func:`child` sets it up with ``warm_weights`` (the model loaded, nnbridge imported, one eager
+    forward): the imports a first ``bridge()`` makes, which stay after ``unbridge()`` and are not
+    nnbridge's to count. Also ``imported``: how many of them imported alone."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", _IMPORTS.format(load=load, modules=list(modules))], env=env,
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"benchmark child failed:\n{done.stderr[-3000:]}")
