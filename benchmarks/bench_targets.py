@@ -110,7 +110,7 @@ import nnbridge
 with torch.no_grad():
     model(ids)
 gc.collect()
-anon_before = rss("RssAnon")
+anon_before, rss_before = rss("RssAnon"), rss()
 imported = 0
 for name in {modules!r}:
     try:
@@ -119,7 +119,8 @@ for name in {modules!r}:
     except Exception:
         pass
 gc.collect()
-print(json.dumps({{"imports_anon_mb": (rss("RssAnon") - anon_before) / 1e6, "imported": imported}}))
+print(json.dumps({{"imports_anon_mb": (rss("RssAnon") - anon_before) / 1e6, "imports_rss_mb": (rss() - rss_before) / 1e6,
+                  "imported": imported}}))
 """
 
 _GPT2 = """
@@ -151,7 +152,8 @@ def imports_floor(load: str, modules: list[str]) -> dict[str, float]:
     """The anonymous memory (MB) that importing ``modules`` takes in a new process set up as
     :func:`child` sets it up with ``warm_weights`` (the model loaded, nnbridge imported, one eager
     forward): the imports a first ``bridge()`` makes, which stay after ``unbridge()`` and are not
-    nnbridge's to count. Also ``imported``: how many of them imported alone."""
+    nnbridge's to count (``imports_anon_mb``; ``imports_rss_mb``: the RSS they add). Also
+    ``imported``: how many of them imported alone."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", _IMPORTS.format(load=load, modules=list(modules))], env=env,
                           capture_output=True, text=True)

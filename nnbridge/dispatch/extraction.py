@@ -85,6 +85,7 @@ from ..compat.torch.export import (
     unflatten,
 )
 from ..compat.torch.fx import generated_code_released
+from ..extract.source_lines import source_lines_released
 from ..compat.accelerate import offloaded_weights_loaded
 from ..compat.libc import collection_paused, release_free_heap
 from ..compat.torch.fx import fx_patches_confined
@@ -140,9 +141,9 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     # (module calls, and tracing's process-wide patches of nn.Module, see .locking)
     # and a caller's transformers output collector does not see extraction's runs; the source of
     # the code export, unflatten and the graph modules generate is dropped with the code (fx keeps
-    # every generated source for ever otherwise)
+    # every generated source for ever otherwise), as are the source files read for stack traces
     with CALL_LOCK, fx_patches_confined(CALL_LOCK), locked_calls(module.modules()), collector_suspended(), \
-            generated_code_released(), collection_paused():
+            generated_code_released(), source_lines_released(), collection_paused():
         try:
             return _extract(module, args, kwargs, options=options, path=path, on_extraction=on_extraction,
                             child_dispatcher=child_dispatcher, watch=watch)
@@ -250,8 +251,8 @@ def extract_sibling(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
     if guard is None:  # the representative's program does not serve these sizes
         return None
     quiet = dataclasses.replace(options, warn_on_compilation_failure=False, error_on_compilation_failure=False)
-    with CALL_LOCK, generated_code_released(), cleared_module_state(module), offloaded_weights_loaded(module), \
-            reserved_names_renamed(module) as renamed, aliases_hidden(module):
+    with CALL_LOCK, generated_code_released(), source_lines_released(), cleared_module_state(module), \
+            offloaded_weights_loaded(module), reserved_names_renamed(module) as renamed, aliases_hidden(module):
         ctx = ExtractionContext(module, quiet, path, on_extraction=on_extraction if on_extraction is not None else [],
                                 child_dispatcher=child_dispatcher)
         ctx.renamed = renamed

@@ -5,6 +5,7 @@ Measured in a fresh process (nothing another test left behind is collected meanw
 user's default caches (no disk cache: every cycle exports), after three warm-up cycles (one-time
 imports and caches) and a ``gc.collect()`` before each reading."""
 
+import linecache
 import os
 import subprocess
 import sys
@@ -59,3 +60,40 @@ def test_bridge_unbridge_cycles_keep_rss_flat():
     assert done.returncode == 0, done.stderr[-3000:]
     growth = float(done.stdout.strip().splitlines()[-1])
     assert growth < LIMIT_MB, f"{CYCLES} bridge/call/unbridge cycles grew RSS by {growth:.1f} MB"
+
+
+
+def test_source_files_read_while_extracting_leave_linecache(monkeypatch):
+    """Export formats each node's stack trace from the model's source lines, which ``linecache``
+    would keep for the life of the process; they are dropped when extraction ends, and entries it
+    held before stay."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2 import modeling_gpt2
+
+    import nnbridge
+    from nnbridge.extract import source_lines
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50,
+                                       attn_implementation="eager")).eval()
+    ids = torch.randint(0, 50, (1, 4))
+    expected = model(ids).logits
+    linecache.getlines(__file__)
+    linecache.cache.pop(modeling_gpt2.__file__, None)
+    held_at_the_end: list[bool] = []  # whether the model's source was in linecache when extraction ended
+    original = source_lines._read_from_file
+
+    def read_from_file(entry: object) -> bool:
+        held_at_the_end.append(modeling_gpt2.__file__ in linecache.cache)
+        return original(entry)
+
+    monkeypatch.setattr(source_lines, "_read_from_file", read_from_file)
+    nnbridge.bridge(model, ids)
+    try:
+        assert modeling_gpt2.__file__ not in linecache.cache
+        assert any(held_at_the_end), "extraction read no source file: nothing is tested"
+        assert __file__ in linecache.cache
+        assert torch.equal(model(ids).logits, expected)
+    finally:
+        nnbridge.unbridge(model)
