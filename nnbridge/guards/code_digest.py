@@ -19,7 +19,7 @@ A graph exported before such a change and served after it computes what the old 
 :func:`code_digest` covers them: starting from every module class of the tree (its own methods and
 those it inherits, ``torch.nn.Module``'s left out) and every function-valued instance attribute,
 it follows each function's closure cells, the decorated function under a wrapper
-(``__wrapped__``), and every global name its code (nested functions included) reads that holds a
+(``__wrapped__``, a wrapper object's too: the function a ``functools.lru_cache`` caches), and every global name its code (nested functions included) reads that holds a
 function, a class (its methods) or a dict/mapping of them, transitively, and every global it reads
 that holds a plain value (by ``repr``) or a tensor (by dtype, shape and a hash of its values). Each
 function counts by its qualified name, module and compiled code (bytecode, constants, names) and
@@ -33,7 +33,8 @@ plain values written in place does. A function whose code reads the environment 
 (an upper-case string such as ``"TRANSFORMERS_SDPA_FORCE_GQA"``, read by transformers' SDPA
 attention), so setting one re-extracts and the disk cache keys on their values. A global the code
 reads that holds an object of settings (a ``SimpleNamespace``, a dataclass, an instance of a
-script's own class) counts with its plain attributes (``STATE.enabled``), a class the code names
+script's own class) counts with its plain attributes (``STATE.enabled``) and its class's methods
+(``__call__`` of an object called like a function, others once code reads their names), a class the code names
 (not torch's) with its plain class attributes (``Flags.ablate``), a ``contextvars.ContextVar``
 with its value in the calling context.
 

@@ -34,6 +34,23 @@ PLAIN_READ_TYPES: tuple[type, ...] = (bool, int, float, complex, str, bytes, typ
 PLAIN_READ = frozenset(PLAIN_READ_TYPES)
 #: Values that hold code the walk follows.
 CODE_HOLDERS = (types.FunctionType, types.MethodType, functools.partial)
+
+
+def wrapper_of(value: Any) -> Any | None:
+    """The function under a callable wrapper object that is not itself a function: the
+    ``__wrapped__`` that ``functools.update_wrapper`` gave a ``functools.lru_cache`` or
+    ``functools.cache`` object (C objects), or any other callable object holding one. None for
+    functions, methods, partials, classes and modules (the walk takes them as they are) and for
+    anything without a callable ``__wrapped__``."""
+    if isinstance(value, (*CODE_HOLDERS, type, types.ModuleType)) or not callable(value):
+        return None
+    try:
+        wrapped = getattr(value, "__wrapped__", None)
+    except Exception:  # noqa: BLE001 - an object whose attribute lookup raises holds no code we can follow
+        return None
+    return wrapped if callable(wrapped) else None
+
+
 #: Global containers followed by value when they hold plain values or tensors (``SCALES = [1.0, 2.0]``).
 CONTAINERS = (list, tuple, set, frozenset, dict)
 #: Built-in callables an instance attribute may hold (``self.act = torch.relu``): they count by name.

@@ -38,6 +38,7 @@ from .code_objects import (
     string_constants,
     variable_names,
     versioned,
+    wrapper_of,
 )
 from .plain_values import canonical_repr, plain_value, tensor_digest
 
@@ -111,6 +112,10 @@ class CodeWalk:
             return
         elif isinstance(value, types.MethodType):
             value = value.__func__
+        elif wrapper_of(value) is not None:  # a functools.lru_cache object: the function it caches
+            self.entries.append((where, type(value).__qualname__))
+            self.todo.append((f"{where}.__wrapped__", wrapper_of(value), ()))
+            return
         if isinstance(value, types.FunctionType):
             self.function(where, value)
         elif isinstance(value, type):
@@ -135,7 +140,7 @@ class CodeWalk:
                 content = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if isinstance(content, CODE_HOLDERS):
+            if isinstance(content, CODE_HOLDERS) or wrapper_of(content) is not None:
                 found.append((f"{function.__qualname__}.<closure>", content, ()))
         wrapped = getattr(function, "__wrapped__", None)
         if wrapped is not None:
@@ -170,7 +175,7 @@ class CodeWalk:
             # the digest; assigned anew or written in place fails the check (see CodeCheck)
             self.entries.append((where_found, canonical_repr(value)))
             self.bindings.append((where_found, namespace, name, value))
-        elif isinstance(value, (*CODE_HOLDERS, type, Mapping)):
+        elif isinstance(value, (*CODE_HOLDERS, type, Mapping)) or wrapper_of(value) is not None:
             found.append((where_found, value, ((where_found, namespace, name, value),)))
         elif type(value) in PLAIN_READ:
             # a plain global (``SCALE = 2.0``, a flag) a graph bakes in: its value is part of
@@ -195,6 +200,9 @@ class CodeWalk:
             self.bindings.append((where_found, namespace, name, value))
             if self.first_visit(value):
                 self.plain_attributes(where_found, vars(value))
+            # and its class's code: ``__call__`` when the object is called like a function, any
+            # other method once code reads its name (a torch or standard-library class is left out)
+            self.cls(type(value))
 
     def plain_attributes(self, where: str, attributes: Mapping[str, Any], *, owner: type | None = None) -> None:
         """The plain values (and containers of them) in an object's or a class's (``owner``'s)
@@ -246,4 +254,5 @@ class CodeWalk:
             return
         if len(items) <= _MAPPING_LIMIT:
             self.todo.extend(reversed([(f"{where}[{key!r}]", value, ((f"{where}[{key!r}]", mapping, key, value),))
-                                       for key, value in items if isinstance(value, (*CODE_HOLDERS, type))]))
+                                       for key, value in items
+                                       if isinstance(value, (*CODE_HOLDERS, type)) or wrapper_of(value) is not None]))

@@ -27,7 +27,7 @@ import torch
 from ..compat.accelerate import ACCELERATE_ATTRIBUTES
 from ..compat.nnsight.source import NNSIGHT_STATE
 from .bindings import MISSING
-from .code_objects import BUILTINS, CODE_HOLDERS, CONTAINERS, PLAIN_READ, PLAIN_READ_TYPES, is_plumbing
+from .code_objects import BUILTINS, CODE_HOLDERS, CONTAINERS, PLAIN_READ, PLAIN_READ_TYPES, is_plumbing, wrapper_of
 from .code_walk import CodeWalk
 from .plain_values import canonical_repr, config_like, plain_value
 
@@ -48,8 +48,8 @@ def held_object(name: str, value: Any) -> bool:
     if isinstance(value, (type, types.ModuleType, torch.nn.Module, torch.Tensor, *CODE_HOLDERS, *BUILTINS,
                           *PLAIN_READ_TYPES, contextvars.ContextVar)):
         return False
-    if isinstance(value, CONTAINERS) or is_plumbing(value) or is_plumbing(type(value)):
-        return False
+    if isinstance(value, CONTAINERS) or is_plumbing(value) or is_plumbing(type(value)) or wrapper_of(value) is not None:
+        return False  # (a wrapper object, such as a functools.lru_cache one, is followed as code)
     return not config_like(name, value)
 
 
