@@ -33,7 +33,8 @@ plain values written in place does. A function whose code reads the environment 
 (an upper-case string such as ``"TRANSFORMERS_SDPA_FORCE_GQA"``, read by transformers' SDPA
 attention), so setting one re-extracts and the disk cache keys on their values. A global the code
 reads that holds an object of settings (a ``SimpleNamespace``, a dataclass, an instance of a
-script's own class) counts with its plain attributes (``STATE.enabled``) and its class's methods
+script's own class) counts with its plain attributes (``STATE.enabled``), the objects of settings it
+holds through the names the code reads (``CFG.sub.scale``, as a module's held objects), and its class's methods
 (``__call__`` of an object called like a function, others once code reads their names), a class the code names
 (not torch's) with its plain class attributes (``Flags.ablate``), a ``contextvars.ContextVar``
 with its value in the calling context.

@@ -200,6 +200,13 @@ class CodeWalk:
             self.bindings.append((where_found, namespace, name, value))
             if self.first_visit(value):
                 self.plain_attributes(where_found, vars(value))
+                # the objects of settings it holds, followed as a module's held objects are: through
+                # the names code reads (``CFG.sub.scale``; see :func:`~.held_objects.follow_held`)
+                attributes = vars(value)
+                self.objects.extend((f"{where_found}.{attribute}", attributes, attribute, item)
+                                    for attribute, item in list(attributes.items())
+                                    if not (attribute.startswith("__") and attribute.endswith("__"))
+                                    and settings_object(item))
             # and its class's code: ``__call__`` when the object is called like a function, any
             # other method once code reads its name (a torch or standard-library class is left out)
             self.cls(type(value))
