@@ -39,16 +39,26 @@ CODE_HOLDERS = (types.FunctionType, types.MethodType, functools.partial)
 def wrapper_of(value: Any) -> Any | None:
     """The function under a callable wrapper object that is not itself a function: the
     ``__wrapped__`` that ``functools.update_wrapper`` gave a ``functools.lru_cache`` or
-    ``functools.cache`` object (C objects), or any other callable object holding one. None for
-    functions, methods, partials, classes and modules (the walk takes them as they are) and for
-    anything without a callable ``__wrapped__``."""
+    ``functools.cache`` object (C objects), through a chain of such wrappers of at most
+    :data:`_WRAPPER_DEPTH`. None for functions, methods, partials, classes and modules (the walk
+    takes them as they are) and for anything whose ``__wrapped__`` chain holds no function within
+    that depth (a mock makes up a new ``__wrapped__`` at each step)."""
     if isinstance(value, (*CODE_HOLDERS, type, types.ModuleType)) or not callable(value):
         return None
-    try:
-        wrapped = getattr(value, "__wrapped__", None)
-    except Exception:  # noqa: BLE001 - an object whose attribute lookup raises holds no code we can follow
-        return None
-    return wrapped if callable(wrapped) else None
+    for _ in range(_WRAPPER_DEPTH):
+        try:
+            value = getattr(value, "__wrapped__", None)
+        except Exception:  # noqa: BLE001 - an object whose attribute lookup raises holds no code we can follow
+            return None
+        if isinstance(value, CODE_HOLDERS):
+            return value
+        if value is None or not callable(value):
+            return None
+    return None
+
+
+#: How many wrapper objects deep :func:`wrapper_of` looks for a function.
+_WRAPPER_DEPTH = 8
 
 
 #: Global containers followed by value when they hold plain values or tensors (``SCALES = [1.0, 2.0]``).
