@@ -69,6 +69,7 @@ from ..extract.reuse_export_check import check_reused_export
 from ..extract.reuse_plan import (
     ReuseFallback,
     ReusePlan,
+    compared_call,
     confirm as confirm_reuse,
     plan as reuse_plan,
 )
@@ -407,10 +408,12 @@ class _RootExport:
         candidates = reuse_plan(module, set(self.stubs if self.record is None else initial_stubs)) \
             if reuse else ReusePlan()
         recorded = set(self.stubs) | set(candidates.siblings) | candidates.representatives()
-        # (layers only compared for reuse keep their tensors shared: deep copies cost more than the run)
+        # (calls of layers only compared for reuse are outlined, their tensors not kept: see
+        # .reuse_plan.compared_call; building records again the call of one it makes opaque)
         compared = (set(candidates.siblings) | candidates.representatives()) - set(self.stubs)
-        self.calls = record_calls(module, recorded, args, kwargs=kwargs, shared=compared) if recorded else {}
-        self.plan = confirm_reuse(module, candidates, self.calls)
+        self.calls = record_calls(module, recorded, args, kwargs=kwargs, outlined=compared,
+                                  outline=compared_call) if recorded else {}
+        self.plan = confirm_reuse(module, candidates, {fqn: self.calls.pop(fqn, []) for fqn in compared})
         if self.record is not None and self.record.reuse != self.plan.siblings:
             # a record keeps the siblings its export stubbed; the plan is derived again for this call
             if self.record.reuse or not reuse:  # another plan than this call's: export again

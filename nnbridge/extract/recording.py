@@ -69,35 +69,28 @@ def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             handle.remove()
 
 
-def shared_copy(value: Any) -> Any:
-    """A copy of ``value``'s containers and registered objects (a transformers cache, when its
-    pytree is registered), its tensors shared: enough to keep the state a call saw when the run
-    later replaces tensors (a cache's update) but never changes them in place. :func:`copy_inputs`
-    when an object would stay shared (an unregistered one may be mutated later)."""
-    leaves, spec = pytree.tree_flatten(value)
-    if any(not isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device))
-           for leaf in leaves):
-        return copy_inputs(value)
-    return pytree.tree_unflatten(leaves, spec)
-
-
 def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
-                 *, kwargs: dict[str, Any], shared: AbstractSet[str] = frozenset()
-                 ) -> dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]]:
+                 *, kwargs: dict[str, Any], outlined: AbstractSet[str] = frozenset(),
+                 outline: Callable[[tuple[Any, ...], dict[str, Any]], Callable[[Any], Any]] | None = None
+                 ) -> dict[str, list[Any]]:
     """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules;
-    the inputs are copied before the call (a cache argument is updated by it). Calls of ``shared``
-    modules (whose records are only compared, see :mod:`.reuse_plan`) keep their tensors shared
-    (:func:`shared_copy`: deep copies of a decoder layer's inputs cost more than the run)."""
-    calls: dict[str, list[tuple[tuple[Any, ...], dict[str, Any], Any]]] = defaultdict(list)
-    pending: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
+    the inputs are copied before the call (a cache argument is updated by it). A call of an
+    ``outlined`` module is recorded as ``outline(args, kwargs)(output)`` instead, the first part
+    taken before the call, the second after it, on the values themselves (for modules whose calls
+    are only compared, see :func:`.reuse_plan.compared_call`: copies of every decoder layer's
+    inputs and outputs would be held until the run ends)."""
+    calls: dict[str, list[Any]] = defaultdict(list)
+    pending: dict[str, list[Any]] = defaultdict(list)
 
     def before(fqn: str) -> Callable[..., None]:
-        copy = shared_copy if fqn in shared else copy_inputs
-        return lambda mod, a, k: pending[fqn].append((copy(a), copy(k)))
+        if fqn in outlined and outline is not None:
+            return lambda mod, a, k: pending[fqn].append(outline(a, k))
+        return lambda mod, a, k: pending[fqn].append((copy_inputs(a), copy_inputs(k)))
 
     def after(fqn: str) -> Callable[..., None]:
-        copy = shared_copy if fqn in shared else copy_inputs
-        return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy(out)))
+        if fqn in outlined and outline is not None:
+            return lambda mod, a, k, out: calls[fqn].append(pending[fqn].pop()(out))
+        return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy_inputs(out)))
     observed_run(module, args, kwargs, hooks=[(module.get_submodule(fqn), kind, hook(fqn))
                                         for fqn in fqns for kind, hook in ((HookKind.PRE, before), (HookKind.POST, after))])
     return calls

@@ -38,7 +38,8 @@ sibling's graphs read and write their own layer with their own cache spec (:clas
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from ..graph.module_tree import named_real_modules
 from ..graph.node_path import ModulePath
 from ..graph.state import Path, UntouchedLayers, state_keys
 from ..compat.torch.pytree import pytree
-from .sibling_compare import entry_attributes, entry_structure, is_cache, layer_key, same, same_call
+from .sibling_compare import Outline, entry_attributes, entry_structure, is_cache, layer_key, outline, same, same_outline
 
 
 class ReuseFallback(Exception):
@@ -189,63 +190,109 @@ def cache_index(plan: ReusePlan, entry: str) -> int | None:
     return next(iter(values)) if len(values) == 1 and kinds == {int} else None
 
 
-def _same_cache_call(call: tuple[Any, Any], rep_call: tuple[Any, Any], index: int, *, rep_index: int
+@dataclass(frozen=True)
+class CacheOutline:
+    """The one stateful argument of a recorded call (see :class:`ComparedCall`) at the call.
+
+    Attributes:
+        key: its position in the args (int) or its keyword (str).
+        kind: its type.
+        layers: :func:`~.sibling_compare.layer_key` of each of its cache layers; None when it is
+            no transformers ``Cache`` with a list of layers.
+        settings: the :class:`~.sibling_compare.Outline` of its other attributes.
+        spec: its pytree spec.
+    """
+
+    key: int | str
+    kind: type
+    layers: tuple[Any, ...] | None
+    settings: Outline
+    spec: Any
+
+
+@dataclass(frozen=True)
+class ComparedCall:
+    """What :func:`confirm` compares of one call of a layer, taken while the layer runs (see
+    :func:`compared_call`) and holding none of its tensors: a decoder layer's recorded inputs and
+    outputs, kept for 30 layers, would hold every layer's hidden states until the run ends.
+
+    Attributes:
+        state: the call's stateful argument keys (:func:`~.state.state_keys`).
+        inputs: the :class:`~.sibling_compare.Outline` of ``(args, kwargs)``, its one stateful
+            argument (if one) replaced by None.
+        cache: that stateful argument's :class:`CacheOutline`; None unless there is exactly one.
+        output: the outline of the call's output.
+    """
+
+    state: tuple[Any, ...]
+    inputs: Outline
+    cache: CacheOutline | None
+    output: Outline | None = None
+
+
+def compared_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Any], ComparedCall]:
+    """The :class:`ComparedCall` of a call with ``args`` and ``kwargs`` as they are now (before
+    the call: a cache is updated by it), completed by the function returned with the call's output
+    (for :func:`~.recording.record_calls`'s ``outline``)."""
+    keys = tuple(state_keys(args, kwargs))
+    cache: CacheOutline | None = None
+    inputs: Any = (args, kwargs)
+    if len(keys) == 1:
+        key = keys[0]
+        value = args[key] if isinstance(key, int) else kwargs[key]
+        layers = tuple(layer_key(layer) for layer in vars(value)["layers"]) if is_cache(value) else None
+        settings = {n: v for n, v in getattr(value, "__dict__", {}).items() if n != "layers"}
+        cache = CacheOutline(key, type(value), layers, outline(settings), pytree.tree_flatten(value)[1])
+        inputs = ((*args[:key], None, *args[key + 1:]), kwargs) if isinstance(key, int) else (args, {**kwargs, key: None})
+    call = ComparedCall(keys, outline(inputs), cache)
+    return lambda output: replace(call, output=outline(output))
+
+
+def _same_cache_call(call: ComparedCall, rep_call: ComparedCall, index: int, *, rep_index: int
                      ) -> tuple[Any, Any] | None:
     """``(representative's cache spec, sibling's cache spec)`` when the two calls differ only in
     their cache argument's other layers: one ``Cache`` argument at the same key, of the same type
     and settings, layer ``index`` of the sibling's in the state of layer ``rep_index`` of the
     representative's; else None."""
-    (a, k), (ra, rk) = call, rep_call
-    keys, rep_keys = state_keys(a, k), state_keys(ra, rk)
-    if keys != rep_keys or len(keys) != 1:
+    cache, rep_cache = call.cache, rep_call.cache
+    if call.state != rep_call.state or cache is None or rep_cache is None or cache.key != rep_cache.key:
         return None
-    key = keys[0]
-    cache, rep_cache = (a[key], ra[key]) if isinstance(key, int) else (k[key], rk[key])
-    if type(cache) is not type(rep_cache) or not is_cache(cache):
+    if cache.kind is not rep_cache.kind or cache.layers is None or rep_cache.layers is None:
         return None
-    layers, rep_layers = vars(cache)["layers"], vars(rep_cache)["layers"]
+    layers, rep_layers = cache.layers, rep_cache.layers
     if len(layers) != len(rep_layers) or index >= len(layers) or rep_index >= len(rep_layers):
         return None
-    settings = {n: v for n, v in vars(cache).items() if n != "layers"}
-    rep_settings = {n: v for n, v in vars(rep_cache).items() if n != "layers"}
-    if settings.keys() != rep_settings.keys() or not all(same(settings[n], rep_settings[n]) for n in settings):
+    if not same_outline(cache.settings, rep_cache.settings) or layers[index] != rep_layers[rep_index]:
         return None
-    if layer_key(layers[index]) != layer_key(rep_layers[rep_index]):
+    if not same_outline(call.inputs, rep_call.inputs):
         return None
-
-    def without(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        if isinstance(key, int):
-            return (*args[:key], None, *args[key + 1:]), kwargs
-        return args, {**kwargs, key: None}
-    if not same_call(without(a, k), without(ra, rk)):
-        return None
-    return pytree.tree_flatten(rep_cache)[1], pytree.tree_flatten(cache)[1]
+    return rep_cache.spec, cache.spec
 
 
-def confirm(module: torch.nn.Module, candidates: ReusePlan, calls: dict[str, list]) -> ReusePlan:
-    """The candidates whose recorded calls allow reuse: the representative and the sibling called
-    once each, with the same call structure and output structure, and either no stateful argument
-    or one transformers ``Cache`` whose layer at the sibling's index (its one differing int
-    attribute, ``layer_idx``) is in the state of the representative's layer at its own index
-    (see :class:`CacheRebinding`)."""
+def confirm(module: torch.nn.Module, candidates: ReusePlan, calls: dict[str, list[ComparedCall]]) -> ReusePlan:
+    """The candidates whose recorded calls (:func:`compared_call`) allow reuse: the representative
+    and the sibling called once each, with the same call structure and output structure, and either
+    no stateful argument or one transformers ``Cache`` whose layer at the sibling's index (its one
+    differing int attribute, ``layer_idx``) is in the state of the representative's layer at its
+    own index (see :class:`CacheRebinding`)."""
     result = ReusePlan(distinct=candidates.distinct)
     for sibling, rep in candidates.siblings.items():
         mine, theirs = calls.get(sibling, []), calls.get(rep, [])
         if len(mine) != 1 or len(theirs) != 1:
             continue
-        (a, k, out), (ra, rk, rout) = mine[0], theirs[0]
-        if not same_call(out, rout):
+        call, rep_call = mine[0], theirs[0]
+        if call.output is None or rep_call.output is None or not same_outline(call.output, rep_call.output):
             continue
-        if state_keys(a, k) or state_keys(ra, rk):
+        if call.state or rep_call.state:
             index, rep_index = cache_index(candidates, sibling), cache_index(candidates, rep)
             if index is None or rep_index is None:
                 continue
-            specs = _same_cache_call((a, k), (ra, rk), index, rep_index=rep_index)
+            specs = _same_cache_call(call, rep_call, index, rep_index=rep_index)
             if specs is None:
                 continue
             result.caches[sibling] = CacheRebinding(rep_index, index, *specs)
             result.siblings[sibling] = rep
-        elif same_call((a, k), (ra, rk)):
+        elif same_outline(call.inputs, rep_call.inputs):
             result.siblings[sibling] = rep
     kept = [id(sub) for rep in result.representatives() for _, sub in named_real_modules(module.get_submodule(rep))]
     result.watched = [(m, n) for m, n in candidates.watched if id(m) in kept]

@@ -5,7 +5,7 @@ Its one job: the comparisons :mod:`.reuse_plan` and :mod:`.sibling_roots` group 
 their structure (:func:`entry_structure`: classes, train/eval flags, parameter and buffer shapes)
 and their instance attributes (:func:`entry_attributes`, values compared by :func:`same`, which
 is conservative); recorded calls by their pytree structure and leaves (:func:`same_call`,
-:func:`leaf_key`); transformers cache layers by their state (:func:`layer_key`, and while
+:func:`leaf_key`; :func:`outline` keeps what it compares of a call, not its tensors); transformers cache layers by their state (:func:`layer_key`, and while
 exporting :func:`same_traced_layer`). Example::
 
     entry_structure(model.layers[0]) == entry_structure(model.layers[1])
@@ -14,6 +14,7 @@ exporting :func:`same_traced_layer`). Example::
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,8 +25,11 @@ from ..compat.torch.module_dicts import MODULE_SLOTS, non_persistent_buffers_of
 from ..compat.nnsight.source import NNSIGHT_STATE
 from ..compat.torch.pytree import pytree
 from ..compat.torch.symbolic import sizes_unified
+from .recording import copy_inputs
 
 _PRIMITIVES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+#: leaves an :class:`Outline` keeps as they are (no state to change between two calls)
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 #: nn.Module's own bookkeeping, the call wrapper extraction installs on every module while it
 #: runs (``_call_impl``, see :mod:`.locking`), a bridged module's copy hook (see :mod:`.copies`)
 #: and nnsight's per-module wrapping state (one object per module, not read by the module's code:
@@ -98,25 +102,53 @@ def leaf_key(leaf: Any) -> Any:
     return ("value", leaf)
 
 
-def same_call(a: Any, b: Any) -> bool:
-    """Whether two recorded calls (or outputs) have the same pytree structure, the same aliasing
-    between their tensors, tensors of equal :func:`leaf_key` and other leaves that are :func:`same`."""
-    leaves_a, spec_a = pytree.tree_flatten(a)
-    leaves_b, spec_b = pytree.tree_flatten(b)
-    if spec_a != spec_b or len(leaves_a) != len(leaves_b):
+class TensorLeaf(tuple):
+    """A tensor of an :class:`Outline`, by its :func:`leaf_key`."""
+
+
+@dataclass(frozen=True)
+class Outline:
+    """What :func:`same_call` compares of a recorded call or output, without holding its tensors:
+    its pytree spec, the alias pattern of its tensors, and its leaves (each tensor as a
+    :class:`TensorLeaf`). Made by :func:`outline`; compared by :func:`same_outline`."""
+    spec: Any
+    aliases: tuple[Any, ...]
+    leaves: tuple[Any, ...]
+
+
+def outline(value: Any) -> Outline:
+    """The :class:`Outline` of ``value`` as it is now. Other leaves than tensors and plain values
+    (ints, strings, dtypes, ...) are kept as deep copies (see :func:`.recording.copy_inputs`): an
+    object passed to two calls may be changed between them, and compares as its state at each."""
+    leaves, spec = pytree.tree_flatten(value)
+    if any(not isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in leaves):
+        leaves, spec = pytree.tree_flatten(copy_inputs(value))
+    return Outline(spec, alias_pattern([x for x in leaves if isinstance(x, torch.Tensor)]),
+                   tuple(TensorLeaf(leaf_key(x)) if isinstance(x, torch.Tensor) else x for x in leaves))
+
+
+def same_outline(a: Outline, b: Outline) -> bool:
+    """Whether two outlines have the same pytree structure, the same aliasing between their
+    tensors, tensors of equal :func:`leaf_key` and other leaves that are :func:`same`."""
+    if a.spec != b.spec or len(a.leaves) != len(b.leaves):
         return False
-    if alias_pattern([x for x in leaves_a if isinstance(x, torch.Tensor)]) != \
-            alias_pattern([y for y in leaves_b if isinstance(y, torch.Tensor)]):
+    if a.aliases != b.aliases:
         return False  # the representative's graph bakes in its call's aliasing (one placeholder for a repeated tensor)
-    for x, y in zip(leaves_a, leaves_b):
-        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+    for x, y in zip(a.leaves, b.leaves):
+        if isinstance(x, TensorLeaf) != isinstance(y, TensorLeaf):
             return False
-        if isinstance(x, torch.Tensor):
-            if leaf_key(x) != leaf_key(y):
+        if isinstance(x, TensorLeaf):
+            if x != y:
                 return False
         elif not same(x, y):
             return False
     return True
+
+
+def same_call(a: Any, b: Any) -> bool:
+    """Whether two recorded calls (or outputs) are alike as :func:`same_outline` tells of their
+    outlines."""
+    return same_outline(outline(a), outline(b))
 
 
 def layer_key(layer: Any) -> Any:

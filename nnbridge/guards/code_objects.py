@@ -57,6 +57,13 @@ def wrapper_of(value: Any) -> Any | None:
     return None
 
 
+def holds_code(value: Any, also: tuple[type, ...] = ()) -> bool:
+    """Whether the walk follows ``value`` as code: a function, method or partial, an instance of
+    one of ``also`` (classes, mappings, builtins, as the caller reads them), or a wrapper object
+    over a function (:func:`wrapper_of`)."""
+    return isinstance(value, (*CODE_HOLDERS, *also)) or wrapper_of(value) is not None
+
+
 #: How many wrapper objects deep :func:`wrapper_of` looks for a function.
 _WRAPPER_DEPTH = 8
 

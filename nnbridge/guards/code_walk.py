@@ -35,6 +35,7 @@ from .code_objects import (
     defaults_text,
     function_digest,
     global_names,
+    holds_code,
     string_constants,
     variable_names,
     versioned,
@@ -112,9 +113,9 @@ class CodeWalk:
             return
         elif isinstance(value, types.MethodType):
             value = value.__func__
-        elif wrapper_of(value) is not None:  # a functools.lru_cache object: the function it caches
+        elif (wrapped := wrapper_of(value)) is not None:  # a functools.lru_cache object: the function it caches
             self.entries.append((where, type(value).__qualname__))
-            self.todo.append((f"{where}.__wrapped__", wrapper_of(value), ()))
+            self.todo.append((f"{where}.__wrapped__", wrapped, ()))
             return
         if isinstance(value, types.FunctionType):
             self.function(where, value)
@@ -140,7 +141,7 @@ class CodeWalk:
                 content = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if isinstance(content, CODE_HOLDERS) or wrapper_of(content) is not None:
+            if holds_code(content):
                 found.append((f"{function.__qualname__}.<closure>", content, ()))
         wrapped = getattr(function, "__wrapped__", None)
         if wrapped is not None:
@@ -175,7 +176,7 @@ class CodeWalk:
             # the digest; assigned anew or written in place fails the check (see CodeCheck)
             self.entries.append((where_found, canonical_repr(value)))
             self.bindings.append((where_found, namespace, name, value))
-        elif isinstance(value, (*CODE_HOLDERS, type, Mapping)) or wrapper_of(value) is not None:
+        elif holds_code(value, (type, Mapping)):
             found.append((where_found, value, ((where_found, namespace, name, value),)))
         elif type(value) in PLAIN_READ:
             # a plain global (``SCALE = 2.0``, a flag) a graph bakes in: its value is part of
@@ -262,4 +263,4 @@ class CodeWalk:
         if len(items) <= _MAPPING_LIMIT:
             self.todo.extend(reversed([(f"{where}[{key!r}]", value, ((f"{where}[{key!r}]", mapping, key, value),))
                                        for key, value in items
-                                       if isinstance(value, (*CODE_HOLDERS, type)) or wrapper_of(value) is not None]))
+                                       if holds_code(value, (type,))]))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..graph.module_tree import named_real_modules
-from .code_objects import BUILTINS, CODE_HOLDERS, is_plumbing, wrapper_of
+from .code_objects import BUILTINS, holds_code, is_plumbing
 from .code_walk import CodeWalk
 from .held_objects import follow_held, held_object
 from .plain_values import canonical_repr, plain_value
@@ -61,7 +61,7 @@ def walked(model: torch.nn.Module, skip: AbstractSet[int] = frozenset()) -> Code
             if held_object(name, value):
                 walk.objects.append((f"{path or '<root>'}.{name}", attributes, name, value))
                 continue
-            if not (isinstance(value, (*CODE_HOLDERS, *BUILTINS)) or wrapper_of(value) is not None) or is_plumbing(value):
+            if not holds_code(value, BUILTINS) or is_plumbing(value):
                 continue
             where = f"{path or '<root>'}.{name}"
             if name in _CALL_SLOTS:  # in the digest; a change is found by other checks

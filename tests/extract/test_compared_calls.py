@@ -1,0 +1,90 @@
+"""Calls of layers only compared for layer reuse (issue 54, extraction memory): recorded as
+outlines (``reuse_plan.compared_call``), taken while the layer runs, holding none of its tensors.
+
+Before, each compared layer's inputs and outputs were kept (tensors shared) until the recording
+run ended: every decoder layer's hidden states at once, 242 MB for SmolLM2 at ids (4, 512). The
+comparisons themselves are unchanged (``test_layer_reuse``, ``guards/test_input_aliasing``); here:
+no tensor is kept, and what an outline compares is the call's state when it was made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import torch
+from transformers import GPT2Config
+
+from nnbridge.compat.torch.export import register_cache_pytrees
+from nnbridge.extract.recording import record_calls
+from nnbridge.extract.reuse_plan import ComparedCall, compared_call
+from nnbridge.extract.sibling_compare import outline, same_call, same_outline
+from utils import llama
+
+
+def _parts(value):
+    """Every object inside ``value`` through dataclasses, tuples, lists and dicts."""
+    yield value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for item in dataclasses.fields(value):
+            yield from _parts(getattr(value, item.name))
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _parts(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _parts(key)
+            yield from _parts(item)
+
+
+def test_compared_calls_hold_no_tensor_and_let_each_layers_output_go():
+    model = llama()
+    register_cache_pytrees(model)  # as extraction does: the cache is then a stateful argument
+    layers = {f"model.layers.{i}" for i in range(len(model.model.layers))}
+    outputs = []
+    handle = model.model.layers[0].register_forward_hook(lambda mod, a, out: outputs.append(weakref.ref(
+        out[0] if isinstance(out, tuple) else out)))
+    ids = torch.randint(0, model.config.vocab_size, (1, 7))
+    try:
+        calls = record_calls(model, layers, (ids,), kwargs={"use_cache": True}, outlined=layers, outline=compared_call)
+    finally:
+        handle.remove()
+    gc.collect()
+    assert set(calls) == layers and all(len(calls[fqn]) == 1 for fqn in layers)
+    for fqn in layers:
+        call = calls[fqn][0]
+        assert isinstance(call, ComparedCall) and call.output is not None
+        assert call.cache is not None and call.cache.layers is not None  # the DynamicCache, by its layers' state
+        assert not any(isinstance(part, torch.Tensor) for part in _parts(call)), fqn
+    assert outputs and outputs[0]() is None  # nothing recorded keeps layer 0's output alive
+
+
+def test_compared_calls_of_siblings_compare_as_the_recorded_calls_do():
+    model = llama()
+    layers = {f"model.layers.{i}" for i in range(len(model.model.layers))}
+    ids = torch.randint(0, model.config.vocab_size, (1, 7))
+    outlined = record_calls(model, layers, (ids,), kwargs={"use_cache": False}, outlined=layers, outline=compared_call)
+    copied = record_calls(model, layers, (ids,), kwargs={"use_cache": False})
+    first, second = (outlined[f"model.layers.{i}"][0] for i in (0, 1))
+    (a0, k0, out0), (a1, k1, out1) = (copied[f"model.layers.{i}"][0] for i in (0, 1))
+    assert same_outline(first.inputs, second.inputs) == same_call((a0, k0), (a1, k1)) is True
+    assert same_outline(first.output, second.output) == same_call(out0, out1) is True
+
+
+def test_an_outline_tells_aliasing_apart():
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    assert same_outline(outline((a, b)), outline((b, a)))
+    assert not same_outline(outline((a, a)), outline((a, b)))  # one tensor passed twice
+    assert not same_outline(outline((a, a[:])), outline((a, b)))  # a view of the first tensor
+    assert not same_outline(outline((a, a[:])), outline((a, a)))  # a view is not the tensor itself
+    assert not same_outline(outline((a,)), outline((a.t().contiguous().t(),)))  # another memory layout
+
+
+def test_an_outline_keeps_an_objects_state_when_it_was_taken():
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2)
+    x = torch.randn(2, 16)
+    before = outline(((x,), {"config": config}))
+    assert same_outline(before, outline(((x,), {"config": config})))  # compared by value (to_dict)
+    config.n_head = 4  # changed between two calls: the first outline still has 2
+    assert not same_outline(before, outline(((x,), {"config": config})))
