@@ -69,6 +69,7 @@ from ..extract.reuse_export_check import check_reused_export
 from ..extract.reuse_plan import (
     ReuseFallback,
     ReusePlan,
+    cache_index,
     compared_call,
     confirm as confirm_reuse,
     plan as reuse_plan,
@@ -411,8 +412,8 @@ class _RootExport:
         # (calls of layers only compared for reuse are outlined, their tensors not kept: see
         # .reuse_plan.compared_call; building records again the call of one it makes opaque)
         compared = (set(candidates.siblings) | candidates.representatives()) - set(self.stubs)
-        self.calls = record_calls(module, recorded, args, kwargs=kwargs, outlined=compared,
-                                  outline=compared_call) if recorded else {}
+        self.calls = record_calls(module, recorded, args, kwargs=kwargs, outlined={
+            fqn: compared_call(cache_index(candidates, fqn)) for fqn in compared}) if recorded else {}
         self.plan = confirm_reuse(module, candidates, {fqn: self.calls.pop(fqn, []) for fqn in compared})
         if self.record is not None and self.record.reuse != self.plan.siblings:
             # a record keeps the siblings its export stubbed; the plan is derived again for this call

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import defaultdict
-from collections.abc import Callable, Set as AbstractSet
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -70,25 +70,27 @@ def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
 
 
 def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
-                 *, kwargs: dict[str, Any], outlined: AbstractSet[str] = frozenset(),
-                 outline: Callable[[tuple[Any, ...], dict[str, Any]], Callable[[Any], Any]] | None = None
+                 *, kwargs: dict[str, Any],
+                 outlined: Mapping[str, Callable[[tuple[Any, ...], dict[str, Any]], Callable[[Any], Any]]] | None = None
                  ) -> dict[str, list[Any]]:
     """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules;
-    the inputs are copied before the call (a cache argument is updated by it). A call of an
-    ``outlined`` module is recorded as ``outline(args, kwargs)(output)`` instead, the first part
-    taken before the call, the second after it, on the values themselves (for modules whose calls
-    are only compared, see :func:`.reuse_plan.compared_call`: copies of every decoder layer's
+    the inputs are copied before the call (a cache argument is updated by it). A call of a module
+    named in ``outlined`` is recorded as ``outlined[fqn](args, kwargs)(output)`` instead, the first
+    part taken before the call, the second after it, on the values themselves (for modules whose
+    calls are only compared, see :func:`.reuse_plan.compared_call`: copies of every decoder layer's
     inputs and outputs would be held until the run ends)."""
     calls: dict[str, list[Any]] = defaultdict(list)
     pending: dict[str, list[Any]] = defaultdict(list)
+    outlined = outlined or {}
 
     def before(fqn: str) -> Callable[..., None]:
-        if fqn in outlined and outline is not None:
+        if fqn in outlined:
+            outline = outlined[fqn]
             return lambda mod, a, k: pending[fqn].append(outline(a, k))
         return lambda mod, a, k: pending[fqn].append((copy_inputs(a), copy_inputs(k)))
 
     def after(fqn: str) -> Callable[..., None]:
-        if fqn in outlined and outline is not None:
+        if fqn in outlined:
             return lambda mod, a, k, out: calls[fqn].append(pending[fqn].pop()(out))
         return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy_inputs(out)))
     observed_run(module, args, kwargs, hooks=[(module.get_submodule(fqn), kind, hook(fqn))

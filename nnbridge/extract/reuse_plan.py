@@ -197,15 +197,18 @@ class CacheOutline:
     Attributes:
         key: its position in the args (int) or its keyword (str).
         kind: its type.
-        layers: :func:`~.sibling_compare.layer_key` of each of its cache layers; None when it is
-            no transformers ``Cache`` with a list of layers.
+        layers: its number of cache layers; None when it is no transformers ``Cache`` with a
+            list of layers.
+        layer: :func:`~.sibling_compare.layer_key` of its layer at the call's cache index (see
+            :func:`compared_call`); None when there is no such layer.
         settings: the :class:`~.sibling_compare.Outline` of its other attributes.
         spec: its pytree spec.
     """
 
     key: int | str
     kind: type
-    layers: tuple[Any, ...] | None
+    layers: int | None
+    layer: Any
     settings: Outline
     spec: Any
 
@@ -230,22 +233,27 @@ class ComparedCall:
     output: Outline | None = None
 
 
-def compared_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Any], ComparedCall]:
-    """The :class:`ComparedCall` of a call with ``args`` and ``kwargs`` as they are now (before
-    the call: a cache is updated by it), completed by the function returned with the call's output
-    (for :func:`~.recording.record_calls`'s ``outline``)."""
-    keys = tuple(state_keys(args, kwargs))
-    cache: CacheOutline | None = None
-    inputs: Any = (args, kwargs)
-    if len(keys) == 1:
-        key = keys[0]
-        value = args[key] if isinstance(key, int) else kwargs[key]
-        layers = tuple(layer_key(layer) for layer in vars(value)["layers"]) if is_cache(value) else None
-        settings = {n: v for n, v in getattr(value, "__dict__", {}).items() if n != "layers"}
-        cache = CacheOutline(key, type(value), layers, outline(settings), pytree.tree_flatten(value)[1])
-        inputs = ((*args[:key], None, *args[key + 1:]), kwargs) if isinstance(key, int) else (args, {**kwargs, key: None})
-    call = ComparedCall(keys, outline(inputs), cache)
-    return lambda output: replace(call, output=outline(output))
+def compared_call(index: int | None) -> Callable[[tuple[Any, ...], dict[str, Any]], Callable[[Any], ComparedCall]]:
+    """For :func:`~.recording.record_calls`'s ``outlined``: a function taking ``args`` and
+    ``kwargs`` as they are before a call (a cache is updated by it) and returning the function that
+    completes the call's :class:`ComparedCall` with its output. ``index`` is the layer's cache index
+    (:func:`cache_index`), the one cache layer whose state is compared; None for none."""
+    def before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Any], ComparedCall]:
+        keys = tuple(state_keys(args, kwargs))
+        cache: CacheOutline | None = None
+        inputs: Any = (args, kwargs)
+        if len(keys) == 1:
+            key = keys[0]
+            value = args[key] if isinstance(key, int) else kwargs[key]
+            layers = vars(value)["layers"] if is_cache(value) else None
+            layer = layer_key(layers[index]) if layers is not None and index is not None and index < len(layers) else None
+            settings = {n: v for n, v in getattr(value, "__dict__", {}).items() if n != "layers"}
+            cache = CacheOutline(key, type(value), None if layers is None else len(layers), layer, outline(settings),
+                                 pytree.tree_flatten(value)[1])
+            inputs = ((*args[:key], None, *args[key + 1:]), kwargs) if isinstance(key, int) else (args, {**kwargs, key: None})
+        call = ComparedCall(keys, outline(inputs), cache)
+        return lambda output: replace(call, output=outline(output))
+    return before
 
 
 def _same_cache_call(call: ComparedCall, rep_call: ComparedCall, index: int, *, rep_index: int
@@ -259,10 +267,9 @@ def _same_cache_call(call: ComparedCall, rep_call: ComparedCall, index: int, *, 
         return None
     if cache.kind is not rep_cache.kind or cache.layers is None or rep_cache.layers is None:
         return None
-    layers, rep_layers = cache.layers, rep_cache.layers
-    if len(layers) != len(rep_layers) or index >= len(layers) or rep_index >= len(rep_layers):
+    if cache.layers != rep_cache.layers or index >= cache.layers or rep_index >= rep_cache.layers:
         return None
-    if not same_outline(cache.settings, rep_cache.settings) or layers[index] != rep_layers[rep_index]:
+    if not same_outline(cache.settings, rep_cache.settings) or cache.layer is None or cache.layer != rep_cache.layer:
         return None
     if not same_outline(call.inputs, rep_call.inputs):
         return None

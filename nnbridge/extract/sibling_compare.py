@@ -4,9 +4,10 @@ Its one job: the comparisons :mod:`.reuse_plan` and :mod:`.sibling_roots` group 
 :mod:`.sibling_stubs` checks a sibling's call with. Entries of a ``ModuleList`` are compared by
 their structure (:func:`entry_structure`: classes, train/eval flags, parameter and buffer shapes)
 and their instance attributes (:func:`entry_attributes`, values compared by :func:`same`, which
-is conservative); recorded calls by their pytree structure and leaves (:func:`same_call`,
-:func:`leaf_key`; :func:`outline` keeps what it compares of a call, not its tensors); transformers cache layers by their state (:func:`layer_key`, and while
-exporting :func:`same_traced_layer`). Example::
+is conservative); recorded calls by their outlines (:func:`outline`: pytree structure, aliasing,
+tensors by :func:`leaf_key`, not the tensors themselves; compared by :func:`same_outline`);
+transformers cache layers by their state (:func:`layer_key`, and while exporting
+:func:`same_traced_layer`). Example::
 
     entry_structure(model.layers[0]) == entry_structure(model.layers[1])
 """
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from ..guards.call_structure import alias_pattern, memory_layout
+from ..guards.code_objects import PLAIN_READ_TYPES
 from ..graph.module_tree import named_real_modules
 from ..compat.torch.module_dicts import MODULE_SLOTS, non_persistent_buffers_of
 from ..compat.nnsight.source import NNSIGHT_STATE
@@ -28,8 +30,6 @@ from ..compat.torch.symbolic import sizes_unified
 from .recording import copy_inputs
 
 _PRIMITIVES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-#: leaves an :class:`Outline` keeps as they are (no state to change between two calls)
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 #: nn.Module's own bookkeeping, the call wrapper extraction installs on every module while it
 #: runs (``_call_impl``, see :mod:`.locking`), a bridged module's copy hook (see :mod:`.copies`)
 #: and nnsight's per-module wrapping state (one object per module, not read by the module's code:
@@ -108,7 +108,7 @@ class TensorLeaf(tuple):
 
 @dataclass(frozen=True)
 class Outline:
-    """What :func:`same_call` compares of a recorded call or output, without holding its tensors:
+    """What :func:`same_outline` compares of a recorded call or output, without holding its tensors:
     its pytree spec, the alias pattern of its tensors, and its leaves (each tensor as a
     :class:`TensorLeaf`). Made by :func:`outline`; compared by :func:`same_outline`."""
     spec: Any
@@ -121,7 +121,7 @@ def outline(value: Any) -> Outline:
     (ints, strings, dtypes, ...) are kept as deep copies (see :func:`.recording.copy_inputs`): an
     object passed to two calls may be changed between them, and compares as its state at each."""
     leaves, spec = pytree.tree_flatten(value)
-    if any(not isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in leaves):
+    if any(not isinstance(leaf, (torch.Tensor, *PLAIN_READ_TYPES)) for leaf in leaves):
         leaves, spec = pytree.tree_flatten(copy_inputs(value))
     return Outline(spec, alias_pattern([x for x in leaves if isinstance(x, torch.Tensor)]),
                    tuple(TensorLeaf(leaf_key(x)) if isinstance(x, torch.Tensor) else x for x in leaves))
@@ -143,12 +143,6 @@ def same_outline(a: Outline, b: Outline) -> bool:
         elif not same(x, y):
             return False
     return True
-
-
-def same_call(a: Any, b: Any) -> bool:
-    """Whether two recorded calls (or outputs) are alike as :func:`same_outline` tells of their
-    outlines."""
-    return same_outline(outline(a), outline(b))
 
 
 def layer_key(layer: Any) -> Any:

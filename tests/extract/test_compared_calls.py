@@ -19,7 +19,7 @@ from transformers import GPT2Config
 from nnbridge.compat.torch.export import register_cache_pytrees
 from nnbridge.extract.recording import record_calls
 from nnbridge.extract.reuse_plan import ComparedCall, compared_call
-from nnbridge.extract.sibling_compare import outline, same_call, same_outline
+from nnbridge.extract.sibling_compare import outline, same_outline
 from utils import llama
 
 
@@ -47,7 +47,8 @@ def test_compared_calls_hold_no_tensor_and_let_each_layers_output_go():
         out[0] if isinstance(out, tuple) else out)))
     ids = torch.randint(0, model.config.vocab_size, (1, 7))
     try:
-        calls = record_calls(model, layers, (ids,), kwargs={"use_cache": True}, outlined=layers, outline=compared_call)
+        calls = record_calls(model, layers, (ids,), kwargs={"use_cache": True},
+                             outlined={fqn: compared_call(int(fqn.rsplit(".", 1)[1])) for fqn in layers})
     finally:
         handle.remove()
     gc.collect()
@@ -55,7 +56,7 @@ def test_compared_calls_hold_no_tensor_and_let_each_layers_output_go():
     for fqn in layers:
         call = calls[fqn][0]
         assert isinstance(call, ComparedCall) and call.output is not None
-        assert call.cache is not None and call.cache.layers is not None  # the DynamicCache, by its layers' state
+        assert call.cache is not None and call.cache.layer is not None  # the DynamicCache, by its layer's state
         assert not any(isinstance(part, torch.Tensor) for part in _parts(call)), fqn
     assert outputs and outputs[0]() is None  # nothing recorded keeps layer 0's output alive
 
@@ -64,12 +65,13 @@ def test_compared_calls_of_siblings_compare_as_the_recorded_calls_do():
     model = llama()
     layers = {f"model.layers.{i}" for i in range(len(model.model.layers))}
     ids = torch.randint(0, model.config.vocab_size, (1, 7))
-    outlined = record_calls(model, layers, (ids,), kwargs={"use_cache": False}, outlined=layers, outline=compared_call)
+    outlined = record_calls(model, layers, (ids,), kwargs={"use_cache": False},
+                            outlined={fqn: compared_call(None) for fqn in layers})
     copied = record_calls(model, layers, (ids,), kwargs={"use_cache": False})
     first, second = (outlined[f"model.layers.{i}"][0] for i in (0, 1))
     (a0, k0, out0), (a1, k1, out1) = (copied[f"model.layers.{i}"][0] for i in (0, 1))
-    assert same_outline(first.inputs, second.inputs) == same_call((a0, k0), (a1, k1)) is True
-    assert same_outline(first.output, second.output) == same_call(out0, out1) is True
+    assert same_outline(first.inputs, second.inputs) == same_outline(outline((a0, k0)), outline((a1, k1))) is True
+    assert same_outline(first.output, second.output) == same_outline(outline(out0), outline(out1)) is True
 
 
 def test_an_outline_tells_aliasing_apart():
