@@ -14,11 +14,11 @@ import gc
 import weakref
 
 import torch
-from transformers import GPT2Config
+from transformers import DynamicCache, GPT2Config
 
 from nnbridge.compat.torch.export import register_cache_pytrees
 from nnbridge.extract.recording import record_calls
-from nnbridge.extract.reuse_plan import ComparedCall, compared_call
+from nnbridge.extract.reuse_plan import ComparedCall, _same_cache_call, compared_call
 from nnbridge.extract.sibling_compare import outline, same_outline
 from utils import llama
 
@@ -90,3 +90,27 @@ def test_an_outline_keeps_an_objects_state_when_it_was_taken():
     assert same_outline(before, outline(((x,), {"config": config})))  # compared by value (to_dict)
     config.n_head = 4  # changed between two calls: the first outline still has 2
     assert not same_outline(before, outline(((x,), {"config": config})))
+
+
+def test_a_compared_call_keeps_the_state_of_its_own_cache_layer_only():
+    """The representative (layer 0, called first) and a sibling (layer 1, called after layer 0
+    wrote its cache layer) compare the state of their own cache layer, each at its index: the
+    other layers may differ. A sibling whose own layer is not in the representative's state is
+    refused."""
+    model = llama()
+    register_cache_pytrees(model)  # as extraction does: the cache is then a stateful argument
+    config = model.config
+    cache = DynamicCache(config=config)
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    x, k = torch.randn(1, 3, config.hidden_size), torch.randn(1, heads, 3, dim)
+    rep = compared_call(0)((x,), {"past_key_values": cache})(x)
+    cache.update(k, k, 0)  # layer 0 writes its cache layer
+    sibling = compared_call(1)((x,), {"past_key_values": cache})(x)
+    assert rep.cache.layers == sibling.cache.layers == len(cache.layers)
+    assert rep.cache.layer == sibling.cache.layer  # layer 1's own layer is as layer 0's was
+    assert _same_cache_call(sibling, rep, 1, rep_index=0) is not None
+    cache.update(k, k, 1)
+    late = compared_call(1)((x,), {"past_key_values": cache})(x)  # layer 1's own layer written already
+    assert late.cache.layer != rep.cache.layer
+    assert _same_cache_call(late, rep, 1, rep_index=0) is None
+    assert compared_call(len(cache.layers))((x,), {"past_key_values": cache})(x).cache.layer is None  # no such layer

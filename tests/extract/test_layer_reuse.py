@@ -24,6 +24,8 @@ from nnbridge.extract.building import BuiltTemplate, GraphBuilder, TemplateCall
 from nnbridge.inplace.bridging import bridge_of
 from utils import ToyIndexedLayer, assert_same_records, gemma3, gpt2, llama, named_graph_modules, toy_layer_cache
 
+pytestmark = pytest.mark.integration  # end to end: whole models extracted twice, fully and with reuse
+
 # not strict: Llama's and Gemma's rotary embeddings change grad mode (transformers < 5.24) and are opaque either way
 REUSE = ExtractionOptions(reuse_layers=True)
 FULL = ExtractionOptions(reuse_layers=False)

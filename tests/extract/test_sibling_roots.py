@@ -30,7 +30,8 @@ from nnbridge.extract.reuse_plan import ReuseFallback
 from nnbridge.errors import ExtractionError
 from utils import ToyIndexedLayer, assert_same_records, gemma3, gpt2, llama, toy_layer_cache
 
-pytestmark = pytest.mark.no_extraction_cache  # exports are counted: each test extracts anew
+pytestmark = [pytest.mark.no_extraction_cache,  # exports are counted: each test extracts anew
+              pytest.mark.integration]  # end to end: whole models' layers extracted as roots, decoded step by step
 
 REUSE = ExtractionOptions(reuse_layers=True)
 FULL = ExtractionOptions(reuse_layers=False)

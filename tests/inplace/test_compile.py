@@ -8,6 +8,8 @@ import torch
 import nnbridge
 from utils import gpt2
 
+pytestmark = pytest.mark.integration  # end to end: torch.compile of bridged models
+
 MODES = {
     "fullgraph": dict(fullgraph=True, backend="eager"),
     "eager": dict(backend="eager"),

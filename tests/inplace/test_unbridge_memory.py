@@ -16,6 +16,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CYCLES, LIMIT_MB = 50, 10.0
 
+pytestmark = pytest.mark.integration  # end to end: 50 bridge/unbridge cycles in a second process
+
 SCRIPT = r"""
 import gc, sys
 import torch

@@ -12,6 +12,8 @@ from nnbridge import ExtractionOptions, PatchableGraph, ZeroPatch
 from nnbridge.compat.torch.tracepoints import string_arguments_traced
 from utils import assert_same, gemma3, graph_modules, no_grad_rotary
 
+pytestmark = pytest.mark.integration  # end to end: whole-model generation
+
 GREEDY = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
 STRICT = ExtractionOptions(error_on_compilation_failure=True)
 

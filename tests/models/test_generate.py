@@ -11,6 +11,8 @@ import nnbridge
 from nnbridge import NNBridgeError, PatchableGraph, ZeroPatch
 from utils import gpt2
 
+pytestmark = pytest.mark.integration  # end to end: whole-model generation
+
 GREEDY = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
 
 

@@ -14,7 +14,8 @@ from utils import CACHE_KWARG, assert_same, cached, gpt2, llama
 
 # cache off: each test extracts for itself, whatever order xdist runs the files in (the key tells these
 # llama extractions apart: with the cache on all tests passed, 2026-11-24)
-pytestmark = pytest.mark.no_extraction_cache
+pytestmark = [pytest.mark.no_extraction_cache,
+              pytest.mark.integration]  # end to end: whole models with caches, every call recorded
 
 MODELS = {"gpt2": gpt2, "llama": llama}
 

@@ -26,7 +26,8 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 # peft 0.21 asks transformers 5.2x for is_gradient_checkpointing, which warns (not nnbridge's)
-pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+              pytest.mark.integration]  # end to end: PEFT models through every front end
 
 FRONT_ENDS = ("bridge", "pg", "nnsight")
 #: the adapter's states, in the order one script goes through them on one model: an unmerged

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # end to end: every documentation example runs as a script
+
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 EXAMPLES = [(page.name, index, code) for page in sorted(DOCS.glob("*.md"))
             for index, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S))]

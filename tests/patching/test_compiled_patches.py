@@ -14,6 +14,8 @@ import nnbridge
 from nnbridge import AddPatch, PatchableGraph, ProbePatch, ReplacePatch
 from utils import gpt2
 
+pytestmark = pytest.mark.integration  # end to end: torch.compile of patched models, inductor included
+
 NODE, OTHER = "transformer.h_0.add", "transformer.h_1.add"
 
 

@@ -753,6 +753,7 @@ storage.os.replace = replace_together
 """
 
 
+@pytest.mark.integration  # end to end: two processes
 def test_two_processes_writing_one_entry_at_once_leave_one_whole_entry(cache_dir, tmp_path):
     """Two processes that miss the same entry at once both write it (each its own temporary file,
     renamed over the entry: the last rename wins, either is whole); a third process is served by
