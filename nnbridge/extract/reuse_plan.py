@@ -184,10 +184,11 @@ def plan(module: torch.nn.Module, excluded: set[str]) -> ReusePlan:
 
 def cache_index(plan: ReusePlan, entry: str) -> int | None:
     """The one int value of ``entry``'s attributes that differ between siblings (``layer_idx`` of
-    the layer and of its attention), or None when there is not exactly one."""
+    the layer and of its attention), or None when there is not exactly one, or it is negative (a
+    cache index names a layer from the front: ``cache.layers[-1]`` would be another layer)."""
     values = {v for v in plan.distinct.get(entry, {}).values() if type(v) is int}
     kinds = {type(v) for v in plan.distinct.get(entry, {}).values()}
-    return next(iter(values)) if len(values) == 1 and kinds == {int} else None
+    return next(iter(values)) if len(values) == 1 and kinds == {int} and min(values) >= 0 else None
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,7 @@ def compared_call(index: int | None) -> Callable[[tuple[Any, ...], dict[str, Any
             key = keys[0]
             value = args[key] if isinstance(key, int) else kwargs[key]
             layers = vars(value)["layers"] if is_cache(value) else None
-            layer = layer_key(layers[index]) if layers is not None and index is not None and index < len(layers) else None
+            layer = layer_key(layers[index]) if layers is not None and index is not None and 0 <= index < len(layers) else None
             settings = {n: v for n, v in getattr(value, "__dict__", {}).items() if n != "layers"}
             cache = CacheOutline(key, type(value), None if layers is None else len(layers), layer, outline(settings),
                                  pytree.tree_flatten(value)[1])
@@ -267,7 +268,7 @@ def _same_cache_call(call: ComparedCall, rep_call: ComparedCall, index: int, *, 
         return None
     if cache.kind is not rep_cache.kind or cache.layers is None or rep_cache.layers is None:
         return None
-    if cache.layers != rep_cache.layers or index >= cache.layers or rep_index >= rep_cache.layers:
+    if cache.layers != rep_cache.layers or not (0 <= index < cache.layers and 0 <= rep_index < rep_cache.layers):
         return None
     if not same_outline(cache.settings, rep_cache.settings) or cache.layer is None or cache.layer != rep_cache.layer:
         return None

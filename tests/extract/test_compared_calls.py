@@ -18,7 +18,7 @@ from transformers import DynamicCache, GPT2Config
 
 from nnbridge.compat.torch.export import register_cache_pytrees
 from nnbridge.extract.recording import record_calls
-from nnbridge.extract.reuse_plan import ComparedCall, _same_cache_call, compared_call
+from nnbridge.extract.reuse_plan import ComparedCall, ReusePlan, _same_cache_call, cache_index, compared_call
 from nnbridge.extract.sibling_compare import outline, same_outline
 from utils import llama
 
@@ -114,3 +114,23 @@ def test_a_compared_call_keeps_the_state_of_its_own_cache_layer_only():
     assert late.cache.layer != rep.cache.layer
     assert _same_cache_call(late, rep, 1, rep_index=0) is None
     assert compared_call(len(cache.layers))((x,), {"past_key_values": cache})(x).cache.layer is None  # no such layer
+
+
+def test_a_negative_cache_index_names_no_layer():
+    """A layer index is counted from the front: an int attribute that differs between siblings
+    and is negative is no cache index (``cache.layers[-1]`` is another layer than the sibling's), so
+    a compared call compares no cache layer and two such calls are not the same cache call."""
+    plan = ReusePlan(distinct={"layers.0": {("", "layer_idx"): 0, ("self_attn", "layer_idx"): 0},
+                               "layers.1": {("", "layer_idx"): -1, ("self_attn", "layer_idx"): -1}})
+    assert cache_index(plan, "layers.0") == 0
+    assert cache_index(plan, "layers.1") is None
+    model = llama()
+    register_cache_pytrees(model)
+    cache = DynamicCache(config=model.config)
+    x = torch.randn(1, 3, model.config.hidden_size)
+    rep = compared_call(0)((x,), {"past_key_values": cache})(x)
+    last = compared_call(-1)((x,), {"past_key_values": cache})(x)
+    assert rep.cache.layer is not None and last.cache.layer is None
+    assert _same_cache_call(rep, rep, -1, rep_index=0) is None
+    assert _same_cache_call(rep, rep, 0, rep_index=-1) is None
+    assert _same_cache_call(rep, rep, 0, rep_index=0) is not None
