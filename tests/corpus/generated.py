@@ -10,14 +10,18 @@ broke extraction before, and their neighbours:
   optionally calling an inner child ``Inner(p, q)`` positionally, by keyword in either order or
   mixed, and reading a Python float attribute ``self.alpha``;
 - the root's children: single blocks, ``ModuleList``s of identical or of differing blocks (layer
-  reuse), and a second attribute for an earlier child (a shared module);
+  reuse), a second attribute for an earlier child (a shared module), and a ``ModuleList`` of
+  ``CachedLayer``s (``corpus.program_parts``) that write and read their own layer of a
+  transformers ``DynamicCache`` (layer reuse with cache rebinding; decode steps);
 - the root's forward: child calls with positional/keyword arguments in any order and repeated
   arguments (``self.c0(v1, v1)``), loops over a ``ModuleList`` (``h = b(h, a)``, ``h is a`` on the
   first iteration when aliased), a child called twice, ``torch.no_grad()`` regions, in-place buffer
   updates in training, dropout (the RNG), a Python counter, reads of a Python float, of a plain
   object's attributes (``self.hp.scale``, ``self.hp.inner.bias``), of a callable object
-  (``self.act(v)``) and of a numpy scalar (``self.k``); a tensor, tuple or dict output;
-- the script: calls with and without grad, and edits between them: module attribute writes,
+  (``self.act(v)``) and of a numpy scalar (``self.k``), a loop over the cached layers with the
+  root's ``cache`` argument; a tensor, tuple or dict output;
+- the script: calls with and without grad (all with one cache, when the root takes one: each
+  call after the first is a decode step), and edits between them: module attribute writes,
   plain-object attribute writes and replacements, child swaps, class swaps (``__class__``) and
   ``.double()``.
 
@@ -33,6 +37,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from corpus.program_parts import CACHED_KINDS
 
 #: body templates of a block's forward by arity (``x`` and ``a`` are its arguments)
 BODIES: dict[int, tuple[str, ...]] = {
@@ -62,7 +68,10 @@ class Block:
 @dataclass(frozen=True)
 class Child:
     """A root child ``c<i>``: ``kind`` ``"block"`` (``blocks[0]``), ``"list"`` (a ModuleList of
-    ``blocks``) or ``"shared"`` (``blocks[0]`` is an earlier child's index: the same module)."""
+    ``blocks``), ``"shared"`` (``blocks[0]`` is an earlier child's index: the same module) or
+    ``"cached"`` (a ModuleList of ``blocks[0]`` ``CachedLayer``s of kind
+    ``CACHED_KINDS[blocks[1]]``, layer indices 0, 1, ...; ``blocks[2]``: the cache alternates
+    sliding-window layers)."""
     kind: str
     blocks: tuple[int, ...]
 
@@ -71,7 +80,8 @@ class Child:
 class Stmt:
     """One statement of the root's forward, making a new variable from earlier ones (``v0`` is the
     input). ``kind``: ``"call"`` (child ``child`` on ``args``, by ``style``), ``"loop"`` (over list
-    ``child``, ``h = args[0]``, each ``h = b(h, args[1])``), ``"read"`` (``style`` one of
+    ``child``, ``h = args[0]``, each ``h = b(h, args[1])``), ``"cached"`` (over the cached layers
+    ``child``, each ``h = b(h, cache)``), ``"read"`` (``style`` one of
     :data:`READS` applied to ``args[0]``), ``"buffer"``, ``"nograd"`` (``call`` in a no_grad
     region), ``"dropout"``, ``"counter"``, ``"add"``."""
     kind: str
@@ -120,6 +130,12 @@ class Program:
     def name(self) -> str:
         return "fuzz_" + hashlib.sha256(repr(self).encode()).hexdigest()[:10]
 
+    @property
+    def cache(self) -> Child | None:
+        """The ``"cached"`` child (at most one: its layers index one cache), or None; the root
+        then takes a ``cache`` argument."""
+        return next((c for c in self.children if c.kind == "cached"), None)
+
 
 def alias_roots(stmts: tuple[Stmt, ...]) -> list[int]:
     """For each variable (``v0`` the input, ``v<n>`` made by ``stmts[n - 1]``), the first variable
@@ -138,7 +154,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from corpus import Call, Edit, Entry
-from corpus.program_parts import HParams, Inner, ProgramRoot, Swish'''
+from corpus.program_parts import CachedLayer, HParams, Inner, ProgramRoot, Swish, new_cache'''
 
 
 def _inner_call(style: str, x: str, a: str) -> str:
@@ -186,6 +202,10 @@ def _root_source(program: Program) -> tuple[str, bool]:
             init.append(f"self.c{i} = B{child.blocks[0]}()")
         elif child.kind == "list":
             init.append(f"self.c{i} = nn.ModuleList([{', '.join(f'B{b}()' for b in child.blocks)}])")
+        elif child.kind == "cached":
+            kind = CACHED_KINDS[child.blocks[1]]
+            layers = ", ".join(f"CachedLayer({j}, {kind!r})" for j in range(child.blocks[0]))
+            init.append(f"self.c{i} = nn.ModuleList([{layers}])")
         else:
             init.append(f"self.c{i} = self.c{child.blocks[0]}  # shared")
     body: list[str] = []
@@ -204,6 +224,8 @@ def _root_source(program: Program) -> tuple[str, bool]:
             body.append(f"{new} = {args[0]}")
             step = f"b({new}, {args[1]})" if arity == 2 else f"b({new})"
             body += [f"for b in self.c{stmt.child}:", f"    {new} = {step}"]
+        elif stmt.kind == "cached":
+            body += [f"{new} = {args[0]}", f"for b in self.c{stmt.child}:", f"    {new} = b({new}, cache)"]
         elif stmt.kind == "read":
             v = args[0]
             body.append({"alpha": f"{new} = {v} * self.alpha",
@@ -228,7 +250,8 @@ def _root_source(program: Program) -> tuple[str, bool]:
     body.append({"one": f"return {names[0]}", "tuple": f"return ({', '.join(names)},)",
                  "dict": "return {" + ", ".join(f'"out{i}": {name}' for i, name in enumerate(names)) + "}"}[kind])
     lines = ["class Root(ProgramRoot):", "    def __init__(self):"] + [f"        {line}" for line in init]
-    lines += ["", "    def forward(self, v0):"] + [f"        {line}" for line in body]
+    params = "v0, cache" if program.cache is not None else "v0"
+    lines += ["", f"    def forward(self, {params}):"] + [f"        {line}" for line in body]
     return "\n".join(lines), counter
 
 
@@ -267,14 +290,17 @@ def render(program: Program, name: str | None = None, doc: str = "") -> str:
         if step.kind == "call":
             grad = ", requires_grad=True" if step.input_grad and step.grad else ""
             tensor = f"torch.randn({step.rows}, 4{', dtype=torch.float64' if dtype else ''}{grad})"
-            script.append(f"Call(({tensor},)" + ("" if step.grad else ", grad=False") + ")")
+            inputs = f"{tensor}, cache" if program.cache is not None else f"{tensor},"
+            script.append(f"Call(({inputs})" + ("" if step.grad else ", grad=False") + ")")
         else:
             index = len(edits)
             edits.append(f"def edit{index}(m):\n    {_edit_source(program, step, bool(dtype))}")
             script.append(f"Edit(edit{index})")
             dtype = dtype or ("double" if step.kind == "double" else "")
     parts += edits
-    parts.append("def script():\n    return [\n" + "".join(f"        {s},\n" for s in script) + "    ]")
+    cache = program.cache
+    opening = "" if cache is None else f"    cache = new_cache({cache.blocks[0]}, sliding={bool(cache.blocks[2])})\n"
+    parts.append("def script():\n" + opening + "    return [\n" + "".join(f"        {s},\n" for s in script) + "    ]")
     attrs = ", attrs=lambda m: m.calls" if counter else ""
     parts.append(f"ENTRIES = [Entry({name!r}, Root, script, item=48, modes={program.modes!r}{attrs})]")
     return "\n\n\n".join(parts) + "\n"

@@ -54,3 +54,49 @@ class ProgramRoot(nn.Module):
         self.calls = 0
         self.register_buffer("running", torch.zeros(4))
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+
+#: what a :class:`CachedLayer` reads back from its cache layer (a generated program picks one)
+CACHED_KINDS = ("attend", "values", "length", "index")
+
+
+class CachedLayer(nn.Module):
+    """A decoder-layer-like block called with a transformers ``Cache`` (``forward(x, cache)``,
+    ``x`` of shape ``(rows, 4)``): it writes its keys and values, ``(1, 1, rows, 4)`` each, into
+    its own cache layer (``cache.update(k, v, self.layer_idx)``, as transformers' attention does)
+    and reads what the layer holds back. ``kind`` (one of :data:`CACHED_KINDS`) picks how:
+    ``"attend"``, attention of ``x`` over every cached position; ``"values"``, the cached values'
+    mean; ``"length"``, the number of cached positions (an int read off the cache); ``"index"``,
+    the values' mean and ``layer_idx`` in arithmetic. Keys and values are cached detached, so a
+    later call reads them without the earlier call's autograd graph."""
+
+    def __init__(self, layer_idx, kind="attend"):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.kind = kind
+        self.k = nn.Linear(4, 4)
+        self.v = nn.Linear(4, 4)
+        self.o = nn.Linear(4, 4)
+
+    def forward(self, x, cache):
+        keys, values = cache.update(self.k(x).detach()[None, None], self.v(x).detach()[None, None], self.layer_idx)
+        out = self.o(x)
+        if self.kind == "attend":
+            return out + torch.softmax(x @ keys[0, 0].transpose(0, 1), -1) @ values[0, 0]
+        if self.kind == "values":
+            return out + values[0, 0].mean(0)
+        if self.kind == "length":
+            return out * cache.get_seq_length(self.layer_idx)
+        return out * (self.layer_idx + 1) + values[0, 0].mean(0)
+
+
+def new_cache(layers, sliding=False):
+    """A transformers ``DynamicCache`` with ``layers`` cache layers; ``sliding``: every other one
+    (the first included) a sliding-window layer of window 2, as Gemma 3 alternates them."""
+    from transformers import DynamicCache, PretrainedConfig
+
+    extra = {}
+    if sliding:
+        extra = {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                 "sliding_window": 2}
+    return DynamicCache(config=PretrainedConfig(num_hidden_layers=layers, **extra))

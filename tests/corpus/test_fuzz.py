@@ -35,6 +35,7 @@ import nnbridge
 from corpus.generated import (BODIES, EDITS, INNER_CALLS, PLAIN_EDITS, READS, Block, Child, Program, Step, Stmt,
                               alias_roots, load, render)
 from corpus.harness import FRONT_ENDS, check
+from corpus.program_parts import CACHED_KINDS
 
 #: programs per front-end and layer-reuse setting in a CI run (fixed seed): 6 x 15 cases, each run
 #: cold and warm; ``NNBRIDGE_FUZZ_EXAMPLES`` overrides
@@ -93,12 +94,17 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
         else:
             children.append(Child("shared", (draw(st.sampled_from(singles)),)))
 
+    if draw(st.integers(0, 3)) == 0:  # decoder-like layers writing and reading one transformers cache
+        children.append(Child("cached", (draw(st.integers(2, 3)), draw(st.integers(0, len(CACHED_KINDS) - 1)),
+                                         int(draw(st.booleans())))))
+
     def arity(child: int) -> int:
         spec = children[child]
         return arity(spec.blocks[0]) if spec.kind == "shared" else blocks[spec.blocks[0]].arity
 
-    callable_children = [i for i, c in enumerate(children) if c.kind != "list"]
+    callable_children = [i for i, c in enumerate(children) if c.kind in ("block", "shared")]
     lists = [i for i, c in enumerate(children) if c.kind == "list"]
+    cached = [i for i, c in enumerate(children) if c.kind == "cached"]
     stmts: list[Stmt] = []
     if "loop_alias" in required:
         stmts.append(Stmt("loop", (0, 0), child=0))
@@ -109,8 +115,9 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
         kinds = ["read", "add", "buffer", "dropout"]
         kinds += ["call", "nograd"] if callable_children else []
         kinds += ["loop"] if lists else []
+        kinds += ["cached"] if cached else []
         kind = draw(st.sampled_from(sorted(kinds, key=["loop", "call", "read", "nograd", "buffer", "add",
-                                                        "dropout", "counter"].index)))
+                                                        "dropout", "counter", "cached"].index)))
         if kind in ("call", "nograd"):
             child = draw(st.sampled_from(callable_children))
             style = draw(st.sampled_from(("pos", "kw", "kw_rev", "mixed") if arity(child) == 2 else ("pos", "kw")))
@@ -127,12 +134,16 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
                     continue
                 a = draw(st.sampled_from(others))
             stmts.append(Stmt("loop", (h, a), child=child))
+        elif kind == "cached":
+            stmts.append(Stmt("cached", (draw(var),), child=cached[0]))
         elif kind == "read":
             stmts.append(Stmt("read", (draw(var),), style=draw(st.sampled_from(READS))))
         elif kind == "add":
             stmts.append(Stmt("add", (draw(var), draw(var))))
         else:
             stmts.append(Stmt(kind, (draw(var),)))
+    if cached and not any(s.kind == "cached" for s in stmts):
+        stmts.append(Stmt("cached", (draw(st.integers(0, len(stmts))),), child=cached[0]))
     if draw(st.integers(0, 3)) == 0:  # a Python counter: a side effect of forward, read back
         stmts.append(Stmt("counter", (draw(st.integers(0, len(stmts))),)))
     last = len(stmts)
@@ -141,8 +152,10 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
 
     # the script: a call, then edits and calls
     reads = {s.style for s in stmts if s.kind == "read"}
-    edits = ["root_alpha", "swap_child", "swap_class", "double"]
-    edits += ["block_alpha"] if any(blocks[b].alpha for c in children if c.kind != "shared" for b in c.blocks) else []
+    # (no .double() with a cache: its layers keep the float32 keys and values of earlier calls)
+    edits = ["root_alpha", "swap_child", "swap_class"] + ([] if cached else ["double"])
+    edits += ["block_alpha"] if any(blocks[b].alpha for c in children if c.kind in ("block", "list")
+                                    for b in c.blocks) else []
     edits += [e for e in PLAIN_EDITS if _READ_OF_EDIT[e] in reads and "plain_object_edit" not in excluded]
     if "plain_object_edit" in required:
         edit = draw(st.sampled_from(PLAIN_EDITS))
@@ -173,7 +186,7 @@ def _edit(draw: st.DrawFn, kinds: list[str], children: list[Child], blocks: list
     if kind not in ("swap_child", "swap_class", "block_alpha"):
         return Step(kind, value=value)
     # an entry of a child that is not another attribute of an earlier child
-    targets = [(i, k) for i, c in enumerate(children) if c.kind != "shared" for k in range(len(c.blocks))]
+    targets = [(i, k) for i, c in enumerate(children) if c.kind in ("block", "list") for k in range(len(c.blocks))]
     if kind == "block_alpha":
         targets = [(i, k) for i, k in targets if blocks[children[i].blocks[k]].alpha]
     child, entry = draw(st.sampled_from(targets))
@@ -233,6 +246,7 @@ def run_case(case: Case) -> None:
                 problems = check(entry, case.front_end, program.modes[0], options, nnsight_graphs=True)
             if temperature == "warm" and currently_in_test_context():
                 event(f"warm run exported {'nothing' if exports[0] == 0 else 'again'}")
+                event("with a transformers cache" if program.cache is not None else "without a cache")
             failures += [f"{temperature} cache: {problem}" for problem in problems]
     if failures:
         final = currently_in_test_context() and getattr(current_build_context(), "is_final", False)
