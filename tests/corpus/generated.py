@@ -81,9 +81,9 @@ class Stmt:
     """One statement of the root's forward, making a new variable from earlier ones (``v0`` is the
     input). ``kind``: ``"call"`` (child ``child`` on ``args``, by ``style``), ``"loop"`` (over list
     ``child``, ``h = args[0]``, each ``h = b(h, args[1])``), ``"cached"`` (over the cached layers
-    ``child``, each ``h = b(h, cache)``), ``"read"`` (``style`` one of
-    :data:`READS` applied to ``args[0]``), ``"buffer"``, ``"nograd"`` (``call`` in a no_grad
-    region), ``"dropout"``, ``"counter"``, ``"add"``."""
+    ``child``, each ``h = b(h, cache)``; ``style`` ``"reversed"``: the last layer first),
+    ``"read"`` (``style`` one of :data:`READS` applied to ``args[0]``), ``"buffer"``, ``"nograd"``
+    (``call`` in a no_grad region), ``"dropout"``, ``"counter"``, ``"add"``."""
     kind: str
     args: tuple[int, ...]
     child: int = 0
@@ -125,6 +125,10 @@ class Program:
                 found.add("loop_alias")
         if any(step.kind in PLAIN_EDITS for step in self.script):
             found.add("plain_object_edit")
+        cache = self.cache
+        if cache is not None and CACHED_KINDS[cache.blocks[1]] == "length" \
+                and sum(stmt.kind == "cached" for stmt in self.stmts) > 1:
+            found.add("cache_length_twice")
         return frozenset(found)
 
     def name(self) -> str:
@@ -225,7 +229,8 @@ def _root_source(program: Program) -> tuple[str, bool]:
             step = f"b({new}, {args[1]})" if arity == 2 else f"b({new})"
             body += [f"for b in self.c{stmt.child}:", f"    {new} = {step}"]
         elif stmt.kind == "cached":
-            body += [f"{new} = {args[0]}", f"for b in self.c{stmt.child}:", f"    {new} = b({new}, cache)"]
+            layers = f"reversed(self.c{stmt.child})" if stmt.style == "reversed" else f"self.c{stmt.child}"
+            body += [f"{new} = {args[0]}", f"for b in {layers}:", f"    {new} = b({new}, cache)"]
         elif stmt.kind == "read":
             v = args[0]
             body.append({"alpha": f"{new} = {v} * self.alpha",

@@ -57,7 +57,7 @@ class ProgramRoot(nn.Module):
 
 
 #: what a :class:`CachedLayer` reads back from its cache layer (a generated program picks one)
-CACHED_KINDS = ("attend", "values", "length", "index")
+CACHED_KINDS = ("attend", "values", "length", "index", "first")
 
 
 class CachedLayer(nn.Module):
@@ -67,7 +67,8 @@ class CachedLayer(nn.Module):
     and reads what the layer holds back. ``kind`` (one of :data:`CACHED_KINDS`) picks how:
     ``"attend"``, attention of ``x`` over every cached position; ``"values"``, the cached values'
     mean; ``"length"``, the number of cached positions (an int read off the cache); ``"index"``,
-    the values' mean and ``layer_idx`` in arithmetic. Keys and values are cached detached, so a
+    the values' mean and ``layer_idx`` in arithmetic; ``"first"``, the keys of another layer's
+    cache (layer 0's, once it holds any: a branch on the cache's state). Keys and values are cached detached, so a
     later call reads them without the earlier call's autograd graph."""
 
     def __init__(self, layer_idx, kind="attend"):
@@ -87,6 +88,9 @@ class CachedLayer(nn.Module):
             return out + values[0, 0].mean(0)
         if self.kind == "length":
             return out * cache.get_seq_length(self.layer_idx)
+        if self.kind == "first":
+            first = cache.layers[0]
+            return out + first.keys[0, 0].mean(0) if first.is_initialized else out
         return out * (self.layer_idx + 1) + values[0, 0].mean(0)
 
 

@@ -46,9 +46,15 @@ KNOWN_EXAMPLES = 10
 
 #: grammar feature -> the known silent difference it meets. Remove a line once fixed.
 KNOWN_FEATURES: dict[str, str] = {
-    # (empty: issue 48's layer reuse with aliased inputs, "loop_alias", and plain objects' attributes
-    # read in forward, "plain_object_edit", were found here and are fixed; their programs run in CI)
+    # (issue 48's layer reuse with aliased inputs, "loop_alias", and plain objects' attributes read
+    # in forward, "plain_object_edit", were found here and are fixed; their programs run in CI)
+    "cache_length_twice": "cached layers reading their cache's length (cache.get_seq_length) looped over twice in"
+                          " one forward: on a decode step the root's graph calls a second invocation's graph with"
+                          " other arguments than its placeholders, and the fallback to the layer's own extraction"
+                          " calls the layer with those (TypeError, not a loud error; eager runs)",
 }
+#: the exceptions a known feature's programs end with
+KNOWN_RAISES: dict[str, tuple[type[BaseException], ...]] = {"cache_length_twice": (AssertionError, TypeError)}
 
 #: the read of forward that an edit of a plain object changes
 _READ_OF_EDIT = {"hp_attr": "hp", "hp_replace": "hp", "nested_attr": "nested", "act_attr": "act",
@@ -94,9 +100,10 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
         else:
             children.append(Child("shared", (draw(st.sampled_from(singles)),)))
 
-    if draw(st.integers(0, 3)) == 0:  # decoder-like layers writing and reading one transformers cache
-        children.append(Child("cached", (draw(st.integers(2, 3)), draw(st.integers(0, len(CACHED_KINDS) - 1)),
-                                         int(draw(st.booleans())))))
+    if "cache_length_twice" in required or draw(st.integers(0, 3)) == 0:  # decoder-like layers and one cache
+        kind = CACHED_KINDS.index("length") if "cache_length_twice" in required else draw(st.integers(0, len(CACHED_KINDS) - 1))
+        sliding = 0 if "cache_length_twice" in required else int(draw(st.booleans()))  # (its failure needs none)
+        children.append(Child("cached", (draw(st.integers(2, 3)), kind, sliding)))
 
     def arity(child: int) -> int:
         spec = children[child]
@@ -108,6 +115,10 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
     stmts: list[Stmt] = []
     if "loop_alias" in required:
         stmts.append(Stmt("loop", (0, 0), child=0))
+    if "cache_length_twice" in required:
+        stmts += [Stmt("cached", (0,), child=cached[0]), Stmt("cached", (1,), child=cached[0])]
+    # a second loop over layers reading the cache's length is a known failure (KNOWN_FEATURES)
+    once = bool(cached) and "cache_length_twice" in excluded and children[cached[0]].blocks[1] == CACHED_KINDS.index("length")
     for _ in range(draw(st.integers(1, 5))):
         count = len(stmts) + 1
         roots = alias_roots(tuple(stmts))
@@ -115,7 +126,7 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
         kinds = ["read", "add", "buffer", "dropout"]
         kinds += ["call", "nograd"] if callable_children else []
         kinds += ["loop"] if lists else []
-        kinds += ["cached"] if cached else []
+        kinds += ["cached"] if cached and not (once and any(s.kind == "cached" for s in stmts)) else []
         kind = draw(st.sampled_from(sorted(kinds, key=["loop", "call", "read", "nograd", "buffer", "add",
                                                         "dropout", "counter", "cached"].index)))
         if kind in ("call", "nograd"):
@@ -135,7 +146,7 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
                 a = draw(st.sampled_from(others))
             stmts.append(Stmt("loop", (h, a), child=child))
         elif kind == "cached":
-            stmts.append(Stmt("cached", (draw(var),), child=cached[0]))
+            stmts.append(Stmt("cached", (draw(var),), child=cached[0], style=draw(st.sampled_from(("pos", "reversed")))))
         elif kind == "read":
             stmts.append(Stmt("read", (draw(var),), style=draw(st.sampled_from(READS))))
         elif kind == "add":
@@ -165,9 +176,12 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
             outputs = (last,) + outputs[1:]
     script = [_call(draw)]
     doubled = False
-    for _ in range(draw(st.integers(0, 3))):
-        step = _edit(draw, sorted(edits, key=EDITS.index), children, blocks, doubled)
+    current: dict[tuple[int, int], int] = {}  # (child, entry) -> its block class after the swaps so far
+    for _ in range(draw(st.integers(1 if "cache_length_twice" in required else 0, 3))):  # (a decode step)
+        step = _edit(draw, sorted(edits, key=EDITS.index), children, blocks, doubled, current)
         doubled = doubled or step.kind == "double"
+        if step.kind == "swap_child":
+            current[(step.child, step.entry)] = step.block
         script += [step, _call(draw)]
     if "plain_object_edit" in required:
         script += [Step(edit, value=draw(st.sampled_from((2.0, 0.5, 3.0)))), _call(draw)]
@@ -180,7 +194,10 @@ def _call(draw: st.DrawFn) -> Step:
     return Step("call", grad=grad, input_grad=grad and draw(st.booleans()), rows=draw(st.sampled_from((2, 3))))
 
 
-def _edit(draw: st.DrawFn, kinds: list[str], children: list[Child], blocks: list[Block], doubled: bool) -> Step:
+def _edit(draw: st.DrawFn, kinds: list[str], children: list[Child], blocks: list[Block], doubled: bool,
+          current: dict[tuple[int, int], int]) -> Step:
+    """An edit step of one of ``kinds``; ``current``: the block class of each entry an earlier
+    ``swap_child`` replaced (a class swap goes to the subclass of the entry's class then)."""
     kind = draw(st.sampled_from([k for k in kinds if not (k == "double" and doubled)]))
     value = draw(st.sampled_from((2.0, 0.5, 3.0)))
     if kind not in ("swap_child", "swap_class", "block_alpha"):
@@ -190,11 +207,11 @@ def _edit(draw: st.DrawFn, kinds: list[str], children: list[Child], blocks: list
     if kind == "block_alpha":
         targets = [(i, k) for i, k in targets if blocks[children[i].blocks[k]].alpha]
     child, entry = draw(st.sampled_from(targets))
-    current = children[child].blocks[entry]
+    block = current.get((child, entry), children[child].blocks[entry])
     if kind == "swap_class":  # to its own class's subclass
-        return Step(kind, child=child, entry=entry, block=current)
+        return Step(kind, child=child, entry=entry, block=block)
     if kind == "swap_child":  # to a new block of a class of the same arity
-        same = [j for j, b in enumerate(blocks) if b.arity == blocks[current].arity]
+        same = [j for j, b in enumerate(blocks) if b.arity == blocks[block].arity]
         return Step(kind, child=child, entry=entry, block=draw(st.sampled_from(same)))
     return Step(kind, child=child, entry=entry, value=value)
 
@@ -287,9 +304,9 @@ def test_fuzz(front_end: str, reuse_layers: bool) -> None:
     fuzz()
 
 
-@pytest.mark.parametrize("feature", [pytest.param(feature, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                                                                   reason=reason))
-                                     for feature, reason in KNOWN_FEATURES.items()])
+@pytest.mark.parametrize("feature", [pytest.param(feature, marks=pytest.mark.xfail(
+    strict=True, raises=KNOWN_RAISES.get(feature, AssertionError), reason=reason))
+    for feature, reason in KNOWN_FEATURES.items()])
 def test_fuzz_finds_known(feature: str) -> None:
     """Programs that use ``feature`` (with layer reuse on) differ from eager (the first difference
     found ends the test; with ``NNBRIDGE_FUZZ_SAVE=1`` it is shrunk and saved)."""
