@@ -131,14 +131,14 @@ def localize_symbols(graph: Graph) -> list[Node]:
 
 
 def drop_unused_extras(graph: Graph, extras: list[Node]) -> bool:
-    """Remove extra placeholders nothing reads any more; True when none is left."""
-    left = False
+    """Remove the extra placeholders when nothing reads any of them any more; True when so (the
+    graph then has its module's exact signature). When one is read, all stay: a caller passes its
+    extra arguments by position, one for each extra placeholder as unflatten made them."""
+    if any(extra.users for extra in extras):
+        return False
     for extra in extras:
-        if extra.users:
-            left = True
-        else:
-            graph.erase_node(extra)
-    return not left
+        graph.erase_node(extra)
+    return True
 
 
 def _clean_prologue(graph: Graph, attrs: dict[str, Any]) -> None:

@@ -125,10 +125,6 @@ class Program:
                 found.add("loop_alias")
         if any(step.kind in PLAIN_EDITS for step in self.script):
             found.add("plain_object_edit")
-        cache = self.cache
-        if cache is not None and CACHED_KINDS[cache.blocks[1]] == "length" \
-                and sum(stmt.kind == "cached" for stmt in self.stmts) > 1:
-            found.add("cache_length_twice")
         return frozenset(found)
 
     def name(self) -> str:

@@ -46,15 +46,9 @@ KNOWN_EXAMPLES = 10
 
 #: grammar feature -> the known silent difference it meets. Remove a line once fixed.
 KNOWN_FEATURES: dict[str, str] = {
-    # (issue 48's layer reuse with aliased inputs, "loop_alias", and plain objects' attributes read
-    # in forward, "plain_object_edit", were found here and are fixed; their programs run in CI)
-    "cache_length_twice": "cached layers reading their cache's length (cache.get_seq_length) looped over twice in"
-                          " one forward: on a decode step the root's graph calls a second invocation's graph with"
-                          " other arguments than its placeholders, and the fallback to the layer's own extraction"
-                          " calls the layer with those (TypeError, not a loud error; eager runs)",
+    # (empty: issue 48's layer reuse with aliased inputs, "loop_alias", and plain objects' attributes
+    # read in forward, "plain_object_edit", were found here and are fixed; their programs run in CI)
 }
-#: the exceptions a known feature's programs end with
-KNOWN_RAISES: dict[str, tuple[type[BaseException], ...]] = {"cache_length_twice": (AssertionError, TypeError)}
 
 #: the read of forward that an edit of a plain object changes
 _READ_OF_EDIT = {"hp_attr": "hp", "hp_replace": "hp", "nested_attr": "nested", "act_attr": "act",
@@ -100,10 +94,9 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
         else:
             children.append(Child("shared", (draw(st.sampled_from(singles)),)))
 
-    if "cache_length_twice" in required or draw(st.integers(0, 3)) == 0:  # decoder-like layers and one cache
-        kind = CACHED_KINDS.index("length") if "cache_length_twice" in required else draw(st.integers(0, len(CACHED_KINDS) - 1))
-        sliding = 0 if "cache_length_twice" in required else int(draw(st.booleans()))  # (its failure needs none)
-        children.append(Child("cached", (draw(st.integers(2, 3)), kind, sliding)))
+    if draw(st.integers(0, 3)) == 0:  # decoder-like layers writing and reading one transformers cache
+        children.append(Child("cached", (draw(st.integers(2, 3)), draw(st.integers(0, len(CACHED_KINDS) - 1)),
+                                         int(draw(st.booleans())))))
 
     def arity(child: int) -> int:
         spec = children[child]
@@ -115,10 +108,6 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
     stmts: list[Stmt] = []
     if "loop_alias" in required:
         stmts.append(Stmt("loop", (0, 0), child=0))
-    if "cache_length_twice" in required:
-        stmts += [Stmt("cached", (0,), child=cached[0]), Stmt("cached", (1,), child=cached[0])]
-    # a second loop over layers reading the cache's length is a known failure (KNOWN_FEATURES)
-    once = bool(cached) and "cache_length_twice" in excluded and children[cached[0]].blocks[1] == CACHED_KINDS.index("length")
     for _ in range(draw(st.integers(1, 5))):
         count = len(stmts) + 1
         roots = alias_roots(tuple(stmts))
@@ -126,7 +115,7 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
         kinds = ["read", "add", "buffer", "dropout"]
         kinds += ["call", "nograd"] if callable_children else []
         kinds += ["loop"] if lists else []
-        kinds += ["cached"] if cached and not (once and any(s.kind == "cached" for s in stmts)) else []
+        kinds += ["cached"] if cached else []
         kind = draw(st.sampled_from(sorted(kinds, key=["loop", "call", "read", "nograd", "buffer", "add",
                                                         "dropout", "counter", "cached"].index)))
         if kind in ("call", "nograd"):
@@ -177,7 +166,7 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
     script = [_call(draw)]
     doubled = False
     current: dict[tuple[int, int], int] = {}  # (child, entry) -> its block class after the swaps so far
-    for _ in range(draw(st.integers(1 if "cache_length_twice" in required else 0, 3))):  # (a decode step)
+    for _ in range(draw(st.integers(0, 3))):
         step = _edit(draw, sorted(edits, key=EDITS.index), children, blocks, doubled, current)
         doubled = doubled or step.kind == "double"
         if step.kind == "swap_child":
@@ -304,9 +293,9 @@ def test_fuzz(front_end: str, reuse_layers: bool) -> None:
     fuzz()
 
 
-@pytest.mark.parametrize("feature", [pytest.param(feature, marks=pytest.mark.xfail(
-    strict=True, raises=KNOWN_RAISES.get(feature, AssertionError), reason=reason))
-    for feature, reason in KNOWN_FEATURES.items()])
+@pytest.mark.parametrize("feature", [pytest.param(feature, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                                                                   reason=reason))
+                                     for feature, reason in KNOWN_FEATURES.items()])
 def test_fuzz_finds_known(feature: str) -> None:
     """Programs that use ``feature`` (with layer reuse on) differ from eager (the first difference
     found ends the test; with ``NNBRIDGE_FUZZ_SAVE=1`` it is shrunk and saved)."""
