@@ -247,7 +247,9 @@ def compared_call(index: int | None) -> Callable[[tuple[Any, ...], dict[str, Any
             key = keys[0]
             value = args[key] if isinstance(key, int) else kwargs[key]
             layers = vars(value)["layers"] if is_cache(value) else None
-            layer = layer_key(layers[index]) if layers is not None and index is not None and 0 <= index < len(layers) else None
+            layer = None
+            if layers is not None and index is not None and 0 <= index < len(layers):
+                layer = layer_key(layers[index])
             settings = {n: v for n, v in getattr(value, "__dict__", {}).items() if n != "layers"}
             cache = CacheOutline(key, type(value), None if layers is None else len(layers), layer, outline(settings),
                                  pytree.tree_flatten(value)[1])

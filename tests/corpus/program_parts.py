@@ -68,8 +68,8 @@ class CachedLayer(nn.Module):
     ``"attend"``, attention of ``x`` over every cached position; ``"values"``, the cached values'
     mean; ``"length"``, the number of cached positions (an int read off the cache); ``"index"``,
     the values' mean and ``layer_idx`` in arithmetic; ``"first"``, the keys of another layer's
-    cache (layer 0's, once it holds any: a branch on the cache's state). Keys and values are cached detached, so a
-    later call reads them without the earlier call's autograd graph."""
+    cache (layer 0's, once it holds any: a branch on the cache's state). Keys and values are
+    cached detached, so a later call reads them without the earlier call's autograd graph."""
 
     def __init__(self, layer_idx, kind="attend"):
         super().__init__()

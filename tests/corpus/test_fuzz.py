@@ -135,7 +135,8 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
                 a = draw(st.sampled_from(others))
             stmts.append(Stmt("loop", (h, a), child=child))
         elif kind == "cached":
-            stmts.append(Stmt("cached", (draw(var),), child=cached[0], style=draw(st.sampled_from(("pos", "reversed")))))
+            order = draw(st.sampled_from(("pos", "reversed")))
+            stmts.append(Stmt("cached", (draw(var),), child=cached[0], style=order))
         elif kind == "read":
             stmts.append(Stmt("read", (draw(var),), style=draw(st.sampled_from(READS))))
         elif kind == "add":
