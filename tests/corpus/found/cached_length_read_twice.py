@@ -3,7 +3,8 @@ in one forward, then a decode step: the length the second loop reads is the cach
 call began plus what the first loop wrote, so unflatten gives the second invocations' graphs an extra
 input (a cache tensor of the root's, for its size); their graphs dropped another, unused extra input
 that the root's graph still passed, so each argument landed one place off (a TypeError where eager
-runs). Found by tests/corpus/test_fuzz.py at 120 programs per setting, reduced by hand.
+runs). Found by running programs of the fuzzer's grammar through its check (``run_case`` of
+tests/corpus/test_fuzz.py), reduced by hand.
 
 Program(blocks=(Block(arity=1, body=0, inner=None, alpha=False),), children=(Child(kind='block', blocks=(0,)), Child(kind='cached', blocks=(2, 2, 0))), stmts=(Stmt(kind='call', args=(0,), child=0, style='pos'), Stmt(kind='cached', args=(1,), child=1, style='pos'), Stmt(kind='cached', args=(2,), child=1, style='pos')), output=('one', (3,)), script=(Step(kind='call', grad=True, input_grad=False, rows=3, child=0, entry=0, block=0, value=2.0), Step(kind='call', grad=False, input_grad=False, rows=2, child=0, entry=0, block=0, value=2.0)), modes=('eval',))
 """
