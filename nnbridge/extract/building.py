@@ -373,6 +373,7 @@ class GraphBuilder:
             trimmed = not isinstance(child, GraphModuleBase) or child.graph_meta.exact_signature
             if trimmed:
                 node.args, extra = node.args[extra:], 0
+                update_node_meta(node, extra_args=0)
             if self.state_keys(child_fqn, invocation_k):  # recorded for modules export traced through
                 read_states_back(graph, node, self.state_keys(child_fqn, invocation_k), extra=extra)
                 threaded.append((node, self.state_keys(child_fqn, invocation_k), extra))

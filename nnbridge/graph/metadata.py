@@ -62,7 +62,10 @@ class NodeMeta:
         module_path: for a ``call_module`` node, the callee's path relative to the caller as the user
             spells it (``h.0``, ``graph``), whatever the graph attribute is called (``h.0``,
             ``graph_``); a bridge links its call sites by it.
-        extra_args: trailing inputs a call passes only to thread module state (caches) through.
+        extra_args: for a ``call_module`` node, how many leading arguments it passes its callee's
+            graph before the module's own (inputs ``torch.export.unflatten`` added, which the graph
+            reads, see :func:`~nnbridge.extract.cleanup.drop_unused_extras`); 0 when the callee
+            takes exactly its module's arguments.
         example: the value's summary on the example inputs (``torch.Size`` for a tensor,
             containers of summaries; see :mod:`.summaries`); None when unknown.
     """

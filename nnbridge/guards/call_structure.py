@@ -181,6 +181,29 @@ def describe_key_change(old: Hashable, new: Hashable) -> str:
     return "call structure changed"
 
 
+def same_but_values(before: tuple[tuple[Any, ...], dict[str, Any]],
+                    after: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
+    """Whether the call ``(args, kwargs)`` ``after`` differs from ``before`` in tensor values only:
+    the same tree structure, equal non-tensor leaves (the same object, when unhashable), and
+    tensors of the same sizes, dtypes, devices, ``requires_grad`` and memory layouts, aliasing one
+    another alike (:func:`alias_pattern`). A graph a caller's extraction chose for ``before`` (a
+    child's call in its trace) then computes eager's result for ``after`` too, as a forward
+    pre-hook or a front-end's input edit replaced them."""
+    (old, old_spec), (new, new_spec) = pytree.tree_flatten(before), pytree.tree_flatten(after)
+    if old_spec != new_spec:
+        return False
+    for a, b in zip(old, new):
+        if a is b:
+            continue
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or _leaf_key(a) != _leaf_key(b):
+                return False
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or _leaf_key(a) != _leaf_key(b):
+            return False
+    return alias_pattern([t for t in old if isinstance(t, torch.Tensor)]) == alias_pattern(
+        [t for t in new if isinstance(t, torch.Tensor)])
+
+
 def tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors of a call, in pytree order (the order torch.export numbers its user inputs)."""
     return [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]

@@ -49,6 +49,7 @@ from ..graph.failures import add_note
 from ..errors import NNBridgeError
 from .absence import SubmoduleLookup
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
+from ..guards.call_structure import same_but_values
 from ..guards.preservation import preserved_state
 from ..dispatch.dispatcher import GraphDispatcher
 from ..dispatch.extraction import Extraction
@@ -77,11 +78,24 @@ _ENVOY_NAMES = frozenset({"input", "inputs", "output"})
 AnyGraph = CompiledGraphModule | OpaqueGraphModule
 
 
-def _pending() -> dict[int, AnyGraph]:
+def _pending() -> dict[int, tuple[AnyGraph, tuple[Any, ...], tuple[Any, ...], dict[str, Any]]]:
+    """``{id(module): (graph, extras, args, kwargs)}``: the graph a call site chose for the module's
+    call under way, the leading arguments it passes the graph only, and the module's arguments as
+    the call site passed them (see :class:`_CallSite`)."""
     pending = getattr(_LOCAL, "pending", None)
     if pending is None:
         pending = _LOCAL.pending = {}
     return pending
+
+
+_NOTHING_PENDING: tuple[None, tuple[Any, ...], tuple[Any, ...], dict[str, Any]] = (None, (), (), {})
+
+
+def _same_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], other: tuple[Any, ...],
+                    other_kwargs: dict[str, Any]) -> bool:
+    """Whether two calls pass the very same objects (the common case: no hook replaced them)."""
+    return (len(args) == len(other) and all(a is b for a, b in zip(args, other))
+            and kwargs.keys() == other_kwargs.keys() and all(v is other_kwargs[k] for k, v in kwargs.items()))
 
 
 def _state_specs_hold(graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -151,20 +165,26 @@ class _CallSite:
     """What a parent graph calls instead of a child graph: the user's module itself (so its hooks
     and wrappers run), told which graph its body should run for this call. When the module's call
     would only run its body (no hook, no wrapper: see :class:`~nnbridge.compat.DirectCall`), the
-    body runs that graph directly, without ``nn.Module.__call__``'s frames."""
+    body runs that graph directly, without ``nn.Module.__call__``'s frames.
 
-    __slots__ = ("module", "graph", "bridge", "direct")
+    A graph that reads an input unflatten added (``extras`` of them, see
+    :func:`~nnbridge.extract.cleanup.drop_unused_extras`) is passed those first by its parent's
+    graph: the call site takes them off, so the module (its hooks, wrappers and front-ends) sees the
+    arguments eager passes it, and the body gives them back to the graph."""
 
-    def __init__(self, module: torch.nn.Module, graph: AnyGraph, bridge: Bridge):
-        self.module, self.graph, self.bridge = module, graph, bridge
+    __slots__ = ("module", "graph", "bridge", "direct", "extras")
+
+    def __init__(self, module: torch.nn.Module, graph: AnyGraph, bridge: Bridge, *, extras: int = 0):
+        self.module, self.graph, self.bridge, self.extras = module, graph, bridge, extras
         self.direct = DirectCall(module, bridge.body, locked_call)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        extras, args = args[:self.extras], args[self.extras:]
         # (torch.compile traces the normal call: the check first, so Dynamo never traces DirectCall)
         if not torch.compiler.is_dynamo_compiling() and self.direct():
-            return self.bridge.chosen(self.module, self.graph, args, kwargs=kwargs)
+            return self.bridge.chosen(self.module, self.graph, args, kwargs=kwargs, extras=extras)
         pending, key = _pending(), id(self.module)
-        pending[key] = self.graph
+        pending[key] = (self.graph, extras, args, kwargs)
         try:
             # nn.Module's call, not the class's: a class overriding ``__call__`` (``return
             # super().__call__(x) * 3``) runs its override in the parent's frame, so the parent's graph
@@ -248,7 +268,13 @@ class Bridge:
     def _body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self.eager:
             return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
-        graph = _pending().pop(id(module), None)
+        graph, extras, passed, passed_kwargs = _pending().pop(id(module), _NOTHING_PENDING)
+        if graph is not None and not torch.compiler.is_dynamo_compiling() \
+                and not _same_arguments(passed, passed_kwargs, args, kwargs) \
+                and not same_but_values((passed, passed_kwargs), (args, kwargs)):
+            # a forward pre-hook (or a front-end) replaced the arguments the caller's graph passed,
+            # with others than its extraction assumed: the module's own extraction for them
+            graph, extras = self._own_dispatcher(module).lookup(args, kwargs).root, ()
         if graph is None and self.lazy is not None and self.depth == 0:
             if id(module) not in self.lazy:
                 if module is self.model:  # a new forward (a generation step)
@@ -258,22 +284,24 @@ class Bridge:
             if self.calls[id(module)] > 1:  # whole-model extractions number its calls (invocation_<k>)
                 self.repeated.add(id(module))
             graph = self._own_dispatcher(module).lookup(args, kwargs).root
-        return self._run(module, graph, args, kwargs=kwargs)
+        return self._run(module, graph, args, kwargs=kwargs, extras=extras)
 
-    def chosen(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], *, kwargs: dict[str, Any]) -> Any:
+    def chosen(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], *, kwargs: dict[str, Any],
+               extras: tuple[Any, ...] = ()) -> Any:
         """What :meth:`body` runs for a call whose caller's graph chose ``graph`` (a call site
-        calling the body directly outside Dynamo, see :class:`_CallSite`)."""
+        calling the body directly outside Dynamo, see :class:`_CallSite`); ``extras``: the leading
+        arguments the call site took off for the graph."""
         with CALL_LOCK:
             if self.eager:
                 return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
-            return self._run_graph(module, self._fitting(module, graph, args, kwargs=kwargs), args, kwargs=kwargs,
-                                   compiling=False)
+            graph, extras = self._fitting(module, graph, args, kwargs=kwargs, extras=extras)
+            return self._run_graph(module, graph, args, kwargs=kwargs, compiling=False, extras=extras)
 
     def _run(self, module: torch.nn.Module, graph: AnyGraph | None, args: tuple[Any, ...],
-             *, kwargs: dict[str, Any]) -> Any:
+             *, kwargs: dict[str, Any], extras: tuple[Any, ...] = ()) -> Any:
         compiling = torch.compiler.is_dynamo_compiling()  # Dynamo traces the plain checks and code
         if graph is not None and not compiling:
-            graph = self._fitting(module, graph, args, kwargs=kwargs)
+            graph, extras = self._fitting(module, graph, args, kwargs=kwargs, extras=extras)
         if graph is None:
             dispatcher = self.dispatchers.get(id(module))
             if dispatcher is None or not (module is self.model or self.depth > 0):
@@ -296,23 +324,26 @@ class Bridge:
                 graph = extraction.root
             else:
                 graph = dispatcher.lookup(args, kwargs).root
-        return self._run_graph(module, graph, args, kwargs=kwargs, compiling=compiling)
+            extras = ()
+        return self._run_graph(module, graph, args, kwargs=kwargs, compiling=compiling, extras=extras)
 
     def _fitting(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...],
-                 *, kwargs: dict[str, Any]) -> AnyGraph:
-        """``graph``, or ``module``'s own extraction for this call when a state object (a ``Cache``)
-        is not in the state the parent's extraction saw: e.g. an earlier layer was skipped (nnsight
-        ``.skip()``) and did not write its cache layer, as in eager. Graphs without state arguments
-        are passed through without a call (the check runs on every bridged module call)."""
+                 *, kwargs: dict[str, Any], extras: tuple[Any, ...]) -> tuple[AnyGraph, tuple[Any, ...]]:
+        """``(graph, extras)``, or ``module``'s own extraction for this call (which takes no extra
+        arguments: ``()``) when a state object (a ``Cache``) is not in the state the parent's
+        extraction saw: e.g. an earlier layer was skipped (nnsight ``.skip()``) and did not write
+        its cache layer, as in eager. Graphs without state arguments are passed through without a
+        call (the check runs on every bridged module call)."""
         specs = graph.graph_meta.state_specs
-        if (specs is None or specs) and not _state_specs_hold(graph, args, kwargs):
-            return self._own_dispatcher(module).lookup(args, kwargs).root
-        return graph
+        if (specs is None or specs) and not _state_specs_hold(graph, extras + args, kwargs):
+            return self._own_dispatcher(module).lookup(args, kwargs).root, ()
+        return graph, extras
 
     def _run_graph(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], *, kwargs: dict[str, Any],
-                   compiling: bool) -> Any:
+                   compiling: bool, extras: tuple[Any, ...] = ()) -> Any:
         """Run ``graph`` as ``module``'s body for this call (``compiling``: Dynamo traces it, so
-        the plain generated code runs)."""
+        the plain generated code runs); ``extras``: leading arguments for the graph only (see
+        :class:`_CallSite`)."""
         self.depth += 1
         try:
             if Bridge.front_end_active(module):
@@ -322,13 +353,13 @@ class Bridge:
                 # been served
                 source = Bridge.source_body(module)
                 if source is None and Bridge.wanted_inside(module):
-                    return graph.trace_forward()(graph, *args, **kwargs)
+                    return graph.trace_forward()(graph, *extras, *args, **kwargs)
                 Bridge.count_unrouted(module, graph.op_points_made())
                 if source is not None:  # the trace wants this call's nnsight ``.source`` operations
                     return source(module, *args, **kwargs)
             if graph.compiled and not compiling:
-                return cast(CompiledGraphModule, graph).fast_forward()(graph, *args, **kwargs)
-            return graph.forward(*args, **kwargs)
+                return cast(CompiledGraphModule, graph).fast_forward()(graph, *extras, *args, **kwargs)
+            return graph.forward(*extras, *args, **kwargs)
         except BaseException as error:
             add_note(error)
             raise
@@ -480,7 +511,7 @@ class Bridge:
                 children[node_meta(node).name] = child_graph
                 self._link(child_graph, child_module, invocations)
                 site = f"_nnbridge_call_{i}"
-                graph.add_call_site(site, _CallSite(child_module, child_graph, self))
+                graph.add_call_site(site, _CallSite(child_module, child_graph, self, extras=node_meta(node).extra_args))
                 node.target = site
             graph.graph_meta.graph_children = children
             self._read_tensors_live(graph, module)

@@ -5,7 +5,8 @@ script eagerly and through one front-end, and list every difference.
 :func:`check` is the whole rule: it builds the entry's module from seed 0, deep-copies it before
 any nnbridge call (the eager reference), runs the script on both sides from seed 1 and returns the
 differences in every call's output, the input and parameter gradients, the parameters, buffers,
-CPU RNG state and the Python attributes the entry names; or passes a loud outcome (an
+CPU RNG state and the Python attributes the entry names, and, with ``hooks=True``, what torch hooks
+on every module saw (:class:`HookLog`); or passes a loud outcome (an
 :class:`nnbridge.NNBridgeError` whose message names a module of the model).
 """
 
@@ -42,8 +43,72 @@ def _backward(out: Any) -> None:
         sum(t.float().sum() for t in leaves).backward()
 
 
+def _seen(value: Any) -> Any:
+    """What a hook saw, kept for comparison: tensors copied, containers walked, plain values kept,
+    any other object (a transformers cache, a module) by its type's name."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_seen(v) for v in value) if type(value) in (tuple, list) else tuple(_seen(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _seen(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return f"<{type(value).__name__}>"
+
+
+def _shifted(value: Any, by: float) -> Any:
+    """``value`` with ``by`` added to every floating-point tensor inside plain tuples, lists and
+    dicts (other objects as they are)."""
+    if isinstance(value, torch.Tensor):
+        return value + by if value.is_floating_point() else value
+    if type(value) in (tuple, list):
+        return type(value)(_shifted(v, by) for v in value)
+    if type(value) is dict:
+        return {k: _shifted(v, by) for k, v in value.items()}
+    return value
+
+
+class HookLog:
+    """A forward pre-hook and a forward hook (both with keyword arguments) on every module of a
+    model, logging ``(module path, "input", args, kwargs)`` and ``(module path, "output", output)``
+    while :attr:`on`: a bridged model must call each module as eager does, with the same values.
+
+    ``edit``: the hooks also replace what they see: each module's floating-point inputs shifted by
+    ``edit``, its outputs by ``edit / 2`` (see :func:`_shifted`), so a bridged model must run on
+    what its hooks return; the root's output too unless ``root_output=False`` (nnsight's
+    ``model.output`` is the forward's return, before the root's forward hooks, as in nnsight)."""
+
+    def __init__(self, model: torch.nn.Module, edit: float = 0.0, *, root_output: bool = True) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.on = False
+        self.edit = edit
+        self.root = model if not root_output else None
+        for path, module in model.named_modules():
+            module.register_forward_pre_hook(self._pre(path), with_kwargs=True)
+            module.register_forward_hook(self._post(path), with_kwargs=True)
+
+    def _pre(self, path: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if self.on:
+                self.calls.append((path or "<root>", "input", _seen(args), _seen(kwargs)))
+                if self.edit:
+                    return _shifted(args, self.edit), _shifted(kwargs, self.edit)
+            return None
+        return hook
+
+    def _post(self, path: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            if self.on:
+                self.calls.append((path or "<root>", "output", _seen(output)))
+                if self.edit and module is not self.root:
+                    return _shifted(output, self.edit / 2)
+            return None
+        return hook
+
+
 def _run(model: torch.nn.Module, steps: list[Call | Edit], setup: Callable[[Call], None] | None,
-         call: Callable[[Call], Any]) -> Run:
+         call: Callable[[Call], Any], log: HookLog | None = None) -> Run:
     run = Run()
     torch.manual_seed(1)
     if setup is not None:
@@ -59,7 +124,13 @@ def _run(model: torch.nn.Module, steps: list[Call | Edit], setup: Callable[[Call
                 stack.enter_context(torch.no_grad())
             if step.context is not None:
                 stack.enter_context(step.context())
-            out = call(step)
+            if log is not None:
+                log.on = True
+            try:
+                out = call(step)
+            finally:
+                if log is not None:
+                    log.on = False
         run.outputs.append(out)
         if step.grad:
             _backward(out)
@@ -150,6 +221,19 @@ def _diff(entry: Entry, ref: torch.nn.Module, model: torch.nn.Module, eager: Run
     return problems
 
 
+def _diff_hooks(eager: HookLog, other: HookLog, problems: list[str]) -> None:
+    """The first module call whose hooks saw another module, order or count than eager's, else every
+    value each hook saw compared as :func:`_diff_tree` does."""
+    for i in range(max(len(eager.calls), len(other.calls))):
+        e = eager.calls[i][:2] if i < len(eager.calls) else None
+        a = other.calls[i][:2] if i < len(other.calls) else None
+        if e != a:
+            problems.append(f"hook call {i}: {a or 'nothing'} != eager {e or 'nothing'} (module calls differ)")
+            return
+    for i, (e, a) in enumerate(zip(eager.calls, other.calls)):
+        _diff_tree(f"hook call {i} ('{e[0]}' {e[1]})", e[2:], a[2:], problems)
+
+
 def _loud_chain(error: BaseException) -> nnbridge.NNBridgeError | None:
     seen = set()
     while error is not None and id(error) not in seen:
@@ -168,22 +252,30 @@ def _names_a_module(message: str, model: torch.nn.Module) -> bool:
 
 # -- one case -----------------------------------------------------------------------------------
 def check(entry: Entry, front_end: str, mode: str, options: nnbridge.ExtractionOptions | None = None,
-          nnsight_graphs: bool = False) -> list[str]:
+          nnsight_graphs: bool = False, hooks: bool = False, edit: float = 0.0) -> list[str]:
     """The differences between ``entry`` run eagerly and through ``front_end`` in ``mode``
     (``"train"``/``"eval"``), empty when there is none or when nnbridge raised an
     :class:`nnbridge.NNBridgeError` naming a module of the model (the loud outcome). An error
-    that is not loud propagates; a loud one that names no module is a difference."""
+    that is not loud propagates; a loud one that names no module is a difference.
+
+    ``hooks``: a :class:`HookLog` on both models, registered before the front-end sees the model;
+    what the hooks saw in the script's calls is compared too (not with ``"pg"``, whose graphs do
+    not call the user's modules); ``edit``: the hooks replace what they see (see :class:`HookLog`)."""
     torch.manual_seed(0)
     model = entry.make().train(mode == "train")
     ref = copy.deepcopy(model)
     torch.manual_seed(0)
     steps = entry.script()
     eager_steps, steps = copy.deepcopy(steps), copy.deepcopy(steps)
+    hooks = hooks and front_end != "pg"
+    root_output = front_end != "nnsight"
+    eager_log, log = ((HookLog(ref, edit, root_output=root_output), HookLog(model, edit, root_output=root_output))
+                      if hooks else (None, None))
 
-    eager = _run(ref, eager_steps, None, lambda step: ref(*step.args, **step.kwargs))
+    eager = _run(ref, eager_steps, None, lambda step: ref(*step.args, **step.kwargs), eager_log)
     setup, call = _front_end(front_end, model, options, nnsight_graphs)
     try:
-        other = _run(model, steps, setup, call)
+        other = _run(model, steps, setup, call, log)
     except Exception as error:  # the loud outcome is allowed when it is an nnbridge error naming the module
         loud = _loud_chain(error)
         if loud is None:
@@ -191,4 +283,7 @@ def check(entry: Entry, front_end: str, mode: str, options: nnbridge.ExtractionO
         if not _names_a_module(str(loud), ref):
             return [f"nnbridge error does not name a module of the model: {loud}"]
         return []
-    return _diff(entry, ref, model, eager, other)
+    problems = _diff(entry, ref, model, eager, other)
+    if eager_log is not None and log is not None:
+        _diff_hooks(eager_log, log, problems)
+    return problems

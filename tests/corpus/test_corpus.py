@@ -10,7 +10,11 @@ bridging is part of that run, so RNG drawn by extraction counts) and are compare
   and gradients of inputs that require grad;
 - every parameter and buffer (names and values) after the script;
 - the CPU RNG state after the script;
-- the Python-visible attributes the entry names.
+- the Python-visible attributes the entry names;
+- once more through ``bridge`` in the entry's first mode (``-hooks`` in the test id), with a forward
+  pre-hook and a forward hook on every module that replace its floating-point inputs and output
+  (shifted by 0.5 and 0.25): what each saw, the module calls in order with their arguments and
+  outputs (``harness.HookLog``), besides all of the above.
 
 The rule accepts a loud outcome instead: an :class:`nnbridge.NNBridgeError` whose message names a
 module of the model (its class name or its path). A silent difference fails.
@@ -55,21 +59,23 @@ def _known(case_id: str) -> str | None:
 def _params() -> list[Any]:
     params = []
     for entry in all_entries():
-        for front_end in FRONT_ENDS:
-            for mode in entry.modes:
-                case_id = f"{entry.name}-{front_end}-{mode}"
+        # (front-end, hooks): the bridge once more with torch hooks on every module, in the
+        # entry's first mode (without hooks, modules are called without nn.Module.__call__)
+        for front_end, hooks in [*((f, False) for f in FRONT_ENDS), ("bridge", True)]:
+            for mode in entry.modes[:1] if hooks else entry.modes:
+                case_id = f"{entry.name}-{front_end}{'-hooks' if hooks else ''}-{mode}"
                 reason = _known(case_id)
                 marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
                 if entry.name in NO_EXTRACTION_CACHE:
                     marks.append(pytest.mark.no_extraction_cache)
-                params.append(pytest.param(entry, front_end, mode, id=case_id, marks=marks))
+                params.append(pytest.param(entry, front_end, mode, hooks, id=case_id, marks=marks))
     return params
 
 
 # -- the test -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("entry,front_end,mode", _params())
-def test_corpus(entry: Entry, front_end: str, mode: str) -> None:
-    problems = check(entry, front_end, mode)
+@pytest.mark.parametrize("entry,front_end,mode,hooks", _params())
+def test_corpus(entry: Entry, front_end: str, mode: str, hooks: bool) -> None:
+    problems = check(entry, front_end, mode, hooks=hooks, edit=0.5 if hooks else 0.0)
     assert not problems, f"{entry.name} through {front_end} in {mode} mode differs from eager:\n  " + "\n  ".join(
         problems)
 

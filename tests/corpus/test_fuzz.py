@@ -250,7 +250,11 @@ def run_case(case: Case) -> None:
     with tempfile.TemporaryDirectory(prefix="nnbridge-fuzz-cache-") as directory:
         for temperature in ("cold", "warm"):
             with _disk_cache(Path(directory)) as exports:
-                problems = check(entry, case.front_end, program.modes[0], options, nnsight_graphs=True)
+                # torch hooks on every module in the cold run, which see each module call as eager's do
+                # and replace its inputs and output (the warm run keeps the calls of modules without
+                # hooks, which skip nn.Module.__call__)
+                problems = check(entry, case.front_end, program.modes[0], options, nnsight_graphs=True,
+                                 hooks=temperature == "cold", edit=0.5)
             if temperature == "warm" and currently_in_test_context():
                 event(f"warm run exported {'nothing' if exports[0] == 0 else 'again'}")
                 event("with a transformers cache" if program.cache is not None else "without a cache")

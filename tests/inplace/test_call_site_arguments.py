@@ -1,0 +1,198 @@
+"""A module whose graph reads an input ``torch.export.unflatten`` added is called with the
+arguments eager passes it.
+
+Layers reading their cache's length, looped over twice in one forward, get graphs that take an
+extra leading input (a cache tensor of the root's, for a size: see
+``nnbridge.extract.cleanup.drop_unused_extras``). The parent's graph passes it first; the call
+site takes it off before calling the user's module, so torch hooks see eager's arguments, and gives
+it back to the graph. Before, hooks saw four arguments where eager passes two, and a module that
+fell back to its own extraction (a cache not in the state its parent's extraction saw) was called
+with them: a TypeError where eager runs.
+
+A forward pre-hook may replace a module's arguments. The graph the caller's extraction chose still
+serves the call when only tensor values changed (``guards.call_structure.same_but_values``); else
+the module runs its own extraction for the new arguments, as a module called on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import nnbridge
+from nnbridge.graph.metadata import node_meta
+from nnbridge.inplace.bridging import bridge_of
+from corpus.program_parts import CachedLayer, new_cache
+
+
+class _Twice(nn.Module):
+    """Two cached layers reading the cache's length, looped over twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([CachedLayer(0, "length"), CachedLayer(1, "length")])
+
+    def forward(self, x, cache):
+        for layer in self.layers:
+            x = layer(x, cache)
+        for layer in self.layers:
+            x = layer(x, cache)
+        return x
+
+
+def _models():
+    torch.manual_seed(0)
+    model = _Twice().eval()
+    return model, copy.deepcopy(model)
+
+
+def _inputs():
+    torch.manual_seed(1)
+    return torch.randn(3, 4), torch.randn(2, 4)
+
+
+def _decode(model, hooks=None):
+    """A prefill call and a decode step on one cache; the outputs."""
+    prefill, step = _inputs()
+    cache = new_cache(2)
+    with torch.no_grad():
+        return [model(prefill, cache), model(step, cache)]
+
+
+def _bridged(model):
+    prefill, step = _inputs()
+    cache = new_cache(2)
+    with torch.no_grad():
+        model(prefill, cache)  # unbridged: the example call is a decode step, as the failing one
+    nnbridge.bridge(model, step, cache)
+    return model
+
+
+def _extra_calls(model):
+    """The number of call sites that pass their callee's graph extra leading inputs."""
+    found = 0
+    for dispatcher in bridge_of(model).dispatchers.values():
+        for extraction in dispatcher.all_extractions():
+            graph = extraction.root
+            found += sum(1 for n in graph.graph.nodes if n.op == "call_module" and node_meta(n).extra_args)
+    return found
+
+
+def _seen(log):
+    def hook(module, args):
+        log.append((module.layer_idx, len(args), [a.clone() if isinstance(a, torch.Tensor) else type(a) for a in args]))
+    return hook
+
+
+def test_hooks_see_the_arguments_eager_passes_a_graph_with_extra_inputs():
+    model, ref = _models()
+    _bridged(model)
+    assert _extra_calls(model) > 0  # the case under test: some layer graph takes extra inputs
+    logs = [], []
+    for module, log in zip((ref, model), logs):
+        for layer in module.layers:
+            layer.register_forward_pre_hook(_seen(log))
+    outputs = [_decode(ref), _decode(model)]
+    for expected, actual in zip(*outputs):
+        assert torch.equal(expected, actual)
+    assert len(logs[0]) == len(logs[1]) == 8
+    for (index, count, args), (index_b, count_b, args_b) in zip(*logs):
+        assert (index_b, count_b) == (index, count) == (index, 2)
+        assert torch.equal(args[0], args_b[0]) and args_b[1] is args[1]
+
+
+def test_a_pre_hook_replacing_the_arguments_of_a_graph_with_extra_inputs_equals_eager():
+    model, ref = _models()
+    _bridged(model)
+
+    def doubled(module, args):
+        return (args[0] * 2, *args[1:])
+
+    for module in (ref, model):
+        module.layers[1].register_forward_pre_hook(doubled)
+    for expected, actual in zip(_decode(ref), _decode(model)):
+        assert torch.equal(expected, actual)
+
+
+def test_a_fallback_from_a_graph_with_extra_inputs_calls_the_module_with_its_own_arguments():
+    """A pre-hook empties cache layer 0 before the second loop: the layers' graphs see a cache
+    they were not extracted for, and run their own extractions with eager's arguments."""
+    model, ref = _models()
+    _bridged(model)
+    assert _extra_calls(model) > 0
+
+    def emptied(module, args):
+        module.calls = getattr(module, "calls", 0) + 1
+        if module.calls % 2 == 0:  # the second loop of each forward
+            cache = args[1]
+            cache.layers[0] = type(cache.layers[0])()
+
+    for module in (ref, model):
+        module.layers[0].register_forward_pre_hook(emptied)
+    expected = _decode(ref)
+    actual = _decode(model)
+    for e, a in zip(expected, actual):
+        assert torch.equal(e, a)
+
+
+@pytest.mark.parametrize("front_end", ["bridge", "nnsight"])
+def test_the_corpus_check_compares_what_hooks_saw(front_end):
+    """The differential corpus's check with ``hooks=True`` passes on the entry that found this."""
+    from corpus import all_entries
+    from corpus.harness import check
+
+    entry = next(e for e in all_entries() if e.name == "fuzz_cached_length_read_twice")
+    assert check(entry, front_end, "eval", nnsight_graphs=True, hooks=True) == []
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0]
+
+
+def test_a_pre_hook_replacing_aliased_arguments_by_distinct_ones_runs_what_eager_runs():
+    """The root's graph passes one tensor as query, key and value (so the attention's graph takes the
+    packed self-attention path); a pre-hook passes three distinct tensors, for which eager takes the
+    other path: the module runs its own extraction for them (before, the root's choice: results
+    off by rounding, 1e-7)."""
+    torch.manual_seed(0)
+    model = _SelfAttention().eval()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 5, 8)
+    nnbridge.bridge(model, x)
+
+    def apart(module, args, kwargs):
+        return tuple(a + 0.5 for a in args), kwargs
+
+    for m in (ref, model):
+        m.attn.register_forward_pre_hook(apart, with_kwargs=True)
+    expected, actual = ref(x), model(x)
+    assert torch.equal(expected, actual)
+    expected.sum().backward()
+    actual.sum().backward()
+    assert torch.equal(ref.attn.in_proj_weight.grad, model.attn.in_proj_weight.grad)
+
+
+def test_same_but_values_compares_everything_but_tensor_values():
+    from nnbridge.guards.call_structure import same_but_values
+
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    call = ((a, a, 2), {"mask": None})
+    assert same_but_values(call, call)
+    assert same_but_values(call, ((b, b, 2), {"mask": None}))  # values only
+    assert not same_but_values(call, ((a, b, 2), {"mask": None}))  # aliasing
+    assert not same_but_values(call, ((b, b, 3), {"mask": None}))  # a plain value
+    assert not same_but_values(call, ((b[:1], b[:1], 2), {"mask": None}))  # sizes
+    assert not same_but_values(call, ((b.double(), b.double(), 2), {"mask": None}))  # dtype
+    assert not same_but_values(call, ((b.t(), b.t(), 2), {"mask": None}))  # sizes and layout
+    assert not same_but_values(call, ((b, b, 2), {}))  # structure
+    assert not same_but_values(call, ((b, b, 2), {"mask": b}))  # a tensor for a plain value
+    needs = b.clone().requires_grad_()
+    assert not same_but_values(call, ((needs, needs, 2), {"mask": None}))  # requires_grad
