@@ -142,11 +142,21 @@ def _run(model: torch.nn.Module, steps: list[Call | Edit], setup: Callable[[Call
     return run
 
 
+def _envoy(wrapped: Any, path: str) -> Any:
+    envoy = wrapped
+    for part in path.split("."):
+        envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+    return envoy
+
+
 def _front_end(name: str, model: torch.nn.Module, options: nnbridge.ExtractionOptions | None = None,
-               nnsight_graphs: bool = False) -> tuple[Callable[[Call], None], Callable[[Call], Any]]:
+               nnsight_graphs: bool = False, set_output: str | None = None
+               ) -> tuple[Callable[[Call], None], Callable[[Call], Any]]:
     """(setup(example_call), call(step)) for a front-end over ``model``. ``nnsight_graphs``: the
     NNsight front-end runs its traces on the graphs (``eager_module_traces = False``; by default a
-    trace reading only the output runs the model's own code)."""
+    trace reading only the output runs the model's own code). ``set_output``: the NNsight
+    front-end's traces set that module's output to its output + 0.5 (``envoy.output = ...``, its
+    first call in each forward, as nnsight's ``.output`` is)."""
     holder: dict[str, Any] = {}
     if name == "bridge":
         def setup(example: Call) -> None:
@@ -171,9 +181,53 @@ def _front_end(name: str, model: torch.nn.Module, options: nnbridge.ExtractionOp
         def call(step: Call) -> Any:
             wrapped = holder["nn"]
             with wrapped.trace(*step.args, **step.kwargs):
+                if set_output is not None:
+                    envoy = _envoy(wrapped, set_output)
+                    envoy.output = envoy.output + 0.5
                 out = wrapped.output.save()
             return out
     return setup, call
+
+
+def _first_output_target(entry: Entry, mode: str) -> str | None:
+    """The path of the first module (not the root) that every call of ``entry``'s script calls, its
+    first call returning a floating-point tensor, run eagerly on a model of its own (nnsight raises
+    for an output edit of a module a forward never reaches); None if there is none."""
+    torch.manual_seed(0)
+    probe = entry.make().train(mode == "train")
+    torch.manual_seed(0)
+    log = HookLog(probe)
+    per_call: list[list[str]] = []
+
+    def call(step: Call) -> Any:
+        start = len(log.calls)
+        out = probe(*step.args, **step.kwargs)
+        seen: dict[str, Any] = {}
+        for c in log.calls[start:]:
+            if c[1] == "output" and c[0] != "<root>":
+                seen.setdefault(c[0], c[2])
+        per_call.append([path for path, value in seen.items()
+                         if isinstance(value, torch.Tensor) and value.is_floating_point()])
+        return out
+
+    _run(probe, entry.script(), None, call, log)
+    return next((path for path in per_call[0] if all(path in paths for paths in per_call)), None) if per_call else None
+
+
+def _add_to_first_output(model: torch.nn.Module, path: str) -> None:
+    """Eager's equivalent of :func:`_front_end`'s ``set_output``: a forward hook adding 0.5 to the
+    output of ``path``'s first call in each forward of ``model``."""
+    calls = [0]
+
+    def reset(module: torch.nn.Module, args: Any) -> None:
+        calls[0] = 0
+
+    def add(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        calls[0] += 1
+        return output + 0.5 if calls[0] == 1 else None
+
+    model.register_forward_pre_hook(reset)
+    model.get_submodule(path).register_forward_hook(add)
 
 
 # -- comparing ----------------------------------------------------------------------------------
@@ -252,7 +306,8 @@ def _names_a_module(message: str, model: torch.nn.Module) -> bool:
 
 # -- one case -----------------------------------------------------------------------------------
 def check(entry: Entry, front_end: str, mode: str, options: nnbridge.ExtractionOptions | None = None,
-          nnsight_graphs: bool = False, hooks: bool = False, edit: float = 0.0) -> list[str]:
+          nnsight_graphs: bool = False, hooks: bool = False, edit: float = 0.0, set_output: bool = False
+          ) -> list[str]:
     """The differences between ``entry`` run eagerly and through ``front_end`` in ``mode``
     (``"train"``/``"eval"``), empty when there is none or when nnbridge raised an
     :class:`nnbridge.NNBridgeError` naming a module of the model (the loud outcome). An error
@@ -260,7 +315,11 @@ def check(entry: Entry, front_end: str, mode: str, options: nnbridge.ExtractionO
 
     ``hooks``: a :class:`HookLog` on both models, registered before the front-end sees the model;
     what the hooks saw in the script's calls is compared too (not with ``"pg"``, whose graphs do
-    not call the user's modules); ``edit``: the hooks replace what they see (see :class:`HookLog`)."""
+    not call the user's modules); ``edit``: the hooks replace what they see (see :class:`HookLog`).
+    ``set_output`` (``"nnsight"`` only): each trace sets the output of the first module returning a
+    floating-point tensor to that output + 0.5 (see :func:`_first_output_target`), which eager's
+    side does with a forward hook (:func:`_add_to_first_output`): nnsight's output edits act as
+    eager's."""
     torch.manual_seed(0)
     model = entry.make().train(mode == "train")
     ref = copy.deepcopy(model)
@@ -272,8 +331,12 @@ def check(entry: Entry, front_end: str, mode: str, options: nnbridge.ExtractionO
     eager_log, log = ((HookLog(ref, edit, root_output=root_output), HookLog(model, edit, root_output=root_output))
                       if hooks else (None, None))
 
+    target = _first_output_target(entry, mode) if set_output and front_end == "nnsight" else None
+    if target is not None:
+        _add_to_first_output(ref, target)
+
     eager = _run(ref, eager_steps, None, lambda step: ref(*step.args, **step.kwargs), eager_log)
-    setup, call = _front_end(front_end, model, options, nnsight_graphs)
+    setup, call = _front_end(front_end, model, options, nnsight_graphs, set_output=target)
     try:
         other = _run(model, steps, setup, call, log)
     except Exception as error:  # the loud outcome is allowed when it is an nnbridge error naming the module

@@ -14,7 +14,10 @@ bridging is part of that run, so RNG drawn by extraction counts) and are compare
 - once more through ``bridge`` in the entry's first mode (``-hooks`` in the test id), with a forward
   pre-hook and a forward hook on every module that replace its floating-point inputs and output
   (shifted by 0.5 and 0.25): what each saw, the module calls in order with their arguments and
-  outputs (``harness.HookLog``), besides all of the above.
+  outputs (``harness.HookLog``), besides all of the above;
+- once more through ``nnsight`` in the entry's first mode (``-set-output``), its traces running the
+  graphs and setting the output of the first module every call reaches to that output + 0.5
+  (``envoy.output = envoy.output + 0.5``), against eager with a forward hook doing the same.
 
 The rule accepts a loud outcome instead: an :class:`nnbridge.NNBridgeError` whose message names a
 module of the model (its class name or its path). A silent difference fails.
@@ -38,7 +41,7 @@ from corpus.harness import FRONT_ENDS, check
 KNOWN: dict[str, str] = {
     # found by tests/corpus/test_fuzz.py (tests/corpus/found/); see KNOWN_FEATURES there. The NNsight
     # front-end here runs module-only traces on the model's own code, as nnsight does.
-    "fuzz_class_swap_after_no_grad_extraction-nnsight-*": (
+    "fuzz_class_swap_after_no_grad_extraction-nnsight-train": (
         "nnsight 0.8.1's own module-only trace (plain nnsight alike) keeps calling the old class's forward"
         " after module.__class__ = Sub"),
 }
@@ -59,23 +62,26 @@ def _known(case_id: str) -> str | None:
 def _params() -> list[Any]:
     params = []
     for entry in all_entries():
-        # (front-end, hooks): the bridge once more with torch hooks on every module, in the
-        # entry's first mode (without hooks, modules are called without nn.Module.__call__)
-        for front_end, hooks in [*((f, False) for f in FRONT_ENDS), ("bridge", True)]:
-            for mode in entry.modes[:1] if hooks else entry.modes:
-                case_id = f"{entry.name}-{front_end}{'-hooks' if hooks else ''}-{mode}"
+        # (front-end, variant), variants in the entry's first mode only: the bridge with editing
+        # torch hooks on every module (without hooks, modules are called without
+        # nn.Module.__call__), NNsight traces setting a module's output
+        for front_end, variant in [*((f, "") for f in FRONT_ENDS), ("bridge", "hooks"), ("nnsight", "set-output")]:
+            for mode in entry.modes[:1] if variant else entry.modes:
+                case_id = f"{entry.name}-{front_end}{'-' + variant if variant else ''}-{mode}"
                 reason = _known(case_id)
                 marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
                 if entry.name in NO_EXTRACTION_CACHE:
                     marks.append(pytest.mark.no_extraction_cache)
-                params.append(pytest.param(entry, front_end, mode, hooks, id=case_id, marks=marks))
+                params.append(pytest.param(entry, front_end, mode, variant, id=case_id, marks=marks))
     return params
 
 
 # -- the test -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("entry,front_end,mode,hooks", _params())
-def test_corpus(entry: Entry, front_end: str, mode: str, hooks: bool) -> None:
-    problems = check(entry, front_end, mode, hooks=hooks, edit=0.5 if hooks else 0.0)
+@pytest.mark.parametrize("entry,front_end,mode,variant", _params())
+def test_corpus(entry: Entry, front_end: str, mode: str, variant: str) -> None:
+    hooks = variant == "hooks"
+    problems = check(entry, front_end, mode, hooks=hooks, edit=0.5 if hooks else 0.0, set_output=variant == "set-output",
+                     nnsight_graphs=variant == "set-output")
     assert not problems, f"{entry.name} through {front_end} in {mode} mode differs from eager:\n  " + "\n  ".join(
         problems)
 

@@ -252,9 +252,9 @@ def run_case(case: Case) -> None:
             with _disk_cache(Path(directory)) as exports:
                 # torch hooks on every module in the cold run, which see each module call as eager's do
                 # and replace its inputs and output (the warm run keeps the calls of modules without
-                # hooks, which skip nn.Module.__call__)
+                # hooks, which skip nn.Module.__call__); NNsight's warm run sets a module's output
                 problems = check(entry, case.front_end, program.modes[0], options, nnsight_graphs=True,
-                                 hooks=temperature == "cold", edit=0.5)
+                                 hooks=temperature == "cold", edit=0.5, set_output=temperature == "warm")
             if temperature == "warm" and currently_in_test_context():
                 event(f"warm run exported {'nothing' if exports[0] == 0 else 'again'}")
                 event("with a transformers cache" if program.cache is not None else "without a cache")
