@@ -185,8 +185,8 @@ def same_but_values(before: tuple[tuple[Any, ...], dict[str, Any]],
                     after: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
     """Whether the call ``(args, kwargs)`` ``after`` differs from ``before`` in tensor values only:
     the same tree structure, equal non-tensor leaves (the same object, when unhashable), and
-    tensors of the same sizes, dtypes, devices, ``requires_grad`` and memory layouts, aliasing one
-    another alike (:func:`alias_pattern`). A graph a caller's extraction chose for ``before`` (a
+    tensors of the same class, sizes, dtypes, devices, ``requires_grad`` and memory layouts,
+    aliasing one another alike (:func:`alias_pattern`). A graph a caller's extraction chose for ``before`` (a
     child's call in its trace) then computes eager's result for ``after`` too, as a forward
     pre-hook or a front-end's input edit replaced them."""
     (old, old_spec), (new, new_spec) = pytree.tree_flatten(before), pytree.tree_flatten(after)
@@ -196,12 +196,47 @@ def same_but_values(before: tuple[tuple[Any, ...], dict[str, Any]],
         if a is b:
             continue
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            if a.shape != b.shape or _leaf_key(a) != _leaf_key(b):
+            if type(a) is not type(b) or a.shape != b.shape or _leaf_key(a) != _leaf_key(b):
                 return False
         elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or _leaf_key(a) != _leaf_key(b):
             return False
     return alias_pattern([t for t in old if isinstance(t, torch.Tensor)]) == alias_pattern(
         [t for t in new if isinstance(t, torch.Tensor)])
+
+
+def size_difference(before: Any, after: Any) -> str | None:
+    """The first way the value ``after`` differs from ``before`` other than in tensor values,
+    ``requires_grad``, memory layout, tensor class and aliasing, as text; None when it does not:
+    the same tree structure, equal non-tensor leaves (the same object, when unhashable) and
+    tensors of the same sizes, dtypes and devices. A graph extracted for ``before`` (a parent's,
+    whose trace continued from a child's output) may have specialised on exactly these."""
+    if before is after:
+        return None
+    (old, old_spec), (new, new_spec) = pytree.tree_flatten(before), pytree.tree_flatten(after)
+    if old_spec != new_spec:
+        return f"a {_shape_text(new_spec)} where it was {_shape_text(old_spec)}"
+    for i, (a, b) in enumerate(zip(old, new)):
+        if a is b:
+            continue
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
+                return (f"leaf {i}: a {tuple(b.shape)} {b.dtype} tensor on {b.device} where it was"
+                        f" {tuple(a.shape)} {a.dtype} on {a.device}")
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or _leaf_key(a) != _leaf_key(b):
+            return f"leaf {i}: {_leaf_text(b)} where it was {_leaf_text(a)}"
+    return None
+
+
+def _shape_text(spec: Any) -> str:
+    text = str(spec).replace("\n", " ")
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _leaf_text(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        return f"a {tuple(leaf.shape)} {leaf.dtype} tensor"
+    text = repr(leaf)
+    return f"{type(leaf).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def tensor_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

@@ -49,7 +49,7 @@ from ..graph.failures import add_note
 from ..errors import NNBridgeError
 from .absence import SubmoduleLookup
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
-from ..guards.call_structure import same_but_values
+from ..guards.call_structure import same_but_values, size_difference
 from ..guards.preservation import preserved_state
 from ..dispatch.dispatcher import GraphDispatcher
 from ..dispatch.extraction import Extraction
@@ -78,17 +78,18 @@ _ENVOY_NAMES = frozenset({"input", "inputs", "output"})
 AnyGraph = CompiledGraphModule | OpaqueGraphModule
 
 
-def _pending() -> dict[int, tuple[AnyGraph, tuple[Any, ...], tuple[Any, ...], dict[str, Any]]]:
-    """``{id(module): (graph, extras, args, kwargs)}``: the graph a call site chose for the module's
-    call under way, the leading arguments it passes the graph only, and the module's arguments as
-    the call site passed them (see :class:`_CallSite`)."""
+def _pending() -> dict[int, list[Any]]:
+    """``{id(module): [graph, extras, args, kwargs, result]}``: the graph a call site chose for the
+    module's call under way, the leading arguments it passes the graph only, the module's arguments
+    as the call site passed them, and what its body returned (:data:`_NO_RESULT` until it does; see
+    :class:`_CallSite`)."""
     pending = getattr(_LOCAL, "pending", None)
     if pending is None:
         pending = _LOCAL.pending = {}
     return pending
 
 
-_NOTHING_PENDING: tuple[None, tuple[Any, ...], tuple[Any, ...], dict[str, Any]] = (None, (), (), {})
+_NO_RESULT = object()
 
 
 def _same_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], other: tuple[Any, ...],
@@ -170,7 +171,17 @@ class _CallSite:
     A graph that reads an input unflatten added (``extras`` of them, see
     :func:`~nnbridge.extract.cleanup.drop_unused_extras`) is passed those first by its parent's
     graph: the call site takes them off, so the module (its hooks, wrappers and front-ends) sees the
-    arguments eager passes it, and the body gives them back to the graph."""
+    arguments eager passes it, and the body gives them back to the graph.
+
+    The parent's graph was extracted for the values its own ops computed: a forward hook (or a
+    wrapper, or a front-end) may replace the module's output by other values, but not by a value
+    of other sizes, dtypes, devices or structure, on which the rest of the parent's graph may have
+    specialised (see :meth:`Bridge._body` for the arguments).
+
+    Raises:
+        NNBridgeError: a forward hook replaced the output by a value the parent's graph was not
+            extracted for (:func:`~nnbridge.guards.call_structure.size_difference`).
+    """
 
     __slots__ = ("module", "graph", "bridge", "direct", "extras")
 
@@ -184,15 +195,26 @@ class _CallSite:
         if not torch.compiler.is_dynamo_compiling() and self.direct():
             return self.bridge.chosen(self.module, self.graph, args, kwargs=kwargs, extras=extras)
         pending, key = _pending(), id(self.module)
-        pending[key] = (self.graph, extras, args, kwargs)
+        entry = pending[key] = [self.graph, extras, args, kwargs, _NO_RESULT]
         try:
             # nn.Module's call, not the class's: a class overriding ``__call__`` (``return
             # super().__call__(x) * 3``) runs its override in the parent's frame, so the parent's graph
             # holds what it adds, and the call site stands for its ``super().__call__`` (the class's
             # call would run the override a second time: outputs x9 instead of x3, without an error)
-            return torch.nn.Module.__call__(self.module, *args, **kwargs)
+            output = torch.nn.Module.__call__(self.module, *args, **kwargs)
         finally:
             pending.pop(key, None)
+        result = entry[4]
+        if result is not _NO_RESULT and output is not result:
+            difference = size_difference(result, output)
+            if difference is not None:
+                raise NNBridgeError(
+                    f"a forward hook (or wrapper) of '{self.graph.graph_meta.node_path}' ({type(self.module).__name__})"
+                    f" replaced its output by another kind of value ({difference}): the graph of the module"
+                    " calling it was extracted for the output the module returns, and may have specialised on"
+                    " its sizes. Return values of the same sizes, dtypes and devices from the hook, or run the"
+                    " calling module eagerly (ExtractionOptions(classes_to_skip_compiling={...})).")
+        return output
 
 
 class Bridge:
@@ -268,13 +290,11 @@ class Bridge:
     def _body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self.eager:
             return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
-        graph, extras, passed, passed_kwargs = _pending().pop(id(module), _NOTHING_PENDING)
-        if graph is not None and not torch.compiler.is_dynamo_compiling() \
-                and not _same_arguments(passed, passed_kwargs, args, kwargs) \
-                and not same_but_values((passed, passed_kwargs), (args, kwargs)):
-            # a forward pre-hook (or a front-end) replaced the arguments the caller's graph passed,
-            # with others than its extraction assumed: the module's own extraction for them
-            graph, extras = self._own_dispatcher(module).lookup(args, kwargs).root, ()
+        entry = _pending().pop(id(module), None)
+        graph, extras = (entry[0], entry[1]) if entry is not None else (None, ())
+        if entry is not None and not torch.compiler.is_dynamo_compiling() \
+                and not _same_arguments(entry[2], entry[3], args, kwargs):
+            graph, extras = self._replaced(module, entry, args, kwargs)
         if graph is None and self.lazy is not None and self.depth == 0:
             if id(module) not in self.lazy:
                 if module is self.model:  # a new forward (a generation step)
@@ -284,7 +304,37 @@ class Bridge:
             if self.calls[id(module)] > 1:  # whole-model extractions number its calls (invocation_<k>)
                 self.repeated.add(id(module))
             graph = self._own_dispatcher(module).lookup(args, kwargs).root
-        return self._run(module, graph, args, kwargs=kwargs, extras=extras)
+        result = self._run(module, graph, args, kwargs=kwargs, extras=extras)
+        if entry is not None:
+            entry[4] = result
+        return result
+
+    def _replaced(self, module: torch.nn.Module, entry: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[AnyGraph, tuple[Any, ...]]:
+        """``(graph, extras)`` for a call whose arguments a forward pre-hook (or a wrapper, or a
+        front-end) replaced after the parent's graph chose ``entry``'s graph for the ones it passed:
+        that graph, when only tensor values changed
+        (:func:`~nnbridge.guards.call_structure.same_but_values`); else the module's own
+        extraction, when the sizes, dtypes, devices, structure and plain values are the same (the
+        aliasing, memory layout or ``requires_grad`` differ, which the module's code may branch
+        on).
+
+        Raises:
+            NNBridgeError: the sizes, dtypes, devices, structure or plain values differ: the rest of
+                the parent's graph may have specialised on the output they gave.
+        """
+        graph, extras, passed, passed_kwargs = entry[:4]
+        if same_but_values((passed, passed_kwargs), (args, kwargs)):
+            return graph, extras
+        difference = size_difference((passed, passed_kwargs), (args, kwargs))
+        if difference is not None:
+            raise NNBridgeError(
+                f"a forward pre-hook (or wrapper) of '{graph.graph_meta.node_path}' ({type(module).__name__}) replaced"
+                f" the arguments its caller's graph passed by another kind of value ((args, kwargs) {difference}):"
+                " the graph of the module calling it was extracted for the arguments its own ops computed, and"
+                " may have specialised on their sizes. Pass values of the same sizes, dtypes and devices from"
+                " the hook, or run the calling module eagerly (ExtractionOptions(classes_to_skip_compiling={...})).")
+        return self._own_dispatcher(module).lookup(args, kwargs).root, ()
 
     def chosen(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], *, kwargs: dict[str, Any],
                extras: tuple[Any, ...] = ()) -> Any:

@@ -41,9 +41,9 @@ def direct_calls(monkeypatch):
     seen = []
     original = Bridge.chosen
 
-    def chosen(self, module, graph, args, *, kwargs):
+    def chosen(self, module, graph, args, *, kwargs, extras=()):
         seen.append(module)
-        return original(self, module, graph, args, kwargs=kwargs)
+        return original(self, module, graph, args, kwargs=kwargs, extras=extras)
     monkeypatch.setattr(Bridge, "chosen", chosen)
     return seen
 

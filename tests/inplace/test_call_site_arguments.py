@@ -194,5 +194,63 @@ def test_same_but_values_compares_everything_but_tensor_values():
     assert not same_but_values(call, ((b.t(), b.t(), 2), {"mask": None}))  # sizes and layout
     assert not same_but_values(call, ((b, b, 2), {}))  # structure
     assert not same_but_values(call, ((b, b, 2), {"mask": b}))  # a tensor for a plain value
+    held = nn.Parameter(b, requires_grad=False)
+    assert not same_but_values(call, ((held, held, 2), {"mask": None}))  # class
     needs = b.clone().requires_grad_()
     assert not same_but_values(call, ((needs, needs, 2), {"mask": None}))  # requires_grad
+
+
+class _Branching(nn.Module):
+    """A branch on the size of a child's output: export bakes the example's side into the root's graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.shape[0] > 2:
+            h = h * 3
+        return self.b(h).sum(0)
+
+
+def _branching():
+    torch.manual_seed(0)
+    model = _Branching()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    nnbridge.bridge(model, x)
+    return model, ref, x
+
+
+def test_a_forward_hook_replacing_the_output_by_other_values_equals_eager():
+    model, ref, x = _branching()
+    for m in (ref, model):
+        m.a.register_forward_hook(lambda module, args, out: out * 2 - 1)
+    assert torch.equal(ref(x), model(x))
+
+
+def test_a_forward_hook_returning_other_sizes_raises_naming_the_module_and_the_sizes():
+    """The root's graph took the branch for 2 rows; eager takes the other one for the hook's 4: before,
+    a silent difference."""
+    model, ref, x = _branching()
+    handle = model.a.register_forward_hook(lambda module, args, out: torch.cat([out, out]))
+    with pytest.raises(nnbridge.NNBridgeError, match=r"forward hook .* of 'a' \(Linear\) replaced its output .*"
+                                                     r"\(4, 4\) torch.float32 tensor on cpu where it was \(2, 4\)"):
+        model(x)
+    handle.remove()
+    assert torch.equal(ref(x), model(x))  # nothing left behind
+
+
+@pytest.mark.parametrize("replaced", ["sizes", "dtype", "structure"])
+def test_a_pre_hook_passing_other_sizes_dtypes_or_structure_raises_naming_the_module(replaced):
+    model, ref, x = _branching()
+    new = {"sizes": lambda args: (torch.cat([args[0], args[0]]),),
+           "dtype": lambda args: (args[0].double(),),
+           "structure": lambda args: (args[0], None)}[replaced]
+    handle = model.b.register_forward_pre_hook(lambda module, args: new(args))
+    with pytest.raises(nnbridge.NNBridgeError, match=r"forward pre-hook .* of 'b' \(Linear\) replaced the arguments"):
+        model(x)
+    handle.remove()
+    assert torch.equal(ref(x), model(x))
