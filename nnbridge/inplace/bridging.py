@@ -92,11 +92,12 @@ def _pending() -> dict[int, list[Any]]:
 _NO_RESULT = object()
 
 
-def _same_arguments(args: tuple[Any, ...], kwargs: dict[str, Any], other: tuple[Any, ...],
-                    other_kwargs: dict[str, Any]) -> bool:
-    """Whether two calls pass the very same objects (the common case: no hook replaced them)."""
-    return (len(args) == len(other) and all(a is b for a, b in zip(args, other))
-            and kwargs.keys() == other_kwargs.keys() and all(v is other_kwargs[k] for k, v in kwargs.items()))
+def _same_arguments(entry: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call passes the very objects a :func:`_pending` ``entry`` holds (the common case:
+    no hook replaced them)."""
+    passed, passed_kwargs = entry[2], entry[3]
+    return (len(args) == len(passed) and all(a is b for a, b in zip(args, passed))
+            and kwargs.keys() == passed_kwargs.keys() and all(v is passed_kwargs[k] for k, v in kwargs.items()))
 
 
 def _state_specs_hold(graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -293,8 +294,8 @@ class Bridge:
         entry = _pending().pop(id(module), None)
         graph, extras = (entry[0], entry[1]) if entry is not None else (None, ())
         if entry is not None and not torch.compiler.is_dynamo_compiling() \
-                and not _same_arguments(entry[2], entry[3], args, kwargs):
-            graph, extras = self._replaced(module, entry, args, kwargs)
+                and not _same_arguments(entry, args, kwargs):
+            graph, extras = self._replaced(module, entry, args, kwargs=kwargs)
         if graph is None and self.lazy is not None and self.depth == 0:
             if id(module) not in self.lazy:
                 if module is self.model:  # a new forward (a generation step)
@@ -309,7 +310,7 @@ class Bridge:
             entry[4] = result
         return result
 
-    def _replaced(self, module: torch.nn.Module, entry: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    def _replaced(self, module: torch.nn.Module, entry: list[Any], args: tuple[Any, ...], *, kwargs: dict[str, Any]
                   ) -> tuple[AnyGraph, tuple[Any, ...]]:
         """``(graph, extras)`` for a call whose arguments a forward pre-hook (or a wrapper, or a
         front-end) replaced after the parent's graph chose ``entry``'s graph for the ones it passed:

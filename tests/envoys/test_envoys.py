@@ -291,7 +291,8 @@ def test_mixed_patching_with_nnsight(gpt2_model):
     log = {}
     h1 = point.register_forward_pre_hook(lambda m, args: (log.setdefault("pre", args[0].clone()), (args[0] + 1,))[1])
     h2 = point.register_forward_hook(lambda m, args, out: (log.setdefault("hook", out.clone()), out * 2)[1])
-    h3 = module.transformer.h[0].attn.register_forward_hook(lambda m, args, out: log.setdefault("attn", out[0].clone()))
+    h3 = module.transformer.h[0].attn.register_forward_hook(lambda m, args, out: (log.setdefault("attn", out[0].clone()),
+                                                                                   None)[1])
     try:
         with pg.patch({"transformer.h_0.attn.softmax": nnbridge.AddPatch(value=10.0)}):
             with model.trace(PROMPTS[0], use_cache=False):  # the structure pg was extracted for
