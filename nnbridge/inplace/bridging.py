@@ -210,7 +210,8 @@ class _CallSite:
             difference = size_difference(result, output)
             if difference is not None:
                 raise NNBridgeError(
-                    f"a forward hook (or wrapper) of '{self.graph.graph_meta.node_path}' ({type(self.module).__name__})"
+                    f"a forward hook, wrapper or nnsight edit (.output = ...) of '{self.graph.graph_meta.node_path}'"
+                    f" ({type(self.module).__name__})"
                     f" replaced its output by another kind of value ({difference}): the graph of the module"
                     " calling it was extracted for the output the module returns, and may have specialised on"
                     " its sizes. Return values of the same sizes, dtypes and devices from the hook, or run the"
@@ -330,7 +331,8 @@ class Bridge:
         difference = size_difference((passed, passed_kwargs), (args, kwargs))
         if difference is not None:
             raise NNBridgeError(
-                f"a forward pre-hook (or wrapper) of '{graph.graph_meta.node_path}' ({type(module).__name__}) replaced"
+                f"a forward pre-hook, wrapper or nnsight edit (.input = ...) of '{graph.graph_meta.node_path}'"
+                f" ({type(module).__name__}) replaced"
                 f" the arguments its caller's graph passed by another kind of value ((args, kwargs) {difference}):"
                 " the graph of the module calling it was extracted for the arguments its own ops computed, and"
                 " may have specialised on their sizes. Pass values of the same sizes, dtypes and devices from"
@@ -562,7 +564,8 @@ class Bridge:
                 children[node_meta(node).name] = child_graph
                 self._link(child_graph, child_module, invocations)
                 site = f"_nnbridge_call_{i}"
-                graph.add_call_site(site, _CallSite(child_module, child_graph, self, extras=node_meta(node).extra_args))
+                extras = node_meta(node).extra_args
+                graph.add_call_site(site, _CallSite(child_module, child_graph, self, extras=extras))
                 node.target = site
             graph.graph_meta.graph_children = children
             self._read_tensors_live(graph, module)

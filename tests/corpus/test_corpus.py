@@ -80,8 +80,8 @@ def _params() -> list[Any]:
 @pytest.mark.parametrize("entry,front_end,mode,variant", _params())
 def test_corpus(entry: Entry, front_end: str, mode: str, variant: str) -> None:
     hooks = variant == "hooks"
-    problems = check(entry, front_end, mode, hooks=hooks, edit=0.5 if hooks else 0.0, set_output=variant == "set-output",
-                     nnsight_graphs=variant == "set-output")
+    problems = check(entry, front_end, mode, hooks=hooks, edit=0.5 if hooks else 0.0,
+                     set_output=variant == "set-output", nnsight_graphs=variant == "set-output")
     assert not problems, f"{entry.name} through {front_end} in {mode} mode differs from eager:\n  " + "\n  ".join(
         problems)
 

@@ -236,7 +236,8 @@ def test_a_forward_hook_returning_other_sizes_raises_naming_the_module_and_the_s
     a silent difference."""
     model, ref, x = _branching()
     handle = model.a.register_forward_hook(lambda module, args, out: torch.cat([out, out]))
-    with pytest.raises(nnbridge.NNBridgeError, match=r"forward hook .* of 'a' \(Linear\) replaced its output .*"
+    with pytest.raises(nnbridge.NNBridgeError, match=r"forward hook, wrapper or nnsight edit .* of 'a' \(Linear\)"
+                                                     r" replaced its output .*"
                                                      r"\(4, 4\) torch.float32 tensor on cpu where it was \(2, 4\)"):
         model(x)
     handle.remove()
@@ -250,7 +251,24 @@ def test_a_pre_hook_passing_other_sizes_dtypes_or_structure_raises_naming_the_mo
            "dtype": lambda args: (args[0].double(),),
            "structure": lambda args: (args[0], None)}[replaced]
     handle = model.b.register_forward_pre_hook(lambda module, args: new(args))
-    with pytest.raises(nnbridge.NNBridgeError, match=r"forward pre-hook .* of 'b' \(Linear\) replaced the arguments"):
+    with pytest.raises(nnbridge.NNBridgeError,
+                       match=r"forward pre-hook, wrapper or nnsight edit .* of 'b' \(Linear\) replaced the arguments"):
         model(x)
     handle.remove()
     assert torch.equal(ref(x), model(x))
+
+
+def test_an_nnsight_output_edit_of_other_sizes_raises_naming_the_module():
+    """nnsight's ``.output = value`` acts as a forward hook does: plain nnsight takes the root's
+    other branch for 4 rows, the root's graph was extracted for 2."""
+    model, ref, x = _branching()
+    wrapped = nnbridge.NNsight(model)
+    wrapped.eager_module_traces = False
+    with pytest.raises(nnbridge.NNBridgeError, match=r"nnsight edit .* of 'a' \(Linear\) replaced its output"):
+        with wrapped.trace(x):
+            wrapped.a.output = torch.cat([wrapped.a.output, wrapped.a.output])
+    with wrapped.trace(x):
+        wrapped.a.output = wrapped.a.output * 2
+        out = wrapped.output.save()
+    ref.a.register_forward_hook(lambda module, args, output: output * 2)
+    assert torch.equal(out, ref(x))
