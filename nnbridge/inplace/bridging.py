@@ -177,7 +177,7 @@ class _CallSite:
     The parent's graph was extracted for the values its own ops computed: a forward hook (or a
     wrapper, or a front-end) may replace the module's output by other values, but not by a value
     of other sizes, dtypes, devices or structure, on which the rest of the parent's graph may have
-    specialised (see :meth:`Bridge._body` for the arguments).
+    specialised (see :meth:`Bridge._replaced` for the arguments).
 
     Raises:
         NNBridgeError: a forward hook replaced the output by a value the parent's graph was not
