@@ -20,7 +20,7 @@ Module state and the module globals a model's code reads are guarded elsewhere
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from ..compat.torch.pytree import pytree
@@ -181,50 +181,53 @@ def describe_key_change(old: Hashable, new: Hashable) -> str:
     return "call structure changed"
 
 
-def same_but_values(before: tuple[tuple[Any, ...], dict[str, Any]],
-                    after: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
-    """Whether the call ``(args, kwargs)`` ``after`` differs from ``before`` in tensor values only:
-    the same tree structure, equal non-tensor leaves (the same object, when unhashable), and
-    tensors of the same class, sizes, dtypes, devices, ``requires_grad`` and memory layouts,
-    aliasing one another alike (:func:`alias_pattern`). A graph a caller's extraction chose for ``before`` (a
-    child's call in its trace) then computes eager's result for ``after`` too, as a forward
-    pre-hook or a front-end's input edit replaced them."""
-    (old, old_spec), (new, new_spec) = pytree.tree_flatten(before), pytree.tree_flatten(after)
-    if old_spec != new_spec:
-        return False
-    for a, b in zip(old, new):
-        if a is b:
-            continue
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            if type(a) is not type(b) or a.shape != b.shape or _leaf_key(a) != _leaf_key(b):
-                return False
-        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or _leaf_key(a) != _leaf_key(b):
-            return False
-    return alias_pattern([t for t in old if isinstance(t, torch.Tensor)]) == alias_pattern(
-        [t for t in new if isinstance(t, torch.Tensor)])
+class CallDifference(NamedTuple):
+    """How a call (or a value) differs from another beyond tensor values (see :func:`call_difference`).
+
+    Attributes:
+        sized: True when sizes, dtypes, devices, the tree structure or a plain value differ (what a
+            caller's graph may have specialised on); False when only tensor classes,
+            ``requires_grad``, memory layouts or aliasing do (what the callee's own code may branch on).
+        text: the first difference, as text for an error message.
+    """
+
+    sized: bool
+    text: str
 
 
-def size_difference(before: Any, after: Any) -> str | None:
-    """The first way the value ``after`` differs from ``before`` other than in tensor values,
-    ``requires_grad``, memory layout, tensor class and aliasing, as text; None when it does not:
-    the same tree structure, equal non-tensor leaves (the same object, when unhashable) and
-    tensors of the same sizes, dtypes and devices. A graph extracted for ``before`` (a parent's,
-    whose trace continued from a child's output) may have specialised on exactly these."""
+def call_difference(before: Any, after: Any) -> CallDifference | None:
+    """The first way the value ``after`` (a call's ``(args, kwargs)``, or its output) differs from
+    ``before`` other than in tensor values; None when it does not: the same tree structure, equal
+    non-tensor leaves (the same object, when unhashable), and tensors of the same class, sizes,
+    dtypes, devices, ``requires_grad`` and memory layouts, aliasing one another alike
+    (:func:`alias_pattern`). A graph a caller's extraction chose for ``before`` (a child's call in
+    its trace) then computes eager's result for ``after`` too, as a forward pre-hook or a
+    front-end's input edit replaced them; a difference that is not
+    :attr:`~CallDifference.sized` needs the callee's own extraction; a sized one, a graph of the
+    caller extracted for ``after`` (its trace continued from the value)."""
     if before is after:
         return None
     (old, old_spec), (new, new_spec) = pytree.tree_flatten(before), pytree.tree_flatten(after)
     if old_spec != new_spec:
-        return f"a {_shape_text(new_spec)} where it was {_shape_text(old_spec)}"
+        return CallDifference(True, f"a {_shape_text(new_spec)} where it was {_shape_text(old_spec)}")
+    unsized: str | None = None
     for i, (a, b) in enumerate(zip(old, new)):
         if a is b:
             continue
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
-                return (f"leaf {i}: a {tuple(b.shape)} {b.dtype} tensor on {b.device} where it was"
-                        f" {tuple(a.shape)} {a.dtype} on {a.device}")
+                return CallDifference(True, f"leaf {i}: a {tuple(b.shape)} {b.dtype} tensor on {b.device} where"
+                                            f" it was {tuple(a.shape)} {a.dtype} on {a.device}")
+            if unsized is None and (type(a) is not type(b) or _leaf_key(a) != _leaf_key(b)):
+                unsized = (f"leaf {i}: a {type(b).__name__} (requires_grad={b.requires_grad},"
+                           f" {_layout_text(memory_layout(b))}) where it was a {type(a).__name__}"
+                           f" (requires_grad={a.requires_grad}, {_layout_text(memory_layout(a))})")
         elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or _leaf_key(a) != _leaf_key(b):
-            return f"leaf {i}: {_leaf_text(b)} where it was {_leaf_text(a)}"
-    return None
+            return CallDifference(True, f"leaf {i}: {_leaf_text(b)} where it was {_leaf_text(a)}")
+    if unsized is None and alias_pattern([t for t in old if isinstance(t, torch.Tensor)]) != alias_pattern(
+            [t for t in new if isinstance(t, torch.Tensor)]):
+        unsized = "the tensors alias one another otherwise"
+    return None if unsized is None else CallDifference(False, unsized)
 
 
 def _shape_text(spec: Any) -> str:

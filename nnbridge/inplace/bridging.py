@@ -49,7 +49,7 @@ from ..graph.failures import add_note
 from ..errors import NNBridgeError
 from .absence import SubmoduleLookup
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
-from ..guards.call_structure import same_but_values, size_difference
+from ..guards.call_structure import call_difference
 from ..guards.preservation import preserved_state
 from ..dispatch.dispatcher import GraphDispatcher
 from ..dispatch.extraction import Extraction
@@ -181,7 +181,7 @@ class _CallSite:
 
     Raises:
         NNBridgeError: a forward hook replaced the output by a value the parent's graph was not
-            extracted for (:func:`~nnbridge.guards.call_structure.size_difference`).
+            extracted for (a sized :func:`~nnbridge.guards.call_structure.call_difference`).
     """
 
     __slots__ = ("module", "graph", "bridge", "direct", "extras")
@@ -191,7 +191,9 @@ class _CallSite:
         self.direct = DirectCall(module, bridge.body, locked_call)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        extras, args = args[:self.extras], args[self.extras:]
+        extras: tuple[Any, ...] = ()
+        if self.extras:
+            extras, args = args[:self.extras], args[self.extras:]
         # (torch.compile traces the normal call: the check first, so Dynamo never traces DirectCall)
         if not torch.compiler.is_dynamo_compiling() and self.direct():
             return self.bridge.chosen(self.module, self.graph, args, kwargs=kwargs, extras=extras)
@@ -207,12 +209,12 @@ class _CallSite:
             pending.pop(key, None)
         result = entry[4]
         if result is not _NO_RESULT and output is not result:
-            difference = size_difference(result, output)
-            if difference is not None:
+            difference = call_difference(result, output)
+            if difference is not None and difference.sized:
                 raise NNBridgeError(
                     f"a forward hook, wrapper or nnsight edit (.output = ...) of '{self.graph.graph_meta.node_path}'"
                     f" ({type(self.module).__name__})"
-                    f" replaced its output by another kind of value ({difference}): the graph of the module"
+                    f" replaced its output by another kind of value ({difference.text}): the graph of the module"
                     " calling it was extracted for the output the module returns, and may have specialised on"
                     " its sizes. Return values of the same sizes, dtypes and devices from the hook, or run the"
                     " calling module eagerly (ExtractionOptions(classes_to_skip_compiling={...})).")
@@ -316,7 +318,7 @@ class Bridge:
         """``(graph, extras)`` for a call whose arguments a forward pre-hook (or a wrapper, or a
         front-end) replaced after the parent's graph chose ``entry``'s graph for the ones it passed:
         that graph, when only tensor values changed
-        (:func:`~nnbridge.guards.call_structure.same_but_values`); else the module's own
+        (:func:`~nnbridge.guards.call_structure.call_difference`); else the module's own
         extraction, when the sizes, dtypes, devices, structure and plain values are the same (the
         aliasing, memory layout or ``requires_grad`` differ, which the module's code may branch
         on).
@@ -326,14 +328,14 @@ class Bridge:
                 the parent's graph may have specialised on the output they gave.
         """
         graph, extras, passed, passed_kwargs = entry[:4]
-        if same_but_values((passed, passed_kwargs), (args, kwargs)):
+        difference = call_difference((passed, passed_kwargs), (args, kwargs))
+        if difference is None:
             return graph, extras
-        difference = size_difference((passed, passed_kwargs), (args, kwargs))
-        if difference is not None:
+        if difference.sized:
             raise NNBridgeError(
                 f"a forward pre-hook, wrapper or nnsight edit (.input = ...) of '{graph.graph_meta.node_path}'"
                 f" ({type(module).__name__}) replaced"
-                f" the arguments its caller's graph passed by another kind of value ((args, kwargs) {difference}):"
+                f" the arguments its caller's graph passed by another kind of value ((args, kwargs) {difference.text}):"
                 " the graph of the module calling it was extracted for the arguments its own ops computed, and"
                 " may have specialised on their sizes. Pass values of the same sizes, dtypes and devices from"
                 " the hook, or run the calling module eagerly (ExtractionOptions(classes_to_skip_compiling={...})).")

@@ -10,7 +10,7 @@ fell back to its own extraction (a cache not in the state its parent's extractio
 with them: a TypeError where eager runs.
 
 A forward pre-hook may replace a module's arguments. The graph the caller's extraction chose still
-serves the call when only tensor values changed (``guards.call_structure.same_but_values``); else
+serves the call when only tensor values changed (``guards.call_structure.call_difference``); else
 the module runs its own extraction for the new arguments, as a module called on its own.
 """
 
@@ -54,7 +54,7 @@ def _inputs():
     return torch.randn(3, 4), torch.randn(2, 4)
 
 
-def _decode(model, hooks=None):
+def _decode(model):
     """A prefill call and a decode step on one cache; the outputs."""
     prefill, step = _inputs()
     cache = new_cache(2)
@@ -180,24 +180,34 @@ def test_a_pre_hook_replacing_aliased_arguments_by_distinct_ones_runs_what_eager
     assert torch.equal(ref.attn.in_proj_weight.grad, model.attn.in_proj_weight.grad)
 
 
-def test_same_but_values_compares_everything_but_tensor_values():
-    from nnbridge.guards.call_structure import same_but_values
+def test_call_difference_tells_sizes_from_what_the_callee_branches_on():
+    from nnbridge.guards.call_structure import call_difference
 
     a, b = torch.randn(2, 3), torch.randn(2, 3)
     call = ((a, a, 2), {"mask": None})
-    assert same_but_values(call, call)
-    assert same_but_values(call, ((b, b, 2), {"mask": None}))  # values only
-    assert not same_but_values(call, ((a, b, 2), {"mask": None}))  # aliasing
-    assert not same_but_values(call, ((b, b, 3), {"mask": None}))  # a plain value
-    assert not same_but_values(call, ((b[:1], b[:1], 2), {"mask": None}))  # sizes
-    assert not same_but_values(call, ((b.double(), b.double(), 2), {"mask": None}))  # dtype
-    assert not same_but_values(call, ((b.t(), b.t(), 2), {"mask": None}))  # sizes and layout
-    assert not same_but_values(call, ((b, b, 2), {}))  # structure
-    assert not same_but_values(call, ((b, b, 2), {"mask": b}))  # a tensor for a plain value
+
+    def kind(after):
+        difference = call_difference(call, after)
+        return None if difference is None else ("sized" if difference.sized else "unsized")
+
+    assert kind(call) is None
+    assert kind(((b, b, 2), {"mask": None})) is None  # values only
+    assert kind(((a, b, 2), {"mask": None})) == "unsized"  # aliasing
     held = nn.Parameter(b, requires_grad=False)
-    assert not same_but_values(call, ((held, held, 2), {"mask": None}))  # class
+    assert kind(((held, held, 2), {"mask": None})) == "unsized"  # class
     needs = b.clone().requires_grad_()
-    assert not same_but_values(call, ((needs, needs, 2), {"mask": None}))  # requires_grad
+    assert kind(((needs, needs, 2), {"mask": None})) == "unsized"  # requires_grad
+    square = torch.randn(3, 3)
+    assert call_difference(((square,), {}), ((square.t(),), {})).sized is False  # memory layout
+    assert kind(((b, b, 3), {"mask": None})) == "sized"  # a plain value
+    assert kind(((b[:1], b[:1], 2), {"mask": None})) == "sized"  # sizes
+    assert kind(((b.double(), b.double(), 2), {"mask": None})) == "sized"  # dtype
+    assert kind(((b.t(), b.t(), 2), {"mask": None})) == "sized"  # sizes and layout
+    assert kind(((b, b, 2), {})) == "sized"  # structure
+    assert kind(((b, b, 2), {"mask": b})) == "sized"  # a tensor for a plain value
+    assert kind(((b[:1], b, 2), {"mask": None})) == "sized"  # sizes win over aliasing
+    assert kind(((needs, b[:1], 2), {"mask": None})) == "sized"  # sizes after requires_grad
+    assert "leaf 1: a (1, 3) torch.float32 tensor" in call_difference(call, ((needs, b[:1], 2), {"mask": None})).text
 
 
 class _Branching(nn.Module):
