@@ -59,6 +59,8 @@ class Entry:
         item: the issue-9 item number it covers (0: an ordinary case).
         modes: the modes it runs in.
         attrs: ``fn(module)`` -> Python-visible state compared after the script (counters...).
+        backward_hooks: the harness's hooks include full backward hooks (False where eager itself
+            refuses them: an in-place op on a module's output).
     """
 
     name: str
@@ -67,6 +69,7 @@ class Entry:
     item: int = 0
     modes: tuple[str, ...] = MODES
     attrs: Callable[[torch.nn.Module], Any] | None = None
+    backward_hooks: bool = True
 
 
 def calls(*steps: Any) -> Callable[[], list[Call | Edit]]:

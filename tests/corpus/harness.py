@@ -6,7 +6,7 @@ script eagerly and through one front-end, and list every difference.
 any nnbridge call (the eager reference), runs the script on both sides from seed 1 and returns the
 differences in every call's output, the input and parameter gradients, the parameters, buffers,
 CPU RNG state and the Python attributes the entry names, and, with ``hooks=True``, what torch hooks
-on every module saw (:class:`HookLog`); or passes a loud outcome (an
+(forward and full backward) on every module saw (:class:`HookLog`); or passes a loud outcome (an
 :class:`nnbridge.NNBridgeError` whose message names a module of the model).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,11 @@ def _backward(out: Any) -> None:
     leaves = [t for t in pytree.tree_leaves(out)
               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
     if leaves:
-        sum(t.float().sum() for t in leaves).backward()
+        with warnings.catch_warnings():
+            # torch's note on a module whose inputs need no gradient (the first layer's): its full
+            # backward hook fires with the output gradients, as eager's does (HookLog's hooks)
+            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
+            sum(t.float().sum() for t in leaves).backward()
 
 
 def _seen(value: Any) -> Any:
@@ -73,13 +78,19 @@ class HookLog:
     """A forward pre-hook and a forward hook (both with keyword arguments) on every module of a
     model, logging ``(module path, "input", args, kwargs)`` and ``(module path, "output", output)``
     while :attr:`on`: a bridged model must call each module as eager does, with the same values.
+    With ``backward``, a full backward pre-hook and a full backward hook on every module too,
+    logging ``(module path, "grad_output", grads)`` and ``(module path, "grad_input", grads)`` in
+    every backward pass: a bridged model's autograd graph must reach each module as eager's does.
 
     ``edit``: the hooks also replace what they see: each module's floating-point inputs shifted by
-    ``edit``, its outputs by ``edit / 2`` (see :func:`_shifted`), so a bridged model must run on
-    what its hooks return; the root's output too unless ``root_output=False`` (nnsight's
-    ``model.output`` is the forward's return, before the root's forward hooks, as in nnsight)."""
+    ``edit``, its outputs by ``edit / 2`` (see :func:`_shifted`), its output gradients scaled by
+    ``1 + edit``, so a bridged model must run on what its hooks return; the root's output too
+    unless ``root_output=False`` (nnsight's ``model.output`` is the forward's return, before the
+    root's forward hooks, as in nnsight, whose traces fire no full backward hook of the root
+    either: nnsight 0.8.1 alike)."""
 
-    def __init__(self, model: torch.nn.Module, edit: float = 0.0, *, root_output: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, edit: float = 0.0, *, root_output: bool = True,
+                 backward: bool = False) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.on = False
         self.edit = edit
@@ -87,6 +98,9 @@ class HookLog:
         for path, module in model.named_modules():
             module.register_forward_pre_hook(self._pre(path), with_kwargs=True)
             module.register_forward_hook(self._post(path), with_kwargs=True)
+            if backward and module is not self.root:
+                module.register_full_backward_pre_hook(self._grad_output(path))
+                module.register_full_backward_hook(self._grad_input(path))
 
     def _pre(self, path: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -104,6 +118,20 @@ class HookLog:
                 if self.edit and module is not self.root:
                     return _shifted(output, self.edit / 2)
             return None
+        return hook
+
+
+    def _grad_output(self, path: str) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, grad_output: tuple[Any, ...]) -> Any:
+            self.calls.append((path or "<root>", "grad_output", _seen(grad_output)))
+            if self.edit:
+                return tuple(None if g is None else g * (1 + self.edit) for g in grad_output)
+            return None
+        return hook
+
+    def _grad_input(self, path: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, grad_input: tuple[Any, ...], grad_output: tuple[Any, ...]) -> None:
+            self.calls.append((path or "<root>", "grad_input", _seen(grad_input)))
         return hook
 
 
@@ -126,6 +154,10 @@ def _run(model: torch.nn.Module, steps: list[Call | Edit], setup: Callable[[Call
                 stack.enter_context(step.context())
             if log is not None:
                 log.on = True
+                stack.enter_context(warnings.catch_warnings())
+                # torch's note on a module returning a dict: its full backward hooks do not fire, in
+                # eager as in a bridged model (HookLog's hooks)
+                warnings.filterwarnings("ignore", "For backward hooks to be called", UserWarning)
             try:
                 out = call(step)
             finally:
@@ -313,9 +345,11 @@ def check(entry: Entry, front_end: str, mode: str, options: nnbridge.ExtractionO
     :class:`nnbridge.NNBridgeError` naming a module of the model (the loud outcome). An error
     that is not loud propagates; a loud one that names no module is a difference.
 
-    ``hooks``: a :class:`HookLog` on both models, registered before the front-end sees the model;
-    what the hooks saw in the script's calls is compared too (not with ``"pg"``, whose graphs do
-    not call the user's modules); ``edit``: the hooks replace what they see (see :class:`HookLog`).
+    ``hooks``: a :class:`HookLog` on both models, registered before the front-end sees the model
+    (with full backward hooks unless the entry opts out, :attr:`Entry.backward_hooks`); what the
+    hooks saw in the script's calls and backward passes is compared too (not with ``"pg"``, whose
+    graphs do not call the user's modules); ``edit``: the hooks replace what they see (see
+    :class:`HookLog`).
     ``set_output`` (``"nnsight"`` only): each trace sets the output of the first module returning a
     floating-point tensor to that output + 0.5 (see :func:`_first_output_target`), which eager's
     side does with a forward hook (:func:`_add_to_first_output`): nnsight's output edits act as
@@ -328,8 +362,8 @@ def check(entry: Entry, front_end: str, mode: str, options: nnbridge.ExtractionO
     eager_steps, steps = copy.deepcopy(steps), copy.deepcopy(steps)
     hooks = hooks and front_end != "pg"
     root_output = front_end != "nnsight"
-    eager_log, log = ((HookLog(ref, edit, root_output=root_output), HookLog(model, edit, root_output=root_output))
-                      if hooks else (None, None))
+    eager_log, log = (tuple(HookLog(m, edit, root_output=root_output, backward=entry.backward_hooks)
+                            for m in (ref, model)) if hooks else (None, None))
 
     target = _first_output_target(entry, mode) if set_output and front_end == "nnsight" else None
     if target is not None:

@@ -13,8 +13,9 @@ bridging is part of that run, so RNG drawn by extraction counts) and are compare
 - the Python-visible attributes the entry names;
 - once more through ``bridge`` in the entry's first mode (``-hooks`` in the test id), with a forward
   pre-hook and a forward hook on every module that replace its floating-point inputs and output
-  (shifted by 0.5 and 0.25): what each saw, the module calls in order with their arguments and
-  outputs (``harness.HookLog``), besides all of the above;
+  (shifted by 0.5 and 0.25), and a full backward pre-hook and backward hook that scale its output
+  gradients by 1.5: what each saw, the module calls and backward steps in order with their
+  arguments, outputs and gradients (``harness.HookLog``), besides all of the above;
 - once more through ``nnsight`` in the entry's first mode (``-set-output``), its traces running the
   graphs and setting the output of the first module every call reaches to that output + 0.5
   (``envoy.output = envoy.output + 0.5``), against eager with a forward hook doing the same.

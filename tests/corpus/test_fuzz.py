@@ -250,9 +250,10 @@ def run_case(case: Case) -> None:
     with tempfile.TemporaryDirectory(prefix="nnbridge-fuzz-cache-") as directory:
         for temperature in ("cold", "warm"):
             with _disk_cache(Path(directory)) as exports:
-                # torch hooks on every module in the cold run, which see each module call as eager's do
-                # and replace its inputs and output (the warm run keeps the calls of modules without
-                # hooks, which skip nn.Module.__call__); NNsight's warm run sets a module's output
+                # torch hooks on every module in the cold run, which see each module call and
+                # backward step as eager's do and replace its inputs, output and output gradients
+                # (the warm run keeps the calls of modules without hooks, which skip
+                # nn.Module.__call__); NNsight's warm run sets a module's output
                 problems = check(entry, case.front_end, program.modes[0], options, nnsight_graphs=True,
                                  hooks=temperature == "cold", edit=0.5, set_output=temperature == "warm")
             if temperature == "warm" and currently_in_test_context():
