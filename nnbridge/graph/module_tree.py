@@ -31,8 +31,9 @@ RESERVED_NAMES = frozenset(
     | {name for name in dir(CompiledGraphModule) if not name.startswith("__")}
 )
 CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
-#: modules whose own code goes through their registrations (iteration, indexing, ``len``)
-_ITERATED = (*CONTAINERS, torch.nn.Sequential)
+#: modules whose own code goes through their registrations (iteration, indexing, ``len``,
+#: ``append``'s next index; ``ParametrizationList`` probes ``hasattr(self, str(i))``)
+ITERATED = (*CONTAINERS, torch.nn.Sequential)
 _POINT_TYPES = (OpPoint, OpPointContainer)
 #: the value type of a module's registry (``_modules``, ``_parameters``, ``_buffers``)
 _V = TypeVar("_V")
@@ -214,7 +215,7 @@ def aliases_hidden(module: torch.nn.Module, *, in_containers: bool = False) -> I
         for name, child in list(modules_of(parent).items()):
             if child is None or isinstance(child, _POINT_TYPES):
                 continue
-            if id(child) in seen and (in_containers or not isinstance(parent, _ITERATED)):
+            if id(child) in seen and (in_containers or not isinstance(parent, ITERATED)):
                 hidden.append((parent, name, child, list(modules_of(parent))))
                 del modules_of(parent)[name]
                 parent.__dict__[name] = child

@@ -18,6 +18,7 @@ import torch
 
 from ..compat.torch.module_dicts import modules_of
 from ..graph.absence import AbsenceError, explain_absence
+from ..graph.module_tree import ITERATED
 from ..graph.op_point import OpPoint, OpPointContainer
 
 if TYPE_CHECKING:
@@ -46,9 +47,14 @@ def module_absence(subject: str, name: str, *, module: torch.nn.Module | None, p
     opaque = bridge.opaque_reason(path) if bridge is not None else None
     extracted = bridge is not None and bridge.extracted()
     entries = isinstance(module, CONTAINERS) if entries is None else entries
-    return explain_absence(subject, name, where=where, ops=ops if ops or extracted else None, model=model,
-                           opaque=opaque, submodules=submodules, entries=submodules if entries else None,
-                           unknown=unknown)
+    message = explain_absence(subject, name, where=where, ops=ops if ops or extracted else None, model=model,
+                              opaque=opaque, submodules=submodules, entries=submodules if entries else None,
+                              unknown=unknown)
+    if bridge is not None and isinstance(module, ITERATED):
+        message += (f" A module container's ops are not attributes (its entries stay eager's: len, indices,"
+                    f" iteration): PatchableGraph reaches them by NodePath ('{path + '.' if path else ''}{name}'"
+                    " among pg.node_paths()).")
+    return message
 
 
 class SubmoduleLookup:

@@ -61,7 +61,7 @@ from ..extract.examples import static_examples
 from ..graph.metadata import node_meta
 from ..graph.summaries import bind_inputs
 from ..graph.locking import CALL_LOCK, lock_calls, locked_call, unlock_calls
-from ..graph.module_tree import named_real_modules, refuse_instance_forwards
+from ..graph.module_tree import ITERATED, named_real_modules, refuse_instance_forwards
 from ..graph.op_point import LISTENED, OpPoint, OpPointContainer
 from ..graph.recipes import withdraw_all
 from ..extract.options import ExtractionOptions
@@ -645,6 +645,13 @@ class Bridge:
                 return
 
     def _register(self, module: torch.nn.Module, invocation: int, name: str, *, point: OpPoint) -> None:
+        if isinstance(module, ITERATED):
+            # a container's registry is its entries (len, indices, iteration, append's next
+            # index), which its own code and the user's read: an op point there would be one more
+            # entry (a bridged Sequential's model[-1] the output op point, ParametrizationList's
+            # next parametrization named after it and never run). Its op points stay on its
+            # graphs, which PatchableGraph's NodePaths reach
+            return
         holder = module
         if invocation:
             container_name = f"invocation_{invocation}"
