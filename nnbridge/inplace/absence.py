@@ -50,7 +50,8 @@ def module_absence(subject: str, name: str, *, module: torch.nn.Module | None, p
     message = explain_absence(subject, name, where=where, ops=ops if ops or extracted else None, model=model,
                               opaque=opaque, submodules=submodules, entries=submodules if entries else None,
                               unknown=unknown)
-    if bridge is not None and isinstance(module, ITERATED):
+    if (bridge is not None and isinstance(module, ITERATED) and not name.isdigit()
+            and type(module).forward is not torch.nn.Module.forward):  # a container with a graph of its own
         message += (f" A module container's ops are not attributes (its entries stay eager's: len, indices,"
                     f" iteration): PatchableGraph reaches them by NodePath ('{path + '.' if path else ''}{name}'"
                     " among pg.node_paths()).")
