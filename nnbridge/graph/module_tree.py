@@ -34,7 +34,8 @@ CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 #: modules whose own code goes through their registrations (iteration, indexing, ``len``,
 #: ``append``'s next index; ``ParametrizationList`` probes ``hasattr(self, str(i))``)
 ITERATED = (*CONTAINERS, torch.nn.Sequential)
-_POINT_TYPES = (OpPoint, OpPointContainer)
+#: what a bridge registers on the user's modules: op points and their ``invocation_<k>`` containers
+POINT_TYPES = (OpPoint, OpPointContainer)
 #: the value type of a module's registry (``_modules``, ``_parameters``, ``_buffers``)
 _V = TypeVar("_V")
 
@@ -56,7 +57,7 @@ def named_real_modules(module: torch.nn.Module, prefix: str = "") -> Iterator[tu
         yield path, current
         children: dict[int, tuple[str, torch.nn.Module]] = {}
         for name, child in modules_of(current).items():
-            if child is not None and id(child) not in children and not isinstance(child, _POINT_TYPES):
+            if child is not None and id(child) not in children and not isinstance(child, POINT_TYPES):
                 children[id(child)] = (f"{path}.{name}" if path else name, child)
         stack.extend(reversed(children.values()))
 
@@ -68,7 +69,7 @@ def named_registrations(module: torch.nn.Module, prefix: str = "") -> Iterator[t
     ``self.linear`` and ``self.alias``, comes once per name; depth first, in registration order."""
     yield prefix, module
     for name, child in modules_of(module).items():
-        if child is not None and not isinstance(child, _POINT_TYPES):
+        if child is not None and not isinstance(child, POINT_TYPES):
             yield from named_registrations(child, f"{prefix}.{name}" if prefix else name)
 
 
@@ -174,7 +175,7 @@ def op_points_hidden(module: torch.nn.Module) -> Iterator[None]:
             continue
         seen.add(id(registry))
         points: dict[str, torch.nn.Module] = {name: child for name, child in registry.items()
-                                              if isinstance(child, _POINT_TYPES)}
+                                              if isinstance(child, POINT_TYPES)}
         if points:
             hidden.append((registry, list(registry), points))
     try:
@@ -213,7 +214,7 @@ def aliases_hidden(module: torch.nn.Module, *, in_containers: bool = False) -> I
 
     def visit(parent: torch.nn.Module) -> None:
         for name, child in list(modules_of(parent).items()):
-            if child is None or isinstance(child, _POINT_TYPES):
+            if child is None or isinstance(child, POINT_TYPES):
                 continue
             if id(child) in seen and (in_containers or not isinstance(parent, ITERATED)):
                 hidden.append((parent, name, child, list(modules_of(parent))))
@@ -239,7 +240,7 @@ def direct_callees(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[
     (iterating the container runs it twice), unlike ``named_children()``.
     """
     for name, child in modules_of(module).items():
-        if child is None or isinstance(child, _POINT_TYPES):
+        if child is None or isinstance(child, POINT_TYPES):
             continue
         if isinstance(child, CONTAINERS):
             yield from direct_callees(child, f"{prefix}{name}.")
@@ -275,7 +276,7 @@ def shared_container_entries(module: torch.nn.Module) -> dict[str, str]:
     registrations: dict[int, list[str]] = {}
     for fqn, sub in named_real_modules(module):
         for name, child in modules_of(sub).items():
-            if child is not None and not isinstance(child, _POINT_TYPES):
+            if child is not None and not isinstance(child, POINT_TYPES):
                 registrations.setdefault(id(child), []).append(f"{fqn}.{name}" if fqn else name)
     found: dict[str, str] = {}
     for fqn, sub in named_real_modules(module):

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..compat.torch.module_dicts import modules_of
 from ..graph.absence import AbsenceError, explain_absence
 from ..graph.module_tree import ITERATED
 from ..graph.op_point import OpPoint, OpPointContainer
+from .own_code import registry
 
 if TYPE_CHECKING:
     from .bridging import Bridge
@@ -41,7 +41,7 @@ def module_absence(subject: str, name: str, *, module: torch.nn.Module | None, p
     whether anything was extracted yet (else its ops are not known: ``unknown`` says how they
     become known). ``entries``: whether ``name`` is sought among a module container's entries,
     which are then named (default: ``module`` is a ``ModuleList`` or ``ModuleDict``)."""
-    children = modules_of(module) if module is not None else {}
+    children = registry(module) if module is not None else {}  # (with op points a run moved out)
     ops = [n for n, child in children.items() if is_op(child)]
     submodules = [n for n in children if n not in ops]
     opaque = bridge.opaque_reason(path) if bridge is not None else None
@@ -52,7 +52,7 @@ def module_absence(subject: str, name: str, *, module: torch.nn.Module | None, p
                               unknown=unknown)
     if (bridge is not None and isinstance(module, ITERATED) and not name.isdigit()
             and type(module).forward is not torch.nn.Module.forward):  # a container with a graph of its own
-        message += (f" A module container's ops are not attributes (its entries stay eager's: len, indices,"
+        message += (" A module container's ops are not attributes (its entries stay eager's: len, indices,"
                     f" iteration): PatchableGraph reaches them by NodePath ('{path + '.' if path else ''}{name}'"
                     " among pg.node_paths()).")
     return message
@@ -82,7 +82,7 @@ class SubmoduleLookup:
         """``message`` (torch's), with why the first name of ``target`` that ``model`` lacks is no op."""
         module, path = model, list[str]()
         for name in target.split("."):
-            child = modules_of(module).get(name)
+            child = registry(module).get(name)
             if child is None:
                 if hasattr(module, name):  # an attribute that is no module: torch's message says so
                     return message

@@ -63,6 +63,7 @@ from ..graph.summaries import bind_inputs
 from ..graph.locking import CALL_LOCK, lock_calls, locked_call, unlock_calls
 from ..graph.module_tree import ITERATED, named_real_modules, refuse_instance_forwards
 from ..graph.op_point import LISTENED, OpPoint, OpPointContainer
+from . import own_code
 from ..graph.recipes import withdraw_all
 from ..extract.options import ExtractionOptions
 
@@ -161,6 +162,14 @@ def _body_outside_dynamo(bridge: Bridge, module: torch.nn.Module, args: tuple[An
                          kwargs: dict[str, Any]) -> Any:
     """``bridge.body(module, *args, **kwargs)`` run eagerly when Dynamo traces it (a graph break)."""
     return bridge.body(module, *args, **kwargs)
+
+
+def _run_own_code(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``module``'s own code for this call (a front-end's body, such as nnsight's, else its
+    ``forward``), run with the op points of its tree out of the registries it may walk
+    (:func:`.own_code.as_built`): its ``children()`` are the user's."""
+    with own_code.as_built(module):
+        return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
 
 
 class _CallSite:
@@ -293,7 +302,7 @@ class Bridge:
 
     def _body(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self.eager:
-            return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+            return _run_own_code(module, args, kwargs)
         entry = _pending().pop(id(module), None)
         graph, extras = (entry[0], entry[1]) if entry is not None else (None, ())
         if entry is not None and not torch.compiler.is_dynamo_compiling() \
@@ -303,7 +312,7 @@ class Bridge:
             if id(module) not in self.lazy:
                 if module is self.model:  # a new forward (a generation step)
                     self.calls.clear()
-                return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+                return _run_own_code(module, args, kwargs)
             self.calls[id(module)] += 1
             if self.calls[id(module)] > 1:  # whole-model extractions number its calls (invocation_<k>)
                 self.repeated.add(id(module))
@@ -348,7 +357,7 @@ class Bridge:
         arguments the call site took off for the graph."""
         with CALL_LOCK:
             if self.eager:
-                return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+                return _run_own_code(module, args, kwargs)
             graph, extras = self._fitting(module, graph, args, kwargs=kwargs, extras=extras)
             return self._run_graph(module, graph, args, kwargs=kwargs, compiling=False, extras=extras)
 
@@ -360,7 +369,7 @@ class Bridge:
         if graph is None:
             dispatcher = self.dispatchers.get(id(module))
             if dispatcher is None or not (module is self.model or self.depth > 0):
-                return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+                return _run_own_code(module, args, kwargs)
             if compiling:
                 extraction = dispatcher.find(args, kwargs)
                 if extraction is None:
@@ -373,7 +382,7 @@ class Bridge:
                     if self.adopted:
                         extraction = _edited_lookup_outside_dynamo(dispatcher, args, kwargs)
                     elif not self.listened(traced=True):
-                        return (Bridge.front_end_body(module) or type(module).forward)(module, *args, **kwargs)
+                        return _run_own_code(module, args, kwargs)
                     else:
                         extraction = _lookup_outside_dynamo(dispatcher, args, kwargs)
                 graph = extraction.root
@@ -401,25 +410,33 @@ class Bridge:
         :class:`_CallSite`)."""
         self.depth += 1
         try:
-            if Bridge.front_end_active(module):
-                # an nnsight trace waiting for something inside this module: each node asks
-                # whether it is wanted; otherwise the plain code (which routes patched and hooked
-                # nodes), with the trace's visit counts of the graph's ops kept as if each had
-                # been served
-                source = Bridge.source_body(module)
-                if source is None and Bridge.wanted_inside(module):
-                    return graph.trace_forward()(graph, *extras, *args, **kwargs)
-                Bridge.count_unrouted(module, graph.op_points_made())
-                if source is not None:  # the trace wants this call's nnsight ``.source`` operations
-                    return source(module, *args, **kwargs)
-            if graph.compiled and not compiling:
-                return cast(CompiledGraphModule, graph).fast_forward()(graph, *extras, *args, **kwargs)
-            return graph.forward(*extras, *args, **kwargs)
+            if graph.compiled:
+                return self._graph_body(module, graph, args, kwargs=kwargs, compiling=compiling, extras=extras)
+            with own_code.as_built(module):  # an opaque module: its own code runs
+                return self._graph_body(module, graph, args, kwargs=kwargs, compiling=compiling, extras=extras)
         except BaseException as error:
             add_note(error)
             raise
         finally:
             self.depth -= 1
+
+    def _graph_body(self, module: torch.nn.Module, graph: AnyGraph, args: tuple[Any, ...], *, kwargs: dict[str, Any],
+                    compiling: bool, extras: tuple[Any, ...]) -> Any:
+        if Bridge.front_end_active(module):
+            # an nnsight trace waiting for something inside this module: each node asks
+            # whether it is wanted; otherwise the plain code (which routes patched and hooked
+            # nodes), with the trace's visit counts of the graph's ops kept as if each had
+            # been served
+            source = Bridge.source_body(module)
+            if source is None and Bridge.wanted_inside(module):
+                return graph.trace_forward()(graph, *extras, *args, **kwargs)
+            Bridge.count_unrouted(module, graph.op_points_made())
+            if source is not None:  # the trace wants this call's nnsight ``.source`` operations
+                with own_code.as_built(module):  # (the module's own code, rewritten by nnsight)
+                    return source(module, *args, **kwargs)
+        if graph.compiled and not compiling:
+            return cast(CompiledGraphModule, graph).fast_forward()(graph, *extras, *args, **kwargs)
+        return graph.forward(*extras, *args, **kwargs)
 
     def listened(self, *, traced: bool = False) -> bool:
         """Whether a patch listener or a torch hook is on any of the model's op points (then a
@@ -655,15 +672,15 @@ class Bridge:
         holder = module
         if invocation:
             container_name = f"invocation_{invocation}"
-            existing = modules_of(module).get(container_name)
+            existing = modules_of(module).get(container_name) or own_code.hidden(module, container_name)
             holder = existing if existing is not None else OpPointContainer()
             if existing is None:
-                module.add_module(container_name, holder)
+                own_code.register(module, container_name, holder)
                 self._note_registered(module, container_name)
         attribute = name
         while attribute in _ENVOY_NAMES or hasattr(holder, attribute):
             attribute += "_"
-        holder.add_module(attribute, point)
+        own_code.register(holder, attribute, point)  # (beside the others while its module's own code runs)
         self._note_registered(holder, attribute)
 
     def _note_registered(self, holder: torch.nn.Module, attribute: str) -> None:

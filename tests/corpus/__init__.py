@@ -91,12 +91,12 @@ def calls(*steps: Any) -> Callable[[], list[Call | Edit]]:
 
 def all_entries() -> list[Entry]:
     """Every corpus entry, in a stable order."""
-    from . import (edits, found, grad_mode, graphpatch_fixtures, ordinary, parametrized, recurrent, shapes_dtypes,
-                   side_effects, state)
+    from . import (edits, found, grad_mode, graphpatch_fixtures, ordinary, parametrized, recurrent, registry_walks,
+                   shapes_dtypes, side_effects, state)
 
     entries: list[Entry] = []
     for module in (ordinary, recurrent, grad_mode, edits, state, shapes_dtypes, side_effects, parametrized,
-                   graphpatch_fixtures):
+                   registry_walks, graphpatch_fixtures):
         entries.extend(module.ENTRIES)
     entries.extend(found.entries())  # programs the generated corpus found (tests/corpus/test_fuzz.py)
     names = [e.name for e in entries]

@@ -47,8 +47,9 @@ BODIES: dict[int, tuple[str, ...]] = {
 }
 #: how a block calls its inner child ``Inner(p, q)``
 INNER_CALLS = ("pos", "kw", "kw_rev", "mixed")
-#: the root's scalar reads: a Python float, a plain object's attributes, a callable object, a numpy scalar
-READS = ("alpha", "hp", "nested", "act", "k")
+#: the root's scalar reads: a Python float, a plain object's attributes, a callable object, a numpy
+#: scalar, the number of modules in its tree (a walk of its registry)
+READS = ("alpha", "hp", "nested", "act", "k", "modules")
 #: edits of plain objects (not modules): issue 48 item 2
 PLAIN_EDITS = ("hp_attr", "hp_replace", "nested_attr", "act_attr", "act_replace", "k_replace")
 EDITS = ("root_alpha", "block_alpha", "swap_child", "swap_class", "double", *PLAIN_EDITS)
@@ -233,7 +234,8 @@ def _root_source(program: Program) -> tuple[str, bool]:
                          "hp": f"{new} = {v} * self.hp.scale + self.hp.shift",
                          "nested": f"{new} = {v} + self.hp.inner.bias",
                          "act": f"{new} = self.act({v})",
-                         "k": f"{new} = {v} * float(self.k)"}[stmt.style])
+                         "k": f"{new} = {v} * float(self.k)",
+                         "modules": f"{new} = {v} + len(list(self.modules()))"}[stmt.style])
         elif stmt.kind == "buffer":
             body += ["if self.training:", f"    self.running.mul_(0.5).add_({args[0]}.detach().mean(0))",
                      "    self.steps += 1", f"{new} = {args[0]} - self.running"]

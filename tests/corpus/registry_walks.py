@@ -1,0 +1,71 @@
+"""Module code that walks its own registry (``for child in self.children()``, a count of
+``self.modules()``): a bridge registers op points in the modules' ``_modules``, so this code must
+run where they are out of it (an extraction, or the module's own code over a bridged model: a
+submodule called on its own, a call no graph serves yet, a trace that runs the model's code)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import Call, Edit, Entry, calls
+
+
+def _x():
+    return torch.randn(2, 3)
+
+
+class Loop(nn.Module):
+    """Applies each child in registration order; adds the number of modules in its tree."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+
+    def forward(self, x, scale=1.0):
+        for child in self.children():
+            x = torch.tanh(child(x))
+        return x * scale + len(list(self.modules()))
+
+
+class Walking(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.loop = Loop()
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x, scale=1.0):
+        return self.head(self.loop(x, scale))
+
+
+class Chain(nn.Module):
+    """A root applying its named children in turn (a hand-made Sequential)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(3, 4)
+        self.act = nn.Tanh()
+        self.last = nn.Linear(4, 3)
+
+    def forward(self, x):
+        for _, child in self.named_children():
+            x = child(x)
+        return x
+
+
+def _call_loop(m):
+    """The user calls the submodule on its own (its own code runs over the bridged model)."""
+    m.seen = m.loop(torch.ones(2, 3)).detach()
+
+
+def _seen(m):
+    return m.__dict__.get("seen")
+
+
+ENTRIES = [
+    Entry("registry_walk_children", Walking,
+          calls(lambda: (_x(),), lambda: Call((_x(),), {"scale": 3.0}), Edit(_call_loop), lambda: (_x(),)),
+          attrs=_seen),
+    Entry("registry_walk_root", Chain, calls(lambda: (_x(),), lambda: (torch.randn(5, 3),), lambda: (_x(),))),
+]
