@@ -466,7 +466,8 @@ class Bridge:
                                 " or run the model normally.")
         self.eager += 1
         try:
-            yield
+            with own_code.as_built(self.model):  # once for every forward in the body (generation steps)
+                yield
         finally:
             self.eager -= 1
 

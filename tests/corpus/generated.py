@@ -22,8 +22,9 @@ broke extraction before, and their neighbours:
   root's ``cache`` argument; a tensor, tuple or dict output;
 - the script: calls with and without grad (all with one cache, when the root takes one: each
   call after the first is a decode step), and edits between them: module attribute writes,
-  plain-object attribute writes and replacements, child swaps, class swaps (``__class__``) and
-  ``.double()``.
+  plain-object attribute writes and replacements, child swaps, class swaps (``__class__``),
+  ``.double()`` and a block child called on its own (its output kept and compared);
+- block bodies and root reads that walk a module's registry (``self.children()``, ``self.modules()``).
 
 Every construct a program uses that belongs to a known silent difference is named in
 :attr:`Program.features` (see ``KNOWN_FEATURES`` in ``tests/corpus/test_fuzz.py``).
@@ -41,9 +42,11 @@ from types import ModuleType
 from corpus.program_parts import CACHED_KINDS
 
 #: body templates of a block's forward by arity (``x`` and ``a`` are its arguments)
+#: (the last of each walks the block's registry: a bridge's op points must not be in it while its code runs)
 BODIES: dict[int, tuple[str, ...]] = {
-    2: ("self.lin(x + a)", "self.lin(x) * torch.tanh(a)", "self.lin(x) + self.lin(a)", "torch.relu(self.lin(x)) - a"),
-    1: ("self.lin(x)", "torch.tanh(self.lin(x)) + x", "self.lin(self.lin(x))"),
+    2: ("self.lin(x + a)", "self.lin(x) * torch.tanh(a)", "self.lin(x) + self.lin(a)", "torch.relu(self.lin(x)) - a",
+        "self.lin(x + a) * len(list(self.children()))"),
+    1: ("self.lin(x)", "torch.tanh(self.lin(x)) + x", "self.lin(self.lin(x))", "self.lin(x) + len(list(self.modules()))"),
 }
 #: how a block calls its inner child ``Inner(p, q)``
 INNER_CALLS = ("pos", "kw", "kw_rev", "mixed")
@@ -52,7 +55,8 @@ INNER_CALLS = ("pos", "kw", "kw_rev", "mixed")
 READS = ("alpha", "hp", "nested", "act", "k", "modules")
 #: edits of plain objects (not modules): issue 48 item 2
 PLAIN_EDITS = ("hp_attr", "hp_replace", "nested_attr", "act_attr", "act_replace", "k_replace")
-EDITS = ("root_alpha", "block_alpha", "swap_child", "swap_class", "double", *PLAIN_EDITS)
+#: (``direct``: the user calls a block child on its own, its code running over the bridged model)
+EDITS = ("root_alpha", "block_alpha", "swap_child", "swap_class", "double", *PLAIN_EDITS, "direct")
 
 
 @dataclass(frozen=True)
@@ -264,6 +268,9 @@ def _edit_source(program: Program, step: Step, doubled: bool) -> str:
     if child is not None and child.kind == "list":
         target = f"m.c{step.child}[{step.entry}]"
     value = repr(step.value)
+    if step.kind == "direct":  # (a single block: its output is kept and compared)
+        ones = f"torch.ones(2, 4{', dtype=torch.float64' if doubled else ''})"
+        return f"m.seen = {target}({', '.join([ones] * _arity(program, step.child))}).detach()"
     return {"root_alpha": f"m.alpha = {value}",
             "block_alpha": f"{target}.alpha = {value}",
             "swap_child": f"{target} = B{step.block}()" + (".double()" if doubled else ""),
@@ -304,7 +311,9 @@ def render(program: Program, name: str | None = None, doc: str = "") -> str:
     cache = program.cache
     opening = "" if cache is None else f"    cache = new_cache({cache.blocks[0]}, sliding={bool(cache.blocks[2])})\n"
     parts.append("def script():\n" + opening + "    return [\n" + "".join(f"        {s},\n" for s in script) + "    ]")
-    attrs = ", attrs=lambda m: m.calls" if counter else ""
+    watched = ["m.calls"] * counter + ["m.__dict__.get('seen')"] * any(s.kind == "direct" for s in program.script)
+    attrs = f", attrs=lambda m: {watched[0]}" if len(watched) == 1 else \
+        f", attrs=lambda m: ({', '.join(watched)})" if watched else ""
     parts.append(f"ENTRIES = [Entry({name!r}, Root, script, item=48, modes={program.modes!r}{attrs})]")
     return "\n\n\n".join(parts) + "\n"
 

@@ -158,6 +158,7 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
     edits += ["block_alpha"] if any(blocks[b].alpha for c in children if c.kind in ("block", "list")
                                     for b in c.blocks) else []
     edits += [e for e in PLAIN_EDITS if _READ_OF_EDIT[e] in reads and "plain_object_edit" not in excluded]
+    edits += ["direct"] if any(c.kind == "block" for c in children) else []
     if "plain_object_edit" in required:
         edit = draw(st.sampled_from(PLAIN_EDITS))
         if _READ_OF_EDIT[edit] not in reads:
@@ -190,6 +191,8 @@ def _edit(draw: st.DrawFn, kinds: list[str], children: list[Child], blocks: list
     ``swap_child`` replaced (a class swap goes to the subclass of the entry's class then)."""
     kind = draw(st.sampled_from([k for k in kinds if not (k == "double" and doubled)]))
     value = draw(st.sampled_from((2.0, 0.5, 3.0)))
+    if kind == "direct":
+        return Step(kind, child=draw(st.sampled_from([i for i, c in enumerate(children) if c.kind == "block"])))
     if kind not in ("swap_child", "swap_class", "block_alpha"):
         return Step(kind, value=value)
     # an entry of a child that is not another attribute of an earlier child

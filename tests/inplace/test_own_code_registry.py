@@ -139,3 +139,16 @@ def test_the_registry_is_back_in_place_when_the_code_raises():
     assert _registries(model) == before
     assert all(not isinstance(value, OpPoint) for value in vars(model.loop).values())
     assert torch.equal(model(x), eager(x))
+
+
+def test_a_module_only_trace_that_raises_leaves_the_registry_in_place():
+    eager, model, x = _models()
+    before = _registries(model)
+    wrapped = nnbridge.NNsight(model)
+    with pytest.raises(ValueError, match="seven rows"):
+        with wrapped.trace(torch.randn(7, 3)):
+            wrapped.loop.output.save()
+    assert _registries(model) == before
+    with wrapped.trace(x):
+        output = wrapped.output.save()
+    assert torch.equal(output, eager(x))
