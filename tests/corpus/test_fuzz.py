@@ -7,7 +7,8 @@ and the RNG state ``torch.equal`` to eager, or a loud ``NNBridgeError`` naming a
 a fresh disk extraction cache (cold: extracted and stored), then again from that cache (warm).
 
 CI runs :data:`CI_EXAMPLES` programs from a fixed seed (``derandomize``); ``NNBRIDGE_FUZZ_EXAMPLES=N``
-runs N per setting; ``NNBRIDGE_FUZZ_SHRINK=0`` reports a failure without shrinking it. A failing
+runs N per setting; ``NNBRIDGE_FUZZ_SEED=S`` draws them from seed ``S`` instead (other programs than
+CI's, the same ones on every run with that seed); ``NNBRIDGE_FUZZ_SHRINK=0`` reports a failure without shrinking it. A failing
 program is shrunk by hypothesis and reported with its source; with ``NNBRIDGE_FUZZ_SAVE=1`` the
 shrunk program is also written to ``tests/corpus/found/`` as a corpus entry (rename it for what it
 found: ``tests/corpus/test_corpus.py`` runs it from then on).
@@ -22,12 +23,13 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, currently_in_test_context, event, given, settings
+from hypothesis import HealthCheck, Phase, currently_in_test_context, event, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 
@@ -37,10 +39,15 @@ from corpus.generated import (BODIES, EDITS, INNER_CALLS, PLAIN_EDITS, READS, Bl
 from corpus.harness import FRONT_ENDS, check
 from corpus.program_parts import CACHED_KINDS
 
+#: a hypothesis test function (before and after its decorators)
+_Test = Callable[..., Any]
+
 #: programs per front-end and layer-reuse setting in a CI run (fixed seed): 6 x 15 cases, each run
 #: cold and warm; ``NNBRIDGE_FUZZ_EXAMPLES`` overrides
 CI_EXAMPLES = 15
 EXAMPLES = int(os.environ.get("NNBRIDGE_FUZZ_EXAMPLES") or CI_EXAMPLES)
+#: the seed programs are drawn from (``NNBRIDGE_FUZZ_SEED``); None: CI's fixed programs (``derandomize``)
+SEED = os.environ.get("NNBRIDGE_FUZZ_SEED")
 #: programs per known feature in test_fuzz_finds_known
 KNOWN_EXAMPLES = 10
 
@@ -282,20 +289,34 @@ def _save(source: str, program: Program) -> Path | None:
     return path
 
 
-def _settings(examples: int, shrink: bool = True) -> settings:
-    """A fixed seed, no deadline, no example database: the same programs on every run."""
+def _settings(examples: int, shrink: bool = True, drawn_from: str | None = None) -> Callable[[_Test], _Test]:
+    """A fixed seed, no deadline, no example database: the same programs on every run. The seed is
+    hypothesis's own for the test (``derandomize``), or ``drawn_from`` (a decimal integer, as
+    ``NNBRIDGE_FUZZ_SEED`` gives it).
+
+    Raises:
+        ValueError: ``drawn_from`` is not a decimal integer.
+    """
     shrink = shrink and os.environ.get("NNBRIDGE_FUZZ_SHRINK") != "0"
     phases = (Phase.explicit, Phase.generate, *((Phase.shrink,) if shrink else ()))
-    return settings(max_examples=examples, derandomize=True, deadline=None, database=None, print_blob=False,
-                    phases=phases, report_multiple_bugs=False,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    if drawn_from is not None and not drawn_from.strip().lstrip("-").isdigit():
+        raise ValueError(f"NNBRIDGE_FUZZ_SEED={drawn_from!r}: the seed must be a decimal integer"
+                         " (NNBRIDGE_FUZZ_SEED=7); unset it for CI's fixed programs")
+    chosen = settings(max_examples=examples, derandomize=drawn_from is None, deadline=None, database=None,
+                      print_blob=False, phases=phases, report_multiple_bugs=False,
+                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+    def apply(test: _Test) -> _Test:
+        test = chosen(test)
+        return test if drawn_from is None else seed(int(drawn_from))(test)
+    return apply
 
 
 @pytest.mark.parametrize("reuse_layers", [True, False], ids=["reuse", "no-reuse"])
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
 def test_fuzz(front_end: str, reuse_layers: bool) -> None:
     """The same programs (a fixed seed) through each front-end, with layer reuse on and off."""
-    @_settings(EXAMPLES)
+    @_settings(EXAMPLES, drawn_from=SEED)
     @given(programs(excluded=frozenset(KNOWN_FEATURES)))
     def fuzz(program: Program) -> None:
         run_case(Case(program, front_end, reuse_layers))
@@ -313,3 +334,30 @@ def test_fuzz_finds_known(feature: str) -> None:
     def fuzz(case: Case) -> None:
         run_case(case)
     fuzz()
+
+
+def _drawn(examples: int, drawn_from: str | None) -> list[str]:
+    """The names of the first ``examples`` programs drawn (none run) with :func:`_settings`."""
+    names: list[str] = []
+
+    @_settings(examples, shrink=False, drawn_from=drawn_from)
+    @given(programs(excluded=frozenset(KNOWN_FEATURES)))
+    def draw(program: Program) -> None:
+        names.append(program.name())
+    draw()
+    return names
+
+
+def test_a_seed_draws_its_own_programs_the_same_on_every_run() -> None:
+    """``NNBRIDGE_FUZZ_SEED``'s programs: the same for one seed, others for another seed and for CI's."""
+    first = _drawn(6, "1")
+    assert first == _drawn(6, "1")
+    assert first != _drawn(6, "2")
+    assert first != _drawn(6, None)
+    assert _drawn(6, None) == _drawn(6, None)
+
+
+@pytest.mark.parametrize("text", ["x", "1.5", ""])
+def test_a_seed_that_is_no_integer_is_refused_naming_the_variable(text: str) -> None:
+    with pytest.raises(ValueError, match="NNBRIDGE_FUZZ_SEED=.*decimal integer"):
+        _settings(3, drawn_from=text)
