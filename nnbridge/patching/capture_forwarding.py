@@ -4,9 +4,17 @@ transformers 5 collects ``output_attentions`` / ``output_hidden_states`` with fo
 original attention and decoder-layer modules (see :mod:`nnbridge.compat.transformers.output_capturing`). A
 :class:`~.patchable_graph.PatchableGraph` over a plain model calls graph modules in place of those
 modules, so the hooks would never fire and the model's decorated forward would find nothing
-collected. :func:`forward_capturing_hooks` gives each graph a forward hook that runs its original
-module's capturing hooks, read at call time (transformers installs them lazily, on the first call
-that captures), with the graph's positional arguments and output, as the original call would.
+collected. :class:`CaptureForwarding` gives a graph a forward hook that runs its original module's
+capturing hooks (read at call time), with the graph's positional arguments and output, as the
+original call would, once its original module holds such hooks.
+
+Only those graphs get the hook: a graph with a torch hook takes ``nn.Module``'s slower call path
+at every call, and a model that never captures never holds capturing hooks. transformers installs
+them lazily, inside the first forward that captures: that forward runs the decorated module's own
+code (it is opaque, see :mod:`nnbridge.extract.eager_checks`), which calls its children through
+their graph dispatchers. So the forwarding is brought up to date (:meth:`CaptureForwarding.sync`)
+before each call of a dispatcher (a forward pre-hook on each) and after each extraction, whenever a
+torch hook was registered anywhere since the last time (:func:`~nnbridge.compat.torch.hooks.hook_registrations`).
 
 An in-place bridge needs none of this: parent graphs call the user's modules themselves, so their
 hooks fire (:mod:`.in_place`).
@@ -18,22 +26,80 @@ from typing import Any
 
 import torch
 
-from ..compat.torch.hooks import capturing_hooks
+from ..compat.torch.hooks import capturing_hooks, hook_registrations
 from ..graph.graph_module import CompiledGraphModule, GraphModuleBase
 from ..graph.metadata import node_meta
 
 _FORWARDED = "_nnbridge_capturing_forwarded"
+_WATCHED = "_nnbridge_capturing_watched"
 
 
-def forward_capturing_hooks(graph: GraphModuleBase, module: torch.nn.Module) -> None:
-    """Make ``graph`` (standing in for ``module``) and, recursively, its child graphs run their
-    original modules' output-capturing hooks after each call. A graph already done is skipped
-    (graphs are shared by several callers: kept child dispatchers, reused extractions).
+class CaptureForwarding:
+    """The graphs of one :class:`~.patchable_graph.PatchableGraph` over a plain model, each with the
+    module it stands in for, forwarded once that module holds transformers' capturing hooks.
+    Example::
 
-    Args:
-        graph: the root graph of an extraction (a compiled or opaque graph module).
-        module: the original module it was extracted from.
+        forwarding = CaptureForwarding()
+        forwarding.add(extraction.root, model)   # each new extraction (and its child graphs)
+        forwarding.watch(dispatcher)             # each graph dispatcher: brought up to date before its calls
     """
+
+    def __init__(self) -> None:
+        #: ``(graph, original module)`` of the graphs not forwarded yet
+        self._waiting: list[tuple[GraphModuleBase, torch.nn.Module]] = []
+        #: :func:`hook_registrations` at the last full look, or -1 (none yet)
+        self._seen = -1
+
+    def add(self, graph: GraphModuleBase, module: torch.nn.Module) -> None:
+        """Watch ``graph`` (standing in for ``module``; the root graph of an extraction, a compiled or
+        opaque graph module) and, recursively, its child graphs; forward those whose modules hold
+        capturing hooks now. A graph already watched is skipped (graphs are shared by several
+        callers: kept child dispatchers, reused extractions)."""
+        self._collect(graph, module)
+        self._seen = -1
+        self.sync()
+
+    def _collect(self, graph: GraphModuleBase, module: torch.nn.Module) -> None:
+        if graph.__dict__.get(_WATCHED):
+            return
+        graph.__dict__[_WATCHED] = True
+        self._waiting.append((graph, module))
+        if isinstance(graph, CompiledGraphModule):
+            for node in graph.graph.nodes:
+                if node.op == "call_module":
+                    self._collect(graph.child_graph(node), module.get_submodule(node_meta(node).module_path or ""))
+        # an opaque graph's children are called through their own dispatchers, whose extractions
+        # are added on their own (PatchableGraph's on_extraction callback reaches child dispatchers)
+
+    def sync(self) -> None:
+        """Forward every waiting graph whose module now holds capturing hooks; nothing to do (one
+        comparison) when no torch hook was registered anywhere since the last look."""
+        if not self._waiting or hook_registrations() == self._seen:
+            return
+        waiting = []
+        for graph, module in self._waiting:
+            if capturing_hooks(module):
+                _forward(graph, module)
+            else:
+                waiting.append((graph, module))
+        self._waiting = waiting
+        self._seen = hook_registrations()  # (after _forward's own registrations)
+
+    def watch(self, dispatcher: torch.nn.Module) -> None:
+        """Bring the forwarding up to date before each call of ``dispatcher`` (a graph dispatcher of
+        this PatchableGraph's tree), by a forward pre-hook on it (once)."""
+        if dispatcher.__dict__.get(_WATCHED):
+            return
+        dispatcher.__dict__[_WATCHED] = True
+
+        def before_call(_dispatcher: torch.nn.Module, _args: tuple[Any, ...]) -> None:
+            self.sync()
+
+        torch.nn.Module.register_forward_pre_hook(dispatcher, before_call)
+
+
+def _forward(graph: GraphModuleBase, module: torch.nn.Module) -> None:
+    """Give ``graph`` a forward hook running ``module``'s capturing hooks after each call (once)."""
     if graph.__dict__.get(_FORWARDED):
         return
     graph.__dict__[_FORWARDED] = True
@@ -43,9 +109,3 @@ def forward_capturing_hooks(graph: GraphModuleBase, module: torch.nn.Module) -> 
             hook(module, args, output)  # transformers' hooks return None (they only collect)
 
     torch.nn.Module.register_forward_hook(graph, run_original_hooks)  # type: ignore[arg-type]  # graphs are Modules
-    if isinstance(graph, CompiledGraphModule):
-        for node in graph.graph.nodes:
-            if node.op == "call_module":
-                forward_capturing_hooks(graph.child_graph(node), module.get_submodule(node_meta(node).module_path or ""))
-    # an opaque graph's children are called through their own dispatchers, whose extractions get
-    # this on their own (PatchableGraph's on_extraction callback reaches child dispatchers)

@@ -32,7 +32,7 @@ from . import varargs_paths
 from ..dispatch.dispatcher import GraphDispatcher, WeakCallback
 from ..dispatch.fallback_report import fallback_report
 from ..guards.preservation import preserved_state
-from .capture_forwarding import forward_capturing_hooks
+from .capture_forwarding import CaptureForwarding
 from ..dispatch.extraction import Extraction
 from ..graph.module_tree import named_real_modules, refuse_instance_forwards
 from ..graph.graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
@@ -173,6 +173,8 @@ class PatchableGraph(torch.nn.Module):
     _sources: list[ProgramSource]
     #: over a plain model only: the example call ``(args, kwargs)``, for pg.save
     _example: tuple[tuple[Any, ...], dict[str, Any]]
+    #: over a plain model only: the graphs that run transformers' output-capturing hooks (see .capture_forwarding)
+    _capture: CaptureForwarding
     #: the module's ``generation_config`` copied on first use (see :attr:`generation_config`)
     _generation_config: GenerationConfig | None
 
@@ -203,6 +205,7 @@ class PatchableGraph(torch.nn.Module):
                 first = self._dispatcher.lookup(tuple(example_args), dict(example_kwargs))
             else:
                 refuse_instance_forwards(module, "PatchableGraph")
+                self.__dict__["_capture"] = CaptureForwarding()
                 self._dispatcher = GraphDispatcher(module, options or ExtractionOptions(),
                                                    on_extraction=[self._apply_active])
                 self.__dict__["_callee"] = self._dispatcher
@@ -487,7 +490,8 @@ class PatchableGraph(torch.nn.Module):
         plain model its graphs also run transformers' output-capturing hooks of the modules they
         stand in for (:mod:`.capture_forwarding`)."""
         if self._modules_of_plain is not None:
-            forward_capturing_hooks(extraction.root, dispatcher.module)
+            self._capture.add(extraction.root, dispatcher.module)
+            self._capture.watch(dispatcher)
         self._share_made_points(dispatcher, extraction)
         if not self._active:
             return

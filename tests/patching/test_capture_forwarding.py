@@ -12,7 +12,10 @@ import torch
 from transformers import DynamicCache
 
 import nnbridge
-from nnbridge import PatchableGraph, ZeroPatch
+from nnbridge import ExtractionOptions, PatchableGraph, ZeroPatch
+from nnbridge.compat.torch.hooks import capturing_hooks
+from nnbridge.graph.graph_module import GraphModuleBase
+from transformers.utils.output_capturing import install_all_output_capturing_hooks
 from utils import gpt2, llama
 
 CAPTURE = dict(output_attentions=True, output_hidden_states=True)
@@ -133,3 +136,51 @@ def test_generate_returns_the_attentions_and_hidden_states_of_every_step():
         assert len(steps) == len(expected_steps) == 4
         for step, expected_step in zip(steps, expected_steps):
             assert same(step, expected_step), name
+
+
+def _graphs(pg):
+    return {id(module): module for extraction in pg.extractions for module in extraction.root.modules()
+            if isinstance(module, GraphModuleBase)}
+
+
+def test_graphs_of_a_model_that_never_captures_have_no_hooks_and_those_standing_in_for_hooked_modules_forward():
+    """A torch hook would put every graph call on nn.Module's slower path: a graph gets the
+    forwarding hook only once the module it stands in for holds transformers' capturing hooks."""
+    model, reference = llama(), llama()
+    ids = torch.randint(1, 100, (1, 5))
+    pg = PatchableGraph(model, ids, use_cache=False)
+    assert torch.equal(pg(ids, use_cache=False).logits, reference(ids, use_cache=False).logits)
+    assert not [g for g in _graphs(pg).values() if g._forward_hooks]
+    assert_same_outputs(pg(ids, use_cache=False, **CAPTURE), reference(ids, use_cache=False, **CAPTURE))
+    forwarded = [g for g in _graphs(pg).values() if g._forward_hooks]
+    hooked = [m for m in model.modules() if capturing_hooks(m)]
+    assert hooked and len(forwarded) >= len(hooked)
+    assert len(forwarded) < len(_graphs(pg))
+
+
+def test_hooks_installed_inside_a_call_the_root_extraction_serves_are_forwarded():
+    """The model's and the decorated model's own code run (opaque), so a capturing config read
+    there makes no new root extraction: transformers installs its hooks inside the call."""
+    model, reference = llama(), llama()
+    ids = torch.randint(1, 100, (1, 5))
+    options = ExtractionOptions(classes_to_skip_compiling={type(model), type(model.model)})
+    pg = PatchableGraph(model, ids, options=options, use_cache=False)
+    assert not [m for m in model.modules() if capturing_hooks(m)]
+    for config in (model.config, reference.config):
+        config.output_attentions = config.output_hidden_states = True
+    extractions = len(pg.extractions)
+    assert_same_outputs(pg(ids, use_cache=False), reference(ids, use_cache=False))
+    assert len(pg.extractions) == extractions
+
+
+def test_a_hook_registered_between_calls_brings_the_forwarding_up_to_date_before_the_next():
+    model = llama()
+    ids = torch.randint(1, 100, (1, 5))
+    pg = PatchableGraph(model, ids, use_cache=False)
+    layer = pg.extractions[0].root.model.layers[0]
+    capture = pg.__dict__["_capture"]
+    capture.sync()
+    assert not layer._forward_hooks
+    install_all_output_capturing_hooks(model.model)  # as transformers does in a capturing forward
+    capture.sync()
+    assert layer._forward_hooks

@@ -120,3 +120,12 @@ def value_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
     d = module.__dict__
     return [hook for name in ("_forward_pre_hooks", "_forward_hooks")
             for hook in (d.get(name) or {}).values() if not is_output_capturing_hook(hook)]
+
+
+def hook_registrations() -> int:
+    """How many torch hook handles this process has made so far, for any module, tensor or
+    ``torch.utils.hooks`` user: ``torch.utils.hooks.RemovableHandle.next_id`` (torch 2.0 - 2.14: every
+    ``register_*hook`` makes a handle with the next id). Equal at two moments: no hook was
+    registered in between (hooks put back without a new handle, as :func:`cleared_module_state`
+    does, are not counted)."""
+    return torch.utils.hooks.RemovableHandle.next_id
