@@ -28,6 +28,7 @@ import torch
 
 from ..compat.torch.hooks import capturing_hooks, hook_registrations
 from ..graph.graph_module import CompiledGraphModule, GraphModuleBase
+from ..graph.locking import CALL_LOCK
 from ..graph.metadata import node_meta
 
 _FORWARDED = "_nnbridge_capturing_forwarded"
@@ -93,7 +94,11 @@ class CaptureForwarding:
         dispatcher.__dict__[_WATCHED] = True
 
         def before_call(_dispatcher: torch.nn.Module, _args: tuple[Any, ...]) -> None:
-            self.sync()
+            if torch.compiler.is_dynamo_compiling():  # (Dynamo cannot enter a lock)
+                self.sync()
+                return
+            with CALL_LOCK:  # one thread forwards a graph: two would each register its hook
+                self.sync()
 
         torch.nn.Module.register_forward_pre_hook(dispatcher, before_call)
 
