@@ -22,6 +22,7 @@ hooks fire (:mod:`.in_place`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -46,8 +47,9 @@ class CaptureForwarding:
     """
 
     def __init__(self) -> None:
-        #: ``(graph, original module)`` of the graphs not forwarded yet
-        self._waiting: list[tuple[GraphModuleBase, torch.nn.Module]] = []
+        #: ``(graph, original module)`` of the graphs not forwarded yet, each graph held weakly (the
+        #: dispatchers own the extractions: an evicted one must be freed)
+        self._waiting: list[tuple[weakref.ref[GraphModuleBase], torch.nn.Module]] = []
         #: :func:`hook_registrations` at the last full look, or -1 (none yet)
         self._seen = -1
 
@@ -64,7 +66,7 @@ class CaptureForwarding:
         if graph.__dict__.get(_WATCHED):
             return
         graph.__dict__[_WATCHED] = True
-        self._waiting.append((graph, module))
+        self._waiting.append((weakref.ref(graph), module))
         if isinstance(graph, CompiledGraphModule):
             for node in graph.graph.nodes:
                 if node.op == "call_module":
@@ -78,11 +80,14 @@ class CaptureForwarding:
         if not self._waiting or hook_registrations() == self._seen:
             return
         waiting = []
-        for graph, module in self._waiting:
+        for ref, module in self._waiting:
+            graph = ref()
+            if graph is None:  # its extraction was evicted and freed
+                continue
             if capturing_hooks(module):
                 _forward(graph, module)
             else:
-                waiting.append((graph, module))
+                waiting.append((ref, module))
         self._waiting = waiting
         self._seen = hook_registrations()  # (after _forward's own registrations)
 
