@@ -10,10 +10,17 @@ and once under ``torch.no_grad()``. Each gives its peak RSS minus the RSS just b
 target, per grad mode: the bridge peak increase at most the eager peak increase (same mode) plus
 0.5x the fp32 model size.
 
-Usage: python benchmarks/bench_memory.py
+The peak of one process is noisy: identical eager processes in grad mode peaked anywhere from
++4.6 GB to +5.4 GB, so each way runs in several processes, eager and bridge in turn, and the
+medians are compared.
+
+Usage: python benchmarks/bench_memory.py [processes per way, default 3]
 """
 
 from __future__ import annotations
+
+import statistics
+import sys
 
 from processes import run_json
 
@@ -64,22 +71,42 @@ def child(how: str, grad: bool) -> dict:
     return run_json(_CHILD.format(how=how, grad=grad, batch=BATCH, tokens=TOKENS), NNBRIDGE_EXTRACTION_CACHE="0")
 
 
-def measure() -> dict:
+def _medians(runs: list[dict]) -> dict:
+    """One way's runs as one result: the median of each value, and the increases' ``range_mb``."""
+    increases = [run["increase_mb"] for run in runs]
+    return {**{key: statistics.median(run[key] for run in runs) for key in runs[0]},
+            "range_mb": (min(increases), max(increases))}
+
+
+def measure(processes: int = 3) -> dict:
     """``{"grad" / "no_grad": {"eager": {...}, "bridge": {...}, "excess_ratio"}}``: per grad mode,
-    the bridge increase minus the eager increase, over the fp32 model size (target ≤ 0.5)."""
+    the medians over ``processes`` new processes per way (eager and bridge in turn; ``range_mb``:
+    the lowest and highest increase), and the bridge's median increase minus the eager one, over
+    the fp32 model size (target ≤ 0.5).
+
+    Raises:
+        ValueError: ``processes`` is below 1.
+    """
+    if processes < 1:
+        raise ValueError(f"processes must be at least 1, got {processes}")
     result = {}
     for mode, grad in (("grad", True), ("no_grad", False)):
-        eager, bridge = child("eager", grad), child("bridge", grad)
+        runs: dict[str, list[dict]] = {"eager": [], "bridge": []}
+        for _ in range(processes):  # in turn, so machine drift hits both alike
+            for how in runs:
+                runs[how].append(child(how, grad))
+        eager, bridge = _medians(runs["eager"]), _medians(runs["bridge"])
         result[mode] = {"eager": eager, "bridge": bridge,
                         "excess_ratio": (bridge["increase_mb"] - eager["increase_mb"]) / bridge["size_mb"]}
     return result
 
 
 def main() -> None:
-    for mode, result in measure().items():
+    for mode, result in measure(int(sys.argv[1]) if len(sys.argv) > 1 else 3).items():
         for how in ("eager", "bridge"):
-            print(f"{mode:7s} {how:6s} peak RSS +{result[how]['increase_mb']:.0f} MB over"
-                  f" {result[how]['before_mb']:.0f} MB ({result[how]['seconds']:.1f} s)")
+            low, high = result[how]["range_mb"]
+            print(f"{mode:7s} {how:6s} peak RSS +{result[how]['increase_mb']:.0f} MB (+{low:.0f} to +{high:.0f})"
+                  f" over {result[how]['before_mb']:.0f} MB ({result[how]['seconds']:.1f} s)")
         print(f"{mode:7s} (bridge - eager) / fp32 model size ({result['bridge']['size_mb']:.0f} MB):"
               f" {result['excess_ratio']:.2f}x")
 

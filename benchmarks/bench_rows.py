@@ -224,15 +224,18 @@ def generation(part: str) -> Callable[[Settings], Result]:
 @functools.cache
 def _memory(how: Settings) -> dict[str, Any]:
     import bench_memory
-    return bench_memory.measure()
+    return bench_memory.measure(how.processes)
 
 
 def memory(mode: str) -> Callable[[Settings], Result]:
     def row(how: Settings) -> Result:
         result = _memory(how)[mode]
         eager, bridge = result["eager"], result["bridge"]
-        return Result(f"bridge() +{bridge['increase_mb']:.0f} MB", result["excess_ratio"], None,
-                      f"eager forward +{eager['increase_mb']:.0f} MB; fp32 model size {bridge['size_mb']:.0f} MB",
+        spread = {how: "+{:.0f} to +{:.0f} MB".format(*value["range_mb"]) for how, value in result.items()
+                  if how != "excess_ratio"}
+        return Result(f"bridge() +{bridge['increase_mb']:.0f} MB ({spread['bridge']})", result["excess_ratio"], None,
+                      f"eager forward +{eager['increase_mb']:.0f} MB ({spread['eager']}); fp32 model size"
+                      f" {bridge['size_mb']:.0f} MB",
                       "score: (bridge peak increase - eager peak increase) / model size")
     return row
 
@@ -300,7 +303,8 @@ ROWS: list[Row] = [
     Row("smollm2-memory-4x512", "SmolLM2-135M bridge() peak RSS at ids (4, 512), grad mode on",
         "peak ≤ eager peak + 0.5x model size", 0.5, memory("grad"),
         "bench_memory.measure: new processes, weights resident; peak RSS (sampled every 5 ms) minus RSS just"
-        " before, of bridge(model, ids, attention_mask=mask) and of model(ids, attention_mask=mask)"),
+        " before, of bridge(model, ids, attention_mask=mask) and of model(ids, attention_mask=mask), in turn;"
+        " medians (the range in brackets)"),
     Row("smollm2-memory-4x512-no-grad", "the same under torch.no_grad()", "peak ≤ eager peak + 0.5x model size",
         0.5, memory("no_grad"), "as smollm2-memory-4x512, both under torch.no_grad()"),
 ]
