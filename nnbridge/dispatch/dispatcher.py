@@ -50,6 +50,7 @@ from ..graph.failures import add_note
 from ..graph.graph_module import CompiledGraphModule
 from ..graph.codegen import code_generation_deferred
 from ..guards.module_state import StateGuard
+from ..graph import patch_state
 from ..graph.locking import CALL_LOCK
 from ..graph.node_path import ROOT_PATH, ModulePath
 from ..graph.op_point import OpPoint, OpPointContainer
@@ -92,6 +93,23 @@ class WeakCallback:
 
 def _nnbridge_child(module: torch.nn.Module) -> bool:
     return isinstance(module, (OpPoint, OpPointContainer))
+
+
+@torch.compiler.disable(reason="nnbridge extracts this call structure of the module (torch.export), which cannot run"
+                               " inside torch.compile's trace. Call it once outside torch.compile with these arguments"
+                               " (or build the PatchableGraph with them) before compiling with fullgraph=True.")
+def _lookup_outside_dynamo(dispatcher: GraphDispatcher, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
+    """``dispatcher.lookup`` run eagerly when Dynamo traces the call (a graph break)."""
+    with CALL_LOCK:
+        return dispatcher.lookup(args, kwargs)
+
+
+@torch.compiler.disable(reason="a patch context (pg.patch) is open in another thread or asyncio task, so whether"
+                               " each patch applies depends on the calling context, which torch.compile cannot check:"
+                               " the call runs uncompiled. Leave the other context, or compile without fullgraph=True.")
+def _run_outside_dynamo(dispatcher: GraphDispatcher, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``dispatcher(*args, **kwargs)`` run eagerly when Dynamo traces it (a graph break)."""
+    return dispatcher(*args, **kwargs)
 
 
 class GraphDispatcher(torch.nn.Module):
@@ -372,12 +390,19 @@ class GraphDispatcher(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():  # torch.compile traces through: Dynamo cannot enter a lock
-            return self._run(args, kwargs)
+            if not patch_state.all_open_here():
+                # whether each patch applies depends on the calling context (see patch_state's
+                # listeners), which the compiled code cannot check: the call runs uncompiled
+                return _run_outside_dynamo(self, args, kwargs)
+            # a call structure never extracted is extracted outside the trace (torch.export cannot run
+            # inside it): a graph break, which fullgraph=True reports with the reason below
+            extraction = self.find(args, kwargs)
+            return self._run(args, kwargs, extraction or _lookup_outside_dynamo(self, args, kwargs))
         with CALL_LOCK:
-            return self._run(args, kwargs)
+            return self._run(args, kwargs, self.lookup(args, kwargs))
 
-    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        root = self.lookup(args, kwargs).root
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any], extraction: Extraction) -> Any:
+        root = extraction.root
         try:
             if isinstance(root, CompiledGraphModule):
                 return root.run_unchecked(*args, **kwargs)

@@ -16,6 +16,12 @@ their graph dispatchers. So the forwarding is brought up to date (:meth:`Capture
 before each call of a dispatcher (a forward pre-hook on each) and after each extraction, whenever a
 torch hook was registered anywhere since the last time (:func:`~nnbridge.compat.torch.hooks.hook_registrations`).
 
+While Dynamo traces a call (``torch.compile``) the pre-hook does nothing: the check would guard the
+compiled code on that process-wide counter, which compiling itself moves (AOT autograd registers
+hooks), so every call would compile again. There the forwarding is brought up to date after each
+extraction (a call structure never extracted is extracted outside the trace, and transformers
+installs its hooks in that extraction's eager runs) and before each uncompiled call.
+
 An in-place bridge needs none of this: parent graphs call the user's modules themselves, so their
 hooks fire (:mod:`.in_place`).
 """
@@ -99,13 +105,15 @@ class CaptureForwarding:
         dispatcher.__dict__[_WATCHED] = True
 
         def before_call(_dispatcher: torch.nn.Module, _args: tuple[Any, ...]) -> None:
-            if torch.compiler.is_dynamo_compiling():  # (Dynamo cannot enter a lock)
-                self.sync()
-                return
+            if torch.compiler.is_dynamo_compiling():
+                return  # see the module docstring
             with CALL_LOCK:  # one thread forwards a graph: two would each register its hook
                 self.sync()
 
+        in_sync = hook_registrations() == self._seen
         torch.nn.Module.register_forward_pre_hook(dispatcher, before_call)
+        if in_sync:  # (this registration forwards nothing)
+            self._seen = hook_registrations()
 
 
 def _forward(graph: GraphModuleBase, module: torch.nn.Module) -> None:

@@ -291,7 +291,12 @@ class PatchableGraph(torch.nn.Module):
         plain = self._modules_of_plain
         if plain is not None:
             self._refuse_skipped_calls(plain)
-        with sources_active(*self.__dict__.get("_sources", ())):  # a loaded pg's file (see .saving)
+        sources = self.__dict__.get("_sources", ())  # a loaded pg's file (see .saving)
+        if not sources or torch.compiler.is_dynamo_compiling():
+            # (Dynamo cannot read the context variable: under torch.compile a new call structure is
+            # extracted outside the trace, by export rather than from the file)
+            return self._callee(*args, **kwargs)
+        with sources_active(*sources):
             return self._callee(*args, **kwargs)
 
     def _refuse_skipped_calls(self, plain: list[tuple[str, torch.nn.Module]]) -> None:

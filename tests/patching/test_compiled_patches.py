@@ -1,9 +1,12 @@
-"""torch.compile of a bridged model with patches open (``pg.patch``): no graph break under
-``fullgraph=True``; equal to the uncompiled patched model (``aot_eager`` exactly, inductor within
-fp32 tolerance); a new patch value (a new ``AddPatch`` tensor, another clean activation for a
-``ReplacePatch``) runs the compiled code again, while patching other nodes may compile anew
-(Dynamo's compiles counted); a patch context open in another thread is no patch here."""
+"""torch.compile of a bridged model, or of a PatchableGraph over a plain model, with patches open
+(``pg.patch``): no graph break under ``fullgraph=True``; equal to the uncompiled patched model
+(``aot_eager`` exactly, inductor within fp32 tolerance); a new patch value (a new ``AddPatch``
+tensor, another clean activation for a ``ReplacePatch``) runs the compiled code again, while
+patching other nodes may compile anew (Dynamo's compiles counted); a patch context open in another
+thread is no patch here; a call structure never extracted is extracted outside the trace (a graph
+break, refused under ``fullgraph=True`` with the reason)."""
 
+import io
 import threading
 
 import pytest
@@ -125,6 +128,89 @@ def test_a_patch_context_of_another_thread_is_no_patch_here():
             with pytest.raises(Exception, match="open in another thread or asyncio task"):
                 torch.compile(model, backend="aot_eager", fullgraph=True)(corrupt, use_cache=False)
             assert torch.equal(torch.compile(model, backend="aot_eager")(corrupt, use_cache=False).logits, plain)
+    finally:
+        done.set()
+        thread.join(60)
+    assert torch.equal(seen["compiled"], seen["expected"]), "the patch applies in its own thread"
+    assert not torch.equal(seen["expected"], plain)
+
+
+def plain_gpt2():
+    """A tiny GPT-2 left unbridged, a PatchableGraph over it, and two inputs (``(2, 7)`` token ids)."""
+    torch.manual_seed(1)
+    clean, corrupt = torch.randint(0, 100, (2, 7)), torch.randint(0, 100, (2, 7))
+    model = gpt2()
+    return model, PatchableGraph(model, clean, use_cache=False), clean, corrupt
+
+
+def test_a_patchable_graph_over_a_plain_model_compiles_whole_and_new_patch_values_reuse_the_code():
+    model, pg, clean, corrupt = plain_gpt2()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(pg, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        plain = model(corrupt, use_cache=False).logits  # the model's own code
+        assert torch.equal(compiled(corrupt, use_cache=False).logits, plain)
+        compiles = []
+        for value in (torch.randn(64), torch.randn(64)):
+            with pg.patch({NODE: AddPatch(value=value)}):
+                expected = pg(corrupt, use_cache=False).logits
+                assert torch.equal(compiled(corrupt, use_cache=False).logits, expected)
+            assert not torch.equal(expected, plain), "the patch changes the output"
+            compiles.append(counter.frame_count)
+        assert compiles[0] == compiles[1], f"compiles after each run: {compiles}"
+        assert torch.equal(compiled(corrupt, use_cache=False).logits, plain), "no patch after the contexts"
+
+
+def test_a_loaded_patchable_graph_compiles_whole_and_equals_the_model():
+    model, pg, clean, corrupt = plain_gpt2()
+    buffer = io.BytesIO()
+    pg.save(buffer)
+    buffer.seek(0)
+    loaded = PatchableGraph.load(buffer, gpt2())
+    compiled = torch.compile(loaded, backend="aot_eager", fullgraph=True)
+    with torch.no_grad(), loaded.patch({NODE: AddPatch(value=torch.ones(64))}):
+        assert torch.equal(compiled(corrupt, use_cache=False).logits, loaded(corrupt, use_cache=False).logits)
+    with torch.no_grad():
+        assert torch.equal(compiled(corrupt, use_cache=False).logits, model(corrupt, use_cache=False).logits)
+
+
+def test_a_new_call_structure_of_a_plain_model_is_extracted_outside_the_trace():
+    model, pg, clean, corrupt = plain_gpt2()
+    reference = gpt2()
+    with torch.no_grad():
+        with pytest.raises(Exception, match="nnbridge extracts this call structure of the module"):
+            torch.compile(pg, backend="aot_eager", fullgraph=True)(corrupt)  # the cache: a new structure
+        torch._dynamo.reset()
+        extractions = len(pg.extractions)
+        out = torch.compile(pg, backend="aot_eager")(corrupt, use_cache=False, output_attentions=True)
+        expected = reference(corrupt, use_cache=False, output_attentions=True)
+    assert len(pg.extractions) == extractions + 1
+    assert torch.equal(out.logits, expected.logits)
+    assert len(out.attentions) == len(expected.attentions) == 2
+    assert all(torch.equal(a, b) for a, b in zip(out.attentions, expected.attentions))
+
+
+def test_a_patch_context_of_another_thread_is_no_patch_in_a_compiled_patchable_graph_here():
+    model, pg, clean, corrupt = plain_gpt2()
+    opened, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def patcher():
+        with torch.no_grad(), pg.patch({NODE: AddPatch(value=torch.ones(64))}):
+            seen["expected"] = pg(corrupt, use_cache=False).logits
+            opened.set()
+            done.wait(60)
+            seen["compiled"] = torch.compile(pg, backend="aot_eager")(corrupt, use_cache=False).logits
+
+    thread = threading.Thread(target=patcher)
+    thread.start()
+    try:
+        assert opened.wait(60)
+        with torch.no_grad():
+            plain = model(corrupt, use_cache=False).logits
+            with pytest.raises(Exception, match="open in another thread or asyncio task"):
+                torch.compile(pg, backend="aot_eager", fullgraph=True)(corrupt, use_cache=False)
+            assert torch.equal(torch.compile(pg, backend="aot_eager")(corrupt, use_cache=False).logits, plain)
     finally:
         done.set()
         thread.join(60)
