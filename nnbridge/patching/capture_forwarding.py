@@ -39,6 +39,8 @@ from ..graph.locking import CALL_LOCK
 from ..graph.metadata import node_meta
 
 _FORWARDED = "_nnbridge_capturing_forwarded"
+#: marks a graph :meth:`CaptureForwarding.add` collected, and a dispatcher :meth:`CaptureForwarding.watch` hooked
+_COLLECTED = "_nnbridge_capturing_collected"
 _WATCHED = "_nnbridge_capturing_watched"
 
 
@@ -69,9 +71,9 @@ class CaptureForwarding:
         self.sync()
 
     def _collect(self, graph: GraphModuleBase, module: torch.nn.Module) -> None:
-        if graph.__dict__.get(_WATCHED):
+        if graph.__dict__.get(_COLLECTED):
             return
-        graph.__dict__[_WATCHED] = True
+        graph.__dict__[_COLLECTED] = True
         self._waiting.append((weakref.ref(graph), module))
         if isinstance(graph, CompiledGraphModule):
             for node in graph.graph.nodes:
