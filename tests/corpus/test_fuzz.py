@@ -21,6 +21,7 @@ them out, and ``test_fuzz_finds_known`` runs programs that use each one and must
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, currently_in_test_context, event, given, seed, settings
+from hypothesis import HealthCheck, Phase, currently_in_test_context, event, given, reject, seed, settings
 from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 
@@ -319,8 +320,24 @@ def test_fuzz(front_end: str, reuse_layers: bool) -> None:
     @_settings(EXAMPLES, drawn_from=SEED)
     @given(programs(excluded=frozenset(KNOWN_FEATURES)))
     def fuzz(program: Program) -> None:
+        if front_end == "nnsight" and nnsight_keeps_the_old_class(program):
+            reject()
         run_case(Case(program, front_end, reuse_layers))
     fuzz()
+
+
+def nnsight_keeps_the_old_class(program: Program) -> bool:
+    """Whether ``program`` swaps a module's class (``swap_class``) where nnsight's own envoys keep
+    calling the old class's forward: they wrap each module's forward when built, and the swapped
+    module is called from the root's own code (a ``nograd`` statement makes the root opaque) or
+    directly (a ``direct`` step after the swap). Plain nnsight 0.8.1 gives the same numbers; such
+    programs are left out of the NNsight front-end's runs (the corpus keeps one:
+    ``tests/corpus/found/class_swap_of_a_shared_child.py``, a known difference through nnsight)."""
+    swaps = [i for i, step in enumerate(program.script) if step.kind == "swap_class"]
+    if not swaps:
+        return False
+    return any(stmt.kind == "nograd" for stmt in program.stmts) or \
+        any(step.kind == "direct" for step in program.script[swaps[0]:])
 
 
 @pytest.mark.parametrize("feature", [pytest.param(feature, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
@@ -361,3 +378,22 @@ def test_a_seed_draws_its_own_programs_the_same_on_every_run() -> None:
 def test_a_seed_that_is_no_integer_is_refused_naming_the_variable(text: str) -> None:
     with pytest.raises(ValueError, match="NNBRIDGE_FUZZ_SEED=.*decimal integer"):
         _settings(3, drawn_from=text)
+
+
+def _found_program() -> Program:
+    """The program of ``tests/corpus/found/class_swap_of_a_shared_child.py`` (its docstring's repr)."""
+    from corpus.found import class_swap_of_a_shared_child as found
+    text = next(line for line in (found.__doc__ or "").splitlines() if line.startswith("Program("))
+    return eval(text, {"Program": Program, "Block": Block, "Child": Child, "Stmt": Stmt, "Step": Step})
+
+
+def test_class_swaps_seen_through_nnsights_own_wrappers_are_recognised() -> None:
+    program = _found_program()  # a nograd statement (an opaque root) and a direct call after the swap
+    assert nnsight_keeps_the_old_class(program)
+    no_direct = dataclasses.replace(program, script=tuple(s for s in program.script if s.kind != "direct"))
+    assert nnsight_keeps_the_old_class(no_direct)  # the root is still opaque
+    graphs_only = dataclasses.replace(no_direct, stmts=tuple(dataclasses.replace(s, kind="call") if s.kind == "nograd"
+                                                             else s for s in program.stmts))
+    assert not nnsight_keeps_the_old_class(graphs_only)
+    no_swap = dataclasses.replace(program, script=tuple(s for s in program.script if s.kind != "swap_class"))
+    assert not nnsight_keeps_the_old_class(no_swap)

@@ -436,3 +436,45 @@ def test_a_model_bridged_before_it_is_wrapped_traces_as_nnsight():
         zeroed_reference = reference.lm_head.output.save()
     assert torch.equal(zeroed, zeroed_reference)
     assert torch.equal(model(IDS).logits, reference._module(IDS).logits)
+
+
+def _class_swap_run(wrap, graphs: bool = False):
+    """The outputs and the direct call's value (``m.seen``) of the script of
+    ``tests/corpus/found/class_swap_of_a_shared_child.py`` (a class swap of a shared child, which
+    an opaque root calls, then a direct call), each call traced through ``wrap(model)``'s
+    ``.output`` (``wrap=None``: the model called eagerly)."""
+    from corpus import Edit
+    from corpus.found import class_swap_of_a_shared_child as found
+    torch.manual_seed(0)
+    model = found.Root().eval()
+    torch.manual_seed(1)
+    wrapped = None
+    outputs = []
+    for step in found.script():
+        if isinstance(step, Edit):
+            step.fn(model)
+            continue
+        with torch.set_grad_enabled(step.grad):
+            if wrap is None:
+                outputs.append(model(*step.args).detach())
+                continue
+            if wrapped is None:
+                wrapped = wrap(model)
+                if graphs:
+                    wrapped.eager_module_traces = False
+            with wrapped.trace(*step.args):
+                out = wrapped.output.save()
+            outputs.append(out.detach())
+    return outputs, model.__dict__["seen"]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["module-only", "graphs"])
+def test_a_class_swap_nnsight_does_not_see_gives_nnsights_numbers(graphs):
+    """nnsight's envoys wrap each module's forward when built, so after ``module.__class__ = Sub`` a
+    call from an opaque root's code, and a direct call, still run the old class's forward: plain
+    nnsight 0.8.1 differs from eager, and nnbridge.NNsight gives plain nnsight's numbers."""
+    eager = _class_swap_run(None)
+    plain = _class_swap_run(nnsight.NNsight)
+    ours = _class_swap_run(nnbridge.NNsight, graphs=graphs)
+    assert all(torch.equal(a, b) for a, b in zip(ours[0], plain[0])) and torch.equal(ours[1], plain[1])
+    assert not torch.equal(plain[1], eager[1]), "plain nnsight now sees the class swap: drop the corpus's KNOWN entry"
