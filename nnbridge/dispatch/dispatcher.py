@@ -95,13 +95,21 @@ def _nnbridge_child(module: torch.nn.Module) -> bool:
     return isinstance(module, (OpPoint, OpPointContainer))
 
 
-@torch.compiler.disable(reason="nnbridge extracts this call structure of the module (torch.export), which cannot run"
-                               " inside torch.compile's trace. Call it once outside torch.compile with these arguments"
-                               " (or build the PatchableGraph with them) before compiling with fullgraph=True.")
-def _lookup_outside_dynamo(dispatcher: GraphDispatcher, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
-    """``dispatcher.lookup`` run eagerly when Dynamo traces the call (a graph break)."""
-    with CALL_LOCK:
-        return dispatcher.lookup(args, kwargs)
+def lookup_outside_dynamo(reason: str) -> Callable[[GraphDispatcher, tuple[Any, ...], dict[str, Any]], Extraction]:
+    """``lookup(dispatcher, args, kwargs)``: ``dispatcher.lookup`` run eagerly when Dynamo traces
+    the call (``torch.export`` cannot run inside its trace): a graph break, which
+    ``torch.compile(..., fullgraph=True)`` refuses, giving ``reason``."""
+    @torch.compiler.disable(reason=reason)
+    def lookup(dispatcher: GraphDispatcher, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
+        with CALL_LOCK:
+            return dispatcher.lookup(args, kwargs)
+    return lookup
+
+
+_lookup_outside_dynamo = lookup_outside_dynamo(
+    "nnbridge extracts this call structure of the module (torch.export), which cannot run inside torch.compile's"
+    " trace. Call it once outside torch.compile with these arguments (or build the PatchableGraph with them) before"
+    " compiling with fullgraph=True.")
 
 
 @torch.compiler.disable(reason="a patch context (pg.patch) is open in another thread or asyncio task, so whether"

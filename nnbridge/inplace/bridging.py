@@ -51,7 +51,7 @@ from .absence import SubmoduleLookup
 from .copies import CarriedOptions, Copier, install_copier, remove_copier
 from ..guards.call_structure import call_difference
 from ..guards.preservation import preserved_state
-from ..dispatch.dispatcher import GraphDispatcher
+from ..dispatch.dispatcher import GraphDispatcher, lookup_outside_dynamo
 from ..dispatch.extraction import Extraction
 from ..graph.node_path import ModulePath
 from ..graph.state import SpecCheck
@@ -133,25 +133,17 @@ def _state_specs_hold(graph: AnyGraph, args: tuple[Any, ...], kwargs: dict[str, 
     return True
 
 
-@torch.compiler.disable(reason="nnbridge extracts this call structure of the model (torch.export), which cannot"
-                               " run inside torch.compile's trace, because a patch or torch hook is on one of its op"
-                               " points. Call the model once outside torch.compile with these arguments (or"
-                               " nnbridge.bridge(model, *example_inputs)) before compiling with fullgraph=True.")
-def _lookup_outside_dynamo(dispatcher: GraphDispatcher, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Extraction:
-    """``dispatcher.lookup`` run eagerly when Dynamo traces the call (a graph break)."""
-    with CALL_LOCK:
-        return dispatcher.lookup(args, kwargs)
-
-
-@torch.compiler.disable(reason="nnbridge extracts this call structure of the model (torch.export), which cannot"
-                               " run inside torch.compile's trace, and the model's own code would lack its graph"
-                               " surgery edits (nnbridge.surgery). Call the model once outside torch.compile with these"
-                               " arguments before compiling with fullgraph=True.")
-def _edited_lookup_outside_dynamo(dispatcher: GraphDispatcher, args: tuple[Any, ...],
-                                  kwargs: dict[str, Any]) -> Extraction:
-    """``dispatcher.lookup`` run eagerly when Dynamo traces the call of an edited model (a graph break)."""
-    with CALL_LOCK:
-        return dispatcher.lookup(args, kwargs)
+#: the model's extraction of a new call structure, made outside Dynamo's trace when a patch or
+#: torch hook is on an op point (the model's own code, which Dynamo could trace, would skip them)
+_lookup_outside_dynamo = lookup_outside_dynamo(
+    "nnbridge extracts this call structure of the model (torch.export), which cannot run inside torch.compile's"
+    " trace, because a patch or torch hook is on one of its op points. Call the model once outside torch.compile"
+    " with these arguments (or nnbridge.bridge(model, *example_inputs)) before compiling with fullgraph=True.")
+#: the same for a model graph surgery edited (its own code lacks the edits)
+_edited_lookup_outside_dynamo = lookup_outside_dynamo(
+    "nnbridge extracts this call structure of the model (torch.export), which cannot run inside torch.compile's"
+    " trace, and the model's own code would lack its graph surgery edits (nnbridge.surgery). Call the model once"
+    " outside torch.compile with these arguments before compiling with fullgraph=True.")
 
 
 @torch.compiler.disable(reason="a patch context (pg.patch) is open in another thread or asyncio task, so whether"

@@ -37,6 +37,14 @@ def bridged_gpt2():
     return model, PatchableGraph(model, clean, use_cache=False), clean, corrupt
 
 
+def plain_gpt2():
+    """A tiny GPT-2 left unbridged, a PatchableGraph over it, and two inputs (``(2, 7)`` token ids)."""
+    torch.manual_seed(1)
+    clean, corrupt = torch.randint(0, 100, (2, 7)), torch.randint(0, 100, (2, 7))
+    model = gpt2()
+    return model, PatchableGraph(model, clean, use_cache=False), clean, corrupt
+
+
 def activation(pg, node, ids):
     """The value of ``node`` on a run of ``ids`` (a ``(2, 7, 64)`` residual stream)."""
     probe = ProbePatch()
@@ -106,41 +114,35 @@ def test_inductor_patched_model_is_within_fp32_tolerance():
             torch.testing.assert_close(actual, expected, rtol=1.3e-6, atol=1e-5)
 
 
-def test_a_patch_context_of_another_thread_is_no_patch_here():
-    model, pg, clean, corrupt = bridged_gpt2()
+@pytest.mark.parametrize("over", ["bridged", "plain"])
+def test_a_patch_context_of_another_thread_is_no_patch_here(over):
+    model, pg, clean, corrupt = bridged_gpt2() if over == "bridged" else plain_gpt2()
+    run = model if over == "bridged" else pg  # what is compiled: the bridged model, or the pg over a plain one
     opened, done = threading.Event(), threading.Event()
     seen = {}
 
     def patcher():
         with torch.no_grad(), pg.patch({NODE: AddPatch(value=torch.ones(64))}):
-            seen["expected"] = model(corrupt, use_cache=False).logits
+            seen["expected"] = run(corrupt, use_cache=False).logits
             opened.set()
             done.wait(60)
-            seen["compiled"] = torch.compile(model, backend="aot_eager")(corrupt, use_cache=False).logits
+            seen["compiled"] = torch.compile(run, backend="aot_eager")(corrupt, use_cache=False).logits
 
     thread = threading.Thread(target=patcher)
     thread.start()
     try:
         assert opened.wait(60)
         with torch.no_grad():
-            plain = model(corrupt, use_cache=False).logits  # uncompiled: the other thread's patch is not ours
+            plain = run(corrupt, use_cache=False).logits  # uncompiled: the other thread's patch is not ours
             # (fullgraph first: Dynamo would reuse the code compiled with the graph break)
             with pytest.raises(Exception, match="open in another thread or asyncio task"):
-                torch.compile(model, backend="aot_eager", fullgraph=True)(corrupt, use_cache=False)
-            assert torch.equal(torch.compile(model, backend="aot_eager")(corrupt, use_cache=False).logits, plain)
+                torch.compile(run, backend="aot_eager", fullgraph=True)(corrupt, use_cache=False)
+            assert torch.equal(torch.compile(run, backend="aot_eager")(corrupt, use_cache=False).logits, plain)
     finally:
         done.set()
         thread.join(60)
     assert torch.equal(seen["compiled"], seen["expected"]), "the patch applies in its own thread"
     assert not torch.equal(seen["expected"], plain)
-
-
-def plain_gpt2():
-    """A tiny GPT-2 left unbridged, a PatchableGraph over it, and two inputs (``(2, 7)`` token ids)."""
-    torch.manual_seed(1)
-    clean, corrupt = torch.randint(0, 100, (2, 7)), torch.randint(0, 100, (2, 7))
-    model = gpt2()
-    return model, PatchableGraph(model, clean, use_cache=False), clean, corrupt
 
 
 def test_a_patchable_graph_over_a_plain_model_compiles_whole_and_new_patch_values_reuse_the_code():
@@ -188,31 +190,3 @@ def test_a_new_call_structure_of_a_plain_model_is_extracted_outside_the_trace():
     assert torch.equal(out.logits, expected.logits)
     assert len(out.attentions) == len(expected.attentions) == 2
     assert all(torch.equal(a, b) for a, b in zip(out.attentions, expected.attentions))
-
-
-def test_a_patch_context_of_another_thread_is_no_patch_in_a_compiled_patchable_graph_here():
-    model, pg, clean, corrupt = plain_gpt2()
-    opened, done = threading.Event(), threading.Event()
-    seen = {}
-
-    def patcher():
-        with torch.no_grad(), pg.patch({NODE: AddPatch(value=torch.ones(64))}):
-            seen["expected"] = pg(corrupt, use_cache=False).logits
-            opened.set()
-            done.wait(60)
-            seen["compiled"] = torch.compile(pg, backend="aot_eager")(corrupt, use_cache=False).logits
-
-    thread = threading.Thread(target=patcher)
-    thread.start()
-    try:
-        assert opened.wait(60)
-        with torch.no_grad():
-            plain = model(corrupt, use_cache=False).logits
-            with pytest.raises(Exception, match="open in another thread or asyncio task"):
-                torch.compile(pg, backend="aot_eager", fullgraph=True)(corrupt, use_cache=False)
-            assert torch.equal(torch.compile(pg, backend="aot_eager")(corrupt, use_cache=False).logits, plain)
-    finally:
-        done.set()
-        thread.join(60)
-    assert torch.equal(seen["compiled"], seen["expected"]), "the patch applies in its own thread"
-    assert not torch.equal(seen["expected"], plain)
