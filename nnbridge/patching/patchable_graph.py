@@ -97,9 +97,10 @@ class _PatchListener:
         self.patch = patch
 
     def __call__(self, value: Any) -> Any:
-        # torch.compile cannot read the context variable; a bridged module's body, which every compiled
-        # call into the graphs passes, has checked that every open listener is the caller's (see
-        # patch_state.all_open_here), else the call runs uncompiled and this is not traced
+        # torch.compile cannot read the context variable; a bridged module's body or a graph dispatcher's
+        # forward (over a plain model), which every compiled call into the graphs passes, has checked that
+        # every open listener is the caller's (see patch_state.all_open_here), else the call runs
+        # uncompiled and this is not traced
         if not torch.compiler.is_dynamo_compiling() and not patch_state.is_open(self):
             return value
         return self._apply_patch(value, 0)
