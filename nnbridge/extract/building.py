@@ -37,6 +37,7 @@ from .sibling_graphs import ReusedHolder, copy_graph, placeholder_signature
 from .cache_rebinding import rebind_cache_state
 from ..graph.node_path import ROOT_PATH, ModulePath
 from ..graph.state import Key, UntouchedLayers
+from .cache_widening import widen_narrowed_calls
 from .state_graphs import (argument_objects, drop_unused_reads, forward_state_objects, read_states_back,
                            write_states_back)
 from .unused import keep_unused, registration_order
@@ -355,6 +356,7 @@ class GraphBuilder:
                 attrs[target] = self.input_spec
                 setattr(holder, target, self.input_spec)
         extras = clean_graph(graph, attrs)
+        widen_narrowed_calls(graph, attrs)
         calls = [n for n in graph.nodes if n.op == "call_module"]
         per_target = Counter(str(n.target) for n in calls)
         local: Counter[str] = Counter()

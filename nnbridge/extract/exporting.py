@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .cache_narrowing import narrowing
 from .capture_watch import CaptureWatch, UnfaithfulCaptureError
 from .eager_checks import state_writer
 from ..graph.state import plain_container
@@ -260,6 +261,8 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     wrapper = ExportRoot(module)
     fqns, threaded = _kept_signatures(module, stubs, calls, by_name=by_name)
     tools = _Instruments(module, stubs, calls, reuse=reuse, root_watch=root_watch)
+    narrow = narrowing({sibling: rebinding.index for sibling, rebinding in reuse.caches.items()}) \
+        if reuse.caches else None
     try:
         attempts = [True, False] if dynamic else [False]
         last: BaseException | None = None
@@ -280,7 +283,7 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
                 # (with fake tensors): every attempt traces a fresh copy of the inputs
                 # (a container's repeated entry: its owner is stubbed, see .module_tree)
                 inputs = copy_inputs((args, kwargs))
-                with cache_layers.layer_touches(), states_returned(threaded, untouched) as states, \
+                with cache_layers.layer_touches(), states_returned(threaded, untouched, narrow=narrow) as states, \
                         watch.watching(frozen), op_points_hidden(module), \
                         calls_unlocked(wrapper.modules()) if by_name else aliases_hidden(module, in_containers=True), \
                         reads_watched(tools.watched, tools.indices) as reads, tools.cache_updates():

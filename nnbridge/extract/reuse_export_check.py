@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..compat.torch.pytree import pytree
+from .cache_narrowing import narrowed_spec
 from .reuse_plan import ReuseFallback, ReusePlan
 
 
@@ -42,6 +43,9 @@ def check_reused_export(plan: ReusePlan, exported: torch.export.ExportedProgram,
         in_spec, out_spec, rep_out_spec = mine.in_spec, mine.out_spec, theirs.out_spec
         rebinding = plan.caches.get(sibling)
         if rebinding is not None:  # the cache differs in its other layers; outputs: (output, [new states])
+            stand_in = narrowed_spec(rebinding.spec, rebinding.index)  # see .cache_narrowing
+            if stand_in is not None:
+                in_spec = _substituted(in_spec, stand_in, rebinding.rep_spec)
             in_spec = _substituted(in_spec, rebinding.spec, rebinding.rep_spec)
             if out_spec.num_children != 2 or rep_out_spec.num_children != 2 \
                     or out_spec.children()[1].num_children != rep_out_spec.children()[1].num_children:

@@ -139,9 +139,15 @@ class UntouchedLayers:
     by_index: frozenset[Path] = frozenset()
 
 
+#: What a module's call may pass in place of its one state argument (see :func:`states_returned`):
+#: ``narrow(path, state)`` gives ``(stand_in, write_back)``, or None to pass the state itself;
+#: ``write_back(new)`` gives the state the stand-in's new state ``new``.
+Narrowing = Callable[[str, Any], tuple[Any, Callable[[Any], None]] | None]
+
+
 @contextlib.contextmanager
-def states_returned(modules: dict[str, torch.nn.Module], untouched: dict[str, list[UntouchedLayers | None]] | None = None
-                    ) -> Iterator[dict[str, list[list[Key]]]]:
+def states_returned(modules: dict[str, torch.nn.Module], untouched: dict[str, list[UntouchedLayers | None]] | None = None,
+                    *, narrow: Narrowing | None = None) -> Iterator[dict[str, list[list[Key]]]]:
     """While exporting, make each call of ``modules`` with stateful arguments return its new states.
 
     Inside (after export's signature-preserving pre-hook rebuilt the arguments) the module's
@@ -157,6 +163,10 @@ def states_returned(modules: dict[str, torch.nn.Module], untouched: dict[str, li
             state argument that its code never touched (:class:`UntouchedLayers`), or None]}``
             (None: no state argument, several, or layers that cannot be watched; see
             :mod:`nnbridge.compat.transformers.cache_layers`, which must be on around the export).
+        narrow: for a call with one state argument, a stand-in to pass in its place (a cache
+            holding only the layer the module writes, so that export's preserved signature does
+            not carry every layer's tensors in and out of every call), and how to give its new
+            state back to the argument (see :data:`Narrowing`).
 
     Yields:
         ``{path: [state keys of each invocation, in call order]}`` (``[]`` for a call without
@@ -169,7 +179,7 @@ def states_returned(modules: dict[str, torch.nn.Module], untouched: dict[str, li
             forward = _returning_states(path, module.forward, untouched)
             installed.append((module, module.__dict__.get("forward"), call_override(module)))
             module.__dict__["forward"] = forward
-            call_overridden(module, _assigning_states(path, calls, untouched))
+            call_overridden(module, _assigning_states(path, calls, untouched, narrow=narrow))
         yield calls
     finally:
         for module, previous, call_impl in installed:
@@ -214,11 +224,13 @@ def _returning_states(path: str, inner: Callable[..., Any], untouched: dict[str,
 
 
 def _assigning_states(path: str, calls: dict[str, list[list[Key]]],
-                      untouched: dict[str, list[UntouchedLayers | None]] | None) -> Callable[..., Any]:
+                      untouched: dict[str, list[UntouchedLayers | None]] | None,
+                      *, narrow: Narrowing | None = None) -> Callable[..., Any]:
     """The call override :func:`states_returned` gives the module at ``path`` (around the whole
     call, hooks included): records the call's state keys in ``calls[path]`` (and a place for its
     untouched layers), then assigns the states the :func:`_returning_states` forward returned to
-    the caller's objects and returns only the output."""
+    the caller's objects (through ``narrow``'s write-back when it gave a stand-in) and returns only
+    the output."""
     def call(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with CALL_LOCK:  # replaces a locked call for the extraction's duration (see .locking)
             return threaded_call(run, *args, **kwargs)
@@ -230,6 +242,17 @@ def _assigning_states(path: str, calls: dict[str, list[list[Key]]],
             untouched.setdefault(path, []).append(None)  # set by forward when its layers are watched
         if not keys:
             return run(*args, **kwargs)
+        stand_in = narrow(path, argument(args, kwargs, keys[0])) if narrow is not None and len(keys) == 1 else None
+        if stand_in is not None:
+            replacement, write_back = stand_in
+            positional, keywords = list(args), dict(kwargs)
+            if isinstance(keys[0], int):
+                positional[keys[0]] = replacement
+            else:
+                keywords[keys[0]] = replacement
+            output, copies = run(*positional, **keywords)
+            write_back(copies[0])
+            return output
         output, copies = run(*args, **kwargs)
         for key, copy in zip(keys, copies):
             assign_state(argument(args, kwargs, key), copy)
