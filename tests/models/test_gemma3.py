@@ -117,3 +117,26 @@ def test_string_shim_is_removed_after_an_error():
     assert proxy_tensor.extract_val is original
     with pytest.raises(AssertionError, match="unreachable"):  # torch 2.13's own behaviour, which the shim covers
         original("full_attention")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a known silent difference: transformers' sdpa_attention_forward packs a one-token query's GQA heads"
+    " (pack_gqa) when not is_torchdynamo_compiling(), and repeats keys and values (repeat_kv) when it is, as"
+    " while torch.export traces; nnbridge.compat.torch.capture trusts transformers' compile questions, so"
+    " the graph of a decode step with a mask (a sliding layer) keeps the traced branch: 1 ulp off"))
+def test_sdpa_decode_step_with_a_mask_equals_eager():
+    def make():
+        model = gemma3()
+        config = model.config.to_dict()
+        config["attn_implementation"] = "sdpa"
+        torch.manual_seed(0)
+        return type(model)(type(model.config)(**config)).eval()
+    model, reference = make(), make()
+    torch.manual_seed(1)
+    ids, step = torch.randint(1, 100, (2, 7)), torch.randint(1, 100, (2, 1))
+    nnbridge.bridge(model, ids)
+    with torch.no_grad():
+        out, expected = model(ids), reference(ids)
+        assert torch.equal(out.logits, expected.logits)
+        after = model(step, past_key_values=out.past_key_values).logits
+        assert torch.equal(after, reference(step, past_key_values=expected.past_key_values).logits)
