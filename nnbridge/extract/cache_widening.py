@@ -126,7 +126,7 @@ class _Widening:
             return
         old = list(cast(list[Any], node.args[0]))
         leaves: list[Any] = []
-        new_parts = []
+        new_parts: list[pytree.TreeSpec] = []
         done = 0
         for start, sub in parts:
             leaves += old[done:start]
@@ -138,7 +138,7 @@ class _Widening:
                     raise ReuseFallback("a layer's cache stand-in was made from a cache in another state")
                 self._newest(old[start:done], narrow[1])
                 leaves += self.leaves
-                new_parts.append(self.spec)
+                new_parts.append(cast(pytree.TreeSpec, self.spec))  # narrow is None without it
             elif sub == self.spec:
                 self._newest(old[start:done], list(range(sub.num_leaves)))
                 leaves += self.leaves  # the same cache, as the latest call left it
