@@ -123,7 +123,9 @@ def test_string_shim_is_removed_after_an_error():
     "a known silent difference: transformers' sdpa_attention_forward packs a one-token query's GQA heads"
     " (pack_gqa) when not is_torchdynamo_compiling(), and repeats keys and values (repeat_kv) when it is, as"
     " while torch.export traces; nnbridge.compat.torch.capture trusts transformers' compile questions, so"
-    " the graph of a decode step with a mask (a sliding layer) keeps the traced branch: 1 ulp off"))
+    " the graph of a decode step with a mask (a sliding layer) keeps the traced branch: 1 ulp off (answering"
+    " eager's False to transformers fixes this case and breaks a decode step with a mask of all ones, which"
+    " eager code skips: see capture._TRUSTED)"))
 def test_sdpa_decode_step_with_a_mask_equals_eager():
     def make():
         model = gemma3()

@@ -145,7 +145,12 @@ _IS_COMPILING_HOOK, _IS_EXPORTING_HOOK = "_nnbridge_is_compiling_hook", "_nnbrid
 #: transformers' ``is_torchdynamo_compiling``): the code asking is their caller.
 _FORWARDERS = frozenset({"torch._dynamo.external_utils", "torch._utils", "transformers.utils.import_utils"})
 #: Packages trusted to keep both sides of such a branch equal (their own tests compare compiled with
-#: eager runs), and nnbridge's and nnsight's own questions.
+#: eager runs), and nnbridge's and nnsight's own questions. transformers' sdpa attention is the known
+#: exception: for a one-token grouped-query step with a mask, eager code packs the query's heads and a
+#: trace repeats keys and values (1 ulp apart). Answering eager's False there does not help: a trace
+#: never skips a passed mask (it cannot read its values), and the packed heads with a mask of all
+#: ones differ from eager's skipped mask (``enable_gqa``), where the repeat is exact; the branch eager
+#: takes depends on the mask's values, which one graph cannot follow.
 _TRUSTED = frozenset({"torch", "transformers", "nnbridge", "nnsight"})
 
 
