@@ -146,6 +146,9 @@ PATCHES: tuple[RuntimePatch, ...] = (
            "speed",
            why="Makes each loaded node's fake tensor through the fake mode's constructor path, not a dispatch through"
            " its cache."),
+    RuntimePatch("load_type_hints", "torch._export.serde.serialize.typing",
+                 "Answers each schema class's type hints once per load: torch's deserializer resolves them again for"
+                 " every object it reads (pytorch/pytorch#196452).", "speed", "torch", frozenset({"2.13", "2.14"})),
     # transformers (compat/transformers/mask_skips.py, cache_layers.py, cache_updates.py) and the model's own
     # classes (extract/watched_attributes.py)
     RuntimePatch("mask_skips", "transformers.masking_utils._ignore_causal_mask_sdpa, "

@@ -28,6 +28,7 @@ import sys
 import textwrap
 import threading
 import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -420,6 +421,35 @@ def probe_load_fake_tensor_meta() -> None:
     deserializer = serialize.GraphModuleDeserializer
     assert _parameters(vars(deserializer)["deserialize_tensor_meta"]) == ["self", "tensor_meta"]
     assert callable(serialize.deserialize_device) and serialize._SERIALIZE_TO_TORCH_DTYPE and in_kernel_invocation_manager
+    _round_trip()
+
+
+def probe_load_type_hints() -> None:
+    from torch._export.serde import serialize
+
+    from nnbridge.compat.torch.serialization import TypeHintsOnce
+
+    reader = serialize._dict_to_dataclass.__code__
+    assert "typing" in reader.co_names and "get_type_hints" in reader.co_names
+    asked: list[Any] = []
+
+    class Counted(TypeHintsOnce):
+        def get_type_hints(self, obj: Any, globalns: Any = None, localns: Any = None,
+                           include_extras: bool = False) -> dict[str, Any]:
+            asked.append(obj)
+            return super().get_type_hints(obj, globalns, localns, include_extras)
+
+    stream = io.BytesIO()
+    torch.export.save(_program(), stream)
+    hints = Counted()
+    with registry.replaced("load_type_hints", serialize, "typing", value=hints):
+        loaded = torch.export.load(io.BytesIO(stream.getvalue()))
+    assert serialize.typing is typing
+    assert len(asked) > len(hints.answers) > 0, "the deserializer asks typing for hints, several times per class"
+    for (obj, _, _, extras), (answer, globalns, localns) in hints.answers.items():
+        assert answer == typing.get_type_hints(obj, globalns, localns, extras)
+    theirs = torch.export.load(io.BytesIO(stream.getvalue()))
+    assert str(loaded.graph) == str(theirs.graph)
     _round_trip()
 
 
