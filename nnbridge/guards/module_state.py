@@ -18,8 +18,10 @@ the state of the module tree it ran on, like Dynamo's guards on ``self``:
 :class:`StateGuard` snapshots all of it right after an extraction and :meth:`StateGuard.holds`
 compares it on every call: plain values and children with dict item-view comparisons, tensors by
 identity and properties, each kind in one C-level ``map`` over all modules. A module that runs
-eagerly (opaque) reads its own state live, so only its children's identity is guarded, and nothing
-below it (its children have dispatchers of their own).
+eagerly (opaque) reads its own state live, so only its children's identity is guarded, with the
+registries of the ModuleList/ModuleDict containers it reaches them through (it runs with its
+children swapped for dispatchers found through them), and nothing else below it (its children
+have dispatchers of their own).
 
 Example::
 
@@ -48,6 +50,7 @@ import torch
 
 from ..compat.torch.module_dicts import MODULE_SLOTS, modules_of
 from ..compat.transformers.output_capturing import MODEL_STATE_ATTRIBUTES
+from ..graph.module_tree import CONTAINERS
 from ..compat.torch.tensor_checks import fast_tensor_check
 from .code_check import CodeCheck, code_bindings
 from .code_objects import is_plumbing
@@ -142,12 +145,13 @@ class StateGuard:
         self._skip = skip
         seen_configs: set[int] = set()
         classes: list[type] = []
-        for where, module in self._walk(root, path, opaque, skip=skip):
+        through: set[int] = set()
+        for where, module in self._walk(root, path, opaque, skip=skip, through=through):
             children = {name: child for name, child in modules_of(module).items()
                         if child is not None and not (skip is not None and skip(child))}
             self._child_slots.append((where, modules_of(module), children))
             self._sizes.append((where, modules_of(module), len(children)))
-            if id(module) in opaque:
+            if id(module) in opaque or id(module) in through:
                 continue
             classes.append(type(module))
             self._typed.append((where, module, type(module)))
@@ -212,9 +216,15 @@ class StateGuard:
         self._types = [cls for _, _, cls in self._typed]
 
     @staticmethod
-    def _walk(module: torch.nn.Module, where: str, opaque: set[int], *, skip: Callable[[torch.nn.Module], bool] | None
-              ) -> Iterator[tuple[str, torch.nn.Module]]:
+    def _walk(module: torch.nn.Module, where: str, opaque: set[int], *, skip: Callable[[torch.nn.Module], bool] | None,
+              through: set[int]) -> Iterator[tuple[str, torch.nn.Module]]:
+        """``(path, module)`` of the tree, without the subtrees of opaque modules; then the
+        ModuleList/ModuleDict containers an opaque module reaches its children through (their ids
+        added to ``through``): the opaque module runs with its children swapped for their graphs'
+        dispatchers, found through those containers' registries when it was extracted
+        (:func:`~nnbridge.graph.module_tree.direct_callees`), so those registries are guarded."""
         seen: set[int] = set()
+        inside: list[tuple[str, torch.nn.Module]] = []
         stack = [(where or "<root>", module)]
         while stack:
             path, current = stack.pop()
@@ -222,11 +232,20 @@ class StateGuard:
                 continue
             seen.add(id(current))
             yield path, current
-            if id(current) in opaque:
-                continue
             for name, child in modules_of(current).items():
                 if child is not None and not (skip is not None and skip(child)):
-                    stack.append((f"{path}.{name}" if path != "<root>" else name, child))
+                    (inside if id(current) in opaque else stack).append(
+                        (f"{path}.{name}" if path != "<root>" else name, child))
+        stack = [(path, child) for path, child in reversed(inside) if isinstance(child, CONTAINERS)]
+        while stack:
+            path, current = stack.pop()
+            if id(current) in seen:
+                continue
+            seen.add(id(current))
+            through.add(id(current))
+            yield path, current
+            stack.extend((f"{path}.{name}", child) for name, child in reversed(modules_of(current).items())
+                         if isinstance(child, CONTAINERS))
 
     def _add_tensor(self, where: str, store: dict[str, Any], name: str, *, tensor: torch.Tensor) -> None:
         self._tensors.append((f"{where}.{name}" if where != "<root>" else name, store, name, tensor,

@@ -690,3 +690,55 @@ def test_a_listed_frozen_parameter_written_in_place_extracts_again():
             module.lin.weight.mul_(2.0)
     assert torch.equal(model(x), reference(x))
     assert len(bridge_of(model).dispatcher.all_extractions()) == 2
+
+
+class _CountingRoot(nn.Module):
+    """Runs opaque (it counts its calls, a Python side effect) and calls blocks held in a
+    ModuleDict of ModuleLists."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.blocks = nn.ModuleDict({"stack": nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])})
+
+    def forward(self, x):
+        for block in self.blocks["stack"]:
+            x = block(x)
+        self.calls += 1
+        return x * self.calls
+
+
+def test_an_opaque_modules_containers_registries_are_guarded():
+    """An opaque module runs with its children swapped for dispatchers found through its
+    ModuleList/ModuleDict containers when it was extracted: a container entry replaced after that
+    fails the guard (the replaced block is called, as eager calls it), the containers' other
+    state is not guarded (the opaque code never reads those objects while the graphs run)."""
+    from nnbridge.guards.module_state import StateGuard
+    model = _CountingRoot()
+    guard = StateGuard(model, opaque={id(model)})
+    model.blocks["stack"].note = 1.0
+    assert guard.holds()
+    model.blocks["stack"][0] = nn.Linear(4, 4)
+    assert not guard.holds()
+    assert guard.what_changed() == "child '0' of blocks.stack (Linear) was replaced by a Linear"
+
+
+@pytest.mark.parametrize("front", ["bridge", "pg"])
+def test_an_entry_replaced_in_an_opaque_roots_container_is_called(front):
+    torch.manual_seed(0)
+    eager = _CountingRoot()
+    model = copy.deepcopy(eager)
+    x = torch.randn(2, 4)
+    if front == "bridge":
+        nnbridge.bridge(model, x)
+        run = model
+    else:
+        run = PatchableGraph(model, x)
+    assert torch.equal(run(x), eager(x))
+    assert "" in nnbridge.explain(run).opaque, "the root runs opaque"
+    torch.manual_seed(1)
+    eager.blocks["stack"][0] = nn.Linear(4, 4)
+    torch.manual_seed(1)
+    model.blocks["stack"][0] = nn.Linear(4, 4)
+    assert torch.equal(run(x), eager(x))
+    assert model.calls == eager.calls
