@@ -36,8 +36,11 @@ def persistent(owner: torch.nn.Module, target: str) -> bool:
     return name not in non_persistent_buffers_of(holder)
 
 
-def attach(parent: torch.nn.Module, target: str, child: torch.nn.Module, *, template: torch.nn.Module) -> None:
-    """Set ``parent.<target> = child``, creating containers of the same types as in ``template``."""
+def attach(parent: torch.nn.Module, target: str, child: torch.nn.Module, *, template: torch.nn.Module,
+           stand_in: bool = False) -> None:
+    """Set ``parent.<target> = child``, creating containers of the same types as in ``template``;
+    ``stand_in``: containers the module's own code will iterate in place of ``template``'s, so
+    each is a copy of the original with its state (see :func:`container_like`)."""
     *prefix, name = target.split(".")
     holder: torch.nn.Module = parent
     original: torch.nn.Module | None = template  # None below a prefix the template lacks
@@ -45,27 +48,31 @@ def attach(parent: torch.nn.Module, target: str, child: torch.nn.Module, *, temp
         original = modules_of(original).get(part) if original is not None else None
         existing = modules_of(holder).get(part)
         if existing is None:
-            existing = container_like(original) if isinstance(original, CONTAINERS) else torch.nn.Module()
+            existing = container_like(original, copied=stand_in) if isinstance(original, CONTAINERS) \
+                else torch.nn.Module()
             holder.add_module(part, existing)
         holder = existing
     holder.add_module(name, child)
 
 
-def container_like(original: torch.nn.Module) -> torch.nn.Module:
+def container_like(original: torch.nn.Module, *, copied: bool = False) -> torch.nn.Module:
     """An empty container of ``original``'s type. A type that takes constructor arguments
     (``ParametrizationList`` of ``torch.nn.utils.parametrize``: extracting a spectral-normed module
-    in train mode raised its ``TypeError``) is copied instead, with no children, its parameters,
-    buffers and attributes the same objects in registries of its own: its own code (a
-    parametrization's ``forward``) still works, and the original is left as it was."""
-    try:
-        return type(original)()
-    except TypeError:
-        container = copy.copy(original)
-        for name, value in vars(original).items():
-            if isinstance(value, (dict, set)):  # registries and hook dicts: the copy's own
-                container.__dict__[name] = copy.copy(value)
-        clear_modules(container)
-        return container
+    in train mode raised its ``TypeError``), or any with ``copied``, is copied instead, with no
+    children, its parameters, buffers and attributes the same objects in registries of its own:
+    its own code (a parametrization's ``forward``, a ModuleList subclass's ``__iter__`` reading an
+    attribute) still works, and the original is left as it was."""
+    if not copied:
+        try:
+            return type(original)()
+        except TypeError:
+            pass
+    container = copy.copy(original)
+    for name, value in vars(original).items():
+        if isinstance(value, (dict, set)):  # registries and hook dicts: the copy's own
+            container.__dict__[name] = copy.copy(value)
+    clear_modules(container)
+    return container
 
 
 def original_path(ctx: ExtractionContext, module: torch.nn.Module, target: str) -> str:

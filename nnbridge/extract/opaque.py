@@ -130,7 +130,7 @@ def _recorders_in_place(module: torch.nn.Module, callees: list[tuple[str, torch.
     swapped = torch.nn.Module()
     for name, child in callees:
         recording = cast(torch.nn.Module, _RecordingCall(child, _Recorder(name, child, record)))
-        attach(swapped, name, recording, template=module)
+        attach(swapped, name, recording, template=module, stand_in=True)
     saved = {name: modules_of(module)[name] for name in modules_of(swapped)}
     attributes = {renamed[name]: module.__dict__[renamed[name]] for name in saved
                   if name in renamed and renamed[name] in module.__dict__}
@@ -196,7 +196,7 @@ def opaque_module(ctx: ExtractionContext, fqn: ModulePath, module: torch.nn.Modu
         if name not in captured:
             attach(shown, safe, unused_module(ctx, ModulePath(f"{fqn}.{name}" if fqn else name), child),
                    template=template)
-            attach(swapped, original_name, child, template=module)
+            attach(swapped, original_name, child, template=module, stand_in=True)
             continue
         invocations: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         for index, (a, k) in enumerate(captured[name]):
@@ -219,12 +219,12 @@ def opaque_module(ctx: ExtractionContext, fqn: ModulePath, module: torch.nn.Modu
             dispatchers[f"{safe.replace('.', '_')}_{index}" if several else safe.replace(".", "_")] = dispatcher
         if len(invocations) == 1:
             attach(shown, safe, invocations[0][1], template=template)
-            attach(swapped, original_name, _in_place_of(child, invocations[0][0]), template=module)
+            attach(swapped, original_name, _in_place_of(child, invocations[0][0]), template=module, stand_in=True)
         else:
             attach(shown, safe, MultiplyInvokedModule([root for _, root in invocations]), template=template)
             router = InvocationRouter([dispatcher for dispatcher, _ in invocations])
             routers.append(router)
-            attach(swapped, original_name, _in_place_of(child, router), template=module)
+            attach(swapped, original_name, _in_place_of(child, router), template=module, stand_in=True)
     # each child called, once: the children's dispatchers guard their graphs' sizes, so a call of
     # other sizes is served alike. A child called several times has a graph per invocation, and an
     # uncalled one runs as itself (a patch on its nodes would not apply): another size could call

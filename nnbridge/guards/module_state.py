@@ -19,9 +19,9 @@ the state of the module tree it ran on, like Dynamo's guards on ``self``:
 compares it on every call: plain values and children with dict item-view comparisons, tensors by
 identity and properties, each kind in one C-level ``map`` over all modules. A module that runs
 eagerly (opaque) reads its own state live, so only its children's identity is guarded, with the
-registries of the ModuleList/ModuleDict containers it reaches them through (it runs with its
-children swapped for dispatchers found through them), and nothing else below it (its children
-have dispatchers of their own).
+ModuleList/ModuleDict containers it reaches them through (it runs with copies of those made at
+extraction, holding its children's dispatchers), and nothing else below it (its children have
+dispatchers of their own).
 
 Example::
 
@@ -145,13 +145,12 @@ class StateGuard:
         self._skip = skip
         seen_configs: set[int] = set()
         classes: list[type] = []
-        through: set[int] = set()
-        for where, module in self._walk(root, path, opaque, skip=skip, through=through):
+        for where, module in self._walk(root, path, opaque, skip=skip):
             children = {name: child for name, child in modules_of(module).items()
                         if child is not None and not (skip is not None and skip(child))}
             self._child_slots.append((where, modules_of(module), children))
             self._sizes.append((where, modules_of(module), len(children)))
-            if id(module) in opaque or id(module) in through:
+            if id(module) in opaque:
                 continue
             classes.append(type(module))
             self._typed.append((where, module, type(module)))
@@ -216,13 +215,13 @@ class StateGuard:
         self._types = [cls for _, _, cls in self._typed]
 
     @staticmethod
-    def _walk(module: torch.nn.Module, where: str, opaque: set[int], *, skip: Callable[[torch.nn.Module], bool] | None,
-              through: set[int]) -> Iterator[tuple[str, torch.nn.Module]]:
+    def _walk(module: torch.nn.Module, where: str, opaque: set[int], *, skip: Callable[[torch.nn.Module], bool] | None
+              ) -> Iterator[tuple[str, torch.nn.Module]]:
         """``(path, module)`` of the tree, without the subtrees of opaque modules; then the
-        ModuleList/ModuleDict containers an opaque module reaches its children through (their ids
-        added to ``through``): the opaque module runs with its children swapped for their graphs'
-        dispatchers, found through those containers' registries when it was extracted
-        (:func:`~nnbridge.graph.module_tree.direct_callees`), so those registries are guarded."""
+        ModuleList/ModuleDict containers an opaque module reaches its children through: the opaque
+        module runs with them swapped for copies made when it was extracted, holding its children's
+        dispatchers (:func:`~nnbridge.graph.module_tree.direct_callees`,
+        :func:`~nnbridge.extract.assembly.container_like`), so their registries and state are guarded."""
         seen: set[int] = set()
         inside: list[tuple[str, torch.nn.Module]] = []
         stack = [(where or "<root>", module)]
@@ -242,10 +241,9 @@ class StateGuard:
             if id(current) in seen:
                 continue
             seen.add(id(current))
-            through.add(id(current))
             yield path, current
             stack.extend((f"{path}.{name}", child) for name, child in reversed(modules_of(current).items())
-                         if isinstance(child, CONTAINERS))
+                         if isinstance(child, CONTAINERS) and not (skip is not None and skip(child)))
 
     def _add_tensor(self, where: str, store: dict[str, Any], name: str, *, tensor: torch.Tensor) -> None:
         self._tensors.append((f"{where}.{name}" if where != "<root>" else name, store, name, tensor,

@@ -742,3 +742,46 @@ def test_an_entry_replaced_in_an_opaque_roots_container_is_called(front):
     model.blocks["stack"][0] = nn.Linear(4, 4)
     assert torch.equal(run(x), eager(x))
     assert model.calls == eager.calls
+
+
+class _Ordered(nn.ModuleList):
+    """A ModuleList whose iteration order is an attribute."""
+
+    backwards = False
+
+    def __iter__(self):
+        items = list(super().__iter__())
+        return iter(items[::-1] if self.backwards else items)
+
+
+class _OrderedRoot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0  # (counted in forward, a Python side effect: the root runs opaque)
+        self.blocks = _Ordered([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.blocks.backwards = True
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        self.calls += 1
+        return x
+
+
+@pytest.mark.parametrize("front", ["bridge", "pg"])
+def test_an_opaque_modules_container_keeps_and_guards_its_own_state(front):
+    """The opaque root iterates a copy of its container holding its children's dispatchers: the
+    copy keeps the container's attributes (its ``__iter__`` reads one), and a change to them after
+    extraction is honoured."""
+    torch.manual_seed(0)
+    eager = _OrderedRoot()
+    model = copy.deepcopy(eager)
+    x = torch.randn(2, 4)
+    if front == "bridge":
+        nnbridge.bridge(model, x)
+        run = model
+    else:
+        run = PatchableGraph(model, x)
+    assert torch.equal(run(x), eager(x))
+    eager.blocks.backwards = model.blocks.backwards = False
+    assert torch.equal(run(x), eager(x))
