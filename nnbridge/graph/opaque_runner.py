@@ -19,6 +19,8 @@ from ..errors import PatchError
 
 
 _ABSENT = object()
+#: the containers an opaque module's code may iterate, held by the runner as copies (stand-ins)
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 
 #: the Python values an opaque module's attribute node may hold
 _NODE_VALUES = (bool, int, float, complex, torch.Tensor)
@@ -63,6 +65,10 @@ class OpaqueRunner:
         self.module = module
         self.callees = dict(callees)
         self.routers = list(routers or [])
+        #: ``(stand-in, original, {name: (entry, what it stands for)})`` per ModuleList/ModuleDict
+        #: the code iterates in place of the module's own (see :meth:`_written_back`)
+        self.stand_ins: list[tuple[torch.nn.Module, torch.nn.Module, dict[str, tuple[Any, Any]]]] = []
+        self._pair(module, self.callees)
         signature = inspect.signature(type(module).forward)
         self.signature = signature.replace(parameters=list(signature.parameters.values())[1:])
         self.tensor_names = [n for n, _ in module.named_parameters(recurse=False)] + [
@@ -70,10 +76,40 @@ class OpaqueRunner:
         self.attribute_names = patchable_attributes(
             module, taken=set(self.signature.parameters) | set(self.tensor_names) | {"output"})
 
+    def _pair(self, original: torch.nn.Module, entries: Mapping[str, torch.nn.Module | None]) -> None:
+        """Pair each container among ``entries`` (stand-ins for ``original``'s children) with the
+        original container it stands for, nested ones included."""
+        for name, entry in entries.items():
+            own = modules_of(original).get(name)
+            if isinstance(entry, _CONTAINERS) and isinstance(own, _CONTAINERS) and entry is not own:
+                stood = modules_of(entry)
+                self.stand_ins.append((entry, own, {key: (value, modules_of(own).get(key))
+                                                    for key, value in stood.items()}))
+                self._pair(own, stood)
+
+    def _written_back(self) -> None:
+        """Give each original container the entries its stand-in's registry holds after a run that
+        changed it (``self.blocks.append(block)`` in the module's code), each stand-in entry as
+        what it stands for, and put the stand-in back as it was: eager code changes the module's
+        own container (the guard on its registry then extracts again)."""
+        for stand_in, original, entries in self.stand_ins:
+            now = modules_of(stand_in)
+            if now.keys() == entries.keys() and all(now[key] is entry for key, (entry, _) in entries.items()):
+                continue
+            stood_for = {id(entry): own for entry, own in entries.values()}
+            registry = modules_of(original)
+            kept = {key: value for key, value in registry.items() if key not in entries}  # (op points)
+            registry.clear()
+            registry.update({key: stood_for.get(id(value), value) for key, value in now.items()})
+            registry.update({key: value for key, value in kept.items() if key not in registry})
+            now.clear()
+            now.update({key: entry for key, (entry, _) in entries.items()})
+
     def call_original_children(self) -> None:
         """Let the original code call the module's own children (nothing swapped in)."""
         self.callees = {}
         self.routers = []
+        self.stand_ins = []
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, routed: frozenset[str],
             call: Callable[[str, Any], Any]) -> Any:
@@ -106,6 +142,7 @@ class OpaqueRunner:
             output = type(module).forward(module, *args, **kwargs)
         finally:
             modules_of(module).update(saved_modules)
+            self._written_back()
             for name, (store, tensor, value) in saved_tensors.items():
                 if store.get(name) is value:  # else the forward re-assigned it (an EMA buffer): keep that
                     store[name] = tensor

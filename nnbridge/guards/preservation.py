@@ -1,5 +1,5 @@
-"""Extraction's eager runs leave no trace: parameters, buffers, module attributes, the watched module
-globals and the CPU, Python and numpy RNGs are put back after each (:func:`preserved_state`), and
+"""Extraction's eager runs leave no trace: parameters, buffers, module attributes, registered
+children, the watched module globals and the CPU, Python and numpy RNGs are put back after each (:func:`preserved_state`), and
 :func:`snapshot` / :class:`ModuleState` tell what a forward changed on its own modules
 (:mod:`nnbridge.extract.capture_watch` uses them to find side effects a graph would not repeat).
 
@@ -20,10 +20,11 @@ import torch
 
 from ..compat.transformers.output_capturing import MODEL_STATE_ATTRIBUTES
 from ..compat.torch.capture import tensor_version
-from ..compat.torch.module_dicts import buffers_of, parameters_of
+from ..compat.torch.module_dicts import buffers_of, modules_of, parameters_of
 from ..compat.nnsight.interleaving import NNSIGHT_MODULE_ATTRIBUTES
 from ..compat.torch.tensor_data import data_accesses
 from ..errors import ExtractionError
+from ..graph.module_tree import POINT_TYPES
 from .data_writes import DataWrites
 from .global_state import GlobalValues
 from .plain_values import config_like
@@ -41,8 +42,9 @@ def _copy_container(value: Any) -> Any:
 
 class ModuleState:
     """A shallow snapshot of one module's state: parameters and buffers (object, version and, when
-    ``clone``, a copy of the buffer's values), ``training``, and its other ``__dict__`` entries
-    (object, plus a shallow copy of list/dict/set values)."""
+    ``clone``, a copy of the buffer's values), ``training``, its other ``__dict__`` entries
+    (object, plus a shallow copy of list/dict/set values) and its registered children (op points
+    aside)."""
 
     def __init__(self, module: torch.nn.Module, clone: bool):
         self.module = module
@@ -59,6 +61,9 @@ class ModuleState:
         self.tensors = {(k, i): (t, tensor_version(t), t.detach().clone() if clone else None)
                         for k, (v, _) in self.attributes.items() for i, t in _held_tensors(v)}
         self.configs = {k: (v, dict(vars(v))) for k, (v, _) in self.attributes.items() if config_like(k, v)}
+        # its children (a forward that appends a block to its ModuleList changes this), without the
+        # op points a bridge registers
+        self.children = _children(module)
 
     def changes(self) -> list[str]:
         """What changed since the snapshot, one phrase per attribute (``"sets attribute 'calls'"``)."""
@@ -92,6 +97,11 @@ class ModuleState:
         for name, (config, values) in self.configs.items():
             if current.get(name) is config and not _same_container(vars(config), values):
                 found.append(f"sets a value of its config-like attribute '{name}'")
+        children = _children(module)
+        if not _same_container(children, self.children):
+            changed = sorted(name for name in children.keys() | self.children.keys()
+                             if children.get(name) is not self.children.get(name))
+            found.append(f"adds, removes or replaces its child modules {changed}")
         return found
 
     def restore(self, keep_new_attributes: bool = False) -> list[str]:
@@ -132,7 +142,18 @@ class ModuleState:
             if not _same_container(vars(config), values):
                 vars(config).clear()
                 vars(config).update(values)
+        if not _same_container(_children(module), self.children):
+            registry = modules_of(module)
+            points = {name: child for name, child in registry.items() if isinstance(child, POINT_TYPES)}
+            registry.clear()
+            registry.update(self.children)
+            registry.update(points)
         return lost
+
+
+def _children(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    """``module``'s registered children, without op points."""
+    return {name: child for name, child in modules_of(module).items() if not isinstance(child, POINT_TYPES)}
 
 
 def _held_tensors(value: Any) -> list[tuple[Any, torch.Tensor]]:
@@ -180,7 +201,7 @@ def python_rngs_kept() -> Iterator[None]:
 @contextlib.contextmanager
 def preserved_state(modules: list[tuple[str, torch.nn.Module]], keep_new_attributes: bool = False) -> Iterator[None]:
     """Run the body (extraction's eager runs) and put every parameter, buffer, module attribute,
-    ``training`` flag, the CPU RNG and the Python and numpy RNGs back as they were, also when the
+    registered child, ``training`` flag, the CPU RNG and the Python and numpy RNGs back as they were, also when the
     body raises. Parameters and buffers written through ``.data`` (no version-counter bump) are put
     back too (see :mod:`.data_writes`). With ``keep_new_attributes``, module attributes the body
     created are left in place (a warm-up run that may bridge modules it reaches).

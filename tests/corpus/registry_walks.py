@@ -54,6 +54,23 @@ class Chain(nn.Module):
         return x
 
 
+class Growing(nn.Module):
+    """Appends a spare block to its ModuleList in forward until it holds three: a side effect on
+    its registry (it runs opaque), which extraction's runs must undo and its runs must make."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(3, 3)])
+        self.spare = [nn.Linear(3, 3), nn.Linear(3, 3)]  # (a plain list: not registered)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        if len(self.blocks) < 3:
+            self.blocks.append(self.spare[len(self.blocks) - 1])
+        return x
+
+
 def _call_loop(m):
     """The user calls the submodule on its own (its own code runs over the bridged model)."""
     m.seen = m.loop(torch.ones(2, 3)).detach()
@@ -68,4 +85,6 @@ ENTRIES = [
           calls(lambda: (_x(),), lambda: Call((_x(),), {"scale": 3.0}), Edit(_call_loop), lambda: (_x(),)),
           attrs=_seen),
     Entry("registry_walk_root", Chain, calls(lambda: (_x(),), lambda: (torch.randn(5, 3),), lambda: (_x(),))),
+    Entry("registry_grown_in_forward", Growing, calls(lambda: (_x(),), lambda: (_x(),), lambda: (_x(),), lambda: (_x(),)),
+          attrs=lambda m: [type(block).__name__ for block in m.blocks]),
 ]
