@@ -71,6 +71,20 @@ class Growing(nn.Module):
         return x
 
 
+class Swapping(Growing):
+    """Replaces its second block by a spare one in forward while spares last: extraction's runs
+    bridge the block they see there, which the restored registry no longer holds."""
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        if len(self.blocks) < 2:
+            self.blocks.append(self.spare.pop())
+        elif self.spare:
+            self.blocks[1] = self.spare.pop()
+        return x
+
+
 def _call_loop(m):
     """The user calls the submodule on its own (its own code runs over the bridged model)."""
     m.seen = m.loop(torch.ones(2, 3)).detach()
@@ -86,5 +100,7 @@ ENTRIES = [
           attrs=_seen),
     Entry("registry_walk_root", Chain, calls(lambda: (_x(),), lambda: (torch.randn(5, 3),), lambda: (_x(),))),
     Entry("registry_grown_in_forward", Growing, calls(lambda: (_x(),), lambda: (_x(),), lambda: (_x(),), lambda: (_x(),)),
+          attrs=lambda m: [type(block).__name__ for block in m.blocks]),
+    Entry("registry_swapped_in_forward", Swapping, calls(lambda: (_x(),), lambda: (_x(),), lambda: (_x(),), lambda: (_x(),)),
           attrs=lambda m: [type(block).__name__ for block in m.blocks]),
 ]
