@@ -184,6 +184,10 @@ class CaptureWatch:
                 changed = state.changes()
                 if changed:
                     self.changes.setdefault(path, changed)
+                # registries back before export puts the modules' attributes back by path (it
+                # would give a module the forward put in a container the attributes of the one
+                # it replaced, wrappers of this export included)
+                state.restore_children()
         root = self.modules[0][1]
         handles = [root.register_forward_pre_hook(before), root.register_forward_hook(after)]
         handles += _own_changes(self.modules, python_rng_states, _rng_drawn, found=self.draws)

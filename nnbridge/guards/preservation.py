@@ -142,13 +142,17 @@ class ModuleState:
             if not _same_container(vars(config), values):
                 vars(config).clear()
                 vars(config).update(values)
-        if not _same_container(_children(module), self.children):
-            registry = modules_of(module)
+        self.restore_children()
+        return lost
+
+    def restore_children(self) -> None:
+        """Put the registered children back as they were (op points registered since stay)."""
+        if not _same_container(_children(self.module), self.children):
+            registry = modules_of(self.module)
             points = {name: child for name, child in registry.items() if isinstance(child, POINT_TYPES)}
             registry.clear()
             registry.update(self.children)
             registry.update(points)
-        return lost
 
 
 def _children(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:

@@ -72,8 +72,10 @@ class Growing(nn.Module):
 
 
 class Swapping(Growing):
-    """Replaces its second block by a spare one in forward while spares last: extraction's runs
-    bridge the block they see there, which the restored registry no longer holds."""
+    """Replaces its second block by a spare one in forward while spares last. torch.export puts
+    module attributes back by path after tracing: unless the registry is put back first, the
+    spare gets the attributes of the block it replaced (export's wrappers of its forward
+    included)."""
 
     def forward(self, x):
         for block in self.blocks:

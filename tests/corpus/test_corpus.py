@@ -48,15 +48,6 @@ KNOWN: dict[str, str] = {
     "fuzz_class_swap_of_a_shared_child-nnsight-*": (
         "nnsight 0.8.1's envoys (plain nnsight alike) keep calling the old class's forward after"
         " module.__class__ = Sub, in an opaque root's code and in a direct call"),
-    # nnbridge's own, open: a forward that replaces a block of its ModuleList by another module object
-    # (registry_walks.Swapping). Extraction's runs bridge the object they find there, and the registry,
-    # put back after them, no longer holds it; a later call runs it with that bridge's state
-    "registry_swapped_in_forward-bridge-*": (
-        "open nnbridge bug: a module object a forward swaps into its container during extraction's runs keeps"
-        " their bridge state (outputs and gradients differ from the second call)"),
-    "registry_swapped_in_forward-nnsight-set-output-*": (
-        "open nnbridge bug: a module object a forward swaps into its container during extraction's runs keeps"
-        " their bridge state (outputs and gradients differ from the second call)"),
 }
 
 
