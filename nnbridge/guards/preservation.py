@@ -1,7 +1,8 @@
 """Extraction's eager runs leave no trace: parameters, buffers, module attributes, registered
-children, the watched module globals and the CPU, Python and numpy RNGs are put back after each (:func:`preserved_state`), and
-:func:`snapshot` / :class:`ModuleState` tell what a forward changed on its own modules
-(:mod:`nnbridge.extract.capture_watch` uses them to find side effects a graph would not repeat).
+children, the watched module globals and the CPU, Python and numpy RNGs are put back after each
+(:func:`preserved_state`), and :func:`snapshot` / :class:`ModuleState` tell what a forward changed
+on its own modules (:mod:`nnbridge.extract.capture_watch` uses them to find side effects a graph
+would not repeat).
 
 *State* here means saved state: a snapshot of one module's own parameters, buffers and attributes
 (:class:`ModuleState`), of the watched module globals (:class:`~.global_state.GlobalValues`) and

@@ -92,6 +92,10 @@ def _call_loop(m):
     m.seen = m.loop(torch.ones(2, 3)).detach()
 
 
+def _blocks(m):
+    return [type(block).__name__ for block in m.blocks]
+
+
 def _seen(m):
     return m.__dict__.get("seen")
 
@@ -101,8 +105,6 @@ ENTRIES = [
           calls(lambda: (_x(),), lambda: Call((_x(),), {"scale": 3.0}), Edit(_call_loop), lambda: (_x(),)),
           attrs=_seen),
     Entry("registry_walk_root", Chain, calls(lambda: (_x(),), lambda: (torch.randn(5, 3),), lambda: (_x(),))),
-    Entry("registry_grown_in_forward", Growing, calls(lambda: (_x(),), lambda: (_x(),), lambda: (_x(),), lambda: (_x(),)),
-          attrs=lambda m: [type(block).__name__ for block in m.blocks]),
-    Entry("registry_swapped_in_forward", Swapping, calls(lambda: (_x(),), lambda: (_x(),), lambda: (_x(),), lambda: (_x(),)),
-          attrs=lambda m: [type(block).__name__ for block in m.blocks]),
+    Entry("registry_grown_in_forward", Growing, calls(*[lambda: (_x(),)] * 4), attrs=_blocks),
+    Entry("registry_swapped_in_forward", Swapping, calls(*[lambda: (_x(),)] * 4), attrs=_blocks),
 ]
