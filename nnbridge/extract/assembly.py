@@ -18,7 +18,8 @@ import torch
 
 from .context import ExtractionContext
 from ..graph.graph_module import MultiplyInvokedModule
-from ..graph.module_tree import CONTAINERS, safe_name
+from ..graph.kinds import CONTAINERS
+from ..graph.module_tree import safe_name
 from ..compat.torch.module_dicts import clear_modules, modules_of, non_persistent_buffers_of
 
 

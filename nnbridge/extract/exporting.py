@@ -22,9 +22,9 @@ from .cache_narrowing import narrowing
 from .capture_watch import CaptureWatch, UnfaithfulCaptureError
 from .eager_checks import state_writer
 from ..graph.state import plain_container
-from ..graph.kinds import StubKind
+from ..graph.kinds import CONTAINERS, StubKind
 from ..graph.locking import calls_unlocked
-from ..graph.module_tree import CONTAINERS, aliases_hidden, named_real_modules, named_registrations, op_points_hidden
+from ..graph.module_tree import aliases_hidden, named_real_modules, named_registrations, op_points_hidden
 from .recording import copy_inputs, stub_output
 from .sibling_roots import RootWatch
 from .reuse_plan import ReuseFallback, ReusePlan, cache_indices

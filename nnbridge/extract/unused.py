@@ -16,7 +16,8 @@ import torch
 
 from .context import ExtractionContext
 from ..graph.graph_module import OpaqueGraphModule
-from ..graph.module_tree import CONTAINERS, reorder
+from ..graph.kinds import CONTAINERS
+from ..graph.module_tree import reorder
 from ..graph.node_path import ModulePath
 from ..graph.op_point import OpPoint, OpPointContainer
 from ..graph.recipes import inserted_children

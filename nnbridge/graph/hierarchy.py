@@ -17,18 +17,16 @@ from torch.fx import Node
 
 from .aliases import aliases_of, suggestion
 from .graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
+from .kinds import CONTAINERS
 
 #: ``{id(compiled graph): {NodePath name: node}}``, filled as look-ups reach each graph; kept for one
 #: batch of look-ups only (a graph edited later would make it stale)
 NodeIndex = dict[int, dict[str, Node]]
 
 
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
-
-
 def _opaque_children(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.nn.Module]]:
     for name, child in module.named_children():
-        if isinstance(child, _CONTAINERS):
+        if isinstance(child, CONTAINERS):
             yield from _opaque_children(child, f"{prefix}{name}_")
         else:
             yield prefix + name, child

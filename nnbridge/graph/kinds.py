@@ -1,6 +1,6 @@
-"""The kinds the graph layer distinguishes, as enums instead of free strings.
+"""The kinds the graph layer distinguishes: the container modules, and enums instead of free strings.
 
-They are ``enum.StrEnum``s: a member equals its value (``StubKind.SKIPPED == "skipped"``) and prints
+The enums are ``enum.StrEnum``s: a member equals its value (``StubKind.SKIPPED == "skipped"``) and prints
 as it, so reasons recorded as ``"skipped"`` (``OpaqueGraphModule.reason``, ``Extraction.opaque``)
 read the same as the plain strings.
 """
@@ -8,6 +8,12 @@ read the same as the plain strings.
 from __future__ import annotations
 
 import enum
+
+import torch
+
+#: the modules that only hold others: a ModuleList or ModuleDict's entries are, for extraction, the
+#: children of the module that holds it (their NodePaths join the names: ``layers_0``)
+CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
 class StubKind(enum.StrEnum):

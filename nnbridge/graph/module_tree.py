@@ -22,6 +22,7 @@ from ..compat.torch.forwards import instance_forward
 from ..compat.torch.module_dicts import modules_of
 from ..errors import ExtractionError
 from .graph_module import CompiledGraphModule
+from .kinds import CONTAINERS
 from .op_point import OpPoint, OpPointContainer
 
 #: Names a child may not take in a graph module or in ``pg.graph``; such children get a trailing
@@ -30,7 +31,6 @@ RESERVED_NAMES = frozenset(
     {"graph", "code", "_code", "_shape", "forward", "training", "output", "op_points"}
     | {name for name in dir(CompiledGraphModule) if not name.startswith("__")}
 )
-CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 #: modules whose own code goes through their registrations (iteration, indexing, ``len``,
 #: ``append``'s next index; ``ParametrizationList`` probes ``hasattr(self, str(i))``)
 ITERATED = (*CONTAINERS, torch.nn.Sequential)

@@ -16,11 +16,10 @@ import torch
 
 from ..compat.torch.module_dicts import buffers_of, modules_of, parameters_of
 from ..errors import PatchError
+from .kinds import CONTAINERS
 
 
 _ABSENT = object()
-#: the containers an opaque module's code may iterate, held by the runner as copies (stand-ins)
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 
 #: the Python values an opaque module's attribute node may hold
 _NODE_VALUES = (bool, int, float, complex, torch.Tensor)
@@ -81,7 +80,7 @@ class OpaqueRunner:
         original container it stands for, nested ones included."""
         for name, entry in entries.items():
             own = modules_of(original).get(name)
-            if isinstance(entry, _CONTAINERS) and isinstance(own, _CONTAINERS) and entry is not own:
+            if isinstance(entry, CONTAINERS) and isinstance(own, CONTAINERS) and entry is not own:
                 stood = modules_of(entry)
                 self.stand_ins.append((entry, own, {key: (value, modules_of(own).get(key))
                                                     for key, value in stood.items()}))

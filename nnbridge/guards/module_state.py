@@ -50,8 +50,8 @@ import torch
 
 from ..compat.torch.module_dicts import MODULE_SLOTS, modules_of
 from ..compat.transformers.output_capturing import MODEL_STATE_ATTRIBUTES
-from ..graph.module_tree import CONTAINERS
 from ..compat.torch.tensor_checks import fast_tensor_check
+from ..graph.kinds import CONTAINERS
 from .code_check import CodeCheck, code_bindings
 from .code_objects import is_plumbing
 from .plain_values import HeldTensor, canonical_repr, class_values, config_like, plain_value, snapshot as plain_snapshot

@@ -26,8 +26,8 @@ from ..compat.torch.symbolic import has_hint, symbolic_hint
 from ..errors import SurgeryError
 from ..graph import hierarchy
 from ..graph.graph_module import CompiledGraphModule, GraphModuleBase, OpaqueGraphModule
+from ..graph.kinds import CONTAINERS
 from ..graph.metadata import node_meta
-from ..graph.module_tree import CONTAINERS
 from ..graph.node_path import NodePath
 from ..patching import varargs_paths
 from ..patching.patchable_graph import absence_message
