@@ -223,27 +223,19 @@ class StateGuard:
         dispatchers (:func:`~nnbridge.graph.module_tree.direct_callees`,
         :func:`~nnbridge.extract.assembly.container_like`), so their registries and state are guarded."""
         seen: set[int] = set()
-        inside: list[tuple[str, torch.nn.Module]] = []
-        stack = [(where or "<root>", module)]
-        while stack:
-            path, current = stack.pop()
+        stack = [(where or "<root>", module, False)]  # (path, module, under an opaque module)
+        inside: list[tuple[str, torch.nn.Module, bool]] = []  # walked once the tree is done
+        while stack or inside:
+            path, current, under = stack.pop() if stack else inside.pop()
             if id(current) in seen:
                 continue
             seen.add(id(current))
             yield path, current
+            hidden = under or id(current) in opaque
             for name, child in modules_of(current).items():
-                if child is not None and not (skip is not None and skip(child)):
-                    (inside if id(current) in opaque else stack).append(
-                        (f"{path}.{name}" if path != "<root>" else name, child))
-        stack = [(path, child) for path, child in reversed(inside) if isinstance(child, CONTAINERS)]
-        while stack:
-            path, current = stack.pop()
-            if id(current) in seen:
-                continue
-            seen.add(id(current))
-            yield path, current
-            stack.extend((f"{path}.{name}", child) for name, child in reversed(modules_of(current).items())
-                         if isinstance(child, CONTAINERS) and not (skip is not None and skip(child)))
+                if child is None or (skip is not None and skip(child)) or (hidden and not isinstance(child, CONTAINERS)):
+                    continue
+                (inside if hidden else stack).append((f"{path}.{name}" if path != "<root>" else name, child, hidden))
 
     def _add_tensor(self, where: str, store: dict[str, Any], name: str, *, tensor: torch.Tensor) -> None:
         self._tensors.append((f"{where}.{name}" if where != "<root>" else name, store, name, tensor,
