@@ -723,17 +723,21 @@ def test_an_opaque_modules_containers_registries_are_guarded():
     assert guard.what_changed() == "child '0' of blocks.stack (Linear) was replaced by a Linear"
 
 
+def _front(front: str, model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """``model`` bridged in place (``front == "bridge"``) or a PatchableGraph over it (``"pg"``)."""
+    if front == "bridge":
+        nnbridge.bridge(model, x)
+        return model
+    return PatchableGraph(model, x)
+
+
 @pytest.mark.parametrize("front", ["bridge", "pg"])
 def test_an_entry_replaced_in_an_opaque_roots_container_is_called(front):
     torch.manual_seed(0)
     eager = _CountingRoot()
     model = copy.deepcopy(eager)
     x = torch.randn(2, 4)
-    if front == "bridge":
-        nnbridge.bridge(model, x)
-        run = model
-    else:
-        run = PatchableGraph(model, x)
+    run = _front(front, model, x)
     assert torch.equal(run(x), eager(x))
     assert "" in nnbridge.explain(run).opaque, "the root runs opaque"
     torch.manual_seed(1)
@@ -777,11 +781,7 @@ def test_an_opaque_modules_container_keeps_and_guards_its_own_state(front):
     eager = _OrderedRoot()
     model = copy.deepcopy(eager)
     x = torch.randn(2, 4)
-    if front == "bridge":
-        nnbridge.bridge(model, x)
-        run = model
-    else:
-        run = PatchableGraph(model, x)
+    run = _front(front, model, x)
     assert torch.equal(run(x), eager(x))
     eager.blocks.backwards = model.blocks.backwards = False
     assert torch.equal(run(x), eager(x))
