@@ -67,6 +67,8 @@ class OpaqueRunner:
         #: ``(stand-in, original, {name: (entry, what it stands for)})`` per ModuleList/ModuleDict
         #: the code iterates in place of the module's own (see :meth:`_written_back`)
         self.stand_ins: list[tuple[torch.nn.Module, torch.nn.Module, dict[str, tuple[Any, Any]]]] = []
+        #: ``{id(stand-in entry): the child it stands for}``
+        self._stood_for: dict[int, Any] = {}
         self._pair(module, self.callees)
         signature = inspect.signature(type(module).forward)
         self.signature = signature.replace(parameters=list(signature.parameters.values())[1:])
@@ -82,20 +84,29 @@ class OpaqueRunner:
             own = modules_of(original).get(name)
             if isinstance(entry, CONTAINERS) and isinstance(own, CONTAINERS) and entry is not own:
                 stood = modules_of(entry)
-                self.stand_ins.append((entry, own, {key: (value, modules_of(own).get(key))
-                                                    for key, value in stood.items()}))
+                pairs = {key: (value, modules_of(own).get(key)) for key, value in stood.items()}
+                self.stand_ins.append((entry, own, pairs))
+                self._stood_for.update({id(value): child for value, child in pairs.values()})
                 self._pair(own, stood)
 
-    def _written_back(self) -> None:
-        """Give each original container the entries its stand-in's registry holds after a run that
-        changed it (``self.blocks.append(block)`` in the module's code), each stand-in entry as
-        what it stands for, and put the stand-in back as it was: eager code changes the module's
-        own container (the guard on its registry then extracts again)."""
+    def _written_back(self, saved: dict[str, Any]) -> None:
+        """Put the module's own children (``saved``: ``{name: child}`` before the run) back in place
+        of their callees, give each original container the entries its stand-in's registry holds
+        after a run that changed it (``self.blocks.append(block)`` in the module's code), and put
+        the stand-in back as it was. A module the code bound (``self.head = spare``,
+        ``self.blocks[1] = spare``) stays, as in eager; a callee or stand-in entry it bound becomes
+        the child it stands for. The guard on the registries then extracts again."""
+        stood_for = {id(self.callees[name]): child for name, child in saved.items()}
+        registry = modules_of(self.module)
+        for name in self.callees:
+            if name in registry:  # (else the code deleted it: eager's module has it deleted too)
+                value = registry[name]
+                registry[name] = stood_for.get(id(value), self._stood_for.get(id(value), value))
         for stand_in, original, entries in self.stand_ins:
             now = modules_of(stand_in)
             if now.keys() == entries.keys() and all(now[key] is entry for key, (entry, _) in entries.items()):
                 continue
-            stood_for = {id(entry): own for entry, own in entries.values()}
+            stood_for.update(self._stood_for)
             registry = modules_of(original)
             kept = {key: value for key, value in registry.items() if key not in entries}  # (op points)
             registry.clear()
@@ -109,6 +120,7 @@ class OpaqueRunner:
         self.callees = {}
         self.routers = []
         self.stand_ins = []
+        self._stood_for = {}
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, routed: frozenset[str],
             call: Callable[[str, Any], Any]) -> Any:
@@ -140,8 +152,7 @@ class OpaqueRunner:
                     module.__dict__[name] = value
             output = type(module).forward(module, *args, **kwargs)
         finally:
-            modules_of(module).update(saved_modules)
-            self._written_back()
+            self._written_back(saved_modules)
             for name, (store, tensor, value) in saved_tensors.items():
                 if store.get(name) is value:  # else the forward re-assigned it (an EMA buffer): keep that
                     store[name] = tensor

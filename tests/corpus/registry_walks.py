@@ -87,6 +87,22 @@ class Swapping(Growing):
         return x
 
 
+class Rebinding(nn.Module):
+    """Binds a spare module to its ``head`` attribute in forward while spares last: a registry edit
+    of the module itself (it runs opaque), which must stay as eager's does."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 3)
+        self.spare = [nn.Linear(3, 3), nn.Linear(3, 3)]  # (a plain list: not registered)
+
+    def forward(self, x):
+        x = torch.tanh(self.head(x))
+        if self.spare:
+            self.head = self.spare.pop()
+        return x
+
+
 def _call_loop(m):
     """The user calls the submodule on its own (its own code runs over the bridged model)."""
     m.seen = m.loop(torch.ones(2, 3)).detach()
@@ -107,4 +123,5 @@ ENTRIES = [
     Entry("registry_walk_root", Chain, calls(lambda: (_x(),), lambda: (torch.randn(5, 3),), lambda: (_x(),))),
     Entry("registry_grown_in_forward", Growing, calls(*[lambda: (_x(),)] * 4), attrs=_blocks),
     Entry("registry_swapped_in_forward", Swapping, calls(*[lambda: (_x(),)] * 4), attrs=_blocks),
+    Entry("registry_rebound_in_forward", Rebinding, calls(*[lambda: (_x(),)] * 4)),
 ]
