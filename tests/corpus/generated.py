@@ -24,7 +24,9 @@ broke extraction before, and their neighbours:
   call after the first is a decode step), and edits between them: module attribute writes,
   plain-object attribute writes and replacements, child swaps, class swaps (``__class__``),
   ``.double()`` and a block child called on its own (its output kept and compared);
-- block bodies and root reads that walk a module's registry (``self.children()``, ``self.modules()``).
+- block bodies and root reads that walk a module's registry (``self.children()``, ``self.modules()``);
+- registry edits in the root's forward, from a plain list of spare blocks while spares last: a
+  block appended to a ``ModuleList``, an entry replaced, a block child's attribute rebound.
 
 Every construct a program uses that belongs to a known silent difference is named in
 :attr:`Program.features` (see ``KNOWN_FEATURES`` in ``tests/corpus/test_fuzz.py``).
@@ -55,6 +57,9 @@ INNER_CALLS = ("pos", "kw", "kw_rev", "mixed")
 READS = ("alpha", "hp", "nested", "act", "k", "modules")
 #: edits of plain objects (not modules): issue 48 item 2
 PLAIN_EDITS = ("hp_attr", "hp_replace", "nested_attr", "act_attr", "act_replace", "k_replace")
+#: how a ``"registry"`` statement edits a child's registry in forward: ``self.c<i>.append(spare)``,
+#: ``self.c<i>[j] = spare`` (a ModuleList), ``self.c<i> = spare`` (a block or shared child)
+REGISTRY_EDITS = ("grow", "swap", "set")
 #: (``direct``: the user calls a block child on its own, its code running over the bridged model)
 EDITS = ("root_alpha", "block_alpha", "swap_child", "swap_class", "double", *PLAIN_EDITS, "direct")
 
@@ -88,7 +93,10 @@ class Stmt:
     ``child``, ``h = args[0]``, each ``h = b(h, args[1])``), ``"cached"`` (over the cached layers
     ``child``, each ``h = b(h, cache)``; ``style`` ``"reversed"``: the last layer first),
     ``"read"`` (``style`` one of :data:`READS` applied to ``args[0]``), ``"buffer"``, ``"nograd"``
-    (``call`` in a no_grad region), ``"dropout"``, ``"counter"``, ``"add"``."""
+    (``call`` in a no_grad region), ``"dropout"``, ``"counter"``, ``"add"``, ``"registry"`` (edits
+    child ``child``'s registry by ``style``, one of :data:`REGISTRY_EDITS`, entry ``args[1]`` for
+    ``"swap"``, from spares of block class :meth:`Program.spare_class`; then ``args[0]`` times the
+    number of the root's children, or of the list's entries)."""
     kind: str
     args: tuple[int, ...]
     child: int = 0
@@ -134,6 +142,14 @@ class Program:
 
     def name(self) -> str:
         return "fuzz_" + hashlib.sha256(repr(self).encode()).hexdigest()[:10]
+
+    def spare_class(self, stmt: Stmt) -> int:
+        """The block class of a ``"registry"`` statement's spares: that of the entry it replaces,
+        of a list's first entry (appended), or of the child it rebinds."""
+        spec = self.children[stmt.child]
+        while spec.kind == "shared":
+            spec = self.children[spec.blocks[0]]
+        return spec.blocks[stmt.args[1] if stmt.style == "swap" else 0]
 
     @property
     def cache(self) -> Child | None:
@@ -213,6 +229,8 @@ def _root_source(program: Program) -> tuple[str, bool]:
             init.append(f"self.c{i} = nn.ModuleList([{layers}])")
         else:
             init.append(f"self.c{i} = self.c{child.blocks[0]}  # shared")
+    init += [f"self.spares{n} = [B{program.spare_class(stmt)}(), B{program.spare_class(stmt)}()]  # (not registered)"
+             for n, stmt in enumerate(program.stmts, start=1) if stmt.kind == "registry"]
     body: list[str] = []
     counter = False
     for n, stmt in enumerate(program.stmts, start=1):
@@ -250,6 +268,11 @@ def _root_source(program: Program) -> tuple[str, bool]:
             body += ["self.calls += 1", f"{new} = {args[0]} * self.calls"]
         elif stmt.kind == "add":
             body.append(f"{new} = {args[0]} + {args[1]}")
+        elif stmt.kind == "registry":
+            edit, counted = {"grow": (f"self.c{stmt.child}.append(self.spares{n}.pop())", f"self.c{stmt.child}"),
+                             "swap": (f"self.c{stmt.child}[{stmt.args[1]}] = self.spares{n}.pop()", f"self.c{stmt.child}"),
+                             "set": (f"self.c{stmt.child} = self.spares{n}.pop()", "list(self.children())")}[stmt.style]
+            body += [f"if self.spares{n}:", f"    {edit}", f"{new} = {args[0]} * len({counted})"]
         else:
             raise ValueError(stmt.kind)
     kind, outs = program.output

@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 
 import nnbridge
-from corpus.generated import (BODIES, EDITS, INNER_CALLS, PLAIN_EDITS, READS, Block, Child, Program, Step, Stmt,
-                              alias_roots, load, render)
+from corpus.generated import (BODIES, EDITS, INNER_CALLS, PLAIN_EDITS, READS, REGISTRY_EDITS, Block, Child, Program,
+                              Step, Stmt, alias_roots, load, render)
 from corpus.harness import FRONT_ENDS, check
 from corpus.program_parts import CACHED_KINDS
 
@@ -113,6 +113,10 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
     callable_children = [i for i, c in enumerate(children) if c.kind in ("block", "shared")]
     lists = [i for i, c in enumerate(children) if c.kind == "list"]
     cached = [i for i, c in enumerate(children) if c.kind == "cached"]
+    # registry edits in forward, in about one program in six (the root then runs opaque)
+    registry_targets = [(i, style) for i, c in enumerate(children) for style in REGISTRY_EDITS
+                        if (c.kind == "list") == (style != "set") and c.kind != "cached"] \
+        if draw(st.integers(0, 5)) == 0 else []
     stmts: list[Stmt] = []
     if "loop_alias" in required:
         stmts.append(Stmt("loop", (0, 0), child=0))
@@ -124,8 +128,9 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
         kinds += ["call", "nograd"] if callable_children else []
         kinds += ["loop"] if lists else []
         kinds += ["cached"] if cached else []
+        kinds += ["registry"] if registry_targets else []
         kind = draw(st.sampled_from(sorted(kinds, key=["loop", "call", "read", "nograd", "buffer", "add",
-                                                        "dropout", "counter", "cached"].index)))
+                                                        "dropout", "counter", "cached", "registry"].index)))
         if kind in ("call", "nograd"):
             child = draw(st.sampled_from(callable_children))
             style = draw(st.sampled_from(("pos", "kw", "kw_rev", "mixed") if arity(child) == 2 else ("pos", "kw")))
@@ -149,10 +154,14 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
             stmts.append(Stmt("read", (draw(var),), style=draw(st.sampled_from(READS))))
         elif kind == "add":
             stmts.append(Stmt("add", (draw(var), draw(var))))
+        elif kind == "registry":
+            stmts.append(_registry_edit(draw, registry_targets, children, draw(var)))
         else:
             stmts.append(Stmt(kind, (draw(var),)))
     if cached and not any(s.kind == "cached" for s in stmts):
         stmts.append(Stmt("cached", (draw(st.integers(0, len(stmts))),), child=cached[0]))
+    if registry_targets and not any(s.kind == "registry" for s in stmts):
+        stmts.append(_registry_edit(draw, registry_targets, children, draw(st.integers(0, len(stmts)))))
     if draw(st.integers(0, 3)) == 0:  # a Python counter: a side effect of forward, read back
         stmts.append(Stmt("counter", (draw(st.integers(0, len(stmts))),)))
     last = len(stmts)
@@ -161,10 +170,14 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
 
     # the script: a call, then edits and calls
     reads = {s.style for s in stmts if s.kind == "read"}
-    # (no .double() with a cache: its layers keep the float32 keys and values of earlier calls)
-    edits = ["root_alpha", "swap_child", "swap_class"] + ([] if cached else ["double"])
-    edits += ["block_alpha"] if any(blocks[b].alpha for c in children if c.kind in ("block", "list")
-                                    for b in c.blocks) else []
+    # (no .double() with a cache: its layers keep the float32 keys and values of earlier calls; nor
+    # with spares: a plain list keeps them float32)
+    spares = any(s.kind == "registry" for s in stmts)
+    # (no edit of an entry forward replaces: a class swap would meet a spare of another class)
+    replaced = {s.child for s in stmts if s.kind == "registry" and s.style != "grow"}
+    editable = [c for i, c in enumerate(children) if c.kind in ("block", "list") and i not in replaced]
+    edits = ["root_alpha"] + (["swap_child", "swap_class"] if editable else []) + ([] if cached or spares else ["double"])
+    edits += ["block_alpha"] if any(blocks[b].alpha for c in editable for b in c.blocks) else []
     edits += [e for e in PLAIN_EDITS if _READ_OF_EDIT[e] in reads and "plain_object_edit" not in excluded]
     edits += ["direct"] if any(c.kind == "block" for c in children) else []
     if "plain_object_edit" in required:
@@ -177,7 +190,7 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
     doubled = False
     current: dict[tuple[int, int], int] = {}  # (child, entry) -> its block class after the swaps so far
     for _ in range(draw(st.integers(0, 3))):
-        step = _edit(draw, sorted(edits, key=EDITS.index), children, blocks, doubled, current)
+        step = _edit(draw, sorted(edits, key=EDITS.index), children, blocks, doubled, current, replaced)
         doubled = doubled or step.kind == "double"
         if step.kind == "swap_child":
             current[(step.child, step.entry)] = step.block
@@ -188,15 +201,23 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
     return Program(tuple(blocks), tuple(children), tuple(stmts), (output_kind, outputs), tuple(script), (mode,))
 
 
+def _registry_edit(draw: st.DrawFn, targets: list[tuple[int, str]], children: list[Child], var: int) -> Stmt:
+    """A ``"registry"`` statement on variable ``var``, of one of ``targets`` (``(child, style)``)."""
+    child, style = draw(st.sampled_from(targets))
+    entry = draw(st.integers(0, len(children[child].blocks) - 1)) if style == "swap" else 0
+    return Stmt("registry", (var, entry), child=child, style=style)
+
+
 def _call(draw: st.DrawFn) -> Step:
     grad = draw(st.booleans())
     return Step("call", grad=grad, input_grad=grad and draw(st.booleans()), rows=draw(st.sampled_from((2, 3))))
 
 
 def _edit(draw: st.DrawFn, kinds: list[str], children: list[Child], blocks: list[Block], doubled: bool,
-          current: dict[tuple[int, int], int]) -> Step:
+          current: dict[tuple[int, int], int], replaced: set[int]) -> Step:
     """An edit step of one of ``kinds``; ``current``: the block class of each entry an earlier
-    ``swap_child`` replaced (a class swap goes to the subclass of the entry's class then)."""
+    ``swap_child`` replaced (a class swap goes to the subclass of the entry's class then);
+    ``replaced``: the children whose entries forward replaces (not edited here)."""
     kind = draw(st.sampled_from([k for k in kinds if not (k == "double" and doubled)]))
     value = draw(st.sampled_from((2.0, 0.5, 3.0)))
     if kind == "direct":
@@ -204,7 +225,8 @@ def _edit(draw: st.DrawFn, kinds: list[str], children: list[Child], blocks: list
     if kind not in ("swap_child", "swap_class", "block_alpha"):
         return Step(kind, value=value)
     # an entry of a child that is not another attribute of an earlier child
-    targets = [(i, k) for i, c in enumerate(children) if c.kind in ("block", "list") for k in range(len(c.blocks))]
+    targets = [(i, k) for i, c in enumerate(children) if c.kind in ("block", "list") and i not in replaced
+               for k in range(len(c.blocks))]
     if kind == "block_alpha":
         targets = [(i, k) for i, k in targets if blocks[children[i].blocks[k]].alpha]
     child, entry = draw(st.sampled_from(targets))
