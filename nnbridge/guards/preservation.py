@@ -44,8 +44,8 @@ def _copy_container(value: Any) -> Any:
 class ModuleState:
     """A shallow snapshot of one module's state: parameters and buffers (object, version and, when
     ``clone``, a copy of the buffer's values), ``training``, its other ``__dict__`` entries
-    (object, plus a shallow copy of list/dict/set values) and its registered children (op points
-    aside)."""
+    (object, plus a shallow copy of list/dict/set values), its registered children (op points
+    aside) and the modules it holds as instance attributes."""
 
     def __init__(self, module: torch.nn.Module, clone: bool):
         self.module = module
@@ -63,8 +63,11 @@ class ModuleState:
                         for k, (v, _) in self.attributes.items() for i, t in _held_tensors(v)}
         self.configs = {k: (v, dict(vars(v))) for k, (v, _) in self.attributes.items() if config_like(k, v)}
         # its children (a forward that appends a block to its ModuleList changes this), without the
-        # op points a bridge registers
+        # op points a bridge registers; and the modules it holds unregistered, as instance
+        # attributes (an alias extraction hides from the registry, see module_tree.aliases_hidden):
+        # ``self.alias = spare`` in forward registers ``alias`` and drops that attribute
         self.children = _children(module)
+        self.held = {k: v for k, v in module.__dict__.items() if isinstance(v, torch.nn.Module)}
 
     def changes(self) -> list[str]:
         """What changed since the snapshot, one phrase per attribute (``"sets attribute 'calls'"``)."""
@@ -147,13 +150,18 @@ class ModuleState:
         return lost
 
     def restore_children(self) -> None:
-        """Put the registered children back as they were (op points registered since stay)."""
+        """Put the registered children (op points registered since stay) and the modules held as
+        instance attributes back as they were."""
         if not _same_container(_children(self.module), self.children):
             registry = modules_of(self.module)
             points = {name: child for name, child in registry.items() if isinstance(child, POINT_TYPES)}
             registry.clear()
             registry.update(self.children)
             registry.update(points)
+        state = self.module.__dict__
+        for name, child in self.held.items():
+            if state.get(name) is not child:
+                state[name] = child
 
 
 def _children(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:

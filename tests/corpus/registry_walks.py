@@ -103,6 +103,37 @@ class Rebinding(nn.Module):
         return x
 
 
+class RebindingAlias(Rebinding):
+    """Binds a spare module to ``alias``, a second name of its ``head``, in forward: extraction
+    hides such an alias from the registry (an instance attribute), which the binding drops."""
+
+    def __init__(self):
+        super().__init__()
+        self.alias = self.head
+
+    def forward(self, x):
+        x = torch.tanh(self.head(x))
+        x = self.alias(x)
+        if self.spare:
+            self.alias = self.spare.pop()
+        return x
+
+
+class RebindingLayers(nn.Module):
+    """Identical layers (layer reuse) of which each binds a spare ``head`` in its forward while
+    spares last: opaque layers inside a root that is a graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Rebinding() for _ in range(3)])
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) + x
+        return self.out(x)
+
+
 def _call_loop(m):
     """The user calls the submodule on its own (its own code runs over the bridged model)."""
     m.seen = m.loop(torch.ones(2, 3)).detach()
@@ -124,4 +155,6 @@ ENTRIES = [
     Entry("registry_grown_in_forward", Growing, calls(*[lambda: (_x(),)] * 4), attrs=_blocks),
     Entry("registry_swapped_in_forward", Swapping, calls(*[lambda: (_x(),)] * 4), attrs=_blocks),
     Entry("registry_rebound_in_forward", Rebinding, calls(*[lambda: (_x(),)] * 4)),
+    Entry("registry_rebound_in_layers", RebindingLayers, calls(*[lambda: (_x(),)] * 4)),
+    Entry("registry_alias_rebound_in_forward", RebindingAlias, calls(*[lambda: (_x(),)] * 4)),
 ]
