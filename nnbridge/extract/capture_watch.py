@@ -156,12 +156,23 @@ class CaptureWatch:
         self.changes: dict[str, list[str]] = {}
         self.draws: dict[str, str] = {}
         self.global_writes: dict[str, str] = {}
+        self._outer: dict[str, ModuleState] = {}
+
+    def registries_put_back(self) -> None:
+        """Put every watched module's registered children back as they were when :meth:`watching`
+        began. :class:`~.exporting.ExportRoot` calls it when the exported module's call ends, also
+        on error: torch.export then puts the modules' attributes back by path
+        (``_detect_attribute_assignment``), and would give a module the forward bound in another's
+        place (``self.lin = spare``, ``self.blocks[1] = spare``) the attributes of the one it
+        replaced, this export's wrappers of its forward included."""
+        for state in self._outer.values():
+            state.restore_children()
 
     @contextlib.contextmanager
     def watching(self, frozen: AbstractSet[str]) -> Iterator[None]:
         """Watch the body (one export); module state is restored afterwards, also on error.
         Grad-mode changes made while a ``frozen`` module runs are ignored."""
-        outer = snapshot(self.modules, clone=False)
+        outer = self._outer = snapshot(self.modules, clone=False)
         inner: list[dict[str, ModuleState]] = []
 
         def on_apply(cls: type) -> None:
@@ -184,10 +195,6 @@ class CaptureWatch:
                 changed = state.changes()
                 if changed:
                     self.changes.setdefault(path, changed)
-                # registries back before export puts the modules' attributes back by path (it
-                # would give a module the forward put in a container the attributes of the one
-                # it replaced, wrappers of this export included)
-                state.restore_children()
         root = self.modules[0][1]
         handles = [root.register_forward_pre_hook(before), root.register_forward_hook(after)]
         handles += _own_changes(self.modules, python_rng_states, _rng_drawn, found=self.draws)
@@ -225,6 +232,7 @@ class CaptureWatch:
             for state in outer.values():
                 state.restore()
             globals_read.restore()
+            self._outer = {}
 
     def faults(self, exported: torch.export.ExportedProgram | None) -> list[tuple[str, UnfaithfulCaptureError]]:
         """Modules (paths) whose graph would differ from their eager code, with the reasons: every

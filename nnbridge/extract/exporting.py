@@ -44,14 +44,22 @@ class ExportRoot(torch.nn.Module):
     is preserved like every other submodule's. When the module is called with stateful arguments
     (a transformers Cache), the root returns ``(output, [tensors each argument holds after the
     call])``: the state the module wrote stays live in the program (only the module's own graph is
-    built, so the extra outputs change nothing else)."""
+    built, so the extra outputs change nothing else).
+
+    ``returned``, when set, is called as the module's call ends, also on error (a capture watch's
+    :meth:`~.capture_watch.CaptureWatch.registries_put_back`)."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self.model = module
+        self.returned: Callable[[], None] | None = None
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        output = self.model(*args, **kwargs)
+        try:
+            output = self.model(*args, **kwargs)
+        finally:
+            if self.returned is not None:
+                self.returned()
         keys = state_keys(args, kwargs)
         if not keys:
             return output
@@ -278,6 +286,7 @@ def export_module(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
             shapes = dynamic_shapes(args, kwargs, dims) if use_dynamic else None
             watch = CaptureWatch(list(named_real_modules(module)), tools.active,
                                  known=set(stubs) | traced | set(reuse.siblings))
+            wrapper.returned = watch.registries_put_back
             try:
                 # non-strict export runs the module's Python code, which mutates a cache passed in
                 # (with fake tensors): every attempt traces a fresh copy of the inputs

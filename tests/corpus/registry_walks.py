@@ -119,6 +119,18 @@ class RebindingAlias(Rebinding):
         return x
 
 
+class RebindingCalledTwice(nn.Module):
+    """Calls a :class:`Rebinding` child by keyword, then positionally: export of the root fails
+    on the second call (its call signature changed) after the child bound a spare."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Rebinding()
+
+    def forward(self, x):
+        return self.block(x=x) + self.block(x)
+
+
 class RebindingLayers(nn.Module):
     """Identical layers (layer reuse) of which each binds a spare ``head`` in its forward while
     spares last: opaque layers inside a root that is a graph."""
@@ -157,4 +169,5 @@ ENTRIES = [
     Entry("registry_rebound_in_forward", Rebinding, calls(*[lambda: (_x(),)] * 4)),
     Entry("registry_rebound_in_layers", RebindingLayers, calls(*[lambda: (_x(),)] * 4)),
     Entry("registry_alias_rebound_in_forward", RebindingAlias, calls(*[lambda: (_x(),)] * 4)),
+    Entry("registry_rebound_in_a_failed_export", RebindingCalledTwice, calls(*[lambda: (_x(),)] * 4)),
 ]
