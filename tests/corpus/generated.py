@@ -25,8 +25,9 @@ broke extraction before, and their neighbours:
   plain-object attribute writes and replacements, child swaps, class swaps (``__class__``),
   ``.double()`` and a block child called on its own (its output kept and compared);
 - block bodies and root reads that walk a module's registry (``self.children()``, ``self.modules()``);
-- registry edits in the root's forward, from a plain list of spare blocks while spares last: a
-  block appended to a ``ModuleList``, an entry replaced, a block child's attribute rebound.
+- registry edits in forward, from a plain list of spares while they last: in the root's, a block
+  appended to a ``ModuleList``, an entry replaced, a block child's attribute rebound; in a
+  block's, its ``Linear`` rebound.
 
 Every construct a program uses that belongs to a known silent difference is named in
 :attr:`Program.features` (see ``KNOWN_FEATURES`` in ``tests/corpus/test_fuzz.py``).
@@ -68,11 +69,13 @@ EDITS = ("root_alpha", "block_alpha", "swap_child", "swap_class", "double", *PLA
 class Block:
     """A block class: ``arity`` arguments, ``body`` an index into :data:`BODIES`, ``inner`` how it
     calls an inner ``Inner`` child first (None: no inner child), ``alpha``: multiplies by
-    ``self.alpha``."""
+    ``self.alpha``, ``rebinds``: binds a spare ``Linear`` to ``self.lin`` in forward, while its
+    plain list of two spares lasts."""
     arity: int
     body: int
     inner: str | None = None
     alpha: bool = False
+    rebinds: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,9 @@ def _block_source(index: int, block: Block) -> str:
         body.append(f"x = {_inner_call(block.inner, 'x', 'a' if block.arity == 2 else 'x')}")
     if block.alpha:
         init.append("self.alpha = 1.5")
+    if block.rebinds:
+        init.append("self.spare = [nn.Linear(4, 4), nn.Linear(4, 4)]  # (not registered)")
+        body += ["if self.spare:", "    self.lin = self.spare.pop()"]
     expression = BODIES[block.arity][block.body]
     body.append(f"return {expression}" + (" * self.alpha" if block.alpha else ""))
     lines = [f"class B{index}(nn.Module):", "    def __init__(self):"]

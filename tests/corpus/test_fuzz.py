@@ -49,6 +49,8 @@ CI_EXAMPLES = 15
 EXAMPLES = int(os.environ.get("NNBRIDGE_FUZZ_EXAMPLES") or CI_EXAMPLES)
 #: the seed programs are drawn from (``NNBRIDGE_FUZZ_SEED``); None: CI's fixed programs (``derandomize``)
 SEED = os.environ.get("NNBRIDGE_FUZZ_SEED")
+#: extractions kept per module in a generated program's run (ExtractionOptions.recompile_limit)
+RECOMPILE_LIMIT = 16
 #: programs per known feature in test_fuzz_finds_known
 KNOWN_EXAMPLES = 10
 
@@ -82,7 +84,8 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
     for i in range(n_blocks):
         arity = 2 if (i == 0 and "loop_alias" in required) else draw(st.sampled_from((2, 1)))
         blocks.append(Block(arity, draw(st.integers(0, len(BODIES[arity]) - 1)),
-                            draw(st.none() | st.sampled_from(INNER_CALLS)), draw(st.booleans())))
+                            draw(st.none() | st.sampled_from(INNER_CALLS)), draw(st.booleans()),
+                            rebinds=draw(st.integers(0, 7)) == 0))
     children: list[Child] = []
     for i in range(draw(st.integers(1, 3))):
         singles = [j for j, c in enumerate(children) if c.kind == "block"]
@@ -172,7 +175,7 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
     reads = {s.style for s in stmts if s.kind == "read"}
     # (no .double() with a cache: its layers keep the float32 keys and values of earlier calls; nor
     # with spares: a plain list keeps them float32)
-    spares = any(s.kind == "registry" for s in stmts)
+    spares = any(s.kind == "registry" for s in stmts) or any(b.rebinds for b in blocks)
     # (no edit of an entry forward replaces: a class swap would meet a spare of another class)
     replaced = {s.child for s in stmts if s.kind == "registry" and s.style != "grow"}
     editable = [c for i, c in enumerate(children) if c.kind in ("block", "list") and i not in replaced]
@@ -278,7 +281,9 @@ def run_case(case: Case) -> None:
     program = case.program
     source = render(program)
     entry = load(source, _MODULE_DIR).ENTRIES[0]
-    options = nnbridge.ExtractionOptions(reuse_layers=case.reuse_layers)
+    # (a child called from an opaque root meets up to 2 call structures x aliased or not x grad mode x
+    # class swaps in one script, each extracted once: more than the default limit's 8, which would warn)
+    options = nnbridge.ExtractionOptions(reuse_layers=case.reuse_layers, recompile_limit=RECOMPILE_LIMIT)
     failures = []
     with tempfile.TemporaryDirectory(prefix="nnbridge-fuzz-cache-") as directory:
         for temperature in ("cold", "warm"):
