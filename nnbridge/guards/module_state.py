@@ -233,7 +233,8 @@ class StateGuard:
             yield path, current
             hidden = under or id(current) in opaque
             for name, child in modules_of(current).items():
-                if child is None or (skip is not None and skip(child)) or (hidden and not isinstance(child, CONTAINERS)):
+                skipped = child is None or (skip is not None and skip(child))
+                if skipped or (hidden and not isinstance(child, CONTAINERS)):
                     continue
                 (inside if hidden else stack).append((f"{path}.{name}" if path != "<root>" else name, child, hidden))
 

@@ -275,9 +275,10 @@ def _root_source(program: Program) -> tuple[str, bool]:
         elif stmt.kind == "add":
             body.append(f"{new} = {args[0]} + {args[1]}")
         elif stmt.kind == "registry":
-            edit, counted = {"grow": (f"self.c{stmt.child}.append(self.spares{n}.pop())", f"self.c{stmt.child}"),
-                             "swap": (f"self.c{stmt.child}[{stmt.args[1]}] = self.spares{n}.pop()", f"self.c{stmt.child}"),
-                             "set": (f"self.c{stmt.child} = self.spares{n}.pop()", "list(self.children())")}[stmt.style]
+            target, spare = f"self.c{stmt.child}", f"self.spares{n}.pop()"
+            edit, counted = {"grow": (f"{target}.append({spare})", target),
+                             "swap": (f"{target}[{stmt.args[1]}] = {spare}", target),
+                             "set": (f"{target} = {spare}", "list(self.children())")}[stmt.style]
             body += [f"if self.spares{n}:", f"    {edit}", f"{new} = {args[0]} * len({counted})"]
         else:
             raise ValueError(stmt.kind)

@@ -179,7 +179,8 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
     # (no edit of an entry forward replaces: a class swap would meet a spare of another class)
     replaced = {s.child for s in stmts if s.kind == "registry" and s.style != "grow"}
     editable = [c for i, c in enumerate(children) if c.kind in ("block", "list") and i not in replaced]
-    edits = ["root_alpha"] + (["swap_child", "swap_class"] if editable else []) + ([] if cached or spares else ["double"])
+    edits = ["root_alpha"] + (["swap_child", "swap_class"] if editable else [])
+    edits += [] if cached or spares else ["double"]
     edits += ["block_alpha"] if any(blocks[b].alpha for c in editable for b in c.blocks) else []
     edits += [e for e in PLAIN_EDITS if _READ_OF_EDIT[e] in reads and "plain_object_edit" not in excluded]
     edits += ["direct"] if any(c.kind == "block" for c in children) else []
