@@ -233,8 +233,9 @@ class StateGuard:
             yield path, current
             hidden = under or id(current) in opaque
             for name, child in modules_of(current).items():
-                skipped = child is None or (skip is not None and skip(child))
-                if skipped or (hidden and not isinstance(child, CONTAINERS)):
+                if child is None or (skip is not None and skip(child)):
+                    continue
+                if hidden and not isinstance(child, CONTAINERS):  # (opaque: only its containers)
                     continue
                 (inside if hidden else stack).append((f"{path}.{name}" if path != "<root>" else name, child, hidden))
 
