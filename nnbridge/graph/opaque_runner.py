@@ -67,8 +67,6 @@ class OpaqueRunner:
         #: ``(stand-in, original, {name: (entry, what it stands for)})`` per ModuleList/ModuleDict
         #: the code iterates in place of the module's own (see :meth:`_written_back`)
         self.stand_ins: list[tuple[torch.nn.Module, torch.nn.Module, dict[str, tuple[Any, Any]]]] = []
-        #: ``{id(stand-in entry): the child it stands for}``
-        self._stood_for: dict[int, Any] = {}
         self._pair(module, self.callees)
         signature = inspect.signature(type(module).forward)
         self.signature = signature.replace(parameters=list(signature.parameters.values())[1:])
@@ -86,7 +84,6 @@ class OpaqueRunner:
                 stood = modules_of(entry)
                 pairs = {key: (value, modules_of(own).get(key)) for key, value in stood.items()}
                 self.stand_ins.append((entry, own, pairs))
-                self._stood_for.update({id(value): child for value, child in pairs.values()})
                 self._pair(own, stood)
 
     def _written_back(self, saved: dict[str, Any]) -> None:
@@ -96,17 +93,24 @@ class OpaqueRunner:
         the stand-in back as it was. A module the code bound (``self.head = spare``,
         ``self.blocks[1] = spare``) stays, as in eager; a callee or stand-in entry it bound becomes
         the child it stands for. The guard on the registries then extracts again."""
-        stood_for = {id(self.callees[name]): child for name, child in saved.items()}
+        callee_for = {id(self.callees[name]): child for name, child in saved.items()}
+        entry_for: dict[int, Any] | None = None  # {id(stand-in entry): its child}, built when first needed
         registry = modules_of(self.module)
         for name in self.callees:
             if name in registry:  # (else the code deleted it: eager's module has it deleted too)
                 value = registry[name]
-                registry[name] = stood_for.get(id(value), self._stood_for.get(id(value), value))
+                child = callee_for.get(id(value), _ABSENT)
+                if child is _ABSENT and self.stand_ins:
+                    entry_for = self._entry_children() if entry_for is None else entry_for
+                    child = entry_for.get(id(value), _ABSENT)
+                registry[name] = value if child is _ABSENT else child
+        stood_for: dict[int, Any] | None = None
         for stand_in, original, entries in self.stand_ins:
             now = modules_of(stand_in)
             if now.keys() == entries.keys() and all(now[key] is entry for key, (entry, _) in entries.items()):
                 continue
-            stood_for.update(self._stood_for)
+            if stood_for is None:
+                stood_for = {**callee_for, **(self._entry_children() if entry_for is None else entry_for)}
             registry = modules_of(original)
             kept = {key: value for key, value in registry.items() if key not in entries}  # (op points)
             registry.clear()
@@ -115,12 +119,15 @@ class OpaqueRunner:
             now.clear()
             now.update({key: entry for key, (entry, _) in entries.items()})
 
+    def _entry_children(self) -> dict[int, Any]:
+        """``{id(stand-in entry): the child it stands for}``, from :attr:`stand_ins`."""
+        return {id(entry): child for _, _, entries in self.stand_ins for entry, child in entries.values()}
+
     def call_original_children(self) -> None:
         """Let the original code call the module's own children (nothing swapped in)."""
         self.callees = {}
         self.routers = []
         self.stand_ins = []
-        self._stood_for = {}
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, routed: frozenset[str],
             call: Callable[[str, Any], Any]) -> Any:
@@ -208,3 +215,4 @@ class OpaqueRunner:
                             " positional-only and the call left it at its default. Pass it in the call to patch it.")
                     kwargs[name] = value
         return tuple(positional), kwargs
+
