@@ -97,13 +97,14 @@ class Stmt:
     ``child``, each ``h = b(h, cache)``; ``style`` ``"reversed"``: the last layer first),
     ``"read"`` (``style`` one of :data:`READS` applied to ``args[0]``), ``"buffer"``, ``"nograd"``
     (``call`` in a no_grad region), ``"dropout"``, ``"counter"``, ``"add"``, ``"registry"`` (edits
-    child ``child``'s registry by ``style``, one of :data:`REGISTRY_EDITS`, entry ``args[1]`` for
+    child ``child``'s registry by ``style``, one of :data:`REGISTRY_EDITS`, entry ``entry`` for
     ``"swap"``, from spares of block class :meth:`Program.spare_class`; then ``args[0]`` times the
     number of the root's children, or of the list's entries)."""
     kind: str
     args: tuple[int, ...]
     child: int = 0
     style: str = "pos"
+    entry: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class Program:
         spec = self.children[stmt.child]
         while spec.kind == "shared":
             spec = self.children[spec.blocks[0]]
-        return spec.blocks[stmt.args[1] if stmt.style == "swap" else 0]
+        return spec.blocks[stmt.entry if stmt.style == "swap" else 0]
 
     @property
     def cache(self) -> Child | None:
@@ -277,7 +278,7 @@ def _root_source(program: Program) -> tuple[str, bool]:
         elif stmt.kind == "registry":
             target, spare = f"self.c{stmt.child}", f"self.spares{n}.pop()"
             edit, counted = {"grow": (f"{target}.append({spare})", target),
-                             "swap": (f"{target}[{stmt.args[1]}] = {spare}", target),
+                             "swap": (f"{target}[{stmt.entry}] = {spare}", target),
                              "set": (f"{target} = {spare}", "list(self.children())")}[stmt.style]
             body += [f"if self.spares{n}:", f"    {edit}", f"{new} = {args[0]} * len({counted})"]
         else:

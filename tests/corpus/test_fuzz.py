@@ -209,7 +209,7 @@ def _registry_edit(draw: st.DrawFn, targets: list[tuple[int, str]], children: li
     """A ``"registry"`` statement on variable ``var``, of one of ``targets`` (``(child, style)``)."""
     child, style = draw(st.sampled_from(targets))
     entry = draw(st.integers(0, len(children[child].blocks) - 1)) if style == "swap" else 0
-    return Stmt("registry", (var, entry), child=child, style=style)
+    return Stmt("registry", (var,), child=child, style=style, entry=entry)
 
 
 def _call(draw: st.DrawFn) -> Step:
