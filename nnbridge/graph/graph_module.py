@@ -28,6 +28,7 @@ from ..compat.torch.pytree import pytree
 
 from ..compat.torch.fx import NoSubmoduleRecompile, generated_code_released, keep_tracebacks
 from ..compat.accelerate import run_hooked
+from ..compat.torch.forwards import runs_only_forward
 from . import codegen
 from .failures import register
 from .metadata import GraphMeta, node_meta, node_name, update_node_meta
@@ -159,6 +160,15 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
         self.__dict__["_forward_cache"] = {}
         self._reset_routing()
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.__call__``, or, while that would only run ``forward`` (no hook, wrapper or
+        trace: :func:`~nnbridge.compat.torch.forwards.runs_only_forward`), :meth:`fast_forward`'s
+        code: the same operators, without ``nn.Module.__call__``'s and ``OpOverload.__call__``'s
+        Python frames. Dynamo traces ``nn.Module.__call__`` (the check first, so it never reads the rest)."""
+        if not torch.compiler.is_compiling() and runs_only_forward(self):
+            return self.fast_forward()(self, *args, **kwargs)
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+
     # -- node names -----------------------------------------------------------------------------
     def named_nodes(self) -> Iterator[tuple[str, Node]]:
         """``(NodePath name, node)`` for every node in graph order."""
@@ -267,7 +277,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
     def run_unchecked(self, *args: Any, **kwargs: Any) -> Any:
         """Call the graph (as ``nn.Module.__call__``: hooks, then ``forward``) without its entry
         check: for a caller that checked the call's guards itself."""
-        return torch.nn.Module.__call__(self, *args, **kwargs)
+        return CompiledGraphModule.__call__(self, *args, **kwargs)
 
     def _checked_call(self, *args: Any, **kwargs: Any) -> Any:
         check = self.__dict__.get("_entry_check")
@@ -275,7 +285,7 @@ class CompiledGraphModule(GraphModuleBase, NoSubmoduleRecompile, GraphModule):
             other = check(args, kwargs)
             if other is not None:
                 return other(*args, **kwargs)
-        return torch.nn.Module.__call__(self, *args, **kwargs)
+        return CompiledGraphModule.__call__(self, *args, **kwargs)
 
     def _defer_code(self) -> None:
         codegen.defer(self)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from torch.fx import _symbolic_trace
 from torch.nn.modules import module as _module_impl
 
 from ..nnsight.source import NNSIGHT_STATE, install, uninstall
@@ -146,6 +147,24 @@ def restore_call_override(module: torch.nn.Module, override: Callable[..., Any])
 
 _CALL_IMPL = torch.nn.Module._call_impl
 _HOOK_NAMES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def runs_only_forward(module: torch.nn.Module) -> bool:
+    """Whether ``nn.Module.__call__(module, *args, **kwargs)`` would, right now, do nothing but
+    ``type(module).forward(module, *args, **kwargs)`` (torch 2.13's ``_wrapped_call_impl``/
+    ``_call_impl``): the module is not ``module.compile()``'d and sets neither ``forward`` nor
+    ``_call_impl`` on itself (an nnsight or accelerate wrapper); no forward, pre-forward, backward
+    or backward-pre hook is registered on it or globally; and no TorchScript trace, fx symbolic
+    trace (``torch.fx._symbolic_trace._is_fx_tracing_flag``), Dynamo or export trace runs. Checked
+    on every call: a hook registered later makes the normal call run."""
+    state = module.__dict__
+    if any(map(state.get, _HOOK_NAMES)) or state.get("_compiled_call_impl") is not None \
+            or "forward" in state or "_call_impl" in state:
+        return False
+    hooks = _module_impl
+    return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
+                or hooks._global_backward_pre_hooks or torch._C._get_tracing_state()
+                or _symbolic_trace._is_fx_tracing_flag or torch.compiler.is_compiling())
 
 
 class DirectCall:
