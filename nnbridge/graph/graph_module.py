@@ -360,9 +360,9 @@ class OpaqueGraphModule(GraphModuleBase, torch.nn.Module):
     Node names: the ``forward()`` argument names, the module's own parameter and buffer names, its
     attributes holding a number, bool or tensor
     (:func:`~.opaque_runner.patchable_attributes`), and ``output`` (``_shape``/``_code`` renamed
-    as graphpatch does, see
-    :func:`~.node_path.unprotected_names`). Children are still extracted: while this module runs, the original module's children
-    are swapped for their graph dispatchers (and put back afterwards, also on error).
+    as graphpatch does, see :func:`~.node_path.unprotected_names`). Children are still extracted:
+    while this module runs, the original module's children are swapped for their graph
+    dispatchers (and put back afterwards, also on error).
 
     Args:
         module: the original module (not copied; its parameters are registered here too).

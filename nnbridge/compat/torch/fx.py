@@ -44,11 +44,11 @@ def keep_tracebacks(graph_module: torch.fx.GraphModule) -> None:
     """Call ``graph_module`` through its class's own ``__call__`` (``nn.Module``'s, or one a
     ``GraphModule`` subclass defines), not torch.fx's wrapper of it.
 
-    ``GraphModule.recompile`` (torch 2.0 - 2.13) installs ``cls.__call__ = call_wrapped`` on the
-    module's own class (a ``GraphModuleImpl`` made per instance), whose ``_WrappedCall`` prints the generated line to stderr when an error is
-    raised in generated code and re-raises it *without its traceback*; nnbridge locates the failing
-    node from that traceback (see ``nnbridge.graph.failures``), so the wrapper is removed (the same
-    call otherwise; torch 2.0 - 2.14 name it ``call_wrapped``).
+    ``GraphModule.recompile`` (torch 2.0 - 2.14) installs ``cls.__call__ = call_wrapped`` on the
+    module's own class (a ``GraphModuleImpl`` made per instance), whose ``_WrappedCall`` prints the
+    generated line to stderr when an error is raised in generated code and re-raises it *without
+    its traceback*; nnbridge locates the failing node from that traceback (see
+    ``nnbridge.graph.failures``), so the wrapper is removed (the same call otherwise).
     """
     cls = type(graph_module)
     if getattr(vars(cls).get("__call__"), "__name__", None) == "call_wrapped":
