@@ -155,8 +155,8 @@ def runs_only_forward(module: torch.nn.Module) -> bool:
     ``_call_impl``): the module is not ``module.compile()``'d and sets neither ``forward`` nor
     ``_call_impl`` on itself (an nnsight or accelerate wrapper); no forward, pre-forward, backward
     or backward-pre hook is registered on it or globally; and no TorchScript trace, fx symbolic
-    trace (``torch.fx._symbolic_trace._is_fx_tracing_flag``), Dynamo or export trace runs. Checked
-    on every call: a hook registered later makes the normal call run."""
+    trace (``torch.fx._symbolic_trace.is_fx_symbolic_tracing``, torch 2.13 - 2.14), Dynamo or export
+    trace runs. Checked on every call: a hook registered later makes the normal call run."""
     state = module.__dict__
     if any(map(state.get, _HOOK_NAMES)) or state.get("_compiled_call_impl") is not None \
             or "forward" in state or "_call_impl" in state:
@@ -164,7 +164,7 @@ def runs_only_forward(module: torch.nn.Module) -> bool:
     hooks = _module_impl
     return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
                 or hooks._global_backward_pre_hooks or torch._C._get_tracing_state()
-                or _symbolic_trace._is_fx_tracing_flag or torch.compiler.is_compiling())
+                or torch.compiler.is_compiling() or _symbolic_trace.is_fx_symbolic_tracing())
 
 
 class DirectCall:
