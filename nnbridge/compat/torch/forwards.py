@@ -158,13 +158,19 @@ def runs_only_forward(module: torch.nn.Module) -> bool:
     trace (``torch.fx._symbolic_trace.is_fx_symbolic_tracing``, torch 2.13 - 2.14), Dynamo or export
     trace runs. Checked on every call: a hook registered later makes the normal call run."""
     state = module.__dict__
-    if any(map(state.get, _HOOK_NAMES)) or state.get("_compiled_call_impl") is not None \
-            or "forward" in state or "_call_impl" in state:
+    return "forward" not in state and "_call_impl" not in state and _unhooked(state) \
+        and not (torch.compiler.is_compiling() or _symbolic_trace.is_fx_symbolic_tracing())
+
+
+def _unhooked(state: dict[str, Any]) -> bool:
+    """Whether the module whose ``__dict__`` is ``state`` is not ``module.compile()``'d, no forward,
+    pre-forward, backward or backward-pre hook is registered on it or globally, and no TorchScript
+    trace runs: what :func:`runs_only_forward` and :class:`DirectCall` both ask."""
+    if any(map(state.get, _HOOK_NAMES)) or state.get("_compiled_call_impl") is not None:
         return False
     hooks = _module_impl
     return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
-                or hooks._global_backward_pre_hooks or torch._C._get_tracing_state()
-                or torch.compiler.is_compiling() or _symbolic_trace.is_fx_symbolic_tracing())
+                or hooks._global_backward_pre_hooks or torch._C._get_tracing_state())
 
 
 class DirectCall:
@@ -205,11 +211,7 @@ class DirectCall:
         if (state.get("_call_impl") is not self._impl or state.get("forward") is not self._forward) \
                 and not self._verify(state):
             return False
-        if any(map(state.get, _HOOK_NAMES)) or state.get("_compiled_call_impl") is not None:
-            return False
-        hooks = _module_impl
-        return not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
-                    or hooks._global_backward_pre_hooks or torch._C._get_tracing_state())
+        return _unhooked(state)
 
     def _verify(self, state: dict[str, Any]) -> bool:
         impl, forward = state.get("_call_impl"), state.get("forward")
