@@ -200,6 +200,13 @@ def assert_same(actual: Any, expected: Any) -> None:
             assert a == b
 
 
+def assert_same_grads(model: torch.nn.Module, eager: torch.nn.Module) -> None:
+    """Every parameter of ``model`` holds the gradient (``torch.equal``) its counterpart in ``eager``
+    holds, pairing them in ``parameters()`` order; a mismatch names the parameter."""
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def graph_modules(root: torch.nn.Module) -> list[CompiledGraphModule]:
     return [m for m in root.modules() if isinstance(m, CompiledGraphModule)]
 
