@@ -113,25 +113,29 @@ def forward(layers: int, width: int, tokens: int, *, use_cache: bool, threads: i
         import torch
 
         import bench_targets
+        from timing import medians_of, paired_spread
         before = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
         try:
-            medians = bench_targets.forward_medians(layers, width, tokens, use_cache,
-                                                    how.repeats * (3 if threads else 1))
+            times = bench_targets.forward_times(layers, width, tokens, use_cache, how.repeats * (3 if threads else 1))
         finally:
             torch.set_num_threads(before)
+        medians = medians_of(times)
         ratio = medians["bridged"] / medians["eager"]
-        return Result(f"bridged {medians['bridged']:.2f} ms", ratio, ratio, f"eager {medians['eager']:.2f} ms")
+        return Result(f"bridged {medians['bridged']:.2f} ms", ratio, ratio, f"eager {medians['eager']:.2f} ms",
+                      paired_spread(times, "bridged", "eager"))
     return measure
 
 
 def op_read(how: Settings) -> Result:
     import bench_targets
-    medians = bench_targets.op_read_medians(how.repeats)
+    from timing import medians_of, paired_spread
+    times = bench_targets.op_read_times(how.repeats)
+    medians = medians_of(times)
     ratio = medians["op"] / medians["source"]
     return Result(f"nnbridge op envoy {medians['op']:.2f} ms", ratio, ratio,
-                  f"nnsight .source {medians['source']:.2f} ms")
+                  f"nnsight .source {medians['source']:.2f} ms", paired_spread(times, "op", "source"))
 
 
 # Compiled activation-patching sweep
@@ -264,7 +268,8 @@ ROWS: list[Row] = [
         "as depth-cache, bridge(model, ids, use_cache=False)"),
     Row("forward-cache-12x768", "bridged / eager forward, default cache, GPT-2 12x768, 64 tokens", "≤ 1.02x eager",
         1.02, forward(12, 768, 64, use_cache=True),
-        "bench_targets.forward_medians in this process: medians of interleaved repetitions, no_grad"),
+        "bench_targets.forward_times in this process: the ratio of the medians of interleaved repetitions,"
+        " no_grad; the note gives the quartiles of the ratios repetition by repetition (timing.paired_spread)"),
     Row("forward-cache-12x256", "bridged / eager forward, default cache, GPT-2 12x256, 64 tokens", "≤ 1.02x eager",
         1.02, forward(12, 256, 64, use_cache=True), "as forward-cache-12x768"),
     Row("forward-no-cache-12x768", "bridged / eager forward, use_cache=False, GPT-2 12x768, 64 tokens",
@@ -273,8 +278,8 @@ ROWS: list[Row] = [
         " 1 thread", "≤ 1.02x eager", 1.02, forward(4, 256, 32, use_cache=False, threads=1),
         "as forward-cache-12x768, torch.set_num_threads(1), three times the repetitions"),
     Row("op-read", "one op read in a trace, GPT-2 4x256, 32 tokens", "≤ 1.0x nnsight .source", 1.0, op_read,
-        "bench_targets.op_read_medians in this process: a trace saving h[0].add.output (nnbridge) against"
-        " h[0].source.hidden_states_1.output (nnsight 0.8), interleaved"),
+        "bench_targets.op_read_times in this process: a trace saving h[0].add.output (nnbridge) against"
+        " h[0].source.hidden_states_1.output (nnsight 0.8), interleaved; quartiles as forward-cache-12x768"),
     Row("compiled-sweep", "activation-patching sweep, GPT-2 12x768 (--quick: 4x128), torch.compile(bridged)",
         "≤ 0.9x eager hooks", 0.9, compiled_sweep,
         "bench_compiled_sweep.measure in this process (--full; --quick: 4x128): one sweep patches each layer's"

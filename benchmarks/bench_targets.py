@@ -177,16 +177,22 @@ def forward_ratio(layers: int, width: int, tokens: int, use_cache: bool, repeats
 def forward_medians(layers: int, width: int, tokens: int, use_cache: bool, repeats: int) -> dict[str, float]:
     """Median forward times in ms of the eager and the bridged model (keys ``eager``, ``bridged``),
     under no_grad, measured interleaved."""
+    from timing import medians_of
+    return medians_of(forward_times(layers, width, tokens, use_cache, repeats))
+
+
+def forward_times(layers: int, width: int, tokens: int, use_cache: bool, repeats: int) -> dict[str, list[float]]:
+    """Forward times in ms of the eager and the bridged model (keys ``eager``, ``bridged``), one per
+    repetition, under no_grad, measured interleaved."""
     import nnbridge
-    from timing import interleaved_medians
+    from timing import interleaved_times
     plain = gpt2(layers, width)
     bridged = copy.deepcopy(plain)
     ids = torch.randint(0, plain.config.vocab_size, (1, tokens))
     with torch.no_grad():
         nnbridge.bridge(bridged, ids, use_cache=use_cache)
-        medians = interleaved_medians({"eager": lambda: plain(ids, use_cache=use_cache),
-                                       "bridged": lambda: bridged(ids, use_cache=use_cache)}, repeats)
-    return medians
+        return interleaved_times({"eager": lambda: plain(ids, use_cache=use_cache),
+                                  "bridged": lambda: bridged(ids, use_cache=use_cache)}, repeats)
 
 
 def decode_ratio(layers: int, width: int, tokens: int, repeats: int) -> float:
@@ -226,9 +232,15 @@ def op_read_ratio(repeats: int) -> float:
 def op_read_medians(repeats: int) -> dict[str, float]:
     """Median trace times in ms of one op read: nnbridge's op envoy (key ``op``) and nnsight's
     ``.source`` (key ``source``), GPT-2 4x256, 32 tokens, measured interleaved."""
+    from timing import medians_of
+    return medians_of(op_read_times(repeats))
+
+
+def op_read_times(repeats: int) -> dict[str, list[float]]:
+    """Trace times in ms of one op read, one per repetition, as :func:`op_read_medians` measures them."""
     import nnsight
     import nnbridge
-    from timing import interleaved_medians
+    from timing import interleaved_times
     base = gpt2(4, 256)
     ids = torch.randint(0, base.config.vocab_size, (1, 32))
     ns, nb = nnsight.NNsight(copy.deepcopy(base)), nnbridge.NNsight(copy.deepcopy(base))
@@ -242,8 +254,7 @@ def op_read_medians(repeats: int) -> dict[str, float]:
         with nb.trace(ids, use_cache=False):
             nb.transformer.h[0].add.output.save()
     with torch.no_grad():
-        medians = interleaved_medians({"source": source, "op": op}, repeats)
-    return medians
+        return interleaved_times({"source": source, "op": op}, repeats)
 
 
 def demo_seconds(cache: str) -> float:
