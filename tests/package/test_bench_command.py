@@ -94,3 +94,35 @@ def test_module_entry_point_lists_the_real_rows_without_measuring():
     assert "argument --rows: 'no-such-row' matches no row; known rows: gpt2-cold-extraction," in done.stderr
     for name in ("depth-cache", "compiled-sweep", "unbridge-anon-kept", "smollm2-memory-4x512"):
         assert name in done.stderr
+
+
+@pytest.fixture
+def timing(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import timing
+    return timing
+
+
+def test_interleaved_times_run_the_rows_in_turn_and_keep_each_repetition(timing):
+    order = []
+    times = timing.interleaved_times({"a": lambda: order.append("a") or 2.0, "b": lambda: order.append("b") or 5.0},
+                                     repeats=3, warmup=1)
+    assert order == ["a", "b"] + ["a", "b"] * 3, "warm-up row by row, then repetition i of each row in turn"
+    assert times == {"a": [2.0] * 3, "b": [5.0] * 3}, "a row returning a float reports its own time in ms"
+    assert timing.medians_of({"a": [1.0, 9.0, 3.0]}) == {"a": 3.0}
+
+
+def test_paired_spread_gives_the_quartiles_of_the_ratios_repetition_by_repetition(timing):
+    times = {"bridged": [10.0, 22.0, 33.0, 48.0, 60.0], "eager": [10.0, 20.0, 30.0, 40.0, 50.0]}
+    # ratios 1.0, 1.1, 1.1, 1.2, 1.2: statistics.quantiles' exclusive quartiles are 1.05 and 1.2
+    assert timing.paired_spread(times, "bridged", "eager") == \
+        "bridged / eager per repetition: quartiles 1.050x to 1.200x (5 pairs)"
+
+
+@pytest.mark.parametrize("times, error", [
+    ({"row": [1.0, 2.0], "base": [1.0]}, "zip"),
+    ({"row": [1.0], "base": [1.0]}, "paired_spread needs two repetitions or more of 'row' and 'base', not 1"),
+])
+def test_paired_spread_refuses_unpaired_or_single_repetitions(timing, times, error):
+    with pytest.raises(ValueError, match=error):
+        timing.paired_spread(times, "row", "base")
