@@ -22,40 +22,45 @@ from collections.abc import Iterator
 import torch
 
 from ..compat.torch.module_dicts import modules_of
-from ..graph.module_tree import POINT_TYPES, named_real_modules
+from ..graph.module_tree import POINT_TYPES
 
 
 class _Moved:
     """One holder's op points moved out of its ``_modules`` (edited in place: guards hold it by
     identity), with the registry as it was, to put each back in its place."""
 
-    def __init__(self, holder: torch.nn.Module) -> None:
+    def __init__(self, holder: torch.nn.Module, real: dict[str, torch.nn.Module | None] | None = None,
+                 points: dict[str, torch.nn.Module] | None = None) -> None:
+        """Move ``holder``'s op points out; ``real`` and ``points``, when given, split its registry
+        as it is now (the rest and the op points, in order)."""
         registry = modules_of(holder)
         self.holder = holder
         self.before = dict(registry)
-        self.points: dict[str, torch.nn.Module] = {name: child for name, child in self.before.items()
-                                                   if isinstance(child, POINT_TYPES)}
-        self.real = {name: child for name, child in self.before.items() if name not in self.points}
+        if real is None or points is None:
+            real, points = _split(self.before)
+        self.points, self.real = points, real
+        self.added = False  # (an op point registered while moved out: see add)
         registry.clear()
-        registry.update(self.real)
-        holder.__dict__.update(self.points)
+        registry.update(real)
+        holder.__dict__.update(points)
 
     def add(self, name: str, point: torch.nn.Module) -> None:
         """Register ``point`` as ``name`` with the moved ones (after them once back)."""
         self.holder.__dict__[name] = point
         self.points[name] = point
+        self.added = True
 
     def restore(self) -> None:
-        own = self.holder.__dict__
+        own, registry = self.holder.__dict__, modules_of(self.holder)
         points = {name: point for name, point in self.points.items() if own.get(name) is point}
         for name in points:  # (one the run deleted or replaced stays as the run left it)
             del own[name]
-        registry = modules_of(self.holder)
-        now = dict(registry)
-        registry.clear()
-        if now == self.real and points.keys() == self.points.keys() == self.before.keys() - now.keys():
+        if not self.added and len(points) == len(self.points) and registry == self.real:
+            registry.clear()
             registry.update(self.before)  # nothing changed (the usual case)
             return
+        now = dict(registry)
+        registry.clear()
         for name in self.before:
             if name in points:
                 registry[name] = points.pop(name)
@@ -81,11 +86,16 @@ def as_built(module: torch.nn.Module) -> Iterator[None]:
         yield
         return
     mine: dict[int, torch.nn.Module] = {}
-    for _, current in named_real_modules(module):
-        if id(current) not in _MEMBERS and id(current) not in mine:
-            mine[id(current)] = current
-            if any(isinstance(child, POINT_TYPES) for child in modules_of(current).values()):
-                _MOVED[id(current)] = _Moved(current)
+    stack = [module]
+    while stack:  # (one loop over the registries: this runs around every forward a trace makes)
+        current = stack.pop()
+        if id(current) in _MEMBERS or id(current) in mine:
+            continue
+        mine[id(current)] = current
+        real, points = _split(modules_of(current))
+        if points:
+            _MOVED[id(current)] = _Moved(current, real, points)
+        stack.extend(child for child in reversed(real.values()) if child is not None)
     _MEMBERS.update(mine)
     try:
         yield
@@ -95,6 +105,19 @@ def as_built(module: torch.nn.Module) -> Iterator[None]:
             moved = _MOVED.pop(key, None)
             if moved is not None:
                 moved.restore()
+
+
+def _split(registry: dict[str, torch.nn.Module | None]
+           ) -> tuple[dict[str, torch.nn.Module | None], dict[str, torch.nn.Module]]:
+    """``registry`` as ``(the user's entries, the op points and containers a bridge registered)``."""
+    real: dict[str, torch.nn.Module | None] = {}
+    points: dict[str, torch.nn.Module] = {}
+    for name, child in registry.items():
+        if isinstance(child, POINT_TYPES):
+            points[name] = child
+        else:
+            real[name] = child
+    return real, points
 
 
 def registry(holder: torch.nn.Module) -> dict[str, torch.nn.Module | None]:

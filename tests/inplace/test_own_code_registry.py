@@ -152,3 +152,48 @@ def test_a_module_only_trace_that_raises_leaves_the_registry_in_place():
     with wrapped.trace(x):
         output = wrapped.output.save()
     assert torch.equal(output, eager(x))
+
+
+
+class Growing(nn.Module):
+    """Once told to (``edit``), adds a child and deletes its op point ``mul`` (an attribute while
+    its own code runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.edit = False
+
+    def forward(self, x):
+        if self.edit:
+            self.edit = False
+            self.extra = nn.Identity()
+            del self.mul
+        return self.b(self.a(x)) * 2
+
+
+class GrowingRoot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.grow = Growing()
+
+    def forward(self, x):
+        return self.grow(x) + 1
+
+
+def test_a_run_that_adds_a_child_or_deletes_an_op_point_keeps_its_edits_in_registration_order():
+    torch.manual_seed(0)
+    model = GrowingRoot()
+    x = torch.randn(2, 3)
+    nnbridge.bridge(model, x)
+    names = list(model.grow._modules)
+    assert isinstance(model.grow._modules["mul"], OpPoint) and names.index("mul") < len(names) - 1
+    expected = model.grow.b(model.grow.a(x)) * 2
+    model.grow.edit = True
+    assert torch.equal(model.grow(x), expected)  # called on its own: its own code runs
+    assert "mul" not in model.grow._modules and "mul" not in vars(model.grow)
+    assert list(model.grow._modules) == [name for name in names if name != "mul"] + ["extra"]
+    again = list(model.grow._modules)
+    assert torch.equal(model.grow(x), expected)  # nothing changed in this run: all back in place
+    assert list(model.grow._modules) == again
