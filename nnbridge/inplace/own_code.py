@@ -29,15 +29,13 @@ class _Moved:
     """One holder's op points moved out of its ``_modules`` (edited in place: guards hold it by
     identity), with the registry as it was, to put each back in its place."""
 
-    def __init__(self, holder: torch.nn.Module, real: dict[str, torch.nn.Module | None] | None = None,
-                 points: dict[str, torch.nn.Module] | None = None) -> None:
-        """Move ``holder``'s op points out; ``real`` and ``points``, when given, split its registry
-        as it is now (the rest and the op points, in order)."""
+    def __init__(self, holder: torch.nn.Module, real: dict[str, torch.nn.Module | None],
+                 points: dict[str, torch.nn.Module]) -> None:
+        """Move ``holder``'s op points out; ``real`` and ``points`` split its registry as it is now
+        (the rest and the op points, in order: :func:`_split`)."""
         registry = modules_of(holder)
         self.holder = holder
         self.before = dict(registry)
-        if real is None or points is None:
-            real, points = _split(self.before)
         self.points, self.real = points, real
         self.added = False  # (an op point registered while moved out: see add)
         registry.clear()
@@ -139,5 +137,5 @@ def register(holder: torch.nn.Module, name: str, point: torch.nn.Module) -> None
         holder.add_module(name, point)
         return
     if id(holder) not in _MOVED:
-        _MOVED[id(holder)] = _Moved(holder)
+        _MOVED[id(holder)] = _Moved(holder, *_split(modules_of(holder)))
     _MOVED[id(holder)].add(name, point)
