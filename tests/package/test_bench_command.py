@@ -116,6 +116,14 @@ def test_the_suite_rows_are_opt_in():
     assert done.stdout.strip() == "[('suite-readme', True, 900.0), ('suite-dev-loop', True, 240.0)]"
 
 
+def test_a_suite_run_that_fails_raises_with_pytests_last_lines(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_tests
+    monkeypatch.setitem(bench_tests.RUNS, "missing", ["tests/no_such_test_file.py"])
+    with pytest.raises(RuntimeError, match=r"pytest tests/no_such_test_file.py exited with [1-9]"):
+        bench_tests.suite_seconds("missing")
+
+
 def test_module_entry_point_lists_the_real_rows_without_measuring():
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--rows", "no-such-row"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
