@@ -119,8 +119,9 @@ def test_the_suite_rows_are_opt_in():
 def test_a_suite_run_that_fails_raises_with_pytests_last_lines(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import bench_tests
-    monkeypatch.setitem(bench_tests.RUNS, "missing", ["tests/no_such_test_file.py"])
-    with pytest.raises(RuntimeError, match=r"pytest tests/no_such_test_file.py exited with [1-9]"):
+    # (without the two workers pyproject.toml asks for: no worker processes to start for a missing file)
+    monkeypatch.setitem(bench_tests.RUNS, "missing", ["-o", "addopts=", "tests/no_such_test_file.py"])
+    with pytest.raises(RuntimeError, match=r"pytest -o addopts= tests/no_such_test_file.py exited with [1-9]"):
         bench_tests.suite_seconds("missing")
 
 
