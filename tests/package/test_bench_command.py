@@ -101,19 +101,17 @@ def test_an_opt_in_row_is_measured_only_when_rows_names_it(suite, tmp_path):
     assert code == 1 and calls == [], "every row (other-broken raises), the opt-in one not measured"
     assert table_lines(out)[-1] == ("| `suite-fake` | the suite | ≤ 15 min | not measured: runs the test suite; name it"
                                     " with --rows | — | — | — |")
-    for argv in (["--rows", "suite-*"], ["--rows", "*"]):
-        code, out, _ = run(suite, [*argv, "--quick"], rows if argv[1] == "suite-*" else [rows[0], opt_in], tmp_path)
+    for argv, chosen in ((["--rows", "suite-*"], rows), (["--rows", "*"], [rows[0], opt_in])):
+        code, out, _ = run(suite, [*argv, "--quick"], chosen, tmp_path)
         assert code == 0
         assert table_lines(out)[-1] == "| `suite-fake` | the suite | ≤ 15 min | 12.0 min | — | — | yes |"
     assert len(calls) == 2
 
 
-def test_the_suite_rows_are_opt_in():
-    done = subprocess.run([sys.executable, "-c", "import bench_rows; print([(r.name, r.opt_in, r.limit) for r in"
-                           " bench_rows.ROWS if r.name.startswith('suite-')])"], cwd=BENCHMARKS,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[('suite-readme', True, 900.0), ('suite-dev-loop', True, 240.0)]"
+def test_the_suite_rows_are_opt_in(suite):
+    import bench_rows
+    rows = [(row.name, row.opt_in, row.limit) for row in bench_rows.ROWS if row.name.startswith("suite-")]
+    assert rows == [("suite-readme", True, 900.0), ("suite-dev-loop", True, 240.0)]
 
 
 def test_a_suite_run_that_fails_raises_with_pytests_last_lines(monkeypatch):
