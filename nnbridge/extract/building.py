@@ -227,7 +227,8 @@ class GraphBuilder:
         """Give a reused graph the sibling's own lifted constants (the empty tensors a cache
         layer starts from), under the names a full extraction gives them: export numbers them
         per program (``lifted_tensor_2``), and the sibling's stub created its own, in the same
-        order as its representative. Names stay the representative's when the counts differ."""
+        order as its representative. Names stay the representative's when the counts differ, and a
+        constant the stub did not make is a copy of the representative's."""
         sibling = self.reuse.sibling_of(fqn)
         if sibling is None:
             return
@@ -247,6 +248,11 @@ class GraphBuilder:
                 name, value = renames[str(node.target)]
                 del attrs[str(node.target)]
                 node.target, attrs[name] = name, value
+            elif node.op == "get_attr" and _LIFTED.fullmatch(str(node.target)) \
+                    and isinstance(attrs.get(str(node.target)), torch.Tensor):
+                # a constant the sibling's stub did not make (its cache update ran untraced, see
+                # .sibling_stubs): a copy of the representative's, as a full extraction has its own
+                attrs[str(node.target)] = attrs[str(node.target)].clone()
 
     def untouched_layers(self, fqn: ModulePath, invocation: int) -> UntouchedLayers | None:
         """The cache layers export recorded as untouched by this invocation's code (None: unknown)."""

@@ -5,7 +5,9 @@ Its one job: :func:`sibling_stub`. Only the representative of identical sibling 
 was and returns zeros shaped as the representative's output, which depend on the sibling's own
 inputs (:func:`~nnbridge.compat.torch.sibling_zeros.sibling_zeros`), so the export still records
 how every layer feeds the next. With a transformers ``Cache`` the stub also replays the
-representative's cache updates on the sibling's own cache layer. Example::
+representative's cache updates on the sibling's own cache layer: a first update of an empty
+layer runs the cache's own code out of the trace, and only the tensors it wrote enter the trace
+(one node each); any other update is traced as it runs. Example::
 
     sibling.__dict__["forward"] = sibling_stub("layers.1", "layers.0", seen)
 """
@@ -21,6 +23,8 @@ import torch
 from ..graph.state import state_keys
 from ..compat.torch.pytree import pytree
 from ..compat.torch.sibling_zeros import sibling_zeros
+from ..compat.torch.capture import tensor_version
+from ..compat.torch.fake_tensors import untraced
 from ..compat.transformers.cache_updates import CacheTrace
 from .reuse_plan import CacheRebinding, ReuseFallback
 from .sibling_compare import is_cache, same, same_traced_layer
@@ -32,8 +36,9 @@ def sibling_stub(sibling: str, rep: str, seen: dict[str, tuple[Any, Any]], *, re
     (traced just before, in ``seen``), as zeros depending on the sibling's inputs. With a cache
     (``rebinding``) the stub also makes the cache updates the representative made
     (``trace.updates`` of the modules ``rep_modules``) on its own cache layer, with zeros of the
-    same shapes, so later layers and the model's output see the cache state the real layer
-    would leave; a tensor an update takes besides keys and values (transformers 5.24 passes the
+    same shapes (a first update of an empty layer out of the trace, see
+    :meth:`_StubInputs.replay_updates`), so later layers and the model's output see the cache
+    state the real layer would leave; a tensor an update takes besides keys and values (transformers 5.24 passes the
     attention's ``position_ids``) must be one of the representative's inputs, and the sibling's
     update takes its own input in its place. Raises :class:`~.reuse_plan.ReuseFallback` when the
     sibling's inputs differ from the representative's (symbolic shapes, dtypes, values, its cache
@@ -74,6 +79,33 @@ def _own_cache(sibling: str, rep: str, call: tuple[tuple[Any, ...], dict[str, An
                                      rep_cache.layers[rebinding.rep_index])):
         raise ReuseFallback(f"'{sibling}''s cache layer is not in the state '{rep}''s was")
     return cache
+
+
+def _tensors_of(obj: Any, *, skip: Any = None) -> dict[Any, torch.Tensor]:
+    """The tensors an object holds: in its attributes and, below them, in lists, tuples, dicts and
+    the attributes of objects other than ``skip``, keyed by path (compared by identity)."""
+    found: dict[Any, torch.Tensor] = {}
+
+    def walk(value: Any, path: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found[path] = value
+        elif depth > 8 or value is skip or isinstance(value, (str, bytes, int, float, type)):
+            return
+        elif isinstance(value, (list, tuple)):
+            for k, item in enumerate(value):
+                walk(item, (path, k), depth + 1)
+        elif isinstance(value, dict):
+            for k, item in value.items():
+                walk(item, (path, k), depth + 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module):
+            for k, item in vars(value).items():
+                walk(item, (path, k) if depth else k, depth + 1)
+    walk(obj, (), 0)
+    return found
+
+
+def _same_tensors(a: dict[Any, torch.Tensor], b: dict[Any, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
 
 
 def _without(args: tuple[Any, ...], kwargs: dict[str, Any], keys: list[Any]) -> tuple[Any, Any]:
@@ -154,7 +186,7 @@ class _StubInputs:
         """Make the representative's cache ``updates`` (see
         :class:`~nnbridge.compat.transformers.cache_updates.CacheTrace`) on ``cache``'s layer
         ``index``, with zeros of the same shapes and the sibling's own inputs in place of the
-        representative's."""
+        representative's: out of the trace where :meth:`_replayed_untraced` can, else traced."""
         own = {id(theirs): mine for mine, theirs in zip(self.tensors, self.rep_tensors)}
 
         def own_input(value: torch.Tensor) -> torch.Tensor:
@@ -164,11 +196,57 @@ class _StubInputs:
             return own[id(value)]
         for _, key_states, value_states, extra_args, extra_kwargs in updates:
             extra_args, extra_kwargs = pytree.tree_map_only(torch.Tensor, own_input, (extra_args, extra_kwargs))
-            written = cache.update(self.zeros(key_states), self.zeros(value_states), index,
-                                   *extra_args, **extra_kwargs)
-            # the output depends on what was written, as the real layer's does (else export drops
-            # the writes when nothing after reads them, and the caller's cache would lose them)
-            self.depends_on.extend(t for t in pytree.tree_leaves(written) if isinstance(t, torch.Tensor))
+            update = (key_states, value_states, extra_args, extra_kwargs)
+            if not self._replayed_untraced(cache, index, update):
+                written = cache.update(self.zeros(key_states), self.zeros(value_states), index,
+                                       *extra_args, **extra_kwargs)
+                # the output depends on what was written, as the real layer's does (else export drops
+                # the writes when nothing after reads them, and the caller's cache would lose them)
+                self.depends_on.extend(t for t in pytree.tree_leaves(written) if isinstance(t, torch.Tensor))
+
+    def _replayed_untraced(self, cache: Any, index: int, update: tuple[Any, Any, tuple[Any, ...], dict[str, Any]]
+                           ) -> bool:
+        """Make one cache update on ``cache``'s layer ``index``, when that layer holds no tensor
+        yet (a first call's), with the cache's own code run on fake tensors and out of the trace;
+        then put each tensor it assigned to the layer into the trace as one
+        :func:`~nnbridge.compat.torch.sibling_zeros.sibling_zeros` node of its shape, depending on
+        the sibling's inputs and what earlier updates wrote (a cache layer's lazily made empty
+        tensors and its ``cat`` leave no nodes: a deep model's export holds one node per written
+        tensor). False, with the cache as it was, when the layer holds tensors or the update does
+        anything else: replaces the layer, writes a tensor outside the layer's own attributes or
+        in place, makes a tensor of a size no input has, or raises; the update is then traced as
+        it runs."""
+        key_states, value_states, extra_args, extra_kwargs = update
+        layer = cache.layers[index]
+        if _tensors_of(layer):  # a later update reads what the layer holds
+            return False
+        saved_layer, saved_cache = dict(vars(layer)), dict(vars(cache))
+        # the cache's other layers are not looked at (cache narrowing records which ones a call reads)
+        rest = _tensors_of(cache, skip=cache.layers)
+        versions = [tensor_version(t) for t in rest.values()]
+        try:
+            with untraced():
+                cache.update(key_states.new_zeros(self.sizes(key_states)),
+                             value_states.new_zeros(self.sizes(value_states)), index, *extra_args, **extra_kwargs)
+            written = _tensors_of(layer)
+            if (cache.layers[index] is not layer or set(written) - set(vars(layer))
+                    or not _same_tensors(_tensors_of(cache, skip=cache.layers), rest)
+                    or versions != [tensor_version(t) for t in rest.values()]):
+                raise ReuseFallback("not an assignment of the layer's own attributes")
+            sizes = {name: self.sizes(value) for name, value in written.items()}
+        except Exception:  # noqa: BLE001 - anything else is traced as it runs (see the docstring)
+            if cache.layers[index] is not layer:
+                cache.layers[index] = layer
+            vars(layer).clear()
+            vars(layer).update(saved_layer)
+            vars(cache).clear()
+            vars(cache).update(saved_cache)
+            return False
+        sources = list(self.depends_on)
+        for name, value in written.items():
+            vars(layer)[name] = made = sibling_zeros(sources, sizes[name], value.dtype)
+            self.depends_on.append(made)
+        return True
 
     def like(self, out: torch.Tensor) -> torch.Tensor:
         """Zeros in place of the representative's output ``out``, of the shape of the sibling's

@@ -455,6 +455,62 @@ def test_a_cache_layer_using_the_input_an_update_takes_sees_each_layers_own(capl
     assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
 
 
+@pytest.mark.no_extraction_cache  # counts the root's export
+def test_a_siblings_first_cache_update_leaves_one_export_node_per_tensor_it_writes(caplog, monkeypatch):
+    """A sibling's first update of its (empty) cache layer runs the cache's own code out of the
+    trace: the root's export holds, for each sibling, one ``sibling_zeros`` node per tensor the
+    update wrote and one for its output (no lifted empty tensors, no ``cat``), and the bridged
+    model still equals eager, outputs and cache."""
+    from nnbridge.compat.torch.sibling_zeros import sibling_zeros
+    from nnbridge.extract import exporting
+    exported = []
+
+    def spy(*args, **kwargs):
+        exported.append(export(*args, **kwargs))
+        return exported[-1]
+    export = exporting.export
+    monkeypatch.setattr(exporting, "export", spy)
+    reused, log = _toy_run(_Toy(), torch.randn(2, 5, 8), toy_layer_cache, caplog)
+    assert reused == {"layers.1": "layers.0", "layers.2": "layers.0"}, log
+    [root] = exported
+    for sibling in ("layers.1", "layers.2"):
+        nodes = [n for n in root.graph.nodes
+                 if any(path.endswith(sibling) for path, _ in (n.meta.get("nn_module_stack") or {}).values())]
+        assert [n.target for n in nodes] == [sibling_zeros._opoverload] * 3, sibling  # keys, values, output
+
+
+class _RaisingLayer(DynamicLayer):
+    """A cache layer whose update writes its keys, then raises."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys, self.is_initialized = key_states, True
+        raise ValueError("no update here")
+
+
+def test_an_update_not_replayed_out_of_the_trace_leaves_the_cache_as_it_was():
+    """A sibling's cache update is replayed out of the trace only on an empty layer and only when
+    it assigns the layer's own tensors: otherwise (the layer holds tensors, or the update raises)
+    the replay reports so and leaves the layer and the cache as they were (the update is then
+    traced as it runs). Out of an export the replay runs on real tensors."""
+    from nnbridge.extract.sibling_stubs import _StubInputs
+    x = torch.randn(2, 5, 8)
+    k = torch.randn(2, 1, 5, 8)
+    inputs = _StubInputs("layers.0", [x], [x], [x])
+    cache = toy_layer_cache()
+    assert inputs._replayed_untraced(cache, 1, (k, k, (), {}))
+    assert torch.equal(cache.layers[1].keys, torch.zeros(2, 1, 5, 8)) and cache.layers[1].is_initialized
+    assert inputs.depends_on[1:] == [cache.layers[1].keys, cache.layers[1].values]
+    held = toy_layer_cache([3, 3, 3])
+    before = dict(vars(held.layers[1]))
+    assert not inputs._replayed_untraced(held, 1, (k, k, (), {}))
+    assert vars(held.layers[1]) == before
+    raising = toy_layer_cache()
+    raising.layers = [_RaisingLayer() for _ in raising.layers]
+    before = dict(vars(raising.layers[1]))
+    assert not inputs._replayed_untraced(raising, 1, (k, k, (), {}))
+    assert vars(raising.layers[1]) == before and not raising.layers[1].is_initialized
+
+
 def test_a_cache_update_taking_a_computed_tensor_falls_back(caplog):
     """An update taking a tensor the layer computed: a sibling's stub cannot make it, so every
     layer is exported (exactly)."""

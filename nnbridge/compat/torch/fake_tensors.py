@@ -1,4 +1,5 @@
-"""Export without the fake-tensor dispatch cache; a module run on fake tensors (:func:`fake_call`).
+"""Export without the fake-tensor dispatch cache; a module run on fake tensors (:func:`fake_call`);
+code run on an export's fake tensors without recording nodes (:func:`untraced`).
 
 ``FakeTensorMode`` (torch 2.13) caches each op's output metadata, keyed by the op and its
 arguments' metadata, symbolic sizes included; each export makes a new shape environment, so keys
@@ -45,3 +46,14 @@ def fake_call(module: torch.nn.Module, specs: list[tuple[torch.Size, torch.dtype
     with mode, torch.no_grad():
         inputs = [torch.empty(size, dtype=dtype, device=device) for size, dtype, device in specs]
         return module(*inputs)
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """While the body runs inside a ``torch.export`` trace, ops on its (fake) tensors compute their
+    outputs without recording graph nodes (``proxy_tensor.disable_proxy_modes_tracing``): what the
+    body makes is not in the graph, and an op of the trace that takes it afterwards raises. Outside
+    a trace the body runs as it is."""
+    from torch.fx.experimental import proxy_tensor
+    with proxy_tensor.disable_proxy_modes_tracing():
+        yield
