@@ -852,6 +852,7 @@ def test_correctness_patch_refuses_at_use():
             pass
 
 
+@pytest.mark.integration  # end to end: a second process
 def test_unknown_torch_refuses_at_import():
     """``import nnbridge`` on a torch outside the verified versions raises, naming each correctness
     patch, the version and the verified ones (a subprocess: the check runs once, at import)."""
@@ -890,6 +891,7 @@ def test_source_of_the_planted_module_is_valid_python():
     compile(textwrap.dedent(PLANTED), "planted.py", "exec")
 
 
+@pytest.mark.integration  # end to end: second processes
 def test_doctor_reports_on_an_unknown_torch_where_import_refuses():
     """``nnbridge doctor`` is the tool for a torch outside the verified versions: it prints the
     report (torch's version as assumed, every correctness patch refused, every speed patch skipped)

@@ -331,6 +331,7 @@ def test_read_chains_follow_the_envoys_modules():
     assert reads("def helper(m):\n    return m.linear.output\nhelper(m)") == {"linear", "output"}
 
 
+@pytest.mark.integration  # end to end: a second process
 def test_module_only_trace_of_a_plain_model_imports_no_exporter():
     """Registering transformers' cache pytrees imports torch._dynamo and transformers' exporters
     (seconds): it waits for the first graph call, which an eager trace never makes."""

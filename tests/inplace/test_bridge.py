@@ -251,6 +251,7 @@ def test_trace_dict_by_name(bridged):
     assert torch.equal(retained[layers[0]], eager.attentions[0])
 
 
+@pytest.mark.integration  # end to end: torch.compile
 def test_torch_compile(bridged):
     name, model, ids, mask, reference, _ = bridged
     torch._dynamo.reset()

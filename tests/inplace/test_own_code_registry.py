@@ -109,6 +109,7 @@ def test_op_points_registered_while_the_models_own_code_runs_join_the_registry_a
     assert list(model.loop._modules)[:2] == ["a", "b"]
 
 
+@pytest.mark.integration  # end to end: torch.compile
 def test_a_compiled_call_no_graph_serves_traces_the_users_children():
     eager, model, x = _models()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)

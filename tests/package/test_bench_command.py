@@ -114,6 +114,7 @@ def test_the_suite_rows_are_opt_in(suite):
     assert rows == [("suite-readme", True, 900.0), ("suite-dev-loop", True, 240.0)]
 
 
+@pytest.mark.integration  # end to end: a second process (pytest)
 def test_a_suite_run_that_fails_raises_with_pytests_last_lines(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import bench_tests
@@ -123,6 +124,7 @@ def test_a_suite_run_that_fails_raises_with_pytests_last_lines(monkeypatch):
         bench_tests.suite_seconds("missing")
 
 
+@pytest.mark.integration  # end to end: a second process
 def test_module_entry_point_lists_the_real_rows_without_measuring():
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--rows", "no-such-row"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)

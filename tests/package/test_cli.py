@@ -44,6 +44,7 @@ def test_unknown_model_one_line_and_exit_1(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.integration  # end to end: a second process
 def test_python_dash_m_entry_point():
     """One real process: ``python -m nnbridge`` runs the same ``main`` and exits with its code."""
     result = subprocess.run([sys.executable, "-m", "nnbridge", "frobnicate"], capture_output=True, text=True)

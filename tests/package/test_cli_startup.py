@@ -44,6 +44,7 @@ def _entry_point() -> str:
     return scripts["nnbridge"]
 
 
+@pytest.mark.integration  # end to end: second processes
 @pytest.mark.parametrize("argv, code", CASES, ids=lambda value: " ".join(value) if isinstance(value, list) else None)
 def test_console_script_help_and_errors_import_no_heavy_library(argv, code):
     done = subprocess.run([sys.executable, "-c", _RUNNER.format(heavy=set(HEAVY)), _entry_point(), json.dumps(argv)],
@@ -63,6 +64,7 @@ def _imported(arguments: list[str]) -> tuple[subprocess.CompletedProcess[str], s
     return done, modules
 
 
+@pytest.mark.integration  # end to end: second processes
 @pytest.mark.parametrize("argv", [["--help"], ["tree", "--help"], ["frobnicate"]])
 def test_python_dash_m_help_imports_no_heavy_library(argv):
     """``python -m nnbridge`` runs ``nnbridge/__init__`` before ``__main__``: it must stay light."""
@@ -74,6 +76,7 @@ def test_python_dash_m_help_imports_no_heavy_library(argv):
         assert "{demo,tree,cache,doctor}" in done.stdout
 
 
+@pytest.mark.integration  # end to end: a second process
 def test_import_nnbridge_is_light_and_its_names_load_on_use():
     """The package root imports nothing heavy; a public name loads the API (version check and
     nnsight routing included), and ``from nnbridge import *`` gives every name of ``__all__``."""

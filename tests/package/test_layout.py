@@ -168,6 +168,7 @@ def test_every_layer_is_a_documented_subpackage():
         assert len((module.__doc__ or "").split()) >= 20, f"nnbridge.{layer} has no package docstring"
 
 
+@pytest.mark.integration  # end to end: a second process per module
 def test_every_module_imports_alone():
     """Each module imported first in a clean interpreter state (torch stays loaded: only nnbridge's
     modules are dropped between imports), so none relies on another having been imported before.

