@@ -145,7 +145,7 @@ PATCHES: tuple[RuntimePatch, ...] = (
     _torch("load_fake_tensor_meta", "torch._export.serde.serialize.GraphModuleDeserializer.deserialize_tensor_meta",
            "speed",
            why="Makes each loaded node's fake tensor through the fake mode's constructor path, not a dispatch through"
-           " its cache."),
+           " its cache, and parses each symbolic size's expression once per load, not once per size."),
     RuntimePatch("load_type_hints", "torch._export.serde.serialize.typing",
                  "Answers each schema class's type hints once per load: torch's deserializer resolves them again for"
                  " every object it reads (pytorch/pytorch#196452).", "speed", "torch", frozenset({"2.13", "2.14"})),

@@ -420,6 +420,10 @@ def probe_load_fake_tensor_meta() -> None:
 
     deserializer = serialize.GraphModuleDeserializer
     assert _parameters(vars(deserializer)["deserialize_tensor_meta"]) == ["self", "tensor_meta"]
+    # a symbolic size is made as deserialize_sym_int makes it: the parsed expression, then a SymInt node
+    assert _parameters(vars(deserializer)["_parse_sym_expr"]) == ["self", "expr_str", "hint"]
+    assert {"_parse_sym_expr", "create_symintnode"} <= set(vars(deserializer)["deserialize_sym_int"].__code__.co_names)
+    assert "symbol_name_to_symbol" in vars(deserializer)["_parse_sym_expr"].__code__.co_names
     assert callable(serialize.deserialize_device) and serialize._SERIALIZE_TO_TORCH_DTYPE and in_kernel_invocation_manager
     _round_trip()
 

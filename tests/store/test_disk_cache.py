@@ -713,6 +713,62 @@ def test_loaded_fake_tensors_and_symbolic_sizes_equal_torchs_own_load(monkeypatc
     assert deserializer.__dict__["deserialize_tensor_meta"] is tensor_meta
 
 
+class _TwoSizes(torch.nn.Module):
+    def forward(self, x, y):
+        return (x.softmax(-1) * x.shape[0]).flatten(), y.cos() + y.shape[1], x.sum(0)
+
+
+def test_a_symbolic_expression_is_parsed_once_per_load_with_torchs_own_symbols(monkeypatch):
+    """load_program parses each symbolic size's text once per load (torch: once per size and
+    stride of every node): the parses are fewer than torch's own load makes, each node's sizes,
+    the shape env's hints and ranges and the outputs equal torch.export.load's, and nothing is
+    kept after a load, a failed one included."""
+    import io
+
+    from torch._export.serde import serialize
+
+    from nnbridge.compat.torch import serialization
+
+    torch.manual_seed(0)
+    examples = (torch.randn(5, 4), torch.randn(3, 6))
+    dims = ({0: torch.export.Dim("n", min=2, max=64), 1: torch.export.Dim("m", min=2, max=64)},
+            {1: torch.export.Dim("k", min=2, max=64)})
+    stream = io.BytesIO()
+    serialization.save_program(torch.export.export(_TwoSizes(), examples, dynamic_shapes=dims), stream)
+    data = stream.getvalue()
+    parse = serialize.GraphModuleDeserializer._parse_sym_expr
+    parsed: list[str] = []
+
+    def counted(self, expr_str, hint=None):
+        parsed.append(expr_str)
+        return parse(self, expr_str, hint)
+    monkeypatch.setattr(serialize.GraphModuleDeserializer, "_parse_sym_expr", counted)
+    ours = serialization.load_program(io.BytesIO(data))
+    ours_parsed, parsed[:] = list(parsed), []
+    theirs = torch.export.load(io.BytesIO(data))
+    assert len(set(ours_parsed)) >= 3 and len(ours_parsed) < len(parsed)  # s.. of n, m, k, and n*m
+    assert not serialization._PARSED
+    assert ([_fake_tensor_facts(node.meta.get("val")) for node in ours.graph.nodes]
+            == [_fake_tensor_facts(node.meta.get("val")) for node in theirs.graph.nodes])
+
+    def shape_env(program):
+        env = next(node.meta["val"].fake_mode.shape_env for node in program.graph.nodes
+                   if isinstance(node.meta.get("val"), torch.Tensor))
+        return ({str(k): v for k, v in env.backed_var_to_val.items()}, {str(k): str(v) for k, v in env.var_to_range.items()})
+    assert shape_env(ours) == shape_env(theirs)
+    assert ours.range_constraints == theirs.range_constraints
+    x, y = torch.randn(7, 9), torch.randn(3, 11)
+    for got, expected in zip(ours.module()(x, y), _TwoSizes()(x, y)):
+        assert torch.equal(got, expected)
+
+    def broken(self, *args, **kwargs):  # a failure after sizes were parsed
+        raise RuntimeError("unreadable outputs")
+    monkeypatch.setattr(serialize.GraphModuleDeserializer, "deserialize_outputs", broken)
+    with pytest.raises(RuntimeError, match="error when deserializing"):
+        serialization.load_program(io.BytesIO(data))
+    assert not serialization._PARSED
+
+
 _SECOND_PROCESS = """
 import torch, nnbridge
 from nnbridge.dispatch import extraction

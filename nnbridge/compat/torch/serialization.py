@@ -81,7 +81,10 @@ def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
     with (_SWAPPING,  # (two threads loading at once would restore each other's stand-ins)
           registry.replaced("load_fake_tensor_meta", deserializer, "deserialize_tensor_meta", value=_fake_tensor_meta),
           registry.replaced("load_type_hints", serialize, "typing", value=TypeHintsOnce())):
-        return torch.export.load(stream)
+        try:
+            return torch.export.load(stream)
+        finally:
+            _PARSED.clear()
 
 
 class TypeHintsOnce(types.ModuleType):
@@ -123,13 +126,15 @@ def _fake_tensor_meta(deserializer: Any, tensor_meta: Any) -> Any:
     (``torch._subclasses.fake_impls.constructors``: the meta-device op under
     ``in_kernel_invocation_manager``, wrapped in a ``FakeTensor``), instead of dispatching
     ``torch.empty_strided`` through the mode, whose cache-key and cache-entry work
-    (``_cached_dispatch_impl``) is most of what making a fake tensor that way costs."""
+    (``_cached_dispatch_impl``) is most of what making a fake tensor that way costs. A symbolic
+    size or stride is made as ``deserialize_sym_int`` makes it, with its expression parsed once
+    per deserializer (:func:`_sym_int`)."""
     import torch
     from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE, deserialize_device
     from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
-    sizes = tuple(deserializer.deserialize_sym_int(size) for size in tensor_meta.sizes)
-    strides = tuple(deserializer.deserialize_sym_int(stride) for stride in tensor_meta.strides)
+    sizes = tuple(_sym_int(deserializer, size) for size in tensor_meta.sizes)
+    strides = tuple(_sym_int(deserializer, stride) for stride in tensor_meta.strides)
     mode = deserializer.fake_tensor_mode
     with in_kernel_invocation_manager(mode):
         meta = torch.ops.aten.empty_strided.default(sizes, strides, dtype=_SERIALIZE_TO_TORCH_DTYPE[tensor_meta.dtype],
@@ -138,3 +143,31 @@ def _fake_tensor_meta(deserializer: Any, tensor_meta: Any) -> Any:
     if tensor_meta.requires_grad:  # (as torch.empty_strided(..., requires_grad=True) sets it on the result)
         fake.requires_grad_(True)
     return fake
+
+
+#: ``{id(deserializer): (deserializer, its shape env, its symbol table, {(expression, hint): sympy expression})}``
+#: while :func:`load_program` loads (under ``_SWAPPING``); emptied after each load
+_PARSED: dict[int, tuple[Any, Any, Any, dict[tuple[str, int | None], Any]]] = {}
+
+
+def _sym_int(deserializer: Any, serialized: Any) -> Any:
+    """``deserializer.deserialize_sym_int(serialized)``, a symbolic one's expression parsed once
+    per deserializer, shape env and symbol table: torch parses the text with ``sympy.sympify`` for
+    every size and stride of every node (``_parse_sym_expr``), and a program's tensors share a few
+    expressions (``s27``, ``32*s27``). Parsing the same text again registers nothing new (its
+    symbols, hints and ranges are in the shape env after the first parse) and ends at the symbol
+    table's entry of the first, so the parsed expression is reused; each call still makes its own
+    ``SymInt`` (``shape_env.create_symintnode``), as torch's does."""
+    value = serialized.value
+    if serialized.type != "as_expr" or (value.hint is not None and value.hint.type != "as_int"):
+        return deserializer.deserialize_sym_int(serialized)  # (an int, or torch's own error)
+    hint = None if value.hint is None else value.hint.value
+    entry = _PARSED.get(id(deserializer))
+    if (entry is None or entry[0] is not deserializer or entry[1] is not deserializer.shape_env
+            or entry[2] is not deserializer.symbol_name_to_symbol):
+        entry = _PARSED[id(deserializer)] = (deserializer, deserializer.shape_env, deserializer.symbol_name_to_symbol, {})
+    parsed = entry[3]
+    key = (value.expr_str, hint)
+    if key not in parsed:
+        parsed[key] = deserializer._parse_sym_expr(value.expr_str, hint)
+    return deserializer.shape_env.create_symintnode(parsed[key], hint=hint)
