@@ -39,7 +39,7 @@ ROWS = {
     "cache_update_traced": ("cold", "structure"),
     "lazy_unflatten_code": ("cold", "disk"),
     "load_fake_tensor_meta": ("disk",),
-    "load_type_hints": ("disk",),
+    "load_schema_reader": ("disk",),
 }
 
 _CHILD = """

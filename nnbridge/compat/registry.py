@@ -141,14 +141,16 @@ PATCHES: tuple[RuntimePatch, ...] = (
            "patch_method", "correctness",
            why="Confines the process-wide patches fx makes while tracing (nn.Module.__call__...) to the tracing thread,"
            " so another thread's module call is neither recorded nor corrupted."),
-    # disk cache (compat/serialization.py)
+    # disk cache (compat/serialization.py, schema_reader.py)
     _torch("load_fake_tensor_meta", "torch._export.serde.serialize.GraphModuleDeserializer.deserialize_tensor_meta",
            "speed",
            why="Makes each loaded node's fake tensor through the fake mode's constructor path, not a dispatch through"
            " its cache, and parses each symbolic size's expression once per load, not once per size."),
-    RuntimePatch("load_type_hints", "torch._export.serde.serialize.typing",
-                 "Answers each schema class's type hints once per load: torch's deserializer resolves them again for"
-                 " every object it reads (pytorch/pytorch#196452).", "speed", "torch", frozenset({"2.13", "2.14"})),
+    RuntimePatch("load_schema_reader", "torch._export.serde.serialize._dict_to_dataclass, "
+                 "torch.export.pt2_archive._package._dict_to_dataclass",
+                 "Reads a loaded program's JSON into torch's schema dataclasses with one reader per schema type, where"
+                 " torch's reader works out the type of every object again (pytorch/pytorch#196452).",
+                 "speed", "torch", frozenset({"2.13", "2.14"})),
     # transformers (compat/transformers/mask_skips.py, cache_layers.py, cache_updates.py) and the model's own
     # classes (extract/watched_attributes.py)
     RuntimePatch("mask_skips", "transformers.masking_utils._ignore_causal_mask_sdpa, "

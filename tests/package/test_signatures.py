@@ -41,8 +41,6 @@ FIXED_ELSEWHERE = {
         "a torch forward hook with kwargs: (module, args, kwargs, output)",
     "nnbridge.patching.torch_file:_rebuild":
         "called by unpickling (pickle's REDUCE), which passes the saved arguments positionally",
-    "nnbridge.compat.torch.serialization:TypeHintsOnce.get_type_hints":
-        "stands in for typing.get_type_hints (obj, globalns, localns, include_extras) in torch's deserializer",
     "nnbridge.graph.state:write_state":
         "an fx call_function target: graph nodes (and saved programs) call it with positional args",
 }

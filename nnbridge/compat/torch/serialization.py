@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import threading
-import types
-import typing
 from typing import IO, TYPE_CHECKING, Any
 
 from .. import registry
 from .pytree import pytree
+from .schema_reader import SchemaReader
 
 if TYPE_CHECKING:
     import torch
@@ -72,51 +71,22 @@ def save_program(exported: torch.export.ExportedProgram, stream: IO[bytes]) -> N
 
 def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
     """``torch.export.load(stream)``, each node's fake tensor made without a dispatch through the
-    fake mode (see :func:`_fake_tensor_meta`), each schema class's type hints resolved once (see
-    :class:`TypeHintsOnce`)."""
+    fake mode (see :func:`_fake_tensor_meta`), the JSON read into torch's schema dataclasses by a
+    reader built once per schema type (see :class:`~.schema_reader.SchemaReader`)."""
     import torch
     from torch._export.serde import serialize
+    from torch.export.pt2_archive import _package
 
     deserializer = serialize.GraphModuleDeserializer
+    reader = SchemaReader()
     with (_SWAPPING,  # (two threads loading at once would restore each other's stand-ins)
           registry.replaced("load_fake_tensor_meta", deserializer, "deserialize_tensor_meta", value=_fake_tensor_meta),
-          registry.replaced("load_type_hints", serialize, "typing", value=TypeHintsOnce())):
+          registry.replaced("load_schema_reader", serialize, "_dict_to_dataclass", value=reader),
+          registry.replaced("load_schema_reader", _package, "_dict_to_dataclass", value=reader)):
         try:
             return torch.export.load(stream)
         finally:
             _PARSED.clear()
-
-
-class TypeHintsOnce(types.ModuleType):
-    """The ``typing`` module as torch's deserializer sees it while :func:`load_program` loads:
-    ``get_type_hints`` answers each ``(object, namespaces)`` once, every other name is ``typing``'s.
-
-    ``torch._export.serde.serialize._dict_to_dataclass`` calls ``typing.get_type_hints`` for the
-    schema class of every object it reads (pytorch/pytorch#196452), and a class's hints do not change
-    during a load. Each call returns its own copy of the dict, as ``typing.get_type_hints`` does.
-    """
-
-    def __init__(self) -> None:
-        super().__init__("typing")
-        #: ``{(object, id(globalns), id(localns), include_extras): (hints, globalns, localns)}``
-        #: (the namespaces are held, so their ids are not reused while the answers are kept)
-        self.answers: dict[tuple[Any, int, int, bool], tuple[dict[str, Any], Any, Any]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(typing, name)
-
-    def get_type_hints(self, obj: Any, globalns: Any = None, localns: Any = None,
-                       include_extras: bool = False) -> dict[str, Any]:
-        """``typing.get_type_hints(obj, globalns, localns, include_extras)``, resolved once per key."""
-        key = (obj, id(globalns), id(localns), include_extras)
-        try:
-            found = self.answers.get(key)
-        except TypeError:  # an unhashable object: resolved each time
-            return typing.get_type_hints(obj, globalns, localns, include_extras)
-        if found is None:
-            found = self.answers[key] = (typing.get_type_hints(obj, globalns, localns, include_extras),
-                                         globalns, localns)
-        return dict(found[0])
 
 
 def _fake_tensor_meta(deserializer: Any, tensor_meta: Any) -> Any:
