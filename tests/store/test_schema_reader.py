@@ -128,7 +128,7 @@ def test_malformed_json_raises_torchs_error(cls, data):
 def test_a_load_makes_each_types_reader_once_and_puts_torchs_reader_back(monkeypatch):
     """load_program reads through one reader per load (each schema type's reader made once), both
     modules holding torch's function get it back afterwards, also after a failed load, and with
-    the patch off torch's own reader runs."""
+    the patch off, or on a torch it was not verified on, torch's own reader runs (none is made)."""
     examples = (torch.randn(5, 4),)
     stream = io.BytesIO()
     serialization.save_program(torch.export.export(torch.nn.Linear(4, 3), examples,
@@ -152,6 +152,13 @@ def test_a_load_makes_each_types_reader_once_and_puts_torchs_reader_back(monkeyp
     with registry.disabled("load_schema_reader"):
         assert torch.equal(serialization.load_program(io.BytesIO(data)).module()(x), loaded.module()(x))
     assert not made
+
+    def unbuildable(self):
+        raise AssertionError("a reader was made where the patch is skipped")
+    monkeypatch.setattr(SchemaReader, "__init__", unbuildable)  # (a torch whose names it would not find)
+    with registry.assumed("torch", "2.15", kinds=["speed"]):
+        assert torch.equal(serialization.load_program(io.BytesIO(data)).module()(x), loaded.module()(x))
+    monkeypatch.undo()
 
     def broken(self, *args, **kwargs):
         raise RuntimeError("unreadable outputs")

@@ -7,8 +7,10 @@ namedtuple) and of types registered with a serialized name round-trip.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import threading
+from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 from .. import registry
@@ -78,15 +80,27 @@ def load_program(stream: IO[bytes]) -> torch.export.ExportedProgram:
     from torch.export.pt2_archive import _package
 
     deserializer = serialize.GraphModuleDeserializer
-    reader = SchemaReader()
     with (_SWAPPING,  # (two threads loading at once would restore each other's stand-ins)
           registry.replaced("load_fake_tensor_meta", deserializer, "deserialize_tensor_meta", value=_fake_tensor_meta),
-          registry.replaced("load_schema_reader", serialize, "_dict_to_dataclass", value=reader),
-          registry.replaced("load_schema_reader", _package, "_dict_to_dataclass", value=reader)):
+          _schema_reader_installed(serialize, _package)):
         try:
             return torch.export.load(stream)
         finally:
             _PARSED.clear()
+
+
+@contextlib.contextmanager
+def _schema_reader_installed(serialize: Any, package: Any) -> Iterator[None]:
+    """Within: a :class:`~.schema_reader.SchemaReader` stands in for ``_dict_to_dataclass`` in both
+    torch modules that call it while a program loads (patch ``load_schema_reader``; the reader is
+    made only where the patch runs, as it reads torch 2.13/2.14's names)."""
+    if not registry.enabled("load_schema_reader"):
+        yield
+        return
+    reader = SchemaReader()
+    with (registry.replaced("load_schema_reader", serialize, "_dict_to_dataclass", value=reader, gated=False),
+          registry.replaced("load_schema_reader", package, "_dict_to_dataclass", value=reader, gated=False)):
+        yield
 
 
 def _fake_tensor_meta(deserializer: Any, tensor_meta: Any) -> Any:
