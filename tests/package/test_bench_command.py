@@ -164,3 +164,29 @@ def test_paired_spread_gives_the_quartiles_of_the_ratios_repetition_by_repetitio
 def test_paired_spread_refuses_unpaired_or_single_repetitions(timing, times, error):
     with pytest.raises(ValueError, match=error):
         timing.paired_spread(times, "row", "base")
+
+
+def test_depth_rows_take_medians_of_interleaved_rounds_and_note_each_rounds_ratio(suite, monkeypatch):
+    """The depth rows run every depth once per round, in turn, ``processes`` rounds, and bound the
+    ratio of the medians; the note gives the 80 / 20 ratio round by round and of the fastest
+    processes (nothing is timed: the points are fake)."""
+    import bench_depth
+    import bench_rows
+    order = []
+    cpu = {10: [1.0, 1.1, 1.2], 20: [2.0, 4.0, 3.0], 40: [5.0, 5.0, 5.0], 80: [5.0, 9.0, 8.0]}
+
+    def point(layers, *, use_cache):
+        order.append((layers, use_cache))
+        return {"cpu": cpu[layers][sum(1 for d, _ in order if d == layers) - 1], "wall": 0.0}
+    monkeypatch.setattr(bench_depth, "point", point)
+    bench_rows._depth.cache_clear()
+    try:
+        result = bench_rows.depth(False)(suite.Settings(quick=False, repeats=1, processes=3))
+    finally:
+        bench_rows._depth.cache_clear()
+    assert order == [(d, False) for d in (10, 20, 40, 80)] * 3, "each round runs every depth in turn"
+    assert result.score == result.ratio == 8.0 / 3.0, "the median at 80 layers over the median at 20"
+    assert result.measured == "80 layers 8.00 s CPU (10: 1.10 s, 40: 5.00 s)"
+    assert result.against == "20 layers 3.00 s CPU"
+    assert result.note == ("medians of 3 interleaved rounds; 80 / 20 layers round by round: 2.500x, 2.250x, 2.667x;"
+                           " fastest 80 over fastest 20: 2.500x")
