@@ -42,9 +42,10 @@ from ..compat.nnsight.interleaving import (
     pending_workers,
     repoint_envoys,
     scalar_safe_batcher,
+    wrapped_modules,
 )
 from ..compat.nnsight.models import ModelSlots, wrapped_module
-from ..compat.nnsight.source import sourced
+from ..compat.nnsight.source import follow_classes, sourced
 from ..graph.op_point import OpPoint, OpPointContainer
 from .envoy import BridgeEnvoy, tree_repr
 from .op_reads import op_owners
@@ -142,6 +143,7 @@ class _Bridged(ModelSlots, _EnvoyBase):
         with state.detached() if state is not None else contextlib.nullcontext():
             super().__init__(model, *args, **kwargs)
         self.__dict__["_nnbridge_warmed"] = set()
+        self._nnbridge_follow_classes()  # records each module's class now
         # op values may be 0-d: served whole to every invoke (see compat.nnsight.interleaving.scalar_safe_batcher)
         self._nnbridge_use_batcher(scalar_safe_batcher)
 
@@ -168,12 +170,24 @@ class _Bridged(ModelSlots, _EnvoyBase):
     def __call__(self, *args: Any, hook: bool = False, **kwargs: Any) -> Any:
         # outside a trace nnsight calls the module: nothing can read an op, so unless a patch or a
         # torch hook listens on an op point the model's own code serves it (no extraction)
+        self._nnbridge_follow_classes()
         state = bridge_of(wrapped_module(self))
         if (state is not None and self.eager_module_traces and not self.interleaver.interleaving
                 and not state.listened()):
             with state.running_eagerly():
                 return super().__call__(*args, hook=hook, **kwargs)
         return super().__call__(*args, hook=hook, **kwargs)
+
+    def _nnbridge_follow_classes(self) -> None:
+        """Before each run: a module whose class changed since this wrapper was built
+        (``module.__class__ = Sub``) runs its new class's forward, as eager's call does, where
+        nnsight 0.8.1 would keep running the old class's (see :func:`.follow_classes`).
+
+        Raises:
+            NNBridgeError: nnsight's ``.source`` instrumented the old class's forward of such a
+                module (named, with both classes).
+        """
+        follow_classes(wrapped_modules(self.interleaver, is_op_point))
 
     # -- extraction -----------------------------------------------------------------------------
     def _nnbridge_model(self) -> torch.nn.Module:
@@ -204,6 +218,7 @@ class _Bridged(ModelSlots, _EnvoyBase):
         # Assemble the call as nnsight will, extract its structure before the workers start
         # (they may ask for op envoys at once), then let nnsight run it unchanged. A lazily built
         # model is dispatched first (nnsight does it in its own interleave, which runs later).
+        self._nnbridge_follow_classes()
         dispatch_if_lazy(self)
         if batcher is None:
             batcher = self._nnbridge_batcher(kwargs)

@@ -39,16 +39,7 @@ from corpus import Entry, all_entries
 from corpus.harness import FRONT_ENDS, check
 
 # "entry-front_end-mode" glob -> reason. Keep each reason "issue 9 item N: <symptom>".
-KNOWN: dict[str, str] = {
-    # found by tests/corpus/test_fuzz.py (tests/corpus/found/); see KNOWN_FEATURES there. The NNsight
-    # front-end here runs module-only traces on the model's own code, as nnsight does.
-    "fuzz_class_swap_after_no_grad_extraction-nnsight-train": (
-        "nnsight 0.8.1's own module-only trace (plain nnsight alike) keeps calling the old class's forward"
-        " after module.__class__ = Sub"),
-    "fuzz_class_swap_of_a_shared_child-nnsight-*": (
-        "nnsight 0.8.1's envoys (plain nnsight alike) keep calling the old class's forward after"
-        " module.__class__ = Sub, in an opaque root's code and in a direct call"),
-}
+KNOWN: dict[str, str] = {}  # none now
 
 
 # entries whose edits nnbridge's disk-cache key does not see (the test run's cache would serve the

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, currently_in_test_context, event, given, reject, seed, settings
+from hypothesis import HealthCheck, Phase, currently_in_test_context, event, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 
@@ -348,24 +348,8 @@ def test_fuzz(front_end: str, reuse_layers: bool) -> None:
     @_settings(EXAMPLES, drawn_from=SEED)
     @given(programs(excluded=frozenset(KNOWN_FEATURES)))
     def fuzz(program: Program) -> None:
-        if front_end == "nnsight" and nnsight_keeps_the_old_class(program):
-            reject()
         run_case(Case(program, front_end, reuse_layers))
     fuzz()
-
-
-def nnsight_keeps_the_old_class(program: Program) -> bool:
-    """Whether ``program`` swaps a module's class (``swap_class``) where nnsight's own envoys keep
-    calling the old class's forward: they wrap each module's forward when built, and the swapped
-    module is called from the root's own code (a ``nograd`` statement makes the root opaque) or
-    directly (a ``direct`` step after the swap). Plain nnsight 0.8.1 gives the same numbers; such
-    programs are left out of the NNsight front-end's runs (the corpus keeps one:
-    ``tests/corpus/found/class_swap_of_a_shared_child.py``, a known difference through nnsight)."""
-    swaps = [i for i, step in enumerate(program.script) if step.kind == "swap_class"]
-    if not swaps:
-        return False
-    return any(stmt.kind == "nograd" for stmt in program.stmts) or \
-        any(step.kind == "direct" for step in program.script[swaps[0]:])
 
 
 @pytest.mark.parametrize("feature", [pytest.param(feature, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
@@ -415,13 +399,33 @@ def _found_program() -> Program:
     return eval(text, {"Program": Program, "Block": Block, "Child": Child, "Stmt": Stmt, "Step": Step})
 
 
-def test_class_swaps_seen_through_nnsights_own_wrappers_are_recognised() -> None:
-    program = _found_program()  # a nograd statement (an opaque root) and a direct call after the swap
-    assert nnsight_keeps_the_old_class(program)
-    no_direct = dataclasses.replace(program, script=tuple(s for s in program.script if s.kind != "direct"))
-    assert nnsight_keeps_the_old_class(no_direct)  # the root is still opaque
-    graphs_only = dataclasses.replace(no_direct, stmts=tuple(dataclasses.replace(s, kind="call") if s.kind == "nograd"
-                                                             else s for s in program.stmts))
-    assert not nnsight_keeps_the_old_class(graphs_only)
-    no_swap = dataclasses.replace(program, script=tuple(s for s in program.script if s.kind != "swap_class"))
-    assert not nnsight_keeps_the_old_class(no_swap)
+def _opaque_root(program: Program, kind: str) -> Program:
+    """``program`` with its ``nograd`` statements made plain calls, its ``direct`` steps dropped, in
+    train mode, and a statement appended that makes the root opaque: ``"nograd"`` (a call in a
+    no_grad region), ``"counter"`` (``self.calls += 1``) or ``"registry"`` (``self.c<n> = spare``,
+    of a new block child ``c<n>``)."""
+    stmts = tuple(dataclasses.replace(s, kind="call") if s.kind == "nograd" else s for s in program.stmts)
+    children = program.children
+    if kind == "registry":
+        children += (Child("block", (1,)),)
+        stmts += (Stmt("registry", (len(stmts),), child=len(children) - 1, style="set"),)
+    elif kind == "nograd":
+        stmts += (Stmt(kind, (len(stmts), len(stmts))),)
+    else:
+        stmts += (Stmt(kind, (len(stmts),)),)
+    return dataclasses.replace(program, children=children, stmts=stmts, output=("one", (len(stmts),)),
+                               script=tuple(s for s in program.script if s.kind != "direct"), modes=("train",))
+
+
+@pytest.mark.parametrize("kind", ["found", "nograd", "counter", "registry"])
+def test_a_class_swap_called_from_an_opaque_roots_code_equals_eager_through_nnsight(kind: str) -> None:
+    """``module.__class__ = Sub`` of a child that the root's own code calls (the root is opaque: a
+    no_grad region, a Python counter, a registry edit in forward; ``found``: the corpus's program,
+    with a direct call after the swap too) runs ``Sub``'s forward through the NNsight front-end, as
+    eager does (plain nnsight 0.8.1 keeps the old class's: ``tests/envoys/test_module_only_traces.py``),
+    with torch hooks (cold) and an output edit (warm), as :func:`run_case` runs it."""
+    program = _found_program() if kind == "found" else _opaque_root(_found_program(), kind)
+    entry = load(render(program), _MODULE_DIR).ENTRIES[0]
+    options = nnbridge.ExtractionOptions(recompile_limit=RECOMPILE_LIMIT)
+    assert check(entry, "nnsight", program.modes[0], options, nnsight_graphs=True, hooks=True, edit=0.5) == []
+    assert check(entry, "nnsight", program.modes[0], options, nnsight_graphs=True, set_output=True) == []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -107,11 +108,34 @@ def envoy_api() -> frozenset[str]:
     return frozenset(names | {"input", "inputs", "output"})
 
 
+#: per nnsight interleaver: the number of its envoys when last walked, and what
+#: :func:`wrapped_modules` found then
+_WALKS: weakref.WeakKeyDictionary[Any, tuple[int, list[tuple[str, torch.nn.Module]]]] = weakref.WeakKeyDictionary()
+
+
+def wrapped_modules(interleaver: Any, skip: Callable[[torch.nn.Module], bool]) -> list[tuple[str, torch.nn.Module]]:
+    """``(path, module)`` of every module an nnsight 0.8 interleaver's envoys wrap
+    (``Interleaver.envoys``; ``Envoy.path``) but those ``skip`` names (op points), walked again
+    only when the interleaver's number of envoys changed (or :func:`repoint_envoys` re-pointed it)."""
+    envoys = interleaver.envoys
+    walk = _WALKS.get(interleaver)
+    if walk is None or walk[0] != len(envoys):
+        found = []
+        for envoy in list(envoys.values()):
+            module = wrapped_module(envoy)
+            if isinstance(module, torch.nn.Module) and not skip(module):
+                found.append((envoy.path, module))
+        walk = (len(envoys), found)
+        _WALKS[interleaver] = walk
+    return walk[1]
+
+
 def repoint_envoys(envoy: Any, module: torch.nn.Module) -> None:
     """Re-point an envoy tree at ``module`` (nnsight 0.8's ``Envoy._update``): envoys of modules
     missing from ``module`` are dropped, new ones mirrored, and the interleaver's per-module
     registry re-keyed."""
     envoy._update(module)
+    _WALKS.pop(envoy.interleaver, None)
 
 
 @functools.cache

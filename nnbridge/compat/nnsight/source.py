@@ -13,10 +13,16 @@ bridged body asks :func:`source_body` at
 each call whether the running trace wants one of the module's ``.source`` operations; if so it
 runs nnsight's instrumented forward for that call (the module's op points are not reached in
 that call: ops and ``.source`` operations of one module are served in different calls).
+
+nnsight also keeps, as a module's body, the class ``forward`` it found when it wrapped the module;
+after ``module.__class__ = Sub`` eager runs ``Sub.forward``. :func:`follow_classes` gives such a
+module its current class's forward as nnsight's body (``State.body`` and ``State.original``), so a
+trace runs what an eager call would.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, SupportsIndex
 
@@ -24,6 +30,7 @@ import torch
 from nnsight.intervention.source import State
 
 from .. import registry
+from ...errors import NNBridgeError
 
 #: ``module.__dict__`` key of nnsight 0.8.x's per-module ``State`` (``nnsight.intervention.source.STATE``).
 NNSIGHT_STATE = "__nnsight__"
@@ -168,3 +175,51 @@ def count_routes(state: Any) -> None:
             counts = interleaver.counts
             for location in locations:
                 counts[location] = counts.get(location, 0) + 1
+
+
+#: ``{module: the class whose forward nnsight runs as its body}``, or None where nnsight runs
+#: another body (an instance ``forward`` the user set), for the modules :func:`follow_classes` saw
+_OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, type | None] = weakref.WeakKeyDictionary()
+_UNSEEN = object()
+
+
+def follow_classes(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
+    """Give each nnsight-wrapped module of ``modules`` (``(path, module)``) whose class changed since
+    it was first seen here (``module.__class__ = Sub``) its current class's ``forward`` as
+    nnsight's body, where that body was its class's forward: nnsight 0.8.1 keeps the forward it
+    found when it wrapped the module (``State.body``/``State.original``), while eager's call runs
+    the current class's. A module seen for the first time is recorded, not changed; one whose
+    nnsight body is an instance ``forward`` the user set keeps it, as eager's call does.
+
+    Raises:
+        NNBridgeError: a module whose class changed has nnsight's ``.source``-instrumented
+            forward, made from the old class's code, which nnsight would keep running; names the
+            module's path and both classes. Nothing is changed for that module.
+    """
+    for path, module in modules:
+        owner = _OWNERS.get(module, _UNSEEN)
+        if owner is _UNSEEN:
+            state = module.__dict__.get(NNSIGHT_STATE)
+            _OWNERS[module] = type(module) if state is not None and state.original is type(module).forward else None
+        elif isinstance(owner, type) and type(module) is not owner:
+            _OWNERS[module] = _follow(path, module, owner)
+
+
+def _follow(path: str, module: torch.nn.Module, owner: type) -> type | None:
+    """:func:`follow_classes` for one module whose class is no longer ``owner``; the class it
+    follows now (None: nnsight's body is not ``owner``'s forward any more, and is left as it is)."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    if state is None or state.original is not getattr(owner, "forward", None):
+        return None
+    forward = type(module).forward
+    if forward is state.original:
+        return type(module)
+    if state.sourced:
+        raise NNBridgeError(
+            f"'{path}': its class changed from {owner.__qualname__} to {type(module).__qualname__} after nnsight's"
+            f" .source instrumented {owner.__qualname__}.forward, which nnsight would keep running instead of the"
+            f" new class's code. Change the class before the module's .source is first read, or build the model"
+            f" again with the new class.")
+    state.body = forward  # a bridged state's setter writes nnsight's own body, the bridged one stays
+    state.original = forward
+    return type(module)

@@ -1,9 +1,11 @@
 """fuzz_class_swap_of_a_shared_child: ``module.__class__ = Sub`` on a child shared under two names
 (``self.c1 = self.c0``), which a root whose forward enters ``torch.no_grad()`` (opaque: its own code
 runs) calls; then a direct call of the child outside any forward (found by tests/corpus/test_fuzz.py
-with NNBRIDGE_FUZZ_SEED=9). bridge and pg equal eager. Through nnsight the calls keep running the
-old class's forward, as plain nnsight 0.8.1's do: its envoys wrap each module's forward when built
-(tests/corpus/test_corpus.py's KNOWN; the parity is tested in tests/envoys/test_module_only_traces.py).
+with NNBRIDGE_FUZZ_SEED=9). bridge and pg equal eager. Through nnsight the calls kept running the old
+class's forward, as plain nnsight 0.8.1's do (its envoys keep the class's forward they found when
+built); nnbridge.NNsight now gives each module its current class's forward before every run
+(nnbridge/compat/nnsight/source.py's follow_classes; plain nnsight's numbers are checked in
+tests/envoys/test_module_only_traces.py).
 
 Program(blocks=(Block(arity=2, body=2, inner='pos', alpha=True), Block(arity=2, body=0, inner='kw_rev', alpha=True)), children=(Child(kind='block', blocks=(0,)), Child(kind='shared', blocks=(0,))), stmts=(Stmt(kind='add', args=(0, 0), child=0, style='pos'), Stmt(kind='dropout', args=(1,), child=0, style='pos'), Stmt(kind='nograd', args=(1, 2), child=1, style='mixed'), Stmt(kind='add', args=(3, 2), child=0, style='pos')), output=('one', (4,)), script=(Step(kind='call', grad=False, input_grad=False, rows=3, child=0, entry=0, block=0, value=2.0), Step(kind='swap_class', grad=True, input_grad=False, rows=2, child=0, entry=0, block=0, value=2.0), Step(kind='call', grad=True, input_grad=True, rows=3, child=0, entry=0, block=0, value=2.0), Step(kind='direct', grad=True, input_grad=False, rows=2, child=0, entry=0, block=0, value=2.0), Step(kind='call', grad=True, input_grad=True, rows=3, child=0, entry=0, block=0, value=2.0)), modes=('eval',))
 """
