@@ -66,6 +66,16 @@ def point(layers: int, *, use_cache: bool, profile: bool = False) -> dict[str, o
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+def rounds(depths: list[int], *, use_cache: bool, repeats: int) -> dict[int, list[dict[str, object]]]:
+    """:func:`point` at every depth once per round, ``repeats`` rounds (interleaved: drift of the
+    machine hits every depth alike); ``{depth: its points, round by round}``."""
+    runs: dict[int, list[dict[str, object]]] = {d: [] for d in depths}
+    for _ in range(repeats):
+        for depth in depths:
+            runs[depth].append(point(depth, use_cache=use_cache))
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depths", default="10,20,40,80")
@@ -77,10 +87,7 @@ def main() -> None:
         return
     depths = [int(d) for d in args.depths.split(",")]
     for use_cache in (True, False):
-        runs: dict[int, list[dict[str, object]]] = {d: [] for d in depths}
-        for _ in range(args.repeats):  # interleaved: machine drift hits every depth alike
-            for depth in depths:
-                runs[depth].append(point(depth, use_cache=use_cache))
+        runs = rounds(depths, use_cache=use_cache, repeats=args.repeats)
         cpu = {d: statistics.median(float(r["cpu"]) for r in runs[d]) for d in depths}  # type: ignore[arg-type]
         wall = {d: statistics.median(float(r["wall"]) for r in runs[d]) for d in depths}  # type: ignore[arg-type]
         base = cpu.get(20) or cpu[depths[0]]

@@ -93,11 +93,8 @@ def _depth(how: Settings, use_cache: bool) -> dict[int, list[float]]:
     process per depth in turn (interleaved, so machine drift hits every depth alike)."""
     import bench_depth
     depths = QUICK_DEPTHS if how.quick else DEPTHS
-    runs: dict[int, list[float]] = {depth: [] for depth in depths}
-    for _ in range(how.processes):
-        for depth in depths:
-            runs[depth].append(float(bench_depth.point(depth, use_cache=use_cache)["cpu"]))  # type: ignore[arg-type]
-    return runs
+    runs = bench_depth.rounds(list(depths), use_cache=use_cache, repeats=how.processes)
+    return {depth: [float(p["cpu"]) for p in points] for depth, points in runs.items()}  # type: ignore[arg-type]
 
 
 def depth(use_cache: bool) -> Callable[[Settings], Result]:
