@@ -143,7 +143,7 @@ class _Bridged(ModelSlots, _EnvoyBase):
         with state.detached() if state is not None else contextlib.nullcontext():
             super().__init__(model, *args, **kwargs)
         self.__dict__["_nnbridge_warmed"] = set()
-        self._nnbridge_follow_classes()  # records each module's class now
+        self._nnbridge_follow_classes()  # each module's calls run the forward of its class at the call
         # op values may be 0-d: served whole to every invoke (see compat.nnsight.interleaving.scalar_safe_batcher)
         self._nnbridge_use_batcher(scalar_safe_batcher)
 
@@ -179,9 +179,10 @@ class _Bridged(ModelSlots, _EnvoyBase):
         return super().__call__(*args, hook=hook, **kwargs)
 
     def _nnbridge_follow_classes(self) -> None:
-        """Before each run: a module whose class changed since this wrapper was built
-        (``module.__class__ = Sub``) runs its new class's forward, as eager's call does, where
-        nnsight 0.8.1 would keep running the old class's (see :func:`.follow_classes`).
+        """When built and before each run: every module nnsight wraps (new ones included) runs the
+        forward of the class it has at each call (``module.__class__ = Sub``), as eager's call
+        does, where nnsight 0.8.1 would keep running the class's it found (see
+        :func:`.follow_classes`).
 
         Raises:
             NNBridgeError: nnsight's ``.source`` instrumented the old class's forward of such a

@@ -68,8 +68,9 @@ def test_each_run_calls_the_current_class_as_eager_does(graphs: bool) -> None:
     assert torch.equal(_traced(wrapped, X), eager(X))
     for cls in (Doubled, Unrelated, Block):  # a subclass, an unrelated class, and back
         model.block.__class__ = eager.block.__class__ = cls
+        assert torch.equal(model.block(X), eager.block(X)), cls.__name__  # a direct call, before any run
+        assert torch.equal(model(X), eager(X)), cls.__name__  # the model's own call, outside nnsight
         assert torch.equal(_traced(wrapped, X), eager(X)), cls.__name__
-        assert torch.equal(model.block(X), eager.block(X)), cls.__name__  # a direct call after the run
     model.block.__class__ = eager.block.__class__ = Doubled
     assert torch.equal(wrapped(X), eager(X))  # the wrapper's plain call
 

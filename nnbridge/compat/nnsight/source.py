@@ -15,9 +15,8 @@ runs nnsight's instrumented forward for that call (the module's op points are no
 that call: ops and ``.source`` operations of one module are served in different calls).
 
 nnsight also keeps, as a module's body, the class ``forward`` it found when it wrapped the module;
-after ``module.__class__ = Sub`` eager runs ``Sub.forward``. :func:`follow_classes` gives such a
-module its current class's forward as nnsight's body (``State.body`` and ``State.original``), so a
-trace runs what an eager call would.
+after ``module.__class__ = Sub`` eager runs ``Sub.forward``. :func:`follow_classes` makes such a
+module's nnsight body :func:`current_class_forward`, so every call runs what an eager call would.
 """
 
 from __future__ import annotations
@@ -177,49 +176,60 @@ def count_routes(state: Any) -> None:
                 counts[location] = counts.get(location, 0) + 1
 
 
-#: ``{module: the class whose forward nnsight runs as its body}``, or None where nnsight runs
+#: ``{module: the class whose forward nnsight took as its body}``, or None where nnsight took
 #: another body (an instance ``forward`` the user set), for the modules :func:`follow_classes` saw
 _OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, type | None] = weakref.WeakKeyDictionary()
 _UNSEEN = object()
 
 
+def current_class_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """nnsight's body of a module whose body was its class's ``forward``: the forward of the class
+    the module has at this call, as eager's call runs it (``module.__class__ = Sub`` then runs
+    ``Sub.forward``)."""
+    return type(module).forward(module, *args, **kwargs)
+
+
 def follow_classes(modules: Iterable[tuple[str, torch.nn.Module]]) -> None:
-    """Give each nnsight-wrapped module of ``modules`` (``(path, module)``) whose class changed since
-    it was first seen here (``module.__class__ = Sub``) its current class's ``forward`` as
-    nnsight's body, where that body was its class's forward: nnsight 0.8.1 keeps the forward it
-    found when it wrapped the module (``State.body``/``State.original``), while eager's call runs
-    the current class's. A module seen for the first time is recorded, not changed; one whose
-    nnsight body is an instance ``forward`` the user set keeps it, as eager's call does.
+    """Make each nnsight-wrapped module of ``modules`` (``(path, module)``) run the forward of the
+    class it has at each call, as eager's call does: nnsight 0.8.1 keeps as a module's body the
+    class ``forward`` it found when it wrapped the module (``State.body``), so after
+    ``module.__class__ = Sub`` it would keep running the old class's. A module seen here for the
+    first time whose nnsight body is its class's forward gets :func:`current_class_forward` as
+    its body (``State.original``, from which ``.source`` instruments, stays); one whose body is an
+    instance ``forward`` the user set keeps it, as eager's call does.
 
     Raises:
-        NNBridgeError: a module whose class changed has nnsight's ``.source``-instrumented
-            forward, made from the old class's code, which nnsight would keep running; names the
-            module's path and both classes. Nothing is changed for that module.
+        NNBridgeError: a module whose class changed since it was first seen has nnsight's
+            ``.source``-instrumented forward, made from the old class's code, which nnsight would
+            keep running; names the module's path and both classes. Nothing is changed.
     """
     for path, module in modules:
         owner = _OWNERS.get(module, _UNSEEN)
         if owner is _UNSEEN:
-            state = module.__dict__.get(NNSIGHT_STATE)
-            _OWNERS[module] = type(module) if state is not None and state.original is type(module).forward else None
+            _OWNERS[module] = _take_body(module)
         elif isinstance(owner, type) and type(module) is not owner:
-            _OWNERS[module] = _follow(path, module, owner)
+            _refuse_old_source(path, module, owner)
 
 
-def _follow(path: str, module: torch.nn.Module, owner: type) -> type | None:
-    """:func:`follow_classes` for one module whose class is no longer ``owner``; the class it
-    follows now (None: nnsight's body is not ``owner``'s forward any more, and is left as it is)."""
+def _take_body(module: torch.nn.Module) -> type | None:
+    """The class whose forward nnsight took as ``module``'s body, which becomes
+    :func:`current_class_forward` (unless ``.source`` instrumented it already); None when nnsight
+    took another body."""
     state = module.__dict__.get(NNSIGHT_STATE)
-    if state is None or state.original is not getattr(owner, "forward", None):
+    if state is None or state.original is not type(module).forward:
         return None
-    forward = type(module).forward
-    if forward is state.original:
-        return type(module)
-    if state.sourced:
+    if not state.sourced:
+        state.body = current_class_forward  # a bridged state's setter writes nnsight's own body
+    return type(module)
+
+
+def _refuse_old_source(path: str, module: torch.nn.Module, owner: type) -> None:
+    """:func:`follow_classes`'s error for a module whose class is no longer ``owner`` and whose
+    nnsight body is the ``.source``-instrumented forward of another class."""
+    state = module.__dict__.get(NNSIGHT_STATE)
+    if state is not None and state.sourced and state.original is not type(module).forward:
         raise NNBridgeError(
             f"'{path}': its class changed from {owner.__qualname__} to {type(module).__qualname__} after nnsight's"
             f" .source instrumented {owner.__qualname__}.forward, which nnsight would keep running instead of the"
             f" new class's code. Change the class before the module's .source is first read, or build the model"
             f" again with the new class.")
-    state.body = forward  # a bridged state's setter writes nnsight's own body, the bridged one stays
-    state.original = forward
-    return type(module)

@@ -3,7 +3,7 @@
 runs) calls; then a direct call of the child outside any forward (found by tests/corpus/test_fuzz.py
 with NNBRIDGE_FUZZ_SEED=9). bridge and pg equal eager. Through nnsight the calls kept running the old
 class's forward, as plain nnsight 0.8.1's do (its envoys keep the class's forward they found when
-built); nnbridge.NNsight now gives each module its current class's forward before every run
+built); through nnbridge.NNsight each call now runs the forward of the module's class at the call
 (nnbridge/compat/nnsight/source.py's follow_classes; plain nnsight's numbers are checked in
 tests/envoys/test_module_only_traces.py).
 
