@@ -224,8 +224,8 @@ def _take_body(module: torch.nn.Module) -> type | None:
 
 
 def _refuse_old_source(path: str, module: torch.nn.Module, owner: type) -> None:
-    """:func:`follow_classes`'s error for a module whose class is no longer ``owner`` and whose
-    nnsight body is the ``.source``-instrumented forward of another class."""
+    """:func:`follow_classes`'s error for a module whose class differs from ``owner`` (the class it had
+    when first seen) and whose nnsight body is the ``.source``-instrumented forward of that class."""
     state = module.__dict__.get(NNSIGHT_STATE)
     if state is not None and state.sourced and state.original is not type(module).forward:
         raise NNBridgeError(
