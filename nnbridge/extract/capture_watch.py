@@ -156,6 +156,9 @@ class CaptureWatch:
         self.changes: dict[str, list[str]] = {}
         self.draws: dict[str, str] = {}
         self.global_writes: dict[str, str] = {}
+        #: ``[(where, value)]`` of the module globals and held objects' attributes the code reads
+        #: (see :class:`~nnbridge.guards.global_state.GlobalValues`), as :meth:`watching` found them
+        self.read_values: list[tuple[str, Any]] = []
         self._outer: dict[str, ModuleState] = {}
 
     def registries_put_back(self) -> None:
@@ -201,6 +204,8 @@ class CaptureWatch:
         # globals count by a module's whole call, not by stretches: a value set and put back around
         # the children (transformers' output collector) is no write; a child's write is not its callers'
         globals_read = GlobalValues(root)
+        self.read_values = [(where, value) for (where, _, _), (value, _, _) in zip(globals_read.entries,
+                                                                                globals_read.saved)]
         globals_stack: list[list[tuple[Any, Any, Any]]] = []
 
         def globals_before(mod: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -256,14 +261,15 @@ class CaptureWatch:
                     " torch.export.unflatten (torch 2.13) turns into the tensor itself in the graph")
         if found:
             return list(found.items())
-        graded = _tensors_requiring_grad(self.modules)
+        graded = _tensors_requiring_grad(self.modules, self.read_values)
         for path, constant in constant_uses(exported) if exported is not None and graded else []:
             fqn = path.partition(".")[2] if path.startswith("model.") else ""
             held = graded.get(_storage(constant)) if constant.numel() else None
             if held is not None and new(fqn):
                 return [(fqn, UnfaithfulCaptureError(
-                    f"reads {held}, which requires grad, other than as a parameter (through a list, dict or plain"
-                    " attribute): export lifts it as a constant, so a graph would give it no gradient"))]
+                    f"reads {held}, which requires grad, other than as a parameter (through a list, dict, plain"
+                    " attribute, module global or held object): export lifts it as a constant, so a graph would"
+                    " give it no gradient"))]
         for fqn, name in self.functions.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(
@@ -298,9 +304,12 @@ def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def _tensors_requiring_grad(modules: list[tuple[str, torch.nn.Module]]) -> dict[int, str]:
-    """``{storage pointer: description}`` of the tensors requiring grad the modules hold: their
-    parameters, and tensors in their attributes (plain, or in a list, tuple or dict)."""
+def _tensors_requiring_grad(modules: list[tuple[str, torch.nn.Module]],
+                            read_values: list[tuple[str, Any]]) -> dict[int, str]:
+    """``{storage pointer: description}`` of the tensors requiring grad the modules hold (their
+    parameters, and tensors in their attributes: plain, or in a list, tuple or dict) and of those
+    in ``read_values`` (``[(where, value)]``: module globals and attributes of objects a module
+    holds that the code reads)."""
     found: dict[int, str] = {}
     for path, module in modules:
         for name, parameter in module.named_parameters(recurse=False):
@@ -313,6 +322,10 @@ def _tensors_requiring_grad(modules: list[tuple[str, torch.nn.Module]]) -> dict[
             for tensor in _held_tensors_in(value):
                 if tensor.requires_grad and tensor.numel():
                     found.setdefault(_storage(tensor), f"tensor attribute '{f'{path}.{name}' if path else name}'")
+    for where, value in read_values:
+        for tensor in _held_tensors_in(value):
+            if tensor.requires_grad and tensor.numel():
+                found.setdefault(_storage(tensor), f"the tensor '{where}'")
     return found
 
 

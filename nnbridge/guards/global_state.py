@@ -73,15 +73,17 @@ class GlobalValues:
         self.entries = [entry for entry, _ in found]
         #: per entry the class whose attribute it is (assigned with setattr), or None
         self.owners = [owner for _, owner in found]
-        self.saved = self.state()
+        self.saved = self.state(keep=True)
 
-    def state(self) -> list[tuple[Any, Any, Any]]:
-        """Per global ``(value, snapshot for comparison, shallow copy for restoring)``."""
+    def state(self, keep: bool = False) -> list[tuple[Any, Any, Any]]:
+        """Per global ``(value, snapshot for comparison, copy for restoring)``; a tensor's copy of
+        its values (what :meth:`restore` writes back after an in-place write) only with ``keep``."""
         result: list[tuple[Any, Any, Any]] = []
         for _, namespace, name in self.entries:
             value = namespace.get(name, MISSING)
             if isinstance(value, torch.Tensor):
-                result.append((value, tensor_version(value), None))
+                kept = value.detach().clone() if keep and not value.is_meta else None
+                result.append((value, tensor_version(value), kept))
             elif isinstance(value, _CONTAINERS):
                 result.append((value, snapshot(value), copy.copy(value)))
             else:
@@ -103,7 +105,8 @@ class GlobalValues:
 
     def restore(self) -> None:
         """Put every global back as it was when this object was made: the same object under each
-        name, a container's contents as they were (in place, so code holding it sees them)."""
+        name, a tensor's values and a container's contents as they were (in place, so code holding
+        it sees them)."""
         for (_, namespace, name), owner, (value, _, contents) in zip(self.entries, self.owners, self.saved):
             if value is MISSING:
                 if owner is not None:
@@ -117,7 +120,11 @@ class GlobalValues:
                     setattr(owner, name, value)
                 else:
                     namespace[name] = value
-            if isinstance(value, list):
+            if isinstance(value, torch.Tensor):
+                if contents is not None and not torch.equal(value, contents):
+                    with torch.no_grad():
+                        value.copy_(contents)
+            elif isinstance(value, list):
                 value[:] = contents
             elif isinstance(value, (dict, set)):
                 value.clear()

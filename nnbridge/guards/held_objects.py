@@ -7,7 +7,8 @@ extracted. :func:`held_object` tells which attributes hold one; :func:`follow_he
 through the attribute names the reached code reads (the names in its bytecode and its string
 constants): each object counts by identity on its holder, its class's methods are walked like a
 module class's (a callable object's ``__call__``), each attribute read is a binding (a plain value
-by identity, in the digest by value; a nested object followed in turn), and each name read that
+by identity, in the digest by value; a tensor by identity and version, in the digest by its values:
+export bakes it into the graph as a constant; a nested object followed in turn), and each name read that
 the object lacks is guarded absent (a class attribute it could shadow, a ``getattr`` default).
 
 *State* here means a held object's attributes: the entries of its ``__dict__`` and its
@@ -97,7 +98,8 @@ def _held_text(value: Any) -> str:
     """A held object's part of the digest: a plain value by value, an object by its class (its
     attributes are entries of their own), one without attributes by ``repr`` when its class
     defines one (a numpy scalar), else by identity (never the same in another process)."""
-    if type(value) in PLAIN_READ or (isinstance(value, CONTAINERS) and plain_value(value, tensors=True)):
+    if type(value) in PLAIN_READ or isinstance(value, torch.Tensor) or (
+            isinstance(value, CONTAINERS) and plain_value(value, tensors=True)):
         return canonical_repr(value)
     kind = type(value)
     if isinstance(getattr(value, "__dict__", None), dict) or any("__slots__" in vars(c) for c in kind.__mro__[:-1]):
@@ -113,7 +115,9 @@ def follow_held(walk: CodeWalk) -> None:
     identity on its holder (an object assigned anew re-extracts), its class's methods are walked
     like a module class's (a callable object's ``__call__``), and each of its attributes whose
     name the code reads is a binding too: a plain value by identity (``m.hp.scale = 2.0``
-    re-extracts) and in the digest by value, another object followed in turn. What was read is
+    re-extracts) and in the digest by value, a tensor by identity and version
+    (``m.steering.vector.mul_(2)`` re-extracts) and in the digest by its values, another object
+    followed in turn. What was read is
     decided by name (the names of every code object reached), so an attribute read under another
     name (``getattr(self.hp, name)``) is not followed."""
     done: set[tuple[int, Any]] = set()
@@ -134,7 +138,7 @@ def follow_held(walk: CodeWalk) -> None:
             followed.append((where, value))
             attributes = _namespace(value)
             for attribute, item in _attributes(value):
-                if held_object(attribute, item) or type(item) in PLAIN_READ or (
+                if held_object(attribute, item) or type(item) in PLAIN_READ or isinstance(item, torch.Tensor) or (
                         isinstance(item, CONTAINERS) and plain_value(item, tensors=True)):
                     walk.objects.append((f"{where}.{attribute}", attributes, attribute, item))
     # a name the code reads that an object does not hold (a class attribute read through it,

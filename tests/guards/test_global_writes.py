@@ -19,6 +19,7 @@ STORE: list[torch.Tensor] = []
 CALLS = 0
 TOTALS = {"calls": 0}
 STATE = types.SimpleNamespace(calls=0)
+ACC = torch.zeros(3)
 
 
 class Flags:
@@ -73,6 +74,12 @@ class StateCounter(Counter):
         return self.lin(x) * STATE.calls
 
 
+class Accumulator(Counter):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ACC.add_(1.0)
+        return self.lin(x) * ACC
+
+
 class ClassCounter(Counter):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         Flags.calls += 1
@@ -80,7 +87,7 @@ class ClassCounter(Counter):
 
 
 WRITERS = {"list": Recorder, "global-statement": Counter, "dict": Tally, "object attribute": StateCounter,
-           "class attribute": ClassCounter}
+           "class attribute": ClassCounter, "tensor in place": Accumulator}
 
 
 def _reset() -> None:
@@ -90,10 +97,11 @@ def _reset() -> None:
     TOTALS["calls"] = 0
     STATE.calls = 0
     Flags.calls = 0
+    ACC.zero_()
 
 
-def _written() -> tuple[int, int, int, int, int]:
-    return len(STORE), CALLS, TOTALS["calls"], STATE.calls, Flags.calls
+def _written() -> tuple[int, int, int, int, int, float]:
+    return len(STORE), CALLS, TOTALS["calls"], STATE.calls, Flags.calls, float(ACC.sum())
 
 
 @pytest.fixture(autouse=True)
@@ -110,7 +118,7 @@ def test_a_module_writing_a_global_runs_its_own_code_and_equals_eager(kind):
     model, reference = Outer(WRITERS[kind]()), Outer(WRITERS[kind]())
     reference.load_state_dict(model.state_dict())
     nnbridge.bridge(model, x)
-    assert _written() == (0, 0, 0, 0, 0), "extraction's own runs and export leave the globals as they were"
+    assert _written() == (0, 0, 0, 0, 0, 0.0), "extraction's own runs and export leave the globals as they were"
     got = [model(x) for _ in range(3)]
     written = _written()
     stored = list(STORE)

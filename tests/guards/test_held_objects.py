@@ -12,6 +12,7 @@ reads, whatever the object's type.
 
 from __future__ import annotations
 
+import copy
 import numpy as np
 import pytest
 import torch
@@ -213,3 +214,171 @@ def test_a_forward_writing_a_held_objects_attribute_runs_eagerly():
     finally:
         nnbridge.unbridge(model)
     assert "writes <root>.stats.calls in forward" in explained
+
+
+class Steering:
+    """A plain object holding a tensor (a steering vector, an SAE's decoder row) that the forward reads."""
+
+    def __init__(self, vector):
+        self.vector = vector
+
+
+class Steered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.steering = Steering(torch.ones(4))
+
+    def forward(self, x):
+        return self.lin(x) + self.steering.vector
+
+
+def _steered():
+    torch.manual_seed(0)
+    return Steered().eval()
+
+
+TENSOR_EDITS = {
+    "written_in_place": lambda m: m.steering.vector.mul_(3.0),
+    "replaced": lambda m: setattr(m.steering, "vector", torch.full((4,), 5.0)),
+}
+
+
+@pytest.mark.parametrize("edit", list(TENSOR_EDITS))
+def test_a_tensor_a_held_object_holds_is_guarded_by_identity_and_version(edit):
+    """export bakes ``self.steering.vector`` into the graph as a constant; before, an in-place write
+    or a new tensor kept the extracted values, silently."""
+    x = torch.randn(3, 4)
+    for name, run, target, reference in front_ends(_steered, x, op="lin"):
+        before = run(x)
+        assert torch.equal(before, reference(x)), name
+        TENSOR_EDITS[edit](target)
+        TENSOR_EDITS[edit](reference)
+        assert not torch.equal(reference(x), before), "the edit changes eager's output"
+        assert torch.equal(run(x), reference(x)), f"{name}: edit ignored"
+
+
+def test_the_disk_cache_key_follows_a_held_objects_tensor_values():
+    first, second = _steered(), _steered()
+    assert code_digest(first) == code_digest(second)
+    second.steering.vector[2] = 7.0
+    assert code_digest(first) != code_digest(second)
+
+
+class SteeredBlock(nn.Module):
+    def __init__(self, value):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.steering = Steering(torch.full((4,), value))
+
+    def forward(self, x):
+        return self.lin(x) * self.steering.vector
+
+
+class SteeredBlocks(nn.Module):
+    def __init__(self, shared=False):
+        super().__init__()
+        self.blocks = nn.ModuleList([SteeredBlock(v) for v in (1.0, 2.0, 3.0)])
+        if shared:  # one object held by every block
+            for block in self.blocks:
+                block.steering = self.blocks[0].steering
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
+@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no_reuse"])
+def test_siblings_holding_tensors_equal_eager_and_follow_writes(reuse, shared):
+    torch.manual_seed(0)
+    model = SteeredBlocks(shared)
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    nnbridge.bridge(model, x, options=nnbridge.ExtractionOptions(reuse_layers=reuse))
+    edits = [lambda m: None, lambda m: m.blocks[1].steering.vector.add_(1.0),
+             lambda m: setattr(m.blocks[2].steering, "vector", torch.full((4,), 7.0))]
+    try:
+        for edit in edits:
+            edit(model)
+            edit(reference)
+            assert torch.equal(model(x), reference(x))
+    finally:
+        nnbridge.unbridge(model)
+
+
+class Accumulating(nn.Module):
+    """A forward that writes a tensor of an object it holds in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.steering = Steering(torch.zeros(4))
+
+    def forward(self, x):
+        self.steering.vector.add_(1.0)
+        return self.lin(x) * self.steering.vector
+
+
+def test_a_forward_writing_a_held_objects_tensor_runs_eagerly_and_extraction_leaves_it_as_it_was():
+    torch.manual_seed(0)
+    model, reference = Accumulating(), Accumulating()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 4)
+    nnbridge.bridge(model, x)
+    try:
+        assert torch.equal(model.steering.vector, torch.zeros(4)), "extraction's runs put the values back"
+        for _ in range(3):
+            assert torch.equal(model(x), reference(x))
+        assert torch.equal(model.steering.vector, reference.steering.vector)
+        explained = str(nnbridge.explain(model))
+    finally:
+        nnbridge.unbridge(model)
+    assert "writes <root>.steering.vector in forward" in explained
+
+
+class TrainedSteering(nn.Module):
+    """A trained steering vector held by a plain object (not a parameter of any module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.steering = Steering(torch.ones(4, requires_grad=True))
+
+    def forward(self, x):
+        return self.lin(x) * self.steering.vector
+
+
+class Trains(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.steered = TrainedSteering()
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.out(self.steered(x))
+
+
+def test_a_held_tensor_requiring_grad_gets_eagers_gradient_in_every_step():
+    """export lifts a held object's tensor as a detached constant: before, its gradient was None."""
+    torch.manual_seed(0)
+    model = Trains()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    nnbridge.bridge(model, x)
+    try:
+        for _ in range(3):
+            for net in (model, reference):
+                net(x).sum().backward()
+                vector = net.steered.steering.vector
+                with torch.no_grad():
+                    vector -= 0.1 * vector.grad
+                vector.grad = None
+            assert torch.equal(model.steered.steering.vector, reference.steered.steering.vector)
+            assert torch.equal(model(x), reference(x))
+        explained = str(nnbridge.explain(model))
+    finally:
+        nnbridge.unbridge(model)
+    assert "reads the tensor 'steered.steering.vector', which requires grad" in explained
+    assert "out (Linear): graph" in explained
