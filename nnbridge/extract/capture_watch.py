@@ -69,6 +69,7 @@ from ..compat.torch.capture import (
     layout_reads,
     mode_regions,
 )
+from ..compat.torch.module_dicts import buffers_of, parameters_of
 from ..errors import NNBridgeError
 from ..guards.global_state import GlobalValues
 from ..guards.preservation import ModuleState, _INTERNAL, python_rng_states, snapshot
@@ -261,8 +262,9 @@ class CaptureWatch:
                     " torch.export.unflatten (torch 2.13) turns into the tensor itself in the graph")
         if found:
             return list(found.items())
-        graded = _tensors_requiring_grad(self.modules, self.read_values)
-        for path, constant in constant_uses(exported) if exported is not None and graded else []:
+        constants = constant_uses(exported) if exported is not None else []
+        graded = _tensors_requiring_grad(self.modules, self.read_values) if constants else {}
+        for path, constant, _ in constants if graded else []:
             fqn = path.partition(".")[2] if path.startswith("model.") else ""
             held = graded.get(_storage(constant)) if constant.numel() else None
             if held is not None and new(fqn):
@@ -270,6 +272,12 @@ class CaptureWatch:
                     f"reads {held}, which requires grad, other than as a parameter (through a list, dict, plain"
                     " attribute, module global or held object): export lifts it as a constant, so a graph would"
                     " give it no gradient"))]
+        guarded = _guarded_storages(self.modules, self.read_values) if constants else set()
+        for path, constant, fresh in constants:
+            fqn = path.partition(".")[2] if path.startswith("model.") else ""
+            if not fresh and constant.numel() and _storage(constant) not in guarded and new(fqn):
+                return [(fqn, UnfaithfulCaptureError(UNGUARDED_CONSTANT_REASON.format(
+                    shape=tuple(constant.shape), dtype=constant.dtype)))]
         for fqn, name in self.functions.items():
             if new(fqn):
                 return [(fqn, UnfaithfulCaptureError(
@@ -327,6 +335,31 @@ def _tensors_requiring_grad(modules: list[tuple[str, torch.nn.Module]],
             if tensor.requires_grad and tensor.numel():
                 found.setdefault(_storage(tensor), f"the tensor '{where}'")
     return found
+
+
+def _guarded_storages(modules: list[tuple[str, torch.nn.Module]], read_values: list[tuple[str, Any]]) -> set[int]:
+    """The storage pointers of the tensors whose identity and values the guards cover: the
+    modules' parameters, buffers and tensor attributes (plain, or in a list, tuple or dict), and
+    the tensors in ``read_values`` (module globals and attributes of held objects the code reads)."""
+    found: set[int] = set()
+    for _, module in modules:
+        for tensor in (*parameters_of(module).values(), *buffers_of(module).values()):
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                found.add(_storage(tensor))
+        for name, value in vars(module).items():
+            if name not in _INTERNAL:
+                found.update(_storage(t) for t in _held_tensors_in(value) if t.numel())
+    for _, value in read_values:
+        found.update(_storage(t) for t in _held_tensors_in(value) if t.numel())
+    return found
+
+
+#: the reason of a module whose graph would keep a tensor no guard covers as a constant
+UNGUARDED_CONSTANT_REASON = (
+    "reads a {shape} {dtype} tensor that is not a parameter, buffer or tensor attribute of a module of the"
+    " extracted tree, nor a module global or an attribute of an object a module holds (a module kept out of"
+    " the registry, in a plain list or set with object.__setattr__, or a tensor in a closure): export bakes"
+    " it into the graph as a constant, and no guard would see it change")
 
 
 def _held_tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:

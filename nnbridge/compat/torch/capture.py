@@ -242,11 +242,14 @@ def layout_reads(exported: torch.export.ExportedProgram) -> list[tuple[str, str]
     return found
 
 
-def constant_uses(exported: torch.export.ExportedProgram) -> list[tuple[str, torch.Tensor]]:
-    """``[(module path, value)]`` for every tensor constant export lifted (a tensor the code reached
-    other than as a parameter, buffer or input: ``self.weights[0]`` of a list attribute), with the
-    innermost module holding every use of it (as :func:`layout_reads`). export lifts it detached
-    (``requires_grad=False``), sharing the original's storage."""
+def constant_uses(exported: torch.export.ExportedProgram) -> list[tuple[str, torch.Tensor, bool]]:
+    """``[(module path, value, fresh)]`` for every tensor constant export lifted (a tensor the code
+    reached other than as a parameter, buffer or input: ``self.weights[0]`` of a list attribute, or
+    one it made from Python data, ``torch.tensor([1.0, 2.0])``), with the innermost module holding
+    every use of it (as :func:`layout_reads`). export lifts a tensor the code read detached
+    (``requires_grad=False``), sharing the original's storage and version counter; ``fresh`` is
+    True when every use is ``aten.lift_fresh_copy`` (how export records a tensor made from data in
+    the traced code, whose values that code decides)."""
     kinds = torch.export.graph_signature.InputKind
     targets = {spec.arg.name: spec.target for spec in exported.graph_signature.input_specs
                if spec.kind == kinds.CONSTANT_TENSOR and spec.target is not None}
@@ -257,7 +260,8 @@ def constant_uses(exported: torch.export.ExportedProgram) -> list[tuple[str, tor
         value = exported.constants.get(targets[node.name])
         if not isinstance(value, torch.Tensor):
             continue
-        found.append((_holding_every_use(node, ""), value))
+        fresh = bool(node.users) and all(user.target is torch.ops.aten.lift_fresh_copy.default for user in node.users)
+        found.append((_holding_every_use(node, ""), value, fresh))
     return found
 
 
