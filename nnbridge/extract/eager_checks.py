@@ -138,6 +138,10 @@ class EagerFindings(NamedTuple):
             (see :mod:`nnbridge.compat.torch.grad_reads`) or enabled grad while it was enabled
             (``torch.enable_grad()``); None when unknown (the run raised, or another profile
             function was set: ``cProfile``, a debugger).
+        autograd_reads: paths of the modules (the root ``""`` included) whose code reads a
+            tensor's ``grad``, ``grad_fn`` or ``is_leaf`` (:data:`AUTOGRAD_READ_REASON`).
+        seeding: paths of the modules (the root ``""`` included) whose code sets the state of a
+            ``torch.Generator`` (:data:`SEEDING_REASON`).
     """
 
     grad_mode: list[str]
@@ -146,11 +150,23 @@ class EagerFindings(NamedTuple):
     fast_paths: list[tuple[str, str]] = []
     data_access: list[str] = []
     grad_reads: list[str] | None = None
+    autograd_reads: list[str] = []
+    seeding: list[str] = []
 
 
 #: the reason of a module whose code reads or assigns ``tensor.data`` (found by :func:`eager_findings`)
 DATA_ACCESS_REASON = ("reads or assigns a tensor's .data in forward (an alias outside autograd whose writes bump no"
                       " version counter), which torch.export cannot trace")
+
+
+#: the reason of a module whose code names a tensor's ``grad``, ``grad_fn`` or ``is_leaf`` (found by
+#: :func:`eager_findings`)
+AUTOGRAD_READ_REASON = ("reads a tensor's grad, grad_fn or is_leaf in forward: a graph would keep what they were"
+                        " while it was extracted (a parameter's .grad before the first backward, whether an argument"
+                        " is a leaf)")
+#: the reason of a module whose code seeds or sets a ``torch.Generator`` (found by :func:`eager_findings`)
+SEEDING_REASON = ("sets the state of a torch random generator in forward (torch.manual_seed, torch.set_rng_state): a"
+                  " graph would draw from the generator without setting it")
 
 
 def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
@@ -169,7 +185,9 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     - a module's code touches a tensor's ``.data`` (export fails on it, at the root: found here,
       only that module is stubbed);
     - a module's code reads grad mode (see :mod:`nnbridge.compat.torch.grad_reads`): only a graph
-      of code that reads none serves calls made under another grad mode.
+      of code that reads none serves calls made under another grad mode;
+    - a module's code reads a tensor's ``grad``, ``grad_fn`` or ``is_leaf``, or sets the state of a
+      torch random generator (:data:`AUTOGRAD_READ_REASON`, :data:`SEEDING_REASON`).
 
     Module state and random state are put back after the run
     (:func:`~nnbridge.guards.preservation.preserved_state`). The lists are empty when the eager
@@ -184,6 +202,8 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     data_access: dict[str, None] = {}
     grad_reads: dict[str, None] = {}
     unwatched: list[bool] = []  # grad-mode reads could not be watched (another profile function is set)
+    autograd_reads: dict[str, None] = {}
+    seeding: dict[str, None] = {}
 
     def touched(tensor: torch.Tensor) -> None:
         data_access.setdefault(active[-1] if active else "")
@@ -213,10 +233,19 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     def read() -> None:  # (what runs outside every module is the run's own machinery)
         if active:
             grad_reads.setdefault(active[-1])
+    def autograd_read() -> None:
+        if active:
+            autograd_reads.setdefault(active[-1])
+
+    def seeded() -> None:
+        if active:
+            seeding.setdefault(active[-1])
     watches = (grad_mode_changes(changed, on_enable=read), mask_skips_seen(skipped), data_accesses(touched),
-               grad_mode_reads(read, on_unwatched=lambda: unwatched.append(True)))
+               grad_mode_reads(read, on_unwatched=lambda: unwatched.append(True), on_autograd=autograd_read,
+                               on_seeding=seeded))
     if not _run_with_call_stack(module, args, kwargs, grad_enabled=grad_enabled, active=active, watches=watches,
                                 entering=entering):
         return EagerFindings([], [])
     return EagerFindings(list(grad_mode), list(mask_skips), list(capturing), list(fast_paths.items()),
-                         list(data_access), None if unwatched else list(grad_reads))
+                         list(data_access), None if unwatched else list(grad_reads), list(autograd_reads),
+                         list(seeding))

@@ -16,6 +16,10 @@ torch's own package is checked once for those attribute names (a function naming
 whether or not the line ran: conservative). Not counted: torch's own grad-mode context managers
 (``torch.no_grad()``, ``torch.set_grad_enabled``), which read the mode only to put it back, and
 nnbridge's own code.
+
+The same events report two more things a graph cannot keep: code outside torch naming a tensor's
+``grad``, ``grad_fn`` or ``is_leaf`` (autograd state no call structure records), and calls that set
+a ``torch.Generator``'s state (``torch.manual_seed``, ``torch.set_rng_state``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ import torch
 
 #: Attribute names whose values, for a tensor computed under the call, depend on grad mode.
 GRAD_ATTRIBUTES = frozenset({"requires_grad", "grad_fn", "is_leaf"})
+#: Attribute names of autograd state that no call structure records: a parameter's ``grad`` (None
+#: until a backward), and whether an argument is a leaf (``grad_fn``, ``is_leaf``).
+AUTOGRAD_ATTRIBUTES = frozenset({"grad", "grad_fn", "is_leaf"})
+#: Methods of ``torch.Generator`` that set its state (``torch.manual_seed`` and
+#: ``torch.set_rng_state`` call them on the default generator).
+SEEDING_METHODS = frozenset({"manual_seed", "seed", "set_state", "set_offset", "graphsafe_set_state"})
 
 
 def _prefixes(*paths: Path, folder: bool) -> tuple[str, ...]:
@@ -58,10 +68,18 @@ def _outside(code: types.CodeType, prefixes: tuple[str, ...], verdicts: dict[typ
 
 
 @contextlib.contextmanager
-def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], None]) -> Iterator[None]:
+def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], None],
+                    on_autograd: Callable[[], None] = lambda: None,
+                    on_seeding: Callable[[], None] = lambda: None) -> Iterator[None]:
     """Call ``on_read()`` each time code run in the body, in the thread that entered it, reads
     grad mode (see the module docstring): a call of ``torch.is_grad_enabled``, or the entry into a
     function outside torch whose code names ``requires_grad``, ``grad_fn`` or ``is_leaf``.
+
+    Also, from the same events: ``on_autograd()`` on the entry into a function outside torch whose
+    code names one of :data:`AUTOGRAD_ATTRIBUTES` (a graph keeps what they were while it was
+    exported), and ``on_seeding()`` on each call of a ``torch.Generator`` method that sets its
+    state (:data:`SEEDING_METHODS`, ``torch.manual_seed`` included: a graph draws from the
+    generator without setting it).
 
     When another profile function is set in this thread (``cProfile``, a debugger), it is left in
     place, nothing is watched, and ``on_unwatched()`` is called once on entry."""
@@ -70,20 +88,25 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
         yield
         return
     calls: dict[types.CodeType, bool] = {}
-    names: dict[types.CodeType, bool] = {}
+    names: dict[types.CodeType, tuple[bool, bool]] = {}
 
     def profile(frame: types.FrameType, event: str, arg: Any) -> None:
         if event == "c_call":
             if arg is torch.is_grad_enabled and _outside(frame.f_code, _CALLS_NOT_COUNTED, calls):
                 on_read()
+            elif isinstance(getattr(arg, "__self__", None), torch.Generator) and arg.__name__ in SEEDING_METHODS:
+                on_seeding()
         elif event == "call":
             code = frame.f_code
             named = names.get(code)
             if named is None:
-                named = names[code] = (not GRAD_ATTRIBUTES.isdisjoint(code.co_names)
-                                       and not code.co_filename.startswith(_NAMES_NOT_COUNTED))
-            if named:
+                counted = not code.co_filename.startswith(_NAMES_NOT_COUNTED)
+                named = names[code] = (counted and not GRAD_ATTRIBUTES.isdisjoint(code.co_names),
+                                       counted and not AUTOGRAD_ATTRIBUTES.isdisjoint(code.co_names))
+            if named[0]:
                 on_read()
+            if named[1]:
+                on_autograd()
 
     sys.setprofile(profile)
     try:
