@@ -233,6 +233,7 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     def read() -> None:  # (what runs outside every module is the run's own machinery)
         if active:
             grad_reads.setdefault(active[-1])
+
     def autograd_read() -> None:
         if active:
             autograd_reads.setdefault(active[-1])
