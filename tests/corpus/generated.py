@@ -17,12 +17,15 @@ broke extraction before, and their neighbours:
   arguments (``self.c0(v1, v1)``), loops over a ``ModuleList`` (``h = b(h, a)``, ``h is a`` on the
   first iteration when aliased), a child called twice, ``torch.no_grad()`` regions, in-place buffer
   updates in training, dropout (the RNG), a Python counter, reads of a Python float, of a plain
-  object's attributes (``self.hp.scale``, ``self.hp.inner.bias``), of a callable object
-  (``self.act(v)``) and of a numpy scalar (``self.k``), a loop over the cached layers with the
+  object's attributes (``self.hp.scale``, ``self.hp.inner.bias``, a tensor ``self.hp.vector``), of
+  a callable object (``self.act(v)``), of a numpy scalar (``self.k``), a call of a ``Linear`` kept
+  out of the registry in a plain list (``self.outside[0](v)``), a loop over the cached layers with the
   root's ``cache`` argument; a tensor, tuple or dict output;
 - the script: calls with and without grad (all with one cache, when the root takes one: each
   call after the first is a decode step), and edits between them: module attribute writes,
-  plain-object attribute writes and replacements, child swaps, class swaps (``__class__``),
+  plain-object attribute writes and replacements (a held tensor written in place or replaced; the
+  out-of-registry ``Linear``'s weight written in place, or the ``Linear`` replaced), child swaps,
+  class swaps (``__class__``),
   ``.double()`` and a block child called on its own (its output kept and compared);
 - block bodies and root reads that walk a module's registry (``self.children()``, ``self.modules()``);
 - registry edits in forward, from a plain list of spares while they last: in the root's, a block
@@ -55,9 +58,12 @@ BODIES: dict[int, tuple[str, ...]] = {
 INNER_CALLS = ("pos", "kw", "kw_rev", "mixed")
 #: the root's scalar reads: a Python float, a plain object's attributes, a callable object, a numpy
 #: scalar, the number of modules in its tree (a walk of its registry)
-READS = ("alpha", "hp", "nested", "act", "k", "modules")
+READS = ("alpha", "hp", "nested", "act", "k", "modules", "vector", "outside")
 #: edits of plain objects (not modules): issue 48 item 2
-PLAIN_EDITS = ("hp_attr", "hp_replace", "nested_attr", "act_attr", "act_replace", "k_replace")
+PLAIN_EDITS = ("hp_attr", "hp_replace", "nested_attr", "act_attr", "act_replace", "k_replace", "vector_write",
+               "vector_replace", "outside_write", "outside_replace")
+#: the edits of :data:`PLAIN_EDITS` that change a tensor a graph would bake in as a constant
+HELD_TENSOR_EDITS = ("vector_write", "vector_replace", "outside_write", "outside_replace")
 #: how a ``"registry"`` statement edits a child's registry in forward: ``self.c<i>.append(spare)``,
 #: ``self.c<i>[j] = spare`` (a ModuleList), ``self.c<i> = spare`` (a block or shared child)
 REGISTRY_EDITS = ("grow", "swap", "set")
@@ -264,7 +270,9 @@ def _root_source(program: Program) -> tuple[str, bool]:
                          "nested": f"{new} = {v} + self.hp.inner.bias",
                          "act": f"{new} = self.act({v})",
                          "k": f"{new} = {v} * float(self.k)",
-                         "modules": f"{new} = {v} + len(list(self.modules()))"}[stmt.style])
+                         "modules": f"{new} = {v} + len(list(self.modules()))",
+                         "vector": f"{new} = {v} + self.hp.vector",
+                         "outside": f"{new} = self.outside[0]({v})"}[stmt.style])
         elif stmt.kind == "buffer":
             body += ["if self.training:", f"    self.running.mul_(0.5).add_({args[0]}.detach().mean(0))",
                      "    self.steps += 1", f"{new} = {args[0]} - self.running"]
@@ -312,7 +320,11 @@ def _edit_source(program: Program, step: Step, doubled: bool) -> str:
             "nested_attr": f"m.hp.inner.bias = {value}",
             "act_attr": f"m.act.beta = {value}",
             "act_replace": f"m.act = Swish({value})",
-            "k_replace": f"m.k = np.float32({value})"}[step.kind]
+            "k_replace": f"m.k = np.float32({value})",
+            "vector_write": f"m.hp.vector.mul_({value})",
+            "vector_replace": f"m.hp.vector = torch.full((4,), {value})",
+            "outside_write": f"m.outside[0].weight.mul_({value})",
+            "outside_replace": f"m.outside[0] = nn.Linear(4, 4).requires_grad_(False)"}[step.kind]
 
 
 def render(program: Program, name: str | None = None, doc: str = "") -> str:

@@ -14,6 +14,7 @@ class HParams:
         self.scale = scale
         self.shift = shift
         self.inner = Nested()
+        self.vector = torch.ones(4)  # a tensor held by a plain object (a steering vector)
 
 
 class Nested:
@@ -42,8 +43,10 @@ class Inner(nn.Module):
 
 class ProgramRoot(nn.Module):
     """A generated root's state: a Python float ``alpha``, a plain object ``hp``, a callable object
-    ``act``, a numpy scalar ``k``, a Python counter ``calls`` and the buffers ``running`` (shape
-    ``(4,)``) and ``steps`` (a long scalar). The rendered subclass adds the children ``c<i>``."""
+    ``act``, a numpy scalar ``k``, a Python counter ``calls``, the buffers ``running`` (shape
+    ``(4,)``) and ``steps`` (a long scalar), and ``outside``, a ``Linear`` kept out of the registry
+    in a plain list (as a sparse autoencoder kept out of ``state_dict``). The rendered subclass adds
+    the children ``c<i>``."""
 
     def __init__(self):
         super().__init__()
@@ -54,6 +57,7 @@ class ProgramRoot(nn.Module):
         self.calls = 0
         self.register_buffer("running", torch.zeros(4))
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.outside = [nn.Linear(4, 4).requires_grad_(False)]
 
 
 #: what a :class:`CachedLayer` reads back from its cache layer (a generated program picks one)

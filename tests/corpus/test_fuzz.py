@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 
 import nnbridge
-from corpus.generated import (BODIES, EDITS, INNER_CALLS, PLAIN_EDITS, READS, REGISTRY_EDITS, Block, Child, Program,
-                              Step, Stmt, alias_roots, load, render)
+from corpus.generated import (BODIES, EDITS, HELD_TENSOR_EDITS, INNER_CALLS, PLAIN_EDITS, READS, REGISTRY_EDITS,
+                              Block, Child, Program, Step, Stmt, alias_roots, load, render)
 from corpus.harness import FRONT_ENDS, check
 from corpus.program_parts import CACHED_KINDS
 
@@ -62,7 +62,8 @@ KNOWN_FEATURES: dict[str, str] = {
 
 #: the read of forward that an edit of a plain object changes
 _READ_OF_EDIT = {"hp_attr": "hp", "hp_replace": "hp", "nested_attr": "nested", "act_attr": "act",
-                 "act_replace": "act", "k_replace": "k"}
+                 "act_replace": "act", "k_replace": "k", "vector_write": "vector", "vector_replace": "vector",
+                 "outside_write": "outside", "outside_replace": "outside"}
 _MODULE_DIR = Path(tempfile.mkdtemp(prefix="nnbridge-fuzz-"))
 _FOUND = Path(__file__).parent / "found"
 
@@ -78,7 +79,8 @@ class Case:
 @st.composite
 def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: frozenset[str] = frozenset()
              ) -> Program:
-    """A :class:`Program` using no feature of ``excluded`` and every feature of ``required``."""
+    """A :class:`Program` using no feature of ``excluded`` and every feature of ``required`` (also
+    ``"held_tensor_edit"``: its script ends with one of :data:`HELD_TENSOR_EDITS`)."""
     n_blocks = draw(st.integers(1, 3))
     blocks = []
     for i in range(n_blocks):
@@ -184,12 +186,15 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
     edits += ["block_alpha"] if any(blocks[b].alpha for c in editable for b in c.blocks) else []
     edits += [e for e in PLAIN_EDITS if _READ_OF_EDIT[e] in reads and "plain_object_edit" not in excluded]
     edits += ["direct"] if any(c.kind == "block" for c in children) else []
-    if "plain_object_edit" in required:
-        edit = draw(st.sampled_from(PLAIN_EDITS))
+    edited = required & {"plain_object_edit", "held_tensor_edit"}
+    if edited:
+        edit = draw(st.sampled_from(HELD_TENSOR_EDITS if "held_tensor_edit" in edited else PLAIN_EDITS))
         if _READ_OF_EDIT[edit] not in reads:
             stmts.append(Stmt("read", (last,), style=_READ_OF_EDIT[edit]))
             last += 1
             outputs = (last,) + outputs[1:]
+    if any(s.kind == "read" and s.style == "outside" for s in stmts):  # (a plain list keeps its Linear float32)
+        edits = [e for e in edits if e != "double"]
     script = [_call(draw)]
     doubled = False
     current: dict[tuple[int, int], int] = {}  # (child, entry) -> its block class after the swaps so far
@@ -199,7 +204,7 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
         if step.kind == "swap_child":
             current[(step.child, step.entry)] = step.block
         script += [step, _call(draw)]
-    if "plain_object_edit" in required:
+    if edited:
         script += [Step(edit, value=draw(st.sampled_from((2.0, 0.5, 3.0)))), _call(draw)]
     mode = draw(st.sampled_from(("train", "eval")))
     return Program(tuple(blocks), tuple(children), tuple(stmts), (output_kind, outputs), tuple(script), (mode,))
@@ -349,6 +354,23 @@ def test_fuzz(front_end: str, reuse_layers: bool) -> None:
     @given(programs(excluded=frozenset(KNOWN_FEATURES)))
     def fuzz(program: Program) -> None:
         run_case(Case(program, front_end, reuse_layers))
+    fuzz()
+
+
+#: programs per front-end whose script edits a tensor a graph would bake in (rare among all programs)
+HELD_TENSOR_EXAMPLES = 8
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_fuzz_edits_of_held_tensors(front_end: str) -> None:
+    """Programs whose script edits a tensor a graph would bake in as a constant (a plain object's
+    tensor written in place or replaced; a ``Linear`` kept out of the registry, its weight written
+    in place or the ``Linear`` replaced), with layer reuse on: equal to eager. Before, the graph kept
+    the tensors seen while extracting, silently."""
+    @_settings(HELD_TENSOR_EXAMPLES, drawn_from=SEED)
+    @given(programs(excluded=frozenset(KNOWN_FEATURES), required=frozenset({"held_tensor_edit"})))
+    def fuzz(program: Program) -> None:
+        run_case(Case(program, front_end, True))
     fuzz()
 
 
