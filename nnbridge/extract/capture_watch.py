@@ -312,46 +312,40 @@ def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def _tensors_requiring_grad(modules: list[tuple[str, torch.nn.Module]],
-                            read_values: list[tuple[str, Any]]) -> dict[int, str]:
-    """``{storage pointer: description}`` of the tensors requiring grad the modules hold (their
-    parameters, and tensors in their attributes: plain, or in a list, tuple or dict) and of those
-    in ``read_values`` (``[(where, value)]``: module globals and attributes of objects a module
-    holds that the code reads)."""
-    found: dict[int, str] = {}
+def _followed_tensors(modules: list[tuple[str, torch.nn.Module]],
+                      read_values: list[tuple[str, Any]]) -> Iterator[tuple[torch.Tensor, str]]:
+    """``(tensor, description)`` of every non-empty tensor a guard follows by identity and values: the
+    modules' parameters and buffers, then their tensor attributes (plain, or in a list, tuple or dict),
+    then the tensors in ``read_values`` (``[(where, value)]``: module globals and attributes of objects
+    a module holds that the code reads)."""
+    def named(path: str, name: str) -> str:
+        return f"{path}.{name}" if path else name
     for path, module in modules:
-        for name, parameter in module.named_parameters(recurse=False):
-            if parameter.requires_grad and parameter.numel():
-                found.setdefault(_storage(parameter), f"parameter '{f'{path}.{name}' if path else name}'")
+        for kind, tensors in (("parameter", parameters_of(module)), ("buffer", buffers_of(module))):
+            yield from ((t, f"{kind} '{named(path, n)}'") for n, t in tensors.items()
+                        if isinstance(t, torch.Tensor) and t.numel())
     for path, module in modules:
         for name, value in vars(module).items():
-            if name in _INTERNAL:
-                continue
-            for tensor in _held_tensors_in(value):
-                if tensor.requires_grad and tensor.numel():
-                    found.setdefault(_storage(tensor), f"tensor attribute '{f'{path}.{name}' if path else name}'")
+            if name not in _INTERNAL:
+                described = f"tensor attribute '{named(path, name)}'"
+                yield from ((t, described) for t in _held_tensors_in(value) if t.numel())
     for where, value in read_values:
-        for tensor in _held_tensors_in(value):
-            if tensor.requires_grad and tensor.numel():
-                found.setdefault(_storage(tensor), f"the tensor '{where}'")
+        yield from ((t, f"the tensor '{where}'") for t in _held_tensors_in(value) if t.numel())
+
+
+def _tensors_requiring_grad(modules: list[tuple[str, torch.nn.Module]],
+                            read_values: list[tuple[str, Any]]) -> dict[int, str]:
+    """``{storage pointer: description}`` of the followed tensors (``_followed_tensors``) that require grad."""
+    found: dict[int, str] = {}
+    for tensor, description in _followed_tensors(modules, read_values):
+        if tensor.requires_grad:
+            found.setdefault(_storage(tensor), description)
     return found
 
 
 def _guarded_storages(modules: list[tuple[str, torch.nn.Module]], read_values: list[tuple[str, Any]]) -> set[int]:
-    """The storage pointers of the tensors whose identity and values the guards cover: the
-    modules' parameters, buffers and tensor attributes (plain, or in a list, tuple or dict), and
-    the tensors in ``read_values`` (module globals and attributes of held objects the code reads)."""
-    found: set[int] = set()
-    for _, module in modules:
-        for tensor in (*parameters_of(module).values(), *buffers_of(module).values()):
-            if isinstance(tensor, torch.Tensor) and tensor.numel():
-                found.add(_storage(tensor))
-        for name, value in vars(module).items():
-            if name not in _INTERNAL:
-                found.update(_storage(t) for t in _held_tensors_in(value) if t.numel())
-    for _, value in read_values:
-        found.update(_storage(t) for t in _held_tensors_in(value) if t.numel())
-    return found
+    """The storage pointers of every followed tensor (``_followed_tensors``)."""
+    return {_storage(tensor) for tensor, _ in _followed_tensors(modules, read_values)}
 
 
 #: the reason of a module whose graph would keep a tensor no guard covers as a constant
