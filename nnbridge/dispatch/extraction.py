@@ -38,7 +38,7 @@ from ..guards.preservation import preserved_state
 from ..extract.cleanup import input_prologue
 from ..extract.capture_watch import GRAD_MODE_REASON, UnfaithfulCaptureError
 from ..extract.eager_checks import (AUTOGRAD_READ_REASON, DATA_ACCESS_REASON, MASK_SKIP_FIX, SEEDING_REASON,
-                                    eager_findings, mask_skip_reason)
+                                    STATE_READ_REASON, eager_findings, mask_skip_reason)
 from ..extract.context import ChildDispatcherFactory, Extraction, ExtractionContext, describe_failure
 from ..extract.custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
 from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
@@ -666,10 +666,11 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
         if fqn not in stubs:
             stubs[fqn], errors[fqn] = describe_failure(skip), skip
             traced.add(fqn)
-    # modules whose code touches .data (export would fail on them at the root), reads autograd
-    # state no call structure records, or seeds torch's RNG: they run eagerly (see extract.eager_checks)
+    # modules whose code touches .data (export would fail on them at the root), reads autograd state
+    # or process-wide state no call structure records, or seeds torch's RNG: they run eagerly (see
+    # extract.eager_checks)
     for fqns, reason in ((found.data_access, DATA_ACCESS_REASON), (found.autograd_reads, AUTOGRAD_READ_REASON),
-                         (found.seeding, SEEDING_REASON)):
+                         (found.seeding, SEEDING_REASON), (found.state_reads, STATE_READ_REASON)):
         for fqn in fqns:
             error = UnfaithfulCaptureError(reason)
             if fqn == "":

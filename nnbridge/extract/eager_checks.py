@@ -139,9 +139,12 @@ class EagerFindings(NamedTuple):
             (``torch.enable_grad()``); None when unknown (the run raised, or another profile
             function was set: ``cProfile``, a debugger).
         autograd_reads: paths of the modules (the root ``""`` included) whose code reads a
-            tensor's ``grad``, ``grad_fn`` or ``is_leaf`` (:data:`AUTOGRAD_READ_REASON`).
+            tensor's ``grad``, ``grad_fn`` or ``is_leaf``, or sets a tensor hook
+            (:data:`AUTOGRAD_READ_REASON`).
         seeding: paths of the modules (the root ``""`` included) whose code sets the state of a
             ``torch.Generator`` (:data:`SEEDING_REASON`).
+        state_reads: paths of the modules (the root ``""`` included) whose code reads process-wide
+            torch state no call structure records (:data:`STATE_READ_REASON`).
     """
 
     grad_mode: list[str]
@@ -152,6 +155,7 @@ class EagerFindings(NamedTuple):
     grad_reads: list[str] | None = None
     autograd_reads: list[str] = []
     seeding: list[str] = []
+    state_reads: list[str] = []
 
 
 #: the reason of a module whose code reads or assigns ``tensor.data`` (found by :func:`eager_findings`)
@@ -159,14 +163,18 @@ DATA_ACCESS_REASON = ("reads or assigns a tensor's .data in forward (an alias ou
                       " version counter), which torch.export cannot trace")
 
 
-#: the reason of a module whose code names a tensor's ``grad``, ``grad_fn`` or ``is_leaf`` (found by
-#: :func:`eager_findings`)
-AUTOGRAD_READ_REASON = ("reads a tensor's grad, grad_fn or is_leaf in forward: a graph would keep what they were"
-                        " while it was extracted (a parameter's .grad before the first backward, whether an argument"
-                        " is a leaf)")
+#: the reason of a module whose code names a tensor's ``grad``, ``grad_fn`` or ``is_leaf``, or a tensor
+#: hook's ``register_hook`` or ``retain_grad`` (found by :func:`eager_findings`)
+AUTOGRAD_READ_REASON = ("reads a tensor's grad, grad_fn or is_leaf, or sets a tensor hook (register_hook, retain_grad),"
+                        " in forward: a graph would keep what they were while it was extracted (a parameter's .grad"
+                        " before the first backward, whether an argument is a leaf) and registers no tensor hook")
 #: the reason of a module whose code seeds or sets a ``torch.Generator`` (found by :func:`eager_findings`)
 SEEDING_REASON = ("sets the state of a torch random generator in forward (torch.manual_seed, torch.set_rng_state): a"
                   " graph would draw from the generator without setting it")
+#: the reason of a module whose code calls one of ``STATE_QUERIES`` (found by :func:`eager_findings`)
+STATE_READ_REASON = ("reads process-wide torch state in forward that no call structure records (torch.get_num_threads,"
+                     " torch.get_num_interop_threads, torch.initial_seed, torch.get_float32_matmul_precision): a"
+                     " graph would keep what it read while it was extracted")
 
 
 def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
@@ -186,8 +194,10 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
       only that module is stubbed);
     - a module's code reads grad mode (see :mod:`nnbridge.compat.torch.grad_reads`): only a graph
       of code that reads none serves calls made under another grad mode;
-    - a module's code reads a tensor's ``grad``, ``grad_fn`` or ``is_leaf``, or sets the state of a
-      torch random generator (:data:`AUTOGRAD_READ_REASON`, :data:`SEEDING_REASON`).
+    - a module's code reads a tensor's ``grad``, ``grad_fn`` or ``is_leaf``, sets a tensor hook
+      (``register_hook``, ``retain_grad``), sets the state of a torch random generator, or reads
+      process-wide torch state no call structure records (:data:`AUTOGRAD_READ_REASON`,
+      :data:`SEEDING_REASON`, :data:`STATE_READ_REASON`).
 
     Module state and random state are put back after the run
     (:func:`~nnbridge.guards.preservation.preserved_state`). The lists are empty when the eager
@@ -204,6 +214,7 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     unwatched: list[bool] = []  # grad-mode reads could not be watched (another profile function is set)
     autograd_reads: dict[str, None] = {}
     seeding: dict[str, None] = {}
+    state_reads: dict[str, None] = {}
 
     def touched(tensor: torch.Tensor) -> None:
         data_access.setdefault(active[-1] if active else "")
@@ -223,30 +234,21 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
         if state_keys(a, k):
             stateful.add(fqn)
 
-    def changed() -> None:
-        if active:
-            grad_mode.setdefault(active[-1])
-
     def skipped() -> None:
         mask_skips.setdefault(active[-1] if active else "")
 
-    def read() -> None:  # (what runs outside every module is the run's own machinery)
-        if active:
-            grad_reads.setdefault(active[-1])
-
-    def autograd_read() -> None:
-        if active:
-            autograd_reads.setdefault(active[-1])
-
-    def seeded() -> None:
-        if active:
-            seeding.setdefault(active[-1])
-    watches = (grad_mode_changes(changed, on_enable=read), mask_skips_seen(skipped), data_accesses(touched),
-               grad_mode_reads(read, on_unwatched=lambda: unwatched.append(True), on_autograd=autograd_read,
-                               on_seeding=seeded))
+    def marker(found: dict[str, None]) -> Callable[[], None]:
+        def mark() -> None:  # (what runs outside every module is the run's own machinery)
+            if active:
+                found.setdefault(active[-1])
+        return mark
+    read = marker(grad_reads)
+    watches = (grad_mode_changes(marker(grad_mode), on_enable=read), mask_skips_seen(skipped), data_accesses(touched),
+               grad_mode_reads(read, on_unwatched=lambda: unwatched.append(True), on_autograd=marker(autograd_reads),
+                               on_seeding=marker(seeding), on_query=marker(state_reads)))
     if not _run_with_call_stack(module, args, kwargs, grad_enabled=grad_enabled, active=active, watches=watches,
                                 entering=entering):
         return EagerFindings([], [])
     return EagerFindings(list(grad_mode), list(mask_skips), list(capturing), list(fast_paths.items()),
                          list(data_access), None if unwatched else list(grad_reads), list(autograd_reads),
-                         list(seeding))
+                         list(seeding), list(state_reads))

@@ -20,6 +20,7 @@ import torch
 
 from ..compat.torch.pytree import pytree
 from ..compat.torch.sibling_zeros import sibling_zeros
+from ..errors import NNBridgeError
 from ..graph.kinds import HookKind
 from ..guards.preservation import preserved_state
 
@@ -43,10 +44,14 @@ def copy_inputs(value: Any) -> Any:
 
 def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  *, hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]], grad: bool = False,
-                 around: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
+                 around: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+                 reset: Callable[[], None] = lambda: None) -> None:
     """One eager run of ``module`` on copies of the inputs (a cache would be mutated), with
     temporary hooks: ``(submodule, HookKind, fn)``, both with kwargs. No grad unless ``grad``
     (then the hooks see the ``requires_grad`` of the values a real call in grad mode passes).
+    A run without grad that raises while grad is enabled outside it is made again with grad, after
+    ``reset()`` (which drops what the hooks kept): code may need grad (``h.register_hook(f)`` or
+    ``h.retain_grad()`` on a tensor the call computes raise without it).
     ``around()`` is entered just around the call (after the state to restore is taken).
     The run leaves no trace (:func:`~.preservation.preserved_state`): the next run or export
     starts from the module's state before it, as the user's call will (a forward that unmerges an
@@ -54,6 +59,7 @@ def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
 
     Raises:
         ExtractionError: the run changed a parameter in place other than through ``.data``.
+        Exception: what the module's code raised (in grad mode, when the call is in grad mode).
     """
     from ..graph.module_tree import named_real_modules
 
@@ -62,8 +68,15 @@ def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
         for sub, kind, fn in hooks:
             register = sub.register_forward_pre_hook if kind == HookKind.PRE else sub.register_forward_hook
             handles.append(register(fn, with_kwargs=True))
-        with torch.set_grad_enabled(grad), preserved_state(list(named_real_modules(module))), around():
-            module(*copy_inputs(args), **copy_inputs(kwargs))
+        try:
+            with torch.set_grad_enabled(grad), preserved_state(list(named_real_modules(module))), around():
+                module(*copy_inputs(args), **copy_inputs(kwargs))
+        except Exception as error:
+            if grad or not torch.is_grad_enabled() or isinstance(error, NNBridgeError):
+                raise
+            reset()
+            with preserved_state(list(named_real_modules(module))), around():
+                module(*copy_inputs(args), **copy_inputs(kwargs))
     finally:
         for handle in handles:
             handle.remove()
@@ -93,8 +106,12 @@ def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
         if fqn in outlined:
             return lambda mod, a, k, out: calls[fqn].append(pending[fqn].pop()(out))
         return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy_inputs(out)))
-    observed_run(module, args, kwargs, hooks=[(module.get_submodule(fqn), kind, hook(fqn))
-                                        for fqn in fqns for kind, hook in ((HookKind.PRE, before), (HookKind.POST, after))])
+    def reset() -> None:
+        calls.clear()
+        pending.clear()
+    hooks = [(module.get_submodule(fqn), kind, hook(fqn))
+             for fqn in fqns for kind, hook in ((HookKind.PRE, before), (HookKind.POST, after))]
+    observed_run(module, args, kwargs, hooks=hooks, reset=reset)
     return calls
 
 

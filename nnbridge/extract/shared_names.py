@@ -42,7 +42,8 @@ def stateful_callers(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dic
             if state_keys(a, k):
                 found.setdefault(fqn, None)
         return check
-    observed_run(module, args, kwargs, hooks=[(sub, HookKind.PRE, hook(fqn)) for fqn, sub in named_real_modules(module)])
+    hooks = [(sub, HookKind.PRE, hook(fqn)) for fqn, sub in named_real_modules(module)]
+    observed_run(module, args, kwargs, hooks=hooks, reset=found.clear)
     return list(found)
 
 

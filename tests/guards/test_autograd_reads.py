@@ -1,11 +1,12 @@
-"""Forwards that read autograd state no call structure records, or that seed torch's RNG, run their
-own code (opaque, with the reason).
+"""Forwards that read autograd state or process-wide torch state no call structure records, set a
+tensor hook, or seed torch's RNG, run their own code (opaque, with the reason).
 
 A graph keeps the Python branches its code took while it was extracted. Before, a forward reading
 a parameter's ``.grad`` kept the branch of "no gradient yet" after every backward, one branching on
 ``x.is_leaf`` (or ``x.grad_fn``) kept the extracted argument's answer for every later argument, and
 one calling ``torch.manual_seed`` drew new numbers on each call where eager drew the same ones: all
-silently. Found from the interpreter's profiling events (``nnbridge.compat.torch.grad_reads``).
+silently; a tensor hook set in forward (``h.register_hook(f)``, ``h.retain_grad()``) was never
+registered by a graph, silently. Found from the interpreter's profiling events (``nnbridge.compat.torch.grad_reads``).
 Every test compares with an untouched copy run eagerly (``torch.equal``)."""
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 import nnbridge
+from nnbridge import PatchableGraph
+from nnbridge.inplace.bridging import bridge_of
 
 
 class GradScaled(nn.Module):
@@ -62,6 +65,26 @@ class Seeded(nn.Module):
 
 
 _STATE = torch.Generator().manual_seed(7).get_state()
+
+
+class GradSaver(nn.Module):
+    """Keeps the gradient of its output as attention-attribution code does (a tensor hook set in
+    forward, with no check of ``requires_grad``), or the output itself with ``retain_grad()``."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.how = how
+        self.grads = []
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.how == "register_hook":
+            h.register_hook(lambda grad: self.grads.append(grad.clone()))
+        else:
+            h.retain_grad()
+            self.grads.append(h)
+        return h * 2.0
 
 
 class Outer(nn.Module):
@@ -112,6 +135,45 @@ def test_a_branch_on_whether_an_argument_is_a_leaf_follows_each_argument(kind):
         nnbridge.unbridge(model)
 
 
+@pytest.mark.parametrize("front", ["bridge", "patchable_graph"])
+@pytest.mark.parametrize("how", ["register_hook", "retain_grad"])
+def test_a_tensor_hook_set_in_forward_sees_each_backward(how, front):
+    """Before, a graph registered no hook: no gradient reached ``grads`` (silently); and the
+    extraction's runs without grad raised on ``register_hook``/``retain_grad``."""
+    torch.manual_seed(0)
+    model = Outer(GradSaver(how))
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    run = nnbridge.bridge(model, x) if front == "bridge" else PatchableGraph(model, x)
+    saver = model.inner  # (a PatchableGraph's opaque module runs the model's own module)
+    try:
+        for net, inner in ((run, saver), (reference, reference.inner)):
+            inner.grads.clear()
+            for weight in (1.0, 3.0):
+                (net(x) * weight).sum().backward()
+        got, expected = saver.grads, reference.inner.grads
+        if how == "retain_grad":
+            got, expected = [h.grad for h in got], [h.grad for h in expected]
+        assert len(got) == len(expected) == 2 and all(torch.equal(a, b) for a, b in zip(got, expected))
+        explained = _explained(model if front == "bridge" else run)
+    finally:
+        if front == "bridge":
+            nnbridge.unbridge(model)
+    assert "inner (GradSaver): opaque" in explained and "sets a tensor hook" in explained
+
+
+def test_extraction_without_grad_raises_as_eager_does_on_a_tensor_hook():
+    """Under ``torch.no_grad()`` eager code cannot set the hook: the bridged model raises the same."""
+    model = Outer(GradSaver("register_hook"))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="cannot register a hook on a tensor that doesn't require gradient"):
+            model(x)
+        with pytest.raises(RuntimeError, match="cannot register a hook on a tensor that doesn't require gradient"):
+            nnbridge.bridge(model, x)
+    assert bridge_of(model) is None, "nothing is left half-bridged"
+
+
 @pytest.mark.parametrize("how", ["manual_seed", "set_rng_state"])
 def test_a_forward_seeding_torchs_rng_draws_what_eager_draws(how):
     torch.manual_seed(0)
@@ -129,3 +191,45 @@ def test_a_forward_seeding_torchs_rng_draws_what_eager_draws(how):
     finally:
         nnbridge.unbridge(model)
     assert "sets the state of a torch random generator in forward" in explained
+
+
+class StateReader(nn.Module):
+    """Scales by process-wide torch state that no call structure records."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "get_num_threads":
+            scale = torch.get_num_threads()
+        elif self.how == "initial_seed":
+            scale = torch.initial_seed() % 7
+        else:
+            scale = 2.0 if torch.get_float32_matmul_precision() == "highest" else 3.0
+        return self.lin(x) * scale
+
+
+@pytest.mark.parametrize("how", ["get_num_threads", "initial_seed", "get_float32_matmul_precision"])
+def test_a_forward_reading_process_wide_state_reads_it_on_each_call(how):
+    """Before, a graph kept the thread count, seed or matmul precision read while it was extracted,
+    silently."""
+    torch.manual_seed(0)
+    model = Outer(StateReader(how))
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    nnbridge.bridge(model, x)
+    try:
+        torch.set_num_threads(2 if threads == 1 else 1)
+        torch.set_float32_matmul_precision("high")
+        torch.manual_seed(5)
+        assert torch.equal(model(x), reference(x))
+        explained = _explained(model)
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_float32_matmul_precision(precision)
+        nnbridge.unbridge(model)
+    assert "inner (StateReader): opaque" in explained and "reads process-wide torch state" in explained
+    assert "out (Linear): graph" in explained

@@ -18,8 +18,10 @@ whether or not the line ran: conservative). Not counted: torch's own grad-mode c
 nnbridge's own code.
 
 The same events report two more things a graph cannot keep: code outside torch naming a tensor's
-``grad``, ``grad_fn`` or ``is_leaf`` (autograd state no call structure records), and calls that set
-a ``torch.Generator``'s state (``torch.manual_seed``, ``torch.set_rng_state``).
+``grad``, ``grad_fn`` or ``is_leaf``, or its hooks (``register_hook``, ``retain_grad``): autograd
+state no call structure records and no graph registers; and calls that set a ``torch.Generator``'s
+state (``torch.manual_seed``, ``torch.set_rng_state``); and calls of :data:`STATE_QUERIES`
+(``torch.get_num_threads()``), process-wide state a graph keeps as it was read.
 """
 
 from __future__ import annotations
@@ -36,12 +38,22 @@ import torch
 
 #: Attribute names whose values, for a tensor computed under the call, depend on grad mode.
 GRAD_ATTRIBUTES = frozenset({"requires_grad", "grad_fn", "is_leaf"})
-#: Attribute names of autograd state that no call structure records: a parameter's ``grad`` (None
-#: until a backward), and whether an argument is a leaf (``grad_fn``, ``is_leaf``).
-AUTOGRAD_ATTRIBUTES = frozenset({"grad", "grad_fn", "is_leaf"})
+#: Names of autograd state that no call structure records and a graph does not repeat: a
+#: parameter's ``grad`` (None until a backward), whether an argument is a leaf (``grad_fn``,
+#: ``is_leaf``), and a tensor's hooks (``register_hook``, ``retain_grad``: export registers none, so
+#: a gradient hook set in forward would never run).
+AUTOGRAD_ATTRIBUTES = frozenset({"grad", "grad_fn", "is_leaf", "retains_grad", "register_hook", "retain_grad",
+                                 "register_post_accumulate_grad_hook"})
 #: Methods of ``torch.Generator`` that set its state (``torch.manual_seed`` and
 #: ``torch.set_rng_state`` call them on the default generator).
 SEEDING_METHODS = frozenset({"manual_seed", "seed", "set_state", "set_offset", "graphsafe_set_state"})
+#: torch functions returning process-wide state that no call structure records (the call structure
+#: holds grad mode, autocast, the default dtype, inference mode and deterministic algorithms).
+STATE_QUERIES = (torch.get_num_threads, torch.get_num_interop_threads, torch.initial_seed,
+                 torch.get_float32_matmul_precision)
+# (by id: a ``c_call`` event's function may be a method of an unhashable object)
+_QUERY_BUILTINS = frozenset(id(f) for f in STATE_QUERIES if not isinstance(f, types.FunctionType))
+_QUERY_CODES = frozenset(f.__code__ for f in STATE_QUERIES if isinstance(f, types.FunctionType))
 
 
 def _prefixes(*paths: Path, folder: bool) -> tuple[str, ...]:
@@ -70,16 +82,18 @@ def _outside(code: types.CodeType, prefixes: tuple[str, ...], verdicts: dict[typ
 @contextlib.contextmanager
 def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], None],
                     on_autograd: Callable[[], None] = lambda: None,
-                    on_seeding: Callable[[], None] = lambda: None) -> Iterator[None]:
+                    on_seeding: Callable[[], None] = lambda: None,
+                    on_query: Callable[[], None] = lambda: None) -> Iterator[None]:
     """Call ``on_read()`` each time code run in the body, in the thread that entered it, reads
     grad mode (see the module docstring): a call of ``torch.is_grad_enabled``, or the entry into a
     function outside torch whose code names ``requires_grad``, ``grad_fn`` or ``is_leaf``.
 
     Also, from the same events: ``on_autograd()`` on the entry into a function outside torch whose
     code names one of :data:`AUTOGRAD_ATTRIBUTES` (a graph keeps what they were while it was
-    exported), and ``on_seeding()`` on each call of a ``torch.Generator`` method that sets its
-    state (:data:`SEEDING_METHODS`, ``torch.manual_seed`` included: a graph draws from the
-    generator without setting it).
+    exported, and registers no tensor hook), and ``on_seeding()`` on each call of a
+    ``torch.Generator`` method that sets its state (:data:`SEEDING_METHODS`, ``torch.manual_seed``
+    included: a graph draws from the generator without setting it), and ``on_query()`` on each call
+    of one of :data:`STATE_QUERIES`.
 
     When another profile function is set in this thread (``cProfile``, a debugger), it is left in
     place, nothing is watched, and ``on_unwatched()`` is called once on entry."""
@@ -96,8 +110,12 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
                 on_read()
             elif isinstance(getattr(arg, "__self__", None), torch.Generator) and arg.__name__ in SEEDING_METHODS:
                 on_seeding()
+            elif id(arg) in _QUERY_BUILTINS:
+                on_query()
         elif event == "call":
             code = frame.f_code
+            if code in _QUERY_CODES:
+                on_query()
             named = names.get(code)
             if named is None:
                 counted = not code.co_filename.startswith(_NAMES_NOT_COUNTED)
