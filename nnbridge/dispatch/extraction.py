@@ -37,8 +37,8 @@ from ..guards.call_structure import ShapeGuard, tensor_leaves
 from ..guards.preservation import preserved_state
 from ..extract.cleanup import input_prologue
 from ..extract.capture_watch import GRAD_MODE_REASON, UnfaithfulCaptureError
-from ..extract.eager_checks import (AUTOGRAD_READ_REASON, DATA_ACCESS_REASON, MASK_SKIP_FIX, SEEDING_REASON,
-                                    STATE_READ_REASON, eager_findings, mask_skip_reason)
+from ..extract.eager_checks import (ARGUMENT_WRITE_REASON, AUTOGRAD_READ_REASON, DATA_ACCESS_REASON, MASK_SKIP_FIX,
+                                    SEEDING_REASON, STATE_READ_REASON, eager_findings, mask_skip_reason)
 from ..extract.context import ChildDispatcherFactory, Extraction, ExtractionContext, describe_failure
 from ..extract.custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
 from ..graph.graph_module import CompiledGraphModule, OpaqueGraphModule
@@ -670,7 +670,8 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
     # or process-wide state no call structure records, or seeds torch's RNG: they run eagerly (see
     # extract.eager_checks)
     for fqns, reason in ((found.data_access, DATA_ACCESS_REASON), (found.autograd_reads, AUTOGRAD_READ_REASON),
-                         (found.seeding, SEEDING_REASON), (found.state_reads, STATE_READ_REASON)):
+                         (found.seeding, SEEDING_REASON), (found.state_reads, STATE_READ_REASON),
+                         (found.argument_writes, ARGUMENT_WRITE_REASON)):
         for fqn in fqns:
             error = UnfaithfulCaptureError(reason)
             if fqn == "":

@@ -32,6 +32,7 @@ from ..compat.transformers.mask_skips import mask_skips as mask_skips_seen
 from ..compat.transformers.output_capturing import active_collector
 from ..graph.state import state_keys
 from ..guards.preservation import ModuleState
+from .argument_writes import ArgumentWrites
 
 
 def mask_skip_reason(replaced: dict[str, str]) -> str:
@@ -52,11 +53,13 @@ MASK_SKIP_FIX = ("Register the attention function under a name of its own (Atten
 def _run_with_call_stack(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                          grad_enabled: bool, active: list[str], watches: Sequence[contextlib.AbstractContextManager[Any]],
                          boundary: Callable[[], None] | None = None,
-                         entering: Callable[[str, Any, Any], None] | None = None) -> bool:
+                         entering: Callable[[str, Any, Any], None] | None = None,
+                         leaving: Callable[[], None] | None = None) -> bool:
     """One eager run of the call under ``grad_enabled`` with ``watches`` entered, keeping ``active``
     the stack of the running modules' paths (the root is ``""``) and calling ``boundary()`` at every
-    module-call boundary, before the stack changes, and ``entering(path, args, kwargs)`` as a
-    module is entered (``active`` still its caller's). Module state and random state are put back
+    module-call boundary, before the stack changes, ``entering(path, args, kwargs)`` as a
+    module is entered (``active`` still its caller's) and ``leaving()`` as it returns (``active``
+    still its own). Module state and random state are put back
     after the run (:func:`~nnbridge.guards.preservation.preserved_state`). False when the run
     raised."""
     from ..graph.module_tree import named_real_modules
@@ -77,13 +80,15 @@ def _run_with_call_stack(module: torch.nn.Module, args: tuple[Any, ...], kwargs:
     def leave(mod: torch.nn.Module, a: Any, k: Any, out: Any) -> None:
         if boundary is not None:
             boundary()
+        if leaving is not None:
+            leaving()
         active.pop()
     hooks = [hook for fqn, sub in modules for hook in ((sub, HookKind.PRE, enter(fqn)), (sub, HookKind.POST, leave))]
     try:
         with contextlib.ExitStack() as stack:  # (the run puts module state back itself)
             for watch in watches:
                 stack.enter_context(watch)
-            observed_run(module, args, kwargs, hooks=hooks, grad=grad_enabled)
+            observed_run(module, args, kwargs, hooks=hooks, grad=grad_enabled, reset=active.clear)
     except Exception:  # noqa: BLE001 - the callers fall back to what export finds
         return False
     return True
@@ -145,6 +150,9 @@ class EagerFindings(NamedTuple):
             ``torch.Generator`` (:data:`SEEDING_REASON`).
         state_reads: paths of the modules (the root ``""`` included) whose code reads process-wide
             torch state no call structure records (:data:`STATE_READ_REASON`).
+        argument_writes: paths of the modules (the root ``""`` included) that write into a
+            container their call was passed, and of the callers it passed through
+            (:mod:`.argument_writes`, :data:`ARGUMENT_WRITE_REASON`).
     """
 
     grad_mode: list[str]
@@ -156,6 +164,7 @@ class EagerFindings(NamedTuple):
     autograd_reads: list[str] = []
     seeding: list[str] = []
     state_reads: list[str] = []
+    argument_writes: list[str] = []
 
 
 #: the reason of a module whose code reads or assigns ``tensor.data`` (found by :func:`eager_findings`)
@@ -171,6 +180,11 @@ AUTOGRAD_READ_REASON = ("reads a tensor's grad, grad_fn or is_leaf, or sets a te
 #: the reason of a module whose code seeds or sets a ``torch.Generator`` (found by :func:`eager_findings`)
 SEEDING_REASON = ("sets the state of a torch random generator in forward (torch.manual_seed, torch.set_rng_state): a"
                   " graph would draw from the generator without setting it")
+#: the reason of a module that writes, or whose callee writes, into a container it was passed
+#: (found by :func:`eager_findings`)
+ARGUMENT_WRITE_REASON = ("writes into a list, dict or set it was passed in forward, or passes one to a module that does"
+                         " (acts.append(h), store['h'] = h): a graph rebuilds its arguments' containers and would"
+                         " write into its own copies")
 #: the reason of a module whose code calls one of ``STATE_QUERIES`` (found by :func:`eager_findings`)
 STATE_READ_REASON = ("reads process-wide torch state in forward that no call structure records (torch.get_num_threads,"
                      " torch.get_num_interop_threads, torch.initial_seed, torch.get_float32_matmul_precision): a"
@@ -197,7 +211,8 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     - a module's code reads a tensor's ``grad``, ``grad_fn`` or ``is_leaf``, sets a tensor hook
       (``register_hook``, ``retain_grad``), sets the state of a torch random generator, or reads
       process-wide torch state no call structure records (:data:`AUTOGRAD_READ_REASON`,
-      :data:`SEEDING_REASON`, :data:`STATE_READ_REASON`).
+      :data:`SEEDING_REASON`, :data:`STATE_READ_REASON`);
+    - a module writes into a container its call was passed (:mod:`.argument_writes`).
 
     Module state and random state are put back after the run
     (:func:`~nnbridge.guards.preservation.preserved_state`). The lists are empty when the eager
@@ -215,6 +230,7 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     autograd_reads: dict[str, None] = {}
     seeding: dict[str, None] = {}
     state_reads: dict[str, None] = {}
+    writes = ArgumentWrites()
 
     def touched(tensor: torch.Tensor) -> None:
         data_access.setdefault(active[-1] if active else "")
@@ -233,6 +249,7 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
         collectors.append(collector)
         if state_keys(a, k):
             stateful.add(fqn)
+        writes.entering(depth, a, k)
 
     def skipped() -> None:
         mask_skips.setdefault(active[-1] if active else "")
@@ -247,8 +264,8 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
                grad_mode_reads(read, on_unwatched=lambda: unwatched.append(True), on_autograd=marker(autograd_reads),
                                on_seeding=marker(seeding), on_query=marker(state_reads)))
     if not _run_with_call_stack(module, args, kwargs, grad_enabled=grad_enabled, active=active, watches=watches,
-                                entering=entering):
+                                entering=entering, leaving=lambda: writes.leaving(active)):
         return EagerFindings([], [])
     return EagerFindings(list(grad_mode), list(mask_skips), list(capturing), list(fast_paths.items()),
                          list(data_access), None if unwatched else list(grad_reads), list(autograd_reads),
-                         list(seeding), list(state_reads))
+                         list(seeding), list(state_reads), list(writes.writers))

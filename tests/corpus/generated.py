@@ -19,7 +19,8 @@ broke extraction before, and their neighbours:
   updates in training, dropout (the RNG), a Python counter, reads of a Python float, of a plain
   object's attributes (``self.hp.scale``, ``self.hp.inner.bias``, a tensor ``self.hp.vector``), of
   a callable object (``self.act(v)``), of a numpy scalar (``self.k``), a call of a ``Linear`` kept
-  out of the registry in a plain list (``self.outside[0](v)``), a loop over the cached layers with the
+  out of the registry in a plain list (``self.outside[0](v)``), a child appending to a list the root
+  makes and reads back (``self.gather(v, acts)``), a loop over the cached layers with the
   root's ``cache`` argument; a tensor, tuple or dict output;
 - the script: calls with and without grad (all with one cache, when the root takes one: each
   call after the first is a decode step), and edits between them: module attribute writes,
@@ -56,9 +57,10 @@ BODIES: dict[int, tuple[str, ...]] = {
 }
 #: how a block calls its inner child ``Inner(p, q)``
 INNER_CALLS = ("pos", "kw", "kw_rev", "mixed")
-#: the root's scalar reads: a Python float, a plain object's attributes, a callable object, a numpy
-#: scalar, the number of modules in its tree (a walk of its registry)
-READS = ("alpha", "hp", "nested", "act", "k", "modules", "vector", "outside")
+#: the root's reads: a Python float, a plain object's attributes, a callable object, a numpy scalar,
+#: the number of modules in its tree (a walk of its registry), a plain object's tensor, a ``Linear``
+#: kept out of the registry, and a list the root makes and its child ``gather`` fills
+READS = ("alpha", "hp", "nested", "act", "k", "modules", "vector", "outside", "gather")
 #: edits of plain objects (not modules): issue 48 item 2
 PLAIN_EDITS = ("hp_attr", "hp_replace", "nested_attr", "act_attr", "act_replace", "k_replace", "vector_write",
                "vector_replace", "outside_write", "outside_replace")
@@ -263,6 +265,9 @@ def _root_source(program: Program) -> tuple[str, bool]:
         elif stmt.kind == "cached":
             layers = f"reversed(self.c{stmt.child})" if stmt.style == "reversed" else f"self.c{stmt.child}"
             body += [f"{new} = {args[0]}", f"for b in {layers}:", f"    {new} = b({new}, cache)"]
+        elif stmt.kind == "read" and stmt.style == "gather":  # a list the root makes, a child fills
+            # (summed: a pre-hook that edits the arguments passes gather a new list, in eager code too)
+            body += [f"acts{n} = []", f"{new} = self.gather({args[0]}, acts{n}) + sum(acts{n})"]
         elif stmt.kind == "read":
             v = args[0]
             body.append({"alpha": f"{new} = {v} * self.alpha",

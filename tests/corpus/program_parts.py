@@ -41,12 +41,26 @@ class Inner(nn.Module):
         return self.proj(p) * torch.sigmoid(q)
 
 
+class Gather(nn.Module):
+    """Appends its projection to the list it is passed (as code collecting activations does) and
+    returns half its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, acts):
+        acts.append(self.lin(x))
+        return x * 0.5
+
+
 class ProgramRoot(nn.Module):
     """A generated root's state: a Python float ``alpha``, a plain object ``hp``, a callable object
     ``act``, a numpy scalar ``k``, a Python counter ``calls``, the buffers ``running`` (shape
     ``(4,)``) and ``steps`` (a long scalar), and ``outside``, a ``Linear`` kept out of the registry
-    in a plain list (as a sparse autoencoder kept out of ``state_dict``). The rendered subclass adds
-    the children ``c<i>``."""
+    in a plain list (as a sparse autoencoder kept out of ``state_dict``), and the child ``gather``
+    (:class:`Gather`, which writes into a list it is passed). The rendered subclass adds the
+    children ``c<i>``."""
 
     def __init__(self):
         super().__init__()
@@ -58,6 +72,7 @@ class ProgramRoot(nn.Module):
         self.register_buffer("running", torch.zeros(4))
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
         self.outside = [nn.Linear(4, 4).requires_grad_(False)]
+        self.gather = Gather()
 
 
 #: what a :class:`CachedLayer` reads back from its cache layer (a generated program picks one)

@@ -80,7 +80,8 @@ class Case:
 def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: frozenset[str] = frozenset()
              ) -> Program:
     """A :class:`Program` using no feature of ``excluded`` and every feature of ``required`` (also
-    ``"held_tensor_edit"``: its script ends with one of :data:`HELD_TENSOR_EDITS`)."""
+    ``"held_tensor_edit"``: its script ends with one of :data:`HELD_TENSOR_EDITS`; ``"argument_write"``:
+    its root reads ``gather``)."""
     n_blocks = draw(st.integers(1, 3))
     blocks = []
     for i in range(n_blocks):
@@ -169,6 +170,8 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
         stmts.append(_registry_edit(draw, registry_targets, children, draw(st.integers(0, len(stmts)))))
     if draw(st.integers(0, 3)) == 0:  # a Python counter: a side effect of forward, read back
         stmts.append(Stmt("counter", (draw(st.integers(0, len(stmts))),)))
+    if "argument_write" in required and not any(s.kind == "read" and s.style == "gather" for s in stmts):
+        stmts.append(Stmt("read", (len(stmts),), style="gather"))
     last = len(stmts)
     output_kind = draw(st.sampled_from(("one", "tuple", "dict")))
     outputs = (last,) if output_kind == "one" else (last, draw(st.integers(0, last)))
@@ -369,6 +372,22 @@ def test_fuzz_edits_of_held_tensors(front_end: str) -> None:
     the tensors seen while extracting, silently."""
     @_settings(HELD_TENSOR_EXAMPLES, drawn_from=SEED)
     @given(programs(excluded=frozenset(KNOWN_FEATURES), required=frozenset({"held_tensor_edit"})))
+    def fuzz(program: Program) -> None:
+        run_case(Case(program, front_end, True))
+    fuzz()
+
+
+#: programs per front-end whose root has a child write into a list it makes (rare among all programs)
+ARGUMENT_WRITE_EXAMPLES = 6
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_fuzz_writes_into_arguments(front_end: str) -> None:
+    """Programs whose root makes a list, has the child ``gather`` append to it and reads it back,
+    with layer reuse on: equal to eager. Before, ``gather``'s graph appended to its own copy of the
+    list, so the root's sum missed what eager code appended, silently."""
+    @_settings(ARGUMENT_WRITE_EXAMPLES, drawn_from=SEED)
+    @given(programs(excluded=frozenset(KNOWN_FEATURES), required=frozenset({"argument_write"})))
     def fuzz(program: Program) -> None:
         run_case(Case(program, front_end, True))
     fuzz()
