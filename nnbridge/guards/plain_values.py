@@ -1,7 +1,7 @@
 """Plain values: what a graph bakes in by value, so guards compare it and cache keys hold it.
 
 A plain value is a scalar (number, bool, string, bytes, None, enum, dtype, device) or a tuple,
-list, set or dict (any depth) of them holding at most :data:`MAX_PLAIN_ITEMS` scalars:
+list, ``deque``, ``array``, set or dict (any depth) of them holding at most :data:`MAX_PLAIN_ITEMS` scalars:
 ``self.temperature``, ``self.window_sizes = [4, 8]``, ``config.layer_types``,
 ``config.rope_parameters``. A module attribute's container may also hold tensors
 (``self.masks = [m0, m1]``), which export bakes in as constants. :func:`snapshot` copies
@@ -24,6 +24,8 @@ objects (:mod:`.held_objects`).
 from __future__ import annotations
 
 import argparse
+import array
+import collections
 import copy
 import dataclasses
 import enum
@@ -36,6 +38,9 @@ import torch
 from ..compat.torch.capture import tensor_version
 
 PLAIN_TYPES = (int, float, bool, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
+#: the sequences a plain value may be (the standard library's: a ``deque`` or ``array`` of step
+#: sizes is read by index as a list is)
+_SEQUENCES = (tuple, list, collections.deque, array.array)
 #: the most scalars a container value may hold to be plain (a larger one is not compared on each call)
 MAX_PLAIN_ITEMS = 1024
 
@@ -53,14 +58,14 @@ def plain_value(value: object, tensors: bool = False) -> bool:
             return False
         if isinstance(item, PLAIN_TYPES) or (tensor_ok and isinstance(item, torch.Tensor)):
             return True
-        if isinstance(item, (tuple, list)):
+        if isinstance(item, _SEQUENCES):
             return all(walk(v, tensor_ok) for v in item)
         if isinstance(item, (set, frozenset)):  # (a set's tensors would count by identity only)
             return all(walk(v, False) for v in item)
         if isinstance(item, dict):
             return all(walk(k, False) and walk(v, tensor_ok) for k, v in item.items())
         return False
-    return isinstance(value, (tuple, list, set, frozenset, dict)) and walk(value, tensors)
+    return isinstance(value, (*_SEQUENCES, set, frozenset, dict)) and walk(value, tensors)
 
 
 class HeldTensor:
@@ -103,11 +108,13 @@ def snapshot(value: object) -> object:
         copied_list = copy.copy(value)
         copied_list[:] = [snapshot(item) for item in value]
         return copied_list
+    if isinstance(value, collections.deque):
+        return collections.deque(map(snapshot, value), value.maxlen)
     if isinstance(value, tuple):
         items = [snapshot(item) for item in value]
         kind: Any = type(value)
         return kind(*items) if hasattr(kind, "_fields") else kind(items)  # a NamedTuple takes its fields
-    return copy.deepcopy(value)  # a set of plain values
+    return copy.deepcopy(value)  # a set or an array of plain values
 
 
 def canonical_repr(value: object) -> str:
@@ -120,7 +127,7 @@ def canonical_repr(value: object) -> str:
         return f"{type(value).__name__}({sorted(map(canonical_repr, value))})"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{canonical_repr(k)}: {canonical_repr(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, _SEQUENCES):
         return f"{type(value).__name__}([{', '.join(map(canonical_repr, value))}])"
     return repr(value)
 

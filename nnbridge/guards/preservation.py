@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence, MutableSet, Set as AbstractSet
 from typing import Any
 
 import torch
@@ -38,14 +38,43 @@ _CONTAINERS = (list, dict, set)
 
 
 def _copy_container(value: Any) -> Any:
-    return type(value)(value) if type(value) in _CONTAINERS else None
+    """A shallow copy, as a list, dict or set, of a mutable container (any ``MutableSequence``,
+    ``MutableMapping`` or ``MutableSet``: a ``deque`` history, an ``OrderedDict``); None otherwise."""
+    if type(value) in _CONTAINERS:
+        return type(value)(value)
+    if isinstance(value, MutableMapping):
+        return dict(value)
+    if isinstance(value, MutableSet):
+        return set(value)
+    return list(value) if isinstance(value, MutableSequence) else None
+
+
+def _put_back(value: Any, copied: Any) -> None:
+    """Give the container ``value`` the items of its copy ``copied`` (see :func:`_copy_container`), in
+    place (a ``deque`` keeps its ``maxlen``), through the abstract methods of its ABC only (a
+    registered ``array.array`` has no ``clear``)."""
+    if isinstance(value, MutableMapping):
+        for key in list(value):
+            del value[key]
+        for key, item in copied.items():
+            value[key] = item
+    elif isinstance(value, MutableSet):
+        for item in list(value):
+            value.discard(item)
+        for item in copied:
+            value.add(item)
+    else:
+        while len(value):
+            value.pop()
+        for item in copied:
+            value.append(item)
 
 
 class ModuleState:
     """A shallow snapshot of one module's state: parameters and buffers (object, version and, when
     ``clone``, a copy of the buffer's values), ``training``, its other ``__dict__`` entries
-    (object, plus a shallow copy of list/dict/set values), its registered children (op points
-    aside) and the modules it holds as instance attributes."""
+    (object, plus a shallow copy of mutable containers: lists, dicts, sets, deques), its
+    registered children (op points aside) and the modules it holds as instance attributes."""
 
     def __init__(self, module: torch.nn.Module, clone: bool):
         self.module = module
@@ -136,8 +165,7 @@ class ModuleState:
         for name, (value, copied) in self.attributes.items():
             module.__dict__[name] = value
             if copied is not None and not _same_container(value, copied):
-                value.clear()
-                value.update(copied) if not isinstance(value, list) else value.extend(copied)
+                _put_back(value, copied)
         for tensor, version, copy in self.tensors.values():
             if copy is not None and (tensor_version(tensor) != version or not torch.equal(tensor, copy)):
                 with torch.no_grad():
@@ -181,14 +209,19 @@ def _held_tensors(value: Any) -> list[tuple[Any, torch.Tensor]]:
     return []
 
 
+def _same_item(a: Any, b: Any) -> bool:
+    # (an ``array.array`` boxes a new number on each read: numbers compare by value)
+    return a is b or (type(a) is type(b) and type(a) in (int, float, complex, bool) and a == b)
+
+
 def _same_container(value: Any, copied: Any) -> bool:
     if len(value) != len(copied):
         return False
-    if isinstance(value, dict):
-        return value.keys() == copied.keys() and all(value[k] is copied[k] for k in value)
-    if isinstance(value, set):
+    if isinstance(value, Mapping):
+        return value.keys() == copied.keys() and all(_same_item(value[k], copied[k]) for k in value)
+    if isinstance(value, AbstractSet):
         return value == copied
-    return all(a is b for a, b in zip(value, copied))
+    return all(_same_item(a, b) for a, b in zip(value, copied))
 
 
 def snapshot(modules: list[tuple[str, torch.nn.Module]], clone: bool) -> dict[str, ModuleState]:
