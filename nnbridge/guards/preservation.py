@@ -29,6 +29,7 @@ from ..graph.module_tree import POINT_TYPES
 from .data_writes import DataWrites
 from .global_state import GlobalValues
 from .plain_values import config_like
+from .rng_objects import generator_state, same_generator_state, set_generator_state
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
 #: while extracting; ``_parameters``, ``_buffers`` and ``training`` are compared separately.
@@ -73,8 +74,9 @@ def _put_back(value: Any, copied: Any) -> None:
 class ModuleState:
     """A shallow snapshot of one module's state: parameters and buffers (object, version and, when
     ``clone``, a copy of the buffer's values), ``training``, its other ``__dict__`` entries
-    (object, plus a shallow copy of mutable containers: lists, dicts, sets, deques), its
-    registered children (op points aside) and the modules it holds as instance attributes."""
+    (object, plus a shallow copy of mutable containers: lists, dicts, sets, deques; the state of
+    random generator objects: :mod:`.rng_objects`), its registered children (op points aside) and
+    the modules it holds as instance attributes."""
 
     def __init__(self, module: torch.nn.Module, clone: bool):
         self.module = module
@@ -91,6 +93,9 @@ class ModuleState:
         self.tensors = {(k, i): (t, tensor_version(t), t.detach().clone() if clone else None)
                         for k, (v, _) in self.attributes.items() for i, t in _held_tensors(v)}
         self.configs = {k: (v, dict(vars(v))) for k, (v, _) in self.attributes.items() if config_like(k, v)}
+        # random generator objects it holds (``self.rng = random.Random(0)``): a draw changes their state
+        self.generators = {k: (v, state) for k, (v, _) in self.attributes.items()
+                           if (state := generator_state(v)) is not None}
         # its children (a forward that appends a block to its ModuleList changes this), without the
         # op points a bridge registers; and the modules it holds unregistered, as instance
         # attributes (an alias extraction hides from the registry, see module_tree.aliases_hidden):
@@ -130,6 +135,9 @@ class ModuleState:
         for name, (config, values) in self.configs.items():
             if current.get(name) is config and not _same_container(vars(config), values):
                 found.append(f"sets a value of its config-like attribute '{name}'")
+        for name, (generator, state) in self.generators.items():
+            if current.get(name) is generator and not same_generator_state(generator_state(generator), state):
+                found.append(f"draws from its random generator attribute '{name}' ({type(generator).__name__})")
         children = _children(module)
         if not _same_container(children, self.children):
             changed = sorted(name for name in children.keys() | self.children.keys()
@@ -174,6 +182,9 @@ class ModuleState:
             if not _same_container(vars(config), values):
                 vars(config).clear()
                 vars(config).update(values)
+        for generator, state in self.generators.values():
+            if not same_generator_state(generator_state(generator), state):
+                set_generator_state(generator, state)
         self.restore_children()
         return lost
 
