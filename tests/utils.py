@@ -49,6 +49,18 @@ ROTARY_UNDER_NO_GRAD = _TRANSFORMERS < (5, 24)
 """Whether transformers' rotary embeddings run their ``forward`` under ``@torch.no_grad()``."""
 
 
+class Outer(torch.nn.Module):
+    """``out(inner(x))``: a module under test called from a root whose ``Linear`` stays a graph."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.out = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(x))
+
+
 @functools.cache
 def _no_grad_class(cls: type) -> type:
     return type(cls.__name__, (cls,), {"forward": torch.no_grad()(cls.forward), "__module__": cls.__module__,

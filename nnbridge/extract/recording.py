@@ -106,6 +106,7 @@ def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
         if fqn in outlined:
             return lambda mod, a, k, out: calls[fqn].append(pending[fqn].pop()(out))
         return lambda mod, a, k, out: calls[fqn].append((*pending[fqn].pop(), copy_inputs(out)))
+
     def reset() -> None:
         calls.clear()
         pending.clear()

@@ -20,6 +20,7 @@ from torch import nn
 import nnbridge
 from nnbridge import PatchableGraph
 from nnbridge.inplace.bridging import bridge_of
+from utils import Outer
 
 
 class GradScaled(nn.Module):
@@ -85,16 +86,6 @@ class GradSaver(nn.Module):
             h.retain_grad()
             self.grads.append(h)
         return h * 2.0
-
-
-class Outer(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.out = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.out(self.inner(x))
 
 
 def _explained(model):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import nnbridge
+from utils import Outer
 
 
 class History(nn.Module):
@@ -43,16 +44,6 @@ class Steps(nn.Module):
 
     def forward(self, x):
         return self.lin(x) * self.steps[0]
-
-
-class Outer(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.out = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.out(self.inner(x))
 
 
 def test_a_deque_a_forward_appends_to_holds_only_the_users_calls():

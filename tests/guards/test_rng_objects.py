@@ -18,6 +18,7 @@ from torch import nn
 
 import nnbridge
 from nnbridge import PatchableGraph
+from utils import Outer
 
 
 def _generator(kind):
@@ -42,16 +43,6 @@ class Noisy(nn.Module):
         if self.kind == "random":
             return h * self.rng.random()
         return h * float(self.rng.normal() if self.kind == "numpy" else self.rng.randn())
-
-
-class Outer(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.out = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.out(self.inner(x))
 
 
 @pytest.mark.parametrize("front", ["bridge", "patchable_graph"])
