@@ -360,34 +360,23 @@ def test_fuzz(front_end: str, reuse_layers: bool) -> None:
     fuzz()
 
 
-#: programs per front-end whose script edits a tensor a graph would bake in (rare among all programs)
-HELD_TENSOR_EXAMPLES = 8
+#: features rare among all programs, each drawn in every program of its own test, with the programs
+#: per front-end: ``"held_tensor_edit"``, a script that edits a tensor a graph would bake in as a
+#: constant (a plain object's tensor written in place or replaced; a ``Linear`` kept out of the
+#: registry, its weight written in place or the ``Linear`` replaced); ``"argument_write"``, a root
+#: that makes a list, has the child ``gather`` append to it and reads it back
+RARE_FEATURE_EXAMPLES = {"held_tensor_edit": 8, "argument_write": 6}
 
 
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
-def test_fuzz_edits_of_held_tensors(front_end: str) -> None:
-    """Programs whose script edits a tensor a graph would bake in as a constant (a plain object's
-    tensor written in place or replaced; a ``Linear`` kept out of the registry, its weight written
-    in place or the ``Linear`` replaced), with layer reuse on: equal to eager. Before, the graph kept
-    the tensors seen while extracting, silently."""
-    @_settings(HELD_TENSOR_EXAMPLES, drawn_from=SEED)
-    @given(programs(excluded=frozenset(KNOWN_FEATURES), required=frozenset({"held_tensor_edit"})))
-    def fuzz(program: Program) -> None:
-        run_case(Case(program, front_end, True))
-    fuzz()
-
-
-#: programs per front-end whose root has a child write into a list it makes (rare among all programs)
-ARGUMENT_WRITE_EXAMPLES = 6
-
-
-@pytest.mark.parametrize("front_end", FRONT_ENDS)
-def test_fuzz_writes_into_arguments(front_end: str) -> None:
-    """Programs whose root makes a list, has the child ``gather`` append to it and reads it back,
-    with layer reuse on: equal to eager. Before, ``gather``'s graph appended to its own copy of the
-    list, so the root's sum missed what eager code appended, silently."""
-    @_settings(ARGUMENT_WRITE_EXAMPLES, drawn_from=SEED)
-    @given(programs(excluded=frozenset(KNOWN_FEATURES), required=frozenset({"argument_write"})))
+@pytest.mark.parametrize("feature", list(RARE_FEATURE_EXAMPLES))
+def test_fuzz_rare_features(feature: str, front_end: str) -> None:
+    """Programs that all use ``feature`` (:data:`RARE_FEATURE_EXAMPLES`), with layer reuse on: equal
+    to eager. Before, a graph kept the tensors seen while extracting (``held_tensor_edit``), and
+    ``gather``'s graph appended to its own copy of the list, so the root's sum missed what eager code
+    appended (``argument_write``), silently."""
+    @_settings(RARE_FEATURE_EXAMPLES[feature], drawn_from=SEED)
+    @given(programs(excluded=frozenset(KNOWN_FEATURES), required=frozenset({feature})))
     def fuzz(program: Program) -> None:
         run_case(Case(program, front_end, True))
     fuzz()
