@@ -7,7 +7,7 @@ class earlier in an MRO than the one defining a method). :class:`~.code_check.Co
 whether each lookup still finds the same object, and :mod:`.global_state` watches and restores
 the bindings that hold plain values. A namespace is any object with ``get``, ``[]`` and ``in``: a
 module's globals, a class's ``vars()``, an object's ``__dict__``, a registry of functions, or one
-of the adapters here (a function's own parts, ``os.environ``, a context variable).
+of the adapters here (a function's own parts, its closure cells, ``os.environ``, a context variable).
 
 *State* is not kept here: every namespace is read afresh on each lookup.
 """
@@ -45,6 +45,32 @@ class FunctionParts:
 
     def __contains__(self, name: str) -> bool:
         return name in FUNCTION_PARTS
+
+
+class ClosureCells:
+    """A function's closure cells as a binding's namespace, by the names of its free variables:
+    ``["n"]`` is what the cell of ``n`` holds now, and ``["n"] = value`` assigns it (as
+    ``nonlocal n; n = value`` does). An empty cell is not ``in`` it."""
+
+    __slots__ = ("cells",)
+
+    def __init__(self, function: types.FunctionType):
+        self.cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+
+    def __getitem__(self, name: str) -> Any:
+        return self.cells[name].cell_contents
+
+    def get(self, name: str, default: Any = None) -> Any:
+        try:
+            return self.cells[name].cell_contents
+        except (KeyError, ValueError):  # not a free variable, or an empty cell
+            return default
+
+    def __contains__(self, name: str) -> bool:
+        return self.get(name, MISSING) is not MISSING
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.cells[name].cell_contents = value
 
 
 class _Environment:

@@ -25,10 +25,14 @@ from typing import Any
 import torch
 
 from ..compat.torch.capture import tensor_version
-from .bindings import ENVIRONMENT, FUNCTION_PARTS, MISSING, Binding, FunctionParts
+from .bindings import ENVIRONMENT, FUNCTION_PARTS, MISSING, Binding, ClosureCells, FunctionParts
 from .code_objects import CONTAINERS
 from .model_code import walked
 from .plain_values import plain_value, snapshot
+
+
+#: What a closure cell holds now (raises ``ValueError`` for an empty cell).
+_CONTENTS = operator.attrgetter("cell_contents")
 
 
 def code_bindings(model: torch.nn.Module, skip: AbstractSet[int] = frozenset()) -> list[Binding]:
@@ -68,10 +72,16 @@ class CodeCheck:
         groups: dict[int, tuple[Any, list[Any], list[Any], list[Any]]] = {}
         # a function's own parts, one C-level ``map`` per part name (GPT-2: 137 functions)
         parts: dict[str, tuple[list[types.FunctionType], list[Any]]] = {name: ([], []) for name in FUNCTION_PARTS}
+        self._cells: list[types.CellType] = []
+        self._cell_values: list[Any] = []
         for _, namespace, name, value in bindings:
             if type(namespace) is FunctionParts:
                 parts[name][0].append(namespace.function)
                 parts[name][1].append(value)
+                continue
+            if type(namespace) is ClosureCells:  # the cells themselves, read in one C-level ``map``
+                self._cells.append(namespace.cells[name])
+                self._cell_values.append(value)
                 continue
             group = groups.setdefault(id(namespace), (namespace, [], [], []))
             if value is MISSING:
@@ -116,6 +126,8 @@ class CodeCheck:
             for part, functions, held in self._parts:
                 if not all(map(operator.is_, map(part, functions), held)):
                     return False
+            if not all(map(operator.is_, map(_CONTENTS, self._cells), self._cell_values)):
+                return False  # (an emptied cell raises: changed too)
         except Exception:  # noqa: BLE001 - a name gone, or a registry that cannot be read: changed
             return False
         return True

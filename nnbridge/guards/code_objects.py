@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
+import os
 import re
 import sys
 import sysconfig
 import types
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,6 +117,21 @@ def is_plumbing(value: Any) -> bool:
         value = value.func if isinstance(value, functools.partial) else value.__func__
     module = getattr(value, "__module__", None) or ""
     return module.split(".")[0] in ("nnbridge", "nnsight")
+
+
+def _package_folder(name: str) -> str:
+    spec = importlib.util.find_spec(name)
+    return str(Path(spec.origin).parent) + os.sep if spec is not None and spec.origin else "\0"
+
+
+#: The folders of nnbridge's and nnsight's code (see :func:`plumbing_code`).
+_PLUMBING_FOLDERS = (_package_folder("nnbridge"), _package_folder("nnsight"))
+
+
+def plumbing_code(function: types.FunctionType) -> bool:
+    """Whether ``function``'s code is nnbridge's or nnsight's, by the file it was defined in (a
+    wrapper made with ``functools.wraps`` has the wrapped function's ``__module__``)."""
+    return function.__code__.co_filename.startswith(_PLUMBING_FOLDERS)
 
 
 def variable_names(code: types.CodeType) -> Iterator[str]:

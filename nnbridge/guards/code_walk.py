@@ -1,8 +1,9 @@
 """The walk over code: from the classes and functions it is given, every function their code
 reaches, each as a digest entry and each lookup that found it as a binding (:mod:`.bindings`).
 
-A function leads on to its closure cells, the function under a wrapper (``__wrapped__``) and
-every global name its code (nested functions included) reads: one holding a function, a class
+A function leads on to the function under a wrapper (``__wrapped__``), every global name its code
+(nested functions included) reads and its closure cells, read alike (:class:`~.bindings.ClosureCells`;
+of nnbridge's and nnsight's own wrappers only the code they hold): one holding a function, a class
 (its methods) or a mapping of them is followed; one holding a plain value, a tensor, a container
 of plain values, a ``contextvars.ContextVar`` or an object of settings is an entry by value and a
 binding. A class's method is followed once some code reached reads its name, or at once when it
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .bindings import ENVIRONMENT, FUNCTION_PARTS, MISSING, Binding, ContextValue, FunctionParts
+from .bindings import ENVIRONMENT, FUNCTION_PARTS, MISSING, Binding, ClosureCells, ContextValue, FunctionParts
 from .code_objects import (
     CODE_HOLDERS,
     CONTAINERS,
@@ -36,6 +37,7 @@ from .code_objects import (
     function_digest,
     global_names,
     holds_code,
+    plumbing_code,
     string_constants,
     variable_names,
     versioned,
@@ -136,13 +138,17 @@ class CodeWalk:
         if function.__defaults__ or function.__kwdefaults__:
             self.entries.append((f"{own}.__defaults__", defaults_text(function)))
         found: list[_Todo] = []
-        for cell in function.__closure__ or ():
-            try:
-                content = cell.cell_contents
-            except ValueError:  # an empty cell
+        cells, wrapper = ClosureCells(function), plumbing_code(function)
+        for name in cells.cells:
+            if name == "__class__":  # the class a method using ``super()`` is defined in: walked with it
                 continue
-            if holds_code(content):
-                found.append((f"{function.__qualname__}.<closure>", content, ()))
+            if wrapper:  # nnbridge's and nnsight's own wrappers: the code they wrap, not their bookkeeping
+                if holds_code(content := cells.get(name, MISSING)):
+                    found.append((f"{own}.<closure>.{name}", content, ()))
+            else:
+                # a closure's cells are read as globals are (``n = [0]`` counted up by ``n[0] += 1``,
+                # a ``scale`` a setter assigns with ``nonlocal``): a plain value or tensor by value
+                self.read_global(cells, name, module=f"{own}.<closure>", found=found)
         wrapped = getattr(function, "__wrapped__", None)
         if wrapped is not None:
             found.append((f"{function.__qualname__}.__wrapped__", wrapped, ()))
@@ -165,7 +171,8 @@ class CodeWalk:
                 found.extend(self.pending.pop(constant, ()))
         self.todo.extend(reversed(found))
 
-    def read_global(self, namespace: dict[str, Any], name: str, *, module: str, found: list[_Todo]) -> None:
+    def read_global(self, namespace: Mapping[str, Any] | ClosureCells, name: str, *, module: str,
+                    found: list[_Todo]) -> None:
         """What the global ``name`` of ``module`` (its ``namespace``), read by a function's code,
         holds: code to follow (appended to ``found``), or a value that is an entry and a binding."""
         if name not in namespace:

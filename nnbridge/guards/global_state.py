@@ -12,9 +12,9 @@ The globals watched are those the code walk (:mod:`.code_walk`, from :mod:`.mode
 the modules' code reading (a name of a function's code, transitively through helpers) that hold a
 plain value, a tensor, or a list, tuple, set or dict of them, and such values held as attributes
 of a global object of settings (``STATE.calls += 1``) or of a class the code names
-(``Flags.calls += 1``). Not watched: a global
-the code creates (absent when bridged), one holding another kind of object (``LOG = Recorder()``
-with a list inside), a write reached only through an attribute chain.
+(``Flags.calls += 1``), or in a closure cell of a function the code reaches (``n[0] += 1``).
+Not watched: a global the code creates (absent when bridged), one holding another kind of object
+(``LOG = Recorder()`` with a list inside), a write reached only through an attribute chain.
 
 :class:`GlobalValues` is both the watch (:meth:`~GlobalValues.changed`, per module call while
 exporting) and the undo (:meth:`~GlobalValues.restore`, after extraction's own eager runs and
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..compat.torch.capture import tensor_version
-from .bindings import MISSING, Binding
+from .bindings import MISSING, Binding, ClosureCells
 from .model_code import walked
 from .plain_values import PLAIN_TYPES, plain_value, snapshot
 
@@ -44,13 +44,13 @@ _CONTAINERS = (list, dict, set)
 
 def value_bindings(model: torch.nn.Module) -> list[tuple[Binding, type | None]]:
     """The bindings of :func:`~.code_check.code_bindings` whose namespace is a module's globals,
-    an object's ``__dict__`` or a class's attributes (``(binding, the class)`` for those; None
-    else): what :class:`GlobalValues` watches and restores."""
+    a function's closure cells, an object's ``__dict__`` or a class's attributes (``(binding, the
+    class)`` for those; None else): what :class:`GlobalValues` watches and restores."""
     walk = walked(model)
     unique: dict[tuple[int, Any], tuple[Binding, type | None]] = {}
     for binding in walk.bindings:
         namespace = binding[1]
-        if type(namespace) is dict or id(namespace) in walk.owners:
+        if type(namespace) in (dict, ClosureCells) or id(namespace) in walk.owners:
             unique.setdefault((id(namespace), binding[2]), (binding, walk.owners.get(id(namespace))))
     return list(unique.values())
 
