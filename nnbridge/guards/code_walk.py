@@ -44,6 +44,7 @@ from .code_objects import (
     wrapper_of,
 )
 from .plain_values import canonical_repr, plain_value, tensor_digest
+from .rng_objects import generator_state
 
 #: Mappings with more entries than this are not read (a registry of functions is small).
 _MAPPING_LIMIT = 512
@@ -201,6 +202,11 @@ class CodeWalk:
             self.bindings.append((where_found, namespace, name, value))
             self.entries.append((f"{where_found}.get()", repr(held["value"])))
             self.bindings.append((f"{where_found}.get()", held, "value", held["value"]))
+        elif generator_state(value) is not None:
+            # a random generator object (``RNG = random.Random(0)``): by identity; a forward drawing
+            # from it runs its own code, and extraction's runs put its state back (see global_state)
+            self.entries.append((where_found, type(value).__qualname__))
+            self.bindings.append((where_found, namespace, name, value))
         elif settings_object(value):
             # a global object of settings (``STATE = SimpleNamespace(enabled=False)``, a
             # dataclass, an instance of the script's own class): its plain attributes

@@ -12,7 +12,9 @@ The globals watched are those the code walk (:mod:`.code_walk`, from :mod:`.mode
 the modules' code reading (a name of a function's code, transitively through helpers) that hold a
 plain value, a tensor, or a list, tuple, set or dict of them, and such values held as attributes
 of a global object of settings (``STATE.calls += 1``) or of a class the code names
-(``Flags.calls += 1``), or in a closure cell of a function the code reaches (``n[0] += 1``).
+(``Flags.calls += 1``), or in a closure cell of a function the code reaches (``n[0] += 1``);
+and random generator objects read these ways or held by an object a module holds (their state,
+through :mod:`.rng_objects`: a draw is a write).
 Not watched: a global the code creates (absent when bridged), one holding another kind of object
 (``LOG = Recorder()`` with a list inside), a write reached only through an attribute chain.
 
@@ -37,6 +39,7 @@ from ..compat.torch.capture import tensor_version
 from .bindings import MISSING, Binding, ClosureCells
 from .model_code import walked
 from .plain_values import PLAIN_TYPES, plain_value, snapshot
+from .rng_objects import generator_state, same_generator_state, set_generator_state
 
 #: Containers whose contents are watched and restored in place.
 _CONTAINERS = (list, dict, set)
@@ -57,7 +60,8 @@ def value_bindings(model: torch.nn.Module) -> list[tuple[Binding, type | None]]:
 
 def _watched(value: Any) -> bool:
     return (isinstance(value, (*PLAIN_TYPES, torch.Tensor))
-            or (isinstance(value, (*_CONTAINERS, tuple)) and plain_value(value, tensors=True)))
+            or (isinstance(value, (*_CONTAINERS, tuple)) and plain_value(value, tensors=True))
+            or generator_state(value) is not None)
 
 
 class GlobalValues:
@@ -86,12 +90,15 @@ class GlobalValues:
                 result.append((value, tensor_version(value), kept))
             elif isinstance(value, _CONTAINERS):
                 result.append((value, snapshot(value), copy.copy(value)))
+            elif (state := generator_state(value)) is not None:
+                result.append((value, state, state))
             else:
                 result.append((value, value, None))
         return result
 
     def changed(self, before: list[tuple[Any, Any, Any]]) -> str | None:
-        """The first global (``module.NAME``) that differs from ``before`` (a :meth:`state`), or None."""
+        """The first global (``module.NAME``) that differs from ``before`` (a :meth:`state`), or
+        None; for a random generator object drawn from, ``"the state of module.NAME (Random)"``."""
         for (where, namespace, name), (value, compared, _) in zip(self.entries, before):
             now = namespace.get(name, MISSING)
             if isinstance(value, torch.Tensor):
@@ -101,6 +108,8 @@ class GlobalValues:
                 return where
             elif isinstance(value, _CONTAINERS) and not value == compared:
                 return where
+            elif (state := generator_state(value)) is not None and not same_generator_state(state, compared):
+                return f"the state of {where} ({type(value).__name__})"
         return None
 
     def restore(self) -> None:
@@ -124,6 +133,9 @@ class GlobalValues:
                 if contents is not None and not torch.equal(value, contents):
                     with torch.no_grad():
                         value.copy_(contents)
+            elif generator_state(value) is not None:
+                if not same_generator_state(generator_state(value), contents):
+                    set_generator_state(value, contents)
             elif isinstance(value, list):
                 value[:] = contents
             elif isinstance(value, (dict, set)):

@@ -31,6 +31,7 @@ from .bindings import MISSING
 from .code_objects import BUILTINS, CODE_HOLDERS, CONTAINERS, PLAIN_READ, PLAIN_READ_TYPES, is_plumbing, wrapper_of
 from .code_walk import CodeWalk
 from .plain_values import canonical_repr, config_like, plain_value
+from .rng_objects import generator_state
 
 #: Module attributes that are another library's or torch's bookkeeping, never followed as held objects.
 _NOT_HELD = frozenset({NNSIGHT_STATE}) | ACCELERATE_ATTRIBUTES
@@ -43,7 +44,8 @@ def held_object(name: str, value: Any) -> bool:
     and that no other guard covers: an instance of any class (a plain class, a callable object, a
     numpy scalar) that is not a module, tensor, class, function, built-in, Python module, plain
     value or container of them (:class:`~.module_state.StateGuard` guards those by value), nor a
-    config (guarded by value with its nested configs), nor nnbridge's or nnsight's own plumbing."""
+    config (guarded by value with its nested configs), nor a random generator object (module
+    state, see :mod:`.preservation`), nor nnbridge's or nnsight's own plumbing."""
     if name in _NOT_HELD or (name.startswith("__") and name.endswith("__")):
         return False
     if isinstance(value, (type, types.ModuleType, torch.nn.Module, torch.Tensor, *CODE_HOLDERS, *BUILTINS,
@@ -51,6 +53,8 @@ def held_object(name: str, value: Any) -> bool:
         return False
     if isinstance(value, CONTAINERS) or is_plumbing(value) or is_plumbing(type(value)) or wrapper_of(value) is not None:
         return False  # (a wrapper object, such as a functools.lru_cache one, is followed as code)
+    if generator_state(value) is not None:
+        return False  # a random generator object: its state is module state (see .preservation)
     return not config_like(name, value)
 
 
@@ -138,8 +142,10 @@ def follow_held(walk: CodeWalk) -> None:
             followed.append((where, value))
             attributes = _namespace(value)
             for attribute, item in _attributes(value):
+                # (a random generator object it holds: watched and put back as a global's is, see .global_state)
                 if held_object(attribute, item) or type(item) in PLAIN_READ or isinstance(item, torch.Tensor) or (
-                        isinstance(item, CONTAINERS) and plain_value(item, tensors=True)):
+                        isinstance(item, CONTAINERS) and plain_value(item, tensors=True)) \
+                        or generator_state(item) is not None:
                     walk.objects.append((f"{where}.{attribute}", attributes, attribute, item))
     # a name the code reads that an object does not hold (a class attribute read through it,
     # ``self.hp.offset``; a ``getattr(obj, "bias", 0.0)`` default): the object must not get one

@@ -1,13 +1,16 @@
-"""Random generator objects a module holds: ``self.rng = random.Random(0)``,
-``np.random.default_rng(0)``, ``np.random.RandomState(0)``, ``torch.Generator().manual_seed(0)``.
+"""Random generator objects a model's code draws from: ``random.Random(0)``,
+``np.random.default_rng(0)``, ``np.random.RandomState(0)``, ``torch.Generator().manual_seed(0)``,
+held by a module (``self.rng``), by a plain object it holds (``self.cfg.rng``), or read as a module
+global or from a closure cell.
 
 A forward drawing from one changes the generator's state, a Python side effect a graph does not
 repeat (a graph would keep the numbers drawn while it was extracted), and extraction's own runs
 would draw from it too. :func:`generator_state` reads such an object's state (through each
 library's public state API), :func:`same_generator_state` compares two states and
 :func:`set_generator_state` puts one back, so that
-:class:`~nnbridge.guards.preservation.ModuleState` finds the draws and puts the state back after
-each of extraction's runs, as it does for the global RNGs.
+:class:`~nnbridge.guards.preservation.ModuleState` (a module's own attributes) and
+:class:`~nnbridge.guards.global_state.GlobalValues` (the others) find the draws and put the state
+back after each of extraction's runs, as is done for the global RNGs.
 
 Example::
 

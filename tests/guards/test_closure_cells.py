@@ -19,7 +19,7 @@ import nnbridge
 from nnbridge.guards.bindings import ClosureCells
 from nnbridge.guards.code_digest import code_digest
 from nnbridge.inplace.bridging import bridge_of
-from tests.utils import Outer
+from utils import Outer
 
 
 def list_counter() -> Callable[[], float]:
@@ -148,3 +148,30 @@ def test_closure_cells_as_a_namespace():
         assert cells["value"] == 1
         return read
     assert late()() == 1
+
+
+def test_the_code_check_sees_a_cell_assigned_anew_or_emptied():
+    from nnbridge.guards.code_check import CodeCheck, code_bindings
+
+    def factory() -> tuple[torch.nn.Module, Callable[[float], None], Callable[[], None]]:
+        scale = 2.0
+
+        def apply(y: torch.Tensor) -> torch.Tensor:
+            return y * scale
+
+        def assign(value: float) -> None:
+            nonlocal scale
+            scale = value
+
+        def empty() -> None:
+            nonlocal scale
+            del scale
+        return Scaled(apply), assign, empty
+
+    for change in ("assigned", "emptied"):
+        module, assign, empty = factory()
+        check = CodeCheck(code_bindings(module))
+        assert check.holds() and check.what_changed() is None
+        assign(3.0) if change == "assigned" else empty()
+        assert not check.holds()
+        assert check.what_changed().endswith("factory.<locals>.apply.<closure>.scale was replaced")
