@@ -28,6 +28,14 @@ def _generator(kind):
             "torch": lambda: torch.Generator().manual_seed(0)}[kind]()
 
 
+def _draw(kind, rng, h):
+    if kind == "torch":
+        return h + torch.rand(4, generator=rng)
+    if kind == "random":
+        return h * rng.random()
+    return h * float(rng.normal() if kind == "numpy" else rng.randn())
+
+
 class Noisy(nn.Module):
     """Adds noise drawn from the generator it holds."""
 
@@ -38,12 +46,7 @@ class Noisy(nn.Module):
         self.rng = _generator(kind)
 
     def forward(self, x):
-        h = self.lin(x)
-        if self.kind == "torch":
-            return h + torch.rand(4, generator=self.rng)
-        if self.kind == "random":
-            return h * self.rng.random()
-        return h * float(self.rng.normal() if self.kind == "numpy" else self.rng.randn())
+        return _draw(self.kind, self.rng, self.lin(x))
 
 
 @pytest.mark.parametrize("front", ["bridge", "patchable_graph"])
@@ -68,14 +71,6 @@ def test_draws_from_a_held_generator_equal_eager_from_the_first_call(kind, front
 
 #: generators read as module globals (each test gets new ones, see ``fresh_generators``)
 PY_RNG, NP_RNG, NP_STATE, TORCH_RNG = (_generator(kind) for kind in ("random", "numpy", "RandomState", "torch"))
-
-
-def _draw(kind, rng, h):
-    if kind == "torch":
-        return h + torch.rand(4, generator=rng)
-    if kind == "random":
-        return h * rng.random()
-    return h * float(rng.normal() if kind == "numpy" else rng.randn())
 
 
 class GlobalNoisy(nn.Module):
