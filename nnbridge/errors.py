@@ -8,9 +8,11 @@ class NNBridgeError(Exception):
 
 
 class ExtractionError(NNBridgeError):
-    """A module could not be turned into a graph and the options forbid the opaque fallback.
+    """A module could not be turned into a graph and the options forbid the opaque fallback; or,
+    in every mode, a module's eager code gives other outputs on two runs from the same state (state
+    nnbridge cannot read or put back, see :mod:`nnbridge.extract.repeat_check`).
 
-    The original exception is attached as ``__cause__``.
+    The original exception, if any, is attached as ``__cause__``.
     """
 
 

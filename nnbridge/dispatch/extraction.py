@@ -63,6 +63,7 @@ from ..store.memory_cache import PROGRAM_RECORD, memory_cache
 from ..extract.options import ExtractionOptions
 from ..extract.progress import Stages, shows_progress
 from ..extract.recording import record_calls
+from ..extract.repeat_check import Fingerprint, check_repeatable, fingerprint
 from ..extract import sibling_roots
 from ..extract.sibling_roots import CallShape, RootWatch, SharedRoot
 from ..extract.cache_rebinding import rebind_cache_state
@@ -135,9 +136,10 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         ExtractionError: with ``error_on_compilation_failure``: a module could not be exported,
             its graph would differ from its code, building its graph module raised, its custom
             extraction function raised, or (``allow_unused_submodules`` off) it was never called;
-            in every mode: a custom extraction function returned a malformed graph, or extraction's
+            in every mode: a custom extraction function returned a malformed graph, extraction's
             eager run changed a parameter in place (see
-            :func:`~nnbridge.guards.preservation.preserved_state`).
+            :func:`~nnbridge.guards.preservation.preserved_state`), or two eager runs of the call
+            from the same state gave other outputs (see :mod:`nnbridge.extract.repeat_check`).
     """
     # extraction changes shared state (hooks, forwards, parameters while tracing) for its duration:
     # another thread entering any of the model's modules waits (see .locking)
@@ -413,8 +415,10 @@ class _RootExport:
         # (calls of layers only compared for reuse are outlined, their tensors not kept: see
         # .reuse_plan.compared_call; building records again the call of one it makes opaque)
         compared = (set(candidates.siblings) | candidates.representatives()) - set(self.stubs)
+        returned: list[Any] = []  # the recording run's output: the second run of the repeat check
         self.calls = record_calls(module, recorded, args, kwargs=kwargs, outlined={
-            fqn: compared_call(cache_index(candidates, fqn)) for fqn in compared}) if recorded else {}
+            fqn: compared_call(cache_index(candidates, fqn)) for fqn in compared},
+            output=returned) if recorded else {}
         self.plan = confirm_reuse(module, candidates, {fqn: self.calls.pop(fqn, []) for fqn in compared})
         if self.record is not None and self.record.reuse != self.plan.siblings:
             # a record keeps the siblings its export stubbed; the plan is derived again for this call
@@ -424,9 +428,11 @@ class _RootExport:
                 if opaque is not None:
                     return opaque
                 stubbed = recorded | set(self.stubs)
-                self.calls = record_calls(module, stubbed, args, kwargs=kwargs) if stubbed else {}
+                returned.clear()
+                self.calls = record_calls(module, stubbed, args, kwargs=kwargs, output=returned) if stubbed else {}
             else:  # the export fell back to per-layer export for this call before: so does this build
                 self.plan = ReusePlan()
+        self._check_repeatable(returned)
         # a skipped module called with a cache is traced through (its new cache state must reach its
         # caller's graph) and only shown as opaque; the others are stubbed while exporting
         self.traced = {fqn for fqn in self.stubs if self.stubs[fqn] == StubKind.SKIPPED
@@ -444,8 +450,23 @@ class _RootExport:
                                   errors=self.errors)
         if self.eager.root is None:
             return None
+        self._check_repeatable([])
         self.bar.close()
         return _opaque_root(self.ctx, self.module, self.args, kwargs=self.kwargs, root=self.eager.root)
+
+    def _check_repeatable(self, returned: list[Any]) -> None:
+        """Compare the output of the eager findings' run with that of a second run from the same
+        state (:func:`~nnbridge.extract.repeat_check.check_repeatable`): ``returned`` holds the
+        recording run's output when one was made, which serves unless the two ran under other grad
+        modes and the code reads grad mode (the check then runs the call itself)."""
+        eager = self.eager
+        if eager is None or eager.printed is None:  # a record's stubs were taken, or the eager run raised
+            return
+        same_mode = not self.ctx.grad_enabled or eager.grad_reads == []
+        second = fingerprint(returned[0]) if returned and same_mode else None
+        returned.clear()
+        check_repeatable(self.module, self.args, self.kwargs, first=eager.printed, second=second,
+                         grad_enabled=self.ctx.grad_enabled, path=self.ctx.path)
 
     def _take(self, record: programs.ProgramRecord) -> None:
         """Use ``record``'s program and stubs."""
@@ -612,12 +633,14 @@ class _RootExport:
 class _EagerStubs(NamedTuple):
     """What :func:`_eager_stubs` added: modules traced through though shown opaque, those of them
     whose grad-mode changes are ignored, and why the root itself is opaque (reason, error, fix) or
-    None; and the modules whose code read grad mode (``EagerFindings.grad_reads``)."""
+    None; the modules whose code read grad mode (``EagerFindings.grad_reads``); and the
+    fingerprint of the run's output (None when the run raised: see :mod:`..extract.repeat_check`)."""
 
     traced: set[str]
     frozen: set[str]
     root: tuple[str, BaseException, str | None] | None
     grad_reads: list[str] | None = None
+    printed: Fingerprint | None = None
 
 
 def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[Any, ...], *, kwargs: dict[str, Any],
@@ -626,6 +649,8 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
     :func:`~nnbridge.extract.eager_checks.eager_findings`), before the first export instead of
     after it failed."""
     found = eager_findings(module, args, kwargs, grad_enabled=ctx.grad_enabled)
+    printed = fingerprint(found.output[0]) if found.output else None
+    found = found._replace(output=())
     traced: set[str] = set()
     frozen: set[str] = set()
     # modules that change grad mode: traced through with the change ignored from the first export
@@ -633,7 +658,7 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
     for fqn in found.grad_mode:
         grad_change = UnfaithfulCaptureError(GRAD_MODE_REASON, grad_mode=True)
         if fqn == "":  # no caller's graph to trace it into: the module runs eagerly, as after its export failed
-            return _EagerStubs(traced, frozen, (describe_failure(grad_change), grad_change, None))
+            return _EagerStubs(traced, frozen, (describe_failure(grad_change), grad_change, None), printed=printed)
         if fqn not in stubs:
             stubs[fqn], errors[fqn] = describe_failure(grad_change), grad_change
             traced.add(fqn)
@@ -643,7 +668,7 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
     for fqn in found.capturing:
         capturing = CapturingOutputs(fqn)
         if fqn == "":
-            return _EagerStubs(traced, frozen, (describe_failure(capturing), capturing, None))
+            return _EagerStubs(traced, frozen, (describe_failure(capturing), capturing, None), printed=printed)
         if fqn not in stubs:
             stubs[fqn], errors[fqn] = describe_failure(capturing), capturing
     # modules whose eager call may take a native fast path (nn.MultiheadAttention in eval mode
@@ -652,7 +677,7 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
         fast = UnfaithfulCaptureError(f"may run the native fast path {op} in eager code (eval mode, no grad), which a"
                                       " trace does not take: a graph would compute the Python path's numbers")
         if fqn == "":
-            return _EagerStubs(traced, frozen, (describe_failure(fast), fast, None))
+            return _EagerStubs(traced, frozen, (describe_failure(fast), fast, None), printed=printed)
         if fqn not in stubs:
             stubs[fqn], errors[fqn] = describe_failure(fast), fast
     # modules in which transformers skipped an sdpa mask that a graph would build, while another
@@ -662,7 +687,7 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
     for fqn in found.mask_skips if replaced else ():
         skip = UnfaithfulCaptureError(mask_skip_reason(replaced), fix=MASK_SKIP_FIX)
         if fqn == "":
-            return _EagerStubs(traced, frozen, (describe_failure(skip), skip, MASK_SKIP_FIX))
+            return _EagerStubs(traced, frozen, (describe_failure(skip), skip, MASK_SKIP_FIX), printed=printed)
         if fqn not in stubs:
             stubs[fqn], errors[fqn] = describe_failure(skip), skip
             traced.add(fqn)
@@ -675,10 +700,10 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
         for fqn in fqns:
             error = UnfaithfulCaptureError(reason)
             if fqn == "":
-                return _EagerStubs(traced, frozen, (describe_failure(error), error, None))
+                return _EagerStubs(traced, frozen, (describe_failure(error), error, None), printed=printed)
             if fqn not in stubs:
                 stubs[fqn], errors[fqn] = describe_failure(error), error
-    return _EagerStubs(traced, frozen, None, found.grad_reads)
+    return _EagerStubs(traced, frozen, None, found.grad_reads, printed)
 
 
 def _opaque_root(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[Any, ...], *, kwargs: dict[str, Any],

@@ -54,14 +54,14 @@ def _run_with_call_stack(module: torch.nn.Module, args: tuple[Any, ...], kwargs:
                          grad_enabled: bool, active: list[str], watches: Sequence[contextlib.AbstractContextManager[Any]],
                          boundary: Callable[[], None] | None = None,
                          entering: Callable[[str, Any, Any], None] | None = None,
-                         leaving: Callable[[], None] | None = None) -> bool:
+                         leaving: Callable[[], None] | None = None, output: list[Any] | None = None) -> bool:
     """One eager run of the call under ``grad_enabled`` with ``watches`` entered, keeping ``active``
     the stack of the running modules' paths (the root is ``""``) and calling ``boundary()`` at every
     module-call boundary, before the stack changes, ``entering(path, args, kwargs)`` as a
     module is entered (``active`` still its caller's) and ``leaving()`` as it returns (``active``
     still its own). Module state and random state are put back
-    after the run (:func:`~nnbridge.guards.preservation.preserved_state`). False when the run
-    raised."""
+    after the run (:func:`~nnbridge.guards.preservation.preserved_state`). The run's output is
+    appended to ``output``. False when the run raised."""
     from ..graph.module_tree import named_real_modules
     from .recording import observed_run
     from ..graph.kinds import HookKind
@@ -88,9 +88,11 @@ def _run_with_call_stack(module: torch.nn.Module, args: tuple[Any, ...], kwargs:
         with contextlib.ExitStack() as stack:  # (the run puts module state back itself)
             for watch in watches:
                 stack.enter_context(watch)
-            observed_run(module, args, kwargs, hooks=hooks, grad=grad_enabled, reset=active.clear)
+            returned = observed_run(module, args, kwargs, hooks=hooks, grad=grad_enabled, reset=active.clear)
     except Exception:  # noqa: BLE001 - the callers fall back to what export finds
         return False
+    if output is not None:
+        output.append(returned)
     return True
 
 
@@ -153,6 +155,7 @@ class EagerFindings(NamedTuple):
         argument_writes: paths of the modules (the root ``""`` included) that write into a
             container their call was passed, and of the callers it passed through
             (:mod:`.argument_writes`, :data:`ARGUMENT_WRITE_REASON`).
+        output: ``(what the run returned,)``; ``()`` when the run raised.
     """
 
     grad_mode: list[str]
@@ -165,6 +168,7 @@ class EagerFindings(NamedTuple):
     seeding: list[str] = []
     state_reads: list[str] = []
     argument_writes: list[str] = []
+    output: tuple[Any, ...] = ()
 
 
 #: the reason of a module whose code reads or assigns ``tensor.data`` (found by :func:`eager_findings`)
@@ -263,9 +267,10 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     watches = (grad_mode_changes(marker(grad_mode), on_enable=read), mask_skips_seen(skipped), data_accesses(touched),
                grad_mode_reads(read, on_unwatched=lambda: unwatched.append(True), on_autograd=marker(autograd_reads),
                                on_seeding=marker(seeding), on_query=marker(state_reads)))
+    output: list[Any] = []
     if not _run_with_call_stack(module, args, kwargs, grad_enabled=grad_enabled, active=active, watches=watches,
-                                entering=entering, leaving=lambda: writes.leaving(active)):
+                                entering=entering, leaving=lambda: writes.leaving(active), output=output):
         return EagerFindings([], [])
     return EagerFindings(list(grad_mode), list(mask_skips), list(capturing), list(fast_paths.items()),
                          list(data_access), None if unwatched else list(grad_reads), list(autograd_reads),
-                         list(seeding), list(state_reads), list(writes.writers))
+                         list(seeding), list(state_reads), list(writes.writers), tuple(output))

@@ -45,7 +45,7 @@ def copy_inputs(value: Any) -> Any:
 def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  *, hooks: list[tuple[torch.nn.Module, HookKind, Callable[..., None]]], grad: bool = False,
                  around: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
-                 reset: Callable[[], None] = lambda: None) -> None:
+                 reset: Callable[[], None] = lambda: None) -> Any:
     """One eager run of ``module`` on copies of the inputs (a cache would be mutated), with
     temporary hooks: ``(submodule, HookKind, fn)``, both with kwargs. No grad unless ``grad``
     (then the hooks see the ``requires_grad`` of the values a real call in grad mode passes).
@@ -55,7 +55,7 @@ def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     ``around()`` is entered just around the call (after the state to restore is taken).
     The run leaves no trace (:func:`~.preservation.preserved_state`): the next run or export
     starts from the module's state before it, as the user's call will (a forward that unmerges an
-    adapter and clears its flag unmerges again in each).
+    adapter and clears its flag unmerges again in each). Returns what the module returned.
 
     Raises:
         ExtractionError: the run changed a parameter in place other than through ``.data``.
@@ -70,28 +70,32 @@ def observed_run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
             handles.append(register(fn, with_kwargs=True))
         try:
             with torch.set_grad_enabled(grad), preserved_state(list(named_real_modules(module))), around():
-                module(*copy_inputs(args), **copy_inputs(kwargs))
+                return module(*copy_inputs(args), **copy_inputs(kwargs))
         except Exception as error:
             if grad or not torch.is_grad_enabled() or isinstance(error, NNBridgeError):
                 raise
             reset()
             with preserved_state(list(named_real_modules(module))), around():
-                module(*copy_inputs(args), **copy_inputs(kwargs))
+                return module(*copy_inputs(args), **copy_inputs(kwargs))
     finally:
         for handle in handles:
             handle.remove()
 
 
+#: how a call of a module only compared is recorded (see :func:`record_calls`)
+Outline = Callable[[tuple[Any, ...], dict[str, Any]], Callable[[Any], Any]]
+
+
 def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
-                 *, kwargs: dict[str, Any],
-                 outlined: Mapping[str, Callable[[tuple[Any, ...], dict[str, Any]], Callable[[Any], Any]]] | None = None
-                 ) -> dict[str, list[Any]]:
+                 *, kwargs: dict[str, Any], outlined: Mapping[str, Outline] | None = None,
+                 output: list[Any] | None = None) -> dict[str, list[Any]]:
     """One eager run recording ``(args, kwargs, output)`` of every call of the named submodules;
     the inputs are copied before the call (a cache argument is updated by it). A call of a module
     named in ``outlined`` is recorded as ``outlined[fqn](args, kwargs)(output)`` instead, the first
     part taken before the call, the second after it, on the values themselves (for modules whose
     calls are only compared, see :func:`.reuse_plan.compared_call`: copies of every decoder layer's
-    inputs and outputs would be held until the run ends)."""
+    inputs and outputs would be held until the run ends). The run's own output is appended to
+    ``output``."""
     calls: dict[str, list[Any]] = defaultdict(list)
     pending: dict[str, list[Any]] = defaultdict(list)
     outlined = outlined or {}
@@ -112,7 +116,9 @@ def record_calls(module: torch.nn.Module, fqns: set[str], args: tuple[Any, ...],
         pending.clear()
     hooks = [(module.get_submodule(fqn), kind, hook(fqn))
              for fqn in fqns for kind, hook in ((HookKind.PRE, before), (HookKind.POST, after))]
-    observed_run(module, args, kwargs, hooks=hooks, reset=reset)
+    returned = observed_run(module, args, kwargs, hooks=hooks, reset=reset)
+    if output is not None:
+        output.append(returned)
     return calls
 
 

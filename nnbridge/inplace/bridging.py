@@ -815,7 +815,8 @@ def bridge(model: torch.nn.Module, *example_args: Any, options: ExtractionOption
         NNBridgeError: ``model`` is already bridged (call :func:`unbridge` first).
         ExtractionError: a module has a ``forward`` set on the instance (see
             :func:`~.module_tree.refuse_instance_forwards`), nothing done; or extraction failed
-            and ``options.error_on_compilation_failure`` is set.
+            and ``options.error_on_compilation_failure`` is set; or a module's eager code gives
+            other outputs on two runs from the same state (:mod:`nnbridge.extract.repeat_check`).
             The model is left exactly as it was.
     """
     if BRIDGE_KEY in model.__dict__:
