@@ -419,6 +419,7 @@ class _RootExport:
         self.calls = record_calls(module, recorded, args, kwargs=kwargs, outlined={
             fqn: compared_call(cache_index(candidates, fqn)) for fqn in compared},
             output=returned) if recorded else {}
+        second = fingerprint(returned.pop()) if returned else None
         self.plan = confirm_reuse(module, candidates, {fqn: self.calls.pop(fqn, []) for fqn in compared})
         if self.record is not None and self.record.reuse != self.plan.siblings:
             # a record keeps the siblings its export stubbed; the plan is derived again for this call
@@ -428,11 +429,11 @@ class _RootExport:
                 if opaque is not None:
                     return opaque
                 stubbed = recorded | set(self.stubs)
-                returned.clear()
                 self.calls = record_calls(module, stubbed, args, kwargs=kwargs, output=returned) if stubbed else {}
+                second = fingerprint(returned.pop()) if returned else None
             else:  # the export fell back to per-layer export for this call before: so does this build
                 self.plan = ReusePlan()
-        self._check_repeatable(returned)
+        self._check_repeatable(second)
         # a skipped module called with a cache is traced through (its new cache state must reach its
         # caller's graph) and only shown as opaque; the others are stubbed while exporting
         self.traced = {fqn for fqn in self.stubs if self.stubs[fqn] == StubKind.SKIPPED
@@ -450,23 +451,23 @@ class _RootExport:
                                   errors=self.errors)
         if self.eager.root is None:
             return None
-        self._check_repeatable([])
+        self._check_repeatable(None)
         self.bar.close()
         return _opaque_root(self.ctx, self.module, self.args, kwargs=self.kwargs, root=self.eager.root)
 
-    def _check_repeatable(self, returned: list[Any]) -> None:
+    def _check_repeatable(self, recorded: Fingerprint | None) -> None:
         """Compare the output of the eager findings' run with that of a second run from the same
-        state (:func:`~nnbridge.extract.repeat_check.check_repeatable`): ``returned`` holds the
-        recording run's output when one was made, which serves unless the two ran under other grad
-        modes and the code reads grad mode (the check then runs the call itself)."""
+        state (:func:`~nnbridge.extract.repeat_check.check_repeatable`): ``recorded`` is the
+        fingerprint of the recording run's output when one was made, which serves unless
+        the two ran under other grad modes and the code reads grad mode (the check then runs the
+        call itself)."""
         eager = self.eager
         if eager is None or eager.printed is None:  # a record's stubs were taken, or the eager run raised
             return
         same_mode = not self.ctx.grad_enabled or eager.grad_reads == []
-        second = fingerprint(returned[0]) if returned and same_mode else None
-        returned.clear()
-        check_repeatable(self.module, self.args, self.kwargs, first=eager.printed, second=second,
-                         grad_enabled=self.ctx.grad_enabled, path=self.ctx.path)
+        check_repeatable(self.module, self.args, self.kwargs, first=eager.printed,
+                         second=recorded if same_mode else None, grad_enabled=self.ctx.grad_enabled,
+                         path=self.ctx.path)
 
     def _take(self, record: programs.ProgramRecord) -> None:
         """Use ``record``'s program and stubs."""

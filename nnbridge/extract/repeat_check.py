@@ -16,8 +16,9 @@ run (:func:`~.recording.record_calls`) when extraction makes one, so the check u
 of its own. Outputs are compared by :func:`fingerprint`: a tensor on the CPU by its sizes, dtype and
 the CRC-32 of its bytes (not held twice: a model's logits can be hundreds of MB); a tensor on
 another device by a copy, within ``rtol=1e-3, atol=1e-5`` (kernels may add in another order on each
-run, as CUDA's atomic ``index_add_``); Python numbers, strings, bytes, ``None`` and booleans with
-``==``. Other objects in an output (that ``torch.utils._pytree`` does not flatten) are not
+run, as CUDA's atomic ``index_add_``; a difference there is only a warning, unless
+``torch.use_deterministic_algorithms(True)`` is on: a model routing tokens by top-k, say, may route
+them otherwise); Python numbers, strings, bytes, ``None`` and booleans with ``==``. Other objects in an output (that ``torch.utils._pytree`` does not flatten) are not
 compared. State read only every few calls (``if next(self.counter) % 100 == 0``) is not found.
 
 Example::
@@ -36,13 +37,14 @@ from __future__ import annotations
 
 import ctypes
 import math
+import warnings
 import zlib
 from typing import Any, NamedTuple
 
 import torch
 
 from ..compat.torch.pytree import pytree
-from ..errors import ExtractionError
+from ..errors import ExtractionError, NNBridgeWarning
 from ..graph.kinds import HookKind
 from .recording import observed_run
 
@@ -64,9 +66,11 @@ class _Bits(NamedTuple):
 
 
 class _Held(NamedTuple):
-    """A copy of a tensor off the CPU (compared within a tolerance, see :func:`same_tensor`)."""
+    """A copy of a tensor not read as bytes: a tensor subclass (compared exactly on the CPU), a
+    tensor on another device (within a tolerance, see :func:`same_tensor`)."""
 
     tensor: torch.Tensor
+    exact: bool
 
 
 class _Plain(NamedTuple):
@@ -110,7 +114,7 @@ def _leaf_print(leaf: Any) -> Any:
                 size = data.numel() * data.element_size()
                 crc = zlib.crc32((ctypes.c_char * size).from_address(data.data_ptr())) if size else 0
                 return _Bits(data.shape, data.dtype, crc)
-            return _Held(leaf.detach().clone())
+            return _Held(leaf.detach().clone(), leaf.device.type == "cpu")
         except (RuntimeError, NotImplementedError, TypeError):  # a tensor that cannot be read (a subclass)
             return None
     if isinstance(leaf, _PLAIN):
@@ -130,13 +134,21 @@ def _same_leaf(first: Any, second: Any) -> bool:
     if type(first) is not type(second):
         return False
     if isinstance(first, _Held):
-        return same_tensor(first.tensor, second.tensor, exact=False)
+        return same_tensor(first.tensor, second.tensor, exact=first.exact)
     if isinstance(first, _Plain):
         a, b = first.value, second.value
         if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
             return True
         return type(a) is type(b) and bool(a == b)
     return bool(first == second)  # _Bits, or None (not compared)
+
+
+def certain(printed: Fingerprint) -> bool:
+    """Whether a difference from ``printed`` shows state out of reach for certain: every tensor of
+    the output is compared exactly (on the CPU), or ``torch.use_deterministic_algorithms(True)``
+    is on. Else kernels on another device may have given other numbers on each run."""
+    return torch.are_deterministic_algorithms_enabled() \
+        or all(leaf.exact for leaf in printed.leaves if isinstance(leaf, _Held))
 
 
 def same_fingerprint(first: Fingerprint, second: Fingerprint) -> bool:
@@ -192,7 +204,9 @@ def check_repeatable(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dic
                      path: str = "") -> None:
     """Compare the fingerprints of two eager runs' outputs of the call, each from the same state (as
     :func:`~.recording.observed_run` runs it: copies of the inputs, state put back). When they
-    differ, two more runs with hooks on every module name the module, and this raises.
+    differ, two more runs with hooks on every module name the module, and this raises; or, when the
+    difference is not :func:`certain` (a tensor on another device than the CPU, without
+    ``torch.use_deterministic_algorithms(True)``), warns.
 
     Args:
         module, args, kwargs: the call.
@@ -202,9 +216,13 @@ def check_repeatable(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dic
         path: the module's NodePath prefix, for the message (``""`` for a bridged model's root).
 
     Raises:
-        ExtractionError: the outputs differ; the message names the module (its NodePath and class)
-            and :data:`HIDDEN_STATE_FIX`.
+        ExtractionError: the outputs differ, :func:`certain`; the message names the module (its
+            NodePath and class) and :data:`HIDDEN_STATE_FIX`.
         Exception: what the module's code raised in a run made here.
+
+    Warns:
+        NNBridgeWarning: the outputs differ, not :func:`certain`: the same message, and that the
+            device's kernels may also differ on each run.
     """
     if second is None:
         second = fingerprint(observed_run(module, args, kwargs, hooks=[], grad=grad_enabled))
@@ -214,8 +232,11 @@ def check_repeatable(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dic
                                _events(module, args, kwargs, grad_enabled=grad_enabled))
     target = module.get_submodule(culprit) if culprit else module
     full = ".".join(part for part in (path, culprit) if part) or "<root>"
-    raise ExtractionError(
-        f"'{full}' ({type(target).__name__}) gives other outputs on two runs from the same module state, random"
-        " state and inputs: its forward keeps state nnbridge cannot read or put back (an iterator such as"
-        " itertools.count, a generator, a C object, the clock). A graph would keep one run's values, and"
-        f" extraction's own runs have already advanced that state. {HIDDEN_STATE_FIX}")
+    message = (f"'{full}' ({type(target).__name__}) gives other outputs on two runs from the same module state,"
+               " random state and inputs: its forward keeps state nnbridge cannot read or put back (an iterator such"
+               " as itertools.count, a generator, a C object, the clock). A graph would keep one run's values, and"
+               f" extraction's own runs have already advanced that state. {HIDDEN_STATE_FIX}")
+    if certain(first):
+        raise ExtractionError(message)
+    warnings.warn(f"{message} (Off the CPU its kernels may also give other numbers on each run; under"
+                  " torch.use_deterministic_algorithms(True) this is an error.)", NNBridgeWarning, stacklevel=2)

@@ -16,7 +16,8 @@ from torch import nn
 
 import nnbridge
 from nnbridge import ExtractionError, PatchableGraph
-from nnbridge.extract.repeat_check import differing_module, fingerprint, same_fingerprint, same_tensor
+from nnbridge.extract import repeat_check
+from nnbridge.extract.repeat_check import certain, differing_module, fingerprint, same_fingerprint, same_tensor
 from nnbridge.inplace.bridging import bridge_of
 from utils import Outer
 
@@ -213,6 +214,36 @@ def test_fingerprints_of_cuda_tensors_compare_within_a_tolerance():
     t = torch.ones(4, device="cuda")
     assert _same(t, t + 1e-7)
     assert not _same(t, t * 2)
+    assert not certain(fingerprint(t))
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass (held as a copy, not read as bytes)."""
+
+
+def test_a_difference_is_certain_on_the_cpu_or_under_deterministic_algorithms():
+    assert certain(fingerprint((torch.ones(2), 3)))
+    assert certain(fingerprint(torch.ones(2).as_subclass(Marked)))  # a copy, compared exactly on the CPU
+    assert not _same(torch.ones(2).as_subclass(Marked), (torch.ones(2) + 1e-7).as_subclass(Marked))
+    meta = fingerprint(torch.empty(2, device="meta"))
+    assert not certain(meta)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert certain(meta)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def test_an_uncertain_difference_warns_naming_the_module(monkeypatch):
+    """Off the CPU a difference may come from the kernels: a warning with the same message."""
+    monkeypatch.setattr(repeat_check, "certain", lambda printed: False)
+    model = Outer(Counted())
+    with pytest.warns(nnbridge.NNBridgeWarning, match=r"'inner' \(Counted\) gives other outputs .*under"
+                                                     r" torch.use_deterministic_algorithms\(True\) this is an error"):
+        nnbridge.bridge(model, torch.randn(2, 4))
+    assert bridge_of(model) is not None
+    nnbridge.unbridge(model)
 
 
 def test_differing_module():
