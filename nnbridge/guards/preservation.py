@@ -240,6 +240,12 @@ def snapshot(modules: list[tuple[str, torch.nn.Module]], clone: bool) -> dict[st
     return {path: ModuleState(module, clone) for path, module in modules}
 
 
+def cuda_devices() -> list[int]:
+    """The CUDA devices whose RNG extraction's runs must leave as they were: every device once
+    CUDA is initialized (a model or input on one initializes it), else none."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+
 @contextlib.contextmanager
 def python_rngs_kept() -> Iterator[None]:
     """Put Python's ``random`` and numpy's global RNG (when numpy is imported) back as they were
@@ -258,8 +264,8 @@ def python_rngs_kept() -> Iterator[None]:
 @contextlib.contextmanager
 def preserved_state(modules: list[tuple[str, torch.nn.Module]], keep_new_attributes: bool = False) -> Iterator[None]:
     """Run the body (extraction's eager runs) and put every parameter, buffer, module attribute,
-    registered child, ``training`` flag, the CPU RNG and the Python and numpy RNGs back as they were, also when the
-    body raises. Parameters and buffers written through ``.data`` (no version-counter bump) are put
+    registered child, ``training`` flag, the CPU RNG, the RNG of every CUDA device (once CUDA is
+    initialized) and the Python and numpy RNGs back as they were, also when the body raises. Parameters and buffers written through ``.data`` (no version-counter bump) are put
     back too (see :mod:`.data_writes`). With ``keep_new_attributes``, module attributes the body
     created are left in place (a warm-up run that may bridge modules it reaches).
 
@@ -271,7 +277,7 @@ def preserved_state(modules: list[tuple[str, torch.nn.Module]], keep_new_attribu
     globals_read = GlobalValues(modules[0][1]) if modules else None
     writes = DataWrites(tensor for _, module in modules
                         for tensor in (*parameters_of(module).values(), *buffers_of(module).values()))
-    with torch.random.fork_rng(devices=[]), python_rngs_kept(), data_accesses(writes.seen):
+    with torch.random.fork_rng(devices=cuda_devices()), python_rngs_kept(), data_accesses(writes.seen):
         try:
             yield
         finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -145,6 +146,27 @@ def test_state_nnbridge_puts_back_is_bridged_and_equals_eager():
     try:
         for _ in range(3):
             assert torch.equal(model(x), reference(x))
+    finally:
+        nnbridge.unbridge(model)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_bridging_draws_nothing_from_torch_rngs_and_warns_nothing(device):
+    """Extraction's runs put the CPU's and every CUDA device's RNG back, so the repeat check sees
+    the same dropout masks, and the first call after ``bridge()`` draws what eager code draws."""
+    torch.manual_seed(0)
+    model = Outer(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))).to(device).train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4, device=device)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nnbridge.NNBridgeWarning)
+        nnbridge.bridge(model, x)
+    try:
+        bridged = model(x)
+        torch.manual_seed(1)
+        assert torch.equal(bridged, reference(x))
     finally:
         nnbridge.unbridge(model)
 
