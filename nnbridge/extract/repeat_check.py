@@ -6,9 +6,9 @@ run: ``next(self.counter)`` of an ``itertools.count``, a Python generator, a C e
 the clock. A graph would keep the values one of extraction's runs computed, and extraction's own
 runs have advanced that state, so no graph and no eager run of that module can equal an untouched
 model's calls: extraction raises :class:`~nnbridge.errors.ExtractionError` naming the module whose
-code computed the first differing value. Module attributes, buffers, parameters, random generators
-and the globals a module's code reads are put back after every run
-(:func:`~nnbridge.guards.preservation.preserved_state`,
+code computed the first differing value (a warning instead off the CPU, see below). Module
+attributes, buffers, parameters, random generators and the globals a module's code reads are put
+back after every run (:func:`~nnbridge.guards.preservation.preserved_state`,
 :class:`~nnbridge.guards.global_state.GlobalValues`), so they never differ here.
 
 The first run is the one :func:`~.eager_checks.eager_findings` makes, the second the recording
@@ -18,8 +18,9 @@ the CRC-32 of its bytes (not held twice: a model's logits can be hundreds of MB)
 another device by a copy, within ``rtol=1e-3, atol=1e-5`` (kernels may add in another order on each
 run, as CUDA's atomic ``index_add_``; a difference there is only a warning, unless
 ``torch.use_deterministic_algorithms(True)`` is on: a model routing tokens by top-k, say, may route
-them otherwise); Python numbers, strings, bytes, ``None`` and booleans with ``==``. Other objects in an output (that ``torch.utils._pytree`` does not flatten) are not
-compared. State read only every few calls (``if next(self.counter) % 100 == 0``) is not found.
+them otherwise); Python numbers, strings, bytes, ``None`` and booleans with ``==``. Other objects
+in an output (that ``torch.utils._pytree`` does not flatten) are not compared. State read only
+every few calls (``if next(self.counter) % 100 == 0``) is not found.
 
 Example::
 
@@ -217,26 +218,36 @@ def check_repeatable(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dic
 
     Raises:
         ExtractionError: the outputs differ, :func:`certain`; the message names the module (its
-            NodePath and class) and :data:`HIDDEN_STATE_FIX`.
-        Exception: what the module's code raised in a run made here.
+            NodePath and class; the call's module when a run naming it raised, that error as
+            ``__cause__``) and :data:`HIDDEN_STATE_FIX`.
+        Exception: what the module's code raised in the second run, when made here.
 
     Warns:
         NNBridgeWarning: the outputs differ, not :func:`certain`: the same message, and that the
             device's kernels may also differ on each run.
     """
+    from ..graph.module_tree import named_real_modules
+
     if second is None:
         second = fingerprint(observed_run(module, args, kwargs, hooks=[], grad=grad_enabled))
     if same_fingerprint(first, second):
         return
-    culprit = differing_module(_events(module, args, kwargs, grad_enabled=grad_enabled),
-                               _events(module, args, kwargs, grad_enabled=grad_enabled))
-    target = module.get_submodule(culprit) if culprit else module
+    failure: Exception | None = None
+    try:
+        culprit = differing_module(_events(module, args, kwargs, grad_enabled=grad_enabled),
+                                   _events(module, args, kwargs, grad_enabled=grad_enabled))
+    except Exception as error:  # noqa: BLE001 - a run naming the module raised (an iterator ran out)
+        culprit, failure = "", error  # (the call's module is named)
+    target = dict(named_real_modules(module)).get(culprit, module)
     full = ".".join(part for part in (path, culprit) if part) or "<root>"
     message = (f"'{full}' ({type(target).__name__}) gives other outputs on two runs from the same module state,"
                " random state and inputs: its forward keeps state nnbridge cannot read or put back (an iterator such"
                " as itertools.count, a generator, a C object, the clock). A graph would keep one run's values, and"
                f" extraction's own runs have already advanced that state. {HIDDEN_STATE_FIX}")
+    if failure is not None:
+        detail = f": {failure}" if str(failure) else ""
+        message += f" (A further run to name the module raised {type(failure).__name__}{detail}.)"
     if certain(first):
-        raise ExtractionError(message)
+        raise ExtractionError(message) from failure
     warnings.warn(f"{message} (Off the CPU its kernels may also give other numbers on each run; under"
                   " torch.use_deterministic_algorithms(True) this is an error.)", NNBridgeWarning, stacklevel=2)

@@ -359,3 +359,22 @@ def test_a_forward_reading_grad_mode_is_run_again_under_its_grad_mode(grad, monk
         finally:
             nnbridge.unbridge(model)
     assert runs == ([1] if grad else [])
+
+
+class RunsOut(nn.Module):
+    """Scales by the next of two numbers: a third run raises StopIteration."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.numbers = iter([1.0, 2.0])
+
+    def forward(self, x):
+        return self.lin(x) * next(self.numbers)
+
+
+def test_a_run_naming_the_module_that_raises_names_the_call():
+    with pytest.raises(ExtractionError, match=r"'<root>' \(Outer\) gives other outputs .* \(A further run to name"
+                                              r" the module raised StopIteration\.\)") as raised:
+        nnbridge.bridge(Outer(RunsOut()), torch.randn(2, 4))
+    assert isinstance(raised.value.__cause__, StopIteration)
