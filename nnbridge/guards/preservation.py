@@ -265,8 +265,9 @@ def python_rngs_kept() -> Iterator[None]:
 def preserved_state(modules: list[tuple[str, torch.nn.Module]], keep_new_attributes: bool = False) -> Iterator[None]:
     """Run the body (extraction's eager runs) and put every parameter, buffer, module attribute,
     registered child, ``training`` flag, the CPU RNG, the RNG of every CUDA device (once CUDA is
-    initialized) and the Python and numpy RNGs back as they were, also when the body raises. Parameters and buffers written through ``.data`` (no version-counter bump) are put
-    back too (see :mod:`.data_writes`). With ``keep_new_attributes``, module attributes the body
+    initialized) and the Python and numpy RNGs back as they were, also when the body raises.
+    Parameters and buffers written through ``.data`` (no version-counter bump) are put back too
+    (see :mod:`.data_writes`). With ``keep_new_attributes``, module attributes the body
     created are left in place (a warm-up run that may bridge modules it reaches).
 
     Raises:
