@@ -19,8 +19,8 @@ another device by a copy, within ``rtol=1e-3, atol=1e-5`` (kernels may add in an
 run, as CUDA's atomic ``index_add_``; a difference there is only a warning, unless
 ``torch.use_deterministic_algorithms(True)`` is on: a model routing tokens by top-k, say, may route
 them otherwise); Python numbers, strings, bytes, ``None`` and booleans with ``==``. Other objects
-in an output (that ``torch.utils._pytree`` does not flatten) are not compared. State read only
-every few calls (``if next(self.counter) % 100 == 0``) is not found.
+in an output (that torch's pytree, :mod:`nnbridge.compat.torch.pytree`, does not flatten) are not
+compared. State read only every few calls (``if next(self.counter) % 100 == 0``) is not found.
 
 Example::
 
@@ -83,7 +83,7 @@ class _Plain(NamedTuple):
 class Fingerprint(NamedTuple):
     """What :func:`same_fingerprint` compares of an output: its pytree structure and, per leaf, a
     :class:`_Bits`, :class:`_Held` or :class:`_Plain`, or None for a leaf that is not compared (an
-    object ``torch.utils._pytree`` does not flatten, a tensor that cannot be copied)."""
+    object torch's pytree does not flatten, a tensor that cannot be copied)."""
 
     spec: Any
     leaves: tuple[Any, ...]
