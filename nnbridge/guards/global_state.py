@@ -39,6 +39,7 @@ from ..compat.torch.capture import tensor_version
 from .bindings import MISSING, Binding, ClosureCells
 from .model_code import walked
 from .plain_values import PLAIN_TYPES, plain_value, snapshot
+from .reached_state import copy_container, put_back, reached, same_container
 from .rng_objects import generator_state, same_generator_state, set_generator_state
 
 #: Containers whose contents are watched and restored in place.
@@ -78,6 +79,13 @@ class GlobalValues:
         #: per entry the class whose attribute it is (assigned with setattr), or None
         self.owners = [owner for _, owner in found]
         self.saved = self.state(keep=True)
+        # the containers and tensors nested inside watched containers (``LOG[0].append(x)``,
+        # :mod:`.reached_state`): put back too
+        inside = reached([(where, value) for (where, _, _), (value, _, _) in zip(self.entries, self.saved)
+                          if isinstance(value, (*_CONTAINERS, tuple))], set())
+        self.nested = [(r.value, r.value.detach().clone() if isinstance(r.value, torch.Tensor)
+                        else copy_container(r.value))
+                       for r in inside if isinstance(r.value, torch.Tensor) or copy_container(r.value) is not None]
 
     def state(self, keep: bool = False) -> list[tuple[Any, Any, Any]]:
         """Per global ``(value, snapshot for comparison, copy for restoring)``; a tensor's copy of
@@ -114,8 +122,8 @@ class GlobalValues:
 
     def restore(self) -> None:
         """Put every global back as it was when this object was made: the same object under each
-        name, a tensor's values and a container's contents as they were (in place, so code holding
-        it sees them)."""
+        name, a tensor's values and a container's contents as they were, and those of the
+        containers and tensors nested inside it (in place, so code holding them sees them)."""
         for (_, namespace, name), owner, (value, _, contents) in zip(self.entries, self.owners, self.saved):
             if value is MISSING:
                 if owner is not None:
@@ -141,3 +149,10 @@ class GlobalValues:
             elif isinstance(value, (dict, set)):
                 value.clear()
                 value.update(contents)
+        for value, contents in self.nested:
+            if isinstance(value, torch.Tensor):
+                if not torch.equal(value, contents):
+                    with torch.no_grad():
+                        value.copy_(contents)
+            elif not same_container(value, contents):
+                put_back(value, contents)

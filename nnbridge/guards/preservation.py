@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence, MutableSet, Set as AbstractSet
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,73 +29,58 @@ from ..graph.module_tree import POINT_TYPES
 from .data_writes import DataWrites
 from .global_state import GlobalValues
 from .plain_values import config_like
+from .reached_state import copy_container, put_back, reached, same_container
 from .rng_objects import generator_state, same_generator_state, set_generator_state
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
 #: while extracting; ``_parameters``, ``_buffers`` and ``training`` are compared separately.
 _INTERNAL = (frozenset(torch.nn.Module().__dict__) | {"forward", "node_path"} | NNSIGHT_MODULE_ATTRIBUTES
              | MODEL_STATE_ATTRIBUTES)
-_CONTAINERS = (list, dict, set)
-
-
-def _copy_container(value: Any) -> Any:
-    """A shallow copy, as a list, dict or set, of a mutable container (any ``MutableSequence``,
-    ``MutableMapping`` or ``MutableSet``: a ``deque`` history, an ``OrderedDict``); None otherwise."""
-    if type(value) in _CONTAINERS:
-        return type(value)(value)
-    if isinstance(value, MutableMapping):
-        return dict(value)
-    if isinstance(value, MutableSet):
-        return set(value)
-    return list(value) if isinstance(value, MutableSequence) else None
-
-
-def _put_back(value: Any, copied: Any) -> None:
-    """Give the container ``value`` the items of its copy ``copied`` (see :func:`_copy_container`), in
-    place (a ``deque`` keeps its ``maxlen``), through the abstract methods of its ABC only (a
-    registered ``array.array`` has no ``clear``)."""
-    if isinstance(value, MutableMapping):
-        for key in list(value):
-            del value[key]
-        for key, item in copied.items():
-            value[key] = item
-    elif isinstance(value, MutableSet):
-        for item in list(value):
-            value.discard(item)
-        for item in copied:
-            value.add(item)
-    else:
-        while len(value):
-            value.pop()
-        for item in copied:
-            value.append(item)
 
 
 class ModuleState:
-    """A shallow snapshot of one module's state: parameters and buffers (object, version and, when
+    """A snapshot of one module's state: parameters and buffers (object, version and, when
     ``clone``, a copy of the buffer's values), ``training``, its other ``__dict__`` entries
     (object, plus a shallow copy of mutable containers: lists, dicts, sets, deques; the state of
-    random generator objects: :mod:`.rng_objects`), its registered children (op points aside) and
-    the modules it holds as instance attributes."""
+    random generator objects: :mod:`.rng_objects`), a shallow copy of every container and held
+    object's ``__dict__`` they reach and the tensors and random generator objects inside them
+    (:mod:`.reached_state`; objects already in ``seen`` are left out, and those reached added), its
+    registered children (op points aside) and the modules it holds as instance attributes."""
 
-    def __init__(self, module: torch.nn.Module, clone: bool):
+    def __init__(self, module: torch.nn.Module, clone: bool, seen: set[int] | None = None):
         self.module = module
         self.training = module.training
         self.parameters = {n: (p, None if p is None else tensor_version(p)) for n, p in parameters_of(module).items()}
         self.buffers = {n: (b, None if b is None else tensor_version(b), b.detach().clone()
                             if clone and b is not None and not b.is_meta else None) for n, b in buffers_of(module).items()}
-        self.attributes = {k: (v, _copy_container(v)) for k, v in module.__dict__.items()
+        self.attributes = {k: (v, copy_container(v)) for k, v in module.__dict__.items()
                            if k not in _INTERNAL and not isinstance(v, torch.nn.Module)}
-        # plain tensor attributes (not parameters or buffers; index None) and tensors one level
-        # inside list/tuple/dict attributes (their index or key), and config-like objects: their
-        # contents, which in-place writes (``self.acc.add_(x)``, ``self.slots[0].add_(x)``,
-        # ``self.config.scale = 2``) change
-        self.tensors = {(k, i): (t, tensor_version(t), t.detach().clone() if clone else None)
-                        for k, (v, _) in self.attributes.items() for i, t in _held_tensors(v)}
+        # what the attributes reach (see .reached_state): containers nested at any depth, held
+        # objects' and nested configs' ``__dict__``, tensors and random generator objects inside them,
+        # which writes (``self.log[0].append(x)``, ``self.acc[0].add_(x)``) change in place
+        seen = set() if seen is None else seen
+        # and the mutable containers its classes hold (``self.history.append(x)`` of a class
+        # attribute ``history = []``), in the first snapshot of a module of that class only
+        own = [cls for cls in type(module).__mro__ if _own_class(cls) and id(cls) not in seen]
+        classes = [(f"{cls.__qualname__}.{k}", v) for cls in own for k, v in list(vars(cls).items())
+                   if not k.startswith("__") and copy_container(v) is not None and id(v) not in seen]
+        seen.update([*(id(cls) for cls in own), *(id(v) for _, v in classes)])
+        inside = reached([(k, v) for k, (v, _) in self.attributes.items()] + classes, seen)
+        self.nested = {(r.name, r.where): (r.value, copied) for r in inside
+                       if (copied := copy_container(r.value)) is not None}
+        self.nested.update({(where, where): (value, copy_container(value)) for where, value in classes})
+        # plain tensor attributes (not parameters or buffers; where None) and the tensors reached
+        # inside attributes, and config-like objects: their contents (``self.config.scale = 2``)
+        self.tensors = {(k, where): (t, tensor_version(t), t.detach().clone() if clone else None)
+                        for k, where, t in [(k, None, v) for k, (v, _) in self.attributes.items()
+                                            if isinstance(v, torch.Tensor)]
+                        + [(r.name, r.where, r.value) for r in inside if isinstance(r.value, torch.Tensor)]}
         self.configs = {k: (v, dict(vars(v))) for k, (v, _) in self.attributes.items() if config_like(k, v)}
         # random generator objects it holds (``self.rng = random.Random(0)``): a draw changes their state
-        self.generators = {k: (v, state) for k, (v, _) in self.attributes.items()
+        self.generators = {(k, k): (v, state) for k, (v, _) in self.attributes.items()
                            if (state := generator_state(v)) is not None}
+        self.generators.update({(r.name, r.where): (r.value, state) for r in inside
+                                if (state := generator_state(r.value)) is not None})
         # its children (a forward that appends a block to its ModuleList changes this), without the
         # op points a bridge registers; and the modules it holds unregistered, as instance
         # attributes (an alias extraction hides from the registry, see module_tree.aliases_hidden):
@@ -121,8 +106,21 @@ class ModuleState:
                 found.append(f"deletes attribute '{name}'")
             elif current[name] is not value:
                 found.append(f"sets attribute '{name}'")
-            elif copied is not None and not _same_container(value, copied):
+            elif copied is not None and not same_container(value, copied):
                 found.append(f"mutates attribute '{name}' ({type(value).__name__})")
+        mutated: set[str] = set()
+        for (name, where), (value, copied) in self.nested.items():
+            if name not in self.attributes:  # a class attribute (or inside one)
+                if name not in mutated and not same_container(value, copied):
+                    mutated.add(name)
+                    found.append(f"mutates its class attribute '{name}' ({type(value).__name__})" if name == where
+                                 else f"mutates '{where}' inside its class attribute '{name}' ({type(value).__name__})")
+            elif name not in mutated and current.get(name) is self.attributes[name][0] \
+                    and not same_container(value, copied):
+                mutated.add(name)
+                found.append(f"sets an attribute of '{where.removesuffix('.__dict__')}' inside its attribute '{name}'"
+                             if where.endswith(".__dict__") else
+                             f"mutates '{where}' inside its attribute '{name}' ({type(value).__name__})")
         held: set[str] = set()
         for (name, index), (tensor, version, _) in self.tensors.items():
             if tensor_version(tensor) == version:
@@ -133,13 +131,16 @@ class ModuleState:
                 held.add(name)
                 found.append(f"writes a tensor held in its attribute '{name}' in place")
         for name, (config, values) in self.configs.items():
-            if current.get(name) is config and not _same_container(vars(config), values):
+            if current.get(name) is config and not same_container(vars(config), values):
                 found.append(f"sets a value of its config-like attribute '{name}'")
-        for name, (generator, state) in self.generators.items():
-            if current.get(name) is generator and not same_generator_state(generator_state(generator), state):
-                found.append(f"draws from its random generator attribute '{name}' ({type(generator).__name__})")
+        for (name, where), (generator, state) in self.generators.items():
+            if (name not in self.attributes or current.get(name) is self.attributes[name][0]) \
+                    and not same_generator_state(generator_state(generator), state):
+                found.append(f"draws from its random generator attribute '{name}' ({type(generator).__name__})"
+                             if name == where else f"draws from the random generator '{where}' inside its attribute"
+                             f" '{name}' ({type(generator).__name__})")
         children = _children(module)
-        if not _same_container(children, self.children):
+        if not same_container(children, self.children):
             changed = sorted(name for name in children.keys() | self.children.keys()
                              if children.get(name) is not self.children.get(name))
             found.append(f"adds, removes or replaces its child modules {changed}")
@@ -172,14 +173,17 @@ class ModuleState:
             del module.__dict__[name]
         for name, (value, copied) in self.attributes.items():
             module.__dict__[name] = value
-            if copied is not None and not _same_container(value, copied):
-                _put_back(value, copied)
+            if copied is not None and not same_container(value, copied):
+                put_back(value, copied)
+        for value, copied in self.nested.values():
+            if not same_container(value, copied):
+                put_back(value, copied)
         for tensor, version, copy in self.tensors.values():
             if copy is not None and (tensor_version(tensor) != version or not torch.equal(tensor, copy)):
                 with torch.no_grad():
                     tensor.copy_(copy)
         for config, values in self.configs.values():
-            if not _same_container(vars(config), values):
+            if not same_container(vars(config), values):
                 vars(config).clear()
                 vars(config).update(values)
         for generator, state in self.generators.values():
@@ -191,7 +195,7 @@ class ModuleState:
     def restore_children(self) -> None:
         """Put the registered children (op points registered since stay) and the modules held as
         instance attributes back as they were."""
-        if not _same_container(_children(self.module), self.children):
+        if not same_container(_children(self.module), self.children):
             registry = modules_of(self.module)
             points = {name: child for name, child in registry.items() if isinstance(child, POINT_TYPES)}
             registry.clear()
@@ -203,41 +207,22 @@ class ModuleState:
                 state[name] = child
 
 
+def _own_class(cls: type) -> bool:
+    """A module class whose attributes a snapshot copies: not ``object``, nor torch's own classes
+    (``nn.Module``, ``nn.Linear``), whose class attributes are torch's bookkeeping."""
+    return cls is not object and not cls.__module__.startswith("torch.")
+
+
 def _children(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
     """``module``'s registered children, without op points."""
     return {name: child for name, child in modules_of(module).items() if not isinstance(child, POINT_TYPES)}
 
 
-def _held_tensors(value: Any) -> list[tuple[Any, torch.Tensor]]:
-    """``(None, value)`` for a tensor, ``(index or key, tensor)`` for the tensors directly inside a
-    list, tuple or dict; [] otherwise."""
-    if isinstance(value, torch.Tensor):
-        return [(None, value)]
-    if type(value) in (list, tuple):
-        return [(i, t) for i, t in enumerate(value) if isinstance(t, torch.Tensor)]
-    if type(value) is dict:
-        return [(k, t) for k, t in value.items() if isinstance(t, torch.Tensor)]
-    return []
-
-
-def _same_item(a: Any, b: Any) -> bool:
-    # (an ``array.array`` boxes a new number on each read: numbers compare by value)
-    return a is b or (type(a) is type(b) and type(a) in (int, float, complex, bool) and a == b)
-
-
-def _same_container(value: Any, copied: Any) -> bool:
-    if len(value) != len(copied):
-        return False
-    if isinstance(value, Mapping):
-        return value.keys() == copied.keys() and all(_same_item(value[k], copied[k]) for k in value)
-    if isinstance(value, AbstractSet):
-        return value == copied
-    return all(_same_item(a, b) for a, b in zip(value, copied))
-
-
 def snapshot(modules: list[tuple[str, torch.nn.Module]], clone: bool) -> dict[str, ModuleState]:
-    """``{path: ModuleState}`` for ``(path, module)`` pairs."""
-    return {path: ModuleState(module, clone) for path, module in modules}
+    """``{path: ModuleState}`` for ``(path, module)`` pairs; an object reached from several
+    modules' attributes (a shared config) is in the state of the first only."""
+    seen: set[int] = set()
+    return {path: ModuleState(module, clone, seen) for path, module in modules}
 
 
 def cuda_devices() -> list[int]:
