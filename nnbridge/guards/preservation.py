@@ -29,7 +29,7 @@ from ..graph.module_tree import POINT_TYPES
 from .data_writes import DataWrites
 from .global_state import GlobalValues
 from .plain_values import config_like
-from .reached_state import copy_container, put_back, reached, same_container
+from .reached_state import copy_container, put_back, reached, same_container, writable_array
 from .rng_objects import generator_state, same_generator_state, set_generator_state
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
@@ -43,7 +43,8 @@ class ModuleState:
     ``clone``, a copy of the buffer's values), ``training``, its other ``__dict__`` entries
     (object, plus a shallow copy of mutable containers: lists, dicts, sets, deques; the state of
     random generator objects: :mod:`.rng_objects`), a shallow copy of every container and held
-    object's ``__dict__`` they reach and the tensors and random generator objects inside them
+    object's ``__dict__`` they reach, the tensors and random generator objects inside them, the
+    bytes of arrays (a numpy array attribute) and the mutable containers of its classes
     (:mod:`.reached_state`; objects already in ``seen`` are left out, and those reached added), its
     registered children (op points aside) and the modules it holds as instance attributes."""
 
@@ -76,6 +77,9 @@ class ModuleState:
                                             if isinstance(v, torch.Tensor)]
                         + [(r.name, r.where, r.value) for r in inside if isinstance(r.value, torch.Tensor)]}
         self.configs = {k: (v, dict(vars(v))) for k, (v, _) in self.attributes.items() if config_like(k, v)}
+        # arrays (a numpy array attribute, ``self.counts += ...``): their bytes
+        self.arrays = {(r.name, r.where): (r.value, view.tobytes()) for r in inside
+                       if (view := writable_array(r.value)) is not None}
         # random generator objects it holds (``self.rng = random.Random(0)``): a draw changes their state
         self.generators = {(k, k): (v, state) for k, (v, _) in self.attributes.items()
                            if (state := generator_state(v)) is not None}
@@ -130,6 +134,12 @@ class ModuleState:
             elif index is not None and name not in held:
                 held.add(name)
                 found.append(f"writes a tensor held in its attribute '{name}' in place")
+        for (name, where), (array, saved) in self.arrays.items():
+            if (name not in self.attributes or current.get(name) is self.attributes[name][0]) \
+                    and _array_bytes(array) != saved:
+                found.append(f"writes its array attribute '{name}' in place ({type(array).__name__})" if name == where
+                             else f"writes the array '{where}' inside its attribute '{name}' in place"
+                             f" ({type(array).__name__})")
         for name, (config, values) in self.configs.items():
             if current.get(name) is config and not same_container(vars(config), values):
                 found.append(f"sets a value of its config-like attribute '{name}'")
@@ -182,6 +192,10 @@ class ModuleState:
             if copy is not None and (tensor_version(tensor) != version or not torch.equal(tensor, copy)):
                 with torch.no_grad():
                     tensor.copy_(copy)
+        for array, saved in self.arrays.values():
+            view = writable_array(array)
+            if view is not None and view.nbytes == len(saved) and view != saved:
+                view[:] = saved
         for config, values in self.configs.values():
             if not same_container(vars(config), values):
                 vars(config).clear()
@@ -205,6 +219,11 @@ class ModuleState:
         for name, child in self.held.items():
             if state.get(name) is not child:
                 state[name] = child
+
+
+def _array_bytes(array: Any) -> bytes | None:
+    view = writable_array(array)
+    return None if view is None else view.tobytes()
 
 
 def _own_class(cls: type) -> bool:

@@ -1,7 +1,9 @@
 """State a module reaches through its attributes: the mutable containers nested inside an
 attribute's value (``self.log = [[]]``, ``self.seen = {"ids": set()}``, a ``deque`` in a list),
-the attribute dicts of the plain objects and configs found there (``self.ns.items``), and the
-tensors and random generator objects (:mod:`.rng_objects`) held anywhere inside them.
+the attribute dicts of the plain objects and configs found there (``self.ns.items``), the
+tensors and random generator objects (:mod:`.rng_objects`) held anywhere inside them, and arrays
+held as attributes or inside them (``self.counts = np.zeros(8)``, ``self.counts += ...``: any
+writable object with the buffer protocol, compared and put back by its bytes).
 
 Extraction's own runs must leave such state as it was, and a forward that writes it must run its
 own code (a graph never appends to ``self.log[0]``). :class:`~.preservation.ModuleState` keeps a
@@ -12,7 +14,7 @@ of its items, as for the attribute itself).
 The walk goes through lists, tuples, dicts, sets, ``deque``\\ s and any other ``MutableSequence``,
 ``MutableMapping`` or ``MutableSet``, and through the ``__dict__`` of config-like and other held
 objects (:func:`~.plain_values.config_like`, :func:`~.held_objects.held_object`); it stops at
-modules, tensors, functions, classes and plain values. Each object is reached once per ``seen``
+modules, tensors, arrays, functions, classes and plain values. Each object is reached once per ``seen``
 set (a config shared by every layer is walked once per snapshot), and at most :data:`LIMIT`
 objects are reached from one module: state beyond that is watched by the repeat check only
 (:mod:`nnbridge.extract.repeat_check`).
@@ -34,12 +36,14 @@ from .rng_objects import generator_state
 _CONTAINERS = (list, dict, set)
 #: The most objects (containers, objects, tensors) the walk reaches from one module's attributes.
 LIMIT = 4096
+#: The most bytes of one array (:func:`writable_array`) a snapshot copies.
+ARRAY_LIMIT = 1 << 24
 
 
 class Reached(NamedTuple):
     """One object reached inside attribute ``name``: ``where`` it is (``"log[0]"``,
-    ``"ns.items"``) and the object: a mutable container, a held object's ``__dict__``, a tensor or a
-    random generator object."""
+    ``"ns.items"``) and the object: a mutable container, a held object's ``__dict__``, a tensor, a
+    random generator object or an array (:func:`writable_array`)."""
 
     name: str
     where: str
@@ -85,6 +89,8 @@ def _same_item(a: Any, b: Any) -> bool:
 
 
 def same_container(value: Any, copied: Any) -> bool:
+    """Whether the container ``value`` holds the same items as its copy ``copied`` (see
+    :func:`copy_container`): the same objects (numbers equal), under the same keys, in order."""
     if len(value) != len(copied):
         return False
     if isinstance(value, Mapping):
@@ -100,11 +106,33 @@ def _mutable(value: Any) -> bool:
 
 def _items(value: Any) -> Iterator[tuple[str, Any]]:
     """``(suffix, item)`` of a container's items or an object's attributes."""
+    if isinstance(value, (str, bytes, bytearray, memoryview)):
+        return iter(())
     if isinstance(value, Mapping):
         return ((f"[{key!r}]", item) for key, item in list(value.items()))
-    if isinstance(value, (AbstractSet, Sequence)) and not isinstance(value, (str, bytes, bytearray)):
+    if isinstance(value, (AbstractSet, Sequence, MutableSequence, MutableSet)):
         return ((f"[{index}]", item) for index, item in enumerate(list(value)))
-    return ((f".{key}", item) for key, item in list(vars(value).items()) if type(key) is str)
+    own = getattr(value, "__dict__", None)
+    return ((f".{key}", item) for key, item in list(own.items()) if type(key) is str) if isinstance(own, dict) \
+        else iter(())
+
+
+def writable_array(value: Any) -> memoryview | None:
+    """A writable, C-contiguous view of the bytes of an object other than a container that exposes
+    the buffer protocol (a numpy array, a ``ctypes`` array) of at most :data:`ARRAY_LIMIT` bytes;
+    None for anything else (a tensor, ``bytes``, a read-only or strided buffer, a larger one, an
+    array of Python objects)."""
+    if isinstance(value, (torch.Tensor, str, bytes, bytearray, memoryview)) or _mutable(value) \
+            or isinstance(value, (int, float, complex, bool, type(None))):
+        return None
+    try:
+        view = memoryview(value)
+    except (TypeError, ValueError, BufferError):
+        return None
+    # (an array of Python objects holds pointers: writing its bytes back would skip their reference counts)
+    if view.readonly or not view.c_contiguous or view.nbytes > ARRAY_LIMIT or "O" in view.format:
+        return None
+    return view.cast("B")
 
 
 def _object(value: Any) -> bool:
@@ -113,11 +141,12 @@ def _object(value: Any) -> bool:
 
 
 def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
-    """The containers, object ``__dict__``\\ s, tensors and random generator objects inside the values of ``attributes``
-    (``(name, value)`` pairs: a module's own attributes), not the values themselves, each once
-    (ids in ``seen`` are skipped, and those reached are added); a held object's ``__dict__`` is
-    given for the attribute value itself too, a config's is not (:class:`~.preservation.ModuleState`
-    copies a config attribute's ``__dict__`` already)."""
+    """The containers, object ``__dict__``\\ s, tensors, random generator objects and arrays
+    inside the values of ``attributes`` (``(name, value)`` pairs: a module's own attributes), not
+    the values themselves, each once (ids in ``seen`` are skipped, and those reached are added). An
+    array (:func:`writable_array`) and a held object's ``__dict__`` are given for an attribute's
+    value itself too; a config's ``__dict__`` is not (:class:`~.preservation.ModuleState` copies
+    a config attribute's ``__dict__`` already)."""
     found: list[Reached] = []
     stack: list[tuple[str, str, Any]] = []
     for name, value in attributes:
@@ -125,6 +154,9 @@ def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
             continue
         if _mutable(value) or isinstance(value, (tuple, frozenset)):
             stack.append((name, name, value))
+        elif writable_array(value) is not None and id(value) not in seen:
+            seen.add(id(value))
+            found.append(Reached(name, name, value))
         elif _object(value) and id(value) not in seen:
             seen.add(id(value))
             if not config_like(name, value) and held_object(name, value):
@@ -152,4 +184,7 @@ def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
                 seen.add(id(item))
                 found.append(Reached(name, f"{inner}.__dict__", vars(item)))
                 stack.append((name, inner, item))
+            elif writable_array(item) is not None:
+                seen.add(id(item))
+                found.append(Reached(name, inner, item))
     return found

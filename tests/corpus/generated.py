@@ -16,7 +16,8 @@ broke extraction before, and their neighbours:
 - the root's forward: child calls with positional/keyword arguments in any order and repeated
   arguments (``self.c0(v1, v1)``), loops over a ``ModuleList`` (``h = b(h, a)``, ``h is a`` on the
   first iteration when aliased), a child called twice, ``torch.no_grad()`` regions, in-place buffer
-  updates in training, dropout (the RNG), a Python counter, reads of a Python float, of a plain
+  updates in training, dropout (the RNG), a Python counter, a list nested in a root attribute the
+  forward appends to (and reads the length of, or not), reads of a Python float, of a plain
   object's attributes (``self.hp.scale``, ``self.hp.inner.bias``, a tensor ``self.hp.vector``), of
   a callable object (``self.act(v)``), of a numpy scalar (``self.k``), a call of a ``Linear`` kept
   out of the registry in a plain list (``self.outside[0](v)``), a child appending to a list the root
@@ -61,6 +62,10 @@ INNER_CALLS = ("pos", "kw", "kw_rev", "mixed")
 #: the number of modules in its tree (a walk of its registry), a plain object's tensor, a ``Linear``
 #: kept out of the registry, and a list the root makes and its child ``gather`` fills
 READS = ("alpha", "hp", "nested", "act", "k", "modules", "vector", "outside", "gather")
+#: where a ``"log"`` statement appends: a list nested in a list, a dict, a tuple or a
+#: ``SimpleNamespace`` the root holds (state reached inside an attribute, see nnbridge.guards.reached_state)
+LOGS = {"list": ("[[]]", "[0]"), "dict": ("{'h': []}", "['h']"), "tuple": ("([], 0)", "[0]"),
+        "namespace": ("types.SimpleNamespace(items=[])", ".items")}
 #: edits of plain objects (not modules): issue 48 item 2
 PLAIN_EDITS = ("hp_attr", "hp_replace", "nested_attr", "act_attr", "act_replace", "k_replace", "vector_write",
                "vector_replace", "outside_write", "outside_replace")
@@ -104,7 +109,9 @@ class Stmt:
     ``child``, ``h = args[0]``, each ``h = b(h, args[1])``), ``"cached"`` (over the cached layers
     ``child``, each ``h = b(h, cache)``; ``style`` ``"reversed"``: the last layer first),
     ``"read"`` (``style`` one of :data:`READS` applied to ``args[0]``), ``"buffer"``, ``"nograd"``
-    (``call`` in a no_grad region), ``"dropout"``, ``"counter"``, ``"add"``, ``"registry"`` (edits
+    (``call`` in a no_grad region), ``"dropout"``, ``"counter"``, ``"log"`` (appends the batch size
+    to a list nested in a root attribute, :data:`LOGS` ``style``, then ``args[0]``, times the
+    list's length for ``"list"`` and ``"dict"``), ``"add"``, ``"registry"`` (edits
     child ``child``'s registry by ``style``, one of :data:`REGISTRY_EDITS`, entry ``entry`` for
     ``"swap"``, from spares of block class :meth:`Program.spare_class`; then ``args[0]`` times the
     number of the root's children, or of the list's entries)."""
@@ -181,6 +188,8 @@ def alias_roots(stmts: tuple[Stmt, ...]) -> list[int]:
 
 # -- rendering ------------------------------------------------------------------------------------
 _PRELUDE = '''\
+import types
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -286,6 +295,11 @@ def _root_source(program: Program) -> tuple[str, bool]:
         elif stmt.kind == "counter":
             counter = True
             body += ["self.calls += 1", f"{new} = {args[0]} * self.calls"]
+        elif stmt.kind == "log":
+            made, reach = LOGS[stmt.style]
+            init.append(f"self.log{n} = {made}")
+            read = f" * len(self.log{n}{reach})" if stmt.style in ("list", "dict") else ""  # (others only write)
+            body += [f"self.log{n}{reach}.append({args[0]}.shape[0])", f"{new} = {args[0]}{read}"]
         elif stmt.kind == "add":
             body.append(f"{new} = {args[0]} + {args[1]}")
         elif stmt.kind == "registry":
@@ -360,6 +374,7 @@ def render(program: Program, name: str | None = None, doc: str = "") -> str:
     opening = "" if cache is None else f"    cache = new_cache({cache.blocks[0]}, sliding={bool(cache.blocks[2])})\n"
     parts.append("def script():\n" + opening + "    return [\n" + "".join(f"        {s},\n" for s in script) + "    ]")
     watched = ["m.calls"] * counter + ["m.__dict__.get('seen')"] * any(s.kind == "direct" for s in program.script)
+    watched += [f"list(m.log{n}{LOGS[s.style][1]})" for n, s in enumerate(program.stmts, start=1) if s.kind == "log"]
     attrs = f", attrs=lambda m: {watched[0]}" if len(watched) == 1 else \
         f", attrs=lambda m: ({', '.join(watched)})" if watched else ""
     parts.append(f"ENTRIES = [Entry({name!r}, Root, script, item=48, modes={program.modes!r}{attrs})]")

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 
 import nnbridge
-from corpus.generated import (BODIES, EDITS, HELD_TENSOR_EDITS, INNER_CALLS, PLAIN_EDITS, READS, REGISTRY_EDITS,
+from corpus.generated import (BODIES, EDITS, HELD_TENSOR_EDITS, INNER_CALLS, LOGS, PLAIN_EDITS, READS, REGISTRY_EDITS,
                               Block, Child, Program, Step, Stmt, alias_roots, load, render)
 from corpus.harness import FRONT_ENDS, check
 from corpus.program_parts import CACHED_KINDS
@@ -170,6 +170,8 @@ def programs(draw: st.DrawFn, excluded: frozenset[str] = frozenset(), required: 
         stmts.append(_registry_edit(draw, registry_targets, children, draw(st.integers(0, len(stmts)))))
     if draw(st.integers(0, 3)) == 0:  # a Python counter: a side effect of forward, read back
         stmts.append(Stmt("counter", (draw(st.integers(0, len(stmts))),)))
+    if draw(st.integers(0, 3)) == 0:  # a list nested in an attribute: appended to in forward, read back
+        stmts.append(Stmt("log", (draw(st.integers(0, len(stmts))),), style=draw(st.sampled_from(sorted(LOGS)))))
     if "argument_write" in required and not any(s.kind == "read" and s.style == "gather" for s in stmts):
         stmts.append(Stmt("read", (len(stmts),), style="gather"))
     last = len(stmts)
@@ -432,8 +434,8 @@ def _found_program() -> Program:
 def _opaque_root(program: Program, kind: str) -> Program:
     """``program`` with its ``nograd`` statements made plain calls, its ``direct`` steps dropped, in
     train mode, and a statement appended that makes the root opaque: ``"nograd"`` (a call in a
-    no_grad region), ``"counter"`` (``self.calls += 1``) or ``"registry"`` (``self.c<n> = spare``,
-    of a new block child ``c<n>``)."""
+    no_grad region), ``"counter"`` (``self.calls += 1``), ``"log"`` (``self.log<n>.items.append(...)``)
+    or ``"registry"`` (``self.c<n> = spare``, of a new block child ``c<n>``)."""
     stmts = tuple(dataclasses.replace(s, kind="call") if s.kind == "nograd" else s for s in program.stmts)
     children = program.children
     if kind == "registry":
@@ -441,16 +443,19 @@ def _opaque_root(program: Program, kind: str) -> Program:
         stmts += (Stmt("registry", (len(stmts),), child=len(children) - 1, style="set"),)
     elif kind == "nograd":
         stmts += (Stmt(kind, (len(stmts), len(stmts))),)
+    elif kind == "log":
+        stmts += (Stmt(kind, (len(stmts),), style="namespace"),)
     else:
         stmts += (Stmt(kind, (len(stmts),)),)
     return dataclasses.replace(program, children=children, stmts=stmts, output=("one", (len(stmts),)),
                                script=tuple(s for s in program.script if s.kind != "direct"), modes=("train",))
 
 
-@pytest.mark.parametrize("kind", ["found", "nograd", "counter", "registry"])
+@pytest.mark.parametrize("kind", ["found", "nograd", "counter", "log", "registry"])
 def test_a_class_swap_called_from_an_opaque_roots_code_equals_eager_through_nnsight(kind: str) -> None:
     """``module.__class__ = Sub`` of a child that the root's own code calls (the root is opaque: a
-    no_grad region, a Python counter, a registry edit in forward; ``found``: the corpus's program,
+    no_grad region, a Python counter, a list nested in an attribute appended to, a registry edit in
+    forward; ``found``: the corpus's program,
     with a direct call after the swap too) runs ``Sub``'s forward through the NNsight front-end, as
     eager does (plain nnsight 0.8.1 keeps the old class's: ``tests/envoys/test_module_only_traces.py``),
     with torch hooks (cold) and an output edit (warm), as :func:`run_case` runs it."""

@@ -265,3 +265,75 @@ def test_a_shared_config_is_in_the_snapshot_of_the_first_module_only():
     alone = ModuleState(second, clone=False)
     config.scales["b"] = []
     assert alone.changes() == ["mutates 'config.scales' inside its attribute 'config' (dict)"]
+
+
+class Tallies(nn.Module):
+    """Counts each output's argmax in a numpy array (``where``: an attribute, or inside a dict),
+    and scales by a numpy counter when ``reads``; logs into a ``bytearray`` inside a list."""
+
+    def __init__(self, where: str, reads: bool):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.reads = reads
+        self.tallies = np.zeros(4) if where == "attribute" else {"argmax": np.zeros(4)}
+        self.steps = np.zeros(1)
+        self.raw = [bytearray(2)]
+
+    def forward(self, x):
+        h = self.lin(x)
+        tallies = self.tallies if isinstance(self.tallies, np.ndarray) else self.tallies["argmax"]
+        tallies += np.bincount(h.argmax(-1).numpy(), minlength=4)
+        self.raw[0][0] += 1
+        if self.reads:
+            self.steps += 1
+            return h * float(self.steps[0])
+        return h
+
+
+@pytest.mark.parametrize("where", ["attribute", "inside a dict"])
+@pytest.mark.parametrize("reads", [False, True])
+def test_a_numpy_array_written_in_place_is_put_back_after_extraction_and_runs_eagerly(where, reads):
+    torch.manual_seed(0)
+    model = Outer(Tallies(where, reads))
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+
+    def tallies(net):
+        found = net.inner.tallies
+        return (found if isinstance(found, np.ndarray) else found["argmax"]).tolist()
+    nnbridge.bridge(model, x)
+    try:
+        assert tallies(model) == [0.0] * 4 and model.inner.steps.tolist() == [0.0], "extraction's runs wrote"
+        assert model.inner.raw == [bytearray(2)]
+        for _ in range(3):
+            assert torch.equal(model(x), reference(x))
+        assert tallies(model) == tallies(reference) and sum(tallies(model)) == 9
+        assert model.inner.raw == reference.inner.raw == [bytearray(b"\x03\x00")]
+        assert model.inner.steps.tolist() == reference.inner.steps.tolist()
+        assert "inner" in nnbridge.explain(model).opaque
+    finally:
+        nnbridge.unbridge(model)
+
+
+def test_writable_array_takes_writable_contiguous_buffers_within_the_limit_only(monkeypatch):
+    array = np.arange(4.0)
+    assert bytes(reached_state.writable_array(array)) == array.tobytes()
+    frozen = np.arange(4.0)
+    frozen.flags.writeable = False
+    for other in (frozen, np.arange(8.0)[::2], np.array([1, None], dtype=object), torch.zeros(2), b"ab",
+                  bytearray(2), [1.0], 3.0):
+        assert reached_state.writable_array(other) is None
+    monkeypatch.setattr(reached_state, "ARRAY_LIMIT", 8)
+    assert reached_state.writable_array(np.zeros(2)) is None and reached_state.writable_array(np.zeros(1)) is not None
+
+
+def test_a_snapshot_names_an_array_written_in_place_and_puts_its_bytes_back():
+    module = nn.Linear(2, 2)
+    module.counts, module.inside = np.zeros(2), {"n": np.zeros(1)}
+    state = ModuleState(module, clone=False)
+    module.counts += 1
+    module.inside["n"][0] = 5
+    assert state.changes() == ["writes its array attribute 'counts' in place (ndarray)",
+                               "writes the array 'inside['n']' inside its attribute 'inside' in place (ndarray)"]
+    state.restore()
+    assert module.counts.tolist() == [0.0, 0.0] and module.inside["n"].tolist() == [0.0]
