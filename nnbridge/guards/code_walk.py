@@ -43,7 +43,7 @@ from .code_objects import (
     versioned,
     wrapper_of,
 )
-from .plain_values import canonical_repr, plain_value, tensor_digest
+from .plain_values import array_digest, canonical_repr, plain_value, tensor_digest, writable_array
 from .rng_objects import generator_state
 
 #: Mappings with more entries than this are not read (a registry of functions is small).
@@ -195,6 +195,12 @@ class CodeWalk:
             # a global tensor a graph bakes in as a constant: its values are part of the digest,
             # and assigning it anew or writing it in place fails the check (see CodeCheck)
             self.entries.append((where_found, tensor_digest(value)))
+            self.bindings.append((where_found, namespace, name, value))
+        elif writable_array(value) is not None:
+            # a global array (``SCALES = np.array([2.0])``) a graph bakes in what it read of: its
+            # bytes are part of the digest, and assigning it anew or writing it in place fails the
+            # check (see CodeCheck)
+            self.entries.append((where_found, array_digest(value)))
             self.bindings.append((where_found, namespace, name, value))
         elif isinstance(value, contextvars.ContextVar):
             # a context variable (``ABLATE.get()``): its value in the calling context

@@ -38,7 +38,7 @@ import torch
 from ..compat.torch.capture import tensor_version
 from .bindings import MISSING, Binding, ClosureCells
 from .model_code import walked
-from .plain_values import PLAIN_TYPES, plain_value, snapshot
+from .plain_values import PLAIN_TYPES, plain_value, snapshot, writable_array
 from .reached_state import copy_container, put_back, reached, same_container
 from .rng_objects import generator_state, same_generator_state, set_generator_state
 
@@ -62,7 +62,7 @@ def value_bindings(model: torch.nn.Module) -> list[tuple[Binding, type | None]]:
 def _watched(value: Any) -> bool:
     return (isinstance(value, (*PLAIN_TYPES, torch.Tensor))
             or (isinstance(value, (*_CONTAINERS, tuple)) and plain_value(value, tensors=True))
-            or generator_state(value) is not None)
+            or generator_state(value) is not None or writable_array(value) is not None)
 
 
 class GlobalValues:
@@ -100,6 +100,9 @@ class GlobalValues:
                 result.append((value, snapshot(value), copy.copy(value)))
             elif (state := generator_state(value)) is not None:
                 result.append((value, state, state))
+            elif (view := writable_array(value)) is not None:  # (an array: by its bytes)
+                contents = view.tobytes()
+                result.append((value, contents, contents))
             else:
                 result.append((value, value, None))
         return result
@@ -118,6 +121,9 @@ class GlobalValues:
                 return where
             elif (state := generator_state(value)) is not None and not same_generator_state(state, compared):
                 return f"the state of {where} ({type(value).__name__})"
+            elif isinstance(compared, bytes) and (view := writable_array(value)) is not None \
+                    and view.tobytes() != compared:
+                return where
         return None
 
     def restore(self) -> None:
@@ -144,6 +150,9 @@ class GlobalValues:
             elif generator_state(value) is not None:
                 if not same_generator_state(generator_state(value), contents):
                     set_generator_state(value, contents)
+            elif isinstance(contents, bytes) and (view := writable_array(value)) is not None:
+                if view.nbytes == len(contents) and view != contents:
+                    view[:] = contents
             elif isinstance(value, list):
                 value[:] = contents
             elif isinstance(value, (dict, set)):

@@ -30,7 +30,7 @@ from ..compat.nnsight.source import NNSIGHT_STATE
 from .bindings import MISSING
 from .code_objects import BUILTINS, CODE_HOLDERS, CONTAINERS, PLAIN_READ, PLAIN_READ_TYPES, is_plumbing, wrapper_of
 from .code_walk import CodeWalk
-from .plain_values import canonical_repr, config_like, plain_value
+from .plain_values import array_digest, canonical_repr, config_like, plain_value, writable_array
 from .rng_objects import generator_state
 
 #: Module attributes that are another library's or torch's bookkeeping, never followed as held objects.
@@ -100,11 +100,14 @@ def _namespace(value: Any) -> Any:
 
 def _held_text(value: Any) -> str:
     """A held object's part of the digest: a plain value by value, an object by its class (its
-    attributes are entries of their own), one without attributes by ``repr`` when its class
-    defines one (a numpy scalar), else by identity (never the same in another process)."""
+    attributes are entries of their own), an array by its bytes (:func:`~.plain_values.array_digest`),
+    one without attributes by ``repr`` when its class defines one (a numpy scalar), else by identity
+    (never the same in another process)."""
     if type(value) in PLAIN_READ or isinstance(value, torch.Tensor) or (
             isinstance(value, CONTAINERS) and plain_value(value, tensors=True)):
         return canonical_repr(value)
+    if writable_array(value) is not None:  # (a numpy array: its ``repr`` elides the middle of a long one)
+        return array_digest(value)
     kind = type(value)
     if isinstance(getattr(value, "__dict__", None), dict) or any("__slots__" in vars(c) for c in kind.__mro__[:-1]):
         return f"{kind.__module__}.{kind.__qualname__}"

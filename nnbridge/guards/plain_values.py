@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import array
 import collections
+import collections.abc
 import copy
 import dataclasses
 import enum
@@ -114,7 +115,11 @@ def snapshot(value: object) -> object:
         items = [snapshot(item) for item in value]
         kind: Any = type(value)
         return kind(*items) if hasattr(kind, "_fields") else kind(items)  # a NamedTuple takes its fields
-    return copy.deepcopy(value)  # a set or an array of plain values
+    if isinstance(value, (set, frozenset, array.array)):
+        return copy.deepcopy(value)  # a set or an array of plain values
+    # (anything else by identity: a symbolic number export's code appended, ``x.sum().item()``,
+    # cannot be copied, and differs from every plain value it is compared with)
+    return value
 
 
 def canonical_repr(value: object) -> str:
@@ -173,3 +178,38 @@ def config_like(name: str, value: object) -> bool:
         return False
     return (hasattr(value, "to_dict") or isinstance(value, (types.SimpleNamespace, argparse.Namespace))
             or dataclasses.is_dataclass(value) or name == "config")
+
+
+#: The most bytes of one array (:func:`writable_array`) a snapshot copies.
+ARRAY_LIMIT = 1 << 24
+#: Mutable containers (``array.array``, ``bytearray``, a ``deque``), copied item by item, never as arrays.
+_MUTABLE = (collections.abc.MutableSequence, collections.abc.MutableMapping, collections.abc.MutableSet)
+
+
+def writable_array(value: Any) -> memoryview | None:
+    """A writable, C-contiguous view of the bytes of an object other than a container that exposes
+    the buffer protocol (a numpy array, a ``ctypes`` array) of at most :data:`ARRAY_LIMIT` bytes;
+    None for anything else (a tensor, ``bytes``, a read-only or strided buffer, a larger one, an
+    array of Python objects)."""
+    if isinstance(value, (torch.Tensor, str, bytes, bytearray, memoryview, list, dict, set, int, float, complex,
+                          type(None), *_MUTABLE)):
+        return None
+    try:
+        view = memoryview(value)
+    except (TypeError, ValueError, BufferError):
+        return None
+    # (an array of Python objects holds pointers: writing its bytes back would skip their reference counts)
+    if view.readonly or not view.c_contiguous or view.nbytes > ARRAY_LIMIT or "O" in view.format:
+        return None
+    return view.cast("B")
+
+
+def array_digest(value: Any) -> str:
+    """The type, byte count and sha256 of the bytes of an array (:func:`writable_array`); one too
+    large counts by its identity (never the same in another process: a disk cache misses)."""
+    view = writable_array(value)
+    head = f"array {type(value).__module__}.{type(value).__qualname__} {getattr(value, 'dtype', '')}" \
+        f" {tuple(getattr(value, 'shape', ()))}"
+    if view is None:
+        return f"{head} id {id(value)}"
+    return f"{head} {hashlib.sha256(view).hexdigest()}"

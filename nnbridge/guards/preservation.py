@@ -28,8 +28,8 @@ from ..errors import ExtractionError
 from ..graph.module_tree import POINT_TYPES
 from .data_writes import DataWrites
 from .global_state import GlobalValues
-from .plain_values import config_like
-from .reached_state import copy_container, put_back, reached, same_container, writable_array
+from .plain_values import config_like, writable_array
+from .reached_state import copy_container, put_back, reached, same_container
 from .rng_objects import generator_state, same_generator_state, set_generator_state
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set

@@ -12,7 +12,8 @@ depth, so the snapshot compares and puts back each container reached in place (b
 of its items, as for the attribute itself).
 
 The walk goes through lists, tuples, dicts, sets, ``deque``\\ s and any other ``MutableSequence``,
-``MutableMapping`` or ``MutableSet``, and through the ``__dict__`` of config-like and other held
+``MutableMapping`` or ``MutableSet``, the arguments a ``functools.partial`` binds, the receiver of
+a bound method (``self.add = log.append``), and through the ``__dict__`` of config-like and other held
 objects (:func:`~.plain_values.config_like`, :func:`~.held_objects.held_object`); it stops at
 modules, tensors, arrays, functions, classes and plain values. Each object is reached once per ``seen``
 set (a config shared by every layer is walked once per snapshot), and at most :data:`LIMIT`
@@ -22,28 +23,30 @@ objects are reached from one module: state beyond that is watched by the repeat 
 
 from __future__ import annotations
 
+import functools
 import itertools
+import types
 from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence, MutableSet, Sequence, Set as AbstractSet
 from typing import Any, NamedTuple
 
 import torch
 
 from .held_objects import held_object
-from .plain_values import config_like
+from .plain_values import config_like, writable_array
 from .rng_objects import generator_state
 
 #: Containers copied by their own type (others as a list, dict or set, see :func:`copy_container`).
 _CONTAINERS = (list, dict, set)
+#: Bound methods, Python's and built-in ones, whose receiver the walk goes through.
+_BOUND = (types.MethodType, types.BuiltinMethodType)
 #: The most objects (containers, objects, tensors) the walk reaches from one module's attributes.
 LIMIT = 4096
-#: The most bytes of one array (:func:`writable_array`) a snapshot copies.
-ARRAY_LIMIT = 1 << 24
 
 
 class Reached(NamedTuple):
     """One object reached inside attribute ``name``: ``where`` it is (``"log[0]"``,
     ``"ns.items"``) and the object: a mutable container, a held object's ``__dict__``, a tensor, a
-    random generator object or an array (:func:`writable_array`)."""
+    random generator object or an array (:func:`~.plain_values.writable_array`)."""
 
     name: str
     where: str
@@ -100,6 +103,13 @@ def same_container(value: Any, copied: Any) -> bool:
     return all(_same_item(a, b) for a, b in zip(value, copied))
 
 
+def _through(value: Any) -> bool:
+    """A value the walk goes through without copying it: a tuple, a frozenset, a
+    ``functools.partial`` (its bound arguments: ``functools.partial(list.append, log)``) or a bound
+    method (its receiver: ``self.add = log.append``)."""
+    return isinstance(value, (tuple, frozenset, functools.partial, *_BOUND))
+
+
 def _mutable(value: Any) -> bool:
     return isinstance(value, (list, dict, set, MutableSequence, MutableMapping, MutableSet))
 
@@ -108,6 +118,11 @@ def _items(value: Any) -> Iterator[tuple[str, Any]]:
     """``(suffix, item)`` of a container's items or an object's attributes."""
     if isinstance(value, (str, bytes, bytearray, memoryview)):
         return iter(())
+    if isinstance(value, functools.partial):
+        return itertools.chain(((f".args[{index}]", item) for index, item in enumerate(value.args)),
+                               ((f".keywords[{key!r}]", item) for key, item in list(value.keywords.items())))
+    if isinstance(value, _BOUND):
+        return iter([(".__self__", value.__self__)])
     if isinstance(value, Mapping):
         return ((f"[{key!r}]", item) for key, item in list(value.items()))
     if isinstance(value, (AbstractSet, Sequence, MutableSequence, MutableSet)):
@@ -115,24 +130,6 @@ def _items(value: Any) -> Iterator[tuple[str, Any]]:
     own = getattr(value, "__dict__", None)
     return ((f".{key}", item) for key, item in list(own.items()) if type(key) is str) if isinstance(own, dict) \
         else iter(())
-
-
-def writable_array(value: Any) -> memoryview | None:
-    """A writable, C-contiguous view of the bytes of an object other than a container that exposes
-    the buffer protocol (a numpy array, a ``ctypes`` array) of at most :data:`ARRAY_LIMIT` bytes;
-    None for anything else (a tensor, ``bytes``, a read-only or strided buffer, a larger one, an
-    array of Python objects)."""
-    if isinstance(value, (torch.Tensor, str, bytes, bytearray, memoryview)) or _mutable(value) \
-            or isinstance(value, (int, float, complex, bool, type(None))):
-        return None
-    try:
-        view = memoryview(value)
-    except (TypeError, ValueError, BufferError):
-        return None
-    # (an array of Python objects holds pointers: writing its bytes back would skip their reference counts)
-    if view.readonly or not view.c_contiguous or view.nbytes > ARRAY_LIMIT or "O" in view.format:
-        return None
-    return view.cast("B")
 
 
 def _object(value: Any) -> bool:
@@ -144,7 +141,7 @@ def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
     """The containers, object ``__dict__``\\ s, tensors, random generator objects and arrays
     inside the values of ``attributes`` (``(name, value)`` pairs: a module's own attributes), not
     the values themselves, each once (ids in ``seen`` are skipped, and those reached are added). An
-    array (:func:`writable_array`) and a held object's ``__dict__`` are given for an attribute's
+    array (:func:`~.plain_values.writable_array`) and a held object's ``__dict__`` are given for an attribute's
     value itself too; a config's ``__dict__`` is not (:class:`~.preservation.ModuleState` copies
     a config attribute's ``__dict__`` already)."""
     found: list[Reached] = []
@@ -152,7 +149,7 @@ def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
     for name, value in attributes:
         if isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Module):
             continue
-        if _mutable(value) or isinstance(value, (tuple, frozenset)):
+        if _mutable(value) or _through(value):
             stack.append((name, name, value))
         elif writable_array(value) is not None and id(value) not in seen:
             seen.add(id(value))
@@ -177,7 +174,7 @@ def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
                 seen.add(id(item))
                 found.append(Reached(name, inner, item))
                 stack.append((name, inner, item))
-            elif isinstance(item, (tuple, frozenset)):
+            elif _through(item):
                 seen.add(id(item))
                 stack.append((name, inner, item))
             elif _object(item):
