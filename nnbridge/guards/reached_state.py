@@ -37,6 +37,8 @@ from .rng_objects import generator_state
 
 #: Containers copied by their own type (others as a list, dict or set, see :func:`copy_container`).
 _CONTAINERS = (list, dict, set)
+#: Values the walk stops at without looking further.
+_ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None)})
 #: Bound methods, Python's and built-in ones, whose receiver the walk goes through.
 _BOUND = (types.MethodType, types.BuiltinMethodType)
 #: The most objects (containers, objects, tensors) the walk reaches from one module's attributes.
@@ -104,10 +106,11 @@ def same_container(value: Any, copied: Any) -> bool:
 
 
 def _through(value: Any) -> bool:
-    """A value the walk goes through without copying it: a tuple, a frozenset, a
-    ``functools.partial`` (its bound arguments: ``functools.partial(list.append, log)``) or a bound
-    method (its receiver: ``self.add = log.append``)."""
-    return isinstance(value, (tuple, frozenset, functools.partial, *_BOUND))
+    """A value the walk goes through without copying it: an immutable container (a tuple, a
+    frozenset, a ``MappingProxyType``), a ``functools.partial`` (its bound arguments:
+    ``functools.partial(list.append, log)``) or a bound method (its receiver: ``self.add = log.append``)."""
+    return isinstance(value, (Mapping, Sequence, AbstractSet, functools.partial, *_BOUND)) \
+        and not isinstance(value, (str, bytes, bytearray, memoryview, range))
 
 
 def _mutable(value: Any) -> bool:
@@ -147,7 +150,7 @@ def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
     found: list[Reached] = []
     stack: list[tuple[str, str, Any]] = []
     for name, value in attributes:
-        if isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Module):
+        if type(value) in _ATOMS or isinstance(value, (torch.Tensor, torch.nn.Module)):
             continue
         if _mutable(value) or _through(value):
             stack.append((name, name, value))
@@ -164,7 +167,7 @@ def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
         name, where, value = stack.pop()
         for suffix, item in itertools.islice(_items(value), budget):
             budget -= 1
-            if id(item) in seen or isinstance(item, torch.nn.Module):
+            if type(item) in _ATOMS or id(item) in seen or isinstance(item, torch.nn.Module):
                 continue
             inner = f"{where}{suffix}"
             if isinstance(item, torch.Tensor) or generator_state(item) is not None:

@@ -56,7 +56,7 @@ class Gather(nn.Module):
 
 class ProgramRoot(nn.Module):
     """A generated root's state: a Python float ``alpha``, a plain object ``hp``, a callable object
-    ``act``, a numpy scalar ``k``, a Python counter ``calls``, the buffers ``running`` (shape
+    ``act``, a numpy scalar ``k``, a numpy array ``arr``, a Python counter ``calls``, the buffers ``running`` (shape
     ``(4,)``) and ``steps`` (a long scalar), and ``outside``, a ``Linear`` kept out of the registry
     in a plain list (as a sparse autoencoder kept out of ``state_dict``), and the child ``gather``
     (:class:`Gather`, which writes into a list it is passed). The rendered subclass adds the
@@ -68,6 +68,7 @@ class ProgramRoot(nn.Module):
         self.hp = HParams()
         self.act = Swish(1.0)
         self.k = np.float32(1.0)
+        self.arr = np.ones(1)
         self.calls = 0
         self.register_buffer("running", torch.zeros(4))
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
