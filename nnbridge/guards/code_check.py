@@ -28,7 +28,7 @@ from ..compat.torch.capture import tensor_version
 from .bindings import ENVIRONMENT, FUNCTION_PARTS, MISSING, Binding, ClosureCells, FunctionParts
 from .code_objects import CONTAINERS
 from .model_code import walked
-from .plain_values import plain_value, snapshot, writable_array
+from .plain_values import array_bytes, plain_value, snapshot, writable_array
 
 
 #: What a closure cell holds now (raises ``ValueError`` for an empty cell).
@@ -60,11 +60,6 @@ def replaced(bindings: list[Binding]) -> str | None:
             change = "changed" if namespace is ENVIRONMENT else "replaced"
             return f"{where} was {'defined on a subclass' if value is MISSING else change}"
     return None
-
-
-def _array_bytes(array: Any) -> bytes | None:
-    view = writable_array(array)
-    return None if view is None else view.tobytes()
 
 
 class CodeCheck:
@@ -114,7 +109,7 @@ class CodeCheck:
         self._copies = [snapshot(value) for value in self._containers]
         # arrays (a global or held numpy array): their bytes (a write into one changes what a graph baked in)
         self._arrays = [value for _, _, _, value in bindings if writable_array(value) is not None]
-        self._bytes = [_array_bytes(value) for value in self._arrays]
+        self._bytes = [array_bytes(value) for value in self._arrays]
 
     def holds(self) -> bool:
         if self._tensors and list(map(tensor_version, self._tensors)) != self._versions:
@@ -122,7 +117,7 @@ class CodeCheck:
         try:
             if self._containers and self._containers != self._copies:
                 return False
-            if self._arrays and list(map(_array_bytes, self._arrays)) != self._bytes:
+            if self._arrays and list(map(array_bytes, self._arrays)) != self._bytes:
                 return False
             if not all(map(operator.is_, map(operator.getitem, self._single_namespaces, self._single_names),
                            self._single_values)):
@@ -153,7 +148,7 @@ class CodeCheck:
                 where = next(w for w, _, _, value in self.bindings if value is container)
                 return f"{where} was written in place"
         for array, saved in zip(self._arrays, self._bytes):
-            if _array_bytes(array) != saved:
+            if array_bytes(array) != saved:
                 where = next(w for w, _, _, value in self.bindings if value is array)
                 return f"{where} was written in place"
         return replaced(self.bindings)

@@ -38,7 +38,7 @@ import torch
 from ..compat.torch.capture import tensor_version
 from .bindings import MISSING, Binding, ClosureCells
 from .model_code import walked
-from .plain_values import PLAIN_TYPES, plain_value, snapshot, writable_array
+from .plain_values import PLAIN_TYPES, array_bytes, plain_value, put_back_array, snapshot, writable_array
 from .reached_state import copy_container, put_back, reached, same_container
 from .rng_objects import generator_state, same_generator_state, set_generator_state
 
@@ -79,13 +79,14 @@ class GlobalValues:
         #: per entry the class whose attribute it is (assigned with setattr), or None
         self.owners = [owner for _, owner in found]
         self.saved = self.state(keep=True)
-        # the containers and tensors nested inside watched containers (``LOG[0].append(x)``,
+        # the containers, tensors and arrays nested inside watched containers (``LOG[0].append(x)``,
         # :mod:`.reached_state`): put back too
         inside = reached([(where, value) for (where, _, _), (value, _, _) in zip(self.entries, self.saved)
                           if isinstance(value, (*_CONTAINERS, tuple))], set())
-        self.nested = [(r.value, r.value.detach().clone() if isinstance(r.value, torch.Tensor)
-                        else copy_container(r.value))
-                       for r in inside if isinstance(r.value, torch.Tensor) or copy_container(r.value) is not None]
+        self.nested: list[tuple[Any, Any]] = [(r.value, r.value.detach().clone() if isinstance(r.value, torch.Tensor)
+                        else array_bytes(r.value) if writable_array(r.value) is not None else copy_container(r.value))
+                       for r in inside if isinstance(r.value, torch.Tensor) or writable_array(r.value) is not None
+                       or copy_container(r.value) is not None]
 
     def state(self, keep: bool = False) -> list[tuple[Any, Any, Any]]:
         """Per global ``(value, snapshot for comparison, copy for restoring)``; a tensor's copy of
@@ -100,8 +101,7 @@ class GlobalValues:
                 result.append((value, snapshot(value), copy.copy(value)))
             elif (state := generator_state(value)) is not None:
                 result.append((value, state, state))
-            elif (view := writable_array(value)) is not None:  # (an array: by its bytes)
-                contents = view.tobytes()
+            elif (contents := array_bytes(value)) is not None:  # (an array: by its bytes)
                 result.append((value, contents, contents))
             else:
                 result.append((value, value, None))
@@ -121,8 +121,7 @@ class GlobalValues:
                 return where
             elif (state := generator_state(value)) is not None and not same_generator_state(state, compared):
                 return f"the state of {where} ({type(value).__name__})"
-            elif isinstance(compared, bytes) and (view := writable_array(value)) is not None \
-                    and view.tobytes() != compared:
+            elif isinstance(compared, bytes) and writable_array(value) is not None and array_bytes(value) != compared:
                 return where
         return None
 
@@ -150,9 +149,8 @@ class GlobalValues:
             elif generator_state(value) is not None:
                 if not same_generator_state(generator_state(value), contents):
                     set_generator_state(value, contents)
-            elif isinstance(contents, bytes) and (view := writable_array(value)) is not None:
-                if view.nbytes == len(contents) and view != contents:
-                    view[:] = contents
+            elif isinstance(contents, bytes) and writable_array(value) is not None:
+                put_back_array(value, contents)
             elif isinstance(value, list):
                 value[:] = contents
             elif isinstance(value, (dict, set)):
@@ -163,5 +161,7 @@ class GlobalValues:
                 if not torch.equal(value, contents):
                     with torch.no_grad():
                         value.copy_(contents)
+            elif isinstance(contents, bytes):
+                put_back_array(value, contents)
             elif not same_container(value, contents):
                 put_back(value, contents)

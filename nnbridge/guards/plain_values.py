@@ -204,6 +204,20 @@ def writable_array(value: Any) -> memoryview | None:
     return view.cast("B")
 
 
+def array_bytes(value: Any) -> bytes | None:
+    """The bytes of an array (:func:`writable_array`), None for anything else."""
+    view = writable_array(value)
+    return None if view is None else view.tobytes()
+
+
+def put_back_array(value: Any, saved: bytes) -> None:
+    """Write ``saved`` (:func:`array_bytes` of ``value`` earlier) back into the array ``value``
+    when its bytes differ (one grown or made read-only since is left as it is)."""
+    view = writable_array(value)
+    if view is not None and view.nbytes == len(saved) and view != saved:
+        view[:] = saved
+
+
 def array_digest(value: Any) -> str:
     """The type, byte count and sha256 of the bytes of an array (:func:`writable_array`); one too
     large counts by its identity (never the same in another process: a disk cache misses)."""

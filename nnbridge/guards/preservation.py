@@ -28,7 +28,7 @@ from ..errors import ExtractionError
 from ..graph.module_tree import POINT_TYPES
 from .data_writes import DataWrites
 from .global_state import GlobalValues
-from .plain_values import config_like, writable_array
+from .plain_values import array_bytes, config_like, put_back_array
 from .reached_state import copy_container, put_back, reached, same_container
 from .rng_objects import generator_state, same_generator_state, set_generator_state
 
@@ -78,8 +78,8 @@ class ModuleState:
                         + [(r.name, r.where, r.value) for r in inside if isinstance(r.value, torch.Tensor)]}
         self.configs = {k: (v, dict(vars(v))) for k, (v, _) in self.attributes.items() if config_like(k, v)}
         # arrays (a numpy array attribute, ``self.counts += ...``): their bytes
-        self.arrays = {(r.name, r.where): (r.value, view.tobytes()) for r in inside
-                       if (view := writable_array(r.value)) is not None}
+        self.arrays = {(r.name, r.where): (r.value, saved) for r in inside
+                       if (saved := array_bytes(r.value)) is not None}
         # random generator objects it holds (``self.rng = random.Random(0)``): a draw changes their state
         self.generators = {(k, k): (v, state) for k, (v, _) in self.attributes.items()
                            if (state := generator_state(v)) is not None}
@@ -136,7 +136,7 @@ class ModuleState:
                 found.append(f"writes a tensor held in its attribute '{name}' in place")
         for (name, where), (array, saved) in self.arrays.items():
             if (name not in self.attributes or current.get(name) is self.attributes[name][0]) \
-                    and _array_bytes(array) != saved:
+                    and array_bytes(array) != saved:
                 found.append(f"writes its array attribute '{name}' in place ({type(array).__name__})" if name == where
                              else f"writes the array '{where}' inside its attribute '{name}' in place"
                              f" ({type(array).__name__})")
@@ -193,9 +193,7 @@ class ModuleState:
                 with torch.no_grad():
                     tensor.copy_(copy)
         for array, saved in self.arrays.values():
-            view = writable_array(array)
-            if view is not None and view.nbytes == len(saved) and view != saved:
-                view[:] = saved
+            put_back_array(array, saved)
         for config, values in self.configs.values():
             if not same_container(vars(config), values):
                 vars(config).clear()
@@ -219,11 +217,6 @@ class ModuleState:
         for name, child in self.held.items():
             if state.get(name) is not child:
                 state[name] = child
-
-
-def _array_bytes(array: Any) -> bytes | None:
-    view = writable_array(array)
-    return None if view is None else view.tobytes()
 
 
 def _own_class(cls: type) -> bool:

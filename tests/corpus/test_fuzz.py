@@ -365,8 +365,9 @@ def test_fuzz(front_end: str, reuse_layers: bool) -> None:
 #: features rare among all programs, each drawn in every program of its own test, with the programs
 #: per front-end: ``"held_tensor_edit"``, a script that edits a tensor a graph would bake in as a
 #: constant (a plain object's tensor written in place or replaced; a ``Linear`` kept out of the
-#: registry, its weight written in place or the ``Linear`` replaced; a numpy array written in place); ``"argument_write"``, a root
-#: that makes a list, has the child ``gather`` append to it and reads it back
+#: registry, its weight written in place or the ``Linear`` replaced; a numpy array written in
+#: place); ``"argument_write"``, a root that makes a list, has the child ``gather`` append to it
+#: and reads it back
 RARE_FEATURE_EXAMPLES = {"held_tensor_edit": 8, "argument_write": 6}
 
 

@@ -422,3 +422,37 @@ def test_a_list_reached_through_a_partial_or_a_bound_method_is_put_back_and_its_
         assert "inner" in nnbridge.explain(model).opaque
     finally:
         nnbridge.unbridge(model)
+
+
+#: a module global array :class:`TalliesGlobally` writes in place
+TALLIES = np.zeros(4)
+
+
+class TalliesGlobally(nn.Module):
+    """Counts each output's argmax in module global numpy arrays."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        counts = np.bincount(h.argmax(-1).numpy(), minlength=4)
+        TALLIES[:] += counts
+        return h
+
+
+def test_a_module_global_array_written_in_place_is_put_back_after_extraction():
+    TALLIES[:] = 0
+    torch.manual_seed(0)
+    model = Outer(TalliesGlobally())
+    x = torch.randn(3, 4)
+    nnbridge.bridge(model, x)
+    try:
+        assert TALLIES.tolist() == [0.0] * 4, "extraction's runs wrote"
+        model(x)
+        assert TALLIES.sum() == 3
+        assert "inner" in nnbridge.explain(model).opaque
+    finally:
+        nnbridge.unbridge(model)
+        TALLIES[:] = 0
