@@ -79,14 +79,13 @@ class GlobalValues:
         #: per entry the class whose attribute it is (assigned with setattr), or None
         self.owners = [owner for _, owner in found]
         self.saved = self.state(keep=True)
-        # the containers, tensors and arrays nested inside watched containers (``LOG[0].append(x)``,
+        # the containers and tensors nested inside watched containers (``LOG[0].append(x)``,
         # :mod:`.reached_state`): put back too
         inside = reached([(where, value) for (where, _, _), (value, _, _) in zip(self.entries, self.saved)
                           if isinstance(value, (*_CONTAINERS, tuple))], set())
-        self.nested: list[tuple[Any, Any]] = [(r.value, r.value.detach().clone() if isinstance(r.value, torch.Tensor)
-                        else array_bytes(r.value) if writable_array(r.value) is not None else copy_container(r.value))
-                       for r in inside if isinstance(r.value, torch.Tensor) or writable_array(r.value) is not None
-                       or copy_container(r.value) is not None]
+        self.nested: list[tuple[Any, Any]] = [
+            (r.value, r.value.detach().clone() if isinstance(r.value, torch.Tensor) else copy_container(r.value))
+            for r in inside if isinstance(r.value, torch.Tensor) or copy_container(r.value) is not None]
 
     def state(self, keep: bool = False) -> list[tuple[Any, Any, Any]]:
         """Per global ``(value, snapshot for comparison, copy for restoring)``; a tensor's copy of
@@ -161,7 +160,5 @@ class GlobalValues:
                 if not torch.equal(value, contents):
                     with torch.no_grad():
                         value.copy_(contents)
-            elif isinstance(contents, bytes):
-                put_back_array(value, contents)
             elif not same_container(value, contents):
                 put_back(value, contents)
