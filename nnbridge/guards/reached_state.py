@@ -135,9 +135,12 @@ def _items(value: Any) -> Iterator[tuple[str, Any]]:
         else iter(())
 
 
-def _object(value: Any) -> bool:
-    """A config-like or held object whose ``__dict__`` is followed."""
-    return isinstance(getattr(value, "__dict__", None), dict) and (config_like("", value) or held_object("", value))
+def _object(value: Any, name: str = "") -> bool:
+    """A config-like or held object whose ``__dict__`` is followed (``name``: the attribute holding
+    it, for a module's own attributes: another library's bookkeeping, such as accelerate's hook, is
+    no held object)."""
+    return isinstance(getattr(value, "__dict__", None), dict) and (config_like(name, value)
+                                                                   or held_object(name, value))
 
 
 def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
@@ -157,7 +160,7 @@ def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
         elif writable_array(value) is not None and id(value) not in seen:
             seen.add(id(value))
             found.append(Reached(name, name, value))
-        elif _object(value) and id(value) not in seen:
+        elif _object(value, name) and id(value) not in seen:
             seen.add(id(value))
             if not config_like(name, value) and held_object(name, value):
                 found.append(Reached(name, f"{name}.__dict__", vars(value)))
@@ -165,7 +168,11 @@ def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
     budget = LIMIT
     while stack and budget > 0:
         name, where, value = stack.pop()
-        for suffix, item in itertools.islice(_items(value), budget):
+        try:  # (a mapping whose items cannot be listed, as its keys read back, is not walked)
+            items = list(itertools.islice(_items(value), budget))
+        except Exception:  # noqa: BLE001 - another library's container, whatever it raises
+            continue
+        for suffix, item in items:
             budget -= 1
             if type(item) in _ATOMS or id(item) in seen or isinstance(item, torch.nn.Module):
                 continue

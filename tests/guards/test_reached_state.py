@@ -456,3 +456,28 @@ def test_a_module_global_array_written_in_place_is_put_back_after_extraction():
     finally:
         nnbridge.unbridge(model)
         TALLIES[:] = 0
+
+
+class _PrefixedKeys(collections.abc.Mapping):
+    """A mapping whose keys do not read back (as accelerate's ``PrefixedDataset`` in a hook)."""
+
+    def __init__(self):
+        self.data = {"a.b": [1]}
+
+    def __getitem__(self, key):
+        return self.data[f"a.{key}"]
+
+    def __iter__(self):
+        return iter(self.data)
+
+    def __len__(self):
+        return len(self.data)
+
+
+def test_a_mapping_whose_items_cannot_be_listed_is_not_walked_and_accelerates_hook_is_no_held_object():
+    found = reached([("weights", _PrefixedKeys()), ("other", [[2]])], set())
+    assert [r.where for r in found] == ["other[0]"]
+    hook = Holder()
+    hook.items.append([3])
+    assert reached([("_hf_hook", hook)], set()) == []
+    assert [r.where for r in reached([("hook", hook)], set())] == ["hook.__dict__", "hook.items", "hook.items[0]"]
