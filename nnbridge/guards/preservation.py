@@ -29,7 +29,7 @@ from ..graph.module_tree import POINT_TYPES
 from .data_writes import DataWrites
 from .global_state import GlobalValues
 from .plain_values import array_bytes, config_like, put_back_array
-from .reached_state import copy_container, put_back, reached, same_container
+from .reached_state import copy_container, mutable, put_back, reached, same_container
 from .rng_objects import generator_state, same_generator_state, set_generator_state
 
 #: ``nn.Module.__dict__`` entries torch manages itself (hooks, children) or nnbridge/nnsight set
@@ -64,7 +64,7 @@ class ModuleState:
         # attribute ``history = []``), in the first snapshot of a module of that class only
         own = [cls for cls in type(module).__mro__ if _own_class(cls) and id(cls) not in seen]
         classes = [(f"{cls.__qualname__}.{k}", v) for cls in own for k, v in list(vars(cls).items())
-                   if not k.startswith("__") and copy_container(v) is not None and id(v) not in seen]
+                   if not k.startswith("__") and mutable(v) and id(v) not in seen]
         seen.update([*(id(cls) for cls in own), *(id(v) for _, v in classes)])
         inside = reached([(k, v) for k, (v, _) in self.attributes.items()] + classes, seen)
         self.nested = {(r.name, r.where): (r.value, copied) for r in inside

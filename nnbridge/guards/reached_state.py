@@ -113,12 +113,14 @@ def _through(value: Any) -> bool:
         and not isinstance(value, (str, bytes, bytearray, memoryview, range))
 
 
-def _mutable(value: Any) -> bool:
+def mutable(value: Any) -> bool:
+    """Whether ``value`` is a mutable container :func:`copy_container` copies."""
     return isinstance(value, (list, dict, set, MutableSequence, MutableMapping, MutableSet))
 
 
 def _items(value: Any) -> Iterator[tuple[str, Any]]:
-    """``(suffix, item)`` of a container's items or an object's attributes."""
+    """``(suffix, item)`` of a container's items or an object's attributes, lazily (the walk takes
+    no more than its limit: a module holding a long list pays for that many items only)."""
     if isinstance(value, (str, bytes, bytearray, memoryview)):
         return iter(())
     if isinstance(value, functools.partial):
@@ -127,11 +129,11 @@ def _items(value: Any) -> Iterator[tuple[str, Any]]:
     if isinstance(value, _BOUND):
         return iter([(".__self__", value.__self__)])
     if isinstance(value, Mapping):
-        return ((f"[{key!r}]", item) for key, item in list(value.items()))
+        return ((f"[{key!r}]", item) for key, item in value.items())
     if isinstance(value, (AbstractSet, Sequence, MutableSequence, MutableSet)):
-        return ((f"[{index}]", item) for index, item in enumerate(list(value)))
+        return ((f"[{index}]", item) for index, item in enumerate(value))
     own = getattr(value, "__dict__", None)
-    return ((f".{key}", item) for key, item in list(own.items()) if type(key) is str) if isinstance(own, dict) \
+    return ((f".{key}", item) for key, item in own.items() if type(key) is str) if isinstance(own, dict) \
         else iter(())
 
 
@@ -155,7 +157,7 @@ def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
     for name, value in attributes:
         if type(value) in _ATOMS or isinstance(value, (torch.Tensor, torch.nn.Module)):
             continue
-        if _mutable(value) or _through(value):
+        if mutable(value) or _through(value):
             stack.append((name, name, value))
         elif writable_array(value) is not None and id(value) not in seen:
             seen.add(id(value))
@@ -180,7 +182,7 @@ def reached(attributes: list[tuple[str, Any]], seen: set[int]) -> list[Reached]:
             if isinstance(item, torch.Tensor) or generator_state(item) is not None:
                 seen.add(id(item))
                 found.append(Reached(name, inner, item))
-            elif _mutable(item):
+            elif mutable(item):
                 seen.add(id(item))
                 found.append(Reached(name, inner, item))
                 stack.append((name, inner, item))

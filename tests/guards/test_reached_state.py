@@ -254,6 +254,24 @@ def test_reached_stops_at_the_limit(monkeypatch):
     assert len(reached([("x", deep)], set())) == 5
 
 
+def test_reached_takes_no_more_items_of_a_long_container_than_its_limit(monkeypatch):
+    monkeypatch.setattr(reached_state, "LIMIT", 5)
+    taken = []
+
+    class Counted(collections.abc.Sequence):
+        def __len__(self):
+            return 1_000_000
+
+        def __getitem__(self, index):
+            if index >= len(self):
+                raise IndexError(index)
+            taken.append(index)
+            return [index]
+
+    found = reached([("x", (Counted(),))], set())
+    assert [r.where for r in found] == [f"x[0][{i}]" for i in range(4)] and len(taken) <= 5
+
+
 def test_a_shared_config_is_in_the_snapshot_of_the_first_module_only():
     config = types.SimpleNamespace(scales={"a": [1.0]})
     first, second = nn.Linear(2, 2), nn.Linear(2, 2)
