@@ -73,6 +73,29 @@ class ClosureCells:
         self.cells[name].cell_contents = value
 
 
+class SequenceItems:
+    """A list or tuple a global holds as a binding's namespace, by index: ``[i]`` is what it holds
+    at index ``i`` now (:data:`MISSING` past its end, so a list emptied since is a change, not an
+    error), and ``[i] = value`` assigns it in a list (as :class:`~.global_state.GlobalValues` puts items back)."""
+
+    __slots__ = ("sequence",)
+
+    def __init__(self, sequence: list[Any] | tuple[Any, ...]):
+        self.sequence = sequence
+
+    def __getitem__(self, index: int) -> Any:
+        return self.sequence[index] if -len(self.sequence) <= index < len(self.sequence) else MISSING
+
+    def get(self, index: int, default: Any = None) -> Any:
+        return self[index]
+
+    def __contains__(self, index: int) -> bool:
+        return self[index] is not MISSING
+
+    def __setitem__(self, index: int, value: Any) -> None:
+        self.sequence[index] = value  # type: ignore[index]  # (a tuple's items are never replaced)
+
+
 class _Environment:
     """``os.environ`` as a binding's namespace: a variable's value interned (``sys.intern``), so
     that an unchanged value is the same object (``os.environ.get`` decodes a new string each time)

@@ -6,8 +6,9 @@ same objects, so code replaced after bridging extracts again instead of running 
 attribute (a method assigned to a class, or defined on a subclass later), a registry entry, a
 function's own ``__code__``/``__defaults__``/``__kwdefaults__``, an environment variable, a
 context variable, the attributes of a held object (:mod:`.held_objects`). :class:`CodeCheck`
-compares them on every call by identity, global tensors by version and global containers of
-plain values by a copy; :meth:`CodeCheck.what_changed` names the first that changed
+compares them on every call by identity, global tensors by version, global containers of
+plain values by a copy, arrays by their bytes, and the keys or length of dicts and lists whose
+items are bindings; :meth:`CodeCheck.what_changed` names the first that changed
 (``"transformers.models.gpt2.modeling_gpt2.eager_attention_forward was replaced"``).
 
 *State* here means what those lookups found when the check was made (objects, tensor versions,
@@ -27,8 +28,14 @@ import torch
 from ..compat.torch.capture import tensor_version
 from .bindings import ENVIRONMENT, FUNCTION_PARTS, MISSING, Binding, ClosureCells, FunctionParts
 from .code_objects import CONTAINERS
+from .code_walk import MAPPING_LIMIT
 from .model_code import walked
 from .plain_values import array_bytes, plain_value, snapshot, writable_array
+
+
+def _shape(container: dict[Any, Any] | list[Any]) -> set[Any] | int:
+    """A dict's keys or a list's length: what tells an item added to one whose items are bindings."""
+    return set(container) if type(container) is dict else len(container)
 
 
 #: What a closure cell holds now (raises ``ValueError`` for an empty cell).
@@ -110,6 +117,12 @@ class CodeCheck:
         # arrays (a global or held numpy array): their bytes (a write into one changes what a graph baked in)
         self._arrays = [value for _, _, _, value in bindings if writable_array(value) is not None]
         self._bytes = [array_bytes(value) for value in self._arrays]
+        # global dicts and lists whose items the walk read one by one (``STORE = {"table":
+        # np.ones(4)}``, ``HOOKS = [f, g]``; each item is a binding of its own): their keys or length
+        # (an item added)
+        self._read = [value for _, _, _, value in bindings if type(value) in (dict, list)
+                      and len(value) <= MAPPING_LIMIT and not plain_value(value, tensors=True)]
+        self._shapes = list(map(_shape, self._read))
 
     def holds(self) -> bool:
         if self._tensors and list(map(tensor_version, self._tensors)) != self._versions:
@@ -118,6 +131,8 @@ class CodeCheck:
             if self._containers and self._containers != self._copies:
                 return False
             if self._arrays and list(map(array_bytes, self._arrays)) != self._bytes:
+                return False
+            if self._read and list(map(_shape, self._read)) != self._shapes:
                 return False
             if not all(map(operator.is_, map(operator.getitem, self._single_namespaces, self._single_names),
                            self._single_values)):
@@ -150,5 +165,9 @@ class CodeCheck:
         for array, saved in zip(self._arrays, self._bytes):
             if array_bytes(array) != saved:
                 where = next(w for w, _, _, value in self.bindings if value is array)
+                return f"{where} was written in place"
+        for container, shape in zip(self._read, self._shapes):
+            if _shape(container) != shape:
+                where = next(w for w, _, _, value in self.bindings if value is container)
                 return f"{where} was written in place"
         return replaced(self.bindings)

@@ -4,9 +4,10 @@ reaches, each as a digest entry and each lookup that found it as a binding (:mod
 A function leads on to the function under a wrapper (``__wrapped__``), every global name its code
 (nested functions included) reads and its closure cells, read alike (:class:`~.bindings.ClosureCells`;
 of nnbridge's and nnsight's own wrappers only the code they hold): one holding a function, a class
-(its methods) or a mapping of them is followed; one holding a plain value, a tensor, a container
-of plain values, a ``contextvars.ContextVar`` or an object of settings is an entry by value and a
-binding. A class's method is followed once some code reached reads its name, or at once when it
+(its methods) or a mapping of them is followed; one holding a plain value, a tensor, an array, a
+container of plain values, a ``contextvars.ContextVar`` or an object of settings is an entry by
+value and a binding; a ``dict``, ``list`` or ``tuple`` of other values is read item by item
+(:meth:`CodeWalk.data_item`). A class's method is followed once some code reached reads its name, or at once when it
 is an entry point (``forward``, ``__call__``). What the walk covers and leaves out, as the
 disk-cache key sees it, is described in :mod:`.code_digest`; where it starts from a model, in
 :mod:`.model_code`; the objects modules hold, in :mod:`.held_objects`.
@@ -27,7 +28,16 @@ from typing import Any
 
 import torch
 
-from .bindings import ENVIRONMENT, FUNCTION_PARTS, MISSING, Binding, ClosureCells, ContextValue, FunctionParts
+from .bindings import (
+    ENVIRONMENT,
+    FUNCTION_PARTS,
+    MISSING,
+    Binding,
+    ClosureCells,
+    ContextValue,
+    FunctionParts,
+    SequenceItems,
+)
 from .code_objects import (
     CODE_HOLDERS,
     CONTAINERS,
@@ -46,8 +56,12 @@ from .code_objects import (
 from .plain_values import array_digest, canonical_repr, plain_value, tensor_digest, writable_array
 from .rng_objects import generator_state
 
-#: Mappings with more entries than this are not read (a registry of functions is small).
-_MAPPING_LIMIT = 512
+#: Mappings and sequences with more entries than this are not read (a registry of functions is small).
+MAPPING_LIMIT = 512
+#: Containers a global holds whose items are read one by one (those of plain values are read whole):
+#: a dict by key, a list or tuple by index.
+DATA_MAPPINGS = (dict,)
+DATA_SEQUENCES = (list, tuple)
 #: Methods visited whether or not code reached names them: what calling a module runs.
 _ENTRY_POINTS = ("forward", "__call__")
 #: What the walk queues: ``(where, value, the bindings that found it)``.
@@ -124,8 +138,10 @@ class CodeWalk:
             self.function(where, value)
         elif isinstance(value, type):
             self.cls(value)
-        elif isinstance(value, Mapping) and not versioned(type(value).__module__):
+        elif isinstance(value, Mapping) and (type(value) in DATA_MAPPINGS or not versioned(type(value).__module__)):
             self.mapping(where, value)
+        elif type(value) in DATA_SEQUENCES:
+            self.sequence(where, value)
 
     def function(self, where: str, function: types.FunctionType) -> None:
         self.entries.append((where, function_digest(function)))
@@ -175,16 +191,26 @@ class CodeWalk:
     def read_global(self, namespace: Mapping[str, Any] | ClosureCells, name: str, *, module: str,
                     found: list[_Todo]) -> None:
         """What the global ``name`` of ``module`` (its ``namespace``), read by a function's code,
-        holds: code to follow (appended to ``found``), or a value that is an entry and a binding."""
-        if name not in namespace:
-            return
-        value, where_found = namespace[name], f"{module}.{name}"
+        holds: code to follow (appended to ``found``), or a value that is an entry and a binding
+        (:meth:`read_value`)."""
+        if name in namespace:
+            self.read_value((f"{module}.{name}", namespace, name, namespace[name]), found)
+
+    def read_value(self, binding: Binding, found: list[_Todo]) -> bool:
+        """The ``value`` of ``binding``, ``(where_found, namespace, name, value)``, found as
+        ``namespace[name]`` (a global, a closure cell, an item of a global container): code or a
+        container to follow (appended to ``found``), or a value that is an entry and a binding.
+        False for a value of another kind (not read: an object that is neither code, data nor
+        settings)."""
+        where_found, namespace, name, value = binding
         if isinstance(value, CONTAINERS) and plain_value(value, tensors=True):
             # a global container of plain values or tensors (``SCALES = [1.0, 2.0]``): by value in
             # the digest; assigned anew or written in place fails the check (see CodeCheck)
             self.entries.append((where_found, canonical_repr(value)))
             self.bindings.append((where_found, namespace, name, value))
-        elif holds_code(value, (type, Mapping)):
+        elif holds_code(value, (type, Mapping)) or type(value) in DATA_SEQUENCES:
+            # code, a mapping (a registry of functions, a dict of settings) or a list or tuple of
+            # other values (``HOOKS = [f, g]``, ``STORE = [np.zeros(4)]``): followed item by item
             found.append((where_found, value, ((where_found, namespace, name, value),)))
         elif type(value) in PLAIN_READ:
             # a plain global (``SCALE = 2.0``, a flag) a graph bakes in: its value is part of
@@ -230,11 +256,14 @@ class CodeWalk:
             # and its class's code: ``__call__`` when the object is called like a function, any
             # other method once code reads its name (a torch or standard-library class is left out)
             self.cls(type(value))
+        else:
+            return False
+        return True
 
     def plain_attributes(self, where: str, attributes: Mapping[str, Any], *, owner: type | None = None) -> None:
-        """The plain values (and containers of them) in an object's or a class's (``owner``'s)
-        ``attributes``: in the digest by value, each a binding (assigning one anew or writing into
-        a container re-extracts)."""
+        """The plain values (and containers of them), tensors and arrays in an object's or a class's
+        (``owner``'s) ``attributes``: in the digest by value, each a binding (assigning one anew or
+        writing into a container, a tensor or an array re-extracts)."""
         if owner is not None:
             self.owners[id(attributes)] = owner
         for name, value in list(attributes.items()):
@@ -242,6 +271,11 @@ class CodeWalk:
                 continue
             if type(value) in PLAIN_READ or (isinstance(value, CONTAINERS) and plain_value(value, tensors=True)):
                 self.entries.append((f"{where}.{name}", canonical_repr(value)))
+                self.bindings.append((f"{where}.{name}", attributes, name, value))
+            elif isinstance(value, torch.Tensor) or writable_array(value) is not None:
+                # a tensor or an array (``CFG.table = np.ones(4)``): by its values, as a global's
+                self.entries.append((f"{where}.{name}", canonical_repr(value) if isinstance(value, torch.Tensor)
+                                     else array_digest(value)))
                 self.bindings.append((f"{where}.{name}", attributes, name, value))
 
     def cls(self, cls: type, in_tree: bool = False) -> None:
@@ -272,6 +306,9 @@ class CodeWalk:
                         self.pending.setdefault(name, []).append(entry)
 
     def mapping(self, where: str, mapping: Mapping[Any, Any]) -> None:
+        """A mapping's items: in a ``dict``, each item (:meth:`data_item`: ``STORE = {"table":
+        np.ones(4)}``); in another mapping type, which has its own lookup (transformers'
+        ``AttentionInterface`` looks in a local mapping first), the code it holds, followed."""
         if not self.first_visit(mapping):
             return
         try:
@@ -279,7 +316,44 @@ class CodeWalk:
         except Exception:  # noqa: BLE001 - a mapping that cannot be listed counts by its type only
             self.entries.append((where, type(mapping).__qualname__))
             return
-        if len(items) <= _MAPPING_LIMIT:
-            self.todo.extend(reversed([(f"{where}[{key!r}]", value, ((f"{where}[{key!r}]", mapping, key, value),))
-                                       for key, value in items
-                                       if holds_code(value, (type,))]))
+        if len(items) > MAPPING_LIMIT:
+            return
+        data = type(mapping) in DATA_MAPPINGS
+        found: list[_Todo] = []
+        for key, value in items:
+            item = f"{where}[{key!r}]"
+            if data:
+                self.data_item((item, mapping, key, value), found)
+            elif holds_code(value, (type,)):
+                found.append((item, value, ((item, mapping, key, value),)))
+        self.todo.extend(reversed(found))
+
+    def sequence(self, where: str, sequence: list[Any] | tuple[Any, ...]) -> None:
+        """A list's or tuple's items, when not all plain (``TABLES = [np.ones(4)]``, ``HOOKS = [f,
+        g]``): each by index (:meth:`data_item`, :class:`~.bindings.SequenceItems`); its length is
+        an entry."""
+        if not self.first_visit(sequence) or len(sequence) > MAPPING_LIMIT:
+            return
+        self.entries.append((where, f"{type(sequence).__name__} of {len(sequence)}"))
+        items = SequenceItems(sequence)
+        found: list[_Todo] = []
+        for index, value in enumerate(sequence):
+            self.data_item((f"{where}[{index}]", items, index, value), found)
+        self.todo.extend(reversed(found))
+
+    def data_item(self, binding: Binding, found: list[_Todo]) -> None:
+        """An item of a dict, list or tuple, ``binding`` ``(where, container or its
+        :class:`~.bindings.SequenceItems`, key, value)``: a value read as a global is (:meth:`read_value`: a
+        plain value, tensor, array, object of settings, or a container followed in turn); code (a
+        function, class or method: ``ACTS["gelu"]``, a dict of loss functions) by identity only, its
+        own code in the digest and the code it reaches not followed (a registry of functions
+        reaches far more code than one forward runs); anything else (a logger, a lock) by identity,
+        its type in the digest."""
+        where, _, _, value = binding
+        if holds_code(value, (type,)):
+            self.entries.append((where, function_digest(value) if isinstance(value, types.FunctionType)
+                                 else f"{type(value).__qualname__} {getattr(value, '__qualname__', '')}"))
+            self.bindings.append(binding)
+        elif not self.read_value(binding, found):
+            self.entries.append((where, type(value).__qualname__))
+            self.bindings.append(binding)

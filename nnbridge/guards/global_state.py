@@ -15,6 +15,8 @@ of a global object of settings (``STATE.calls += 1``) or of a class the code nam
 (``Flags.calls += 1``), or in a closure cell of a function the code reaches (``n[0] += 1``);
 and random generator objects read these ways or held by an object a module holds (their state,
 through :mod:`.rng_objects`: a draw is a write).
+The items of a global ``dict``, ``list`` or ``tuple`` holding other values are watched as
+globals are (``STORE["table"] += 1`` of an array there; :meth:`~.code_walk.CodeWalk.data_item`).
 Not watched: a global the code creates (absent when bridged), one holding another kind of object
 (``LOG = Recorder()`` with a list inside), a write reached only through an attribute chain.
 
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 
 from ..compat.torch.capture import tensor_version
-from .bindings import MISSING, Binding, ClosureCells
+from .bindings import MISSING, Binding, ClosureCells, SequenceItems
 from .model_code import walked
 from .plain_values import PLAIN_TYPES, array_bytes, plain_value, put_back_array, snapshot, writable_array
 from .reached_state import copy_container, put_back, reached, same_container
@@ -48,13 +50,14 @@ _CONTAINERS = (list, dict, set)
 
 def value_bindings(model: torch.nn.Module) -> list[tuple[Binding, type | None]]:
     """The bindings of :func:`~.code_check.code_bindings` whose namespace is a module's globals,
-    a function's closure cells, an object's ``__dict__`` or a class's attributes (``(binding, the
+    a function's closure cells, a global dict or list (an item of ``STORE = {"table": np.ones(4)}``),
+    an object's ``__dict__`` or a class's attributes (``(binding, the
     class)`` for those; None else): what :class:`GlobalValues` watches and restores."""
     walk = walked(model)
     unique: dict[tuple[int, Any], tuple[Binding, type | None]] = {}
     for binding in walk.bindings:
         namespace = binding[1]
-        if type(namespace) in (dict, ClosureCells) or id(namespace) in walk.owners:
+        if type(namespace) in (dict, ClosureCells, SequenceItems) or id(namespace) in walk.owners:
             unique.setdefault((id(namespace), binding[2]), (binding, walk.owners.get(id(namespace))))
     return list(unique.values())
 

@@ -692,20 +692,34 @@ def _snapshot() -> dict[tuple[int, str], Any]:
 
 _ABSENT = object()
 #: what the spy records (outside the module: nnbridge puts a module's attributes back after its own runs)
-_SPY: dict[str, Any] = {"baseline": {}, "changed": {}, "plant": None}
+class _SpyState:
+    """What the spy records, kept in slots: a global dict of it would be read item by item by the
+    code walk, and the spy's writes into it would make the spy run eagerly, never exported."""
+
+    __slots__ = ("baseline", "changed", "plant")
+
+    def __init__(self) -> None:
+        self.update(baseline={}, changed={}, plant=None)
+
+    def update(self, **values: Any) -> None:
+        for name, value in values.items():
+            setattr(self, name, value)
+
+
+_SPY = _SpyState()
 
 
 class _Spy(nn.Module):
-    """Records, each time it runs, the attributes that differ from ``_SPY["baseline"]``."""
+    """Records, each time it runs, the attributes that differ from ``_SPY.baseline``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _SPY["plant"] is not None:
-            _SPY["plant"]()
-        baseline, changed = _SPY["baseline"], _SPY["changed"]
+        if _SPY.plant is not None:
+            _SPY.plant()
+        baseline, changed = _SPY.baseline, _SPY.changed
         if baseline:
             now = _snapshot()
             in_place = registry.places()
@@ -722,7 +736,7 @@ def _changes_while(run: Any, plant: Any = None) -> dict[tuple[int, str], set[str
     _SPY.update(baseline=_snapshot(), changed={}, plant=plant)
     try:
         run()
-        return _SPY["changed"]
+        return _SPY.changed
     finally:
         _SPY.update(baseline={}, changed={}, plant=None)
 

@@ -20,13 +20,14 @@ broke extraction before, and their neighbours:
   forward appends to (and reads the length of, or not), reads of a Python float, of a plain
   object's attributes (``self.hp.scale``, ``self.hp.inner.bias``, a tensor ``self.hp.vector``), of
   a callable object (``self.act(v)``), of a numpy scalar (``self.k``), of a numpy array
-  (``self.arr[0]``), a call of a ``Linear`` kept out of the registry in a plain list
+  (``self.arr[0]``), of a numpy array in a module global dict (``TABLES["t"][0]``), a call of a ``Linear`` kept out of the registry in a plain list
   (``self.outside[0](v)``), a child appending to a list the root
   makes and reads back (``self.gather(v, acts)``), a loop over the cached layers with the
   root's ``cache`` argument; a tensor, tuple or dict output;
 - the script: calls with and without grad (all with one cache, when the root takes one: each
   call after the first is a decode step), and edits between them: module attribute writes,
-  plain-object attribute writes and replacements (a numpy array written in place; a held tensor
+  plain-object attribute writes and replacements (a numpy array written in place, the global
+  ``TABLES["t"]`` too; a held tensor
   written in place or replaced; the
   out-of-registry ``Linear``'s weight written in place, or the ``Linear`` replaced), child swaps,
   class swaps (``__class__``),
@@ -62,19 +63,21 @@ BODIES: dict[int, tuple[str, ...]] = {
 INNER_CALLS = ("pos", "kw", "kw_rev", "mixed")
 #: the root's reads: a Python float, a plain object's attributes, a callable object, a numpy scalar,
 #: the number of modules in its tree (a walk of its registry), a plain object's tensor, a ``Linear``
-#: kept out of the registry, a list the root makes and its child ``gather`` fills, and an element of
-#: a numpy array
-READS = ("alpha", "hp", "nested", "act", "k", "modules", "vector", "outside", "gather", "array")
+#: kept out of the registry, a list the root makes and its child ``gather`` fills, an element of
+#: a numpy array, and an element of a numpy array in a module global dict beside a function
+#: (``TABLES["t"][0]``, see nnbridge.guards.code_walk.CodeWalk.data_item)
+READS = ("alpha", "hp", "nested", "act", "k", "modules", "vector", "outside", "gather", "array", "table")
 #: where a ``"log"`` statement appends: a list nested in a list, a dict, a tuple or a
 #: ``SimpleNamespace`` the root holds (state reached inside an attribute, see nnbridge.guards.reached_state)
 LOGS = {"list": ("[[]]", "[0]"), "dict": ("{'h': []}", "['h']"), "tuple": ("([], 0)", "[0]"),
         "namespace": ("types.SimpleNamespace(items=[])", ".items")}
 #: edits of plain objects (not modules): issue 48 item 2
 PLAIN_EDITS = ("hp_attr", "hp_replace", "nested_attr", "act_attr", "act_replace", "k_replace", "vector_write",
-               "vector_replace", "outside_write", "outside_replace", "array_write")
+               "vector_replace", "outside_write", "outside_replace", "array_write", "table_write")
 #: the edits of :data:`PLAIN_EDITS` that change a tensor a graph would bake in as a constant, or an
 #: array element it would bake in as a number
-HELD_TENSOR_EDITS = ("vector_write", "vector_replace", "outside_write", "outside_replace", "array_write")
+HELD_TENSOR_EDITS = ("vector_write", "vector_replace", "outside_write", "outside_replace", "array_write",
+                     "table_write")
 #: how a ``"registry"`` statement edits a child's registry in forward: ``self.c<i>.append(spare)``,
 #: ``self.c<i>[j] = spare`` (a ModuleList), ``self.c<i> = spare`` (a block or shared child)
 REGISTRY_EDITS = ("grow", "swap", "set")
@@ -200,7 +203,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from corpus import Call, Edit, Entry
-from corpus.program_parts import CachedLayer, HParams, Inner, ProgramRoot, Swish, new_cache'''
+from corpus.program_parts import CachedLayer, HParams, Inner, ProgramRoot, Swish, new_cache
+
+#: a module global dict a ``"table"`` read reads an array element of (its script starts by setting it)
+TABLES = {"t": np.array([2.0]), "act": torch.tanh}'''
 
 
 def _inner_call(style: str, x: str, a: str) -> str:
@@ -291,7 +297,8 @@ def _root_source(program: Program) -> tuple[str, bool]:
                          "modules": f"{new} = {v} + len(list(self.modules()))",
                          "vector": f"{new} = {v} + self.hp.vector",
                          "outside": f"{new} = self.outside[0]({v})",
-                         "array": f"{new} = {v} * float(self.arr[0])"}[stmt.style])
+                         "array": f"{new} = {v} * float(self.arr[0])",
+                         "table": f"{new} = {v} * float(TABLES['t'][0])"}[stmt.style])
         elif stmt.kind == "buffer":
             body += ["if self.training:", f"    self.running.mul_(0.5).add_({args[0]}.detach().mean(0))",
                      "    self.steps += 1", f"{new} = {args[0]} - self.running"]
@@ -349,7 +356,8 @@ def _edit_source(program: Program, step: Step, doubled: bool) -> str:
             "vector_replace": f"m.hp.vector = torch.full((4,), {value})",
             "outside_write": f"m.outside[0].weight.mul_({value})",
             "outside_replace": f"m.outside[0] = nn.Linear(4, 4).requires_grad_(False)",
-            "array_write": f"m.arr[0] = {value}"}[step.kind]
+            "array_write": f"m.arr[0] = {value}",
+            "table_write": f"TABLES['t'][0] = {value}"}[step.kind]
 
 
 def render(program: Program, name: str | None = None, doc: str = "") -> str:
@@ -363,6 +371,10 @@ def render(program: Program, name: str | None = None, doc: str = "") -> str:
     root, counter = _root_source(program)
     parts.append(root)
     edits, script = [], []
+    if any(stmt.kind == "read" and stmt.style == "table" for stmt in program.stmts):
+        # (each run starts from the same table: the eager run's edits wrote the global before)
+        edits.append("def reset_table(m):\n    TABLES['t'][0] = 2.0")
+        script.append("Edit(reset_table)")
     dtype = ""
     for step in program.script:
         if step.kind == "call":
