@@ -7,7 +7,8 @@ class earlier in an MRO than the one defining a method). :class:`~.code_check.Co
 whether each lookup still finds the same object, and :mod:`.global_state` watches and restores
 the bindings that hold plain values. A namespace is any object with ``get``, ``[]`` and ``in``: a
 module's globals, a class's ``vars()``, an object's ``__dict__``, a registry of functions, or one
-of the adapters here (a function's own parts, its closure cells, ``os.environ``, a context variable).
+of the adapters here (a function's own parts, its closure cells, a list's items, an object's
+attributes, ``os.environ``, a context variable).
 
 *State* is not kept here: every namespace is read afresh on each lookup.
 """
@@ -94,6 +95,25 @@ class SequenceItems:
 
     def __setitem__(self, index: int, value: Any) -> None:
         self.sequence[index] = value  # type: ignore[index]  # (a tuple's items are never replaced)
+
+
+class Attributes:
+    """An object's attributes as a binding's namespace (``get``, ``[]``, ``in``): ``["keywords"]``
+    of a ``functools.partial`` is the dict of keyword arguments it binds now."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: Any):
+        self.owner = owner
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self.owner, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self.owner, name, default)
+
+    def __contains__(self, name: str) -> bool:
+        return hasattr(self.owner, name)
 
 
 class _Environment:

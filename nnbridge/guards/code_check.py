@@ -7,8 +7,8 @@ attribute (a method assigned to a class, or defined on a subclass later), a regi
 function's own ``__code__``/``__defaults__``/``__kwdefaults__``, an environment variable, a
 context variable, the attributes of a held object (:mod:`.held_objects`). :class:`CodeCheck`
 compares them on every call by identity, global tensors by version, global containers of
-plain values by a copy, arrays by their bytes, and the keys or length of dicts and lists whose
-items are bindings; :meth:`CodeCheck.what_changed` names the first that changed
+plain values by a copy, arrays by their bytes, and the keys, members or length of containers
+whose items are bindings; :meth:`CodeCheck.what_changed` names the first that changed
 (``"transformers.models.gpt2.modeling_gpt2.eager_attention_forward was replaced"``).
 
 *State* here means what those lookups found when the check was made (objects, tensor versions,
@@ -20,22 +20,23 @@ from __future__ import annotations
 
 import operator
 import types
-from collections.abc import Set as AbstractSet
+from collections.abc import Mapping, Set as AbstractSet
 from typing import Any
 
 import torch
 
 from ..compat.torch.capture import tensor_version
 from .bindings import ENVIRONMENT, FUNCTION_PARTS, MISSING, Binding, ClosureCells, FunctionParts
-from .code_objects import CONTAINERS
+from .code_objects import data_container
 from .code_walk import MAPPING_LIMIT
 from .model_code import walked
 from .plain_values import array_bytes, plain_value, snapshot, writable_array
 
 
-def _shape(container: dict[Any, Any] | list[Any]) -> set[Any] | int:
-    """A dict's keys or a list's length: what tells an item added to one whose items are bindings."""
-    return set(container) if type(container) is dict else len(container)
+def _shape(container: Any) -> set[Any] | int:
+    """A mapping's keys, a set's members or a sequence's length: what tells an item added to a
+    container whose items are bindings."""
+    return set(container) if isinstance(container, (Mapping, AbstractSet)) else len(container)
 
 
 #: What a closure cell holds now (raises ``ValueError`` for an empty cell).
@@ -112,15 +113,16 @@ class CodeCheck:
         self._versions = [tensor_version(t) for t in self._tensors]
         # global containers of plain values: a copy (a write into one changes what a graph baked in)
         self._containers = [value for _, _, _, value in bindings
-                            if isinstance(value, CONTAINERS) and plain_value(value, tensors=True)]
+                            if data_container(value) and plain_value(value, tensors=True)]
         self._copies = [snapshot(value) for value in self._containers]
         # arrays (a global or held numpy array): their bytes (a write into one changes what a graph baked in)
         self._arrays = [value for _, _, _, value in bindings if writable_array(value) is not None]
         self._bytes = [array_bytes(value) for value in self._arrays]
-        # global dicts and lists whose items the walk read one by one (``STORE = {"table":
-        # np.ones(4)}``, ``HOOKS = [f, g]``; each item is a binding of its own): their keys or length
-        # (an item added)
-        self._read = [value for _, _, _, value in bindings if type(value) in (dict, list)
+        # global containers whose items the walk read one by one (``STORE = {"table": np.ones(4)}``,
+        # ``HOOKS = [f, g]``, a ``deque`` of arrays; each item is a binding of its own): their keys,
+        # members or length (an item added)
+        self._read = [value for _, _, _, value in bindings if data_container(value)
+                      and not isinstance(value, (tuple, frozenset))
                       and len(value) <= MAPPING_LIMIT and not plain_value(value, tensors=True)]
         self._shapes = list(map(_shape, self._read))
 

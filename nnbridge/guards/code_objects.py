@@ -6,7 +6,7 @@ nested code objects included, :func:`function_digest`) and by its default argume
 (:func:`defaults_text`). Torch's, the standard library's and built-in code is not followed
 (:func:`versioned`: their versions are part of the disk-cache key), nor nnbridge's and nnsight's
 own functions set on modules (:func:`is_plumbing`). The value kinds the walk tells apart
-(:data:`PLAIN_READ_TYPES`, :data:`CODE_HOLDERS`, :data:`CONTAINERS`, :data:`BUILTINS`) are
+(:data:`PLAIN_READ_TYPES`, :data:`CODE_HOLDERS`, :data:`CONTAINERS`, :func:`data_container`, :data:`BUILTINS`) are
 defined here for :mod:`.code_walk`, :mod:`.held_objects` and :mod:`.model_code`.
 
 *State* is not kept here beyond a memo of each function's digest (per function object and code
@@ -24,7 +24,7 @@ import sys
 import sysconfig
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, MutableSequence, Sequence, Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,38 @@ _WRAPPER_DEPTH = 8
 
 #: Global containers followed by value when they hold plain values or tensors (``SCALES = [1.0, 2.0]``).
 CONTAINERS = (list, tuple, set, frozenset, dict)
+
+
+def data_container(value: Any) -> bool:
+    """Whether the walk reads ``value`` as a container of data, whole when it holds plain values
+    and item by item otherwise: a mapping, sequence or set whose items are read as a ``dict``'s,
+    ``list``'s or ``set``'s are (a list, tuple, dict, set, ``OrderedDict``, ``defaultdict``,
+    ``deque``, ``array.array``, ``bytearray``, a script's ``class Store(dict): pass``). Not a
+    string, bytes, range, memoryview or module, nor a container with its own lookup (a class
+    outside torch and the standard library defining ``get``, ``__getitem__``, ... : transformers'
+    ``AttentionInterface``, a registry keyed on model classes), read for the code it holds."""
+    if not isinstance(value, (Mapping, Sequence, MutableSequence, AbstractSet)) \
+            or isinstance(value, (str, bytes, memoryview, range, torch.nn.Module)):
+        return False
+    return _plain_lookup(type(value))
+
+
+#: The methods by which a container's items are read: a class outside torch and the standard
+#: library defining one gives the container a lookup of its own.
+_LOOKUPS = ("__getitem__", "get", "__missing__", "__iter__", "__contains__", "keys", "items", "values")
+
+
+_PLAIN_LOOKUP: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _plain_lookup(kind: type) -> bool:
+    known = _PLAIN_LOOKUP.get(kind)
+    if known is None:
+        known = _PLAIN_LOOKUP[kind] = all(versioned(owner.__module__) for owner in kind.__mro__
+                                          if any(name in vars(owner) for name in _LOOKUPS))
+    return known
+
+
 #: Built-in callables an instance attribute may hold (``self.act = torch.relu``): they count by name.
 BUILTINS = (types.BuiltinFunctionType, types.BuiltinMethodType)
 #: Names whose reading means the code reads environment variables (``os.environ``, ``os.getenv``).

@@ -6,8 +6,10 @@ A function leads on to the function under a wrapper (``__wrapped__``), every glo
 of nnbridge's and nnsight's own wrappers only the code they hold): one holding a function, a class
 (its methods) or a mapping of them is followed; one holding a plain value, a tensor, an array, a
 container of plain values, a ``contextvars.ContextVar`` or an object of settings is an entry by
-value and a binding; a ``dict``, ``list`` or ``tuple`` of other values is read item by item
-(:meth:`CodeWalk.data_item`). A class's method is followed once some code reached reads its name, or at once when it
+value and a binding; a container of other values (:func:`~.code_objects.data_container`: a
+``dict``, ``list``, ``tuple``, ``deque``, ``OrderedDict``, ...; one held as an attribute of an
+object of settings or a class too) is read item by item (:meth:`CodeWalk.data_item`), and a
+``functools.partial`` by the function it calls and the arguments it binds. A class's method is followed once some code reached reads its name, or at once when it
 is an entry point (``forward``, ``__call__``). What the walk covers and leaves out, as the
 disk-cache key sees it, is described in :mod:`.code_digest`; where it starts from a model, in
 :mod:`.model_code`; the objects modules hold, in :mod:`.held_objects`.
@@ -23,7 +25,7 @@ import argparse
 import contextvars
 import functools
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Set as AbstractSet
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from .bindings import (
     ENVIRONMENT,
     FUNCTION_PARTS,
     MISSING,
+    Attributes,
     Binding,
     ClosureCells,
     ContextValue,
@@ -40,9 +43,9 @@ from .bindings import (
 )
 from .code_objects import (
     CODE_HOLDERS,
-    CONTAINERS,
     ENVIRONMENT_READS,
     PLAIN_READ,
+    data_container,
     defaults_text,
     function_digest,
     global_names,
@@ -58,10 +61,6 @@ from .rng_objects import generator_state
 
 #: Mappings and sequences with more entries than this are not read (a registry of functions is small).
 MAPPING_LIMIT = 512
-#: Containers a global holds whose items are read one by one (those of plain values are read whole):
-#: a dict by key, a list or tuple by index.
-DATA_MAPPINGS = (dict,)
-DATA_SEQUENCES = (list, tuple)
 #: Methods visited whether or not code reached names them: what calling a module runs.
 _ENTRY_POINTS = ("forward", "__call__")
 #: What the walk queues: ``(where, value, the bindings that found it)``.
@@ -93,6 +92,8 @@ class CodeWalk:
         #: class earlier in an MRO must not define the name
         self.bindings: list[Binding] = []
         self.seen: set[int] = set()
+        #: ``id``s of the functions whose own parts are bindings already (:meth:`function_parts`)
+        self.parted: set[int] = set()
         self.keep: list[Any] = []  # keeps visited objects alive, so ids stay unique
         self.todo: list[_Todo] = []
         self.names: set[str] = set(_ENTRY_POINTS)
@@ -126,7 +127,14 @@ class CodeWalk:
                              if getattr(value, part) is not None)
             return
         elif isinstance(value, functools.partial):
-            self.todo.append((f"{where}.func", value.func, ()))
+            # the function it calls, followed, and the arguments it binds, read as data
+            # (``functools.partial(scale, k=2.0)``, its ``keywords["k"] = 5.0`` after bridging)
+            found: list[_Todo] = [(f"{where}.func", value.func, ())]
+            if self.first_visit(value):
+                parts = Attributes(value)
+                for name in ("args", "keywords"):
+                    self.read_value((f"{where}.{name}", parts, name, getattr(value, name)), found)
+            self.todo.extend(reversed(found))
             return
         elif isinstance(value, types.MethodType):
             value = value.__func__
@@ -138,22 +146,16 @@ class CodeWalk:
             self.function(where, value)
         elif isinstance(value, type):
             self.cls(value)
-        elif isinstance(value, Mapping) and (type(value) in DATA_MAPPINGS or not versioned(type(value).__module__)):
+        elif isinstance(value, Mapping) and (data_container(value) or not versioned(type(value).__module__)):
             self.mapping(where, value)
-        elif type(value) in DATA_SEQUENCES:
+        elif data_container(value):
             self.sequence(where, value)
 
     def function(self, where: str, function: types.FunctionType) -> None:
         self.entries.append((where, function_digest(function)))
         if versioned(function.__module__) or not self.first_visit(function):
             return
-        parts, own = FunctionParts(function), f"{function.__module__}.{function.__qualname__}"
-        # defaults count only where there are some: a call of a function without them passed every
-        # argument, so defaults assigned later change none of the calls a graph holds
-        self.bindings.extend((f"{own}.{name}", parts, name, getattr(function, name)) for name in FUNCTION_PARTS
-                             if name == "__code__" or getattr(function, name) is not None)
-        if function.__defaults__ or function.__kwdefaults__:
-            self.entries.append((f"{own}.__defaults__", defaults_text(function)))
+        own = self.function_parts(function)
         found: list[_Todo] = []
         cells, wrapper = ClosureCells(function), plumbing_code(function)
         for name in cells.cells:
@@ -188,6 +190,22 @@ class CodeWalk:
                 found.extend(self.pending.pop(constant, ()))
         self.todo.extend(reversed(found))
 
+    def function_parts(self, function: types.FunctionType) -> str:
+        """``function``'s own parts (:data:`~.bindings.FUNCTION_PARTS`), each a binding, and its
+        defaults an entry; returns its qualified name. Defaults count only where there are some: a
+        call of a function without them passed every argument, so defaults assigned later change
+        none of the calls a graph holds."""
+        parts, own = FunctionParts(function), f"{function.__module__}.{function.__qualname__}"
+        if id(function) in self.parted:
+            return own
+        self.parted.add(id(function))
+        self.keep.append(function)
+        self.bindings.extend((f"{own}.{name}", parts, name, getattr(function, name)) for name in FUNCTION_PARTS
+                             if name == "__code__" or getattr(function, name) is not None)
+        if function.__defaults__ or function.__kwdefaults__:
+            self.entries.append((f"{own}.__defaults__", defaults_text(function)))
+        return own
+
     def read_global(self, namespace: Mapping[str, Any] | ClosureCells, name: str, *, module: str,
                     found: list[_Todo]) -> None:
         """What the global ``name`` of ``module`` (its ``namespace``), read by a function's code,
@@ -203,14 +221,16 @@ class CodeWalk:
         False for a value of another kind (not read: an object that is neither code, data nor
         settings)."""
         where_found, namespace, name, value = binding
-        if isinstance(value, CONTAINERS) and plain_value(value, tensors=True):
-            # a global container of plain values or tensors (``SCALES = [1.0, 2.0]``): by value in
-            # the digest; assigned anew or written in place fails the check (see CodeCheck)
+        if data_container(value) and plain_value(value, tensors=True):
+            # a global container of plain values or tensors (``SCALES = [1.0, 2.0]``, a ``deque``,
+            # an ``array.array``): by value in the digest; assigned anew or written in place fails
+            # the check (see CodeCheck)
             self.entries.append((where_found, canonical_repr(value)))
             self.bindings.append((where_found, namespace, name, value))
-        elif holds_code(value, (type, Mapping)) or type(value) in DATA_SEQUENCES:
-            # code, a mapping (a registry of functions, a dict of settings) or a list or tuple of
-            # other values (``HOOKS = [f, g]``, ``STORE = [np.zeros(4)]``): followed item by item
+        elif holds_code(value, (type, Mapping)) or data_container(value):
+            # code, a mapping (a registry of functions, a dict of settings) or another container
+            # of data (``HOOKS = [f, g]``, ``STORE = [np.zeros(4)]``, a ``deque`` of arrays):
+            # followed item by item
             found.append((where_found, value, ((where_found, namespace, name, value),)))
         elif type(value) in PLAIN_READ:
             # a plain global (``SCALE = 2.0``, a flag) a graph bakes in: its value is part of
@@ -245,7 +265,7 @@ class CodeWalk:
             self.entries.append((where_found, type(value).__qualname__))
             self.bindings.append((where_found, namespace, name, value))
             if self.first_visit(value):
-                self.plain_attributes(where_found, vars(value))
+                self.plain_attributes(where_found, vars(value), found=found)
                 # the objects of settings it holds, followed as a module's held objects are: through
                 # the names code reads (``CFG.sub.scale``; see :func:`~.held_objects.follow_held`)
                 attributes = vars(value)
@@ -260,16 +280,18 @@ class CodeWalk:
             return False
         return True
 
-    def plain_attributes(self, where: str, attributes: Mapping[str, Any], *, owner: type | None = None) -> None:
+    def plain_attributes(self, where: str, attributes: Mapping[str, Any], *, found: list[_Todo],
+                         owner: type | None = None) -> None:
         """The plain values (and containers of them), tensors and arrays in an object's or a class's
         (``owner``'s) ``attributes``: in the digest by value, each a binding (assigning one anew or
-        writing into a container, a tensor or an array re-extracts)."""
+        writing into a container, a tensor or an array re-extracts); a container of other data
+        (``CFG.tables = {"a": np.ones(4)}``) as a global's (:meth:`read_value`, appended to ``found``)."""
         if owner is not None:
             self.owners[id(attributes)] = owner
         for name, value in list(attributes.items()):
             if name.startswith("__") and name.endswith("__"):
                 continue
-            if type(value) in PLAIN_READ or (isinstance(value, CONTAINERS) and plain_value(value, tensors=True)):
+            if type(value) in PLAIN_READ or (data_container(value) and plain_value(value, tensors=True)):
                 self.entries.append((f"{where}.{name}", canonical_repr(value)))
                 self.bindings.append((f"{where}.{name}", attributes, name, value))
             elif isinstance(value, torch.Tensor) or writable_array(value) is not None:
@@ -277,6 +299,8 @@ class CodeWalk:
                 self.entries.append((f"{where}.{name}", canonical_repr(value) if isinstance(value, torch.Tensor)
                                      else array_digest(value)))
                 self.bindings.append((f"{where}.{name}", attributes, name, value))
+            elif data_container(value):
+                self.read_value((f"{where}.{name}", attributes, name, value), found)
 
     def cls(self, cls: type, in_tree: bool = False) -> None:
         """A class's methods, inherited ones included (``torch.nn.Module``'s and ``object``'s left
@@ -284,9 +308,11 @@ class CodeWalk:
         if (not in_tree and versioned(cls.__module__)) or not self.first_visit(cls):
             return
         if not in_tree:  # a class the code names (``if Flags.ablate:``); module classes' own are StateGuard's
+            found: list[_Todo] = []
             for owner in cls.__mro__:
                 if owner not in (object, torch.nn.Module) and not versioned(owner.__module__):
-                    self.plain_attributes(owner.__qualname__, vars(owner), owner=owner)
+                    self.plain_attributes(owner.__qualname__, vars(owner), owner=owner, found=found)
+            self.todo.extend(reversed(found))
         resolved: set[str] = set()
         for index, owner in enumerate(cls.__mro__):
             if owner in (object, torch.nn.Module):
@@ -306,7 +332,8 @@ class CodeWalk:
                         self.pending.setdefault(name, []).append(entry)
 
     def mapping(self, where: str, mapping: Mapping[Any, Any]) -> None:
-        """A mapping's items: in a ``dict``, each item (:meth:`data_item`: ``STORE = {"table":
+        """A mapping's items: in a ``dict`` or a mapping of the standard library (an
+        ``OrderedDict``, a ``defaultdict``), each item (:meth:`data_item`: ``STORE = {"table":
         np.ones(4)}``); in another mapping type, which has its own lookup (transformers'
         ``AttentionInterface`` looks in a local mapping first), the code it holds, followed."""
         if not self.first_visit(mapping):
@@ -318,7 +345,7 @@ class CodeWalk:
             return
         if len(items) > MAPPING_LIMIT:
             return
-        data = type(mapping) in DATA_MAPPINGS
+        data = data_container(mapping)
         found: list[_Todo] = []
         for key, value in items:
             item = f"{where}[{key!r}]"
@@ -328,13 +355,16 @@ class CodeWalk:
                 found.append((item, value, ((item, mapping, key, value),)))
         self.todo.extend(reversed(found))
 
-    def sequence(self, where: str, sequence: list[Any] | tuple[Any, ...]) -> None:
-        """A list's or tuple's items, when not all plain (``TABLES = [np.ones(4)]``, ``HOOKS = [f,
-        g]``): each by index (:meth:`data_item`, :class:`~.bindings.SequenceItems`); its length is
-        an entry."""
+    def sequence(self, where: str, sequence: Any) -> None:
+        """A sequence's items, when not all plain (``TABLES = [np.ones(4)]``, ``HOOKS = [f, g]``, a
+        ``deque`` of arrays): each by index (:meth:`data_item`, :class:`~.bindings.SequenceItems`);
+        its length is an entry. A set's items have no index: its members count as the check's copy
+        of it (:class:`~.code_check.CodeCheck`), its length as an entry."""
         if not self.first_visit(sequence) or len(sequence) > MAPPING_LIMIT:
             return
         self.entries.append((where, f"{type(sequence).__name__} of {len(sequence)}"))
+        if isinstance(sequence, AbstractSet):
+            return
         items = SequenceItems(sequence)
         found: list[_Todo] = []
         for index, value in enumerate(sequence):
@@ -345,8 +375,9 @@ class CodeWalk:
         """An item of a dict, list or tuple, ``binding`` ``(where, container or its
         :class:`~.bindings.SequenceItems`, key, value)``: a value read as a global is (:meth:`read_value`: a
         plain value, tensor, array, object of settings, or a container followed in turn); code (a
-        function, class or method: ``ACTS["gelu"]``, a dict of loss functions) by identity only, its
-        own code in the digest and the code it reaches not followed (a registry of functions
+        function, class or method: ``ACTS["gelu"]``, a dict of loss functions) by identity, its
+        own code in the digest and a function's own parts bindings (its ``__code__`` or defaults
+        assigned anew is a change), the code it reaches not followed (a registry of functions
         reaches far more code than one forward runs); anything else (a logger, a lock) by identity,
         its type in the digest."""
         where, _, _, value = binding
@@ -354,6 +385,8 @@ class CodeWalk:
             self.entries.append((where, function_digest(value) if isinstance(value, types.FunctionType)
                                  else f"{type(value).__qualname__} {getattr(value, '__qualname__', '')}"))
             self.bindings.append(binding)
+            if isinstance(value, types.FunctionType) and not versioned(value.__module__):
+                self.function_parts(value)  # (its code or defaults assigned anew is a change)
         elif not self.read_value(binding, found):
             self.entries.append((where, type(value).__qualname__))
             self.bindings.append(binding)

@@ -15,8 +15,10 @@ of a global object of settings (``STATE.calls += 1``) or of a class the code nam
 (``Flags.calls += 1``), or in a closure cell of a function the code reaches (``n[0] += 1``);
 and random generator objects read these ways or held by an object a module holds (their state,
 through :mod:`.rng_objects`: a draw is a write).
-The items of a global ``dict``, ``list`` or ``tuple`` holding other values are watched as
-globals are (``STORE["table"] += 1`` of an array there; :meth:`~.code_walk.CodeWalk.data_item`).
+The items of a global container holding other values (:func:`~.code_objects.data_container`: a
+``dict``, ``list``, ``deque``, ``OrderedDict``, ...) are watched as globals are (``STORE["table"] += 1``
+of an array there; :meth:`~.code_walk.CodeWalk.data_item`), and the container itself by the
+identity of its items (``STORE["last"] = ...``, ``QUEUE.append(...)``).
 Not watched: a global the code creates (absent when bridged), one holding another kind of object
 (``LOG = Recorder()`` with a list inside), a write reached only through an attribute chain.
 
@@ -32,20 +34,29 @@ and not module state (:mod:`.module_state`).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 
 from ..compat.torch.capture import tensor_version
-from .bindings import MISSING, Binding, ClosureCells, SequenceItems
+from .bindings import MISSING, Attributes, Binding, ClosureCells, SequenceItems
+from .code_objects import data_container
 from .model_code import walked
 from .plain_values import PLAIN_TYPES, array_bytes, plain_value, put_back_array, snapshot, writable_array
-from .reached_state import copy_container, put_back, reached, same_container
+from .reached_state import copy_container, mutable, put_back, reached, same_container
 from .rng_objects import generator_state, same_generator_state, set_generator_state
 
-#: Containers whose contents are watched and restored in place.
-_CONTAINERS = (list, dict, set)
+
+
+class _Items:
+    """A shallow copy of a container whose items are read one by one (:func:`copy_container`):
+    compared by the identity of its items (:func:`same_container`), so a key added or an item
+    replaced in a forward is a write."""
+
+    __slots__ = ("copied",)
+
+    def __init__(self, value: Any):
+        self.copied = copy_container(value)
 
 
 def value_bindings(model: torch.nn.Module) -> list[tuple[Binding, type | None]]:
@@ -57,14 +68,14 @@ def value_bindings(model: torch.nn.Module) -> list[tuple[Binding, type | None]]:
     unique: dict[tuple[int, Any], tuple[Binding, type | None]] = {}
     for binding in walk.bindings:
         namespace = binding[1]
-        if type(namespace) in (dict, ClosureCells, SequenceItems) or id(namespace) in walk.owners:
+        if isinstance(namespace, (dict, ClosureCells, SequenceItems, Attributes)) or id(namespace) in walk.owners:
             unique.setdefault((id(namespace), binding[2]), (binding, walk.owners.get(id(namespace))))
     return list(unique.values())
 
 
 def _watched(value: Any) -> bool:
     return (isinstance(value, (*PLAIN_TYPES, torch.Tensor))
-            or (isinstance(value, (*_CONTAINERS, tuple)) and plain_value(value, tensors=True))
+            or (data_container(value) and (mutable(value) or plain_value(value, tensors=True)))
             or generator_state(value) is not None or writable_array(value) is not None)
 
 
@@ -85,7 +96,7 @@ class GlobalValues:
         # the containers and tensors nested inside watched containers (``LOG[0].append(x)``,
         # :mod:`.reached_state`): put back too
         inside = reached([(where, value) for (where, _, _), (value, _, _) in zip(self.entries, self.saved)
-                          if isinstance(value, (*_CONTAINERS, tuple))], set())
+                          if data_container(value)], set())
         self.nested: list[tuple[Any, Any]] = [
             (r.value, r.value.detach().clone() if isinstance(r.value, torch.Tensor) else copy_container(r.value))
             for r in inside if isinstance(r.value, torch.Tensor) or copy_container(r.value) is not None]
@@ -99,8 +110,9 @@ class GlobalValues:
             if isinstance(value, torch.Tensor):
                 kept = value.detach().clone() if keep and not value.is_meta else None
                 result.append((value, tensor_version(value), kept))
-            elif isinstance(value, _CONTAINERS):
-                result.append((value, snapshot(value), copy.copy(value)))
+            elif mutable(value):  # (a list, dict, set, deque, array.array: its contents)
+                compared = snapshot(value) if plain_value(value, tensors=True) else _Items(value)
+                result.append((value, compared, copy_container(value)))
             elif (state := generator_state(value)) is not None:
                 result.append((value, state, state))
             elif (contents := array_bytes(value)) is not None:  # (an array: by its bytes)
@@ -119,7 +131,9 @@ class GlobalValues:
                     return where
             elif now is not value and not (type(now) is type(value) and type(now) in PLAIN_TYPES and now == value):
                 return where
-            elif isinstance(value, _CONTAINERS) and not value == compared:
+            elif isinstance(compared, _Items) and not same_container(value, compared.copied):
+                return where
+            elif mutable(value) and not isinstance(compared, _Items) and not value == compared:
                 return where
             elif (state := generator_state(value)) is not None and not same_generator_state(state, compared):
                 return f"the state of {where} ({type(value).__name__})"
@@ -153,11 +167,8 @@ class GlobalValues:
                     set_generator_state(value, contents)
             elif isinstance(contents, bytes) and writable_array(value) is not None:
                 put_back_array(value, contents)
-            elif isinstance(value, list):
-                value[:] = contents
-            elif isinstance(value, (dict, set)):
-                value.clear()
-                value.update(contents)
+            elif mutable(value) and not same_container(value, contents):
+                put_back(value, contents)
         for value, contents in self.nested:
             if isinstance(value, torch.Tensor):
                 if not torch.equal(value, contents):

@@ -1,7 +1,7 @@
 """Plain values: what a graph bakes in by value, so guards compare it and cache keys hold it.
 
 A plain value is a scalar (number, bool, string, bytes, None, enum, dtype, device) or a tuple,
-list, ``deque``, ``array``, set or dict (any depth) of them holding at most :data:`MAX_PLAIN_ITEMS` scalars:
+list, ``deque``, ``array``, ``bytearray``, set or dict (any depth) of them holding at most :data:`MAX_PLAIN_ITEMS` scalars:
 ``self.temperature``, ``self.window_sizes = [4, 8]``, ``config.layer_types``,
 ``config.rope_parameters``. A module attribute's container may also hold tensors
 (``self.masks = [m0, m1]``), which export bakes in as constants. :func:`snapshot` copies
@@ -41,7 +41,7 @@ from ..compat.torch.capture import tensor_version
 PLAIN_TYPES = (int, float, bool, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
 #: the sequences a plain value may be (the standard library's: a ``deque`` or ``array`` of step
 #: sizes is read by index as a list is)
-_SEQUENCES = (tuple, list, collections.deque, array.array)
+_SEQUENCES = (tuple, list, collections.deque, array.array, bytearray)
 #: the most scalars a container value may hold to be plain (a larger one is not compared on each call)
 MAX_PLAIN_ITEMS = 1024
 
@@ -115,8 +115,8 @@ def snapshot(value: object) -> object:
         items = [snapshot(item) for item in value]
         kind: Any = type(value)
         return kind(*items) if hasattr(kind, "_fields") else kind(items)  # a NamedTuple takes its fields
-    if isinstance(value, (set, frozenset, array.array)):
-        return copy.deepcopy(value)  # a set or an array of plain values
+    if isinstance(value, (set, frozenset, array.array, bytearray)):
+        return copy.deepcopy(value)  # a set or an array of plain values, a bytearray
     # (anything else by identity: a symbolic number export's code appended, ``x.sum().item()``,
     # cannot be copied, and differs from every plain value it is compared with)
     return value

@@ -65,19 +65,25 @@ INNER_CALLS = ("pos", "kw", "kw_rev", "mixed")
 #: the number of modules in its tree (a walk of its registry), a plain object's tensor, a ``Linear``
 #: kept out of the registry, a list the root makes and its child ``gather`` fills, an element of
 #: a numpy array, and an element of a numpy array in a module global dict beside a function
-#: (``TABLES["t"][0]``, see nnbridge.guards.code_walk.CodeWalk.data_item)
-READS = ("alpha", "hp", "nested", "act", "k", "modules", "vector", "outside", "gather", "array", "table")
+#: (``TABLES["t"][0]``, see nnbridge.guards.code_walk.CodeWalk.data_item), of one in a module global
+#: ``deque`` (``QUEUE[0][0]``), and a module global ``functools.partial`` called (``SCALED(x)``, its
+#: keyword ``k`` a number)
+READS = ("alpha", "hp", "nested", "act", "k", "modules", "vector", "outside", "gather", "array", "table", "queue",
+         "keyword")
+#: the reads of module globals, which each run's script sets back first (:data:`_GLOBALS_RESET`)
+GLOBAL_READS = ("table", "queue", "keyword")
 #: where a ``"log"`` statement appends: a list nested in a list, a dict, a tuple or a
 #: ``SimpleNamespace`` the root holds (state reached inside an attribute, see nnbridge.guards.reached_state)
 LOGS = {"list": ("[[]]", "[0]"), "dict": ("{'h': []}", "['h']"), "tuple": ("([], 0)", "[0]"),
         "namespace": ("types.SimpleNamespace(items=[])", ".items")}
 #: edits of plain objects (not modules): issue 48 item 2
 PLAIN_EDITS = ("hp_attr", "hp_replace", "nested_attr", "act_attr", "act_replace", "k_replace", "vector_write",
-               "vector_replace", "outside_write", "outside_replace", "array_write", "table_write")
+               "vector_replace", "outside_write", "outside_replace", "array_write", "table_write", "queue_write",
+               "keyword_write")
 #: the edits of :data:`PLAIN_EDITS` that change a tensor a graph would bake in as a constant, or an
 #: array element it would bake in as a number
 HELD_TENSOR_EDITS = ("vector_write", "vector_replace", "outside_write", "outside_replace", "array_write",
-                     "table_write")
+                     "table_write", "queue_write")
 #: how a ``"registry"`` statement edits a child's registry in forward: ``self.c<i>.append(spare)``,
 #: ``self.c<i>[j] = spare`` (a ModuleList), ``self.c<i> = spare`` (a block or shared child)
 REGISTRY_EDITS = ("grow", "swap", "set")
@@ -195,6 +201,8 @@ def alias_roots(stmts: tuple[Stmt, ...]) -> list[int]:
 
 # -- rendering ------------------------------------------------------------------------------------
 _PRELUDE = '''\
+import collections
+import functools
 import types
 
 import numpy as np
@@ -206,7 +214,17 @@ from corpus import Call, Edit, Entry
 from corpus.program_parts import CachedLayer, HParams, Inner, ProgramRoot, Swish, new_cache
 
 #: a module global dict a ``"table"`` read reads an array element of (its script starts by setting it)
-TABLES = {"t": np.array([2.0]), "act": torch.tanh}'''
+TABLES = {"t": np.array([2.0]), "act": torch.tanh}
+#: a module global deque a ``"queue"`` read reads an array element of
+QUEUE = collections.deque([np.array([2.0])])
+
+
+def _scaled(x, k=2.0):
+    return x * k
+
+
+#: a module global partial a ``"keyword"`` read calls (its keyword ``k`` is a number a graph bakes in)
+SCALED = functools.partial(_scaled, k=2.0)'''
 
 
 def _inner_call(style: str, x: str, a: str) -> str:
@@ -298,7 +316,9 @@ def _root_source(program: Program) -> tuple[str, bool]:
                          "vector": f"{new} = {v} + self.hp.vector",
                          "outside": f"{new} = self.outside[0]({v})",
                          "array": f"{new} = {v} * float(self.arr[0])",
-                         "table": f"{new} = {v} * float(TABLES['t'][0])"}[stmt.style])
+                         "table": f"{new} = {v} * float(TABLES['t'][0])",
+                         "queue": f"{new} = {v} * float(QUEUE[0][0])",
+                         "keyword": f"{new} = SCALED({v})"}[stmt.style])
         elif stmt.kind == "buffer":
             body += ["if self.training:", f"    self.running.mul_(0.5).add_({args[0]}.detach().mean(0))",
                      "    self.steps += 1", f"{new} = {args[0]} - self.running"]
@@ -357,7 +377,16 @@ def _edit_source(program: Program, step: Step, doubled: bool) -> str:
             "outside_write": f"m.outside[0].weight.mul_({value})",
             "outside_replace": f"m.outside[0] = nn.Linear(4, 4).requires_grad_(False)",
             "array_write": f"m.arr[0] = {value}",
-            "table_write": f"TABLES['t'][0] = {value}"}[step.kind]
+            "table_write": f"TABLES['t'][0] = {value}",
+            "queue_write": f"QUEUE[0][0] = {value}",
+            "keyword_write": f"SCALED.keywords['k'] = {value}"}[step.kind]
+
+
+#: sets the module globals of :data:`GLOBAL_READS` back to their first values
+_GLOBALS_RESET = """def reset_globals(m):
+    TABLES['t'][0] = 2.0
+    QUEUE[0][0] = 2.0
+    SCALED.keywords['k'] = 2.0"""
 
 
 def render(program: Program, name: str | None = None, doc: str = "") -> str:
@@ -371,10 +400,10 @@ def render(program: Program, name: str | None = None, doc: str = "") -> str:
     root, counter = _root_source(program)
     parts.append(root)
     edits, script = [], []
-    if any(stmt.kind == "read" and stmt.style == "table" for stmt in program.stmts):
-        # (each run starts from the same table: the eager run's edits wrote the global before)
-        edits.append("def reset_table(m):\n    TABLES['t'][0] = 2.0")
-        script.append("Edit(reset_table)")
+    if any(stmt.kind == "read" and stmt.style in GLOBAL_READS for stmt in program.stmts):
+        # (each run starts from the same globals: the eager run's edits wrote them before)
+        edits.append(_GLOBALS_RESET)
+        script.append("Edit(reset_globals)")
     dtype = ""
     for step in program.script:
         if step.kind == "call":

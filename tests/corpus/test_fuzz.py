@@ -64,7 +64,7 @@ KNOWN_FEATURES: dict[str, str] = {
 _READ_OF_EDIT = {"hp_attr": "hp", "hp_replace": "hp", "nested_attr": "nested", "act_attr": "act",
                  "act_replace": "act", "k_replace": "k", "vector_write": "vector", "vector_replace": "vector",
                  "outside_write": "outside", "outside_replace": "outside", "array_write": "array",
-                 "table_write": "table"}
+                 "table_write": "table", "queue_write": "queue", "keyword_write": "keyword"}
 _MODULE_DIR = Path(tempfile.mkdtemp(prefix="nnbridge-fuzz-"))
 _FOUND = Path(__file__).parent / "found"
 
@@ -468,12 +468,14 @@ def test_a_class_swap_called_from_an_opaque_roots_code_equals_eager_through_nnsi
     assert check(entry, "nnsight", program.modes[0], options, nnsight_graphs=True, set_output=True) == []
 
 
-@pytest.mark.parametrize("where", ["array", "table"])
+@pytest.mark.parametrize("where", ["array", "table", "queue", "keyword"])
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
 def test_a_numpy_array_element_written_between_calls_equals_eager(front_end: str, where: str) -> None:
     """A root calling a block, then reading ``self.arr[0]`` (or ``TABLES["t"][0]`` of a module
-    global dict), with ``m.arr[0] = 3.0`` (``TABLES["t"][0] = 3.0``) between two calls: the root's
-    graph re-extracts (before, it kept the element it read, silently)."""
+    global dict, ``QUEUE[0][0]`` of a global deque, or calling ``SCALED``, a global partial), with
+    ``m.arr[0] = 3.0`` (``TABLES["t"][0] = 3.0``, ``QUEUE[0][0] = 3.0``, ``SCALED.keywords["k"] =
+    3.0``) between two calls: the root's graph re-extracts (before, it kept the element it read,
+    silently)."""
     program = Program(blocks=(Block(1, 0),), children=(Child("block", (0,)),),
                       stmts=(Stmt("call", (0,), child=0), Stmt("read", (1,), style=where)), output=("one", (2,)),
                       script=(Step("call"), Step(f"{where}_write", value=3.0), Step("call")), modes=("eval",))
