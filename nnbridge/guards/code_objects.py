@@ -83,12 +83,16 @@ def data_container(value: Any) -> bool:
     string, bytes, range, memoryview or module, nor a container with its own lookup (a class
     outside torch and the standard library defining ``get``, ``__getitem__``, ... : transformers'
     ``AttentionInterface``, a registry keyed on model classes), read for the code it holds."""
+    if type(value) in _BUILT_IN_CONTAINERS:
+        return True
     if not isinstance(value, (Mapping, Sequence, MutableSequence, AbstractSet)) \
             or isinstance(value, (str, bytes, memoryview, range, torch.nn.Module)):
         return False
     return _plain_lookup(type(value))
 
 
+#: Containers read as data without a look at their type's methods.
+_BUILT_IN_CONTAINERS = frozenset({dict, list, tuple, set, frozenset})
 #: The methods by which a container's items are read: a class outside torch and the standard
 #: library defining one gives the container a lookup of its own.
 _LOOKUPS = ("__getitem__", "get", "__missing__", "__iter__", "__contains__", "keys", "items", "values")
@@ -103,6 +107,36 @@ def _plain_lookup(kind: type) -> bool:
         known = _PLAIN_LOOKUP[kind] = all(versioned(owner.__module__) for owner in kind.__mro__
                                           if any(name in vars(owner) for name in _LOOKUPS))
     return known
+
+
+#: A memory address in a ``repr`` (``<unlocked _thread.lock object at 0x7f...>``): not the same in
+#: another process.
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+def identity_text(value: Any) -> str:
+    """The digest's text for a value read by identity only (:meth:`~.code_walk.CodeWalk.identity`):
+    a module by its name; a named callable (``torch.tanh``, ``math.sqrt``) by its module and
+    qualified name; an object whose class defines ``__repr__`` (a logger, a lock, a torch module)
+    by the sha256 of its ``repr``, memory addresses left out; an object of torch or the standard
+    library by its type (the context object ``torch._dynamo.disable`` keeps in a closure); anything
+    else by its type and identity (never the same in another process: a disk cache misses). The
+    extraction cache serves the graphs of an equal digest, so a value assigned anew must change
+    the text, whichever check saw it first."""
+    kind = type(value)
+    try:
+        if isinstance(value, types.ModuleType):
+            return f"module {value.__name__}"
+        name, module = getattr(value, "__qualname__", None), getattr(value, "__module__", None)
+        if callable(value) and isinstance(name, str) and isinstance(module, str):
+            return f"{kind.__qualname__} {module}.{name}"
+        if kind.__repr__ is not object.__repr__:
+            text = _ADDRESS.sub("0x", repr(value))
+            return f"{kind.__module__}.{kind.__qualname__} {hashlib.sha256(text.encode()).hexdigest()}"
+    except Exception:  # noqa: BLE001 - an object whose attributes or repr raise counts by identity
+        pass
+    head = f"{kind.__module__}.{kind.__qualname__}"
+    return head if versioned(kind.__module__) else f"{head} id {id(value)}"
 
 
 #: Built-in callables an instance attribute may hold (``self.act = torch.relu``): they count by name.
@@ -127,6 +161,16 @@ def versioned(module_name: str | None) -> bool:
     module = sys.modules.get(top)
     path = getattr(module, "__file__", None) or ""
     return bool(path) and path.startswith(_STDLIB) and "site-packages" not in path
+
+
+def own_module(value: Any) -> bool:
+    """Whether ``value`` is a Python module of the user's own code (``import settings`` of a
+    script's directory): neither torch's, the standard library's nor an installed package's (one
+    under ``site-packages``), whose code is only reached through the globals it defines."""
+    if not isinstance(value, types.ModuleType) or versioned(value.__name__):
+        return False
+    path = getattr(value, "__file__", None)
+    return isinstance(path, str) and "site-packages" not in path and "dist-packages" not in path
 
 
 #: ``torch.nn.Module`` methods that move a module between devices (see :func:`is_plumbing`).

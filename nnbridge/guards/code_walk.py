@@ -50,6 +50,8 @@ from .code_objects import (
     function_digest,
     global_names,
     holds_code,
+    identity_text,
+    own_module,
     plumbing_code,
     string_constants,
     variable_names,
@@ -104,6 +106,9 @@ class CodeWalk:
         #: objects) that code may read, to follow once the names code reads are known
         #: (:func:`~.held_objects.follow_held`)
         self.objects: list[tuple[str, Any, Any, Any]] = []
+        #: modules of the user's code the code reads (``settings`` of ``settings.SCALE``): their
+        #: globals are read once code reads their names (:func:`~.held_objects.follow_held`)
+        self.modules: list[types.ModuleType] = []
 
     def first_visit(self, value: Any) -> bool:
         if id(value) in self.seen:
@@ -137,6 +142,12 @@ class CodeWalk:
             self.todo.extend(reversed(found))
             return
         elif isinstance(value, types.MethodType):
+            # a bound method: its function, and the object it is bound to read as data (``SCALE =
+            # S.scale`` reads ``S.k``); a module's state is its own guard's
+            if not isinstance(value.__self__, torch.nn.Module):
+                found = []
+                self.read_value((f"{where}.__self__", Attributes(value), "__self__", value.__self__), found)
+                self.todo.extend(reversed(found))
             value = value.__func__
         elif (wrapped := wrapper_of(value)) is not None:  # a functools.lru_cache object: the function it caches
             self.entries.append((where, type(value).__qualname__))
@@ -212,14 +223,27 @@ class CodeWalk:
         holds: code to follow (appended to ``found``), or a value that is an entry and a binding
         (:meth:`read_value`)."""
         if name in namespace:
-            self.read_value((f"{module}.{name}", namespace, name, namespace[name]), found)
+            binding = (f"{module}.{name}", namespace, name, namespace[name])
+            if not self.read_value(binding, found):
+                self.identity(binding)
+                if own_module(binding[3]):
+                    # a module of the user's code (``import settings``; ``settings.SCALE``): the
+                    # globals of it the code reads, once the names it reads are known
+                    self.modules.append(binding[3])
+
+    def identity(self, binding: Binding) -> None:
+        """``binding``'s value by identity (a logger, a lock, a module, a built-in function such as
+        ``torch.tanh``: assigned anew is a change), in the digest by
+        :func:`~.code_objects.identity_text`."""
+        self.entries.append((binding[0], identity_text(binding[3])))
+        self.bindings.append(binding)
 
     def read_value(self, binding: Binding, found: list[_Todo]) -> bool:
         """The ``value`` of ``binding``, ``(where_found, namespace, name, value)``, found as
         ``namespace[name]`` (a global, a closure cell, an item of a global container): code or a
         container to follow (appended to ``found``), or a value that is an entry and a binding.
         False for a value of another kind (not read: an object that is neither code, data nor
-        settings)."""
+        settings; :meth:`identity` binds it)."""
         where_found, namespace, name, value = binding
         if data_container(value) and plain_value(value, tensors=True):
             # a global container of plain values or tensors (``SCALES = [1.0, 2.0]``, a ``deque``,
@@ -254,6 +278,13 @@ class CodeWalk:
             self.bindings.append((where_found, namespace, name, value))
             self.entries.append((f"{where_found}.get()", repr(held["value"])))
             self.bindings.append((f"{where_found}.get()", held, "value", held["value"]))
+        elif isinstance(value, types.BuiltinMethodType) and value.__self__ is not None \
+                and not isinstance(value.__self__, (types.ModuleType, torch.nn.Module)):
+            # a bound built-in method (``GET = TABLE.get``, ``ADD = LOG.append``): by identity, and
+            # the object it is bound to read as data
+            self.entries.append((where_found, f"{type(value.__self__).__qualname__}.{value.__name__}"))
+            self.bindings.append(binding)
+            self.read_value((f"{where_found}.__self__", Attributes(value), "__self__", value.__self__), found)
         elif generator_state(value) is not None:
             # a random generator object (``RNG = random.Random(0)``): by identity; a forward drawing
             # from it runs its own code, and extraction's runs put its state back (see global_state)
@@ -388,5 +419,4 @@ class CodeWalk:
             if isinstance(value, types.FunctionType) and not versioned(value.__module__):
                 self.function_parts(value)  # (its code or defaults assigned anew is a change)
         elif not self.read_value(binding, found):
-            self.entries.append((where, type(value).__qualname__))
-            self.bindings.append(binding)
+            self.identity(binding)

@@ -11,10 +11,17 @@ by identity, in the digest by value; a tensor by identity and version, in the di
 export bakes it into the graph as a constant; a nested object followed in turn), and each name read that
 the object lacks is guarded absent (a class attribute it could shadow, a ``getattr`` default).
 
+The same walk by names reads a module attribute holding a container of other values
+(``self.tables = {"a": np.ones(4)}``, a ``deque`` of arrays: item by item, as a global container,
+:meth:`~.code_walk.CodeWalk.read_value`), the tensors, arrays and such containers of a config-like
+attribute (``self.ns.table``; its plain values are module state), and the globals of a module of
+the user's code that code reads through it (``settings.SCALE``,
+:func:`~.code_objects.own_module`), as a function's globals.
+
 *State* here means a held object's attributes: the entries of its ``__dict__`` and its
 ``__slots__`` values, read when walked and compared by identity afterwards
-(:class:`~.code_check.CodeCheck`). Module attributes holding plain values, configs and tensors are
-*module state* (:mod:`.module_state`), not held objects.
+(:class:`~.code_check.CodeCheck`). Module attributes holding plain values, configs' plain values
+and tensors are *module state* (:mod:`.module_state`), not held objects.
 """
 
 from __future__ import annotations
@@ -28,7 +35,16 @@ import torch
 from ..compat.accelerate import ACCELERATE_ATTRIBUTES
 from ..compat.nnsight.source import NNSIGHT_STATE
 from .bindings import MISSING
-from .code_objects import BUILTINS, CODE_HOLDERS, CONTAINERS, PLAIN_READ, PLAIN_READ_TYPES, is_plumbing, wrapper_of
+from .code_objects import (
+    BUILTINS,
+    CODE_HOLDERS,
+    CONTAINERS,
+    PLAIN_READ,
+    PLAIN_READ_TYPES,
+    data_container,
+    is_plumbing,
+    wrapper_of,
+)
 from .code_walk import CodeWalk
 from .plain_values import array_digest, canonical_repr, config_like, plain_value, writable_array
 from .rng_objects import generator_state
@@ -116,6 +132,13 @@ def _held_text(value: Any) -> str:
     return f"{kind.__module__}.{kind.__qualname__} id {id(value)}"
 
 
+def _config_data(name: str, value: Any) -> bool:
+    """Whether a config's attribute ``name`` holds what module state does not guard by value: a
+    tensor, an array, a container of other values, a nested config (followed in turn)."""
+    return isinstance(value, torch.Tensor) or writable_array(value) is not None or config_like(name, value) or (
+        data_container(value) and not plain_value(value, tensors=True))
+
+
 def follow_held(walk: CodeWalk) -> None:
     """Follow the objects modules hold (``walk.objects``, see :func:`held_object`) through the
     attribute names the code reached reads, to a fixed point: each object read is a binding by
@@ -126,16 +149,44 @@ def follow_held(walk: CodeWalk) -> None:
     (``m.steering.vector.mul_(2)`` re-extracts) and in the digest by its values, another object
     followed in turn. What was read is
     decided by name (the names of every code object reached), so an attribute read under another
-    name (``getattr(self.hp, name)``) is not followed."""
+    name (``getattr(self.hp, name)``) is not followed. Containers, configs and the user's modules
+    are read as the module docstring says."""
     done: set[tuple[int, Any]] = set()
     followed: list[tuple[str, Any]] = []
     while True:
         ready = [item for item in walk.objects
                  if (id(item[1]), item[2]) not in done and (item[2] in walk.names or type(item[2]) is not str)]
-        if not ready:
+        # the globals of the user's modules the code reads through them (``settings.SCALE``), read
+        # as a function's globals are (:meth:`~.code_walk.CodeWalk.read_global`)
+        globals_read = [(module, name) for module in walk.modules for name in list(vars(module))
+                        if name in walk.names and (id(module), name) not in done]
+        for module, name in globals_read:
+            done.add((id(module), name))
+            reached: list[Any] = []
+            walk.read_global(vars(module), name, module=module.__name__, found=reached)
+            walk.todo.extend(reversed(reached))
+        walk.run()
+        if not ready and not globals_read:
             break
         for where, namespace, name, value in ready:
             done.add((id(namespace), name))
+            if data_container(value) and not plain_value(value, tensors=True):
+                # a container of other values (``self.tables = {"a": np.ones(4)}``): its items read
+                # as a global container's are (:meth:`~.code_walk.CodeWalk.read_value`)
+                found: list[Any] = []
+                walk.read_value((where, namespace, name, value), found)
+                walk.todo.extend(found)
+                walk.run()
+                continue
+            if config_like(str(name), value):
+                # a config (module state guards its plain values and nested configs): the tensors,
+                # arrays and containers of other values it holds, followed by the names code reads
+                if walk.first_visit(value):
+                    attributes = _namespace(value)
+                    walk.objects.extend((f"{where}.{attribute}", attributes, attribute, item)
+                                        for attribute, item in _attributes(value)
+                                        if _config_data(attribute, item))
+                continue
             walk.entries.append((where, _held_text(value)))
             walk.bindings.append((where, namespace, name, value))
             if not held_object(str(name), value) or not walk.first_visit(value):
@@ -148,7 +199,7 @@ def follow_held(walk: CodeWalk) -> None:
                 # (a random generator object it holds: watched and put back as a global's is, see .global_state)
                 if held_object(attribute, item) or type(item) in PLAIN_READ or isinstance(item, torch.Tensor) or (
                         isinstance(item, CONTAINERS) and plain_value(item, tensors=True)) \
-                        or generator_state(item) is not None:
+                        or generator_state(item) is not None or data_container(item):
                     walk.objects.append((f"{where}.{attribute}", attributes, attribute, item))
     # a name the code reads that an object does not hold (a class attribute read through it,
     # ``self.hp.offset``; a ``getattr(obj, "bias", 0.0)`` default): the object must not get one
