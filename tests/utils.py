@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import os
@@ -217,6 +218,27 @@ def assert_same_grads(model: torch.nn.Module, eager: torch.nn.Module) -> None:
     holds, pairing them in ``parameters()`` order; a mismatch names the parameter."""
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+def assert_follows_edit(model: torch.nn.Module, x: torch.Tensor, edit: Any, front: str) -> None:
+    """Extract ``model`` (whose submodule ``inner`` must get a graph) through ``front`` (``"bridge"``:
+    the in-place bridge; ``"patchable_graph"``) and check it against a deep copy taken first, by
+    ``torch.equal``; then ``edit(model, reference)``, which changes what eager computes (a global, an
+    attribute of each) and returns the text ``nnbridge.explain`` gives for the change; then the same
+    check again and, for the bridge, that the report names the change. The model is unbridged
+    whatever happens."""
+    reference = copy.deepcopy(model)
+    run = nnbridge.bridge(model, x) if front == "bridge" else PatchableGraph(model, x)
+    try:
+        assert torch.equal(run(x), reference(x))
+        assert "inner" not in nnbridge.explain(run).opaque
+        change = edit(model, reference)
+        assert torch.equal(run(x), reference(x)), "the graph kept what it read before"
+        if front == "bridge":
+            assert change in str(nnbridge.explain(run))
+    finally:
+        if front == "bridge":
+            nnbridge.unbridge(model)
 
 
 def graph_modules(root: torch.nn.Module) -> list[CompiledGraphModule]:

@@ -98,8 +98,10 @@ class SequenceItems:
 
 
 class Attributes:
-    """An object's attributes as a binding's namespace (``get``, ``[]``, ``in``): ``["keywords"]``
-    of a ``functools.partial`` is the dict of keyword arguments it binds now."""
+    """An object's attributes as a binding's namespace (``get``, ``[]``, ``in``, ``[] =``, ``pop``,
+    read and written by ``getattr``/``setattr``/``delattr``): ``["keywords"]`` of a
+    ``functools.partial`` is the dict of keyword arguments it binds now, ``["scale"]`` of an object
+    with ``__slots__`` its slot."""
 
     __slots__ = ("owner",)
 
@@ -114,6 +116,15 @@ class Attributes:
 
     def __contains__(self, name: str) -> bool:
         return hasattr(self.owner, name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        setattr(self.owner, name, value)
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        value = getattr(self.owner, name, default)
+        if hasattr(self.owner, name):
+            delattr(self.owner, name)
+        return value
 
 
 class _Environment:

@@ -34,7 +34,7 @@ import torch
 
 from ..compat.accelerate import ACCELERATE_ATTRIBUTES
 from ..compat.nnsight.source import NNSIGHT_STATE
-from .bindings import MISSING
+from .bindings import MISSING, Attributes
 from .code_objects import (
     BUILTINS,
     CODE_HOLDERS,
@@ -90,28 +90,11 @@ def _attributes(value: Any) -> list[tuple[str, Any]]:
     return [(name, item) for name, item in found if type(name) is str and not (name.startswith("__") and name.endswith("__"))]
 
 
-class _Slots:
-    """An object's ``__slots__`` as a binding's namespace (``get``, ``[]``, ``in``)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __getitem__(self, name: str) -> Any:
-        return getattr(self.value, name)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return getattr(self.value, name, default)
-
-    def __contains__(self, name: str) -> bool:
-        return hasattr(self.value, name)
-
-
 def _namespace(value: Any) -> Any:
-    """Where a binding looks up a held object's attribute: its ``__dict__``, else its slots."""
+    """Where a binding looks up a held object's attribute: its ``__dict__``, else the object itself
+    (its slots, read by ``getattr``)."""
     own = getattr(value, "__dict__", None)
-    return own if isinstance(own, dict) else _Slots(value)
+    return own if isinstance(own, dict) else Attributes(value)
 
 
 def _held_text(value: Any) -> str:

@@ -9,7 +9,6 @@ test compares with an untouched copy run eagerly (``torch.equal``)."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
@@ -17,9 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-import nnbridge
-from nnbridge import PatchableGraph
-from utils import Outer
+from utils import Outer, assert_follows_edit
 
 
 class Scaler:
@@ -112,20 +109,7 @@ KINDS = ["bound dict.get", "bound method of an object", "bound method reading an
 @pytest.mark.parametrize("kind", KINDS)
 def test_what_a_global_callable_reads_or_is_changed_after_bridging_re_extracts(kind, front):
     torch.manual_seed(0)
-    model = Outer(Calls(kind))
-    reference = copy.deepcopy(model)
-    x = torch.randn(2, 4)
-    run = nnbridge.bridge(model, x) if front == "bridge" else PatchableGraph(model, x)
-    try:
-        assert torch.equal(run(x), reference(x))
-        assert "inner" not in nnbridge.explain(run).opaque
-        change = _edit(kind)
-        assert torch.equal(run(x), reference(x)), "the graph kept what it read before"
-        if front == "bridge":
-            assert change in str(nnbridge.explain(run))
-    finally:
-        if front == "bridge":
-            nnbridge.unbridge(model)
+    assert_follows_edit(Outer(Calls(kind)), torch.randn(2, 4), lambda model, reference: _edit(kind), front)
 
 
 def test_a_global_callable_is_part_of_the_code_digest():

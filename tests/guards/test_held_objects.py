@@ -187,26 +187,35 @@ class Stats:
         self.calls = 0
 
 
+class SlottedStats:
+    __slots__ = ("calls",)
+
+    def __init__(self):
+        self.calls = 0
+
+
 class Counting(nn.Module):
     """A forward that writes an attribute of an object it holds: a side effect a graph does not repeat."""
 
-    def __init__(self):
+    def __init__(self, stats=Stats):
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.stats = Stats()
+        self.stats = stats()
 
     def forward(self, x):
         self.stats.calls += 1
         return self.lin(x) * self.stats.calls
 
 
-def test_a_forward_writing_a_held_objects_attribute_runs_eagerly():
+@pytest.mark.parametrize("stats", [Stats, SlottedStats], ids=["dict", "slots"])
+def test_a_forward_writing_a_held_objects_attribute_runs_eagerly(stats):
     torch.manual_seed(0)
-    model, reference = Counting(), Counting()
+    model, reference = Counting(stats), Counting(stats)
     reference.load_state_dict(model.state_dict())
     x = torch.randn(2, 4)
     nnbridge.bridge(model)
     try:
+        assert model.stats.calls == 0, "extraction's runs leave the object as it was"
         for _ in range(3):
             assert torch.equal(model(x), reference(x))
         assert model.stats.calls == reference.stats.calls == 3
