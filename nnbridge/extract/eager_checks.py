@@ -191,8 +191,9 @@ ARGUMENT_WRITE_REASON = ("writes into a list, dict or set it was passed in forwa
                          " write into its own copies")
 #: the reason of a module whose code calls one of ``STATE_QUERIES`` (found by :func:`eager_findings`)
 STATE_READ_REASON = ("reads process-wide torch state in forward that no call structure records (torch.get_num_threads,"
-                     " torch.get_num_interop_threads, torch.initial_seed, torch.get_float32_matmul_precision): a"
-                     " graph would keep what it read while it was extracted")
+                     " torch.initial_seed, torch.get_float32_matmul_precision, torch.is_anomaly_enabled, a"
+                     " torch.backends flag such as cudnn.enabled): a graph would keep what it read while it was"
+                     " extracted")
 
 
 def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,

@@ -11,6 +11,7 @@ Every test compares with an untouched copy run eagerly (``torch.equal``)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -197,30 +198,84 @@ class StateReader(nn.Module):
             scale = torch.get_num_threads()
         elif self.how == "initial_seed":
             scale = torch.initial_seed() % 7
-        else:
+        elif self.how == "get_float32_matmul_precision":
             scale = 2.0 if torch.get_float32_matmul_precision() == "highest" else 3.0
+        else:
+            scale = 2.0 if FLAGS[self.how][0]() else 3.0
         return self.lin(x) * scale
 
 
-@pytest.mark.parametrize("how", ["get_num_threads", "initial_seed", "get_float32_matmul_precision"])
-def test_a_forward_reading_process_wide_state_reads_it_on_each_call(how):
-    """Before, a graph kept the thread count, seed or matmul precision read while it was extracted,
-    silently."""
-    torch.manual_seed(0)
-    model = Outer(StateReader(how))
-    reference = copy.deepcopy(model)
-    x = torch.randn(2, 4)
+#: process-wide flags a forward may read, each ``(read, set)``
+FLAGS = {
+    "is_anomaly_enabled": (torch.is_anomaly_enabled, torch.set_anomaly_enabled),
+    "cudnn.enabled": (lambda: torch.backends.cudnn.enabled, lambda on: setattr(torch.backends.cudnn, "enabled", on)),
+    "cuda.matmul.allow_tf32": (lambda: torch.backends.cuda.matmul.allow_tf32,
+                               lambda on: setattr(torch.backends.cuda.matmul, "allow_tf32", on)),
+    "mkldnn.enabled": (lambda: torch.backends.mkldnn.enabled, lambda on: setattr(torch.backends.mkldnn, "enabled", on)),
+}
+
+
+@contextlib.contextmanager
+def _flipped_state():
+    """Every process-wide value the tests below read set otherwise, and put back after."""
     threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
-    nnbridge.bridge(model, x)
+    flags = {how: read() for how, (read, _) in FLAGS.items()}
     try:
         torch.set_num_threads(2 if threads == 1 else 1)
         torch.set_float32_matmul_precision("high")
         torch.manual_seed(5)
-        assert torch.equal(model(x), reference(x))
-        explained = _explained(model)
+        for how, (_, put) in FLAGS.items():
+            put(not flags[how])
+        yield
     finally:
         torch.set_num_threads(threads)
         torch.set_float32_matmul_precision(precision)
+        for how, (_, put) in FLAGS.items():
+            put(flags[how])
+
+
+@pytest.mark.parametrize("how", ["get_num_threads", "initial_seed", "get_float32_matmul_precision", *FLAGS])
+def test_a_forward_reading_process_wide_state_reads_it_on_each_call(how):
+    """Before, a graph kept the thread count, seed, matmul precision or a flag (anomaly mode,
+    ``torch.backends.cudnn.enabled``, ``torch.backends.cuda.matmul.allow_tf32``) read while it was
+    extracted, silently."""
+    torch.manual_seed(0)
+    model = Outer(StateReader(how))
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    nnbridge.bridge(model, x)
+    try:
+        with _flipped_state():
+            assert torch.equal(model(x), reference(x))
+        explained = _explained(model)
+    finally:
         nnbridge.unbridge(model)
     assert "inner (StateReader): opaque" in explained and "reads process-wide torch state" in explained
     assert "out (Linear): graph" in explained
+
+
+class Normed(nn.Module):
+    """Batch norm as a module and as ``F.batch_norm``: torch's own code reads ``cudnn.enabled``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        y = self.norm(self.lin(x))
+        return torch.nn.functional.batch_norm(y, self.norm.running_mean, self.norm.running_var, training=False)
+
+
+def test_flags_read_by_torchs_own_code_leave_a_graph():
+    torch.manual_seed(0)
+    model = Outer(Normed()).eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    nnbridge.bridge(model, x)
+    try:
+        with _flipped_state():
+            assert torch.equal(model(x), reference(x))
+        assert not nnbridge.explain(model).opaque
+    finally:
+        nnbridge.unbridge(model)

@@ -20,14 +20,17 @@ nnbridge's own code.
 The same events report two more things a graph cannot keep: code outside torch naming a tensor's
 ``grad``, ``grad_fn`` or ``is_leaf``, or its hooks (``register_hook``, ``retain_grad``): autograd
 state no call structure records and no graph registers; and calls that set a ``torch.Generator``'s
-state (``torch.manual_seed``, ``torch.set_rng_state``); and calls of :data:`STATE_QUERIES`
-(``torch.get_num_threads()``), process-wide state a graph keeps as it was read.
+state (``torch.manual_seed``, ``torch.set_rng_state``); and reads of process-wide state a graph
+keeps as it was read: calls of :data:`STATE_QUERIES` (``torch.get_num_threads()``), and of torch's
+built-in flag getters (:func:`_flag_read`: ``torch.is_anomaly_enabled()``,
+``torch.backends.cudnn.enabled``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -35,6 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+def _prefixes(*paths: Path, folder: bool) -> tuple[str, ...]:
+    """Each path as imported and resolved (a folder's with a trailing separator)."""
+    return tuple({str(p) + (os.sep if folder else "") for path in paths for p in (path, path.resolve())})
+
 
 #: Attribute names whose values, for a tensor computed under the call, depend on grad mode.
 GRAD_ATTRIBUTES = frozenset({"requires_grad", "grad_fn", "is_leaf"})
@@ -54,11 +62,19 @@ STATE_QUERIES = (torch.get_num_threads, torch.get_num_interop_threads, torch.ini
 # (by id: a ``c_call`` event's function may be a method of an unhashable object)
 _QUERY_BUILTINS = frozenset(id(f) for f in STATE_QUERIES if not isinstance(f, types.FunctionType))
 _QUERY_CODES = frozenset(f.__code__ for f in STATE_QUERIES if isinstance(f, types.FunctionType))
-
-
-def _prefixes(*paths: Path, folder: bool) -> tuple[str, ...]:
-    """Each path as imported and resolved (a folder's with a trailing separator)."""
-    return tuple({str(p) + (os.sep if folder else "") for path in paths for p in (path, path.resolve())})
+#: The names of torch's built-in getters of process-wide flags: ``torch.is_anomaly_enabled``, and
+#: ``torch._C._get_cudnn_enabled`` behind ``torch.backends.cudnn.enabled``,
+#: ``torch._C._get_cublas_allow_tf32`` behind ``torch.backends.cuda.matmul.allow_tf32``: every
+#: module-level built-in of ``torch._C`` named so is one.
+_GETTER = re.compile(r"_?(is|are|get)_")
+#: Of those, the ones whose state the call structure records (grad mode: its own rule, see the
+#: module docstring; autocast, the default dtype, inference mode, deterministic algorithms: see
+#: :func:`nnbridge.guards.call_structure.structure_key`).
+_RECORDED = re.compile(r"grad_enabled|autocast|default_dtype|inference_mode|deterministic")
+#: Where a torch function that answers a flag for its caller lives, by its code's name or file:
+#: ``torch.get_float32_matmul_precision``, the properties of ``torch.backends``.
+_ANSWERS = re.compile(r"_?(is|are|get)_|__get__$|__getattr__$")
+_BACKENDS = _prefixes(Path(torch.backends.__file__).parent, folder=True)
 
 
 #: Where a call of ``torch.is_grad_enabled`` is no branch on grad mode: torch's grad-mode context
@@ -79,6 +95,23 @@ def _outside(code: types.CodeType, prefixes: tuple[str, ...], verdicts: dict[typ
     return verdict
 
 
+def _flag_read(frame: types.FrameType, getter: Any) -> bool:
+    """Whether the call of ``getter`` (a built-in of ``torch._C``) in ``frame`` reads, for code
+    outside torch and nnbridge, a process-wide flag the call structure does not record: the code
+    calls the getter (``torch.is_anomaly_enabled()``), or calls a torch function or reads a torch
+    property that answers with it (``torch.backends.cudnn.enabled``); not when torch's own code
+    asks (``F.batch_norm`` reads ``cudnn.enabled`` to choose a kernel, equal in a graph's replay)."""
+    name = getter.__name__
+    if not _GETTER.match(name) or _RECORDED.search(name):
+        return False
+    code = frame.f_code
+    if not code.co_filename.startswith(_NAMES_NOT_COUNTED):
+        return True
+    caller = frame.f_back
+    return (caller is not None and (code.co_filename.startswith(_BACKENDS) or bool(_ANSWERS.match(code.co_name)))
+            and not caller.f_code.co_filename.startswith(_NAMES_NOT_COUNTED))
+
+
 @contextlib.contextmanager
 def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], None],
                     on_autograd: Callable[[], None] = lambda: None,
@@ -93,7 +126,7 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
     exported, and registers no tensor hook), and ``on_seeding()`` on each call of a
     ``torch.Generator`` method that sets its state (:data:`SEEDING_METHODS`, ``torch.manual_seed``
     included: a graph draws from the generator without setting it), and ``on_query()`` on each call
-    of one of :data:`STATE_QUERIES`.
+    of one of :data:`STATE_QUERIES` and each flag read (:func:`_flag_read`).
 
     When another profile function is set in this thread (``cProfile``, a debugger), it is left in
     place, nothing is watched, and ``on_unwatched()`` is called once on entry."""
@@ -110,7 +143,7 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
                 on_read()
             elif isinstance(getattr(arg, "__self__", None), torch.Generator) and arg.__name__ in SEEDING_METHODS:
                 on_seeding()
-            elif id(arg) in _QUERY_BUILTINS:
+            elif id(arg) in _QUERY_BUILTINS or (getattr(arg, "__self__", None) is torch._C and _flag_read(frame, arg)):
                 on_query()
         elif event == "call":
             code = frame.f_code
