@@ -155,6 +155,9 @@ class EagerFindings(NamedTuple):
         argument_writes: paths of the modules (the root ``""`` included) that write into a
             container their call was passed, and of the callers it passed through
             (:mod:`.argument_writes`, :data:`ARGUMENT_WRITE_REASON`).
+        printing: paths of the modules (the root ``""`` included) whose code prints, writes to a
+            stream, shows a warning or hands a log record to handlers (:data:`OUTPUT_REASON`, see
+            :mod:`nnbridge.compat.output`).
         output: ``(what the run returned,)``; ``()`` when the run raised.
     """
 
@@ -168,6 +171,7 @@ class EagerFindings(NamedTuple):
     seeding: list[str] = []
     state_reads: list[str] = []
     argument_writes: list[str] = []
+    printing: list[str] = []
     output: tuple[Any, ...] = ()
 
 
@@ -189,6 +193,9 @@ SEEDING_REASON = ("sets the state of a torch random generator in forward (torch.
 ARGUMENT_WRITE_REASON = ("writes into a list, dict or set it was passed in forward, or passes one to a module that does"
                          " (acts.append(h), store['h'] = h): a graph rebuilds its arguments' containers and would"
                          " write into its own copies")
+#: the reason of a module whose code writes output (found by :func:`eager_findings`)
+OUTPUT_REASON = ("writes output in forward (print, a write to sys.stdout or a file, a shown warning, a handled log"
+                 " record): a graph would not repeat it")
 #: the reason of a module whose code calls one of ``STATE_QUERIES`` (found by :func:`eager_findings`)
 STATE_READ_REASON = ("reads process-wide torch state in forward that no call structure records (torch.get_num_threads,"
                      " torch.initial_seed, torch.get_float32_matmul_precision, torch.is_anomaly_enabled, a"
@@ -235,6 +242,7 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     autograd_reads: dict[str, None] = {}
     seeding: dict[str, None] = {}
     state_reads: dict[str, None] = {}
+    printing: dict[str, None] = {}
     writes = ArgumentWrites()
 
     def touched(tensor: torch.Tensor) -> None:
@@ -267,11 +275,12 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     read = marker(grad_reads)
     watches = (grad_mode_changes(marker(grad_mode), on_enable=read), mask_skips_seen(skipped), data_accesses(touched),
                grad_mode_reads(read, on_unwatched=lambda: unwatched.append(True), on_autograd=marker(autograd_reads),
-                               on_seeding=marker(seeding), on_query=marker(state_reads)))
+                               on_seeding=marker(seeding), on_query=marker(state_reads),
+                               on_output=marker(printing)))
     output: list[Any] = []
     if not _run_with_call_stack(module, args, kwargs, grad_enabled=grad_enabled, active=active, watches=watches,
                                 entering=entering, leaving=lambda: writes.leaving(active), output=output):
         return EagerFindings([], [])
     return EagerFindings(list(grad_mode), list(mask_skips), list(capturing), list(fast_paths.items()),
                          list(data_access), None if unwatched else list(grad_reads), list(autograd_reads),
-                         list(seeding), list(state_reads), list(writes.writers), tuple(output))
+                         list(seeding), list(state_reads), list(writes.writers), list(printing), tuple(output))

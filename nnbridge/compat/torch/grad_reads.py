@@ -39,6 +39,9 @@ from typing import Any
 
 import torch
 
+from ..output import OutputWatch
+
+
 def _prefixes(*paths: Path, folder: bool) -> tuple[str, ...]:
     """Each path as imported and resolved (a folder's with a trailing separator)."""
     return tuple({str(p) + (os.sep if folder else "") for path in paths for p in (path, path.resolve())})
@@ -85,6 +88,8 @@ _CALLS_NOT_COUNTED = (*_prefixes(Path(torch.autograd.grad_mode.__file__), folder
 #: whose forward code asks ``torch.is_grad_enabled()`` where it branches on them
 #: (``nn.MultiheadAttention``'s fast path) and otherwise reads them in its hook and copy machinery
 #: (``nn.Module.__call__`` with hooks, ``Tensor.__deepcopy__``), and nnbridge's own package.
+#: nnbridge's own package, whose output (its warnings are its reports) is not the forward's.
+_OWN = _prefixes(Path(__file__).parents[2], folder=True)
 _NAMES_NOT_COUNTED = _prefixes(Path(torch.__file__).parent, Path(__file__).parents[2], folder=True)
 
 
@@ -116,7 +121,8 @@ def _flag_read(frame: types.FrameType, getter: Any) -> bool:
 def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], None],
                     on_autograd: Callable[[], None] = lambda: None,
                     on_seeding: Callable[[], None] = lambda: None,
-                    on_query: Callable[[], None] = lambda: None) -> Iterator[None]:
+                    on_query: Callable[[], None] = lambda: None,
+                    on_output: Callable[[], None] = lambda: None) -> Iterator[None]:
     """Call ``on_read()`` each time code run in the body, in the thread that entered it, reads
     grad mode (see the module docstring): a call of ``torch.is_grad_enabled``, or the entry into a
     function outside torch whose code names ``requires_grad``, ``grad_fn`` or ``is_leaf``.
@@ -126,7 +132,9 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
     exported, and registers no tensor hook), and ``on_seeding()`` on each call of a
     ``torch.Generator`` method that sets its state (:data:`SEEDING_METHODS`, ``torch.manual_seed``
     included: a graph draws from the generator without setting it), and ``on_query()`` on each call
-    of one of :data:`STATE_QUERIES` and each flag read (:func:`_flag_read`).
+    of one of :data:`STATE_QUERIES` and each flag read (:func:`_flag_read`), and ``on_output()``
+    on each print, stream write, shown warning or handled log record of code outside nnbridge
+    (:class:`~nnbridge.compat.output.OutputWatch`: a graph would not repeat it).
 
     When another profile function is set in this thread (``cProfile``, a debugger), it is left in
     place, nothing is watched, and ``on_unwatched()`` is called once on entry."""
@@ -136,8 +144,11 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
         return
     calls: dict[types.CodeType, bool] = {}
     names: dict[types.CodeType, tuple[bool, bool]] = {}
+    output = OutputWatch(_OWN)
 
     def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+        if output.wrote(frame, event, arg):
+            on_output()
         if event == "c_call":
             if arg is torch.is_grad_enabled and _outside(frame.f_code, _CALLS_NOT_COUNTED, calls):
                 on_read()
