@@ -215,6 +215,20 @@ class CodeWalk:
                              if name == "__code__" or getattr(function, name) is not None)
         if function.__defaults__ or function.__kwdefaults__:
             self.entries.append((f"{own}.__defaults__", defaults_text(function)))
+            # a default holding data that can be written in place (``table=TABLES``, a dict of
+            # arrays): read as a global is; plain ones and code are in the text above (the tuple
+            # and dict of defaults are bindings: their items assigned anew are a change)
+            positional, keywords = function.__defaults__ or (), function.__kwdefaults__ or {}
+            defaults: list[Binding] = [(f"{own}.__defaults__[{index}]", SequenceItems(positional), index, value)
+                                       for index, value in enumerate(positional)]
+            defaults += [(f"{own}.__kwdefaults__[{name!r}]", keywords, name, value) for name, value in keywords.items()]
+            found: list[_Todo] = []
+            for binding in defaults:
+                value = binding[3]
+                if not (type(value) in PLAIN_READ or holds_code(value, (type,))
+                        or (isinstance(value, (tuple, frozenset)) and plain_value(value))):
+                    self.read_value(binding, found)
+            self.todo.extend(reversed(found))
         return own
 
     def read_global(self, namespace: Mapping[str, Any] | ClosureCells, name: str, *, module: str,
@@ -338,12 +352,15 @@ class CodeWalk:
         out); a torch or standard-library class only when it is a module class of the tree."""
         if (not in_tree and versioned(cls.__module__)) or not self.first_visit(cls):
             return
-        if not in_tree:  # a class the code names (``if Flags.ablate:``); module classes' own are StateGuard's
-            found: list[_Todo] = []
-            for owner in cls.__mro__:
-                if owner not in (object, torch.nn.Module) and not versioned(owner.__module__):
-                    self.plain_attributes(owner.__qualname__, vars(owner), owner=owner, found=found)
-            self.todo.extend(reversed(found))
+        found: list[_Todo] = []
+        for owner in cls.__mro__:
+            if owner in (object, torch.nn.Module) or versioned(owner.__module__):
+                continue
+            if not in_tree:  # a class the code names (``if Flags.ablate:``)
+                self.plain_attributes(owner.__qualname__, vars(owner), owner=owner, found=found)
+            else:  # a module class: its plain values are module state (StateGuard's), the other data here
+                self.class_data(owner, found)
+        self.todo.extend(reversed(found))
         resolved: set[str] = set()
         for index, owner in enumerate(cls.__mro__):
             if owner in (object, torch.nn.Module):
@@ -361,6 +378,19 @@ class CodeWalk:
                         self.todo.append(entry)
                     else:
                         self.pending.setdefault(name, []).append(entry)
+
+    def class_data(self, owner: type, found: list[_Todo]) -> None:
+        """The tensors, arrays and containers of other values among a module class's own
+        attributes (``TABLE = {"a": np.ones(4)}``, ``ARR = np.ones(4)`` read as ``self.TABLE``):
+        each read as a global is (:meth:`read_value`), a binding on the class."""
+        attributes = vars(owner)
+        for name, value in list(attributes.items()):
+            if (name.startswith("__") and name.endswith("__")) or type(value) in PLAIN_READ:
+                continue
+            if isinstance(value, torch.Tensor) or writable_array(value) is not None or (
+                    data_container(value) and not plain_value(value, tensors=True)):
+                self.owners[id(attributes)] = owner
+                self.read_value((f"{owner.__qualname__}.{name}", attributes, name, value), found)
 
     def mapping(self, where: str, mapping: Mapping[Any, Any]) -> None:
         """A mapping's items: in a ``dict`` or a mapping of the standard library (an

@@ -1,5 +1,7 @@
-"""What a module reads through its own attributes and through the user's modules, beyond plain
-values, configs' plain values, tensors and held objects: a container of other values
+"""What a module reads through its own attributes, its class and its defaults, and through the
+user's modules, beyond plain values, configs' plain values, tensors and held objects: an array,
+tensor or container of other values its class holds (``TABLE = {"a": np.ones(1)}`` read as
+``self.TABLE``), a dict of arrays a forward's default is, a container of other values
 (``self.tables = OrderedDict(a=np.ones(1))``, a ``deque`` of arrays), the object a bound built-in
 method is bound to (``self.get = table.get``), an array or container in a config-like object
 (``self.ns = SimpleNamespace(tables={...})``), and the globals of a module of the user's code read
@@ -25,15 +27,30 @@ import nnbridge
 from utils import Outer, assert_follows_edit
 
 
+def _reset():
+    held_user_settings.reset()
+    Holds.TABLE, Holds.QUEUE = {"a": np.array([2.0])}, collections.deque([np.array([2.0])])
+    Holds.ARRAY, Holds.MASK = np.array([2.0]), torch.tensor([2.0])
+    DEFAULT_TABLE["a"] = np.array([2.0])
+
+
 @pytest.fixture(autouse=True)
 def fresh_settings():
-    held_user_settings.reset()
+    _reset()
     yield
-    held_user_settings.reset()
+    _reset()
+
+
+DEFAULT_TABLE = {"a": np.array([2.0])}
 
 
 class Holds(nn.Module):
     """Reads what it holds, by ``kind``."""
+
+    TABLE = {"a": np.array([2.0])}
+    QUEUE = collections.deque([np.array([2.0])])
+    ARRAY = np.array([2.0])
+    MASK = torch.tensor([2.0])
 
     def __init__(self, kind: str):
         super().__init__()
@@ -45,9 +62,19 @@ class Holds(nn.Module):
         self.get = table.get
         self.ns = types.SimpleNamespace(tables={"a": np.array([2.0])}, table=np.array([2.0]))
 
-    def forward(self, x):
+    def forward(self, x, table=DEFAULT_TABLE):
         y = self.lin(x)
         kind = self.kind
+        if kind == "array in a dict class attribute":
+            return y * float(self.TABLE["a"][0])
+        if kind == "array in a deque class attribute":
+            return y * float(type(self).QUEUE[0][0])
+        if kind == "array class attribute":
+            return y * float(self.ARRAY[0])
+        if kind == "tensor class attribute":
+            return y * self.MASK
+        if kind == "array in a dict default":
+            return y * float(table["a"][0])
         if kind == "array in an OrderedDict attribute":
             return y * float(self.ordered["a"][0])
         if kind == "array in a deque attribute":
@@ -73,6 +100,21 @@ def _edit(model: nn.Module, kind: str) -> str:
     """Changes what ``kind`` reads, in ``model`` (and globals); returns the name
     :func:`nnbridge.explain` gives the change."""
     inner = model.inner
+    if kind == "array in a dict class attribute":
+        Holds.TABLE["a"][0] = 5.0
+        return "Holds.TABLE['a'] was written in place"
+    if kind == "array in a deque class attribute":
+        Holds.QUEUE[0][0] = 5.0
+        return "Holds.QUEUE[0] was written in place"
+    if kind == "array class attribute":
+        Holds.ARRAY[0] = 5.0
+        return "Holds.ARRAY was written in place"
+    if kind == "tensor class attribute":
+        Holds.MASK.mul_(3.0)
+        return "Holds.MASK was written in place"
+    if kind == "array in a dict default":
+        DEFAULT_TABLE["a"][0] = 5.0
+        return "__defaults__[0]['a'] was written in place"
     if kind == "array in an OrderedDict attribute":
         inner.ordered["a"][0] = 5.0
         return "inner.ordered['a'] was written in place"
@@ -98,9 +140,16 @@ def _edit(model: nn.Module, kind: str) -> str:
     return "held_user_settings.act was replaced"
 
 
-KINDS = ["array in an OrderedDict attribute", "array in a deque attribute", "bound dict.get attribute",
+KINDS = ["array in a dict class attribute", "array in a deque class attribute", "array class attribute",
+         "tensor class attribute", "array in a dict default", "array in an OrderedDict attribute",
+         "array in a deque attribute", "bound dict.get attribute",
          "array in a dict of a config-like attribute", "array of a config-like attribute",
          "plain global of a user's module", "array global of a user's module", "function of a user's module"]
+
+
+#: kinds whose edit changes a class or global the copy shares (edited once)
+CLASS_KINDS = ("array in a dict class attribute", "array in a deque class attribute", "array class attribute",
+               "tensor class attribute", "array in a dict default")
 
 
 @pytest.mark.parametrize("front", ["bridge", "patchable_graph"])
@@ -111,7 +160,8 @@ def test_what_a_module_reads_through_its_attributes_or_a_users_module_written_af
 
     def edit(model, reference):
         change = _edit(model, kind)
-        _edit(reference, kind)
+        if kind not in CLASS_KINDS:  # (a class attribute is shared with the reference)
+            _edit(reference, kind)
         return change
 
     assert_follows_edit(Outer(Holds(kind)), torch.randn(2, 4), edit, front)
