@@ -18,14 +18,21 @@ was traced is not repeated. :class:`OutputWatch` tells, event by event (``sys.se
 
 Output written by ``skipped`` code (nnbridge's own, whose warnings are its reports) is not counted:
 for a warning or a log record, the first caller outside ``warnings`` and ``logging`` decides.
+
+:func:`quiet_stdout` drops what extraction's own runs of a forward print (eager makes no such
+calls); a module that prints runs eagerly, and prints on each of the user's calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import sys
+import threading
 import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 _SHOW = getattr(warnings, "_showwarnmsg").__code__  # (stdlib private: the one function every shown warning passes)
@@ -61,6 +68,9 @@ class OutputWatch:
                 self.warning -= 1
         elif event == "call":
             code = frame.f_code
+            if code is _QUIET_WRITES:  # (sys.stdout while extraction runs, see quiet_stdout)
+                caller = frame.f_back
+                return caller is not None and not caller.f_code.co_filename.startswith((*self.skipped, *_LIBRARIES))
             if (code is _SHOW and self.warning) or code is _HANDLERS:
                 return self._counted(frame.f_back, once=code is _HANDLERS)
         return False
@@ -72,3 +82,37 @@ class OutputWatch:
             frame = frame.f_back
         return frame is not None and not frame.f_code.co_filename.startswith(self.skipped) \
             and not (once and frame.f_code.co_name.endswith("_once"))
+
+
+class _Quiet:
+    """``stream`` for every thread but ``thread``, whose writes go nowhere."""
+
+    def __init__(self, stream: Any, thread: int):
+        self._stream, self._thread = stream, thread
+
+    def write(self, text: str) -> int:
+        return len(text) if threading.get_ident() == self._thread else self._stream.write(text)
+
+    def writelines(self, lines: Any) -> None:
+        if threading.get_ident() != self._thread:
+            self._stream.writelines(lines)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """Drop what this thread writes to ``sys.stdout`` in the body (``print`` included); other
+    threads' writes pass through. ``sys.stdout`` is put back on exit, whatever happens; if code in
+    the body set another one, that one is kept."""
+    original = sys.stdout
+    quiet = sys.stdout = _Quiet(original, threading.get_ident())
+    try:
+        yield
+    finally:
+        if sys.stdout is quiet:
+            sys.stdout = original
+
+
+_QUIET_WRITES = _Quiet.write.__code__

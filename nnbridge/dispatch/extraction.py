@@ -77,6 +77,7 @@ from ..extract.reuse_plan import (
     plan as reuse_plan,
 )
 from ..graph.state import Key, UntouchedLayers, state_keys
+from ..compat.output import quiet_stdout
 from ..compat.torch.hooks import cleared_module_state
 from ..compat.torch.export import (
     constant_outputs,
@@ -146,9 +147,11 @@ def extract(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     # (module calls, and tracing's process-wide patches of nn.Module, see .locking)
     # and a caller's transformers output collector does not see extraction's runs; the source of
     # the code export, unflatten and the graph modules generate is dropped with the code (fx keeps
-    # every generated source for ever otherwise), as are the source files read for stack traces
+    # every generated source for ever otherwise), as are the source files read for stack traces;
+    # what extraction's runs of the forward print is dropped (a module that prints runs eagerly and
+    # prints on the user's calls, see compat.output)
     with CALL_LOCK, fx_patches_confined(CALL_LOCK), locked_calls(module.modules()), collector_suspended(), \
-            generated_code_released(), source_lines_released(), collection_paused():
+            generated_code_released(), source_lines_released(), collection_paused(), quiet_stdout():
         try:
             return _extract(module, args, kwargs, options=options, path=path, on_extraction=on_extraction,
                             child_dispatcher=child_dispatcher, watch=watch)

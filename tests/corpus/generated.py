@@ -75,7 +75,7 @@ GLOBAL_READS = ("table", "queue", "keyword")
 #: where a ``"log"`` statement appends: a list nested in a list, a dict, a tuple or a
 #: ``SimpleNamespace`` the root holds (state reached inside an attribute, see nnbridge.guards.reached_state)
 LOGS = {"list": ("[[]]", "[0]"), "dict": ("{'h': []}", "['h']"), "tuple": ("([], 0)", "[0]"),
-        "namespace": ("types.SimpleNamespace(items=[])", ".items")}
+        "namespace": ("types.SimpleNamespace(items=[])", ".items"), "print": ("", "")}
 #: edits of plain objects (not modules): issue 48 item 2
 PLAIN_EDITS = ("hp_attr", "hp_replace", "nested_attr", "act_attr", "act_replace", "k_replace", "vector_write",
                "vector_replace", "outside_write", "outside_replace", "array_write", "table_write", "queue_write",
@@ -124,7 +124,7 @@ class Stmt:
     ``"read"`` (``style`` one of :data:`READS` applied to ``args[0]``), ``"buffer"``, ``"nograd"``
     (``call`` in a no_grad region), ``"dropout"``, ``"counter"``, ``"log"`` (appends the batch size
     to a list nested in a root attribute, :data:`LOGS` ``style``, then ``args[0]``, times the
-    list's length for ``"list"`` and ``"dict"``), ``"add"``, ``"registry"`` (edits
+    list's length for ``"list"`` and ``"dict"``; ``"print"``: prints its batch size and sum), ``"add"``, ``"registry"`` (edits
     child ``child``'s registry by ``style``, one of :data:`REGISTRY_EDITS`, entry ``entry`` for
     ``"swap"``, from spares of block class :meth:`Program.spare_class`; then ``args[0]`` times the
     number of the root's children, or of the list's entries)."""
@@ -327,6 +327,9 @@ def _root_source(program: Program) -> tuple[str, bool]:
         elif stmt.kind == "counter":
             counter = True
             body += ["self.calls += 1", f"{new} = {args[0]} * self.calls"]
+        elif stmt.kind == "log" and stmt.style == "print":  # output: the harness compares each call's stdout
+            body += [f"print('h{n}', {args[0]}.shape[0], round(float({args[0]}.detach().sum()), 3))",
+                     f"{new} = {args[0]}"]
         elif stmt.kind == "log":
             made, reach = LOGS[stmt.style]
             init.append(f"self.log{n} = {made}")
@@ -421,7 +424,8 @@ def render(program: Program, name: str | None = None, doc: str = "") -> str:
     opening = "" if cache is None else f"    cache = new_cache({cache.blocks[0]}, sliding={bool(cache.blocks[2])})\n"
     parts.append("def script():\n" + opening + "    return [\n" + "".join(f"        {s},\n" for s in script) + "    ]")
     watched = ["m.calls"] * counter + ["m.__dict__.get('seen')"] * any(s.kind == "direct" for s in program.script)
-    watched += [f"list(m.log{n}{LOGS[s.style][1]})" for n, s in enumerate(program.stmts, start=1) if s.kind == "log"]
+    watched += [f"list(m.log{n}{LOGS[s.style][1]})" for n, s in enumerate(program.stmts, start=1)
+                if s.kind == "log" and s.style != "print"]
     attrs = f", attrs=lambda m: {watched[0]}" if len(watched) == 1 else \
         f", attrs=lambda m: ({', '.join(watched)})" if watched else ""
     parts.append(f"ENTRIES = [Entry({name!r}, Root, script, item=48, modes={program.modes!r}{attrs})]")

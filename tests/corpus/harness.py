@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ class Run:
         self.outputs: list[Any] = []
         self.input_grads: list[torch.Tensor | None] = []
         self.rng: torch.Tensor | None = None
+        self.printed: list[str] = []  # what each call wrote to stdout
 
 
 def _backward(out: Any) -> None:
@@ -158,12 +160,14 @@ def _run(model: torch.nn.Module, steps: list[Call | Edit], setup: Callable[[Call
                 # torch's note on a module returning a dict: its full backward hooks do not fire, in
                 # eager as in a bridged model (HookLog's hooks)
                 warnings.filterwarnings("ignore", "For backward hooks to be called", UserWarning)
+            printed = stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
             try:
                 out = call(step)
             finally:
                 if log is not None:
                     log.on = False
         run.outputs.append(out)
+        run.printed.append(printed.getvalue())
         if step.grad:
             _backward(out)
     for step in steps:
@@ -300,6 +304,9 @@ def _diff(entry: Entry, ref: torch.nn.Module, model: torch.nn.Module, eager: Run
             _diff_tree(f"{kind[:-1]} {name}", exp[name].detach(), act[name].detach(), problems)
             if kind == "parameters":
                 _diff_tree(f"grad of {name}", exp[name].grad, act[name].grad, problems)
+    for i, (e, a) in enumerate(zip(eager.printed, other.printed)):
+        if e != a:
+            problems.append(f"call {i} printed {a!r}, eager {e!r}")
     if not torch.equal(eager.rng, other.rng):
         problems.append("RNG state after the script differs from eager")
     if entry.attrs is not None:

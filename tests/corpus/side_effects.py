@@ -1,4 +1,5 @@
-"""Issue 9 item 11: Python side effects in forward must happen once per call, as in eager."""
+"""Issue 9 item 11: Python side effects in forward must happen once per call, as in eager (the
+harness compares each call's stdout too)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,19 @@ class ChildCounter(nn.Module):
         return self.inner(self.inner(x))
 
 
+class Printing(nn.Module):
+    """Prints what it computes (a debugging print left in forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        print("h", tuple(h.shape), round(float(h.detach().sum()), 3))
+        return h.relu()
+
+
 def _x():
     return torch.randn(2, 4)
 
@@ -66,6 +80,7 @@ ENTRIES = [
           attrs=lambda m: m.calls),
     Entry("side_effect_cached_tensor", Cache, calls(lambda: (_x(),), lambda: (_x(),)), item=11,
           attrs=lambda m: m.last),
+    Entry("side_effect_print", Printing, calls(lambda: (_x(),), lambda: (torch.randn(3, 4),)), item=11),
     Entry("side_effect_child_counter", ChildCounter, calls(lambda: (_x(),), lambda: (_x(),)), item=11,
           attrs=lambda m: m.inner.calls),
 ]

@@ -61,7 +61,7 @@ def _log_once(message: str) -> None:
 
 @contextlib.contextmanager
 def _written():
-    """``[stdout, warnings, log records]`` written in the body."""
+    """``[stdout, warnings (nnbridge's own left out), log records]`` written in the body."""
     stdout, records = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(records)
     log.addHandler(handler)
@@ -73,7 +73,7 @@ def _written():
             yield got
     finally:
         log.removeHandler(handler)
-    got.extend([stdout.getvalue(), [str(w.message) for w in shown if "inner" in str(w.message)], records.getvalue()])
+    got.extend([stdout.getvalue(), [str(w.message) for w in shown if not issubclass(w.category, nnbridge.NNBridgeWarning)], records.getvalue()])
 
 
 REPEATED = ["print", "sys.stdout.write", "warning", "log record"]
@@ -119,5 +119,23 @@ def test_output_eager_would_not_write_again_leaves_a_graph(how):
             expected = reference(x)
         assert torch.equal(out, expected) and mine == theirs
         assert not nnbridge.explain(model).opaque
+    finally:
+        nnbridge.unbridge(model)
+
+
+def test_extractions_own_runs_print_nothing_and_the_first_lazy_call_prints_once():
+    torch.manual_seed(0)
+    model = Outer(Writes("print"))
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    with _written() as bridging:
+        nnbridge.bridge(model)
+    try:
+        with _written() as mine:
+            out = model(x)  # extracts, then runs
+        with _written() as theirs:
+            expected = reference(x)
+        assert torch.equal(out, expected)
+        assert bridging[0] == "" and mine == theirs and theirs[0].count("norm") == 1
     finally:
         nnbridge.unbridge(model)
