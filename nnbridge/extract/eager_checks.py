@@ -155,6 +155,8 @@ class EagerFindings(NamedTuple):
         argument_writes: paths of the modules (the root ``""`` included) that write into a
             container their call was passed, and of the callers it passed through
             (:mod:`.argument_writes`, :data:`ARGUMENT_WRITE_REASON`).
+        storage_reads: paths of the modules (the root ``""`` included) whose code names where a
+            tensor lies in memory (:data:`STORAGE_READ_REASON`).
         printing: paths of the modules (the root ``""`` included) whose code prints, writes to a
             stream, shows a warning or hands a log record to handlers (:data:`OUTPUT_REASON`, see
             :mod:`nnbridge.compat.output`).
@@ -171,6 +173,7 @@ class EagerFindings(NamedTuple):
     seeding: list[str] = []
     state_reads: list[str] = []
     argument_writes: list[str] = []
+    storage_reads: list[str] = []
     printing: list[str] = []
     output: tuple[Any, ...] = ()
 
@@ -193,6 +196,10 @@ SEEDING_REASON = ("sets the state of a torch random generator in forward (torch.
 ARGUMENT_WRITE_REASON = ("writes into a list, dict or set it was passed in forward, or passes one to a module that does"
                          " (acts.append(h), store['h'] = h): a graph rebuilds its arguments' containers and would"
                          " write into its own copies")
+#: the reason of a module whose code names where a tensor lies in memory (found by :func:`eager_findings`)
+STORAGE_READ_REASON = ("reads where a tensor lies in memory in forward (storage_offset, data_ptr, untyped_storage,"
+                       " is_shared, _version), which no call structure records: a graph would keep what they were"
+                       " while it was extracted")
 #: the reason of a module whose code writes output (found by :func:`eager_findings`)
 OUTPUT_REASON = ("writes output in forward (print, a write to sys.stdout or a file, a shown warning, a handled log"
                  " record): a graph would not repeat it")
@@ -243,6 +250,7 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     seeding: dict[str, None] = {}
     state_reads: dict[str, None] = {}
     printing: dict[str, None] = {}
+    storage_reads: dict[str, None] = {}
     writes = ArgumentWrites()
 
     def touched(tensor: torch.Tensor) -> None:
@@ -276,11 +284,12 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     watches = (grad_mode_changes(marker(grad_mode), on_enable=read), mask_skips_seen(skipped), data_accesses(touched),
                grad_mode_reads(read, on_unwatched=lambda: unwatched.append(True), on_autograd=marker(autograd_reads),
                                on_seeding=marker(seeding), on_query=marker(state_reads),
-                               on_output=marker(printing)))
+                               on_output=marker(printing), on_storage=marker(storage_reads)))
     output: list[Any] = []
     if not _run_with_call_stack(module, args, kwargs, grad_enabled=grad_enabled, active=active, watches=watches,
                                 entering=entering, leaving=lambda: writes.leaving(active), output=output):
         return EagerFindings([], [])
     return EagerFindings(list(grad_mode), list(mask_skips), list(capturing), list(fast_paths.items()),
                          list(data_access), None if unwatched else list(grad_reads), list(autograd_reads),
-                         list(seeding), list(state_reads), list(writes.writers), list(printing), tuple(output))
+                         list(seeding), list(state_reads), list(writes.writers), list(storage_reads), list(printing),
+                         tuple(output))

@@ -23,7 +23,8 @@ state no call structure records and no graph registers; and calls that set a ``t
 state (``torch.manual_seed``, ``torch.set_rng_state``); and reads of process-wide state a graph
 keeps as it was read: calls of :data:`STATE_QUERIES` (``torch.get_num_threads()``), and of torch's
 built-in flag getters (:func:`_flag_read`: ``torch.is_anomaly_enabled()``,
-``torch.backends.cudnn.enabled``).
+``torch.backends.cudnn.enabled``); code outside torch naming where a tensor lies in memory
+(:data:`STORAGE_ATTRIBUTES`: ``x.storage_offset()``); and output (:mod:`nnbridge.compat.output`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ GRAD_ATTRIBUTES = frozenset({"requires_grad", "grad_fn", "is_leaf"})
 #: a gradient hook set in forward would never run).
 AUTOGRAD_ATTRIBUTES = frozenset({"grad", "grad_fn", "is_leaf", "retains_grad", "register_hook", "retain_grad",
                                  "register_post_accumulate_grad_hook"})
+#: Names of where a tensor lies in memory, which no call structure records (it holds shapes,
+#: strides, dtypes, devices and which inputs alias): a view's ``storage_offset()``, its storage
+#: (``untyped_storage``, ``data_ptr``, ``is_shared``) and its version counter (``_version``).
+STORAGE_ATTRIBUTES = frozenset({"storage_offset", "untyped_storage", "data_ptr", "is_shared", "_version"})
 #: Methods of ``torch.Generator`` that set its state (``torch.manual_seed`` and
 #: ``torch.set_rng_state`` call them on the default generator).
 SEEDING_METHODS = frozenset({"manual_seed", "seed", "set_state", "set_offset", "graphsafe_set_state"})
@@ -122,7 +127,8 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
                     on_autograd: Callable[[], None] = lambda: None,
                     on_seeding: Callable[[], None] = lambda: None,
                     on_query: Callable[[], None] = lambda: None,
-                    on_output: Callable[[], None] = lambda: None) -> Iterator[None]:
+                    on_output: Callable[[], None] = lambda: None,
+                    on_storage: Callable[[], None] = lambda: None) -> Iterator[None]:
     """Call ``on_read()`` each time code run in the body, in the thread that entered it, reads
     grad mode (see the module docstring): a call of ``torch.is_grad_enabled``, or the entry into a
     function outside torch whose code names ``requires_grad``, ``grad_fn`` or ``is_leaf``.
@@ -134,7 +140,9 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
     included: a graph draws from the generator without setting it), and ``on_query()`` on each call
     of one of :data:`STATE_QUERIES` and each flag read (:func:`_flag_read`), and ``on_output()``
     on each print, stream write, shown warning or handled log record of code outside nnbridge
-    (:class:`~nnbridge.compat.output.OutputWatch`: a graph would not repeat it).
+    (:class:`~nnbridge.compat.output.OutputWatch`: a graph would not repeat it), and
+    ``on_storage()`` on the entry into a function outside torch whose code names one of
+    :data:`STORAGE_ATTRIBUTES`.
 
     When another profile function is set in this thread (``cProfile``, a debugger), it is left in
     place, nothing is watched, and ``on_unwatched()`` is called once on entry."""
@@ -143,7 +151,7 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
         yield
         return
     calls: dict[types.CodeType, bool] = {}
-    names: dict[types.CodeType, tuple[bool, bool]] = {}
+    names: dict[types.CodeType, tuple[bool, bool, bool]] = {}
     output = OutputWatch(_OWN)
 
     def profile(frame: types.FrameType, event: str, arg: Any) -> None:
@@ -164,11 +172,14 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
             if named is None:
                 counted = not code.co_filename.startswith(_NAMES_NOT_COUNTED)
                 named = names[code] = (counted and not GRAD_ATTRIBUTES.isdisjoint(code.co_names),
-                                       counted and not AUTOGRAD_ATTRIBUTES.isdisjoint(code.co_names))
+                                       counted and not AUTOGRAD_ATTRIBUTES.isdisjoint(code.co_names),
+                                       counted and not STORAGE_ATTRIBUTES.isdisjoint(code.co_names))
             if named[0]:
                 on_read()
             if named[1]:
                 on_autograd()
+            if named[2]:
+                on_storage()
 
     sys.setprofile(profile)
     try:
