@@ -19,26 +19,13 @@ from torch.utils import _pytree as pytree
 import transformers
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from fixtures import FIXTURES  # noqa: F401 (tests import it from here)
 from fixtures.data_dependent_module import DataDependentModule
 import nnbridge
 from nnbridge import CompiledGraphModule, ExtractionOptions, FallbackWarning, NNBridgeWarning, PatchableGraph
 from nnbridge.graph.metadata import node_meta
 
 REPO = Path(__file__).resolve().parents[1]
-
-FIXTURES = [
-    "tuple_output_module.TupleOutputModule",
-    "minimal_module.MinimalModule",
-    "nested_module.NestedModule",
-    "container_module.ContainerModule",
-    "buffer_module.BufferModule",
-    "attribute_module.AttributeModule",
-    "unused_submodule.UnusedSubmoduleModule",
-    "varargs_module.VarargsModule",
-    "layer_norm_module.LayerNormModule",
-    "data_dependent_module.DataDependentModule",
-    "protected_names_module.ProtectedNamesModule",
-]
 
 
 # -- transformers versions: 5.24 renamed ``past_key_values`` to ``cache`` and dropped ``@torch.no_grad``

@@ -12,21 +12,9 @@ from typing import Any
 
 import torch
 
-from . import Call, Entry
+from fixtures import FIXTURES
 
-FIXTURES = (
-    "tuple_output_module.TupleOutputModule",
-    "minimal_module.MinimalModule",
-    "nested_module.NestedModule",
-    "container_module.ContainerModule",
-    "buffer_module.BufferModule",
-    "attribute_module.AttributeModule",
-    "unused_submodule.UnusedSubmoduleModule",
-    "varargs_module.VarargsModule",
-    "layer_norm_module.LayerNormModule",
-    "data_dependent_module.DataDependentModule",
-    "protected_names_module.ProtectedNamesModule",
-)
+from . import Call, Entry
 
 
 def _fixture(name: str) -> Any:
