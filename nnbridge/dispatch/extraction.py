@@ -38,7 +38,8 @@ from ..guards.preservation import preserved_state
 from ..extract.cleanup import input_prologue
 from ..extract.capture_watch import GRAD_MODE_REASON, UnfaithfulCaptureError
 from ..extract.eager_checks import (ARGUMENT_WRITE_REASON, AUTOGRAD_READ_REASON, DATA_ACCESS_REASON, MASK_SKIP_FIX,
-                                    OUTPUT_REASON, SEEDING_REASON, STATE_READ_REASON, STORAGE_READ_REASON,
+                                    OUTPUT_REASON, REPLACED_REASON, SEEDING_REASON, STATE_READ_REASON,
+                                    STORAGE_READ_REASON,
                                     eager_findings, mask_skip_reason)
 from ..extract.context import ChildDispatcherFactory, Extraction, ExtractionContext, describe_failure
 from ..extract.custom_functions import CUSTOM_FIX, CustomFunctionFailed, custom_graph
@@ -702,7 +703,7 @@ def _eager_stubs(ctx: ExtractionContext, module: torch.nn.Module, args: tuple[An
     for fqns, reason in ((found.data_access, DATA_ACCESS_REASON), (found.autograd_reads, AUTOGRAD_READ_REASON),
                          (found.seeding, SEEDING_REASON), (found.state_reads, STATE_READ_REASON),
                          (found.argument_writes, ARGUMENT_WRITE_REASON), (found.printing, OUTPUT_REASON),
-                         (found.storage_reads, STORAGE_READ_REASON)):
+                         (found.storage_reads, STORAGE_READ_REASON), (found.replaced, REPLACED_REASON)):
         for fqn in fqns:
             error = UnfaithfulCaptureError(reason)
             if fqn == "":

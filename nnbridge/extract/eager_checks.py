@@ -157,6 +157,8 @@ class EagerFindings(NamedTuple):
             (:mod:`.argument_writes`, :data:`ARGUMENT_WRITE_REASON`).
         storage_reads: paths of the modules (the root ``""`` included) whose code names where a
             tensor lies in memory (:data:`STORAGE_READ_REASON`).
+        replaced: paths of the modules (the root ``""`` included) whose code calls a torch function
+            whose module global was replaced (:data:`REPLACED_REASON`).
         printing: paths of the modules (the root ``""`` included) whose code prints, writes to a
             stream, shows a warning or hands a log record to handlers (:data:`OUTPUT_REASON`, see
             :mod:`nnbridge.compat.output`).
@@ -174,6 +176,7 @@ class EagerFindings(NamedTuple):
     state_reads: list[str] = []
     argument_writes: list[str] = []
     storage_reads: list[str] = []
+    replaced: list[str] = []
     printing: list[str] = []
     output: tuple[Any, ...] = ()
 
@@ -200,6 +203,11 @@ ARGUMENT_WRITE_REASON = ("writes into a list, dict or set it was passed in forwa
 STORAGE_READ_REASON = ("reads where a tensor lies in memory in forward (storage_offset, data_ptr, untyped_storage,"
                        " is_shared, _version), which no call structure records: a graph would keep what they were"
                        " while it was extracted")
+#: the reason of a module whose code calls a torch function through a replacement of its global
+#: (found by :func:`eager_findings`)
+REPLACED_REASON = ("calls a torch function whose global in its module was replaced (F.softmax = wrapper): the"
+                   " original hands the replacement to __torch_function__ by that name, and torch.export traces"
+                   " the wrapper once per torch-function mode, so a graph would repeat its ops")
 #: the reason of a module whose code writes output (found by :func:`eager_findings`)
 OUTPUT_REASON = ("writes output in forward (print, a write to sys.stdout or a file, a shown warning, a handled log"
                  " record): a graph would not repeat it")
@@ -251,6 +259,7 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     state_reads: dict[str, None] = {}
     printing: dict[str, None] = {}
     storage_reads: dict[str, None] = {}
+    replaced: dict[str, None] = {}
     writes = ArgumentWrites()
 
     def touched(tensor: torch.Tensor) -> None:
@@ -275,21 +284,29 @@ def eager_findings(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
     def skipped() -> None:
         mask_skips.setdefault(active[-1] if active else "")
 
-    def marker(found: dict[str, None]) -> Callable[[], None]:
+    def marker(found: dict[str, None], *, stubbed: bool = False) -> Callable[[], None]:
         def mark() -> None:  # (what runs outside every module is the run's own machinery)
             if active:
-                found.setdefault(active[-1])
+                depth = len(active) - 1
+                # a module to run eagerly that was called with a stateful argument (a cache): its
+                # caller runs eagerly instead, as for ``capturing`` (a stub cannot write its state)
+                while stubbed and depth > 0 and active[depth] in stateful:
+                    depth -= 1
+                found.setdefault(active[depth])
         return mark
+
+    def stub(found: dict[str, None]) -> Callable[[], None]:
+        return marker(found, stubbed=True)
     read = marker(grad_reads)
     watches = (grad_mode_changes(marker(grad_mode), on_enable=read), mask_skips_seen(skipped), data_accesses(touched),
-               grad_mode_reads(read, on_unwatched=lambda: unwatched.append(True), on_autograd=marker(autograd_reads),
-                               on_seeding=marker(seeding), on_query=marker(state_reads),
-                               on_output=marker(printing), on_storage=marker(storage_reads)))
+               grad_mode_reads(read, on_unwatched=lambda: unwatched.append(True), on_autograd=stub(autograd_reads),
+                               on_seeding=stub(seeding), on_query=stub(state_reads), on_output=stub(printing),
+                               on_storage=stub(storage_reads), on_replaced=stub(replaced)))
     output: list[Any] = []
     if not _run_with_call_stack(module, args, kwargs, grad_enabled=grad_enabled, active=active, watches=watches,
                                 entering=entering, leaving=lambda: writes.leaving(active), output=output):
         return EagerFindings([], [])
     return EagerFindings(list(grad_mode), list(mask_skips), list(capturing), list(fast_paths.items()),
                          list(data_access), None if unwatched else list(grad_reads), list(autograd_reads),
-                         list(seeding), list(state_reads), list(writes.writers), list(storage_reads), list(printing),
+                         list(seeding), list(state_reads), list(writes.writers), list(storage_reads), list(replaced), list(printing),
                          tuple(output))

@@ -51,7 +51,6 @@ from .code_objects import (
     global_names,
     holds_code,
     identity_text,
-    own_module,
     plumbing_code,
     string_constants,
     variable_names,
@@ -106,9 +105,10 @@ class CodeWalk:
         #: objects) that code may read, to follow once the names code reads are known
         #: (:func:`~.held_objects.follow_held`)
         self.objects: list[tuple[str, Any, Any, Any]] = []
-        #: modules of the user's code the code reads (``settings`` of ``settings.SCALE``): their
-        #: globals are read once code reads their names (:func:`~.held_objects.follow_held`)
-        self.modules: list[types.ModuleType] = []
+        #: modules the code reads (``settings`` of ``settings.SCALE``, ``F`` of ``F.silu``), by
+        #: ``id``: their globals are read once code reads their names
+        #: (:func:`~.held_objects.follow_held`)
+        self.modules: dict[int, types.ModuleType] = {}
 
     def first_visit(self, value: Any) -> bool:
         if id(value) in self.seen:
@@ -240,10 +240,10 @@ class CodeWalk:
             binding = (f"{module}.{name}", namespace, name, namespace[name])
             if not self.read_value(binding, found):
                 self.identity(binding)
-                if own_module(binding[3]):
-                    # a module of the user's code (``import settings``; ``settings.SCALE``): the
-                    # globals of it the code reads, once the names it reads are known
-                    self.modules.append(binding[3])
+                if isinstance(binding[3], types.ModuleType):
+                    # a module (``import settings``; ``settings.SCALE``; ``F.silu``): the globals
+                    # of it the code reads, once the names it reads are known
+                    self.modules.setdefault(id(binding[3]), binding[3])
 
     def identity(self, binding: Binding) -> None:
         """``binding``'s value by identity (a logger, a lock, a module, a built-in function such as

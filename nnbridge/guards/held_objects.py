@@ -43,6 +43,7 @@ from .code_objects import (
     PLAIN_READ_TYPES,
     data_container,
     is_plumbing,
+    own_module,
     wrapper_of,
 )
 from .code_walk import CodeWalk
@@ -122,6 +123,22 @@ def _config_data(name: str, value: Any) -> bool:
         data_container(value) and not plain_value(value, tensors=True))
 
 
+def _library_global(walk: CodeWalk, module: types.ModuleType, name: str) -> None:
+    """A public callable or module of a library's module (torch's, the standard library's, an
+    installed package's) the code reads through it, by identity: ``torch.nn.functional.silu``
+    read as ``F.silu`` and replaced after bridging (a wrapper that records or scales attention)
+    is a change; a module read so (``torch.nn`` of ``torch.nn.functional``) is followed in turn.
+    Private names are left out (nnbridge's own tracing patches some while it extracts), as is data
+    (a library's constants and tables)."""
+    value = vars(module)[name]
+    if name.startswith("_") or not (isinstance(value, types.ModuleType) or callable(value)):
+        return
+    binding = (f"{module.__name__}.{name}", vars(module), name, value)
+    walk.identity(binding)
+    if isinstance(value, types.ModuleType):
+        walk.modules.setdefault(id(value), value)
+
+
 def follow_held(walk: CodeWalk) -> None:
     """Follow the objects modules hold (``walk.objects``, see :func:`held_object`) through the
     attribute names the code reached reads, to a fixed point: each object read is a binding by
@@ -141,13 +158,16 @@ def follow_held(walk: CodeWalk) -> None:
                  if (id(item[1]), item[2]) not in done and (item[2] in walk.names or type(item[2]) is not str)]
         # the globals of the user's modules the code reads through them (``settings.SCALE``), read
         # as a function's globals are (:meth:`~.code_walk.CodeWalk.read_global`)
-        globals_read = [(module, name) for module in walk.modules for name in list(vars(module))
+        globals_read = [(module, name) for module in list(walk.modules.values()) for name in list(vars(module))
                         if name in walk.names and (id(module), name) not in done]
         for module, name in globals_read:
             done.add((id(module), name))
-            reached: list[Any] = []
-            walk.read_global(vars(module), name, module=module.__name__, found=reached)
-            walk.todo.extend(reversed(reached))
+            if own_module(module):
+                reached: list[Any] = []
+                walk.read_global(vars(module), name, module=module.__name__, found=reached)
+                walk.todo.extend(reversed(reached))
+            else:
+                _library_global(walk, module, name)
         walk.run()
         if not ready and not globals_read:
             break

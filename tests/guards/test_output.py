@@ -23,7 +23,7 @@ from torch import nn
 
 import nnbridge
 from nnbridge import PatchableGraph
-from utils import Outer
+from utils import Outer, llama
 
 log = logging.getLogger("nnbridge-tests.output")
 
@@ -139,3 +139,31 @@ def test_extractions_own_runs_print_nothing_and_the_first_lazy_call_prints_once(
         assert bridging[0] == "" and mine == theirs and theirs[0].count("norm") == 1
     finally:
         nnbridge.unbridge(model)
+
+
+def test_a_llama_attention_that_prints_runs_its_layer_eagerly_and_prints_once_a_call(monkeypatch):
+    """The attention is called with the cache: it cannot be a stub in its layer's graph, so the
+    layer runs eagerly (before, calling the bridged model raised a TypeError from the stub)."""
+    from transformers.models.llama import modeling_llama
+    original = modeling_llama.eager_attention_forward
+
+    def printing(*args, **kwargs):
+        print("attention")
+        return original(*args, **kwargs)
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward", printing)
+    model = llama()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(1, 100, (1, 6))
+    with torch.no_grad():
+        with _written():
+            nnbridge.bridge(model, ids)
+        try:
+            with _written() as mine:
+                out = model(ids).logits
+            with _written() as theirs:
+                expected = reference(ids).logits
+            opaque = nnbridge.explain(model).opaque
+        finally:
+            nnbridge.unbridge(model)
+    assert torch.equal(out, expected) and mine == theirs and theirs[0] == "attention\n" * 2
+    assert "model.layers_0" in opaque and "model.layers_0.mlp" not in opaque

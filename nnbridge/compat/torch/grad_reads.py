@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ..output import OutputWatch
+from .self_dispatch import replaced_dispatch
 
 
 def _prefixes(*paths: Path, folder: bool) -> tuple[str, ...]:
@@ -128,7 +129,8 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
                     on_seeding: Callable[[], None] = lambda: None,
                     on_query: Callable[[], None] = lambda: None,
                     on_output: Callable[[], None] = lambda: None,
-                    on_storage: Callable[[], None] = lambda: None) -> Iterator[None]:
+                    on_storage: Callable[[], None] = lambda: None,
+                    on_replaced: Callable[[], None] = lambda: None) -> Iterator[None]:
     """Call ``on_read()`` each time code run in the body, in the thread that entered it, reads
     grad mode (see the module docstring): a call of ``torch.is_grad_enabled``, or the entry into a
     function outside torch whose code names ``requires_grad``, ``grad_fn`` or ``is_leaf``.
@@ -142,7 +144,9 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
     on each print, stream write, shown warning or handled log record of code outside nnbridge
     (:class:`~nnbridge.compat.output.OutputWatch`: a graph would not repeat it), and
     ``on_storage()`` on the entry into a function outside torch whose code names one of
-    :data:`STORAGE_ATTRIBUTES`.
+    :data:`STORAGE_ATTRIBUTES`, and ``on_replaced()`` on the entry into a torch function whose
+    module's global of its name holds a replacement (:mod:`.self_dispatch`: export would trace the
+    replacement once per torch-function mode).
 
     When another profile function is set in this thread (``cProfile``, a debugger), it is left in
     place, nothing is watched, and ``on_unwatched()`` is called once on entry."""
@@ -168,6 +172,8 @@ def grad_mode_reads(on_read: Callable[[], None], *, on_unwatched: Callable[[], N
             code = frame.f_code
             if code in _QUERY_CODES:
                 on_query()
+            if replaced_dispatch(frame) is not None:
+                on_replaced()
             named = names.get(code)
             if named is None:
                 counted = not code.co_filename.startswith(_NAMES_NOT_COUNTED)
