@@ -44,6 +44,7 @@ from .code_objects import (
     data_container,
     is_plumbing,
     own_module,
+    versioned,
     wrapper_of,
 )
 from .code_walk import CodeWalk
@@ -123,15 +124,21 @@ def _config_data(name: str, value: Any) -> bool:
         data_container(value) and not plain_value(value, tensors=True))
 
 
+def _standard_library(module: types.ModuleType) -> bool:
+    return versioned(module.__name__) and module.__name__.split(".")[0] != "torch"
+
+
 def _library_global(walk: CodeWalk, module: types.ModuleType, name: str) -> None:
-    """A public callable or module of a library's module (torch's, the standard library's, an
-    installed package's) the code reads through it, by identity: ``torch.nn.functional.silu``
-    read as ``F.silu`` and replaced after bridging (a wrapper that records or scales attention)
-    is a change; a module read so (``torch.nn`` of ``torch.nn.functional``) is followed in turn.
-    Private names are left out (nnbridge's own tracing patches some while it extracts), as is data
-    (a library's constants and tables)."""
+    """A public callable or module of a library's module (torch's, an installed package's) the
+    code reads through it, by identity: ``torch.nn.functional.silu`` read as ``F.silu`` and
+    replaced after bridging (a wrapper that records or scales attention) is a change; a module
+    read so (``torch.nn`` of ``torch.nn.functional``) is followed in turn. Private names are left
+    out (nnbridge's own tracing patches some while it extracts), as are data (a library's
+    constants and tables) and the standard library's modules (``os.path``, ``importlib``: read by
+    transformers' checks of what is installed, not what a model computes with)."""
     value = vars(module)[name]
-    if name.startswith("_") or not (isinstance(value, types.ModuleType) or callable(value)):
+    if name.startswith("_") or not (isinstance(value, types.ModuleType) or callable(value)) \
+            or _standard_library(module):
         return
     binding = (f"{module.__name__}.{name}", vars(module), name, value)
     walk.identity(binding)

@@ -87,3 +87,22 @@ def test_softmax_replaced_in_a_llama_with_a_cache_runs_its_callers_eagerly(monke
         finally:
             nnbridge.unbridge(model)
     assert "model.layers_0" in opaque and "model.layers_0.mlp" not in opaque
+
+
+def test_sdpa_replaced_after_bridging_a_llama_re_extracts_and_stays_a_graph(monkeypatch):
+    """The researcher's way to record attention: wrap ``F.scaled_dot_product_attention`` (a
+    built-in, which the wrapper calls; export traces the wrapper once)."""
+    model = llama(attn="sdpa")
+    reference = copy.deepcopy(model)
+    ids = torch.randint(1, 100, (1, 6))
+    with torch.no_grad():
+        nnbridge.bridge(model, ids)
+        try:
+            assert torch.equal(model(ids).logits, reference(ids).logits)
+            monkeypatch.setattr(F, "scaled_dot_product_attention", _scaled(F.scaled_dot_product_attention))
+            assert torch.equal(model(ids).logits, reference(ids).logits)
+            explained = nnbridge.explain(model)
+        finally:
+            nnbridge.unbridge(model)
+    assert not explained.opaque
+    assert "torch.nn.functional.scaled_dot_product_attention was replaced" in str(explained)
