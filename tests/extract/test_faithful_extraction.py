@@ -837,7 +837,9 @@ def test_a_module_reading_a_stride_or_storage_offset_runs_eagerly(case, front):
     reference = copy.deepcopy(model)
     x = make(4)
     run, reasons = _extracted(front, model, x)
-    assert list(reasons) == ["inner"] and case in reasons["inner"] and "unflatten" in reasons["inner"]
+    # (a storage offset's name in the code is found before exporting: tests/guards/test_storage_reads.py)
+    expected = ("storage_offset", "reads where a tensor lies") if case == "storage offset" else (case, "unflatten")
+    assert list(reasons) == ["inner"] and all(text in reasons["inner"] for text in expected)
     for call in (x, make(6)):
         out, expected = run(call), reference(call)
         assert torch.equal(out, expected)
