@@ -119,7 +119,7 @@ def identity_text(value: Any) -> str:
     a module by its name; a named callable (``torch.tanh``, ``math.sqrt``) by its module and
     qualified name; an object whose class defines ``__repr__`` (a logger, a lock, a torch module)
     by the sha256 of its ``repr``, memory addresses left out; an object of torch or the standard
-    library by its type (the context object ``torch._dynamo.disable`` keeps in a closure); anything
+    library by its type (a context object a torch decorator keeps in a closure); anything
     else by its type and identity (never the same in another process: a disk cache misses). The
     extraction cache serves the graphs of an equal digest, so a value assigned anew must change
     the text, whichever check saw it first."""
